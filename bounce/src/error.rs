@@ -1,0 +1,83 @@
+//! Errors of the bounce module.
+
+/// Everything that can go wrong when mapping, syncing or unmapping.
+///
+/// Variants carry the numbers that failed so a caller can log or count them.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// The pool has no run of free slots that satisfies the request (Linux: "swiotlb buffer is
+    /// full"). `size` is the allocation size in bytes including alignment padding.
+    #[error(
+        "bounce buffer is full (sz: {size} bytes), total {total} (slots), used {used} (slots)"
+    )]
+    PoolFull {
+        /// Requested allocation size in bytes, padding included.
+        size: usize,
+        /// Slots in the pool.
+        total: usize,
+        /// Slots in use when the request failed.
+        used: usize,
+    },
+    /// A zero-length mapping was requested.
+    #[error("zero-length DMA mapping")]
+    ZeroLength,
+    /// The mapping is larger than the largest mapping the pool can ever satisfy.
+    #[error("mapping of {size} bytes exceeds the maximum mapping size of {max} bytes")]
+    TooLarge {
+        /// Requested mapping size.
+        size: usize,
+        /// Largest possible mapping for these masks.
+        max: usize,
+    },
+    /// The masks cannot be satisfied by any slot of this pool.
+    #[error("unsatisfiable alignment: {reason}")]
+    BadAlignment {
+        /// What is wrong with the masks.
+        reason: &'static str,
+    },
+    /// `orig + size` overflows the address space.
+    #[error("original range {orig:#x}+{size:#x} overflows")]
+    Overflow {
+        /// Original address.
+        orig: u64,
+        /// Size.
+        size: usize,
+    },
+    /// The address is not the start of a live mapping of this pool (never mapped, already
+    /// unmapped, or not the address that map returned).
+    #[error("device address {addr:#x} is not a live mapping")]
+    NotMapped {
+        /// The device address given.
+        addr: u64,
+    },
+    /// A device range lies (partly) outside the pool or outside its mapping.
+    #[error("device range {addr:#x}+{len:#x} is outside the bounce pool")]
+    OutOfPool {
+        /// Device address.
+        addr: u64,
+        /// Length.
+        len: usize,
+    },
+    /// The original buffer is not (entirely) backed by memory.
+    #[error("original range {addr:#x}+{len:#x} is not accessible")]
+    OrigAccess {
+        /// Original address.
+        addr: u64,
+        /// Length.
+        len: usize,
+    },
+    /// The pool's memory could not be mapped.
+    #[error("cannot map {bytes} bytes of bounce memory: {reason}")]
+    PoolMemory {
+        /// Size asked for.
+        bytes: usize,
+        /// The system's reason.
+        reason: String,
+    },
+    /// A pool configuration that cannot be built.
+    #[error("invalid pool configuration: {0}")]
+    Config(String),
+}
+
+/// Result alias of this crate.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,575 @@
+//! The bounce pool: slot metadata, the copy rules, map/unmap/sync.
+//!
+//! This follows Linux `swiotlb_tbl_map_single`, `swiotlb_bounce`, `swiotlb_release_slots`,
+//! `__swiotlb_tbl_unmap_single` and the two sync calls, with checks added where Linux trusts its
+//! caller: an unmap of an address that is not a live mapping is refused instead of corrupting the
+//! free lists.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use vm_memory::{MmapRegion, VolatileMemory, VolatileSlice};
+
+use crate::alloc::{self, SlotAllocator, SlotRequest};
+use crate::error::{Error, Result};
+use crate::geometry::{Geometry, PoolConfig, PoolMode};
+use crate::orig::OrigMemory;
+use crate::stats::{Counters, PoolStats};
+use crate::types::{Direction, DmaAttrs, MapRequest};
+
+/// What map copies into the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CopyOnMap {
+    /// Copy the original in whatever the direction (Linux swiotlb since the 2022 info-leak
+    /// fix): a device that writes only part of a from-device buffer then neither exposes stale
+    /// pool bytes nor clobbers the unwritten part of the original on unmap.
+    Always,
+    /// Copy in only when the device reads the buffer (to-device, bidirectional) and the caller
+    /// did not ask to skip the CPU sync (VDUSE's bounce map).
+    WhenDeviceReads,
+}
+
+/// Marks "no original address" in slot metadata (Linux `INVALID_PHYS_ADDR`).
+const INVALID: u64 = u64::MAX;
+
+/// Per-slot metadata (Linux `struct io_tlb_slot`, minus `list`, which belongs to allocators).
+///
+/// A slot's metadata is written only by the map that owns the slot, before the device address is
+/// handed out, and reset by the unmap that releases it, before the slot returns to the
+/// allocator; the allocator's lock (or atomic) orders those writes against the next owner.
+#[derive(Debug)]
+struct SlotMeta {
+    /// Original address this slot shadows, or `INVALID`. Slot `i` of a mapping records
+    /// `orig + i * slot_size`, so a sync from the middle of a mapping finds its source.
+    orig: AtomicU64,
+    /// Bytes from this slot's start (less the in-slot offset) to the end of the allocation.
+    alloc_size: AtomicU64,
+    /// Padding slots before this one; valid only in the first non-padding slot.
+    pad_slots: AtomicU32,
+    /// In-slot offset of the mapping's data (`orig & min_align_mask & (slot_size - 1)`),
+    /// kept so sync and unmap need not be told the device's `min_align_mask`.
+    offset: AtomicU32,
+    /// Non-zero only in the first non-padding slot of a live mapping: the in-slot offset of
+    /// the device address that map returned, plus one. Unmap claims it with a compare-exchange,
+    /// so an address is released at most once.
+    head: AtomicU32,
+}
+
+impl SlotMeta {
+    fn new() -> Self {
+        Self {
+            orig: AtomicU64::new(INVALID),
+            alloc_size: AtomicU64::new(0),
+            pad_slots: AtomicU32::new(0),
+            offset: AtomicU32::new(0),
+            head: AtomicU32::new(0),
+        }
+    }
+}
+
+/// A live mapping: what [`BouncePool::map`] returns and [`BouncePool::unmap`] takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mapping {
+    /// Device address of the first byte.
+    pub dev_addr: u64,
+    /// Original address.
+    pub orig: u64,
+    /// Mapping size in bytes.
+    pub size: usize,
+    /// Direction.
+    pub dir: Direction,
+    /// Attributes.
+    pub attrs: DmaAttrs,
+    /// First slot of the allocation (padding included), for reports.
+    pub slot: usize,
+    /// Slots of the allocation.
+    pub nslots: usize,
+}
+
+/// A pool of bounce slots in one host mapping, usable from any thread.
+#[derive(Debug)]
+pub struct BouncePool {
+    geom: Geometry,
+    copy_on_map: CopyOnMap,
+    memory: MmapRegion,
+    meta: Box<[SlotMeta]>,
+    alloc: Arc<dyn SlotAllocator>,
+    counters: Counters,
+    created: Instant,
+    /// Milliseconds since `created` of the last "full" warning (rate limit).
+    last_full_warn_ms: AtomicU64,
+    /// Set once the "copy clamped" warning was logged.
+    clamp_warned: AtomicU32,
+}
+
+impl BouncePool {
+    /// Builds a pool: resolves the geometry, maps the memory (zeroed), builds the allocator.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a configuration that cannot be built, [`Error::PoolMemory`] when
+    /// the memory cannot be mapped.
+    pub fn new(config: &PoolConfig) -> Result<Self> {
+        let geom = config.geometry()?;
+        let alloc = alloc::build(config.allocator, &geom)?;
+        Self::with_allocator(geom, alloc, config.copy_on_map)
+    }
+
+    /// Builds a pool around an allocator made elsewhere (for experiments and tests).
+    ///
+    /// # Errors
+    /// As [`BouncePool::new`].
+    pub fn with_allocator(
+        geom: Geometry,
+        alloc: Arc<dyn SlotAllocator>,
+        copy_on_map: Option<CopyOnMap>,
+    ) -> Result<Self> {
+        let bytes = geom.bytes();
+        let memory = MmapRegion::new(bytes).map_err(|e| Error::PoolMemory {
+            bytes,
+            reason: e.to_string(),
+        })?;
+        let meta = (0..geom.nslabs).map(|_| SlotMeta::new()).collect();
+        Ok(Self {
+            geom,
+            copy_on_map: copy_on_map.unwrap_or(geom.mode.default_copy_on_map()),
+            memory,
+            meta,
+            alloc,
+            counters: Counters::default(),
+            created: Instant::now(),
+            last_full_warn_ms: AtomicU64::new(u64::MAX),
+            clamp_warned: AtomicU32::new(0),
+        })
+    }
+
+    /// The pool's geometry.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geom
+    }
+
+    /// The pool's allocator.
+    pub fn allocator(&self) -> &Arc<dyn SlotAllocator> {
+        &self.alloc
+    }
+
+    /// The copy rule on map.
+    pub fn copy_on_map(&self) -> CopyOnMap {
+        self.copy_on_map
+    }
+
+    /// The largest mapping this pool can ever satisfy for a device with `min_align_mask`
+    /// (Linux `swiotlb_max_mapping_size`: a segment, less the mask rounded up to a slot).
+    pub fn max_mapping_size(&self, min_align_mask: u64) -> usize {
+        let slot = self.geom.slot_size();
+        let min_align = if min_align_mask == 0 {
+            0
+        } else {
+            min_align_mask.div_ceil(slot).saturating_mul(slot)
+        };
+        let seg = (self.geom.segsize as u64) << self.geom.slot_shift;
+        usize::try_from(seg.saturating_sub(min_align)).unwrap_or(usize::MAX)
+    }
+
+    /// True when `addr..addr + len` lies inside the pool's device address range.
+    pub fn contains(&self, addr: u64, len: usize) -> bool {
+        addr >= self.geom.base
+            && (addr - self.geom.base)
+                .checked_add(len as u64)
+                .is_some_and(|end| end <= self.geom.bytes() as u64)
+    }
+
+    /// The pool memory behind device addresses `addr..addr + len`: what a device reads and
+    /// writes.
+    ///
+    /// # Errors
+    /// [`Error::OutOfPool`] when the range is not inside the pool.
+    pub fn device_slice(&self, addr: u64, len: usize) -> Result<VolatileSlice<'_>> {
+        if !self.contains(addr, len) {
+            return Err(Error::OutOfPool { addr, len });
+        }
+        let off = (addr - self.geom.base) as usize;
+        self.memory
+            .get_slice(off, len)
+            .map_err(|_| Error::OutOfPool { addr, len })
+    }
+
+    fn check_mask(mask: u64, what: &'static str) -> Result<()> {
+        // Linux's masks are always 2^k - 1; a mask with holes has no meaning for placement.
+        if mask & mask.wrapping_add(1) != 0 {
+            return Err(Error::BadAlignment { reason: what });
+        }
+        Ok(())
+    }
+
+    /// Maps an original buffer: allocates slots, records the metadata, copies in as the rules
+    /// say, and returns the mapping (Linux `swiotlb_tbl_map_single`).
+    ///
+    /// # Errors
+    /// [`Error::ZeroLength`], [`Error::Overflow`], [`Error::BadAlignment`] (masks not of the
+    /// form `2^k - 1`), [`Error::TooLarge`], [`Error::OrigAccess`] (the original range is not
+    /// accessible), [`Error::PoolFull`] (logged, rate-limited, unless `no_warn`).
+    pub fn map<M: OrigMemory + ?Sized>(&self, mem: &M, req: &MapRequest) -> Result<Mapping> {
+        let size = req.size;
+        if size == 0 {
+            return Err(Error::ZeroLength);
+        }
+        if req.orig.checked_add(size as u64).is_none() {
+            return Err(Error::Overflow {
+                orig: req.orig,
+                size,
+            });
+        }
+        Self::check_mask(
+            req.min_align_mask,
+            "min_align_mask is not of the form 2^k-1",
+        )?;
+        Self::check_mask(
+            req.alloc_align_mask,
+            "alloc_align_mask is not of the form 2^k-1",
+        )?;
+        Self::check_mask(
+            req.seg_boundary_mask,
+            "segment boundary mask is not of the form 2^k-1",
+        )?;
+        let slot = self.geom.slot_size();
+        if req.seg_boundary_mask < slot - 1 {
+            return Err(Error::BadAlignment {
+                reason: "segment boundary is smaller than a slot",
+            });
+        }
+        let max = self.max_mapping_size(req.min_align_mask);
+        // swiotlb_align_offset(dev, alloc_align_mask, orig)
+        let offset = req.orig & req.min_align_mask & (req.alloc_align_mask | (slot - 1));
+        let alloc_size = (size as u64 + offset)
+            .checked_next_multiple_of(req.alloc_align_mask.saturating_add(1))
+            .unwrap_or(u64::MAX);
+        let seg_bytes = (self.geom.segsize as u64) << self.geom.slot_shift;
+        if size > max || alloc_size > seg_bytes {
+            return Err(Error::TooLarge { size, max });
+        }
+        let copy_in = match self.copy_on_map {
+            CopyOnMap::Always => true,
+            CopyOnMap::WhenDeviceReads => req.dir.device_reads() && !req.attrs.skip_cpu_sync,
+        };
+        // Validate the whole original range before anything is allocated or copied.
+        if !mem.check(req.orig, size, req.dir.device_writes()) {
+            return Err(Error::OrigAccess {
+                addr: req.orig,
+                len: size,
+            });
+        }
+
+        let sreq = SlotRequest::new(
+            &self.geom,
+            req.orig,
+            alloc_size,
+            req.alloc_align_mask,
+            req.min_align_mask,
+            req.seg_boundary_mask,
+            req.worker,
+        );
+        let Some(index) = self.alloc.alloc(&sreq) else {
+            Counters::add(&self.counters.map_failures, 1);
+            let err = Error::PoolFull {
+                size: alloc_size as usize,
+                total: self.geom.nslabs,
+                used: self.counters.used.load(Ordering::Relaxed) as usize,
+            };
+            if !req.attrs.no_warn {
+                self.warn_full(&err);
+            }
+            return Err(err);
+        };
+        if !sreq.fits(&self.geom, index) {
+            // An allocator bug: never hand out a run that breaks the rules.
+            tracing::error!(
+                allocator = %self.alloc.kind(),
+                index,
+                nslots = sreq.nslots,
+                "allocator returned a run that breaks the placement rules"
+            );
+            self.alloc.free(index, sreq.nslots, req.worker);
+            return Err(Error::BadAlignment {
+                reason: "allocator returned a misplaced run",
+            });
+        }
+        let nslots = sreq.nslots;
+        self.counters.inc_used(nslots);
+
+        let pad_slots = (offset >> self.geom.slot_shift) as usize;
+        let in_slot = offset & (slot - 1);
+        for i in 0..nslots {
+            let m = &self.meta[index + i];
+            m.alloc_size.store(
+                alloc_size - (in_slot + ((i as u64) << self.geom.slot_shift)),
+                Ordering::Relaxed,
+            );
+            m.offset.store(in_slot as u32, Ordering::Relaxed);
+        }
+        let head = index + pad_slots;
+        self.meta[head]
+            .pad_slots
+            .store(pad_slots as u32, Ordering::Relaxed);
+        for i in 0..(nslots - pad_slots) {
+            self.meta[head + i].orig.store(
+                req.orig + ((i as u64) << self.geom.slot_shift),
+                Ordering::Relaxed,
+            );
+        }
+        self.meta[head]
+            .head
+            .store(in_slot as u32 + 1, Ordering::Release);
+        let dev_addr = self.geom.slot_addr(head) + in_slot;
+
+        if copy_in {
+            if let Err(e) = self.bounce(mem, dev_addr, size, Direction::ToDevice) {
+                // The original vanished between the check and the copy: give the slots back.
+                self.meta[head].head.store(0, Ordering::Relaxed);
+                self.release(index, nslots, req.worker);
+                return Err(e);
+            }
+        }
+        Counters::add(&self.counters.maps, 1);
+        Ok(Mapping {
+            dev_addr,
+            orig: req.orig,
+            size,
+            dir: req.dir,
+            attrs: req.attrs,
+            slot: index,
+            nslots,
+        })
+    }
+
+    fn warn_full(&self, err: &Error) {
+        let now = u64::try_from(self.created.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = self.last_full_warn_ms.load(Ordering::Relaxed);
+        let interval = Duration::from_secs(1).as_millis() as u64;
+        if (last == u64::MAX || now.saturating_sub(last) >= interval)
+            && self
+                .last_full_warn_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(allocator = %self.alloc.kind(), "{err}");
+        }
+    }
+
+    /// Copies between the original and the pool for device addresses `addr..addr + size`
+    /// (Linux `swiotlb_bounce`): `ToDevice` copies original -> pool, anything else pool ->
+    /// original. The source is found through the metadata of the slot `addr` falls in, so any
+    /// sub-range of a mapping works; a copy running past the allocation is clamped (and logged
+    /// once).
+    fn bounce<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        addr: u64,
+        size: usize,
+        dir: Direction,
+    ) -> Result<()> {
+        if !self.contains(addr, size) {
+            return Err(Error::OutOfPool { addr, len: size });
+        }
+        let index = ((addr - self.geom.base) >> self.geom.slot_shift) as usize;
+        let m = &self.meta[index];
+        let orig = m.orig.load(Ordering::Relaxed);
+        if orig == INVALID {
+            return Err(Error::NotMapped { addr });
+        }
+        let alloc_size = m.alloc_size.load(Ordering::Relaxed);
+        // May be negative: addr can point into the first `offset` bytes of a later slot.
+        let tlb_offset = (addr & (self.geom.slot_size() - 1)) as i64
+            - i64::from(m.offset.load(Ordering::Relaxed));
+        let orig = orig.wrapping_add(tlb_offset as u64);
+        let avail = (alloc_size as i64).saturating_sub(tlb_offset).max(0) as u64;
+        let mut size = size;
+        if size as u64 > avail {
+            if self.clamp_warned.swap(1, Ordering::Relaxed) == 0 {
+                tracing::warn!(
+                    addr,
+                    size,
+                    avail,
+                    "bounce copy runs past the end of its mapping; clamped"
+                );
+            }
+            Counters::add(&self.counters.clamped, 1);
+            size = avail as usize;
+        }
+        if size == 0 {
+            return Ok(());
+        }
+        let slice = self.device_slice(addr, size)?;
+        if dir == Direction::ToDevice {
+            mem.read_orig(orig, &slice)?;
+            Counters::add(&self.counters.bytes_to_device, size as u64);
+        } else {
+            mem.write_orig(orig, &slice)?;
+            Counters::add(&self.counters.bytes_from_device, size as u64);
+        }
+        Ok(())
+    }
+
+    /// Resets the metadata of `index..index + nslots` and returns the run to the allocator.
+    fn release(&self, index: usize, nslots: usize, worker: usize) {
+        for m in &self.meta[index..index + nslots] {
+            m.orig.store(INVALID, Ordering::Relaxed);
+            m.alloc_size.store(0, Ordering::Relaxed);
+            m.pad_slots.store(0, Ordering::Relaxed);
+            m.offset.store(0, Ordering::Relaxed);
+        }
+        self.alloc.free(index, nslots, worker);
+        self.counters.dec_used(nslots);
+    }
+
+    /// Unmaps a mapping returned by [`BouncePool::map`].
+    ///
+    /// # Errors
+    /// As [`BouncePool::unmap_single`].
+    pub fn unmap<M: OrigMemory + ?Sized>(&self, mem: &M, m: &Mapping, worker: usize) -> Result<()> {
+        self.unmap_single(mem, m.dev_addr, m.size, m.dir, m.attrs, worker)
+    }
+
+    /// Copies back as the rules say and releases the slots (Linux
+    /// `__swiotlb_tbl_unmap_single` and `swiotlb_release_slots`).
+    ///
+    /// The slots are released even when the copy back fails; the error is then returned.
+    ///
+    /// # Errors
+    /// [`Error::NotMapped`] when `addr` is not the device address of a live mapping (never
+    /// mapped, already unmapped, or not what map returned): nothing changes then.
+    /// [`Error::OrigAccess`] when the copy back failed.
+    pub fn unmap_single<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        addr: u64,
+        size: usize,
+        dir: Direction,
+        attrs: DmaAttrs,
+        worker: usize,
+    ) -> Result<()> {
+        if !self.contains(addr, 1) {
+            Counters::add(&self.counters.bad_unmaps, 1);
+            return Err(Error::NotMapped { addr });
+        }
+        let slot = ((addr - self.geom.base) >> self.geom.slot_shift) as usize;
+        let in_slot = (addr & (self.geom.slot_size() - 1)) as u32;
+        if self.meta[slot]
+            .head
+            .compare_exchange(in_slot + 1, 0, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            Counters::add(&self.counters.bad_unmaps, 1);
+            return Err(Error::NotMapped { addr });
+        }
+        let copied = if !attrs.skip_cpu_sync && dir.device_writes() {
+            self.bounce(mem, addr, size, Direction::FromDevice)
+        } else {
+            Ok(())
+        };
+        // swiotlb_release_slots
+        let offset = u64::from(self.meta[slot].offset.load(Ordering::Relaxed));
+        let index = slot - self.meta[slot].pad_slots.load(Ordering::Relaxed) as usize;
+        let nslots = self
+            .geom
+            .nr_slots(self.meta[index].alloc_size.load(Ordering::Relaxed) + offset)
+            as usize;
+        self.release(index, nslots, worker);
+        Counters::add(&self.counters.unmaps, 1);
+        copied
+    }
+
+    /// Makes the device see the CPU's latest writes to `addr..addr + size` (any sub-range of a
+    /// mapping): copies original -> pool for to-device and bidirectional, nothing for
+    /// from-device (Linux `__swiotlb_sync_single_for_device`).
+    ///
+    /// # Errors
+    /// [`Error::OutOfPool`], [`Error::NotMapped`] (the slot holds no mapping),
+    /// [`Error::OrigAccess`].
+    pub fn sync_for_device<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        addr: u64,
+        size: usize,
+        dir: Direction,
+    ) -> Result<()> {
+        Counters::add(&self.counters.syncs_for_device, 1);
+        if dir.device_reads() {
+            self.bounce(mem, addr, size, Direction::ToDevice)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Makes the CPU see the device's writes to `addr..addr + size`: copies pool -> original
+    /// for from-device and bidirectional, nothing for to-device (Linux
+    /// `__swiotlb_sync_single_for_cpu`).
+    ///
+    /// # Errors
+    /// As [`BouncePool::sync_for_device`].
+    pub fn sync_for_cpu<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        addr: u64,
+        size: usize,
+        dir: Direction,
+    ) -> Result<()> {
+        Counters::add(&self.counters.syncs_for_cpu, 1);
+        if dir.device_writes() {
+            self.bounce(mem, addr, size, Direction::FromDevice)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Slots in use.
+    pub fn used(&self) -> usize {
+        self.counters.used.load(Ordering::Relaxed) as usize
+    }
+
+    /// Resets the high-water mark to zero (Linux only allows writing 0 to
+    /// `io_tlb_used_hiwater`) and the lock counters.
+    pub fn reset_hiwater(&self) {
+        self.counters.hiwater.store(0, Ordering::Relaxed);
+        self.alloc.reset_lock_stats();
+    }
+
+    /// A snapshot of the statistics.
+    pub fn stats(&self) -> PoolStats {
+        let c = &self.counters;
+        let locks = self.alloc.lock_stats();
+        PoolStats {
+            mode: self.geom.mode,
+            allocator: self.alloc.kind(),
+            nslabs: self.geom.nslabs as u64,
+            slot_size: self.geom.slot_size(),
+            nareas: self.geom.nareas as u64,
+            used: c.used.load(Ordering::Relaxed),
+            used_hiwater: c.hiwater.load(Ordering::Relaxed),
+            area_used: self
+                .alloc
+                .area_used()
+                .into_iter()
+                .map(|u| u as u64)
+                .collect(),
+            maps: c.maps.load(Ordering::Relaxed),
+            unmaps: c.unmaps.load(Ordering::Relaxed),
+            map_failures: c.map_failures.load(Ordering::Relaxed),
+            bad_unmaps: c.bad_unmaps.load(Ordering::Relaxed),
+            bytes_to_device: c.bytes_to_device.load(Ordering::Relaxed),
+            bytes_from_device: c.bytes_from_device.load(Ordering::Relaxed),
+            syncs_for_device: c.syncs_for_device.load(Ordering::Relaxed),
+            syncs_for_cpu: c.syncs_for_cpu.load(Ordering::Relaxed),
+            clamped: c.clamped.load(Ordering::Relaxed),
+            lock_wait_ns: locks.iter().map(|l| l.wait_ns).sum(),
+            locks,
+        }
+    }
+
+    /// True when the pool's mode is iova.
+    pub fn is_iova(&self) -> bool {
+        self.geom.mode == PoolMode::Iova
+    }
+}
