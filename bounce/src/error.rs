@@ -74,6 +74,9 @@ pub enum Error {
         /// The system's reason.
         reason: String,
     },
+    /// An I/O error of a device backend while it accessed a DMA buffer.
+    #[error("I/O error on a DMA buffer: {0}")]
+    Io(String),
     /// A pool configuration that cannot be built.
     #[error("invalid pool configuration: {0}")]
     Config(String),

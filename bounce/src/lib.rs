@@ -29,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod dma;
 pub mod error;
 pub mod geometry;
 pub mod orig;
@@ -37,6 +38,7 @@ pub mod stats;
 pub mod types;
 
 pub use alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+pub use dma::{DeviceDmaParams, Dma, DmaBuffer, Policy};
 pub use error::{Error, Result};
 pub use geometry::{Geometry, PoolConfig, PoolMode};
 pub use orig::{HostMemory, OrigMemory};

@@ -1,1 +1,13 @@
-//! placeholder
+//! virtio device cores for bouncevm: virtio-blk and virtio-net.
+//!
+//! A device here knows nothing of its transport. The KVM VMM drives it through virtio-pci and
+//! the vhost-user server through the vhost-user protocol; both talk to it through the small
+//! traits of [`virtio`]: feature negotiation and configuration space ([`virtio::VirtioDevice`]),
+//! and per-queue workers that turn descriptor chains into I/O ([`virtio::QueueWorker`]).
+//!
+//! A device never reads or writes guest memory for its data buffers itself: every buffer goes
+//! through a [`bounce::Dma`] handle, direct or bounced.
+
+#![warn(missing_docs)]
+
+pub mod virtio;

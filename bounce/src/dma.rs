@@ -1,0 +1,496 @@
+//! The DMA handle devices use: direct or bounced, per a policy.
+//!
+//! A device never touches guest memory for its data buffers except through a [`Dma`]: it maps a
+//! guest buffer ([`Dma::map`]), reads or writes the device-visible buffer ([`Dma::read`],
+//! [`Dma::write`], [`Dma::read_to`], [`Dma::write_from`]), and unmaps it ([`Dma::unmap`]). With
+//! policy `off` the device-visible buffer *is* the guest buffer; with `force` it is a bounce
+//! pool buffer; with `mask=BITS` only guest buffers that end above the DMA mask are bounced, as
+//! for a device that can address only `BITS` bits.
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{
+    GuestAddress, GuestMemory, Permissions, ReadVolatile, VolatileSlice, WriteVolatile,
+};
+
+use crate::error::{Error, Result};
+use crate::pool::{BouncePool, Mapping};
+use crate::stats::PoolStats;
+use crate::types::{Direction, DmaAttrs, MapRequest};
+use crate::DEFAULT_SEG_BOUNDARY_MASK;
+
+/// When a device's buffers are bounced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Never: the device accesses guest memory directly.
+    Off,
+    /// Always: every buffer goes through the bounce pool.
+    Force,
+    /// Only buffers that end above `2^bits - 1` (a device with a `bits`-bit DMA mask).
+    Mask(u8),
+}
+
+impl Policy {
+    /// True when a buffer `gpa..gpa + len` must be bounced under this policy.
+    pub fn needs_bounce(self, gpa: u64, len: usize) -> bool {
+        match self {
+            Self::Off => false,
+            Self::Force => true,
+            Self::Mask(bits) => {
+                let mask = if bits >= 64 {
+                    u64::MAX
+                } else {
+                    (1u64 << bits) - 1
+                };
+                let last = gpa.saturating_add((len as u64).saturating_sub(1));
+                last > mask
+            }
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Off => f.write_str("off"),
+            Self::Force => f.write_str("force"),
+            Self::Mask(b) => write!(f, "mask={b}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "off" => Ok(Self::Off),
+            "force" => Ok(Self::Force),
+            _ => {
+                let bits = s
+                    .strip_prefix("mask=")
+                    .and_then(|b| b.parse::<u8>().ok())
+                    .filter(|b| (1..=64).contains(b))
+                    .ok_or_else(|| {
+                        Error::Config(format!(
+                            "unknown policy '{s}' (expected off, force or mask=BITS with BITS 1-64)"
+                        ))
+                    })?;
+                Ok(Self::Mask(bits))
+            }
+        }
+    }
+}
+
+/// A device's DMA constraints (Linux `min_align_mask`, `segment_boundary_mask`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceDmaParams {
+    /// Address bits a bounce buffer must share with the original.
+    pub min_align_mask: u64,
+    /// Segment boundary mask.
+    pub seg_boundary_mask: u64,
+}
+
+impl Default for DeviceDmaParams {
+    fn default() -> Self {
+        Self {
+            min_align_mask: 0,
+            seg_boundary_mask: DEFAULT_SEG_BOUNDARY_MASK,
+        }
+    }
+}
+
+/// A mapped buffer: what [`Dma::map`] returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DmaBuffer {
+    gpa: u64,
+    len: usize,
+    dir: Direction,
+    bounce: Option<Mapping>,
+}
+
+impl DmaBuffer {
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for a zero-length buffer (which [`Dma::map`] never returns).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The guest address this buffer shadows.
+    pub fn guest_addr(&self) -> u64 {
+        self.gpa
+    }
+
+    /// The device-visible address (the guest address when not bounced).
+    pub fn dev_addr(&self) -> u64 {
+        self.bounce.map_or(self.gpa, |m| m.dev_addr)
+    }
+
+    /// Direction of the mapping.
+    pub fn dir(&self) -> Direction {
+        self.dir
+    }
+
+    /// True when the buffer is bounced.
+    pub fn is_bounced(&self) -> bool {
+        self.bounce.is_some()
+    }
+}
+
+/// A device's DMA handle: a policy, and a pool when the policy may bounce.
+///
+/// Cheap to clone (the pool is shared).
+#[derive(Clone, Debug)]
+pub struct Dma {
+    policy: Policy,
+    pool: Option<Arc<BouncePool>>,
+    params: DeviceDmaParams,
+}
+
+impl Dma {
+    /// Direct access, no pool.
+    pub fn direct() -> Self {
+        Self {
+            policy: Policy::Off,
+            pool: None,
+            params: DeviceDmaParams::default(),
+        }
+    }
+
+    /// A handle that bounces per `policy` through `pool`.
+    pub fn bounced(policy: Policy, pool: Arc<BouncePool>) -> Self {
+        Self {
+            policy,
+            pool: Some(pool),
+            params: DeviceDmaParams::default(),
+        }
+    }
+
+    /// Sets the device's DMA constraints.
+    pub fn with_params(mut self, params: DeviceDmaParams) -> Self {
+        self.params = params;
+        self
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// The pool, if any.
+    pub fn pool(&self) -> Option<&Arc<BouncePool>> {
+        self.pool.as_ref()
+    }
+
+    /// Pool statistics, if there is a pool.
+    pub fn stats(&self) -> Option<PoolStats> {
+        self.pool.as_ref().map(|p| p.stats())
+    }
+
+    /// Maps guest buffer `gpa..gpa + len` for a transfer in `dir` on behalf of `worker`.
+    ///
+    /// The whole guest range is checked first (readable, and writable when the device writes).
+    ///
+    /// # Errors
+    /// [`Error::ZeroLength`], [`Error::OrigAccess`] (not guest memory), and every error of
+    /// [`BouncePool::map`] when bouncing ([`Error::PoolFull`] among them).
+    pub fn map<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        len: usize,
+        dir: Direction,
+        worker: usize,
+    ) -> Result<DmaBuffer> {
+        if len == 0 {
+            return Err(Error::ZeroLength);
+        }
+        let perm = if dir.device_writes() {
+            Permissions::ReadWrite
+        } else {
+            Permissions::Read
+        };
+        if !mem.check_range(GuestAddress(gpa), len, perm) {
+            return Err(Error::OrigAccess { addr: gpa, len });
+        }
+        let bounce = match &self.pool {
+            Some(pool) if self.policy.needs_bounce(gpa, len) => {
+                let req = MapRequest {
+                    orig: gpa,
+                    size: len,
+                    dir,
+                    attrs: DmaAttrs::default(),
+                    min_align_mask: self.params.min_align_mask,
+                    alloc_align_mask: 0,
+                    seg_boundary_mask: self.params.seg_boundary_mask,
+                    worker,
+                };
+                Some(pool.map(mem, &req)?)
+            }
+            _ => None,
+        };
+        Ok(DmaBuffer {
+            gpa,
+            len,
+            dir,
+            bounce,
+        })
+    }
+
+    /// Unmaps: copies back to guest memory when the device may have written and releases the
+    /// bounce slots. A direct buffer needs nothing.
+    ///
+    /// # Errors
+    /// Those of [`BouncePool::unmap`].
+    pub fn unmap<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        buf: DmaBuffer,
+        worker: usize,
+    ) -> Result<()> {
+        match (&buf.bounce, &self.pool) {
+            (Some(m), Some(pool)) => pool.unmap(mem, m, worker),
+            _ => Ok(()),
+        }
+    }
+
+    fn check(buf: &DmaBuffer, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > buf.len) {
+            return Err(Error::OutOfPool {
+                addr: buf.dev_addr().wrapping_add(offset as u64),
+                len,
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs `f` on each device-visible piece of `buf[offset..offset + len]`, in order.
+    fn for_each_slice<M, F>(
+        &self,
+        mem: &M,
+        buf: &DmaBuffer,
+        offset: usize,
+        len: usize,
+        device_writes: bool,
+        mut f: F,
+    ) -> Result<()>
+    where
+        M: GuestMemory + ?Sized,
+        F: FnMut(Piece<'_, '_, M>) -> Result<()>,
+    {
+        Self::check(buf, offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        match (&buf.bounce, &self.pool) {
+            (Some(m), Some(pool)) => {
+                let s = pool.device_slice(m.dev_addr + offset as u64, len)?;
+                f(Piece::Pool(s))
+            }
+            _ => {
+                let addr = buf.gpa + offset as u64;
+                let err = || Error::OrigAccess { addr, len };
+                let perm = if device_writes {
+                    Permissions::Write
+                } else {
+                    Permissions::Read
+                };
+                let slices = mem
+                    .get_slices(GuestAddress(addr), len, perm)
+                    .map_err(|_| err())?;
+                for s in slices {
+                    f(Piece::Guest(s.map_err(|_| err())?))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Device reads `dst.len()` bytes of the buffer at `offset` (e.g. a request header).
+    ///
+    /// # Errors
+    /// [`Error::OutOfPool`] when the range is outside the buffer; [`Error::OrigAccess`].
+    pub fn read<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        buf: &DmaBuffer,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let mut done = 0;
+        self.for_each_slice(mem, buf, offset, dst.len(), false, |p| {
+            let n = p.len();
+            p.copy_to(&mut dst[done..done + n]);
+            done += n;
+            Ok(())
+        })
+    }
+
+    /// Device writes `src` into the buffer at `offset` (e.g. a status byte).
+    ///
+    /// # Errors
+    /// As [`Dma::read`].
+    pub fn write<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        buf: &DmaBuffer,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<()> {
+        let mut done = 0;
+        self.for_each_slice(mem, buf, offset, src.len(), true, |p| {
+            let n = p.len();
+            p.copy_from(&src[done..done + n]);
+            done += n;
+            Ok(())
+        })
+    }
+
+    /// Device sends `len` bytes of the buffer at `offset` to `sink` (a file, a tap), until
+    /// the sink stops taking bytes. Returns the bytes sent.
+    ///
+    /// # Errors
+    /// As [`Dma::read`]; an I/O error of the sink is [`Error::Io`].
+    pub fn read_to<M, W>(
+        &self,
+        mem: &M,
+        buf: &DmaBuffer,
+        offset: usize,
+        len: usize,
+        sink: &mut W,
+    ) -> Result<usize>
+    where
+        M: GuestMemory + ?Sized,
+        W: WriteVolatile,
+    {
+        let mut done = 0;
+        let mut short = false;
+        self.for_each_slice(mem, buf, offset, len, false, |p| {
+            if short {
+                return Ok(());
+            }
+            let n = p.write_all_to(sink)?;
+            done += n;
+            short = n < p.len();
+            Ok(())
+        })?;
+        Ok(done)
+    }
+
+    /// Device fills `len` bytes of the buffer at `offset` from `source` (a file, a tap),
+    /// until the source has no more. Returns the bytes filled.
+    ///
+    /// # Errors
+    /// As [`Dma::read_to`].
+    pub fn write_from<M, R>(
+        &self,
+        mem: &M,
+        buf: &DmaBuffer,
+        offset: usize,
+        len: usize,
+        source: &mut R,
+    ) -> Result<usize>
+    where
+        M: GuestMemory + ?Sized,
+        R: ReadVolatile,
+    {
+        let mut done = 0;
+        let mut short = false;
+        self.for_each_slice(mem, buf, offset, len, true, |p| {
+            if short {
+                return Ok(());
+            }
+            let n = p.read_all_from(source)?;
+            done += n;
+            short = n < p.len();
+            Ok(())
+        })?;
+        Ok(done)
+    }
+}
+
+/// One contiguous device-visible piece of a buffer.
+enum Piece<'a, 'b, M: GuestMemory + ?Sized + 'b> {
+    Pool(VolatileSlice<'a>),
+    Guest(VolatileSlice<'b, vm_memory::bitmap::BS<'b, M::Bitmap>>),
+}
+
+impl<M: GuestMemory + ?Sized> Piece<'_, '_, M> {
+    fn len(&self) -> usize {
+        match self {
+            Self::Pool(s) => s.len(),
+            Self::Guest(s) => s.len(),
+        }
+    }
+
+    fn copy_to(&self, dst: &mut [u8]) {
+        match self {
+            Self::Pool(s) => {
+                s.copy_to(dst);
+            }
+            Self::Guest(s) => {
+                s.copy_to(dst);
+            }
+        }
+    }
+
+    fn copy_from(&self, src: &[u8]) {
+        match self {
+            Self::Pool(s) => s.copy_from(src),
+            Self::Guest(s) => s.copy_from(src),
+        }
+    }
+
+    fn write_all_to<W: WriteVolatile>(&self, sink: &mut W) -> Result<usize> {
+        match self {
+            Self::Pool(s) => write_slice(s, sink),
+            Self::Guest(s) => write_slice(s, sink),
+        }
+    }
+
+    fn read_all_from<R: ReadVolatile>(&self, source: &mut R) -> Result<usize> {
+        match self {
+            Self::Pool(s) => read_slice(s, source),
+            Self::Guest(s) => read_slice(s, source),
+        }
+    }
+}
+
+fn write_slice<B: BitmapSlice, W: WriteVolatile>(
+    s: &VolatileSlice<'_, B>,
+    sink: &mut W,
+) -> Result<usize> {
+    let mut done = 0;
+    while done < s.len() {
+        let part = s.offset(done).map_err(|e| Error::Io(e.to_string()))?;
+        match sink.write_volatile(&part) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) => return Err(Error::Io(e.to_string())),
+        }
+    }
+    Ok(done)
+}
+
+fn read_slice<B: BitmapSlice, R: ReadVolatile>(
+    s: &VolatileSlice<'_, B>,
+    source: &mut R,
+) -> Result<usize> {
+    let mut done = 0;
+    while done < s.len() {
+        let mut part = s.offset(done).map_err(|e| Error::Io(e.to_string()))?;
+        match source.read_volatile(&mut part) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) => return Err(Error::Io(e.to_string())),
+        }
+    }
+    Ok(done)
+}

@@ -1,0 +1,176 @@
+//! The boundary between device cores and transports.
+//!
+//! Lifecycle, as a transport sees it:
+//! 1. it reads [`VirtioDevice::avail_features`], the queue count and sizes, and the
+//!    configuration space ([`VirtioDevice::read_config`]);
+//! 2. once the driver sets DRIVER_OK it calls [`VirtioDevice::activate`] with the features the
+//!    driver acknowledged (bits never offered are dropped by the device) and gets back one
+//!    [`QueueWorker`] per group of queues that must be served by one thread (a block queue; a
+//!    net rx/tx pair; the net control queue);
+//! 3. it runs each worker on a thread of its own: on a queue kick, or when one of the worker's
+//!    own file descriptors ([`QueueWorker::extra_fds`]) becomes readable, it calls
+//!    [`QueueWorker::handle`] with guest memory and the worker's queues, then signals the driver
+//!    for every queue in the returned [`Signal`];
+//! 4. on a driver reset it drops the workers and calls [`VirtioDevice::reset`].
+//!
+//! A worker that finds the driver broke the rules beyond recovery returns
+//! [`WorkerError::Broken`]; the transport then sets DEVICE_NEEDS_RESET and stops the worker,
+//! but keeps the VMM running.
+
+use std::os::fd::RawFd;
+
+use virtio_queue::Queue;
+use vm_memory::GuestMemory;
+
+/// Feature bits shared by all device types (virtio 1.2, section 6).
+pub mod features {
+    /// VIRTIO_F_RING_INDIRECT_DESC.
+    pub const RING_INDIRECT_DESC: u64 = 1 << 28;
+    /// VIRTIO_F_RING_EVENT_IDX.
+    pub const RING_EVENT_IDX: u64 = 1 << 29;
+    /// VIRTIO_F_VERSION_1.
+    pub const VERSION_1: u64 = 1 << 32;
+    /// VIRTIO_F_ACCESS_PLATFORM: the device's DMA goes through the platform (an IOMMU or
+    /// bounce buffers) rather than to raw guest-physical addresses.
+    pub const ACCESS_PLATFORM: u64 = 1 << 33;
+}
+
+/// virtio device type ids.
+pub mod device_type {
+    /// Network card.
+    pub const NET: u32 = 1;
+    /// Block device.
+    pub const BLOCK: u32 = 2;
+}
+
+/// Errors of activation.
+#[derive(Debug, thiserror::Error)]
+pub enum ActivateError {
+    /// The driver acknowledged a combination of features the device cannot run with.
+    #[error("bad feature combination: {0}")]
+    Features(String),
+    /// The backend (file, tap) could not be prepared.
+    #[error("backend: {0}")]
+    Backend(String),
+    /// The device is already active.
+    #[error("device is already active")]
+    AlreadyActive,
+}
+
+/// Errors a worker returns to its transport.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The driver broke the rules so that the device cannot go on (e.g. a queue whose rings
+    /// cannot be read). The transport sets DEVICE_NEEDS_RESET.
+    #[error("device broken: {0}")]
+    Broken(String),
+    /// The event was not for this worker (an unknown queue position or token).
+    #[error("unexpected event {0:?}")]
+    UnexpectedEvent(WorkerEvent),
+}
+
+/// What woke a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerEvent {
+    /// The driver kicked the queue at this position of [`QueueWorker::queue_indexes`].
+    Kick(usize),
+    /// One of the worker's own file descriptors is readable; the token from
+    /// [`QueueWorker::extra_fds`].
+    Fd(u32),
+}
+
+/// The queues (positions in [`QueueWorker::queue_indexes`]) that need a used-buffer
+/// notification, as a bit mask.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Signal(pub u64);
+
+impl Signal {
+    /// No queue needs a notification.
+    pub const NONE: Signal = Signal(0);
+
+    /// Adds the queue at `position`.
+    pub fn add(&mut self, position: usize) {
+        if position < 64 {
+            self.0 |= 1 << position;
+        }
+    }
+
+    /// True when the queue at `position` needs a notification.
+    pub fn has(&self, position: usize) -> bool {
+        position < 64 && self.0 & (1 << position) != 0
+    }
+
+    /// True when no queue needs one.
+    pub fn is_empty(&self) -> bool {
+        self.0 == 0
+    }
+}
+
+/// A device as its transport sees it: identity, features, configuration space, lifecycle.
+pub trait VirtioDevice<M: GuestMemory>: Send {
+    /// The virtio device type ([`device_type`]).
+    fn device_type(&self) -> u32;
+
+    /// Number of queues the device offers (for net: 2 per queue pair, plus the control queue).
+    fn num_queues(&self) -> usize;
+
+    /// Largest queue size the device accepts.
+    fn queue_max_size(&self) -> u16;
+
+    /// Feature bits the device offers.
+    fn avail_features(&self) -> u64;
+
+    /// Reads the device configuration space at `offset`. Reads past its end return zeros.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+
+    /// Writes the device configuration space. Writes to read-only fields are logged and
+    /// counted, never applied.
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+
+    /// Starts the device with the features the driver acknowledged (bits that were never
+    /// offered are dropped) and returns its workers.
+    ///
+    /// # Errors
+    /// [`ActivateError`] when the device cannot start; the transport sets
+    /// DEVICE_NEEDS_RESET.
+    fn activate(
+        &mut self,
+        acked_features: u64,
+    ) -> Result<Vec<Box<dyn QueueWorker<M>>>, ActivateError>;
+
+    /// Returns the device to its initial state (the workers were dropped).
+    fn reset(&mut self);
+
+    /// The device's statistics (and those of its bounce pool) as JSON.
+    fn stats(&self) -> serde_json::Value;
+}
+
+/// Serves a fixed group of queues from one thread.
+pub trait QueueWorker<M: GuestMemory>: Send {
+    /// The device queue indexes this worker serves, in the order `handle` receives them.
+    fn queue_indexes(&self) -> Vec<u16>;
+
+    /// File descriptors the transport must poll for input for this worker (a tap, a timer),
+    /// each with a token passed back in [`WorkerEvent::Fd`].
+    fn extra_fds(&self) -> Vec<(RawFd, u32)> {
+        Vec::new()
+    }
+
+    /// Handles one event. `queues[i]` is device queue `queue_indexes()[i]`. Returns the
+    /// queues whose driver must be notified.
+    ///
+    /// # Errors
+    /// [`WorkerError::Broken`] when the device cannot go on.
+    fn handle(
+        &mut self,
+        event: WorkerEvent,
+        mem: &M,
+        queues: &mut [&mut Queue],
+    ) -> Result<Signal, WorkerError>;
+
+    /// The worker's statistics as JSON (merged into the device's by the transport if it
+    /// wants them).
+    fn stats(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+}
