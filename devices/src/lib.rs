@@ -10,4 +10,7 @@
 
 #![warn(missing_docs)]
 
+pub mod block;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod testing;
 pub mod virtio;
