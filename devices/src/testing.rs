@@ -631,3 +631,104 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
         GuestAddress(a).raw_value() < self.ram.size()
     }
 }
+
+/// A deliberately simple slot allocator for tests: one mutex, a linear first-fit scan that
+/// honours every placement rule ([`bounce::SlotRequest::fits`]). It lets bounced device tests
+/// run whatever state the real allocators are in, and is a reference for them.
+#[derive(Debug)]
+pub struct FirstFitAllocator {
+    geom: bounce::Geometry,
+    used: std::sync::Mutex<Vec<bool>>,
+}
+
+impl FirstFitAllocator {
+    /// An allocator for `geom`, all slots free.
+    pub fn new(geom: bounce::Geometry) -> Self {
+        Self {
+            used: std::sync::Mutex::new(vec![false; geom.nslabs]),
+            geom,
+        }
+    }
+}
+
+impl bounce::SlotAllocator for FirstFitAllocator {
+    fn kind(&self) -> bounce::AllocatorKind {
+        // There is no kind for a test allocator; it behaves as one global lock.
+        bounce::AllocatorKind::Legacy
+    }
+
+    fn alloc(&self, req: &bounce::SlotRequest) -> Option<usize> {
+        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let n = req.nslots;
+        let found = (0..self.geom.nslabs)
+            .find(|&i| req.fits(&self.geom, i) && used[i..i + n].iter().all(|u| !u))?;
+        used[found..found + n].iter_mut().for_each(|u| *u = true);
+        Some(found)
+    }
+
+    fn free(&self, index: usize, nslots: usize, _worker: usize) {
+        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(run) = used.get_mut(index..index.saturating_add(nslots)) {
+            run.iter_mut().for_each(|u| *u = false);
+        }
+    }
+
+    fn area_used(&self) -> Vec<usize> {
+        let used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        vec![used.iter().filter(|u| **u).count()]
+    }
+
+    fn lock_stats(&self) -> Vec<bounce::alloc::LockSnapshot> {
+        Vec::new()
+    }
+
+    fn reset_lock_stats(&self) {}
+}
+
+/// A bounce pool built from `config`, with [`FirstFitAllocator`] instead of
+/// `config.allocator`.
+///
+/// # Panics
+/// When the configuration is invalid (a test setup failure).
+pub fn first_fit_pool(config: &bounce::PoolConfig) -> std::sync::Arc<bounce::BouncePool> {
+    let geom = config.geometry().expect("valid test pool configuration");
+    let alloc = std::sync::Arc::new(FirstFitAllocator::new(geom));
+    std::sync::Arc::new(
+        bounce::BouncePool::with_allocator(geom, alloc, config.copy_on_map)
+            .expect("test pool memory"),
+    )
+}
+
+/// DMA handles to run a device test under: `off`, forced swiotlb and forced iova with the
+/// test allocator, then forced swiotlb and iova with every real allocator that builds for
+/// that mode (those that do not are listed in the second result, with the reason, so a test
+/// can print what it skipped). `slots` sizes each pool.
+pub fn dma_matrix(slots: usize) -> (Vec<(String, bounce::Dma)>, Vec<String>) {
+    use bounce::{AllocatorKind, BouncePool, Dma, PoolConfig, Policy};
+    let mut out = vec![("off".to_string(), Dma::direct())];
+    let mut skipped = Vec::new();
+    let configs = [
+        ("swiotlb", PoolConfig::swiotlb(slots)),
+        ("iova", PoolConfig::iova(slots)),
+    ];
+    for (mode, cfg) in &configs {
+        out.push((
+            format!("force/{mode}/first-fit"),
+            Dma::bounced(Policy::Force, first_fit_pool(cfg)),
+        ));
+    }
+    for (mode, cfg) in &configs {
+        for kind in AllocatorKind::ALL {
+            let mut c = cfg.clone();
+            c.allocator = kind;
+            match BouncePool::new(&c) {
+                Ok(p) => out.push((
+                    format!("force/{mode}/{kind}"),
+                    Dma::bounced(Policy::Force, std::sync::Arc::new(p)),
+                )),
+                Err(e) => skipped.push(format!("force/{mode}/{kind}: {e}")),
+            }
+        }
+    }
+    (out, skipped)
+}

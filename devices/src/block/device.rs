@@ -6,7 +6,7 @@ use std::sync::Arc;
 use bounce::{Dma, DmaBuffer};
 use serde_json::json;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::GuestMemory;
+use vm_memory::{Bytes, GuestMemory};
 
 use super::io::Disk;
 use super::metrics::BlockMetrics;
@@ -353,6 +353,31 @@ impl<D: Disk> BlockWorker<D> {
     }
 }
 
+/// VRING_AVAIL_F_NO_INTERRUPT.
+const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
+
+/// Whether the driver wants a used-buffer notification: `used_event` with EVENT_IDX
+/// (virtio-queue), otherwise the avail ring's NO_INTERRUPT flag, which virtio-queue does not
+/// look at (virtio 1.2, 2.7.10: the device should not notify when it is set).
+pub(crate) fn needs_notification<M: GuestMemory>(
+    mem: &M,
+    queue: &mut Queue,
+) -> Result<bool, WorkerError> {
+    let needed = queue
+        .needs_notification(mem)
+        .map_err(|e| broken("used event", e))?;
+    if !needed || queue.event_idx_enabled() {
+        return Ok(needed);
+    }
+    let flags: u16 = mem
+        .load(
+            vm_memory::GuestAddress(queue.avail_ring()),
+            std::sync::atomic::Ordering::Acquire,
+        )
+        .map_err(|e| broken("avail flags", e))?;
+    Ok(u16::from_le(flags) & VRING_AVAIL_F_NO_INTERRUPT == 0)
+}
+
 impl<M: GuestMemory, D: Disk> QueueWorker<M> for BlockWorker<D> {
     fn queue_indexes(&self) -> Vec<u16> {
         vec![self.queue_index]
@@ -391,11 +416,7 @@ impl<M: GuestMemory, D: Disk> QueueWorker<M> for BlockWorker<D> {
             }
         }
         let mut signal = Signal::NONE;
-        if served > 0
-            && queue
-                .needs_notification(mem)
-                .map_err(|e| broken("used event", e))?
-        {
+        if served > 0 && needs_notification(mem, queue)? {
             signal.add(0);
         }
         Ok(signal)
