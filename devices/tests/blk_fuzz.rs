@@ -4,7 +4,7 @@
 
 mod common;
 
-use bounce::{Dma, PoolConfig, Policy};
+use bounce::{Dma, Policy, PoolConfig};
 use common::*;
 use devices::block::{BlockConfig, MemDisk};
 use devices::testing::{first_fit_pool, RawDesc};
@@ -23,16 +23,22 @@ struct FuzzDesc {
 }
 
 fn fuzz_desc() -> impl Strategy<Value = FuzzDesc> {
-    (any::<u8>(), any::<u16>(), any::<u8>(), any::<u32>(), 0u16..8, 0u16..20).prop_map(
-        |(addr, off, len, raw_len, flags, next)| FuzzDesc {
+    (
+        any::<u8>(),
+        any::<u16>(),
+        any::<u8>(),
+        any::<u32>(),
+        0u16..8,
+        0u16..20,
+    )
+        .prop_map(|(addr, off, len, raw_len, flags, next)| FuzzDesc {
             addr,
             off,
             len,
             raw_len,
             flags,
             next,
-        },
-    )
+        })
 }
 
 #[derive(Clone, Debug)]
@@ -53,7 +59,15 @@ fn case() -> impl Strategy<Value = Case> {
         prop::collection::vec(fuzz_desc(), 1..24),
         prop::collection::vec(
             (
-                prop_oneof![Just(0u32), Just(1), Just(4), Just(8), Just(11), Just(13), any::<u32>()],
+                prop_oneof![
+                    Just(0u32),
+                    Just(1),
+                    Just(4),
+                    Just(8),
+                    Just(11),
+                    Just(13),
+                    any::<u32>()
+                ],
                 prop_oneof![0u64..64, Just(u64::MAX), any::<u64>()],
             ),
             4,
@@ -146,23 +160,47 @@ fn run_case(c: &Case) {
                 let last = j + 1 == n;
                 let next = descs.len() as u16 + 1;
                 descs.push(if j == 0 {
-                    RawDesc { addr: hdrs[k % hdrs.len()], len: 16, flags: 1, next }
+                    RawDesc {
+                        addr: hdrs[k % hdrs.len()],
+                        len: 16,
+                        flags: 1,
+                        next,
+                    }
                 } else if last {
-                    RawDesc { addr: status_area + k as u64, len: 1, flags: 2, next: 0 }
+                    RawDesc {
+                        addr: status_area + k as u64,
+                        len: 1,
+                        flags: 2,
+                        next: 0,
+                    }
                 } else {
-                    RawDesc { addr: data + 4096 * u64::from(j), len: 512 * u32::from(j), flags: 1 | w, next }
+                    RawDesc {
+                        addr: data + 4096 * u64::from(j),
+                        len: 512 * u32::from(j),
+                        flags: 1 | w,
+                        next,
+                    }
                 });
             }
         }
         for (idx, field, f) in &c.mutations {
-            let Some(d) = descs.get_mut(usize::from(*idx) % QSIZE as usize) else { continue };
+            let Some(d) = descs.get_mut(usize::from(*idx) % QSIZE as usize) else {
+                continue;
+            };
             let (addr, len) = resolve(f);
             match field {
                 0 => d.addr = addr,
                 1 => d.len = len,
                 2 => d.flags = f.flags,
                 3 => d.next = f.next,
-                _ => *d = RawDesc { addr, len, flags: f.flags, next: f.next },
+                _ => {
+                    *d = RawDesc {
+                        addr,
+                        len,
+                        flags: f.flags,
+                        next: f.next,
+                    }
+                }
             }
         }
         if heads.is_empty() {
@@ -189,7 +227,9 @@ fn run_case(c: &Case) {
     for &h in &heads {
         blk.drv.publish_raw(0, h);
     }
-    blk.drv.kick(0).expect("heads in range never break the device");
+    blk.drv
+        .kick(0)
+        .expect("heads in range never break the device");
     let used = blk.drv.reap(0);
     let mut got: Vec<u32> = used.iter().map(|u| u.id).collect();
     let mut want: Vec<u32> = heads.iter().map(|&h| u32::from(h)).collect();
@@ -200,7 +240,11 @@ fn run_case(c: &Case) {
         assert_eq!(p.used(), 0, "bounce slots leaked");
     }
     // The device still serves a good request.
-    blk.drv.device.disk().write_bytes(0, &pattern(1, 4096)).unwrap();
+    blk.drv
+        .device
+        .disk()
+        .write_bytes(0, &pattern(1, 4096))
+        .unwrap();
     let r = blk.read(0, 4096, Layout::Split(2));
     ok(&r);
     assert_eq!(r.data, pattern(1, 4096));

@@ -114,10 +114,7 @@ impl RawDisk {
     /// # Errors
     /// The open or seek error.
     pub fn open(path: &Path, readonly: bool) -> io::Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(!readonly)
-            .open(path)?;
+        let file = OpenOptions::new().read(true).write(!readonly).open(path)?;
         Self::from_file(file, readonly)
     }
 
@@ -140,7 +137,7 @@ impl RawDisk {
     }
 
     fn write_zero_bytes(&self, mut offset: u64, len: u64) -> io::Result<()> {
-        const ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+        static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
         let end = offset
             .checked_add(len)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "range overflows"))?;
@@ -158,13 +155,20 @@ impl Disk for RawDisk {
         self.capacity
     }
 
-    fn read_at<B: BitmapSlice>(&self, offset: u64, buf: &mut VolatileSlice<B>) -> io::Result<usize> {
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
         pread_volatile(&self.file, offset, buf)
     }
 
     fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
         if self.readonly {
-            return Err(io::Error::new(io::ErrorKind::PermissionDenied, "read-only disk"));
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "read-only disk",
+            ));
         }
         pwrite_volatile(&self.file, offset, buf)
     }
