@@ -21,6 +21,10 @@
 //! Every allocator must return only runs for which [`SlotRequest::fits`] is true, must never
 //! hand out a slot twice, and must make every freed slot available again.
 
+mod areas;
+mod areas_bitmap;
+mod bitmap;
+mod legacy;
 mod lock;
 
 use std::fmt;
@@ -32,6 +36,10 @@ use crate::error::{Error, Result};
 use crate::geometry::{Geometry, PoolMode};
 use crate::PAGE_SIZE;
 
+pub use areas::AreasAllocator;
+pub use areas_bitmap::AreasBitmapAllocator;
+pub use bitmap::BitmapAllocator;
+pub use legacy::LegacyAllocator;
 pub use lock::{LockSnapshot, TimedMutex};
 
 /// The eight allocators, selectable by name at run time.
@@ -271,6 +279,16 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
 /// # Errors
 /// [`Error::Config`] when the allocator cannot serve this geometry.
 pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocator>> {
-    let _ = geom;
-    Err(Error::Config(format!("allocator {kind} is not built yet")))
+    match kind {
+        AllocatorKind::Legacy => Ok(Arc::new(LegacyAllocator::new(geom)?)),
+        AllocatorKind::Bitmap => Ok(Arc::new(BitmapAllocator::new(geom)?)),
+        AllocatorKind::Areas => Ok(Arc::new(AreasAllocator::new(geom)?)),
+        AllocatorKind::AreasBitmap => Ok(Arc::new(AreasBitmapAllocator::new(geom)?)),
+        AllocatorKind::IovaRbtree
+        | AllocatorKind::IovaRcache
+        | AllocatorKind::Genpool
+        | AllocatorKind::IovaBitmap => {
+            Err(Error::Config(format!("allocator {kind} is not built yet")))
+        }
+    }
 }
