@@ -95,7 +95,12 @@ impl FreeRuns {
     }
 
     /// Finds and claims a run for `req`, returning its absolute first slot.
-    pub fn alloc(&mut self, geom: &Geometry, req: &SlotRequest, start: SearchStart) -> Option<usize> {
+    pub fn alloc(
+        &mut self,
+        geom: &Geometry,
+        req: &SlotRequest,
+        start: SearchStart,
+    ) -> Option<usize> {
         let nslots = req.nslots;
         let len = self.len();
         if nslots == 0 || nslots > len - self.used {
@@ -250,7 +255,11 @@ impl SlotAllocator for AreasAllocator {
 
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
         let Some(area) = self.areas.get(index / self.geom.area_nslabs) else {
-            tracing::error!(index, nslots, "areas: free of a slot outside the pool ignored");
+            tracing::error!(
+                index,
+                nslots,
+                "areas: free of a slot outside the pool ignored"
+            );
             return;
         };
         if !area.lock().free(&self.geom, index, nslots) {
@@ -290,7 +299,15 @@ mod tests {
     }
 
     fn req(g: &Geometry, orig: u64, size: u64, min_align: u64, worker: usize) -> SlotRequest {
-        SlotRequest::new(g, orig, size, 0, min_align, DEFAULT_SEG_BOUNDARY_MASK, worker)
+        SlotRequest::new(
+            g,
+            orig,
+            size,
+            0,
+            min_align,
+            DEFAULT_SEG_BOUNDARY_MASK,
+            worker,
+        )
     }
 
     fn list(a: &AreasAllocator, area: usize) -> Vec<u32> {

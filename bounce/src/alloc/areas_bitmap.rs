@@ -49,7 +49,11 @@ impl SlotAllocator for AreasBitmapAllocator {
             return;
         };
         if !area.lock().free(index, nslots) {
-            tracing::error!(index, nslots, "areas-bitmap: free of a run not in use ignored");
+            tracing::error!(
+                index,
+                nslots,
+                "areas-bitmap: free of a run not in use ignored"
+            );
         }
     }
 
@@ -67,5 +71,36 @@ impl SlotAllocator for AreasBitmapAllocator {
 
     fn reset_lock_stats(&self) {
         self.areas.iter().for_each(TimedMutex::reset_stats);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::PoolConfig;
+    use crate::DEFAULT_SEG_BOUNDARY_MASK;
+
+    #[test]
+    fn areas_are_walked_from_the_workers_own() {
+        let mut c = PoolConfig::swiotlb(512);
+        c.areas = Some(4);
+        c.workers = 4;
+        let g = c.geometry().unwrap();
+        let a = AreasBitmapAllocator::new(&g).unwrap();
+        let seg = |w| SlotRequest::new(&g, 0, 128 * 2048, 0, 0, DEFAULT_SEG_BOUNDARY_MASK, w);
+        let one = |w| SlotRequest::new(&g, 0, 1, 0, 0, DEFAULT_SEG_BOUNDARY_MASK, w);
+        assert_eq!(a.alloc(&seg(3)), Some(384));
+        assert_eq!(a.alloc(&seg(3)), Some(0));
+        assert_eq!(a.alloc(&one(1)), Some(128));
+        assert_eq!(a.alloc(&one(6)), Some(256));
+        assert_eq!(a.area_used(), vec![128, 1, 1, 128]);
+        assert_eq!(a.area_index(), vec![0, 1, 1, 0]);
+        assert_eq!(a.alloc(&seg(0)), None);
+        a.free(0, 128, 2);
+        assert_eq!(a.alloc(&seg(2)), Some(0));
+        assert_eq!(a.lock_stats().len(), 4);
+        a.free(1000, 1, 0);
+        a.free(129, 1, 0);
+        assert_eq!(a.area_used(), vec![128, 1, 1, 128]);
     }
 }

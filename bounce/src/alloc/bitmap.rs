@@ -263,3 +263,125 @@ impl SlotAllocator for BitmapAllocator {
         self.state.reset_stats();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::PoolConfig;
+    use crate::DEFAULT_SEG_BOUNDARY_MASK;
+
+    fn geom(slots: usize, base: u64) -> Geometry {
+        let mut c = PoolConfig::swiotlb(slots);
+        c.areas = Some(1);
+        c.base = base;
+        c.geometry().unwrap()
+    }
+
+    fn req(g: &Geometry, orig: u64, size: u64, min_align: u64) -> SlotRequest {
+        SlotRequest::new(g, orig, size, 0, min_align, DEFAULT_SEG_BOUNDARY_MASK, 0)
+    }
+
+    #[test]
+    fn align_up_finds_the_next_phase() {
+        assert_eq!(align_up(0, 4, 0), Some(0));
+        assert_eq!(align_up(1, 4, 0), Some(4));
+        assert_eq!(align_up(5, 4, 3), Some(7));
+        assert_eq!(align_up(7, 4, 1), Some(9));
+        assert_eq!(align_up(usize::MAX - 1, 4, 0), None);
+    }
+
+    #[test]
+    fn bit_ranges_across_words() {
+        let mut b = FreeBitmap::new(0, 200);
+        b.set_range(60, 70, true);
+        assert_eq!(b.next_set(0, 200), Some(60));
+        assert_eq!(b.next_clear(60, 200), Some(130));
+        assert!(b.all_set(60, 70));
+        assert!(!b.all_set(59, 2));
+        b.set_range(64, 64, false);
+        assert_eq!(b.next_clear(60, 200), Some(64));
+        assert_eq!(b.next_set(64, 128), None);
+        assert_eq!(b.next_set(64, 200), Some(128));
+    }
+
+    #[test]
+    fn alignment_rules() {
+        let g = geom(256, 0x4000_0000);
+        let a = BitmapAllocator::new(&g).unwrap();
+        assert_eq!(a.alloc(&req(&g, 0, 16, 0)), Some(0));
+        // A page or more: page aligned.
+        assert_eq!(a.alloc(&req(&g, 0, 4096, 0)), Some(2));
+        // min_align_mask 0xfff with bit 11 set in the original: odd slot.
+        let r = req(&g, 0x1234_5800, 100, 0xfff);
+        assert_eq!(a.alloc(&r), Some(5));
+        // alloc_align_mask 16 KiB: multiple of 8 slots.
+        let r = SlotRequest::new(&g, 0, 100, 0x3fff, 0, DEFAULT_SEG_BOUNDARY_MASK, 0);
+        assert_eq!(a.alloc(&r), Some(8));
+    }
+
+    #[test]
+    fn segments_and_boundaries() {
+        let g = geom(256, 0x4000_0000);
+        let a = BitmapAllocator::new(&g).unwrap();
+        assert_eq!(a.alloc(&req(&g, 0, 100 * 2048, 0)), Some(0));
+        assert_eq!(a.alloc(&req(&g, 0, 64 * 2048, 0)), Some(128));
+        assert_eq!(a.alloc(&req(&g, 0, 128 * 2048, 0)), None);
+        // 32-slot boundary: slot 192 is free but 30..34-style crossings are refused.
+        let r = SlotRequest::new(&g, 0, 3 * 2048 - 1, 0, 0, 0xffff, 0);
+        assert_eq!(a.alloc(&r), Some(192));
+        a.free(192, 3, 0);
+        for i in 0..29 {
+            let one = SlotRequest::new(&g, 0, 1, 0, 0, 0xffff, 0);
+            assert_eq!(a.alloc(&one), Some(192 + 3 + i), "{i}");
+        }
+        // Rolling index at 224: slot 192..195 is behind it and is found after the wrap... but
+        // first the run at 224 fits.
+        assert_eq!(a.alloc(&r), Some(224));
+    }
+
+    #[test]
+    fn search_is_complete_behind_the_rolling_index() {
+        let g = geom(128, 0x4000_0000);
+        let a = BitmapAllocator::new(&g).unwrap();
+        let one = req(&g, 0, 1, 0);
+        for i in 0..128 {
+            assert_eq!(a.alloc(&one), Some(i));
+        }
+        assert_eq!(a.area_index(), vec![0]);
+        for i in [3, 4, 5, 6, 70, 71] {
+            a.free(i, 1, 0);
+        }
+        // Three slots, a page or more: page aligned, so 4..7 and not 3..6.
+        let three = req(&g, 0, 3 * 2048 - 100, 0);
+        assert_eq!(a.alloc(&three), Some(4));
+        assert_eq!(a.area_index(), vec![7]);
+        assert_eq!(a.alloc(&req(&g, 0, 4000, 0)), Some(70));
+        assert_eq!(a.area_used(), vec![127]);
+        a.free(70, 2, 0);
+        a.free(70, 2, 0); // double free: refused
+        assert_eq!(a.area_used(), vec![125]);
+    }
+
+    #[test]
+    fn impossible_requests_fail_without_panicking() {
+        let g = geom(256, 0x4000_0000);
+        let a = BitmapAllocator::new(&g).unwrap();
+        let mut r = req(&g, 0, 1, 0);
+        for n in [0, 129, 256, usize::MAX] {
+            r.nslots = n;
+            assert_eq!(a.alloc(&r), None);
+        }
+        r.nslots = 1;
+        r.alloc_align_mask = u64::MAX;
+        assert_eq!(a.alloc(&r), None);
+        r.alloc_align_mask = 0x7ff;
+        r.boundary_mask = 0x7ff;
+        assert_eq!(a.alloc(&r), Some(0));
+        r.nslots = 2;
+        assert_eq!(a.alloc(&r), None);
+        for (i, n) in [(0, 0), (5, 1), (255, 2), (usize::MAX, 1)] {
+            a.free(i, n, 0);
+        }
+        assert_eq!(a.area_used(), vec![1]);
+    }
+}

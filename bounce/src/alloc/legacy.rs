@@ -75,3 +75,87 @@ impl SlotAllocator for LegacyAllocator {
         self.state.reset_stats();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::PoolConfig;
+    use crate::DEFAULT_SEG_BOUNDARY_MASK;
+
+    fn geom(slots: usize, areas: usize) -> Geometry {
+        let mut c = PoolConfig::swiotlb(slots);
+        c.areas = Some(areas);
+        c.workers = areas;
+        c.geometry().unwrap()
+    }
+
+    fn req(g: &Geometry, orig: u64, size: u64, min_align: u64, worker: usize) -> SlotRequest {
+        SlotRequest::new(
+            g,
+            orig,
+            size,
+            0,
+            min_align,
+            DEFAULT_SEG_BOUNDARY_MASK,
+            worker,
+        )
+    }
+
+    #[test]
+    fn one_index_for_all_workers_and_areas() {
+        let g = geom(512, 4);
+        let a = LegacyAllocator::new(&g).unwrap();
+        assert_eq!(a.alloc(&req(&g, 0, 1, 0, 3)), Some(0));
+        assert_eq!(a.alloc(&req(&g, 0, 1, 0, 1)), Some(1));
+        assert_eq!(a.area_used(), vec![2]);
+        assert_eq!(a.lock_stats().len(), 1);
+    }
+
+    #[test]
+    fn rolling_index_is_rounded_up_to_the_stride() {
+        let g = geom(256, 1);
+        let a = LegacyAllocator::new(&g).unwrap();
+        assert_eq!(a.alloc(&req(&g, 0, 1, 0, 0)), Some(0));
+        a.free(0, 1, 0);
+        // Index 1, a page-aligned request: starts at 2, not at 0 (which is free).
+        assert_eq!(a.alloc(&req(&g, 0, 4096, 0, 0)), Some(2));
+        // min_align_mask with bit 11 set: odd slots, found by single steps.
+        let r = req(&g, 0x800, 10, 0xfff, 0);
+        assert_eq!(a.alloc(&r), Some(5));
+        assert!(r.fits(&g, 5));
+    }
+
+    #[test]
+    fn segment_crossing_wrap_and_merging() {
+        let g = geom(256, 1);
+        let a = LegacyAllocator::new(&g).unwrap();
+        assert_eq!(a.alloc(&req(&g, 0, 100 * 2048, 0, 0)), Some(0));
+        assert_eq!(a.alloc(&req(&g, 0, 128 * 2048, 0, 0)), Some(128));
+        assert_eq!(a.area_index(), vec![0]);
+        assert_eq!(a.alloc(&req(&g, 0, 30 * 2048, 0, 0)), None);
+        assert_eq!(a.alloc(&req(&g, 0, 28 * 2048, 0, 0)), Some(100));
+        a.free(100, 28, 0);
+        a.free(0, 100, 0);
+        a.free(128, 128, 0);
+        assert_eq!(a.area_used(), vec![0]);
+        // The index is still past the last run.
+        assert_eq!(a.alloc(&req(&g, 0, 128 * 2048, 0, 0)), Some(128));
+    }
+
+    #[test]
+    fn impossible_requests_fail_without_panicking() {
+        let g = geom(128, 1);
+        let a = LegacyAllocator::new(&g).unwrap();
+        let mut r = req(&g, 0, 1, 0, 0);
+        for n in [0, 129, usize::MAX] {
+            r.nslots = n;
+            assert_eq!(a.alloc(&r), None);
+        }
+        r.nslots = 1;
+        r.alloc_align_mask = u64::MAX;
+        assert_eq!(a.alloc(&r), None);
+        a.free(3, 1, 0);
+        a.free(usize::MAX, 2, 0);
+        assert_eq!(a.area_used(), vec![0]);
+    }
+}
