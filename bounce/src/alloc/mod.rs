@@ -21,6 +21,8 @@
 //! Every allocator must return only runs for which [`SlotRequest::fits`] is true, must never
 //! hand out a slot twice, and must make every freed slot available again.
 
+mod genpool;
+mod iova_rbtree;
 mod lock;
 
 use std::fmt;
@@ -32,6 +34,8 @@ use crate::error::{Error, Result};
 use crate::geometry::{Geometry, PoolMode};
 use crate::PAGE_SIZE;
 
+pub use genpool::Genpool;
+pub use iova_rbtree::IovaRbtree;
 pub use lock::{LockSnapshot, TimedMutex};
 
 /// The eight allocators, selectable by name at run time.
@@ -271,6 +275,16 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
 /// # Errors
 /// [`Error::Config`] when the allocator cannot serve this geometry.
 pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocator>> {
-    let _ = geom;
-    Err(Error::Config(format!("allocator {kind} is not built yet")))
+    match kind {
+        AllocatorKind::IovaRbtree => Ok(Arc::new(IovaRbtree::new(geom, true))),
+        AllocatorKind::Genpool => Ok(Arc::new(Genpool::new(geom))),
+        AllocatorKind::Legacy
+        | AllocatorKind::Bitmap
+        | AllocatorKind::Areas
+        | AllocatorKind::AreasBitmap
+        | AllocatorKind::IovaRcache
+        | AllocatorKind::IovaBitmap => {
+            Err(Error::Config(format!("allocator {kind} is not built yet")))
+        }
+    }
 }
