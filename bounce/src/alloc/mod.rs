@@ -23,6 +23,7 @@
 
 mod genpool;
 mod iova_rbtree;
+mod iova_rcache;
 mod lock;
 
 use std::fmt;
@@ -36,6 +37,7 @@ use crate::PAGE_SIZE;
 
 pub use genpool::Genpool;
 pub use iova_rbtree::IovaRbtree;
+pub use iova_rcache::{IovaRcache, DEPOT_DELAY, IOVA_MAG_SIZE, IOVA_RANGE_CACHE_MAX_SIZE};
 pub use lock::{LockSnapshot, TimedMutex};
 
 /// The eight allocators, selectable by name at run time.
@@ -277,12 +279,12 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
 pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocator>> {
     match kind {
         AllocatorKind::IovaRbtree => Ok(Arc::new(IovaRbtree::new(geom, true))),
+        AllocatorKind::IovaRcache => Ok(Arc::new(IovaRcache::new(geom))),
         AllocatorKind::Genpool => Ok(Arc::new(Genpool::new(geom))),
         AllocatorKind::Legacy
         | AllocatorKind::Bitmap
         | AllocatorKind::Areas
         | AllocatorKind::AreasBitmap
-        | AllocatorKind::IovaRcache
         | AllocatorKind::IovaBitmap => {
             Err(Error::Config(format!("allocator {kind} is not built yet")))
         }
