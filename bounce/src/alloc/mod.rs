@@ -22,6 +22,7 @@
 //! hand out a slot twice, and must make every freed slot available again.
 
 mod genpool;
+mod iova_bitmap;
 mod iova_rbtree;
 mod iova_rcache;
 mod lock;
@@ -36,6 +37,7 @@ use crate::geometry::{Geometry, PoolMode};
 use crate::PAGE_SIZE;
 
 pub use genpool::Genpool;
+pub use iova_bitmap::{IovaBitmap, SMALL_BYTES};
 pub use iova_rbtree::IovaRbtree;
 pub use iova_rcache::{IovaRcache, DEPOT_DELAY, IOVA_MAG_SIZE, IOVA_RANGE_CACHE_MAX_SIZE};
 pub use lock::{LockSnapshot, TimedMutex};
@@ -281,11 +283,11 @@ pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocat
         AllocatorKind::IovaRbtree => Ok(Arc::new(IovaRbtree::new(geom, true))),
         AllocatorKind::IovaRcache => Ok(Arc::new(IovaRcache::new(geom))),
         AllocatorKind::Genpool => Ok(Arc::new(Genpool::new(geom))),
+        AllocatorKind::IovaBitmap => Ok(Arc::new(IovaBitmap::new(geom))),
         AllocatorKind::Legacy
         | AllocatorKind::Bitmap
         | AllocatorKind::Areas
-        | AllocatorKind::AreasBitmap
-        | AllocatorKind::IovaBitmap => {
+        | AllocatorKind::AreasBitmap => {
             Err(Error::Config(format!("allocator {kind} is not built yet")))
         }
     }
