@@ -25,6 +25,10 @@ mod areas;
 mod areas_bitmap;
 mod bitmap;
 mod legacy;
+mod genpool;
+mod iova_bitmap;
+mod iova_rbtree;
+mod iova_rcache;
 mod lock;
 
 use std::fmt;
@@ -40,6 +44,10 @@ pub use areas::AreasAllocator;
 pub use areas_bitmap::AreasBitmapAllocator;
 pub use bitmap::BitmapAllocator;
 pub use legacy::LegacyAllocator;
+pub use genpool::Genpool;
+pub use iova_bitmap::{IovaBitmap, SMALL_BYTES};
+pub use iova_rbtree::IovaRbtree;
+pub use iova_rcache::{IovaRcache, DEPOT_DELAY, IOVA_MAG_SIZE, IOVA_RANGE_CACHE_MAX_SIZE};
 pub use lock::{LockSnapshot, TimedMutex};
 
 /// The eight allocators, selectable by name at run time.
@@ -284,12 +292,10 @@ pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocat
         AllocatorKind::Bitmap => Ok(Arc::new(BitmapAllocator::new(geom)?)),
         AllocatorKind::Areas => Ok(Arc::new(AreasAllocator::new(geom)?)),
         AllocatorKind::AreasBitmap => Ok(Arc::new(AreasBitmapAllocator::new(geom)?)),
-        AllocatorKind::IovaRbtree
-        | AllocatorKind::IovaRcache
-        | AllocatorKind::Genpool
-        | AllocatorKind::IovaBitmap => {
-            Err(Error::Config(format!("allocator {kind} is not built yet")))
-        }
+        AllocatorKind::IovaRbtree => Ok(Arc::new(IovaRbtree::new(geom, true))),
+        AllocatorKind::IovaRcache => Ok(Arc::new(IovaRcache::new(geom))),
+        AllocatorKind::Genpool => Ok(Arc::new(Genpool::new(geom))),
+        AllocatorKind::IovaBitmap => Ok(Arc::new(IovaBitmap::new(geom))),
     }
 }
 
