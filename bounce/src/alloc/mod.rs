@@ -24,11 +24,11 @@
 mod areas;
 mod areas_bitmap;
 mod bitmap;
-mod legacy;
 mod genpool;
 mod iova_bitmap;
 mod iova_rbtree;
 mod iova_rcache;
+mod legacy;
 mod lock;
 
 use std::fmt;
@@ -43,11 +43,11 @@ use crate::PAGE_SIZE;
 pub use areas::AreasAllocator;
 pub use areas_bitmap::AreasBitmapAllocator;
 pub use bitmap::BitmapAllocator;
-pub use legacy::LegacyAllocator;
 pub use genpool::Genpool;
 pub use iova_bitmap::{IovaBitmap, SMALL_BYTES};
 pub use iova_rbtree::IovaRbtree;
 pub use iova_rcache::{IovaRcache, DEPOT_DELAY, IOVA_MAG_SIZE, IOVA_RANGE_CACHE_MAX_SIZE};
+pub use legacy::LegacyAllocator;
 pub use lock::{LockSnapshot, TimedMutex};
 
 /// The eight allocators, selectable by name at run time.
@@ -382,15 +382,13 @@ mod tests {
     }
 
     #[test]
-    fn unbuilt_allocators_are_a_config_error() {
+    fn every_allocator_is_built_by_name() {
         let g = PoolConfig::swiotlb(128).geometry().unwrap();
-        for kind in [
-            AllocatorKind::IovaRbtree,
-            AllocatorKind::IovaRcache,
-            AllocatorKind::Genpool,
-            AllocatorKind::IovaBitmap,
-        ] {
-            assert!(matches!(build(kind, &g), Err(Error::Config(_))));
+        for kind in AllocatorKind::ALL {
+            let a = build(kind, &g).unwrap();
+            assert_eq!(a.kind(), kind);
+            assert_eq!(kind.name().parse::<AllocatorKind>().unwrap(), kind);
         }
+        assert!("nope".parse::<AllocatorKind>().is_err());
     }
 }
