@@ -1,0 +1,388 @@
+//! Small guest programs run on this machine's /dev/kvm through the VMM's own vCPU threads,
+//! buses and devices. Skipped (with a message) when /dev/kvm is absent.
+//!
+//! Guest code runs at CPL0 in protected, long or real mode; on the PVM software hypervisor
+//! of the development machines every such instruction is emulated (~0.5 M instr/s), so each
+//! program is a few dozen instructions and every result leaves the guest through a port.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use vm_memory::{Bytes, GuestAddress};
+use vmm::boot::regs::EntryState;
+use vmm::exit::ExitReason;
+use vmm::layout::{PCI_ECAM_START, PCI_MMIO32_START};
+use vmm::pci::{BarKind, BarReprogram, PciBar, PciConfiguration, PciDevice, PciHeader};
+use vmm::{Machine, MachineConfig};
+
+const MEM: u64 = 4 << 20;
+
+fn machine(vcpus: u8) -> Machine {
+    Machine::new(&MachineConfig {
+        mem_size: MEM,
+        vcpus,
+    })
+    .expect("create machine")
+}
+
+fn load(m: &Machine, addr: u64, code: &Asm) {
+    m.memory()
+        .write_slice(&code.code, GuestAddress(addr))
+        .expect("load code");
+}
+
+fn flat32(m: &Machine, vcpu: usize, eip: u64) {
+    EntryState::Flat32 {
+        eip: eip as u32,
+        ebx: 0,
+        esp: 0x8000,
+    }
+    .apply(&m.vcpus()[vcpu], m.memory())
+    .expect("entry state");
+}
+
+/// Loads `code` at CODE_ADDR on vCPU 0 in flat 32-bit mode and runs the machine.
+fn run_flat32(mut m: Machine, code: &Asm) -> (vmm::machine::MachineExit, Duration) {
+    m.add_debug_exit(EXIT_PORT).unwrap();
+    load(&m, CODE_ADDR, code);
+    flat32(&m, 0, CODE_ADDR);
+    let t = Instant::now();
+    let exit = m.run().expect("run");
+    (exit, t.elapsed())
+}
+
+#[test]
+fn pio_dispatch_reads_and_writes_a_test_port() {
+    if !kvm_available() {
+        return;
+    }
+    let m = machine(1);
+    let (dev, log) = Recorder::new(0xcafe_babe);
+    m.pio_bus().insert(dev, REPORT_PORT.into(), 8).unwrap();
+    let mut a = Asm::new();
+    a.mov_eax(0x1234_5678)
+        .report_eax(REPORT_PORT)
+        .mov_al(0x5a)
+        .out_imm_al(REPORT_PORT as u8 + 1)
+        .mov_dx(REPORT_PORT + 4)
+        .in_eax_dx()
+        .report_eax(REPORT_PORT + 4)
+        // An unclaimed port reads as all ones.
+        .mov_dx(0x2f0)
+        .in_eax_dx()
+        .report_eax(REPORT_PORT)
+        .debug_exit(0x10);
+    let (exit, took) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0x10 });
+    assert_eq!(exit.reason.exit_code(), 0x21);
+    let log = log.lock().unwrap();
+    assert_eq!(log.len(), 4, "{log:x?}");
+    assert_eq!((log[0].0, u32_of(&log[0])), (0xe0, 0x1234_5678));
+    assert_eq!(log[1], (0xe1, vec![0x5a]));
+    assert_eq!((log[2].0, u32_of(&log[2])), (0xe4, 0xcafe_babe));
+    assert_eq!(u32_of(&log[3]), 0xffff_ffff);
+    let s = exit.vcpu_stats[0];
+    assert_eq!((s.pio_exits, s.pio_unhandled), (7, 1));
+    eprintln!("pio test: {took:?}");
+}
+
+#[test]
+fn mmio_dispatch_reaches_a_device_in_the_hole() {
+    if !kvm_available() {
+        return;
+    }
+    let m = machine(1);
+    let base = 0xd000_0000u32;
+    let (dev, log) = Recorder::new(0x600d_f00d);
+    m.mmio_bus().insert(dev, base.into(), 0x1000).unwrap();
+    let mut a = Asm::new();
+    a.mov_eax(0xdead_beef)
+        .store_eax(base + 0x10)
+        .load_eax(base + 0x20)
+        .store_eax(base + 0x30)
+        // Unclaimed MMIO reads as all ones.
+        .load_eax(0xd800_0000)
+        .store_eax(base + 0x40)
+        .debug_exit(0);
+    let (exit, _) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+    let log = log.lock().unwrap();
+    let got: Vec<(u64, u32)> = log.iter().map(|a| (a.0, u32_of(a))).collect();
+    assert_eq!(
+        got,
+        vec![
+            (0xd000_0010, 0xdead_beef),
+            (0xd000_0030, 0x600d_f00d),
+            (0xd000_0040, 0xffff_ffff)
+        ]
+    );
+    let s = exit.vcpu_stats[0];
+    assert_eq!((s.mmio_exits, s.mmio_unhandled), (5, 1));
+}
+
+/// A PCI function with one 4 KiB memory BAR whose reads return `0xb0000000 | offset`.
+struct BarFunction {
+    config: PciConfiguration,
+}
+
+impl PciDevice for BarFunction {
+    fn read_config_register(&mut self, reg: usize) -> u32 {
+        self.config.read_reg(reg)
+    }
+    fn write_config_register(&mut self, reg: usize, offset: u64, data: &[u8]) -> Option<BarReprogram> {
+        self.config.write_reg(reg, offset, data)
+    }
+    fn bars(&self) -> Vec<PciBar> {
+        self.config.bars()
+    }
+    fn read_bar(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
+        let v = (0xb000_0000 | offset as u32).to_le_bytes();
+        data.copy_from_slice(&v[..data.len().min(4)]);
+    }
+}
+
+#[test]
+fn pci_config_space_finds_host_bridge_and_a_bar() {
+    if !kvm_available() {
+        return;
+    }
+    let mut m = machine(1);
+    let (dev, log) = Recorder::new(0);
+    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    let pci = m.add_pci().unwrap();
+    let bar_addr = pci.allocate_mmio32(0x1000).unwrap();
+    assert_eq!(bar_addr, PCI_MMIO32_START);
+    let mut config = PciConfiguration::new(&PciHeader {
+        vendor_id: 0x1af4,
+        device_id: 0x1042,
+        class: 0x01,
+        ..Default::default()
+    });
+    config
+        .add_bar(PciBar {
+            index: 0,
+            addr: bar_addr,
+            size: 0x1000,
+            kind: BarKind::Memory32,
+            prefetchable: false,
+        })
+        .unwrap();
+    let func = std::sync::Arc::new(std::sync::Mutex::new(BarFunction { config }));
+    assert_eq!(pci.add_device(func).unwrap(), 1);
+
+    let moved = bar_addr as u32 + 0x10_0000;
+    let mut a = Asm::new();
+    a.conf1_read(0, 0)
+        .report_eax(REPORT_PORT) // host bridge ids
+        .conf1_read(0, 2)
+        .report_eax(REPORT_PORT) // class/revision
+        .conf1_read(1, 0)
+        .report_eax(REPORT_PORT) // our function's ids
+        .conf1_read(2, 0)
+        .report_eax(REPORT_PORT) // empty slot
+        .load_eax(PCI_ECAM_START as u32)
+        .report_eax(REPORT_PORT) // host bridge ids through ECAM
+        .conf1_read(1, 4)
+        .report_eax(REPORT_PORT) // BAR0
+        .load_eax(bar_addr as u32 + 0x24)
+        .report_eax(REPORT_PORT) // BAR0 contents
+        .conf1_write(1, 4, moved)
+        .load_eax(moved + 0x8)
+        .report_eax(REPORT_PORT) // BAR0 contents at its new address
+        .debug_exit(0);
+    let (exit, took) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+    let got: Vec<u32> = log.lock().unwrap().iter().map(u32_of).collect();
+    assert_eq!(
+        got,
+        vec![
+            0x0d57_8086,
+            0x0600_0000,
+            0x1042_1af4,
+            0xffff_ffff,
+            0x0d57_8086,
+            bar_addr as u32,
+            0xb000_0024,
+            0xb000_0008
+        ]
+    );
+    eprintln!("pci test: {took:?}");
+}
+
+#[test]
+fn serial_output_reaches_the_sink() {
+    if !kvm_available() {
+        return;
+    }
+    let mut m = machine(1);
+    let sink = SharedBuf::default();
+    m.add_serial(sink.clone()).unwrap();
+    let mut a = Asm::new();
+    a.mov_dx(0x3f8);
+    for &c in b"hello\n" {
+        a.mov_al(c).out_dx_al();
+    }
+    a.debug_exit(0);
+    let (exit, _) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+    assert_eq!(sink.0.lock().unwrap().as_slice(), b"hello\n");
+}
+
+#[test]
+fn i8042_reset_ends_the_vm_with_status_zero() {
+    if !kvm_available() {
+        return;
+    }
+    let mut m = machine(1);
+    m.add_i8042().unwrap();
+    let mut a = Asm::new();
+    a.mov_al(0xfe).out_imm_al(0x64).hlt_forever();
+    let (exit, _) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::Reset);
+    assert_eq!(exit.reason.exit_code(), 0);
+}
+
+#[test]
+fn real_mode_program_runs() {
+    if !kvm_available() {
+        return;
+    }
+    let mut m = machine(1);
+    m.add_debug_exit(EXIT_PORT).unwrap();
+    let (dev, log) = Recorder::new(0);
+    m.pio_bus().insert(dev, REPORT_PORT.into(), 1).unwrap();
+    // 16-bit code at 0x100:0 (linear 0x1000): mov al,0x42; out 0xe0,al; mov dx,0x501;
+    // out dx,al.
+    let code = [0xb0, 0x42, 0xe6, 0xe0, 0xba, 0x01, 0x05, 0xee];
+    m.memory().write_slice(&code, GuestAddress(0x1000)).unwrap();
+    EntryState::Real {
+        cs_selector: 0x100,
+        ip: 0,
+        sp: 0x8000,
+    }
+    .apply(&m.vcpus()[0], m.memory())
+    .unwrap();
+    let exit = m.run().unwrap();
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0x42 });
+    assert_eq!(log.lock().unwrap().as_slice(), &[(0xe0, vec![0x42])]);
+}
+
+#[test]
+fn two_vcpus_start_and_stop_cleanly() {
+    if !kvm_available() {
+        return;
+    }
+    let m = machine(2);
+    let (dev, log) = Recorder::new(0);
+    dev.lock().unwrap().stop_after = Some((2, m.exit_handle().clone()));
+    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    // vCPU 0 reports and then spins in guest code; vCPU 1 reports and halts (blocked in the
+    // in-kernel LAPIC). Both must be kicked out of KVM_RUN.
+    let mut a0 = Asm::new();
+    a0.mov_eax(0).report_eax(REPORT_PORT).spin();
+    let mut a1 = Asm::new();
+    a1.mov_eax(1).report_eax(REPORT_PORT).hlt_forever();
+    load(&m, 0x1000, &a0);
+    load(&m, 0x2000, &a1);
+    flat32(&m, 0, 0x1000);
+    flat32(&m, 1, 0x2000);
+    m.vcpus()[1].set_runnable().unwrap();
+    let t = Instant::now();
+    let running = m.start().unwrap();
+    let exit = running.wait().unwrap();
+    let took = t.elapsed();
+    assert_eq!(exit.reason, ExitReason::Stopped);
+    assert_eq!(exit.vcpu_stats.len(), 2);
+    assert!(exit.vcpu_stats.iter().all(|s| s.pio_exits >= 1));
+    let mut ids: Vec<u32> = log.lock().unwrap().iter().map(u32_of).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, vec![0, 1]);
+    eprintln!("2-vCPU start/report/stop: {took:?}");
+}
+
+#[test]
+fn host_stop_ends_a_spinning_guest() {
+    if !kvm_available() {
+        return;
+    }
+    let m = machine(1);
+    let mut a = Asm::new();
+    a.spin();
+    load(&m, CODE_ADDR, &a);
+    flat32(&m, 0, CODE_ADDR);
+    let running = m.start().unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let t = Instant::now();
+    let exit = running.stop().unwrap();
+    assert_eq!(exit.reason, ExitReason::Stopped);
+    eprintln!("stop of a spinning vCPU: {:?}", t.elapsed());
+}
+
+#[test]
+fn long_mode_entry_with_patched_cpuid_on_two_vcpus() {
+    if !kvm_available() {
+        return;
+    }
+    let m = machine(2);
+    let (dev, log) = Recorder::new(0);
+    dev.lock().unwrap().stop_after = Some((4, m.exit_handle().clone()));
+    m.pio_bus().insert(dev, REPORT_PORT.into(), 0x10).unwrap();
+    m.configure_linux_vcpus().unwrap();
+    // Each vCPU reports CPUID.1:EBX[31:24] and CPUID.0xB.0:EDX (its APIC ids) on its own ports.
+    for id in 0..2u16 {
+        let port = REPORT_PORT + 8 * id;
+        let mut a = Asm::new();
+        a.mov_eax(1)
+            .cpuid()
+            .mov_eax_ebx()
+            .shr_eax(24)
+            .report_eax(port)
+            .mov_eax(0xb)
+            .xor_ecx()
+            .cpuid()
+            .mov_eax_edx()
+            .report_eax(port + 4)
+            .hlt_forever();
+        let rip = 0x1000 + 0x100 * u64::from(id);
+        load(&m, rip, &a);
+        EntryState::Long64 {
+            rip,
+            rsi: 0,
+            rsp: 0x8000 - 0x100 * u64::from(id),
+        }
+        .apply(&m.vcpus()[usize::from(id)], m.memory())
+        .unwrap();
+    }
+    m.vcpus()[1].set_runnable().unwrap();
+    let exit = m.run().unwrap();
+    assert_eq!(exit.reason, ExitReason::Stopped);
+    let mut got: Vec<(u64, u32)> = log.lock().unwrap().iter().map(|a| (a.0, u32_of(a))).collect();
+    got.sort_unstable();
+    assert_eq!(got, vec![(0xe0, 0), (0xe4, 0), (0xe8, 1), (0xec, 1)]);
+}
+
+#[test]
+fn pio_exit_round_trip_cost() {
+    if !kvm_available() {
+        return;
+    }
+    const N: u32 = 2000;
+    let t = Instant::now();
+    let m = machine(1);
+    let created = t.elapsed();
+    let (dev, log) = Recorder::new(0);
+    m.pio_bus().insert(dev, REPORT_PORT.into(), 1).unwrap();
+    let mut a = Asm::new();
+    a.mov_ecx(N).mov_dx(REPORT_PORT).mov_al(7);
+    let top = a.here();
+    a.out_dx_al().loop_to(top).debug_exit(0);
+    let (exit, took) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+    assert_eq!(log.lock().unwrap().len(), N as usize);
+    eprintln!(
+        "machine create: {created:?}; {N} PIO exits in {took:?} = {:.1} us per exit+loop iteration",
+        took.as_secs_f64() * 1e6 / f64::from(N)
+    );
+}
