@@ -131,7 +131,12 @@ impl PciDevice for BarFunction {
     fn read_config_register(&mut self, reg: usize) -> u32 {
         self.config.read_reg(reg)
     }
-    fn write_config_register(&mut self, reg: usize, offset: u64, data: &[u8]) -> Option<BarReprogram> {
+    fn write_config_register(
+        &mut self,
+        reg: usize,
+        offset: u64,
+        data: &[u8],
+    ) -> Option<BarReprogram> {
         self.config.write_reg(reg, offset, data)
     }
     fn bars(&self) -> Vec<PciBar> {
@@ -358,7 +363,12 @@ fn long_mode_entry_with_patched_cpuid_on_two_vcpus() {
     m.vcpus()[1].set_runnable().unwrap();
     let exit = m.run().unwrap();
     assert_eq!(exit.reason, ExitReason::Stopped);
-    let mut got: Vec<(u64, u32)> = log.lock().unwrap().iter().map(|a| (a.0, u32_of(a))).collect();
+    let mut got: Vec<(u64, u32)> = log
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|a| (a.0, u32_of(a)))
+        .collect();
     got.sort_unstable();
     assert_eq!(got, vec![(0xe0, 0), (0xe4, 0), (0xe8, 1), (0xec, 1)]);
 }

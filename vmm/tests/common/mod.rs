@@ -11,7 +11,11 @@ use vmm::exit::{ExitHandle, ExitReason};
 
 /// Returns `false` (and says why) when this machine cannot run KVM guests.
 pub fn kvm_available() -> bool {
-    match std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
         Ok(_) => true,
         Err(e) => {
             eprintln!("SKIPPED: /dev/kvm not usable ({e}); KVM guest tests need it");
@@ -101,6 +105,10 @@ impl Asm {
     /// `shr eax, imm8` (any).
     pub fn shr_eax(&mut self, n: u8) -> &mut Self {
         self.b(&[0xc1, 0xe8, n])
+    }
+    /// Raw bytes.
+    pub fn raw(&mut self, bytes: &[u8]) -> &mut Self {
+        self.b(bytes)
     }
     /// Current position (a label).
     pub fn here(&self) -> usize {
