@@ -235,6 +235,69 @@ fn serial_output_reaches_the_sink() {
     assert_eq!(sink.0.lock().unwrap().as_slice(), b"hello\n");
 }
 
+/// The UART's interrupt travels eventfd -> irqfd -> in-kernel PIC -> LAPIC LINT0 (ExtINT)
+/// -> guest IDT vector 0x24.
+#[test]
+fn serial_interrupt_reaches_the_guest_through_irqfd() {
+    if !kvm_available() {
+        return;
+    }
+    const IDT: u64 = 0x3000;
+    const IDTR: u64 = 0x2ff0;
+    const HANDLER: u64 = 0x1800;
+    const VECTOR: u64 = 0x24;
+    let mut m = machine(1);
+    m.add_serial(SharedBuf::default()).unwrap();
+    let (dev, log) = Recorder::new(0);
+    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    vmm::boot::msr::setup_lapic(&m.vcpus()[0]).unwrap();
+    // IDT gate for VECTOR: 32-bit interrupt gate to HANDLER in the code segment (0x08).
+    let mut gate = Vec::new();
+    gate.extend((HANDLER as u16).to_le_bytes());
+    gate.extend(0x08u16.to_le_bytes());
+    gate.extend([0, 0x8e]);
+    gate.extend(((HANDLER >> 16) as u16).to_le_bytes());
+    m.memory()
+        .write_slice(&gate, GuestAddress(IDT + 8 * VECTOR))
+        .unwrap();
+    let mut idtr = 0x7ffu16.to_le_bytes().to_vec();
+    idtr.extend((IDT as u32).to_le_bytes());
+    m.memory().write_slice(&idtr, GuestAddress(IDTR)).unwrap();
+    let mut handler = Asm::new();
+    handler
+        .mov_eax(VECTOR as u32)
+        .report_eax(REPORT_PORT)
+        .debug_exit(0);
+    load(&m, HANDLER, &handler);
+
+    let mut a = Asm::new();
+    // Master PIC: ICW1 edge/cascade/ICW4, ICW2 base 0x20, ICW3 slave on IR2, ICW4 8086 mode,
+    // then mask everything but IRQ 4.
+    for (port, v) in [
+        (0x20, 0x11),
+        (0x21, 0x20),
+        (0x21, 0x04),
+        (0x21, 0x01),
+        (0x21, 0xef),
+    ] {
+        a.mov_al(v).out_imm_al(port);
+    }
+    a.raw(&[0x0f, 0x01, 0x1d])
+        .raw(&(IDTR as u32).to_le_bytes()) // lidt [IDTR]
+        .raw(&[0xfb]) // sti
+        .mov_dx(0x3f9)
+        .mov_al(0x02)
+        .out_dx_al() // IER: THR-empty interrupt, raised at once
+        .hlt_forever();
+    let (exit, took) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+    assert_eq!(
+        log.lock().unwrap().iter().map(u32_of).collect::<Vec<_>>(),
+        vec![0x24]
+    );
+    eprintln!("serial interrupt round trip test: {took:?}");
+}
+
 #[test]
 fn i8042_reset_ends_the_vm_with_status_zero() {
     if !kvm_available() {
@@ -395,4 +458,59 @@ fn pio_exit_round_trip_cost() {
         "machine create: {created:?}; {N} PIO exits in {took:?} = {:.1} us per exit+loop iteration",
         took.as_secs_f64() * 1e6 / f64::from(N)
     );
+}
+
+/// With more RAM than the hole start, RAM continues at 4 GiB: the guest writes just below
+/// the hole and just above 4 GiB (through an extra 2 MiB mapping), and reads the hole, which
+/// exits as MMIO.
+#[test]
+fn large_memory_is_split_around_the_mmio_hole() {
+    if !kvm_available() {
+        return;
+    }
+    let mut m = Machine::new(&MachineConfig {
+        mem_size: (3 << 30) + (64 << 20),
+        vcpus: 1,
+    })
+    .unwrap();
+    assert_eq!(m.ram_ranges().len(), 2);
+    m.add_debug_exit(EXIT_PORT).unwrap();
+    EntryState::Long64 {
+        rip: CODE_ADDR,
+        rsi: 0,
+        rsp: 0x8000,
+    }
+    .apply(&m.vcpus()[0], m.memory())
+    .unwrap();
+    // PDPT[4] -> a page directory at 0xf000 whose entry 0 maps 4 GiB as a 2 MiB page.
+    m.memory()
+        .write_obj(
+            0xf000u64 | 0x3,
+            GuestAddress(vmm::layout::PDPTE_START + 4 * 8),
+        )
+        .unwrap();
+    m.memory()
+        .write_obj((1u64 << 32) | 0x83, GuestAddress(0xf000))
+        .unwrap();
+    let below_hole = vmm::layout::MMIO_HOLE_START - 0x10;
+    let mut a = Asm::new();
+    a.raw(&[0x48, 0xb8])
+        .raw(&below_hole.to_le_bytes()) // mov rax, below_hole
+        .raw(&[0xc7, 0x00])
+        .raw(&0x1111_1111u32.to_le_bytes()) // mov dword [rax], imm32
+        .raw(&[0x48, 0xb8])
+        .raw(&(1u64 << 32).to_le_bytes()) // mov rax, 4 GiB
+        .raw(&[0xc7, 0x00])
+        .raw(&0x2222_2222u32.to_le_bytes())
+        .raw(&[0xa1])
+        .raw(&vmm::layout::MMIO_HOLE_START.to_le_bytes()) // mov eax, [moffs64]: in the hole
+        .debug_exit(0);
+    load(&m, CODE_ADDR, &a);
+    let mem = m.memory().clone();
+    let exit = m.run().unwrap();
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+    assert_eq!(exit.vcpu_stats[0].mmio_unhandled, 1);
+    let low: u32 = mem.read_obj(GuestAddress(below_hole)).unwrap();
+    let high: u32 = mem.read_obj(GuestAddress(1 << 32)).unwrap();
+    assert_eq!((low, high), (0x1111_1111, 0x2222_2222));
 }
