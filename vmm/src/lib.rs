@@ -6,6 +6,7 @@
 //! * [`memory`]: the guest physical address map and guest RAM allocation.
 //! * [`bus`]: PIO and MMIO buses that route exits to range-registered [`bus::BusDevice`]s.
 //! * [`vcpu`]: vCPU wrappers and the per-vCPU thread run loop.
+//! * [`irq`]: GSI routing (default irqchip routes plus MSI routes for MSI-X).
 //! * [`exit`]: how a VM ends ([`exit::ExitReason`]) and the handle that asks it to end.
 //! * [`legacy`]: the 16550 serial console, the i8042 reset line and a debug-exit port.
 //! * [`pci`]: a PCI segment with a host bridge, configuration mechanism #1 and ECAM, and the
@@ -22,6 +23,7 @@
 pub mod boot;
 pub mod bus;
 pub mod exit;
+pub mod irq;
 pub mod layout;
 pub mod legacy;
 pub mod machine;

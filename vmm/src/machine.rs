@@ -108,7 +108,7 @@ pub struct MachineConfig {
 #[derive(Debug)]
 pub struct Machine {
     kvm: Kvm,
-    vm: Vm,
+    vm: Arc<Vm>,
     ram: Vec<RamRange>,
     vcpus: Vec<Vcpu>,
     pio: Arc<Bus>,
@@ -138,7 +138,7 @@ impl Machine {
         }
         let ram = memory::ram_ranges(cfg.mem_size)?;
         let mem = memory::create_guest_memory(cfg.mem_size)?;
-        let vm = Vm::new(&kvm, mem)?;
+        let vm = Arc::new(Vm::new(&kvm, mem)?);
         let vcpus = (0..cfg.vcpus)
             .map(|id| Ok(Vcpu::new(id, vm.create_vcpu(id)?, vm.memory().clone())))
             .collect::<Result<Vec<_>>>()?;
@@ -159,8 +159,8 @@ impl Machine {
         &self.kvm
     }
 
-    /// The VM.
-    pub fn vm(&self) -> &Vm {
+    /// The VM (share it with devices that register irqfds, ioeventfds or MSI routes).
+    pub fn vm(&self) -> &Arc<Vm> {
         &self.vm
     }
 
@@ -354,7 +354,7 @@ pub struct RunningMachine {
     exit: ExitHandle,
     _pci: Option<Arc<PciRoot>>,
     // Declared last: the vCPU threads are joined (in `wait` or `drop`) before the VM goes.
-    _vm: Vm,
+    _vm: Arc<Vm>,
 }
 
 impl RunningMachine {

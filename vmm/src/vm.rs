@@ -7,10 +7,13 @@
 //! [`Error::Pit`], ...) rather than running a VM without interrupts.
 
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
+use std::sync::Mutex;
+
+use kvm_ioctls::{Cap, IoEventAddress, Kvm, NoDatamatch, VcpuFd, VmFd};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::irq::IrqRouting;
 use crate::layout::{KVM_IDENTITY_MAP_START, KVM_TSS_START};
 
 /// Errors of VM setup.
@@ -72,6 +75,17 @@ pub enum Error {
         /// Underlying error.
         source: kvm_ioctls::Error,
     },
+    /// GSI routing.
+    #[error(transparent)]
+    Routing(#[from] crate::irq::Error),
+    /// KVM_IOEVENTFD failed.
+    #[error("KVM_IOEVENTFD at {addr:?}: {source}")]
+    Ioeventfd {
+        /// The address.
+        addr: IoEventAddress,
+        /// Underlying error.
+        source: kvm_ioctls::Error,
+    },
     /// KVM_CREATE_VCPU failed.
     #[error("KVM_CREATE_VCPU {id}: {source}")]
     CreateVcpu {
@@ -119,10 +133,26 @@ pub fn open_kvm() -> Result<Kvm> {
 }
 
 /// A KVM VM with its guest memory registered.
+///
+/// `Vm` is `Sync`: devices that program interrupts or doorbells at run time (a virtio-pci
+/// function when the guest enables MSI-X or a queue) share it as `Arc<Vm>`.
 #[derive(Debug)]
 pub struct Vm {
     fd: VmFd,
     memory: GuestMemoryMmap,
+    routing: Mutex<IrqRouting>,
+}
+
+/// What an ioeventfd matches on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoeventMatch {
+    /// Any write of any length.
+    Any,
+    /// A 2-byte write of this value (virtio-pci modern notifications write the queue index
+    /// as 16 bits).
+    U16(u16),
+    /// A 4-byte write of this value.
+    U32(u32),
 }
 
 impl Vm {
@@ -143,7 +173,11 @@ impl Vm {
             ..Default::default()
         };
         fd.create_pit2(pit).map_err(Error::Pit)?;
-        let vm = Vm { fd, memory };
+        let vm = Vm {
+            fd,
+            memory,
+            routing: Mutex::new(IrqRouting::default()),
+        };
         vm.register_memory(kvm.get_nr_memslots())?;
         Ok(vm)
     }
@@ -202,6 +236,95 @@ impl Vm {
         self.fd
             .register_irqfd(evt, gsi)
             .map_err(|source| Error::Irqfd { gsi, source })
+    }
+
+    /// Unregisters an irqfd registered with [`Vm::register_irqfd`].
+    ///
+    /// # Errors
+    /// [`Error::Irqfd`].
+    pub fn unregister_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<()> {
+        self.fd
+            .unregister_irqfd(evt, gsi)
+            .map_err(|source| Error::Irqfd { gsi, source })
+    }
+
+    /// Reserves a GSI for an MSI route.
+    ///
+    /// # Errors
+    /// [`Error::Routing`].
+    pub fn allocate_msi_gsi(&self) -> Result<u32> {
+        Ok(self.lock_routing().allocate_msi_gsi()?)
+    }
+
+    /// Routes MSI GSI `gsi` to `address`/`data` and commits the whole table to KVM. Pair it
+    /// with [`Vm::register_irqfd`] on the same GSI to deliver the MSI from an eventfd.
+    ///
+    /// # Errors
+    /// [`Error::Routing`].
+    pub fn set_msi_route(&self, gsi: u32, address: u64, data: u32) -> Result<()> {
+        let mut r = self.lock_routing();
+        r.set_msi(gsi, address, data)?;
+        self.commit_routing(&r)
+    }
+
+    /// Removes the MSI route of `gsi` (an irqfd on it then raises nothing) and commits.
+    ///
+    /// # Errors
+    /// [`Error::Routing`].
+    pub fn clear_msi_route(&self, gsi: u32) -> Result<()> {
+        let mut r = self.lock_routing();
+        if r.clear(gsi) {
+            self.commit_routing(&r)?;
+        }
+        Ok(())
+    }
+
+    fn lock_routing(&self) -> std::sync::MutexGuard<'_, IrqRouting> {
+        self.routing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn commit_routing(&self, r: &IrqRouting) -> Result<()> {
+        let table = r.to_kvm()?;
+        self.fd
+            .set_gsi_routing(&table)
+            .map_err(|e| Error::Routing(crate::irq::Error::Commit(e)))
+    }
+
+    /// Makes guest writes to `addr` that match `datamatch` signal `evt` inside KVM, without
+    /// an exit to the VMM.
+    ///
+    /// # Errors
+    /// [`Error::Ioeventfd`].
+    pub fn register_ioeventfd(
+        &self,
+        evt: &EventFd,
+        addr: IoEventAddress,
+        datamatch: IoeventMatch,
+    ) -> Result<()> {
+        let r = match datamatch {
+            IoeventMatch::Any => self.fd.register_ioevent(evt, &addr, NoDatamatch),
+            IoeventMatch::U16(v) => self.fd.register_ioevent(evt, &addr, v),
+            IoeventMatch::U32(v) => self.fd.register_ioevent(evt, &addr, v),
+        };
+        r.map_err(|source| Error::Ioeventfd { addr, source })
+    }
+
+    /// Undoes [`Vm::register_ioeventfd`] (same arguments).
+    ///
+    /// # Errors
+    /// [`Error::Ioeventfd`].
+    pub fn unregister_ioeventfd(
+        &self,
+        evt: &EventFd,
+        addr: IoEventAddress,
+        datamatch: IoeventMatch,
+    ) -> Result<()> {
+        let r = match datamatch {
+            IoeventMatch::Any => self.fd.unregister_ioevent(evt, &addr, NoDatamatch),
+            IoeventMatch::U16(v) => self.fd.unregister_ioevent(evt, &addr, v),
+            IoeventMatch::U32(v) => self.fd.unregister_ioevent(evt, &addr, v),
+        };
+        r.map_err(|source| Error::Ioeventfd { addr, source })
     }
 
     /// Creates vCPU `id`.

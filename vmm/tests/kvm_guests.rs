@@ -236,7 +236,7 @@ fn serial_output_reaches_the_sink() {
 }
 
 /// The UART's interrupt travels eventfd -> irqfd -> in-kernel PIC -> LAPIC LINT0 (ExtINT)
-/// -> guest IDT vector 0x24.
+/// -> guest IDT vector 0x24, also after the VMM rewrote the GSI routing table.
 #[test]
 fn serial_interrupt_reaches_the_guest_through_irqfd() {
     if !kvm_available() {
@@ -251,6 +251,9 @@ fn serial_interrupt_reaches_the_guest_through_irqfd() {
     let (dev, log) = Recorder::new(0);
     m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
     vmm::boot::msr::setup_lapic(&m.vcpus()[0]).unwrap();
+    // Committing an MSI route replaces KVM's routing table: GSI 4 must still reach the PIC.
+    let gsi = m.vm().allocate_msi_gsi().unwrap();
+    m.vm().set_msi_route(gsi, 0xfee0_0000, 0x50).unwrap();
     // IDT gate for VECTOR: 32-bit interrupt gate to HANDLER in the code segment (0x08).
     let mut gate = Vec::new();
     gate.extend((HANDLER as u16).to_le_bytes());
@@ -513,4 +516,106 @@ fn large_memory_is_split_around_the_mmio_hole() {
     let low: u32 = mem.read_obj(GuestAddress(below_hole)).unwrap();
     let high: u32 = mem.read_obj(GuestAddress(1 << 32)).unwrap();
     assert_eq!((low, high), (0x1111_1111, 0x2222_2222));
+}
+
+/// An MSI route (what a virtio-pci MSI-X vector becomes): irqfd on an MSI GSI -> local APIC
+/// fixed interrupt -> guest IDT vector 0x41.
+#[test]
+fn msi_route_delivers_an_irqfd_as_a_vector() {
+    if !kvm_available() {
+        return;
+    }
+    const IDT: u64 = 0x3000;
+    const IDTR: u64 = 0x2ff0;
+    const HANDLER: u64 = 0x1800;
+    const VECTOR: u32 = 0x41;
+    let mut m = machine(1);
+    m.add_debug_exit(EXIT_PORT).unwrap();
+    let (dev, log) = Recorder::new(0);
+    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    // Software-enable the local APIC (SVR bit 8, spurious vector 0xff): fixed interrupts
+    // are dropped while it is disabled.
+    let fd = m.vcpus()[0].fd();
+    let mut lapic = fd.get_lapic().unwrap();
+    for (i, b) in 0x1ffu32.to_le_bytes().iter().enumerate() {
+        lapic.regs[0xf0 + i] = *b as _;
+    }
+    fd.set_lapic(&lapic).unwrap();
+    let mut gate = Vec::new();
+    gate.extend((HANDLER as u16).to_le_bytes());
+    gate.extend(0x08u16.to_le_bytes());
+    gate.extend([0, 0x8e]);
+    gate.extend(((HANDLER >> 16) as u16).to_le_bytes());
+    m.memory()
+        .write_slice(&gate, GuestAddress(IDT + 8 * u64::from(VECTOR)))
+        .unwrap();
+    let mut idtr = 0x7ffu16.to_le_bytes().to_vec();
+    idtr.extend((IDT as u32).to_le_bytes());
+    m.memory().write_slice(&idtr, GuestAddress(IDTR)).unwrap();
+    let mut handler = Asm::new();
+    handler
+        .mov_eax(VECTOR)
+        .report_eax(REPORT_PORT)
+        .debug_exit(0);
+    load(&m, HANDLER, &handler);
+    let mut a = Asm::new();
+    a.raw(&[0x0f, 0x01, 0x1d])
+        .raw(&(IDTR as u32).to_le_bytes()) // lidt [IDTR]
+        .raw(&[0xfb]) // sti
+        .hlt_forever();
+    load(&m, CODE_ADDR, &a);
+    flat32(&m, 0, CODE_ADDR);
+
+    let vm = m.vm().clone();
+    let gsi = vm.allocate_msi_gsi().unwrap();
+    assert!(gsi >= vmm::irq::FIRST_MSI_GSI);
+    // Destination APIC id 0, fixed delivery, edge, vector 0x41.
+    vm.set_msi_route(gsi, 0xfee0_0000, VECTOR).unwrap();
+    let evt = vmm_sys_util::eventfd::EventFd::new(0).unwrap();
+    vm.register_irqfd(&evt, gsi).unwrap();
+    let running = m.start().unwrap();
+    evt.write(1).unwrap();
+    let exit = running.wait().unwrap();
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+    assert_eq!(
+        log.lock().unwrap().iter().map(u32_of).collect::<Vec<_>>(),
+        vec![VECTOR]
+    );
+}
+
+/// A 16-bit doorbell write that matches an ioeventfd signals it inside KVM without an exit;
+/// a non-matching value still exits to the MMIO bus.
+#[test]
+fn ioeventfd_catches_a_doorbell_without_an_exit() {
+    if !kvm_available() {
+        return;
+    }
+    let m = machine(1);
+    let doorbell = 0xd000_0000u32;
+    let evt = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
+    m.vm()
+        .register_ioeventfd(
+            &evt,
+            kvm_ioctls::IoEventAddress::Mmio(doorbell.into()),
+            vmm::vm::IoeventMatch::U16(3),
+        )
+        .unwrap();
+    let (dev, log) = Recorder::new(0);
+    m.mmio_bus().insert(dev, doorbell.into(), 0x1000).unwrap();
+    let mut a = Asm::new();
+    for v in [3u16, 5, 3] {
+        a.raw(&[0x66, 0xb8])
+            .raw(&v.to_le_bytes()) // mov ax, v
+            .raw(&[0x66, 0xa3])
+            .raw(&doorbell.to_le_bytes()); // mov [doorbell], ax
+    }
+    a.debug_exit(0);
+    let (exit, _) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+    assert_eq!(evt.read().unwrap(), 2);
+    assert_eq!(exit.vcpu_stats[0].mmio_exits, 1);
+    assert_eq!(
+        log.lock().unwrap().as_slice(),
+        &[(u64::from(doorbell), vec![5, 0])]
+    );
 }
