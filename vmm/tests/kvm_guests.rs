@@ -439,27 +439,45 @@ fn long_mode_entry_with_patched_cpuid_on_two_vcpus() {
     assert_eq!(got, vec![(0xe0, 0), (0xe4, 0), (0xe8, 1), (0xec, 1)]);
 }
 
+/// Times N loop iterations with and without an `out` to a bus device: the difference is the
+/// cost of one PIO exit round trip through KVM, the vCPU loop and the bus (printed; run with
+/// `--nocapture`).
 #[test]
 fn pio_exit_round_trip_cost() {
     if !kvm_available() {
         return;
     }
     const N: u32 = 2000;
-    let t = Instant::now();
-    let m = machine(1);
-    let created = t.elapsed();
-    let (dev, log) = Recorder::new(0);
-    m.pio_bus().insert(dev, REPORT_PORT.into(), 1).unwrap();
-    let mut a = Asm::new();
-    a.mov_ecx(N).mov_dx(REPORT_PORT).mov_al(7);
-    let top = a.here();
-    a.out_dx_al().loop_to(top).debug_exit(0);
-    let (exit, took) = run_flat32(m, &a);
-    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
-    assert_eq!(log.lock().unwrap().len(), N as usize);
+    let run = |with_out: bool| {
+        let t = Instant::now();
+        let m = machine(1);
+        let created = t.elapsed();
+        let (dev, log) = Recorder::new(0);
+        m.pio_bus().insert(dev, REPORT_PORT.into(), 1).unwrap();
+        let mut a = Asm::new();
+        a.mov_ecx(N).mov_dx(REPORT_PORT).mov_al(7);
+        let top = a.here();
+        if with_out {
+            a.out_dx_al();
+        } else {
+            a.raw(&[0x90]); // nop, so both loops execute two instructions per iteration
+        }
+        a.loop_to(top).debug_exit(0);
+        let (exit, took) = run_flat32(m, &a);
+        assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+        let n = log.lock().unwrap().len();
+        assert_eq!(n, if with_out { N as usize } else { 0 });
+        (created, took)
+    };
+    let (created, plain) = run(false);
+    let (_, with_out) = run(true);
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / f64::from(N);
     eprintln!(
-        "machine create: {created:?}; {N} PIO exits in {took:?} = {:.1} us per exit+loop iteration",
-        took.as_secs_f64() * 1e6 / f64::from(N)
+        "machine create {created:?}; {N} iterations: nop+loop {plain:?} ({:.1} us/iter), \
+         out+loop {with_out:?} ({:.1} us/iter) => ~{:.1} us per PIO exit",
+        per(plain),
+        per(with_out),
+        per(with_out) - per(plain)
     );
 }
 

@@ -131,7 +131,7 @@ impl PciConfiguration {
             BarKind::Memory32 => 1,
             BarKind::Memory64 => 2,
         };
-        if i + regs_needed > NUM_BARS {
+        if i.checked_add(regs_needed).is_none_or(|end| end > NUM_BARS) {
             return Err(Error::InvalidBarIndex(i));
         }
         for j in i..i + regs_needed {
@@ -404,6 +404,9 @@ mod tests {
             prefetchable: false,
         };
         assert!(c.add_bar(bar(6, 0, 0x1000, BarKind::Memory32)).is_err());
+        assert!(c
+            .add_bar(bar(usize::MAX, 0, 0x1000, BarKind::Memory64))
+            .is_err());
         assert!(c.add_bar(bar(5, 0, 0x1000, BarKind::Memory64)).is_err());
         assert!(c.add_bar(bar(0, 0, 0x1800, BarKind::Memory32)).is_err());
         assert!(c.add_bar(bar(0, 0x800, 0x1000, BarKind::Memory32)).is_err());
