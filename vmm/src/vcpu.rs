@@ -9,6 +9,12 @@
 //! the signal makes `KVM_RUN` return `EINTR`, and the loop then sees the exit flag. A signal
 //! that lands between the flag check and `KVM_RUN` is lost, so the machine re-sends it until
 //! the thread ends (see [`crate::machine::RunningMachine::wait`]).
+//!
+//! Known limitation: a string PIO instruction (`rep outsb`/`rep insw`, KVM_EXIT_IO with
+//! `count > 1`) reaches the device as one access of `size * count` bytes, because kvm-ioctls
+//! does not expose `size` and `count` separately. None of the devices here is driven that way
+//! by Linux (the 8250, i8042 and conf1 drivers use single `in`/`out`); a device that is
+//! (ATA PIO) needs the exit split per element first.
 
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
