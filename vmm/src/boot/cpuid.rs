@@ -2,10 +2,10 @@
 //!
 //! Topology: `n` vCPUs are `n` cores of one socket, one thread per core; vCPU `i` has APIC id
 //! `i`. [`patch_cpuid`] rewrites:
-//! * leaf 0x1: EBX[31:24] initial APIC id, EBX[23:16] logical processors per package, ECX bit
+//! * leaf 0x1: EBX\[31:24\] initial APIC id, EBX\[23:16\] logical processors per package, ECX bit
 //!   31 (hypervisor present), EDX bit 28 (HTT) when there is more than one vCPU;
-//! * leaf 0x4 (Intel deterministic cache parameters): EAX[31:26] cores per package - 1 and
-//!   EAX[25:14] sharing (L3 shared by all vCPUs, lower levels private);
+//! * leaf 0x4 (Intel deterministic cache parameters): EAX\[31:26\] cores per package - 1 and
+//!   EAX\[25:14\] sharing (L3 shared by all vCPUs, lower levels private);
 //! * leaves 0xB and 0x1F (extended topology): SMT level (1 thread, shift 0), core level
 //!   (`n` cores, shift `ceil(log2 n)`), then an invalid level; EDX = x2APIC id. 0xB is added
 //!   if KVM did not report it while the max basic leaf allows it;
