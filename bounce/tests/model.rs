@@ -128,9 +128,10 @@ fn run(kind: AllocatorKind, mode: PoolMode, ops: &[Op]) -> Result<(), TestCaseEr
                                 prop_assert_eq!(m.dev_addr % 4096, 0);
                             }
                         }
-                        for s in m.slot..m.slot + m.nslots {
-                            prop_assert!(!occupied[s], "{kind}: slot {} handed out twice", s);
-                            occupied[s] = true;
+                        for (s, occ) in occupied.iter_mut().enumerate().skip(m.slot).take(m.nslots)
+                        {
+                            prop_assert!(!*occ, "{kind}: slot {} handed out twice", s);
+                            *occ = true;
                         }
                         let copied = mode == PoolMode::Swiotlb || dir.device_reads();
                         let dev = model[off..off + size].to_vec();
@@ -242,9 +243,7 @@ fn run(kind: AllocatorKind, mode: PoolMode, ops: &[Op]) -> Result<(), TestCaseEr
                 };
                 pool.unmap_single(&mem, l.m.dev_addr, l.m.size, l.m.dir, attrs, worker)
                     .unwrap();
-                for s in l.m.slot..l.m.slot + l.m.nslots {
-                    occupied[s] = false;
-                }
+                occupied[l.m.slot..l.m.slot + l.m.nslots].fill(false);
                 if l.m.dir.device_writes() && !skip {
                     let o = (l.m.orig - ORIG_BASE) as usize;
                     model[o..o + l.m.size].copy_from_slice(&l.dev);
@@ -252,7 +251,6 @@ fn run(kind: AllocatorKind, mode: PoolMode, ops: &[Op]) -> Result<(), TestCaseEr
                 let _ = l.min_align_mask;
             }
         }
-        drop(mem);
         prop_assert_eq!(
             pool.used(),
             occupied.iter().filter(|o| **o).count(),
