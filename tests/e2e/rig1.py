@@ -142,6 +142,7 @@ def images() -> Images:
 
 # ----------------------------------------------------------------------------- serial log parsing
 
+_CRASH = re.compile(r"(Oops: .*|BUG: .*|Kernel panic - .*|general protection fault.*)")
 _BVM_LINE = re.compile(r"BVM-(RESULT|SWIOTLB|BOOT|INFO|DONE|LOG)(?:\s+(.*))?$")
 
 
@@ -306,10 +307,33 @@ class GuestRun:
     def done(self) -> bool:
         return bool(self.parsed.get("DONE"))
 
+    @property
+    def booted(self) -> bool:
+        """/init started (BVM-BOOT seen)."""
+        return bool(self.parsed.get("BOOT"))
+
+    @property
+    def kernel_crash(self) -> str:
+        """The first Oops/BUG/panic line of the guest kernel, or ''."""
+        m = _CRASH.search(self.log)
+        return m.group(0).strip() if m else ""
+
+    @property
+    def boot_crash(self) -> bool:
+        """The guest kernel died before /init: nothing the devices under test did. Seen under
+        multi-threaded TCG as 'Oops: int3' right after the kernel patched its own code (a
+        static-key flip) -- a QEMU TCG race, not a bouncevm bug."""
+        return not self.booted and bool(self.kernel_crash)
+
+    retried: list["GuestRun"] = field(default_factory=list)
+
     def describe(self, tail: int = 40) -> str:
         lines = self.log.replace("\r", "").splitlines()
+        crash = f" kernel_crash={self.kernel_crash!r}" if self.kernel_crash else ""
+        retried = (f" after {len(self.retried)} boot crash(es) (logs: "
+                   + ", ".join(str(r.log_path) for r in self.retried) + ")") if self.retried else ""
         return (f"guest {self.name}: rc={self.returncode} timed_out={self.timed_out} "
-                f"wall={self.wall_s:.1f}s log={self.log_path}\n"
+                f"wall={self.wall_s:.1f}s log={self.log_path}{crash}{retried}\n"
                 f"argv: {shlex.join(self.argv)}\n--- last {tail} log lines ---\n"
                 + "\n".join(lines[-tail:]))
 
@@ -343,6 +367,7 @@ class Guest:
         self.log_path = out_path(name, ".serial.log")
         self._t0 = 0.0
         self._logf = None
+        self._attempt = 0
 
     def kernel_cmdline(self) -> str:
         words = ["console=ttyS0", "quiet", "panic=-1", f"bvm.test={self.test}"]
@@ -372,6 +397,8 @@ class Guest:
         return a
 
     def start(self) -> "Guest":
+        if self._attempt:
+            self.log_path = out_path(f"{self.name}.retry{self._attempt}", ".serial.log")
         argv = self.argv()
         self._argv = argv
         self._logf = open(self.log_path, "wb")
@@ -405,9 +432,22 @@ class Guest:
             self._logf.close()
             self._logf = None
 
-    def run(self) -> GuestRun:
-        with self:
-            return self.wait()
+    def run(self, boot_retries: int = 1, on_retry=None) -> GuestRun:
+        """start + wait + kill. If the guest kernel crashed before /init (GuestRun.boot_crash,
+        a TCG race unrelated to the devices), boot again, up to boot_retries times; on_retry()
+        is called first (e.g. to restart a backend that serves one connection only). The
+        crashed runs are kept in GuestRun.retried. Crashes after /init are never retried."""
+        crashed: list[GuestRun] = []
+        while True:
+            with self:
+                run = self.wait()
+            if not run.boot_crash or len(crashed) >= boot_retries:
+                run.retried = crashed
+                return run
+            crashed.append(run)
+            self._attempt += 1
+            if on_retry is not None:
+                on_retry()
 
     def __enter__(self) -> "Guest":
         return self.start()
@@ -416,9 +456,9 @@ class Guest:
         self.kill()
 
 
-def run_guest(name: str, test: str, **kw) -> GuestRun:
-    """Guest(name, test, **kw).run()"""
-    return Guest(name, test, **kw).run()
+def run_guest(name: str, test: str, boot_retries: int = 1, on_retry=None, **kw) -> GuestRun:
+    """Guest(name, test, **kw).run(boot_retries, on_retry)"""
+    return Guest(name, test, **kw).run(boot_retries=boot_retries, on_retry=on_retry)
 
 
 # ----------------------------------------------------------------------------- backends
@@ -468,6 +508,13 @@ class Backend:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def restart(self) -> "Backend":
+        """stop() + start() (log appended to a new file NAME.restartN.backend.log)."""
+        self.stop()
+        self._restarts = getattr(self, "_restarts", 0) + 1
+        self.log_path = out_path(f"{self.name}.restart{self._restarts}", ".backend.log")
+        return self.start()
 
     def log(self) -> str:
         with contextlib.suppress(OSError):

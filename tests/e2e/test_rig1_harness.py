@@ -33,3 +33,30 @@ def test_pattern_roundtrip(tmp_path):
     rig1.write_pattern(img, [0, 8192], seed="a", length=512)
     assert rig1.check_pattern(img, [0, 8192], seed="a", length=512) == []
     assert rig1.check_pattern(img, [0, 8192, 4096], seed="a", length=512) == [4096]
+
+
+@rig1.skip_if_missing
+def test_harness_reports_guest_failure():
+    """A guest-side check that fails must come back as status=fail, not as a pass."""
+    rig1.require_root()
+    rig1.require_qemu()
+    rig1.images()
+    img = rig1.make_raw_image(rig1.out_path("harness_fail", ".img"), "16M")
+    run = rig1.run_guest("harness_fail", "read-pattern",
+                         params=rig1.pattern_params([0, 4096], seed="absent"),
+                         devices=rig1.blk_builtin(img))
+    r = run.result("read-pattern")
+    assert r["status"] == "fail" and r["reason"] == "pattern-mismatch", run.describe()
+    assert r["bad_blocks"] == "2"
+    assert any("pattern mismatch" in l for l in run.parsed["LOG"])
+
+
+@rig1.skip_if_missing
+def test_harness_timeout_kills_guest():
+    rig1.require_root()
+    rig1.require_qemu()
+    rig1.images()
+    # bvm.shell=1 keeps the guest alive after the test; the host-side timeout must end it
+    g = rig1.Guest("harness_timeout", "none", params={"shell": 1, "timeout": 600}, timeout=3)
+    run = g.run()
+    assert run.timed_out and g.proc.poll() is not None
