@@ -30,7 +30,7 @@ OUT_DIR = Path(os.environ.get("BVM_TEST_OUT", REPO / "tests" / "out"))
 
 DEFAULT_MEM = "1G"
 DEFAULT_SMP = 2
-DEFAULT_TIMEOUT = 90.0
+DEFAULT_TIMEOUT = float(os.environ.get("BVM_GUEST_TIMEOUT", "90"))  # per boot, host side
 
 
 # ----------------------------------------------------------------------------- prerequisites
