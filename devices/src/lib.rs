@@ -10,4 +10,5 @@
 
 #![warn(missing_docs)]
 
+pub mod net;
 pub mod virtio;
