@@ -24,6 +24,11 @@ pub mod rate_limiter;
 pub mod tap;
 pub mod worker;
 
+#[cfg(test)]
+mod test_utils;
+#[cfg(test)]
+mod tests;
+
 pub use backend::{MemBackend, NetBackend, NullBackend};
 pub use device::{Net, NetConfig};
 pub use header::VnetHeader;
