@@ -35,13 +35,14 @@ pub mod geometry;
 pub mod orig;
 pub mod pool;
 pub mod stats;
+pub mod trace;
 pub mod types;
 
 pub use alloc::{AllocatorKind, SlotAllocator, SlotRequest};
 pub use dma::{DeviceDmaParams, Dma, DmaBuffer, Policy};
 pub use error::{Error, Result};
 pub use geometry::{Geometry, PoolConfig, PoolMode};
-pub use orig::{HostMemory, OrigMemory};
+pub use orig::{HostMemory, NullMemory, OrigMemory};
 pub use pool::{BouncePool, CopyOnMap, Mapping};
 pub use stats::PoolStats;
 pub use types::{Direction, DmaAttrs, MapRequest};

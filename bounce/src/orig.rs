@@ -128,3 +128,22 @@ impl OrigMemory for HostMemory<'_> {
         Ok(())
     }
 }
+
+/// Original memory that is not there: reads produce zeros, writes are discarded, every
+/// address is accessible. For replaying traces and benchmarking placement without copies.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NullMemory;
+
+impl OrigMemory for NullMemory {
+    fn check(&self, _addr: u64, _len: usize, _write: bool) -> bool {
+        true
+    }
+
+    fn read_orig(&self, _addr: u64, _dst: &VolatileSlice<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    fn write_orig(&self, _addr: u64, _src: &VolatileSlice<'_>) -> Result<()> {
+        Ok(())
+    }
+}
