@@ -704,7 +704,7 @@ pub fn first_fit_pool(config: &bounce::PoolConfig) -> std::sync::Arc<bounce::Bou
 /// that mode (those that do not are listed in the second result, with the reason, so a test
 /// can print what it skipped). `slots` sizes each pool.
 pub fn dma_matrix(slots: usize) -> (Vec<(String, bounce::Dma)>, Vec<String>) {
-    use bounce::{AllocatorKind, BouncePool, Dma, PoolConfig, Policy};
+    use bounce::{AllocatorKind, BouncePool, Dma, Policy, PoolConfig};
     let mut out = vec![("off".to_string(), Dma::direct())];
     let mut skipped = Vec::new();
     let configs = [

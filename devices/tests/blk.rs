@@ -52,7 +52,10 @@ fn exercise_rw<D: Disk>(blk: &mut Blk<D>, check: &dyn Fn(u64, &[u8]), tag: &str)
         let data = pattern(1000 + i as u64, len as usize);
         let w = blk.write(sector, &data, layout);
         assert_eq!(w.status, status::OK, "{tag} {layout:?} write");
-        assert_eq!(w.len, 1, "{tag} {layout:?}: used len of a write is the status byte");
+        assert_eq!(
+            w.len, 1,
+            "{tag} {layout:?}: used len of a write is the status byte"
+        );
         check(sector * 512, &data);
         let r = blk.read(sector, len, layout);
         assert_eq!(r.status, status::OK, "{tag} {layout:?} read");
@@ -86,7 +89,10 @@ fn raw_read_write_all_dma_policies() {
         ok(&r);
         assert_eq!(r.data, file_bytes(&path, 100 * 512, 4096), "{name}");
         let check = |off: u64, data: &[u8]| {
-            assert!(file_bytes(&path, off, data.len()) == data, "{name}: file differs at {off}");
+            assert!(
+                file_bytes(&path, off, data.len()) == data,
+                "{name}: file differs at {off}"
+            );
         };
         exercise_rw(&mut blk, &check, &name);
         assert_eq!(blk.metric("err_bounce"), 0, "{name}");
@@ -140,7 +146,10 @@ fn qcow2_read_write_flush_discard_all_dma_policies() {
     for (name, dma) in dmas() {
         let path = dir.path().join("disk.qcow2");
         let _ = std::fs::remove_file(&path);
-        run(Command::new(qi).args(["create", "-q", "-f", "qcow2"]).arg(&path).arg(DISK.to_string()));
+        run(Command::new(qi)
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&path)
+            .arg(DISK.to_string()));
         // The model of what the disk must hold.
         let model = std::cell::RefCell::new(vec![0u8; DISK as usize]);
         {
@@ -176,8 +185,14 @@ fn qcow2_read_write_flush_discard_all_dma_policies() {
         }
         run(Command::new(qi).args(["check", "-q"]).arg(&path));
         let raw = dir.path().join("converted.raw");
-        run(Command::new(qi).args(["convert", "-O", "raw"]).arg(&path).arg(&raw));
-        assert!(std::fs::read(&raw).unwrap() == *model.borrow(), "{name}: qemu-img convert differs");
+        run(Command::new(qi)
+            .args(["convert", "-O", "raw"])
+            .arg(&path)
+            .arg(&raw));
+        assert!(
+            std::fs::read(&raw).unwrap() == *model.borrow(),
+            "{name}: qemu-img convert differs"
+        );
     }
 }
 
@@ -189,7 +204,10 @@ fn disk_image_opens_both_formats() {
     assert_eq!((d.kind(), d.capacity()), ("raw", 1 << 20));
     if let Some(qi) = qemu_img() {
         let q = dir.path().join("b.qcow2");
-        run(Command::new(qi).args(["create", "-q", "-f", "qcow2"]).arg(&q).arg("2M"));
+        run(Command::new(qi)
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&q)
+            .arg("2M"));
         let d = DiskImage::open(&q, "qcow2".parse().unwrap(), false).unwrap();
         assert_eq!((d.kind(), d.capacity()), ("qcow2", 2 << 20));
     }
@@ -254,7 +272,12 @@ fn features_and_config_space() {
 
     // With a bounce pool, size_max is the pool's largest mapping.
     let (dmas, _) = dma_matrix(1024);
-    let dev = devices::block::Block::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), dmas[1].1.clone()).unwrap();
+    let dev = devices::block::Block::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        dmas[1].1.clone(),
+    )
+    .unwrap();
     let mut c = [0u8; 12];
     VirtioDevice::<GuestMemoryMmap>::read_config(&dev, 0, &mut c);
     assert_eq!(u32::from_le_bytes(c[8..12].try_into().unwrap()), 256 << 10);
@@ -262,7 +285,12 @@ fn features_and_config_space() {
 
 #[test]
 fn config_writes_are_ignored_and_counted() {
-    let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), Dma::direct(), 0);
+    let mut blk = Blk::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        Dma::direct(),
+        0,
+    );
     let before = blk.drv.read_config(0, 60);
     VirtioDevice::<GuestMemoryMmap>::write_config(&mut blk.drv.device, 0, &[1, 2, 3, 4]);
     VirtioDevice::<GuestMemoryMmap>::write_config(&mut blk.drv.device, 32, &[1]);
@@ -272,14 +300,25 @@ fn config_writes_are_ignored_and_counted() {
 
 #[test]
 fn activation_rules() {
-    let mut dev = devices::block::Block::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), Dma::direct()).unwrap();
+    let mut dev = devices::block::Block::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        Dma::direct(),
+    )
+    .unwrap();
     // A legacy driver (no VERSION_1) is refused.
     assert!(VirtioDevice::<GuestMemoryMmap>::activate(&mut dev, 0).is_err());
     let w = VirtioDevice::<GuestMemoryMmap>::activate(&mut dev, u64::MAX).unwrap();
     assert_eq!(w.len(), 1);
     // Bits never offered are dropped.
-    assert_eq!(dev.acked_features().unwrap() & !VirtioDevice::<GuestMemoryMmap>::avail_features(&dev), 0);
-    assert!(VirtioDevice::<GuestMemoryMmap>::activate(&mut dev, u64::MAX).is_err(), "already active");
+    assert_eq!(
+        dev.acked_features().unwrap() & !VirtioDevice::<GuestMemoryMmap>::avail_features(&dev),
+        0
+    );
+    assert!(
+        VirtioDevice::<GuestMemoryMmap>::activate(&mut dev, u64::MAX).is_err(),
+        "already active"
+    );
     VirtioDevice::<GuestMemoryMmap>::reset(&mut dev);
     assert!(VirtioDevice::<GuestMemoryMmap>::activate(&mut dev, u64::MAX).is_ok());
 }
@@ -301,7 +340,14 @@ fn multiqueue_one_worker_per_queue() {
         }
         for q in 0..4u16 {
             // Read on another queue than the one that wrote.
-            let r = blk.request((q + 1) % 4, req_type::IN, 64 * u64::from(q), &[], 4096, Layout::Split(2));
+            let r = blk.request(
+                (q + 1) % 4,
+                req_type::IN,
+                64 * u64::from(q),
+                &[],
+                4096,
+                Layout::Split(2),
+            );
             ok(&r);
             assert_eq!(r.data, pattern(u64::from(q), 4096), "{name}");
         }
@@ -320,7 +366,13 @@ fn read_past_end_is_ioerr() {
     for (name, dma) in dmas().into_iter().take(3) {
         let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), dma, 0);
         let cap = DISK / 512;
-        for (sector, len) in [(cap, 512), (cap - 1, 1024), (u64::MAX, 512), (u64::MAX / 512, 512), (cap + 1000, 4096)] {
+        for (sector, len) in [
+            (cap, 512),
+            (cap - 1, 1024),
+            (u64::MAX, 512),
+            (u64::MAX / 512, 512),
+            (cap + 1000, 4096),
+        ] {
             let r = blk.read(sector, len, Layout::Simple);
             assert_eq!(r.status, status::IOERR, "{name}: read {sector}+{len}");
             assert_eq!(r.len, 1);
@@ -329,7 +381,10 @@ fn read_past_end_is_ioerr() {
         }
         // A length that is not a multiple of 512.
         assert_eq!(blk.read(0, 100, Layout::Simple).status, status::IOERR);
-        assert_eq!(blk.write(0, &[1u8; 700], Layout::Simple).status, status::IOERR);
+        assert_eq!(
+            blk.write(0, &[1u8; 700], Layout::Simple).status,
+            status::IOERR
+        );
         assert!(blk.metric("err_out_of_range") >= 12);
         // And the device still serves.
         ok(&blk.read(0, 512, Layout::Simple));
@@ -346,29 +401,57 @@ fn readonly_refuses_writes() {
     };
     let mut blk = Blk::new(RawDisk::open(&path, true).unwrap(), cfg, Dma::direct(), 0);
     assert_ne!(blk.drv.acked() & bf::RO, 0);
-    assert_eq!(blk.write(0, &[1u8; 512], Layout::Simple).status, status::IOERR);
+    assert_eq!(
+        blk.write(0, &[1u8; 512], Layout::Simple).status,
+        status::IOERR
+    );
     let seg = discard_seg(0, 8, 0);
-    assert_eq!(blk.request(0, req_type::DISCARD, 0, &seg, 0, Layout::Simple).status, status::IOERR);
-    assert_eq!(blk.request(0, req_type::WRITE_ZEROES, 0, &seg, 0, Layout::Simple).status, status::IOERR);
+    assert_eq!(
+        blk.request(0, req_type::DISCARD, 0, &seg, 0, Layout::Simple)
+            .status,
+        status::IOERR
+    );
+    assert_eq!(
+        blk.request(0, req_type::WRITE_ZEROES, 0, &seg, 0, Layout::Simple)
+            .status,
+        status::IOERR
+    );
     assert_eq!(blk.metric("err_readonly"), 3);
     let r = blk.read(0, 4096, Layout::Simple);
     ok(&r);
     assert_eq!(r.data, file_bytes(&path, 0, 4096));
     assert_eq!(blk.flush(), status::OK);
-    assert_eq!(std::fs::read(&path).unwrap(), pattern(2, DISK as usize), "file untouched");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        pattern(2, DISK as usize),
+        "file untouched"
+    );
 }
 
 #[test]
 fn unknown_and_unnegotiated_types_are_unsupp() {
-    let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), Dma::direct(), bf::DISCARD | bf::WRITE_ZEROES);
+    let mut blk = Blk::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        Dma::direct(),
+        bf::DISCARD | bf::WRITE_ZEROES,
+    );
     for t in [2u32, 3, 5, 7, 14, 15, 16, 0x8000_0000, u32::MAX] {
         let d = blk.request(0, t, 0, &[], 0, Layout::Simple);
         assert_eq!(d.status, status::UNSUPP, "type {t}");
         assert_eq!(d.len, 1);
     }
     let seg = discard_seg(0, 8, 0);
-    assert_eq!(blk.request(0, req_type::DISCARD, 0, &seg, 0, Layout::Simple).status, status::UNSUPP);
-    assert_eq!(blk.request(0, req_type::WRITE_ZEROES, 0, &seg, 0, Layout::Simple).status, status::UNSUPP);
+    assert_eq!(
+        blk.request(0, req_type::DISCARD, 0, &seg, 0, Layout::Simple)
+            .status,
+        status::UNSUPP
+    );
+    assert_eq!(
+        blk.request(0, req_type::WRITE_ZEROES, 0, &seg, 0, Layout::Simple)
+            .status,
+        status::UNSUPP
+    );
     assert_eq!(blk.metric("reqs_unsupported"), 9);
     assert_eq!(blk.metric("err_unsupported"), 11);
 }
@@ -406,7 +489,12 @@ fn flush_reaches_the_file() {
     let dir = tempfile::tempdir().unwrap();
     for drop in [0, bf::FLUSH] {
         let path = raw_file(dir.path(), "f.raw", DISK, 4);
-        let mut blk = Blk::new(RawDisk::open(&path, false).unwrap(), BlockConfig::default(), Dma::direct(), drop);
+        let mut blk = Blk::new(
+            RawDisk::open(&path, false).unwrap(),
+            BlockConfig::default(),
+            Dma::direct(),
+            drop,
+        );
         let data = pattern(42, 8192);
         ok(&blk.write(16, &data, Layout::Simple));
         if drop == 0 {
@@ -423,39 +511,132 @@ fn discard_and_write_zeroes_raw() {
     let dir = tempfile::tempdir().unwrap();
     for (name, dma) in dmas().into_iter().take(3) {
         let path = raw_file(dir.path(), "d.raw", DISK, 5);
-        let mut blk = Blk::new(RawDisk::open(&path, false).unwrap(), BlockConfig::default(), dma, 0);
+        let mut blk = Blk::new(
+            RawDisk::open(&path, false).unwrap(),
+            BlockConfig::default(),
+            dma,
+            0,
+        );
         // Two segments in one request.
         let mut segs = discard_seg(8, 8, 0).to_vec();
         segs.extend_from_slice(&discard_seg(100, 16, 0));
         ok(&blk.request(0, req_type::WRITE_ZEROES, 0, &segs, 0, Layout::Split(2)));
-        assert!(file_bytes(&path, 8 * 512, 4096).iter().all(|&b| b == 0), "{name}");
-        assert!(file_bytes(&path, 100 * 512, 8192).iter().all(|&b| b == 0), "{name}");
-        assert_eq!(file_bytes(&path, 16 * 512, 512), pattern(5, DISK as usize)[16 * 512..17 * 512]);
+        assert!(
+            file_bytes(&path, 8 * 512, 4096).iter().all(|&b| b == 0),
+            "{name}"
+        );
+        assert!(
+            file_bytes(&path, 100 * 512, 8192).iter().all(|&b| b == 0),
+            "{name}"
+        );
+        assert_eq!(
+            file_bytes(&path, 16 * 512, 512),
+            pattern(5, DISK as usize)[16 * 512..17 * 512]
+        );
         // Unmap flag: punches a hole, reads back zeros.
-        ok(&blk.request(0, req_type::WRITE_ZEROES, 0, &discard_seg(256, 64, 1), 0, Layout::Simple));
-        assert!(blk.read(256, 64 * 512, Layout::Simple).data.iter().all(|&b| b == 0));
+        ok(&blk.request(
+            0,
+            req_type::WRITE_ZEROES,
+            0,
+            &discard_seg(256, 64, 1),
+            0,
+            Layout::Simple,
+        ));
+        assert!(blk
+            .read(256, 64 * 512, Layout::Simple)
+            .data
+            .iter()
+            .all(|&b| b == 0));
         // Discard: raw files punch a hole.
-        ok(&blk.request(0, req_type::DISCARD, 0, &discard_seg(512, 8, 0), 0, Layout::Simple));
+        ok(&blk.request(
+            0,
+            req_type::DISCARD,
+            0,
+            &discard_seg(512, 8, 0),
+            0,
+            Layout::Simple,
+        ));
         assert!(file_bytes(&path, 512 * 512, 4096).iter().all(|&b| b == 0));
         assert_eq!(std::fs::metadata(&path).unwrap().len(), DISK, "size kept");
         // The unmap flag on a discard, or reserved flags, are UNSUPP.
-        assert_eq!(blk.request(0, req_type::DISCARD, 0, &discard_seg(0, 1, 1), 0, Layout::Simple).status, status::UNSUPP);
-        assert_eq!(blk.request(0, req_type::WRITE_ZEROES, 0, &discard_seg(0, 1, 2), 0, Layout::Simple).status, status::UNSUPP);
+        assert_eq!(
+            blk.request(
+                0,
+                req_type::DISCARD,
+                0,
+                &discard_seg(0, 1, 1),
+                0,
+                Layout::Simple
+            )
+            .status,
+            status::UNSUPP
+        );
+        assert_eq!(
+            blk.request(
+                0,
+                req_type::WRITE_ZEROES,
+                0,
+                &discard_seg(0, 1, 2),
+                0,
+                Layout::Simple
+            )
+            .status,
+            status::UNSUPP
+        );
         // Past the end, too many segments, a ragged payload: IOERR.
         let cap = DISK / 512;
-        assert_eq!(blk.request(0, req_type::DISCARD, 0, &discard_seg(cap - 1, 2, 0), 0, Layout::Simple).status, status::IOERR);
-        assert_eq!(blk.request(0, req_type::WRITE_ZEROES, 0, &discard_seg(u64::MAX, 2, 0), 0, Layout::Simple).status, status::IOERR);
+        assert_eq!(
+            blk.request(
+                0,
+                req_type::DISCARD,
+                0,
+                &discard_seg(cap - 1, 2, 0),
+                0,
+                Layout::Simple
+            )
+            .status,
+            status::IOERR
+        );
+        assert_eq!(
+            blk.request(
+                0,
+                req_type::WRITE_ZEROES,
+                0,
+                &discard_seg(u64::MAX, 2, 0),
+                0,
+                Layout::Simple
+            )
+            .status,
+            status::IOERR
+        );
         let many: Vec<u8> = (0..17).flat_map(|i| discard_seg(i * 8, 8, 0)).collect();
-        assert_eq!(blk.request(0, req_type::DISCARD, 0, &many, 0, Layout::Simple).status, status::IOERR);
-        assert_eq!(blk.request(0, req_type::DISCARD, 0, &[0u8; 10], 0, Layout::Simple).status, status::IOERR);
-        assert_eq!(blk.request(0, req_type::DISCARD, 0, &[], 0, Layout::Simple).status, status::IOERR);
+        assert_eq!(
+            blk.request(0, req_type::DISCARD, 0, &many, 0, Layout::Simple)
+                .status,
+            status::IOERR
+        );
+        assert_eq!(
+            blk.request(0, req_type::DISCARD, 0, &[0u8; 10], 0, Layout::Simple)
+                .status,
+            status::IOERR
+        );
+        assert_eq!(
+            blk.request(0, req_type::DISCARD, 0, &[], 0, Layout::Simple)
+                .status,
+            status::IOERR
+        );
         assert_eq!(blk.metric("reqs_discard"), 6);
     }
 }
 
 #[test]
 fn event_idx_suppresses_and_re_arms() {
-    let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), Dma::direct(), 0);
+    let mut blk = Blk::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        Dma::direct(),
+        0,
+    );
     assert_ne!(blk.drv.acked() & vf::RING_EVENT_IDX, 0);
     // used_event = 0: the first completion (used idx 0 -> 1) notifies.
     blk.drv.vqs[0].set_used_event(&blk.drv.ram, 0);
@@ -485,7 +666,12 @@ fn event_idx_suppresses_and_re_arms() {
     assert_eq!(blk.metric("queue_depth_hiwater"), 4);
 
     // Without EVENT_IDX: NO_INTERRUPT suppresses.
-    let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), Dma::direct(), vf::RING_EVENT_IDX);
+    let mut blk = Blk::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        Dma::direct(),
+        vf::RING_EVENT_IDX,
+    );
     blk.drv.vqs[0].set_no_interrupt(&blk.drv.ram, true);
     blk.post(0, req_type::IN, 0, &[], 512, Layout::Simple);
     assert!(!blk.drv.kick(0).unwrap().has(0));
@@ -498,11 +684,26 @@ fn event_idx_suppresses_and_re_arms() {
 
 #[test]
 fn full_queue_is_drained_in_one_kick() {
-    let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), Dma::direct(), 0);
+    let mut blk = Blk::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        Dma::direct(),
+        0,
+    );
     let mut heads = Vec::new();
     // 64-entry queue, 3 descriptors per request: 21 requests fit.
     for i in 0..21u64 {
-        heads.push(blk.post(0, req_type::OUT, i * 8, &pattern(i, 4096), 0, Layout::Simple).head);
+        heads.push(
+            blk.post(
+                0,
+                req_type::OUT,
+                i * 8,
+                &pattern(i, 4096),
+                0,
+                Layout::Simple,
+            )
+            .head,
+        );
     }
     blk.drv.kick(0).unwrap();
     let used = blk.drv.reap(0);
@@ -519,7 +720,12 @@ fn full_queue_is_drained_in_one_kick() {
 #[test]
 fn stats_are_json_with_bounce_pool() {
     let (dmas, _) = dma_matrix(1024);
-    let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), dmas[1].1.clone(), 0);
+    let mut blk = Blk::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        dmas[1].1.clone(),
+        0,
+    );
     ok(&blk.write(0, &[7u8; 4096], Layout::Simple));
     ok(&blk.read(0, 4096, Layout::Simple));
     let s = blk.stats();
@@ -532,6 +738,12 @@ fn stats_are_json_with_bounce_pool() {
     assert_eq!(s["metrics"]["bytes_written"], 4096);
     assert!(s["bounce"]["maps"].as_u64().unwrap() >= 6, "{s}");
     assert_eq!(s["bounce"]["used"], 0);
-    let s = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), Dma::direct(), 0).stats();
+    let s = Blk::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        Dma::direct(),
+        0,
+    )
+    .stats();
     assert!(s["bounce"].is_null());
 }

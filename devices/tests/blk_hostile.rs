@@ -7,10 +7,12 @@ mod common;
 
 use std::sync::Arc;
 
-use bounce::{Direction, Dma, PoolConfig, Policy};
+use bounce::{Direction, Dma, Policy, PoolConfig};
 use common::*;
 use devices::block::{req_type, status, BlockConfig, MemDisk};
-use devices::testing::{first_fit_pool, RawDesc, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+use devices::testing::{
+    first_fit_pool, RawDesc, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
+};
 use devices::virtio::features as vf;
 
 const DISK: u64 = 1 << 20;
@@ -19,13 +21,26 @@ const W: u16 = VRING_DESC_F_WRITE;
 const I: u16 = VRING_DESC_F_INDIRECT;
 
 fn dev(dma: Dma, drop: u64) -> Blk<MemDisk> {
-    let b = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), dma, drop);
-    b.drv.device.disk().write_bytes(0, &pattern(3, 8192)).unwrap();
+    let b = Blk::new(
+        MemDisk::new(DISK).unwrap(),
+        BlockConfig::default(),
+        dma,
+        drop,
+    );
+    b.drv
+        .device
+        .disk()
+        .write_bytes(0, &pattern(3, 8192))
+        .unwrap();
     b
 }
 
 fn dmas() -> Vec<(String, Dma)> {
-    devices::testing::dma_matrix(1024).0.into_iter().take(3).collect()
+    devices::testing::dma_matrix(1024)
+        .0
+        .into_iter()
+        .take(3)
+        .collect()
 }
 
 /// Writes `descs` at table indexes `base..`, links each to the next when it has NEXT and
@@ -60,7 +75,11 @@ fn still_works(blk: &mut Blk<MemDisk>) {
     let w = blk.write(4, &pattern(8, 1024), Layout::Simple);
     ok(&w);
     assert_eq!(blk.read(4, 1024, Layout::Simple).data, pattern(8, 1024));
-    blk.drv.device.disk().write_bytes(0, &pattern(3, 8192)).unwrap();
+    blk.drv
+        .device
+        .disk()
+        .write_bytes(0, &pattern(3, 8192))
+        .unwrap();
 }
 
 /// Buffers for a hand-made request: a header, a data buffer and a status byte.
@@ -109,7 +128,12 @@ fn descriptor_loop() {
         // A self-loop in an indirect table.
         let t = blk.drv.ram.alloc(16, 16);
         blk.drv.ram.write(t, &[0u8; 16]);
-        let ld = RawDesc { addr: b.hdr, len: 16, flags: N, next: 0 };
+        let ld = RawDesc {
+            addr: b.hdr,
+            len: 16,
+            flags: N,
+            next: 0,
+        };
         let mut bytes = [0u8; 16];
         bytes[0..8].copy_from_slice(&ld.addr.to_le_bytes());
         bytes[8..12].copy_from_slice(&16u32.to_le_bytes());
@@ -160,26 +184,58 @@ fn addresses_outside_guest_memory() {
         let end = blk.drv.ram.size();
         let b = bufs(&mut blk, req_type::IN, 0);
         // Data entirely outside.
-        let used = raw(&mut blk, 40, &[d(b.hdr, 16, N), d(end, 512, N | W), d(b.st, 1, W)]);
-        assert_eq!((used[0].len, status_of(&blk, &b)), (1, status::IOERR), "{name}");
+        let used = raw(
+            &mut blk,
+            40,
+            &[d(b.hdr, 16, N), d(end, 512, N | W), d(b.st, 1, W)],
+        );
+        assert_eq!(
+            (used[0].len, status_of(&blk, &b)),
+            (1, status::IOERR),
+            "{name}"
+        );
         // Data straddling the end of RAM: nothing is written, not even the part inside.
         let near = end - 512;
         blk.drv.ram.write(near, &[0x55; 512]);
-        let used = raw(&mut blk, 40, &[d(b.hdr, 16, N), d(near, 1024, N | W), d(b.st, 1, W)]);
-        assert_eq!((used[0].len, status_of(&blk, &b)), (1, status::IOERR), "{name}");
-        assert_eq!(blk.drv.ram.read(near, 512), vec![0x55; 512], "{name}: partial write before the check");
+        let used = raw(
+            &mut blk,
+            40,
+            &[d(b.hdr, 16, N), d(near, 1024, N | W), d(b.st, 1, W)],
+        );
+        assert_eq!(
+            (used[0].len, status_of(&blk, &b)),
+            (1, status::IOERR),
+            "{name}"
+        );
+        assert_eq!(
+            blk.drv.ram.read(near, 512),
+            vec![0x55; 512],
+            "{name}: partial write before the check"
+        );
         // Header outside.
-        let used = raw(&mut blk, 40, &[d(end + 4096, 16, N), d(b.data, 512, N | W), d(b.st, 1, W)]);
+        let used = raw(
+            &mut blk,
+            40,
+            &[d(end + 4096, 16, N), d(b.data, 512, N | W), d(b.st, 1, W)],
+        );
         assert_eq!((used[0].len, status_of(&blk, &b)), (1, status::IOERR));
         // Status outside: no status can be written.
-        let used = raw(&mut blk, 40, &[d(b.hdr, 16, N), d(b.data, 512, N | W), d(end, 1, W)]);
+        let used = raw(
+            &mut blk,
+            40,
+            &[d(b.hdr, 16, N), d(b.data, 512, N | W), d(end, 1, W)],
+        );
         assert_eq!(used[0].len, 0);
         // An indirect table outside.
         let used = raw(&mut blk, 40, &[d(end - 16, 64, I)]);
         assert_eq!(used[0].len, 0);
         // A write whose data is outside: the disk is untouched.
         let wb = bufs(&mut blk, req_type::OUT, 0);
-        let used = raw(&mut blk, 40, &[d(wb.hdr, 16, N), d(end - 256, 512, N), d(wb.st, 1, W)]);
+        let used = raw(
+            &mut blk,
+            40,
+            &[d(wb.hdr, 16, N), d(end - 256, 512, N), d(wb.st, 1, W)],
+        );
         assert_eq!((used[0].len, status_of(&blk, &wb)), (1, status::IOERR));
         assert!(blk.metric("err_guest_access") >= 4);
         still_works(&mut blk);
@@ -200,19 +256,36 @@ fn lengths_that_overflow() {
             (b.data, 0xffff_fe00),
             (u64::MAX, u32::MAX),
         ] {
-            let used = raw(&mut blk, 40, &[d(b.hdr, 16, N), d(addr, len, N | W), d(b.st, 1, W)]);
-            assert_eq!((used[0].len, status_of(&blk, &b)), (1, status::IOERR), "{name} {addr:#x}+{len:#x}");
+            let used = raw(
+                &mut blk,
+                40,
+                &[d(b.hdr, 16, N), d(addr, len, N | W), d(b.st, 1, W)],
+            );
+            assert_eq!(
+                (used[0].len, status_of(&blk, &b)),
+                (1, status::IOERR),
+                "{name} {addr:#x}+{len:#x}"
+            );
         }
         // Descriptors whose lengths sum past 4 GiB.
         let used = raw(
             &mut blk,
             40,
-            &[d(b.hdr, 16, N), d(b.data, u32::MAX, N | W), d(b.data, u32::MAX, N | W), d(b.st, 1, W)],
+            &[
+                d(b.hdr, 16, N),
+                d(b.data, u32::MAX, N | W),
+                d(b.data, u32::MAX, N | W),
+                d(b.st, 1, W),
+            ],
         );
         assert!(used[0].len <= 1, "{name}");
         // A header claiming a huge sector.
         let hb = bufs(&mut blk, req_type::IN, u64::MAX - 1);
-        let used = raw(&mut blk, 40, &[d(hb.hdr, 16, N), d(hb.data, 1024, N | W), d(hb.st, 1, W)]);
+        let used = raw(
+            &mut blk,
+            40,
+            &[d(hb.hdr, 16, N), d(hb.data, 1024, N | W), d(hb.st, 1, W)],
+        );
         assert_eq!((used[0].len, status_of(&blk, &hb)), (1, status::IOERR));
         // An indirect table length that is not a whole number of descriptors, or huge.
         let used = raw(&mut blk, 40, &[d(b.data, 17, I)]);
@@ -246,24 +319,56 @@ fn wrong_directions() {
     let r = bufs(&mut blk, req_type::IN, 0);
     let w = bufs(&mut blk, req_type::OUT, 0);
     // A read whose data is device-readable: IOERR.
-    let used = raw(&mut blk, 40, &[d(r.hdr, 16, N), d(r.data, 512, N), d(r.st, 1, W)]);
+    let used = raw(
+        &mut blk,
+        40,
+        &[d(r.hdr, 16, N), d(r.data, 512, N), d(r.st, 1, W)],
+    );
     assert_eq!((used[0].len, status_of(&blk, &r)), (1, status::IOERR));
-    assert_eq!(blk.drv.ram.read(r.data, 512), vec![0xaa; 512], "read into a readable buffer");
+    assert_eq!(
+        blk.drv.ram.read(r.data, 512),
+        vec![0xaa; 512],
+        "read into a readable buffer"
+    );
     // A write whose data is device-writable: IOERR, the disk untouched.
-    let used = raw(&mut blk, 40, &[d(w.hdr, 16, N), d(w.data, 512, N | W), d(w.st, 1, W)]);
+    let used = raw(
+        &mut blk,
+        40,
+        &[d(w.hdr, 16, N), d(w.data, 512, N | W), d(w.st, 1, W)],
+    );
     assert_eq!((used[0].len, status_of(&blk, &w)), (1, status::IOERR));
     // A readable status byte: nothing is writable, no status.
-    let used = raw(&mut blk, 40, &[d(w.hdr, 16, N), d(w.data, 512, N), d(w.st, 1, 0)]);
+    let used = raw(
+        &mut blk,
+        40,
+        &[d(w.hdr, 16, N), d(w.data, 512, N), d(w.st, 1, 0)],
+    );
     assert_eq!(used[0].len, 0);
-    assert_eq!(status_of(&blk, &w), status::IOERR, "untouched since the last request");
+    assert_eq!(
+        status_of(&blk, &w),
+        status::IOERR,
+        "untouched since the last request"
+    );
     // A writable header: the request has no header, IOERR in the last writable byte.
     blk.drv.ram.write(r.st, &[0xee]);
-    let used = raw(&mut blk, 40, &[d(r.hdr, 16, N | W), d(r.data, 512, N | W), d(r.st, 1, W)]);
+    let used = raw(
+        &mut blk,
+        40,
+        &[d(r.hdr, 16, N | W), d(r.data, 512, N | W), d(r.st, 1, W)],
+    );
     assert_eq!((used[0].len, status_of(&blk, &r)), (1, status::IOERR));
     // Readable after writable.
-    let used = raw(&mut blk, 40, &[d(r.hdr, 16, N), d(r.data, 512, N | W), d(r.st, 1, 0)]);
+    let used = raw(
+        &mut blk,
+        40,
+        &[d(r.hdr, 16, N), d(r.data, 512, N | W), d(r.st, 1, 0)],
+    );
     assert_eq!(used[0].len, 0);
-    assert_eq!(blk.read(0, 512, Layout::Simple).data, pattern(3, 512), "disk untouched");
+    assert_eq!(
+        blk.read(0, 512, Layout::Simple).data,
+        pattern(3, 512),
+        "disk untouched"
+    );
     still_works(&mut blk);
 }
 
@@ -311,7 +416,12 @@ fn descriptor_index_out_of_range() {
     let used = raw(
         &mut blk,
         40,
-        &[RawDesc { addr: b.hdr, len: 16, flags: N, next: 64 }],
+        &[RawDesc {
+            addr: b.hdr,
+            len: 16,
+            flags: N,
+            next: 64,
+        }],
     );
     assert_eq!(used[0].len, 0);
     still_works(&mut blk);
@@ -324,7 +434,10 @@ fn sectors_past_the_end() {
     for s in [cap, cap + 1, u64::MAX, u64::MAX >> 9] {
         assert_eq!(blk.read(s, 512, Layout::Simple).status, status::IOERR);
     }
-    assert_eq!(blk.read(cap - 1, 1024, Layout::Indirect).status, status::IOERR);
+    assert_eq!(
+        blk.read(cap - 1, 1024, Layout::Indirect).status,
+        status::IOERR
+    );
     still_works(&mut blk);
 }
 
@@ -332,7 +445,11 @@ fn sectors_past_the_end() {
 fn bounce_pool_full() {
     for mode in ["swiotlb", "iova"] {
         // 128 slots: 256 KiB (swiotlb) or 512 KiB (iova).
-        let cfg = if mode == "swiotlb" { PoolConfig::swiotlb(128) } else { PoolConfig::iova(128) };
+        let cfg = if mode == "swiotlb" {
+            PoolConfig::swiotlb(128)
+        } else {
+            PoolConfig::iova(128)
+        };
         let pool = first_fit_pool(&cfg);
         let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
         let mut blk = dev(dma, 0);
@@ -340,18 +457,36 @@ fn bounce_pool_full() {
         let big = 1024 << 10;
         let r = blk.request(0, req_type::IN, 0, &[], big, Layout::Split(4));
         assert_eq!((r.status, r.len), (status::IOERR, 1), "{mode}");
-        let w = blk.request(0, req_type::OUT, 0, &vec![1u8; big as usize], 0, Layout::Split(8));
+        let w = blk.request(
+            0,
+            req_type::OUT,
+            0,
+            &vec![1u8; big as usize],
+            0,
+            Layout::Split(8),
+        );
         assert_eq!(w.status, status::IOERR, "{mode}");
         assert_eq!(blk.metric("err_bounce"), 2);
-        assert_eq!(pool.used(), 0, "{mode}: slots leaked after a failed request");
-        assert_eq!(blk.read(0, 4096, Layout::Simple).data, pattern(3, 4096), "{mode}: disk untouched");
+        assert_eq!(
+            pool.used(),
+            0,
+            "{mode}: slots leaked after a failed request"
+        );
+        assert_eq!(
+            blk.read(0, 4096, Layout::Simple).data,
+            pattern(3, 4096),
+            "{mode}: disk untouched"
+        );
         still_works(&mut blk);
 
         // A pool that is completely full: not even the status byte can be mapped.
         let mut backing = vec![0u8; 1 << 20];
         let host = bounce::HostMemory::new(0, &mut backing);
         let mut held = Vec::new();
-        while let Ok(m) = pool.map(&host, &bounce::MapRequest::new(0x1000 + 4096 * held.len() as u64, 2048, Direction::ToDevice)) {
+        while let Ok(m) = pool.map(
+            &host,
+            &bounce::MapRequest::new(0x1000 + 4096 * held.len() as u64, 2048, Direction::ToDevice),
+        ) {
             held.push(m);
         }
         let r = blk.read(0, 512, Layout::Simple);
@@ -370,7 +505,10 @@ fn head_out_of_range_breaks_the_device() {
     let mut blk = dev(Dma::direct(), 0);
     blk.drv.publish_raw(0, 200);
     let e = blk.drv.kick(0).unwrap_err();
-    assert!(matches!(e, devices::virtio::WorkerError::Broken(_)), "{e:?}");
+    assert!(
+        matches!(e, devices::virtio::WorkerError::Broken(_)),
+        "{e:?}"
+    );
     assert!(blk.drv.broken(0).is_some());
 }
 
@@ -379,7 +517,10 @@ fn avail_index_too_far_ahead_breaks_the_device() {
     let mut blk = dev(Dma::direct(), 0);
     blk.drv.vqs[0].set_avail_idx(&blk.drv.ram, 1000);
     let e = blk.drv.kick(0).unwrap_err();
-    assert!(matches!(e, devices::virtio::WorkerError::Broken(_)), "{e:?}");
+    assert!(
+        matches!(e, devices::virtio::WorkerError::Broken(_)),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -398,7 +539,16 @@ fn kick_before_the_queue_is_ready() {
 fn header_split_across_descriptors_is_fine() {
     let mut blk = dev(Dma::direct(), 0);
     let b = bufs(&mut blk, req_type::IN, 1);
-    let used = raw(&mut blk, 40, &[d(b.hdr, 8, N), d(b.hdr + 8, 8, N), d(b.data, 512, N | W), d(b.st, 1, W)]);
+    let used = raw(
+        &mut blk,
+        40,
+        &[
+            d(b.hdr, 8, N),
+            d(b.hdr + 8, 8, N),
+            d(b.data, 512, N | W),
+            d(b.st, 1, W),
+        ],
+    );
     assert_eq!((used[0].len, status_of(&blk, &b)), (513, status::OK));
     assert_eq!(blk.drv.ram.read(b.data, 512), pattern(3, 1024)[512..]);
 }

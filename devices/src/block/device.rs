@@ -27,10 +27,7 @@ pub const DIRECT_SIZE_MAX: u32 = 4 << 20;
 #[derive(Debug)]
 enum DeviceState {
     Inactive,
-    Activated {
-        acked_features: u64,
-        queues: u16,
-    },
+    Activated { acked_features: u64, queues: u16 },
 }
 
 /// A virtio-blk device over a [`Disk`].
@@ -55,7 +52,9 @@ impl<D: Disk> Block<D> {
     pub fn new(disk: D, config: BlockConfig, dma: Dma) -> Result<Self, BlockError> {
         config.validate().map_err(BlockError::Config)?;
         if disk.capacity() >> SECTOR_SHIFT == 0 {
-            return Err(BlockError::Config("the disk is smaller than one sector".into()));
+            return Err(BlockError::Config(
+                "the disk is smaller than one sector".into(),
+            ));
         }
         let mut f = vf::VERSION_1
             | vf::RING_EVENT_IDX
@@ -125,7 +124,12 @@ impl<D: Disk> Block<D> {
         let mut put = |off: usize, bytes: &[u8]| c[off..off + bytes.len()].copy_from_slice(bytes);
         put(0, &self.capacity().to_le_bytes());
         // size_max <= DIRECT_SIZE_MAX fits a u32.
-        put(8, &u32::try_from(self.max_map).unwrap_or(DIRECT_SIZE_MAX).to_le_bytes());
+        put(
+            8,
+            &u32::try_from(self.max_map)
+                .unwrap_or(DIRECT_SIZE_MAX)
+                .to_le_bytes(),
+        );
         put(12, &self.seg_max().to_le_bytes());
         // 16..20: geometry (not offered).
         put(20, &self.config.blk_size.to_le_bytes());
@@ -299,9 +303,7 @@ impl<D: Disk> BlockWorker<D> {
         {
             // AvailIter refuses an avail index more than `size` ahead of ours, and `take`
             // bounds this drain by the queue size whatever the ring says.
-            let iter = queue
-                .iter(mem)
-                .map_err(|e| broken("available ring", e))?;
+            let iter = queue.iter(mem).map_err(|e| broken("available ring", e))?;
             self.heads
                 .extend(iter.take(usize::from(size)).map(|c| c.head_index()));
         }
@@ -348,7 +350,9 @@ impl<D: Disk> BlockWorker<D> {
                 .map_err(|e| broken("used ring", e))?;
         }
         self.metrics.drains.inc();
-        self.metrics.queue_depth_hiwater.max(self.heads.len() as u64);
+        self.metrics
+            .queue_depth_hiwater
+            .max(self.heads.len() as u64);
         Ok(self.heads.len())
     }
 }

@@ -28,8 +28,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions};
 use super::io::{Disk, DiskIo};
 use super::metrics::BlockMetrics;
 use super::{
-    req_type, status, BlockError, Result, DISCARD_SEG_LEN, ID_BYTES, REQ_HEADER_LEN,
-    SECTOR_SHIFT, SECTOR_SIZE, WRITE_ZEROES_FLAG_UNMAP,
+    req_type, status, BlockError, Result, DISCARD_SEG_LEN, ID_BYTES, REQ_HEADER_LEN, SECTOR_SHIFT,
+    SECTOR_SIZE, WRITE_ZEROES_FLAG_UNMAP,
 };
 
 const VRING_DESC_F_NEXT: u16 = 1;
@@ -193,10 +193,10 @@ where
         skip = 0;
         while off < slen && left > 0 {
             let n = (slen - off).min(left).min(max_piece);
-            let addr = s
-                .addr
-                .checked_add(off)
-                .ok_or(BlockError::GuestAccess { addr: s.addr, len: slen })?;
+            let addr = s.addr.checked_add(off).ok_or(BlockError::GuestAccess {
+                addr: s.addr,
+                len: slen,
+            })?;
             // n <= u32::MAX, so it fits a usize on every supported target.
             f(addr, n as usize)?;
             off += n;
@@ -578,7 +578,9 @@ impl<D: Disk> RequestCtx<'_, D> {
                 self.data_io(mem, chain, hdr.sector, out_len, Direction::ToDevice)?;
                 m.bytes_written.add(out_len);
                 if !self.params.writeback {
-                    self.disk.flush().map_err(|e| BlockError::Io(e.to_string()))?;
+                    self.disk
+                        .flush()
+                        .map_err(|e| BlockError::Io(e.to_string()))?;
                 }
                 Ok(0)
             }
@@ -587,7 +589,9 @@ impl<D: Disk> RequestCtx<'_, D> {
                 if out_len != 0 || in_len != 0 {
                     return Err(BlockError::BadChain("data buffers in a flush"));
                 }
-                self.disk.flush().map_err(|e| BlockError::Io(e.to_string()))?;
+                self.disk
+                    .flush()
+                    .map_err(|e| BlockError::Io(e.to_string()))?;
                 Ok(0)
             }
             RequestType::GetId => {
@@ -704,10 +708,7 @@ impl<D: Disk> RequestCtx<'_, D> {
                 self.params.max_write_zeroes_sectors,
             )
         } else {
-            (
-                self.params.max_discard_seg,
-                self.params.max_discard_sectors,
-            )
+            (self.params.max_discard_seg, self.params.max_discard_sectors)
         };
         if payload == 0 || payload % DISCARD_SEG_LEN as u64 != 0 {
             return Err(BlockError::BadChain("discard payload not a multiple of 16"));
@@ -720,7 +721,12 @@ impl<D: Disk> RequestCtx<'_, D> {
         // nseg <= MAX_DISCARD_SEGS, so this fits the stack buffer.
         let bytes = nseg as usize * DISCARD_SEG_LEN;
         let mut raw = [0u8; MAX_DISCARD_SEGS * DISCARD_SEG_LEN];
-        self.read_stream(mem, &chain.readable, REQ_HEADER_LEN as u64, &mut raw[..bytes])?;
+        self.read_stream(
+            mem,
+            &chain.readable,
+            REQ_HEADER_LEN as u64,
+            &mut raw[..bytes],
+        )?;
         // Validate every segment before touching the disk.
         let mut segs = [(0u64, 0u64, false); MAX_DISCARD_SEGS];
         for (i, chunk) in raw[..bytes].chunks_exact(DISCARD_SEG_LEN).enumerate() {
@@ -748,7 +754,11 @@ impl<D: Disk> RequestCtx<'_, D> {
             }
             let len = u64::from(num) << SECTOR_SHIFT;
             self.check_range(sector, len)?;
-            segs[i] = (Self::byte_offset(sector)?, len, unmap && self.params.may_unmap);
+            segs[i] = (
+                Self::byte_offset(sector)?,
+                len,
+                unmap && self.params.may_unmap,
+            );
         }
         for &(off, len, unmap) in &segs[..nseg as usize] {
             if len == 0 {
@@ -762,7 +772,9 @@ impl<D: Disk> RequestCtx<'_, D> {
             r.map_err(|e| BlockError::Io(e.to_string()))?;
         }
         if !self.params.writeback {
-            self.disk.flush().map_err(|e| BlockError::Io(e.to_string()))?;
+            self.disk
+                .flush()
+                .map_err(|e| BlockError::Io(e.to_string()))?;
         }
         Ok(())
     }

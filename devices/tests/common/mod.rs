@@ -96,7 +96,15 @@ impl<D: Disk> Blk<D> {
     }
 
     /// Posts a request without kicking; returns (head, data address, status address).
-    pub fn post(&mut self, q: u16, t: u32, sector: u64, out: &[u8], in_len: u32, layout: Layout) -> Posted {
+    pub fn post(
+        &mut self,
+        q: u16,
+        t: u32,
+        sector: u64,
+        out: &[u8],
+        in_len: u32,
+        layout: Layout,
+    ) -> Posted {
         let ram = &mut self.drv.ram;
         let h = header(t, sector);
         let olen = out.len() as u32;
@@ -173,7 +181,8 @@ impl<D: Disk> Blk<D> {
     }
 
     pub fn flush(&mut self) -> u8 {
-        self.request(0, req_type::FLUSH, 0, &[], 0, Layout::Simple).status
+        self.request(0, req_type::FLUSH, 0, &[], 0, Layout::Simple)
+            .status
     }
 
     pub fn stats(&self) -> serde_json::Value {

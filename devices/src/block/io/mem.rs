@@ -17,7 +17,10 @@ pub struct MemDisk {
 }
 
 fn range_err() -> io::Error {
-    io::Error::new(io::ErrorKind::UnexpectedEof, "access beyond the memory disk")
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "access beyond the memory disk",
+    )
 }
 
 impl MemDisk {
@@ -72,7 +75,11 @@ impl Disk for MemDisk {
         self.capacity
     }
 
-    fn read_at<B: BitmapSlice>(&self, offset: u64, buf: &mut VolatileSlice<B>) -> io::Result<usize> {
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
         let src = self.clip(offset, buf.len())?;
         let dst = buf.offset(0).map_err(|_| range_err())?;
         src.copy_to_volatile_slice(dst);
@@ -101,7 +108,9 @@ impl Disk for MemDisk {
         let mut done = 0;
         while done < n {
             let k = (n - done).min(ZEROS.len());
-            s.subslice(done, k).map_err(|_| range_err())?.copy_from(&ZEROS[..k]);
+            s.subslice(done, k)
+                .map_err(|_| range_err())?
+                .copy_from(&ZEROS[..k]);
             done += k;
         }
         Ok(())

@@ -39,7 +39,8 @@ pub trait Disk: Send + Sync + fmt::Debug + 'static {
     ///
     /// # Errors
     /// The backend's I/O error.
-    fn read_at<B: BitmapSlice>(&self, offset: u64, buf: &mut VolatileSlice<B>) -> io::Result<usize>;
+    fn read_at<B: BitmapSlice>(&self, offset: u64, buf: &mut VolatileSlice<B>)
+        -> io::Result<usize>;
 
     /// Writes `buf` at `offset`; returns the bytes written.
     ///
@@ -137,7 +138,9 @@ impl std::str::FromStr for ImageFormat {
         match s {
             "raw" => Ok(Self::Raw),
             "qcow2" => Ok(Self::Qcow2),
-            o => Err(format!("unknown image format '{o}' (expected raw or qcow2)")),
+            o => Err(format!(
+                "unknown image format '{o}' (expected raw or qcow2)"
+            )),
         }
     }
 }
@@ -180,7 +183,11 @@ impl Disk for DiskImage {
     fn capacity(&self) -> u64 {
         dispatch!(self, d => d.capacity())
     }
-    fn read_at<B: BitmapSlice>(&self, offset: u64, buf: &mut VolatileSlice<B>) -> io::Result<usize> {
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
         dispatch!(self, d => d.read_at(offset, buf))
     }
     fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {

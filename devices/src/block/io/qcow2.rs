@@ -80,7 +80,11 @@ impl Disk for Qcow2Disk {
         self.capacity
     }
 
-    fn read_at<B: BitmapSlice>(&self, offset: u64, buf: &mut VolatileSlice<B>) -> io::Result<usize> {
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
         let len = buf.len();
         let slice: &VolatileSlice<B> = buf;
         // The guard keeps the memory behind the vector mapped while imago uses it.

@@ -114,10 +114,7 @@ impl RawDisk {
     /// # Errors
     /// The open or seek error.
     pub fn open(path: &Path, readonly: bool) -> io::Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(!readonly)
-            .open(path)?;
+        let file = OpenOptions::new().read(true).write(!readonly).open(path)?;
         Self::from_file(file, readonly)
     }
 
@@ -158,13 +155,20 @@ impl Disk for RawDisk {
         self.capacity
     }
 
-    fn read_at<B: BitmapSlice>(&self, offset: u64, buf: &mut VolatileSlice<B>) -> io::Result<usize> {
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
         pread_volatile(&self.file, offset, buf)
     }
 
     fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
         if self.readonly {
-            return Err(io::Error::new(io::ErrorKind::PermissionDenied, "read-only disk"));
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "read-only disk",
+            ));
         }
         pwrite_volatile(&self.file, offset, buf)
     }
