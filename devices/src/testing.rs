@@ -252,7 +252,8 @@ impl TestQueue {
     /// When the device's maximum is smaller than this queue (a test setup failure).
     pub fn to_queue(&self, max_size: u16, event_idx: bool) -> Queue {
         let mut q = Queue::new(max_size).expect("valid max queue size");
-        q.set_size(self.size);
+        q.try_set_size(self.size)
+            .expect("test queue size is a power of two within the device's maximum");
         let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
         let (l, h) = split(self.desc);
         q.set_desc_table_address(l, h);

@@ -68,12 +68,14 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
 }
 
 impl<D: Disk> Blk<D> {
-    /// A device on `disk`, all offered features acked (minus `drop`), queues of 64.
+    /// A device on `disk`, all offered features acked (minus `drop`), queues of 64 (or the
+    /// device's maximum if smaller).
     pub fn new(disk: D, cfg: BlockConfig, dma: Dma, drop: u64) -> Self {
+        let qsize = cfg.queue_size.min(64);
         let dev = Block::new(disk, cfg, dma).expect("device");
         let mut drv = TestDriver::new(dev, RAM);
         drv.negotiate(!drop);
-        drv.activate(64).expect("activate");
+        drv.activate(qsize).expect("activate");
         Self { drv }
     }
 

@@ -137,7 +137,7 @@ impl RawDisk {
     }
 
     fn write_zero_bytes(&self, mut offset: u64, len: u64) -> io::Result<()> {
-        const ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+        static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
         let end = offset
             .checked_add(len)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "range overflows"))?;
