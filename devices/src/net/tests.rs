@@ -672,8 +672,10 @@ fn features_offered_and_negotiation() {
 #[test]
 fn device_rejects_bad_configs() {
     let be = || vec![Box::new(NullBackend::default()) as Box<dyn NetBackend>];
-    let mut c = NetConfig::default();
-    c.queue_pairs = 2;
+    let mut c = NetConfig {
+        queue_pairs: 2,
+        ..Default::default()
+    };
     assert!(Net::new(c.clone(), be(), Dma::direct()).is_err());
     c.queue_pairs = 0;
     assert!(Net::new(c.clone(), Vec::new(), Dma::direct()).is_err());
