@@ -382,15 +382,13 @@ mod tests {
     }
 
     #[test]
-    fn unbuilt_allocators_are_a_config_error() {
+    fn every_allocator_is_built_by_name() {
         let g = PoolConfig::swiotlb(128).geometry().unwrap();
-        for kind in [
-            AllocatorKind::IovaRbtree,
-            AllocatorKind::IovaRcache,
-            AllocatorKind::Genpool,
-            AllocatorKind::IovaBitmap,
-        ] {
-            assert!(matches!(build(kind, &g), Err(Error::Config(_))));
+        for kind in AllocatorKind::ALL {
+            let a = build(kind, &g).unwrap();
+            assert_eq!(a.kind(), kind);
+            assert_eq!(kind.name().parse::<AllocatorKind>().unwrap(), kind);
         }
+        assert!("nope".parse::<AllocatorKind>().is_err());
     }
 }

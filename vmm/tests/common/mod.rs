@@ -1,0 +1,219 @@
+//! Shared helpers for the KVM guest tests: a skip check, a tiny x86 assembler, a recording
+//! bus device and a shared serial sink.
+
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use vmm::bus::BusDevice;
+use vmm::exit::{ExitHandle, ExitReason};
+
+/// Returns `false` (and says why) when this machine cannot run KVM guests.
+pub fn kvm_available() -> bool {
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("SKIPPED: /dev/kvm not usable ({e}); KVM guest tests need it");
+            false
+        }
+    }
+}
+
+/// A port for test results.
+pub const REPORT_PORT: u16 = 0xe0;
+/// The debug-exit port used by the tests.
+pub const EXIT_PORT: u16 = 0x501;
+/// Where guest code is loaded.
+pub const CODE_ADDR: u64 = 0x1000;
+
+/// A byte-level assembler for the handful of instructions the tests use. Encodings are for
+/// 32-bit protected mode unless noted; the ones marked "any" are identical in 64-bit mode.
+#[derive(Default)]
+pub struct Asm {
+    pub code: Vec<u8>,
+}
+
+impl Asm {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    fn b(&mut self, bytes: &[u8]) -> &mut Self {
+        self.code.extend_from_slice(bytes);
+        self
+    }
+    /// `mov eax, imm32` (any).
+    pub fn mov_eax(&mut self, v: u32) -> &mut Self {
+        self.b(&[0xb8]).b(&v.to_le_bytes())
+    }
+    /// `mov ecx, imm32` (any).
+    pub fn mov_ecx(&mut self, v: u32) -> &mut Self {
+        self.b(&[0xb9]).b(&v.to_le_bytes())
+    }
+    /// `mov dx, imm16` (32/64-bit mode: operand-size prefix).
+    pub fn mov_dx(&mut self, v: u16) -> &mut Self {
+        self.b(&[0x66, 0xba]).b(&v.to_le_bytes())
+    }
+    /// `mov al, imm8` (any).
+    pub fn mov_al(&mut self, v: u8) -> &mut Self {
+        self.b(&[0xb0, v])
+    }
+    /// `out dx, eax` (any).
+    pub fn out_dx_eax(&mut self) -> &mut Self {
+        self.b(&[0xef])
+    }
+    /// `out dx, al` (any).
+    pub fn out_dx_al(&mut self) -> &mut Self {
+        self.b(&[0xee])
+    }
+    /// `out imm8, al` (any).
+    pub fn out_imm_al(&mut self, port: u8) -> &mut Self {
+        self.b(&[0xe6, port])
+    }
+    /// `in eax, dx` (any).
+    pub fn in_eax_dx(&mut self) -> &mut Self {
+        self.b(&[0xed])
+    }
+    /// `mov [moffs32], eax` (32-bit mode only).
+    pub fn store_eax(&mut self, addr: u32) -> &mut Self {
+        self.b(&[0xa3]).b(&addr.to_le_bytes())
+    }
+    /// `mov eax, [moffs32]` (32-bit mode only).
+    pub fn load_eax(&mut self, addr: u32) -> &mut Self {
+        self.b(&[0xa1]).b(&addr.to_le_bytes())
+    }
+    /// `xor ecx, ecx` (any).
+    pub fn xor_ecx(&mut self) -> &mut Self {
+        self.b(&[0x31, 0xc9])
+    }
+    /// `cpuid` (any).
+    pub fn cpuid(&mut self) -> &mut Self {
+        self.b(&[0x0f, 0xa2])
+    }
+    /// `mov eax, ebx` (any).
+    pub fn mov_eax_ebx(&mut self) -> &mut Self {
+        self.b(&[0x89, 0xd8])
+    }
+    /// `mov eax, edx` (any).
+    pub fn mov_eax_edx(&mut self) -> &mut Self {
+        self.b(&[0x89, 0xd0])
+    }
+    /// `shr eax, imm8` (any).
+    pub fn shr_eax(&mut self, n: u8) -> &mut Self {
+        self.b(&[0xc1, 0xe8, n])
+    }
+    /// Raw bytes.
+    pub fn raw(&mut self, bytes: &[u8]) -> &mut Self {
+        self.b(bytes)
+    }
+    /// Current position (a label).
+    pub fn here(&self) -> usize {
+        self.code.len()
+    }
+    /// `loop label` (rel8, any).
+    pub fn loop_to(&mut self, label: usize) -> &mut Self {
+        let rel = label as isize - (self.code.len() as isize + 2);
+        let rel = i8::try_from(rel).expect("loop target out of rel8 range");
+        self.b(&[0xe2, rel as u8])
+    }
+    /// `hlt; jmp back to hlt` (any).
+    pub fn hlt_forever(&mut self) -> &mut Self {
+        self.b(&[0xf4, 0xeb, 0xfd])
+    }
+    /// `jmp $` (any).
+    pub fn spin(&mut self) -> &mut Self {
+        self.b(&[0xeb, 0xfe])
+    }
+    /// Writes eax to `port` (clobbers dx).
+    pub fn report_eax(&mut self, port: u16) -> &mut Self {
+        self.mov_dx(port).out_dx_eax()
+    }
+    /// Ends the VM through the debug-exit port with `value` (clobbers eax, dx).
+    pub fn debug_exit(&mut self, value: u32) -> &mut Self {
+        self.mov_eax(value).mov_dx(EXIT_PORT).out_dx_eax()
+    }
+    /// Reads PCI config register `reg` of 00:`dev`.0 through 0xCF8/0xCFC into eax.
+    pub fn conf1_read(&mut self, dev: u8, reg: u8) -> &mut Self {
+        let addr = 0x8000_0000 | u32::from(dev) << 11 | u32::from(reg) << 2;
+        self.mov_eax(addr)
+            .mov_dx(0xcf8)
+            .out_dx_eax()
+            .mov_dx(0xcfc)
+            .in_eax_dx()
+    }
+    /// Writes eax... to PCI config register `reg` of 00:`dev`.0 (value in `v`).
+    pub fn conf1_write(&mut self, dev: u8, reg: u8, v: u32) -> &mut Self {
+        let addr = 0x8000_0000 | u32::from(dev) << 11 | u32::from(reg) << 2;
+        self.mov_eax(addr)
+            .mov_dx(0xcf8)
+            .out_dx_eax()
+            .mov_eax(v)
+            .mov_dx(0xcfc)
+            .out_dx_eax()
+    }
+}
+
+/// One recorded write: absolute address and bytes.
+pub type Access = (u64, Vec<u8>);
+
+/// A bus device that records writes, answers reads with `read_value`, and optionally
+/// requests [`ExitReason::Stopped`] once it has seen `stop_after` writes.
+pub struct Recorder {
+    pub log: Arc<Mutex<Vec<Access>>>,
+    pub read_value: u32,
+    pub stop_after: Option<(usize, ExitHandle)>,
+}
+
+impl Recorder {
+    pub fn new(read_value: u32) -> (Arc<Mutex<Recorder>>, Arc<Mutex<Vec<Access>>>) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let r = Recorder {
+            log: log.clone(),
+            read_value,
+            stop_after: None,
+        };
+        (Arc::new(Mutex::new(r)), log)
+    }
+}
+
+impl BusDevice for Recorder {
+    fn read(&mut self, _base: u64, _offset: u64, data: &mut [u8]) {
+        let v = u64::from(self.read_value).to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = v.get(i).copied().unwrap_or(0);
+        }
+    }
+
+    fn write(&mut self, base: u64, offset: u64, data: &[u8]) {
+        let mut log = self.log.lock().unwrap();
+        log.push((base + offset, data.to_vec()));
+        if let Some((n, exit)) = &self.stop_after {
+            if log.len() >= *n {
+                exit.request(ExitReason::Stopped);
+            }
+        }
+    }
+}
+
+/// Decodes a recorded 4-byte write.
+pub fn u32_of(a: &Access) -> u32 {
+    u32::from_le_bytes(a.1.as_slice().try_into().expect("4-byte access"))
+}
+
+/// A `Write` sink shared with the test.
+#[derive(Clone, Default)]
+pub struct SharedBuf(pub Arc<Mutex<Vec<u8>>>);
+
+impl Write for SharedBuf {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
