@@ -615,7 +615,9 @@ impl Replayer {
                     Some(addr) if *for_cpu => {
                         self.pool.sync_for_cpu(&NullMemory, addr, size, mapping.dir)
                     }
-                    Some(addr) => self.pool.sync_for_device(&NullMemory, addr, size, mapping.dir),
+                    Some(addr) => self
+                        .pool
+                        .sync_for_device(&NullMemory, addr, size, mapping.dir),
                 };
                 match r {
                     Ok(()) => {
@@ -731,7 +733,10 @@ mod tests {
         let Some(TraceOp::Map(m)) = parse_line(1, k).unwrap() else {
             panic!("not a map");
         };
-        assert_eq!((m.id, m.size, m.worker, m.dir), (0, 16, 1, Direction::ToDevice));
+        assert_eq!(
+            (m.id, m.size, m.worker, m.dir),
+            (0, 16, 1, Direction::ToDevice)
+        );
         let kd = m.kernel.unwrap();
         assert_eq!(kd.tlb_addr, Some(955252736));
         assert_eq!(kd.area_used, Some(vec![1]));
@@ -745,7 +750,10 @@ mod tests {
         let Some(TraceOp::Map(m)) = parse_line(3, u).unwrap() else {
             panic!("not a map");
         };
-        assert_eq!((m.worker, m.dir, m.kernel), (3, Direction::FromDevice, None));
+        assert_eq!(
+            (m.worker, m.dir, m.kernel),
+            (3, Direction::FromDevice, None)
+        );
         assert_eq!(
             parse_line(4, r#"{"op":"sync_for_cpu","id":7,"offset":8}"#).unwrap(),
             Some(TraceOp::Sync {
