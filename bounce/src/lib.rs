@@ -35,6 +35,7 @@ pub mod geometry;
 pub mod orig;
 pub mod pool;
 pub mod stats;
+pub mod trace;
 pub mod types;
 
 pub use alloc::{AllocatorKind, SlotAllocator, SlotRequest};

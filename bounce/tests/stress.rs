@@ -88,7 +88,6 @@ fn stress(kind: AllocatorKind, mode: PoolMode) {
                             occupied[s].store(false, Ordering::Release);
                         }
                         pool.unmap(&mem, &m, t).unwrap();
-                        drop(mem);
                         let off = (m.orig - base) as usize;
                         assert!(
                             orig[off..off + m.size].iter().all(|b| *b == fill),

@@ -10,4 +10,8 @@
 
 #![warn(missing_docs)]
 
+pub mod block;
+pub mod net;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod testing;
 pub mod virtio;

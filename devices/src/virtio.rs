@@ -152,6 +152,11 @@ pub trait QueueWorker<M: GuestMemory>: Send {
 
     /// File descriptors the transport must poll for input for this worker (a tap, a timer),
     /// each with a token passed back in [`WorkerEvent::Fd`].
+    ///
+    /// Transports must poll them **edge-triggered** (`EPOLLET`): a worker may leave an fd
+    /// readable on purpose (a net worker stops reading its tap while the guest has posted no
+    /// receive buffers, and resumes on the next queue kick), so a level-triggered loop would
+    /// spin.
     fn extra_fds(&self) -> Vec<(RawFd, u32)> {
         Vec::new()
     }

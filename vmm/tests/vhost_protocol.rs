@@ -1,6 +1,6 @@
 //! The vhost-user server against the `vhost` crate's frontend, in QEMU 7.2's message order.
 
-mod common;
+mod vhost_support;
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use common::{Driver, EchoDevice, CONFIG, EXTRA_TOKEN};
 use devices::virtio::features;
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserVirtioFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
+use vhost_support::{Driver, EchoDevice, CONFIG, EXTRA_TOKEN};
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm::vhost::{Server, VhostUserDevice};

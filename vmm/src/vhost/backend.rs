@@ -44,6 +44,10 @@ pub type Vring = VringRwLock<AtomicMemory>;
 /// An epoll handler of the adapter (one per worker thread).
 pub type EpollHandler<D> = VringEpollHandler<Arc<VhostUserDevice<D>>>;
 
+/// How worker file descriptors are polled: edge-triggered, as [`QueueWorker::extra_fds`]
+/// requires (a net worker leaves its tap readable while the guest has no receive buffers).
+const WORKER_FD_EVENTS: EventSet = EventSet::IN.union(EventSet::EDGE_TRIGGERED);
+
 /// What the adapter needs of an epoll handler: registering worker file descriptors.
 pub trait Listeners: Send + Sync {
     /// Polls `fd` for input; events come back with `data`.
@@ -64,11 +68,11 @@ where
     VringEpollHandler<T>: Send + Sync,
 {
     fn register(&self, fd: RawFd, data: u64) -> io::Result<()> {
-        self.register_listener(fd, EventSet::IN, data)
+        self.register_listener(fd, WORKER_FD_EVENTS, data)
     }
 
     fn unregister(&self, fd: RawFd, data: u64) -> io::Result<()> {
-        self.unregister_listener(fd, EventSet::IN, data)
+        self.unregister_listener(fd, WORKER_FD_EVENTS, data)
     }
 }
 
@@ -428,7 +432,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             if !evset.contains(EventSet::IN)
                 && evset.intersects(EventSet::HANG_UP | EventSet::ERROR)
             {
-                // A level-triggered hang-up would spin this thread: stop polling the fd.
+                // The fd is dead (a tap whose device went away): stop polling it.
                 tracing::warn!(
                     "worker fd {} (token {}) hung up; no longer polled",
                     extra.fd,

@@ -1,0 +1,143 @@
+//! `bounce-replay`: replays a JSON-lines trace of DMA map/unmap/sync operations (plain or gzip)
+//! through a bounce pool, prints what each operation got and, at the end, the pool statistics
+//! as JSON. With `--compare`, each map of a kernel trace is checked against the kernel's
+//! decision and the exit status is non-zero on any mismatch. See bounce/README.md for the
+//! formats.
+
+use std::io::{BufWriter, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use bounce::trace::{self, Mismatch, Outcome, ReplayOptions, Replayer, TraceOp};
+use bounce::{AllocatorKind, PoolMode};
+use clap::Parser;
+
+/// Replay a DMA trace through a bounce pool.
+#[derive(Debug, Parser)]
+#[command(name = "bounce-replay", version)]
+struct Args {
+    /// Trace file: JSON lines, optionally gzip-compressed.
+    trace: PathBuf,
+    /// Slot allocator (legacy, bitmap, areas, areas-bitmap, iova-rbtree, iova-rcache, genpool,
+    /// iova-bitmap).
+    #[arg(long = "alloc", default_value = "areas")]
+    alloc: AllocatorKind,
+    /// Slots in the pool (default: the trace header's nslabs, else 32768).
+    #[arg(long)]
+    slots: Option<usize>,
+    /// Areas (default: the trace header's nareas, else one per worker).
+    #[arg(long)]
+    areas: Option<usize>,
+    /// Workers (default: the trace header's cpus, else 1).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Device address of slot 0, decimal or 0x-hex (default: the header's start).
+    #[arg(long, value_parser = parse_u64)]
+    base: Option<u64>,
+    /// Pool semantics.
+    #[arg(long, default_value = "swiotlb")]
+    mode: PoolMode,
+    /// Compare each map with the kernel's decision; exit with status 1 on any mismatch.
+    #[arg(long)]
+    compare: bool,
+    /// Print no per-operation lines.
+    #[arg(long)]
+    quiet: bool,
+    /// Mismatches printed in detail (all are counted).
+    #[arg(long, default_value_t = 20)]
+    show_mismatches: usize,
+}
+
+fn parse_u64(s: &str) -> Result<u64, String> {
+    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    r.map_err(|e| format!("'{s}': {e}"))
+}
+
+fn print_outcome(out: &mut impl Write, line: u64, o: &Outcome) -> std::io::Result<()> {
+    match o {
+        Outcome::Header => Ok(()),
+        Outcome::Mapped {
+            id,
+            dev_addr,
+            slot,
+            nslots,
+        } => writeln!(
+            out,
+            "{line} map {id} addr={dev_addr:#x} slot={slot} nslots={nslots}"
+        ),
+        Outcome::MapFailed { id, error } => writeln!(out, "{line} map {id} error: {error}"),
+        Outcome::Unmapped { id } => writeln!(out, "{line} unmap {id}"),
+        Outcome::Synced { id } => writeln!(out, "{line} sync {id}"),
+        Outcome::Failed { id, reason } => writeln!(out, "{line} op on {id} error: {reason}"),
+    }
+}
+
+fn run(args: &Args) -> Result<bool, String> {
+    let mut reader = trace::open(&args.trace).map_err(|e| e.to_string())?;
+    let opts = ReplayOptions {
+        allocator: args.alloc,
+        mode: args.mode,
+        slots: args.slots,
+        areas: args.areas,
+        workers: args.workers,
+        base: args.base,
+        compare: args.compare,
+    };
+    let first = reader.next().transpose().map_err(|e| e.to_string())?;
+    let header = match &first {
+        Some((_, TraceOp::Header(h))) => Some(h.clone()),
+        _ => None,
+    };
+    let mut replayer = Replayer::new(&opts, header.as_ref()).map_err(|e| e.to_string())?;
+    let stdout = std::io::stdout();
+    let mut out = BufWriter::with_capacity(1 << 16, stdout.lock());
+    let mut mismatches: Vec<Mismatch> = Vec::new();
+    let mut shown = 0;
+    let started = Instant::now();
+    let io = |e: std::io::Error| format!("writing output: {e}");
+    for item in first.into_iter().map(Ok).chain(reader) {
+        let (line, op) = item.map_err(|e| e.to_string())?;
+        let outcome = replayer.apply(line, &op, &mut mismatches);
+        if !args.quiet {
+            print_outcome(&mut out, line, &outcome).map_err(io)?;
+        }
+        for m in mismatches.drain(..) {
+            if shown < args.show_mismatches {
+                writeln!(out, "MISMATCH line {} map {}: {}", m.line, m.id, m.what).map_err(io)?;
+                shown += 1;
+            }
+        }
+    }
+    let elapsed = started.elapsed();
+    let summary = replayer.summary().clone();
+    let report = serde_json::json!({
+        "trace": args.trace.display().to_string(),
+        "elapsed_s": elapsed.as_secs_f64(),
+        "live_at_end": replayer.live(),
+        "replay": summary,
+        "area_index": replayer.pool().allocator().area_index(),
+        "pool": replayer.pool().stats(),
+    });
+    writeln!(out, "{report}").map_err(io)?;
+    out.flush().map_err(io)?;
+    Ok(summary.mismatches == 0)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("bounce-replay: the replay differs from the kernel's decisions");
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("bounce-replay: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

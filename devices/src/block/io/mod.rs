@@ -1,0 +1,208 @@
+//! Disk backends.
+//!
+//! A [`Disk`] does positional I/O on `vm-memory` volatile slices, so the device can hand it the
+//! device-visible buffers of its [`bounce::Dma`] handle (guest memory or bounce pool) without
+//! ever forming a Rust reference over them. [`DiskIo`] turns a disk and a byte offset into the
+//! `ReadVolatile`/`WriteVolatile` source and sink that [`bounce::Dma::write_from`] and
+//! [`bounce::Dma::read_to`] take.
+//!
+//! Backends: [`RawDisk`] (a raw image file, `pread`/`pwrite`, `fdatasync`, hole punching),
+//! [`Qcow2Disk`] (qcow2 through `imago` in sync mode) and [`MemDisk`] (anonymous memory, for
+//! tests and benchmarks). [`DiskImage`] is the one the VMM opens from a `-drive`.
+
+mod mem;
+mod qcow2;
+mod raw;
+
+use std::fmt;
+use std::io;
+use std::path::Path;
+
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile};
+
+pub use mem::MemDisk;
+pub use qcow2::Qcow2Disk;
+pub use raw::RawDisk;
+
+/// A disk: positional I/O on volatile slices, shared by all the queues of a device.
+///
+/// Offsets and lengths are in bytes; the device checks every request against
+/// [`Disk::capacity`] before calling in, so implementations may treat out-of-range accesses as
+/// errors.
+pub trait Disk: Send + Sync + fmt::Debug + 'static {
+    /// Size in bytes (a multiple of 512: the device ignores a partial last sector).
+    fn capacity(&self) -> u64;
+
+    /// Reads into `buf` from `offset`; returns the bytes read (fewer only at the end of the
+    /// disk).
+    ///
+    /// # Errors
+    /// The backend's I/O error.
+    fn read_at<B: BitmapSlice>(&self, offset: u64, buf: &mut VolatileSlice<B>)
+        -> io::Result<usize>;
+
+    /// Writes `buf` at `offset`; returns the bytes written.
+    ///
+    /// # Errors
+    /// The backend's I/O error.
+    fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize>;
+
+    /// Returns once everything written so far is on stable storage.
+    ///
+    /// # Errors
+    /// The backend's I/O error.
+    fn flush(&self) -> io::Result<()>;
+
+    /// Deallocates `offset..offset + len` if the backend can; the contents afterwards are
+    /// unspecified (zeros for every backend here). Doing nothing is a valid implementation.
+    ///
+    /// # Errors
+    /// The backend's I/O error.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
+
+    /// Makes `offset..offset + len` read as zeros; with `unmap`, deallocating it is allowed.
+    ///
+    /// # Errors
+    /// The backend's I/O error.
+    fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> io::Result<()>;
+
+    /// A short name for stats and logs ("raw", "qcow2", "memory").
+    fn kind(&self) -> &'static str;
+}
+
+/// A cursor on a disk: reads and writes at a byte offset that advances with each transfer.
+#[derive(Debug)]
+pub struct DiskIo<'a, D: Disk> {
+    disk: &'a D,
+    offset: u64,
+}
+
+impl<'a, D: Disk> DiskIo<'a, D> {
+    /// A cursor at `offset`.
+    pub fn new(disk: &'a D, offset: u64) -> Self {
+        Self { disk, offset }
+    }
+
+    /// The current offset.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    fn advance(&mut self, n: usize) -> Result<usize, VolatileMemoryError> {
+        self.offset = self.offset.checked_add(n as u64).ok_or_else(|| {
+            VolatileMemoryError::IOError(io::Error::other("disk offset overflows"))
+        })?;
+        Ok(n)
+    }
+}
+
+impl<D: Disk> ReadVolatile for DiskIo<'_, D> {
+    fn read_volatile<B: BitmapSlice>(
+        &mut self,
+        buf: &mut VolatileSlice<B>,
+    ) -> Result<usize, VolatileMemoryError> {
+        let n = self
+            .disk
+            .read_at(self.offset, buf)
+            .map_err(VolatileMemoryError::IOError)?;
+        self.advance(n)
+    }
+}
+
+impl<D: Disk> WriteVolatile for DiskIo<'_, D> {
+    fn write_volatile<B: BitmapSlice>(
+        &mut self,
+        buf: &VolatileSlice<B>,
+    ) -> Result<usize, VolatileMemoryError> {
+        let n = self
+            .disk
+            .write_at(self.offset, buf)
+            .map_err(VolatileMemoryError::IOError)?;
+        self.advance(n)
+    }
+}
+
+/// Image formats a `-drive` can name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImageFormat {
+    /// A raw image file.
+    Raw,
+    /// A qcow2 image.
+    Qcow2,
+}
+
+impl std::str::FromStr for ImageFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "raw" => Ok(Self::Raw),
+            "qcow2" => Ok(Self::Qcow2),
+            o => Err(format!(
+                "unknown image format '{o}' (expected raw or qcow2)"
+            )),
+        }
+    }
+}
+
+/// Any of the backends, chosen at run time.
+#[derive(Debug)]
+pub enum DiskImage {
+    /// A raw file.
+    Raw(RawDisk),
+    /// A qcow2 image.
+    Qcow2(Qcow2Disk),
+    /// Memory.
+    Memory(MemDisk),
+}
+
+impl DiskImage {
+    /// Opens an image file.
+    ///
+    /// # Errors
+    /// The open error.
+    pub fn open(path: &Path, format: ImageFormat, readonly: bool) -> io::Result<Self> {
+        Ok(match format {
+            ImageFormat::Raw => Self::Raw(RawDisk::open(path, readonly)?),
+            ImageFormat::Qcow2 => Self::Qcow2(Qcow2Disk::open(path, readonly)?),
+        })
+    }
+}
+
+macro_rules! dispatch {
+    ($self:ident, $d:ident => $e:expr) => {
+        match $self {
+            DiskImage::Raw($d) => $e,
+            DiskImage::Qcow2($d) => $e,
+            DiskImage::Memory($d) => $e,
+        }
+    };
+}
+
+impl Disk for DiskImage {
+    fn capacity(&self) -> u64 {
+        dispatch!(self, d => d.capacity())
+    }
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
+        dispatch!(self, d => d.read_at(offset, buf))
+    }
+    fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
+        dispatch!(self, d => d.write_at(offset, buf))
+    }
+    fn flush(&self) -> io::Result<()> {
+        dispatch!(self, d => d.flush())
+    }
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        dispatch!(self, d => d.discard(offset, len))
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        dispatch!(self, d => d.write_zeroes(offset, len, unmap))
+    }
+    fn kind(&self) -> &'static str {
+        dispatch!(self, d => d.kind())
+    }
+}

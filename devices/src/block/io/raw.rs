@@ -1,0 +1,208 @@
+//! Raw image files: `pread`/`pwrite` straight into the device-visible buffer.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Seek, SeekFrom};
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::VolatileSlice;
+
+use super::Disk;
+use crate::block::SECTOR_SIZE;
+
+/// A raw image file (or block device). Capacity is its length rounded down to a sector.
+#[derive(Debug)]
+pub struct RawDisk {
+    file: File,
+    capacity: u64,
+    readonly: bool,
+}
+
+/// Converts a byte offset to `off_t`, refusing offsets that do not fit.
+fn off_t(offset: u64) -> io::Result<libc::off_t> {
+    libc::off_t::try_from(offset)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset exceeds off_t"))
+}
+
+/// One `pread` into a volatile slice, retried on EINTR.
+fn pread_volatile<B: BitmapSlice>(
+    file: &File,
+    offset: u64,
+    buf: &mut VolatileSlice<B>,
+) -> io::Result<usize> {
+    let off = off_t(offset)?;
+    let guard = buf.ptr_guard_mut();
+    loop {
+        // SAFETY: the fd is open for the lifetime of `file`; `guard` points to `buf.len()`
+        // bytes that a `VolatileSlice` guarantees valid for writes while the guard lives, and
+        // the kernel writes at most `buf.len()` bytes there. No Rust reference to that memory
+        // exists (it is volatile memory, written here only by the kernel).
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                guard.as_ptr().cast::<libc::c_void>(),
+                buf.len(),
+                off,
+            )
+        };
+        if n >= 0 {
+            // n <= buf.len() by the contract of pread, so the conversion cannot fail.
+            let n = usize::try_from(n).unwrap_or(0);
+            buf.bitmap().mark_dirty(0, n);
+            return Ok(n);
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            // A failed read may have written part of the buffer.
+            buf.bitmap().mark_dirty(0, buf.len());
+            return Err(err);
+        }
+    }
+}
+
+/// One `pwrite` from a volatile slice, retried on EINTR.
+fn pwrite_volatile<B: BitmapSlice>(
+    file: &File,
+    offset: u64,
+    buf: &VolatileSlice<B>,
+) -> io::Result<usize> {
+    let off = off_t(offset)?;
+    let guard = buf.ptr_guard();
+    loop {
+        // SAFETY: the fd is open for the lifetime of `file`; `guard` points to `buf.len()`
+        // bytes that a `VolatileSlice` guarantees valid for reads while the guard lives; the
+        // kernel only reads them.
+        let n = unsafe {
+            libc::pwrite(
+                file.as_raw_fd(),
+                guard.as_ptr().cast::<libc::c_void>(),
+                buf.len(),
+                off,
+            )
+        };
+        if n >= 0 {
+            return Ok(usize::try_from(n).unwrap_or(0));
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
+/// `fallocate(2)`; `Ok(false)` when the file system does not support `mode`.
+fn fallocate(file: &File, mode: libc::c_int, offset: u64, len: u64) -> io::Result<bool> {
+    let off = off_t(offset)?;
+    let len = off_t(len)?;
+    // SAFETY: fallocate only takes integers; the fd is open for the lifetime of `file`.
+    let r = unsafe { libc::fallocate(file.as_raw_fd(), mode, off, len) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let err = io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => Ok(false),
+        _ => Err(err),
+    }
+}
+
+impl RawDisk {
+    /// Opens `path` read-write (or read-only).
+    ///
+    /// # Errors
+    /// The open or seek error.
+    pub fn open(path: &Path, readonly: bool) -> io::Result<Self> {
+        let file = OpenOptions::new().read(true).write(!readonly).open(path)?;
+        Self::from_file(file, readonly)
+    }
+
+    /// Wraps an open file.
+    ///
+    /// # Errors
+    /// The seek error (the length of a block device is found by seeking to its end).
+    pub fn from_file(mut file: File, readonly: bool) -> io::Result<Self> {
+        let len = file.seek(SeekFrom::End(0))?;
+        Ok(Self {
+            file,
+            capacity: len - len % SECTOR_SIZE,
+            readonly,
+        })
+    }
+
+    /// True when opened read-only.
+    pub fn readonly(&self) -> bool {
+        self.readonly
+    }
+
+    fn write_zero_bytes(&self, mut offset: u64, len: u64) -> io::Result<()> {
+        static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "range overflows"))?;
+        while offset < end {
+            let n = usize::try_from((end - offset).min(ZEROS.len() as u64)).unwrap_or(ZEROS.len());
+            self.file.write_all_at(&ZEROS[..n], offset)?;
+            offset += n as u64;
+        }
+        Ok(())
+    }
+}
+
+impl Disk for RawDisk {
+    fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
+        pread_volatile(&self.file, offset, buf)
+    }
+
+    fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
+        if self.readonly {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "read-only disk",
+            ));
+        }
+        pwrite_volatile(&self.file, offset, buf)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        // fdatasync: the data and the metadata needed to read it back (the file size) are on
+        // stable storage when it returns.
+        self.file.sync_data()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        // Discard is a hint: a file system without hole punching simply keeps the blocks.
+        fallocate(
+            &self.file,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset,
+            len,
+        )
+        .map(|_| ())
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> io::Result<()> {
+        let mode = if unmap {
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+        } else {
+            libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+        };
+        if fallocate(&self.file, mode, offset, len)? {
+            return Ok(());
+        }
+        self.write_zero_bytes(offset, len)
+    }
+
+    fn kind(&self) -> &'static str {
+        "raw"
+    }
+}

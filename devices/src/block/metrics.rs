@@ -1,0 +1,123 @@
+//! Per-device counters.
+//!
+//! All counters are relaxed atomics shared by the device and its queue workers. The JSON a
+//! device's `stats()` returns looks like:
+//!
+//! ```json
+//! {
+//!   "type": "block", "disk": "raw", "capacity_sectors": 2048, "readonly": false,
+//!   "queues": 1,
+//!   "metrics": {
+//!     "reqs_in": 10, "reqs_out": 4, "reqs_flush": 1, "reqs_get_id": 0,
+//!     "reqs_discard": 0, "reqs_write_zeroes": 0, "reqs_unsupported": 0,
+//!     "bytes_read": 40960, "bytes_written": 16384,
+//!     "err_bad_chain": 0, "err_guest_access": 0, "err_bounce": 0, "err_io": 0,
+//!     "err_out_of_range": 0, "err_readonly": 0, "err_unsupported": 0,
+//!     "no_status": 0, "config_write_rejected": 0,
+//!     "drains": 3, "queue_depth_hiwater": 8
+//!   },
+//!   "bounce": { "mode": "swiotlb", "nslabs": 32768, "used": 0, ... }
+//! }
+//! ```
+//! `bounce` is `null` when the device has no pool (policy `off`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Serialize, Serializer};
+
+use super::BlockError;
+
+/// A counter that only goes up (or keeps a maximum), serialised as its value.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    /// Adds one.
+    pub fn inc(&self) {
+        self.add(1);
+    }
+
+    /// Adds `n`.
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Raises the value to `n` if it is lower (a high-water mark).
+    pub fn max(&self, n: u64) {
+        self.0.fetch_max(n, Ordering::Relaxed);
+    }
+
+    /// The current value.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl Serialize for Counter {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.get())
+    }
+}
+
+/// Counters of one block device (all its queues).
+#[derive(Debug, Default, Serialize)]
+pub struct BlockMetrics {
+    /// IN (read) requests.
+    pub reqs_in: Counter,
+    /// OUT (write) requests.
+    pub reqs_out: Counter,
+    /// FLUSH requests.
+    pub reqs_flush: Counter,
+    /// GET_ID requests.
+    pub reqs_get_id: Counter,
+    /// DISCARD requests.
+    pub reqs_discard: Counter,
+    /// WRITE_ZEROES requests.
+    pub reqs_write_zeroes: Counter,
+    /// Requests of unknown or unnegotiated types.
+    pub reqs_unsupported: Counter,
+    /// Bytes read from the disk into guest buffers.
+    pub bytes_read: Counter,
+    /// Bytes written from guest buffers to the disk.
+    pub bytes_written: Counter,
+    /// Malformed descriptor chains.
+    pub err_bad_chain: Counter,
+    /// Buffers outside guest memory.
+    pub err_guest_access: Counter,
+    /// Bounce mappings refused (pool full and others).
+    pub err_bounce: Counter,
+    /// Backend I/O errors and short transfers.
+    pub err_io: Counter,
+    /// Sector ranges beyond the disk, unaligned lengths, discard limits.
+    pub err_out_of_range: Counter,
+    /// Writes to a read-only disk.
+    pub err_readonly: Counter,
+    /// Requests completed with UNSUPP.
+    pub err_unsupported: Counter,
+    /// Chains completed with used length 0 because no status byte could be written.
+    pub no_status: Counter,
+    /// Driver writes to the (read-only) configuration space, ignored.
+    pub config_write_rejected: Counter,
+    /// Queue drains (passes over the available ring).
+    pub drains: Counter,
+    /// Most chains popped in one drain.
+    pub queue_depth_hiwater: Counter,
+}
+
+impl BlockMetrics {
+    /// Counts an error by kind.
+    pub fn count_error(&self, e: &BlockError) {
+        match e {
+            BlockError::BadChain(_) => self.err_bad_chain.inc(),
+            BlockError::GuestAccess { .. } => self.err_guest_access.inc(),
+            BlockError::Bounce(_) => self.err_bounce.inc(),
+            BlockError::Io(_) | BlockError::Short { .. } => self.err_io.inc(),
+            BlockError::OutOfRange { .. } | BlockError::Unaligned(_) | BlockError::Limits(_) => {
+                self.err_out_of_range.inc()
+            }
+            BlockError::ReadOnly => self.err_readonly.inc(),
+            BlockError::Unsupported(_) => self.err_unsupported.inc(),
+            BlockError::Config(_) => {}
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! virtio-blk (virtio 1.2, section 5.2) on top of the bounce module.
+//!
+//! Layout, as in Firecracker's block device:
+//! - this file: protocol constants, the error enum, the device configuration;
+//! - [`device`]: the [`Block`] device (features, configuration space, lifecycle) and its
+//!   per-queue [`BlockWorker`]s;
+//! - [`request`]: descriptor-chain walking, parsing into [`request::RequestType`], execution and
+//!   completion;
+//! - [`io`]: disk backends behind the [`io::Disk`] trait (raw file, qcow2 through `imago`,
+//!   memory);
+//! - [`metrics`]: per-device counters, serialisable to JSON.
+//!
+//! Every byte the device moves between the guest and a disk goes through the device's
+//! [`bounce::Dma`] handle: the request header, the data buffers, discard segments, the id
+//! string and the status byte. Queue rings and descriptor tables are read by `virtio-queue` and
+//! the chain walker, as on a real platform where the rings are shared (decrypted) memory.
+
+pub mod device;
+pub mod io;
+pub mod metrics;
+pub mod request;
+
+pub use device::{Block, BlockWorker};
+pub use io::{Disk, DiskImage, MemDisk, Qcow2Disk, RawDisk};
+pub use metrics::BlockMetrics;
+
+/// Sector size of the virtio-blk protocol: sector numbers and capacity are in these units
+/// whatever the logical block size.
+pub const SECTOR_SHIFT: u32 = 9;
+/// 512.
+pub const SECTOR_SIZE: u64 = 1 << SECTOR_SHIFT;
+
+/// Length of the request header (`struct virtio_blk_outhdr`: type, reserved, sector).
+pub const REQ_HEADER_LEN: usize = 16;
+/// Length of one discard / write-zeroes segment (`struct virtio_blk_discard_write_zeroes`).
+pub const DISCARD_SEG_LEN: usize = 16;
+/// Bytes of the id string answered to GET_ID (`VIRTIO_BLK_ID_BYTES`).
+pub const ID_BYTES: usize = 20;
+/// Size of the configuration space this device exposes (up to and including
+/// `write_zeroes_may_unmap` and its padding; the secure-erase and zoned fields are not offered).
+pub const CONFIG_SPACE_LEN: usize = 60;
+
+/// Device feature bits (virtio 1.2, 5.2.3).
+pub mod features {
+    /// Maximum size of any single segment is in `size_max`.
+    pub const SIZE_MAX: u64 = 1 << 1;
+    /// Maximum number of segments in a request is in `seg_max`.
+    pub const SEG_MAX: u64 = 1 << 2;
+    /// The device is read-only.
+    pub const RO: u64 = 1 << 5;
+    /// Logical block size of the disk is in `blk_size`.
+    pub const BLK_SIZE: u64 = 1 << 6;
+    /// Cache flush command support.
+    pub const FLUSH: u64 = 1 << 9;
+    /// The device supports more than one queue; `num_queues` holds the count.
+    pub const MQ: u64 = 1 << 12;
+    /// DISCARD command support.
+    pub const DISCARD: u64 = 1 << 13;
+    /// WRITE_ZEROES command support.
+    pub const WRITE_ZEROES: u64 = 1 << 14;
+}
+
+/// Request types (virtio 1.2, 5.2.6).
+pub mod req_type {
+    /// Read.
+    pub const IN: u32 = 0;
+    /// Write.
+    pub const OUT: u32 = 1;
+    /// Flush the write cache.
+    pub const FLUSH: u32 = 4;
+    /// Get the device id string.
+    pub const GET_ID: u32 = 8;
+    /// Discard sectors.
+    pub const DISCARD: u32 = 11;
+    /// Write zeroes to sectors.
+    pub const WRITE_ZEROES: u32 = 13;
+}
+
+/// Status values written in the last byte of a request.
+pub mod status {
+    /// Success.
+    pub const OK: u8 = 0;
+    /// Device or driver error.
+    pub const IOERR: u8 = 1;
+    /// Request unsupported by the device.
+    pub const UNSUPP: u8 = 2;
+}
+
+/// The `unmap` flag of a write-zeroes segment.
+pub const WRITE_ZEROES_FLAG_UNMAP: u32 = 1;
+
+/// Errors of the block device: each one decides a request's status and a counter.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum BlockError {
+    /// The descriptor chain is malformed: a loop, too long, a bad index, a nested or
+    /// unnegotiated indirect table, a zero-length descriptor, a readable descriptor after a
+    /// writable one, or buffers too short or in the wrong direction for the request.
+    #[error("bad descriptor chain: {0}")]
+    BadChain(&'static str),
+    /// A buffer lies (partly) outside guest memory.
+    #[error("buffer {addr:#x}+{len:#x} is outside guest memory")]
+    GuestAccess {
+        /// Guest address.
+        addr: u64,
+        /// Length.
+        len: u64,
+    },
+    /// The bounce module refused a mapping (pool full, too large, ...).
+    #[error("bounce: {0}")]
+    Bounce(bounce::Error),
+    /// The request addresses sectors beyond the end of the disk (or its arithmetic
+    /// overflows).
+    #[error("sectors {sector}+{sectors} are beyond the disk end ({capacity} sectors)")]
+    OutOfRange {
+        /// First sector.
+        sector: u64,
+        /// Number of sectors (may be a byte count rounded up).
+        sectors: u64,
+        /// Disk capacity in sectors.
+        capacity: u64,
+    },
+    /// A data length that is not a multiple of the sector size.
+    #[error("data length {0} is not a multiple of 512")]
+    Unaligned(u64),
+    /// A write-type request on a read-only disk.
+    #[error("write to a read-only disk")]
+    ReadOnly,
+    /// The backend failed.
+    #[error("I/O error: {0}")]
+    Io(String),
+    /// The backend transferred fewer bytes than asked.
+    #[error("short transfer: {done} of {expected} bytes")]
+    Short {
+        /// Bytes asked for.
+        expected: u64,
+        /// Bytes transferred.
+        done: u64,
+    },
+    /// An unknown or unnegotiated request type, or a segment with unsupported flags.
+    #[error("unsupported request {0}")]
+    Unsupported(u32),
+    /// A discard or write-zeroes request beyond the advertised limits.
+    #[error("discard/write-zeroes limits exceeded: {0}")]
+    Limits(&'static str),
+    /// A device configuration that cannot run.
+    #[error("invalid block device configuration: {0}")]
+    Config(String),
+}
+
+impl BlockError {
+    /// The status byte this error completes a request with.
+    pub fn status(&self) -> u8 {
+        match self {
+            Self::Unsupported(_) => status::UNSUPP,
+            _ => status::IOERR,
+        }
+    }
+}
+
+impl From<bounce::Error> for BlockError {
+    fn from(e: bounce::Error) -> Self {
+        match e {
+            bounce::Error::OrigAccess { addr, len } => Self::GuestAccess {
+                addr,
+                len: len as u64,
+            },
+            bounce::Error::ZeroLength => Self::BadChain("zero-length buffer"),
+            bounce::Error::Io(s) => Self::Io(s),
+            other => Self::Bounce(other),
+        }
+    }
+}
+
+/// Result alias of the block device.
+pub type Result<T> = std::result::Result<T, BlockError>;
+
+/// How a block device is set up (what `-drive` and `-device virtio-blk-pci` say).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockConfig {
+    /// The id string answered to GET_ID (at most 20 bytes are used).
+    pub serial: String,
+    /// Refuse writes and offer VIRTIO_BLK_F_RO.
+    pub readonly: bool,
+    /// Number of request queues (1..=64); VIRTIO_BLK_F_MQ is offered when more than one.
+    pub num_queues: u16,
+    /// Largest queue size the device accepts (a power of two, 2..=32768).
+    pub queue_size: u16,
+    /// Offer VIRTIO_F_ACCESS_PLATFORM.
+    pub access_platform: bool,
+    /// Logical block size reported in `blk_size` (a power of two, 512..=65536).
+    pub blk_size: u32,
+    /// Offer DISCARD and WRITE_ZEROES.
+    pub discard: bool,
+}
+
+impl Default for BlockConfig {
+    fn default() -> Self {
+        Self {
+            serial: String::from("bouncevm-blk"),
+            readonly: false,
+            num_queues: 1,
+            queue_size: 256,
+            access_platform: true,
+            blk_size: 512,
+            discard: true,
+        }
+    }
+}
+
+impl BlockConfig {
+    /// Checks the values a device cannot run with.
+    ///
+    /// # Errors
+    /// A message naming the bad field.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if !(1..=64).contains(&self.num_queues) {
+            return Err(format!("num_queues {} not in 1..=64", self.num_queues));
+        }
+        if !self.queue_size.is_power_of_two() || self.queue_size < 2 || self.queue_size > 32768 {
+            return Err(format!(
+                "queue_size {} is not a power of two in 2..=32768",
+                self.queue_size
+            ));
+        }
+        if !self.blk_size.is_power_of_two() || !(512..=65536).contains(&self.blk_size) {
+            return Err(format!(
+                "blk_size {} is not a power of two in 512..=65536",
+                self.blk_size
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,784 @@
+//! Descriptor chains to requests, requests to I/O, I/O to a status.
+//!
+//! A popped chain goes through three steps, each of which can only fail into a status:
+//! 1. [`walk_chain`] reads the descriptors (direct and one level of indirect) into the
+//!    device-readable and device-writable byte streams of a [`ChainBufs`], refusing loops,
+//!    chains longer than the queue, bad indexes, nested or unnegotiated indirect tables,
+//!    zero-length descriptors and readable-after-writable ordering. Descriptor tables are
+//!    read directly (they are ring memory); data is not touched.
+//! 2. [`RequestCtx::execute`] maps the status byte first (so an error can still be
+//!    reported when the bounce pool fills up later in the request), reads the header through
+//!    the DMA handle, parses it into a [`RequestType`], validates directions, lengths and the
+//!    sector range with checked arithmetic, maps all data buffers (a scatter-gather map, as a
+//!    guest driver's `dma_map_sg`), runs the backend I/O on the device-visible buffers and
+//!    unmaps them.
+//! 3. The status byte is written through its mapping and unmapped; the caller puts the head on
+//!    the used ring with the returned length (0 when no status could be written).
+//!
+//! virtio 1.0 devices may not assume any framing (`VIRTIO_F_ANY_LAYOUT` is implied by
+//! VERSION_1): the header is the first 16 readable bytes, the status the last writable byte,
+//! whatever the descriptor boundaries.
+
+use std::mem::size_of;
+
+use bounce::{Direction, Dma, DmaBuffer};
+use virtio_queue::desc::split::Descriptor;
+use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions};
+
+use super::io::{Disk, DiskIo};
+use super::metrics::BlockMetrics;
+use super::{
+    req_type, status, BlockError, Result, DISCARD_SEG_LEN, ID_BYTES, REQ_HEADER_LEN, SECTOR_SHIFT,
+    SECTOR_SIZE, WRITE_ZEROES_FLAG_UNMAP,
+};
+
+const VRING_DESC_F_NEXT: u16 = 1;
+const VRING_DESC_F_WRITE: u16 = 2;
+const VRING_DESC_F_INDIRECT: u16 = 4;
+/// Size of one split-ring descriptor.
+const DESC_SIZE: u64 = 16;
+/// Discard/write-zeroes segments read at once (the advertised `max_*_seg` is at most this).
+pub const MAX_DISCARD_SEGS: usize = 16;
+
+/// One guest buffer of a chain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seg {
+    /// Guest address.
+    pub addr: u64,
+    /// Length in bytes (never 0).
+    pub len: u32,
+}
+
+/// The buffers of one chain, split by direction, in chain order.
+#[derive(Debug, Default)]
+pub struct ChainBufs {
+    /// Device-readable buffers.
+    pub readable: Vec<Seg>,
+    /// Device-writable buffers (all after the readable ones).
+    pub writable: Vec<Seg>,
+    /// Sum of the readable lengths.
+    pub readable_len: u64,
+    /// Sum of the writable lengths.
+    pub writable_len: u64,
+}
+
+impl ChainBufs {
+    fn clear(&mut self) {
+        self.readable.clear();
+        self.writable.clear();
+        self.readable_len = 0;
+        self.writable_len = 0;
+    }
+}
+
+/// Reads the descriptor chain at `head` of a split queue whose table is at `desc_table` with
+/// `queue_size` entries into `out`.
+///
+/// At most `queue_size` buffers are accepted in total (virtio 1.2, 2.7.5.3.1: a chain, indirect
+/// tables included, is never longer than the queue), which also ends descriptor loops; an
+/// indirect table is accepted only when `indirect_ok`, never inside another, and never with
+/// NEXT set on the descriptor that points to it.
+///
+/// # Errors
+/// [`BlockError::BadChain`] naming the rule broken.
+pub fn walk_chain<M: GuestMemory + ?Sized>(
+    mem: &M,
+    desc_table: u64,
+    queue_size: u16,
+    head: u16,
+    indirect_ok: bool,
+    out: &mut ChainBufs,
+) -> Result<()> {
+    out.clear();
+    let mut table = desc_table;
+    let mut table_len = queue_size;
+    let mut index = head;
+    let mut in_indirect = false;
+    // One step per descriptor read, indirect pointers included: bounded by 2 * queue_size.
+    let mut budget = u32::from(queue_size) * 2;
+    let mut bufs: u32 = 0;
+    loop {
+        if index >= table_len {
+            return Err(BlockError::BadChain("descriptor index out of range"));
+        }
+        budget = budget
+            .checked_sub(1)
+            .ok_or(BlockError::BadChain("descriptor loop"))?;
+        // index < table_len <= 65535, so index * 16 cannot overflow a u64.
+        let addr = table
+            .checked_add(u64::from(index) * DESC_SIZE)
+            .ok_or(BlockError::BadChain("descriptor address overflows"))?;
+        let desc: Descriptor = mem
+            .read_obj(GuestAddress(addr))
+            .map_err(|_| BlockError::BadChain("descriptor table outside guest memory"))?;
+        let flags = desc.flags();
+        if flags & VRING_DESC_F_INDIRECT != 0 {
+            if !indirect_ok {
+                return Err(BlockError::BadChain("indirect descriptor not negotiated"));
+            }
+            if in_indirect {
+                return Err(BlockError::BadChain("nested indirect table"));
+            }
+            if flags & VRING_DESC_F_NEXT != 0 {
+                return Err(BlockError::BadChain("indirect descriptor with NEXT"));
+            }
+            let len = desc.len();
+            if len == 0 || u64::from(len) % DESC_SIZE != 0 {
+                return Err(BlockError::BadChain("bad indirect table length"));
+            }
+            let entries = u64::from(len) / DESC_SIZE;
+            if entries > u64::from(queue_size) {
+                return Err(BlockError::BadChain("indirect table longer than the queue"));
+            }
+            table = desc.addr().0;
+            // entries <= queue_size <= u16::MAX.
+            table_len = u16::try_from(entries).unwrap_or(queue_size);
+            index = 0;
+            in_indirect = true;
+            // The chain continues in the table, with a fresh loop budget (the table is
+            // bounded by the queue size as well).
+            budget = u32::from(table_len);
+            continue;
+        }
+        let len = desc.len();
+        if len == 0 {
+            return Err(BlockError::BadChain("zero-length descriptor"));
+        }
+        bufs += 1;
+        if bufs > u32::from(queue_size) {
+            return Err(BlockError::BadChain("chain longer than the queue"));
+        }
+        let seg = Seg {
+            addr: desc.addr().0,
+            len,
+        };
+        if flags & VRING_DESC_F_WRITE != 0 {
+            out.writable.push(seg);
+            out.writable_len += u64::from(len);
+        } else {
+            if !out.writable.is_empty() {
+                return Err(BlockError::BadChain(
+                    "device-readable descriptor after a writable one",
+                ));
+            }
+            out.readable.push(seg);
+            out.readable_len += u64::from(len);
+        }
+        if flags & VRING_DESC_F_NEXT == 0 {
+            return Ok(());
+        }
+        index = desc.next();
+    }
+}
+
+/// Calls `f(addr, len)` for each contiguous piece of bytes `start..start + len` of the byte
+/// stream that `segs` form, in order, with no piece longer than `max_piece`.
+fn for_each_piece<F>(segs: &[Seg], start: u64, len: u64, max_piece: u64, mut f: F) -> Result<()>
+where
+    F: FnMut(u64, usize) -> Result<()>,
+{
+    let max_piece = max_piece.max(1);
+    let mut skip = start;
+    let mut left = len;
+    for s in segs {
+        if left == 0 {
+            break;
+        }
+        let slen = u64::from(s.len);
+        if skip >= slen {
+            skip -= slen;
+            continue;
+        }
+        let mut off = skip;
+        skip = 0;
+        while off < slen && left > 0 {
+            let n = (slen - off).min(left).min(max_piece);
+            let addr = s.addr.checked_add(off).ok_or(BlockError::GuestAccess {
+                addr: s.addr,
+                len: slen,
+            })?;
+            // n <= u32::MAX, so it fits a usize on every supported target.
+            f(addr, n as usize)?;
+            off += n;
+            left -= n;
+        }
+    }
+    if left != 0 {
+        return Err(BlockError::BadChain("buffer shorter than the request"));
+    }
+    Ok(())
+}
+
+/// Checks that every piece of `start..start + len` of `segs` is guest memory with `perm`.
+fn check_stream<M: GuestMemory + ?Sized>(
+    mem: &M,
+    segs: &[Seg],
+    start: u64,
+    len: u64,
+    perm: Permissions,
+) -> Result<()> {
+    for_each_piece(segs, start, len, u64::MAX, |addr, n| {
+        if mem.check_range(GuestAddress(addr), n, perm) {
+            Ok(())
+        } else {
+            Err(BlockError::GuestAccess {
+                addr,
+                len: n as u64,
+            })
+        }
+    })
+}
+
+/// What a request asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestType {
+    /// Read sectors.
+    In,
+    /// Write sectors.
+    Out,
+    /// Flush the write cache.
+    Flush,
+    /// Get the id string.
+    GetId,
+    /// Discard ranges.
+    Discard,
+    /// Zero ranges.
+    WriteZeroes,
+    /// Anything else (the raw type).
+    Unsupported(u32),
+}
+
+impl From<u32> for RequestType {
+    fn from(t: u32) -> Self {
+        match t {
+            req_type::IN => Self::In,
+            req_type::OUT => Self::Out,
+            req_type::FLUSH => Self::Flush,
+            req_type::GET_ID => Self::GetId,
+            req_type::DISCARD => Self::Discard,
+            req_type::WRITE_ZEROES => Self::WriteZeroes,
+            t => Self::Unsupported(t),
+        }
+    }
+}
+
+/// A parsed request header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestHeader {
+    /// The request type.
+    pub kind: RequestType,
+    /// The first sector (512-byte units).
+    pub sector: u64,
+}
+
+impl RequestHeader {
+    /// Parses the 16 header bytes (little endian: type, reserved, sector).
+    pub fn parse(bytes: &[u8; REQ_HEADER_LEN]) -> Self {
+        let mut t = [0u8; 4];
+        t.copy_from_slice(&bytes[0..4]);
+        let mut s = [0u8; 8];
+        s.copy_from_slice(&bytes[8..16]);
+        Self {
+            kind: RequestType::from(u32::from_le_bytes(t)),
+            sector: u64::from_le_bytes(s),
+        }
+    }
+}
+
+/// What the device decided at activation: the limits and switches requests are checked
+/// against.
+#[derive(Clone, Debug)]
+pub struct DiskParams {
+    /// Capacity in sectors.
+    pub capacity: u64,
+    /// Writes are refused.
+    pub readonly: bool,
+    /// FLUSH was negotiated: writes may stay in the host's cache until a flush. Without it the
+    /// device is write-through and syncs after every write.
+    pub writeback: bool,
+    /// DISCARD was negotiated.
+    pub discard: bool,
+    /// WRITE_ZEROES was negotiated.
+    pub write_zeroes: bool,
+    /// The device may unmap on write-zeroes with the UNMAP flag.
+    pub may_unmap: bool,
+    /// `max_discard_sectors`.
+    pub max_discard_sectors: u32,
+    /// `max_discard_seg`.
+    pub max_discard_seg: u32,
+    /// `max_write_zeroes_sectors`.
+    pub max_write_zeroes_sectors: u32,
+    /// `max_write_zeroes_seg`.
+    pub max_write_zeroes_seg: u32,
+    /// The id string, zero padded.
+    pub serial: [u8; ID_BYTES],
+    /// RING_INDIRECT_DESC was negotiated.
+    pub indirect: bool,
+}
+
+/// How a chain ended: the used length and what it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The used length to report (0 when no status byte could be written).
+    pub used_len: u32,
+    /// The status written, if any.
+    pub status: Option<u8>,
+}
+
+/// Executes requests for one queue worker.
+#[derive(Debug)]
+pub struct RequestCtx<'a, D: Disk> {
+    /// The disk.
+    pub disk: &'a D,
+    /// The DMA handle.
+    pub dma: &'a Dma,
+    /// Limits and switches.
+    pub params: &'a DiskParams,
+    /// Counters.
+    pub metrics: &'a BlockMetrics,
+    /// The bounce worker id (the queue index).
+    pub worker: usize,
+    /// Largest single mapping; larger buffers are mapped in pieces.
+    pub max_map: &'a mut usize,
+    /// Scratch list of mapped buffers, reused between requests.
+    pub mapped: &'a mut Vec<DmaBuffer>,
+}
+
+impl<D: Disk> RequestCtx<'_, D> {
+    /// Serves one walked chain and returns its completion. Never fails: every error becomes
+    /// a status (or, when not even the status byte can be written, a used length of 0).
+    pub fn execute<M: GuestMemory + ?Sized>(&mut self, mem: &M, chain: &ChainBufs) -> Completion {
+        let status_seg = if chain.writable_len == 0 {
+            None
+        } else {
+            // writable_len >= 1, so the subtraction cannot underflow.
+            self.locate(&chain.writable, chain.writable_len - 1)
+        };
+        let Some(status_addr) = status_seg else {
+            self.metrics
+                .count_error(&BlockError::BadChain("no device-writable status byte"));
+            self.metrics.no_status.inc();
+            return Completion {
+                used_len: 0,
+                status: None,
+            };
+        };
+        // Map the status byte before anything else, so that a later failure (a full pool
+        // among them) can still be reported.
+        let status_buf = match self
+            .dma
+            .map(mem, status_addr, 1, Direction::FromDevice, self.worker)
+        {
+            Ok(b) => b,
+            Err(e) => {
+                self.metrics.count_error(&BlockError::from(e));
+                self.metrics.no_status.inc();
+                return Completion {
+                    used_len: 0,
+                    status: None,
+                };
+            }
+        };
+        let (st, data_written) = match self.run(mem, chain) {
+            Ok(written) => (status::OK, written),
+            Err(e) => {
+                tracing::debug!("virtio-blk request failed: {e}");
+                self.metrics.count_error(&e);
+                (e.status(), 0)
+            }
+        };
+        let wrote = self.dma.write(mem, &status_buf, 0, &[st]);
+        let unmapped = self.dma.unmap(mem, status_buf, self.worker);
+        if let Err(e) = wrote.and(unmapped) {
+            self.metrics.count_error(&BlockError::from(e));
+            self.metrics.no_status.inc();
+            return Completion {
+                used_len: 0,
+                status: None,
+            };
+        }
+        Completion {
+            // data_written <= writable_len - 1 < u32::MAX by the walk's 2^32 chain cap; the
+            // saturation is a guard only.
+            used_len: u32::try_from(data_written.saturating_add(1)).unwrap_or(u32::MAX),
+            status: Some(st),
+        }
+    }
+
+    /// The guest address of byte `pos` of a stream.
+    fn locate(&self, segs: &[Seg], pos: u64) -> Option<u64> {
+        let mut skip = pos;
+        for s in segs {
+            let l = u64::from(s.len);
+            if skip < l {
+                return s.addr.checked_add(skip);
+            }
+            skip -= l;
+        }
+        None
+    }
+
+    /// Reads `dst.len()` bytes at `start` of a readable stream through the DMA handle.
+    fn read_stream<M: GuestMemory + ?Sized>(
+        &mut self,
+        mem: &M,
+        segs: &[Seg],
+        start: u64,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let dma = self.dma;
+        let worker = self.worker;
+        let mut done = 0usize;
+        for_each_piece(segs, start, dst.len() as u64, u64::MAX, |addr, n| {
+            let buf = dma.map(mem, addr, n, Direction::ToDevice, worker)?;
+            let r = dma.read(mem, &buf, 0, &mut dst[done..done + n]);
+            let u = dma.unmap(mem, buf, worker);
+            r.and(u)?;
+            done += n;
+            Ok(())
+        })
+    }
+
+    /// Writes `src` at `start` of a writable stream through the DMA handle.
+    fn write_stream<M: GuestMemory + ?Sized>(
+        &mut self,
+        mem: &M,
+        segs: &[Seg],
+        start: u64,
+        src: &[u8],
+    ) -> Result<()> {
+        let dma = self.dma;
+        let worker = self.worker;
+        let mut done = 0usize;
+        for_each_piece(segs, start, src.len() as u64, u64::MAX, |addr, n| {
+            let buf = dma.map(mem, addr, n, Direction::FromDevice, worker)?;
+            let w = dma.write(mem, &buf, 0, &src[done..done + n]);
+            let u = dma.unmap(mem, buf, worker);
+            w.and(u)?;
+            done += n;
+            Ok(())
+        })
+    }
+
+    /// Maps `start..start + len` of a stream in `dir` into `self.mapped`, in pieces of at most
+    /// `max_map` bytes. On error everything mapped so far is unmapped.
+    fn map_stream<M: GuestMemory + ?Sized>(
+        &mut self,
+        mem: &M,
+        segs: &[Seg],
+        start: u64,
+        len: u64,
+        dir: Direction,
+    ) -> Result<()> {
+        self.mapped.clear();
+        let dma = self.dma;
+        let worker = self.worker;
+        let mapped = &mut *self.mapped;
+        let max_map = &mut *self.max_map;
+        let r = for_each_piece(segs, start, len, *max_map as u64, |addr, n| {
+            match dma.map(mem, addr, n, dir, worker) {
+                Ok(b) => {
+                    mapped.push(b);
+                    Ok(())
+                }
+                // The pool cannot map pieces this large (a device alignment mask shrinks the
+                // largest mapping): remember the real limit and map this piece in parts. The
+                // limit only shrinks, so this happens at most once per worker and mask.
+                Err(bounce::Error::TooLarge { max, .. }) if max > 0 && max < n => {
+                    *max_map = max;
+                    let mut off = 0usize;
+                    while off < n {
+                        let k = (n - off).min(max);
+                        // off < n and addr + n did not overflow when the range was checked.
+                        let b = dma.map(mem, addr + off as u64, k, dir, worker)?;
+                        mapped.push(b);
+                        off += k;
+                    }
+                    Ok(())
+                }
+                Err(e) => Err(e.into()),
+            }
+        });
+        if r.is_err() {
+            // The map error is what the request reports; a failing unmap is counted too.
+            if let Err(e) = self.unmap_all(mem) {
+                self.metrics.count_error(&e);
+            }
+        }
+        r
+    }
+
+    /// Unmaps every buffer in `self.mapped`; the first error is returned.
+    fn unmap_all<M: GuestMemory + ?Sized>(&mut self, mem: &M) -> Result<()> {
+        let mut first = Ok(());
+        for b in self.mapped.drain(..) {
+            if let Err(e) = self.dma.unmap(mem, b, self.worker) {
+                if first.is_ok() {
+                    first = Err(e.into());
+                }
+            }
+        }
+        first
+    }
+
+    /// Checks `sector..sector + len/512` against the capacity.
+    fn check_range(&self, sector: u64, len: u64) -> Result<()> {
+        let sectors = len.div_ceil(SECTOR_SIZE);
+        let err = BlockError::OutOfRange {
+            sector,
+            sectors,
+            capacity: self.params.capacity,
+        };
+        match sector.checked_add(sectors) {
+            Some(end) if end <= self.params.capacity => Ok(()),
+            _ => Err(err),
+        }
+    }
+
+    fn byte_offset(sector: u64) -> Result<u64> {
+        sector
+            .checked_mul(SECTOR_SIZE)
+            .ok_or(BlockError::OutOfRange {
+                sector,
+                sectors: 0,
+                capacity: 0,
+            })
+    }
+
+    /// Parses and runs a request; returns the data bytes written to the guest.
+    fn run<M: GuestMemory + ?Sized>(&mut self, mem: &M, chain: &ChainBufs) -> Result<u64> {
+        if chain.readable_len < REQ_HEADER_LEN as u64 {
+            return Err(BlockError::BadChain("request header shorter than 16 bytes"));
+        }
+        let mut hdr = [0u8; REQ_HEADER_LEN];
+        self.read_stream(mem, &chain.readable, 0, &mut hdr)?;
+        let hdr = RequestHeader::parse(&hdr);
+        // Bytes after the header (device-readable) and before the status (device-writable).
+        let out_len = chain.readable_len - REQ_HEADER_LEN as u64;
+        let in_len = chain.writable_len - 1;
+        let m = self.metrics;
+        match hdr.kind {
+            RequestType::In => {
+                m.reqs_in.inc();
+                if out_len != 0 {
+                    return Err(BlockError::BadChain("device-readable data in a read"));
+                }
+                self.data_io(mem, chain, hdr.sector, in_len, Direction::FromDevice)?;
+                m.bytes_read.add(in_len);
+                Ok(in_len)
+            }
+            RequestType::Out => {
+                m.reqs_out.inc();
+                if in_len != 0 {
+                    return Err(BlockError::BadChain("device-writable data in a write"));
+                }
+                if self.params.readonly {
+                    return Err(BlockError::ReadOnly);
+                }
+                self.data_io(mem, chain, hdr.sector, out_len, Direction::ToDevice)?;
+                m.bytes_written.add(out_len);
+                if !self.params.writeback {
+                    self.disk
+                        .flush()
+                        .map_err(|e| BlockError::Io(e.to_string()))?;
+                }
+                Ok(0)
+            }
+            RequestType::Flush => {
+                m.reqs_flush.inc();
+                if out_len != 0 || in_len != 0 {
+                    return Err(BlockError::BadChain("data buffers in a flush"));
+                }
+                self.disk
+                    .flush()
+                    .map_err(|e| BlockError::Io(e.to_string()))?;
+                Ok(0)
+            }
+            RequestType::GetId => {
+                m.reqs_get_id.inc();
+                if out_len != 0 {
+                    return Err(BlockError::BadChain("device-readable data in GET_ID"));
+                }
+                let n = usize::try_from(in_len.min(ID_BYTES as u64)).unwrap_or(ID_BYTES);
+                let serial = self.params.serial;
+                check_stream(mem, &chain.writable, 0, n as u64, Permissions::Write)?;
+                self.write_stream(mem, &chain.writable, 0, &serial[..n])?;
+                Ok(n as u64)
+            }
+            RequestType::Discard | RequestType::WriteZeroes => {
+                let zeroes = hdr.kind == RequestType::WriteZeroes;
+                if zeroes {
+                    m.reqs_write_zeroes.inc();
+                } else {
+                    m.reqs_discard.inc();
+                }
+                let negotiated = if zeroes {
+                    self.params.write_zeroes
+                } else {
+                    self.params.discard
+                };
+                if !negotiated {
+                    let t = if zeroes {
+                        req_type::WRITE_ZEROES
+                    } else {
+                        req_type::DISCARD
+                    };
+                    return Err(BlockError::Unsupported(t));
+                }
+                if in_len != 0 {
+                    return Err(BlockError::BadChain("device-writable data in a discard"));
+                }
+                if self.params.readonly {
+                    return Err(BlockError::ReadOnly);
+                }
+                self.discard(mem, chain, out_len, zeroes)?;
+                Ok(0)
+            }
+            RequestType::Unsupported(t) => {
+                m.reqs_unsupported.inc();
+                Err(BlockError::Unsupported(t))
+            }
+        }
+    }
+
+    /// Moves `len` bytes between the disk at `sector` and the data part of the chain.
+    fn data_io<M: GuestMemory + ?Sized>(
+        &mut self,
+        mem: &M,
+        chain: &ChainBufs,
+        sector: u64,
+        len: u64,
+        dir: Direction,
+    ) -> Result<()> {
+        if len % SECTOR_SIZE != 0 {
+            return Err(BlockError::Unaligned(len));
+        }
+        self.check_range(sector, len)?;
+        let offset = Self::byte_offset(sector)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (segs, start, perm) = match dir {
+            Direction::FromDevice => (&chain.writable, 0, Permissions::Write),
+            _ => (&chain.readable, REQ_HEADER_LEN as u64, Permissions::Read),
+        };
+        // The whole range is validated before the first byte moves.
+        check_stream(mem, segs, start, len, perm)?;
+        self.map_stream(mem, segs, start, len, dir)?;
+        let mut io = DiskIo::new(self.disk, offset);
+        let mut result = Ok(());
+        for b in self.mapped.iter() {
+            let n = b.len();
+            let r = if dir == Direction::FromDevice {
+                self.dma.write_from(mem, b, 0, n, &mut io)
+            } else {
+                self.dma.read_to(mem, b, 0, n, &mut io)
+            };
+            match r {
+                Ok(done) if done == n => {}
+                Ok(done) => {
+                    result = Err(BlockError::Short {
+                        expected: n as u64,
+                        done: done as u64,
+                    });
+                    break;
+                }
+                Err(e) => {
+                    result = Err(e.into());
+                    break;
+                }
+            }
+        }
+        let unmapped = self.unmap_all(mem);
+        result.and(unmapped)
+    }
+
+    /// Runs a DISCARD or WRITE_ZEROES request whose segments are the `payload` bytes after
+    /// the header.
+    fn discard<M: GuestMemory + ?Sized>(
+        &mut self,
+        mem: &M,
+        chain: &ChainBufs,
+        payload: u64,
+        zeroes: bool,
+    ) -> Result<()> {
+        let (max_seg, max_sectors) = if zeroes {
+            (
+                self.params.max_write_zeroes_seg,
+                self.params.max_write_zeroes_sectors,
+            )
+        } else {
+            (self.params.max_discard_seg, self.params.max_discard_sectors)
+        };
+        if payload == 0 || payload % DISCARD_SEG_LEN as u64 != 0 {
+            return Err(BlockError::BadChain("discard payload not a multiple of 16"));
+        }
+        let nseg = payload / DISCARD_SEG_LEN as u64;
+        let max = u64::from(max_seg).min(MAX_DISCARD_SEGS as u64);
+        if nseg > max {
+            return Err(BlockError::Limits("too many segments"));
+        }
+        // nseg <= MAX_DISCARD_SEGS, so this fits the stack buffer.
+        let bytes = nseg as usize * DISCARD_SEG_LEN;
+        let mut raw = [0u8; MAX_DISCARD_SEGS * DISCARD_SEG_LEN];
+        self.read_stream(
+            mem,
+            &chain.readable,
+            REQ_HEADER_LEN as u64,
+            &mut raw[..bytes],
+        )?;
+        // Validate every segment before touching the disk.
+        let mut segs = [(0u64, 0u64, false); MAX_DISCARD_SEGS];
+        for (i, chunk) in raw[..bytes].chunks_exact(DISCARD_SEG_LEN).enumerate() {
+            let mut s = [0u8; 8];
+            s.copy_from_slice(&chunk[0..8]);
+            let mut n = [0u8; 4];
+            n.copy_from_slice(&chunk[8..12]);
+            let mut f = [0u8; 4];
+            f.copy_from_slice(&chunk[12..16]);
+            let sector = u64::from_le_bytes(s);
+            let num = u32::from_le_bytes(n);
+            let flags = u32::from_le_bytes(f);
+            let unmap = flags & WRITE_ZEROES_FLAG_UNMAP != 0;
+            // virtio 1.2, 5.2.6.2: unmap on a discard, or any reserved flag, is UNSUPP.
+            if flags & !WRITE_ZEROES_FLAG_UNMAP != 0 || (!zeroes && unmap) {
+                let t = if zeroes {
+                    req_type::WRITE_ZEROES
+                } else {
+                    req_type::DISCARD
+                };
+                return Err(BlockError::Unsupported(t));
+            }
+            if num > max_sectors {
+                return Err(BlockError::Limits("segment larger than the maximum"));
+            }
+            let len = u64::from(num) << SECTOR_SHIFT;
+            self.check_range(sector, len)?;
+            segs[i] = (
+                Self::byte_offset(sector)?,
+                len,
+                unmap && self.params.may_unmap,
+            );
+        }
+        for &(off, len, unmap) in &segs[..nseg as usize] {
+            if len == 0 {
+                continue;
+            }
+            let r = if zeroes {
+                self.disk.write_zeroes(off, len, unmap)
+            } else {
+                self.disk.discard(off, len)
+            };
+            r.map_err(|e| BlockError::Io(e.to_string()))?;
+        }
+        if !self.params.writeback {
+            self.disk
+                .flush()
+                .map_err(|e| BlockError::Io(e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Size of a split descriptor, checked against the type virtio-queue reads.
+const _: () = assert!(size_of::<Descriptor>() == DESC_SIZE as usize);

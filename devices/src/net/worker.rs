@@ -1,0 +1,625 @@
+//! One worker per rx/tx queue pair: the TX and RX paths.
+//!
+//! **TX** (guest to backend): pop a chain, check its shape (device-readable descriptors only,
+//! guest-memory addresses, no loop, at most 65562 bytes), ask the shaper, then gather it
+//! through the [`Dma`] handle (map to-device, read, unmap) into the worker's 64 KiB + header
+//! host buffer, check the vnet header against the acked features and hand the frame to the
+//! backend with one write. Every popped head gets exactly one `add_used` (length 0: the
+//! device writes nothing); a throttled chain is put back (`go_to_previous_position`) instead.
+//!
+//! **RX** (backend to guest): read one frame from the backend into the worker's host buffer,
+//! take enough guest chains for it (one; or, with MRG_RXBUF, as many as it needs), and scatter
+//! it through the [`Dma`] handle (map from-device, write, unmap), with `num_buffers` filled in.
+//! Chains are popped and checked first (device-writable only, inside guest memory, at least a
+//! header long) and *held* by the worker until a frame fills them, so a frame that waits for
+//! buffers, or is dropped on a bounce failure, leaves the guest's buffers usable. When the
+//! guest has no buffers the frame stays pending and the backend is not read until the guest
+//! posts some (an RX kick).
+//!
+//! Polling contract: the backend fd is read until `WouldBlock`, except while a frame waits for
+//! guest buffers or for the shaper. A transport polling it level-triggered would then spin, so
+//! it must poll the worker's extra fds edge-triggered (`EPOLLET`); the RX kick or the shaper
+//! timer resumes reading.
+
+use std::marker::PhantomData;
+use std::num::Wrapping;
+use std::os::fd::RawFd;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use bounce::{Direction, Dma};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{GuestMemory, Permissions};
+
+use super::backend::NetBackend;
+use super::header::VnetHeader;
+use super::metrics::NetMetrics;
+use super::rate_limiter::{Dir, RateLimiter};
+use super::{features, MAX_BUFFER_LEN, MIN_FRAME_LEN, VNET_HDR_LEN};
+use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
+
+/// Token of the backend's fd in [`QueueWorker::extra_fds`].
+pub const TOKEN_BACKEND: u32 = 0;
+/// Token of the shaper's timerfd.
+pub const TOKEN_SHAPER: u32 = 1;
+
+/// Position of the RX queue in a pair worker's queues.
+const RX: usize = 0;
+/// Position of the TX queue.
+const TX: usize = 1;
+
+/// A backend shared between the device (which configures it) and its worker.
+pub type SharedBackend = Arc<Mutex<Box<dyn NetBackend>>>;
+
+/// Locks a backend; a poisoned lock (a panicking thread) still holds a usable backend.
+pub(crate) fn lock(b: &SharedBackend) -> std::sync::MutexGuard<'_, Box<dyn NetBackend>> {
+    b.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Why a chain was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ChainError {
+    /// A descriptor of the wrong direction.
+    Direction,
+    /// A descriptor outside guest memory.
+    Address,
+    /// The chain was cut short (a loop, a broken `next`, a bad indirect table).
+    Truncated,
+    /// More bytes than the caller allows.
+    TooLong,
+}
+
+/// Walks a chain and records its descriptors as `(addr, len)` in `out`, skipping zero-length
+/// ones. Every descriptor must be device-writable if `writable`, else device-readable, and
+/// lie inside guest memory; the total must not exceed `max_len` (when it does, walking stops
+/// and [`ChainError::TooLong`] is returned). Returns the total length.
+///
+/// `virtio-queue` ends a chain silently after queue-size descriptors (a loop) or at a bad
+/// indirect table; the last descriptor returned then still has NEXT set, which is how a
+/// truncated chain is told apart from a complete one.
+pub(crate) fn collect_chain<I>(
+    chain: I,
+    mem: &impl GuestMemory,
+    writable: bool,
+    max_len: usize,
+    out: &mut Vec<(u64, u32)>,
+) -> Result<usize, ChainError>
+where
+    I: Iterator<Item = virtio_queue::desc::split::Descriptor>,
+{
+    out.clear();
+    let mut total = 0usize;
+    let mut last_has_next = false;
+    let perm = if writable {
+        Permissions::Write
+    } else {
+        Permissions::Read
+    };
+    for desc in chain {
+        last_has_next = desc.has_next();
+        if desc.is_write_only() != writable {
+            return Err(ChainError::Direction);
+        }
+        let len = desc.len();
+        if len == 0 {
+            continue;
+        }
+        // u32 always fits usize on the 64-bit hosts this runs on; saturate otherwise.
+        let ulen = usize::try_from(len).unwrap_or(usize::MAX);
+        if !mem.check_range(desc.addr(), ulen, perm) {
+            return Err(ChainError::Address);
+        }
+        total = total.checked_add(ulen).ok_or(ChainError::TooLong)?;
+        if total > max_len {
+            return Err(ChainError::TooLong);
+        }
+        out.push((desc.addr().0, len));
+    }
+    if last_has_next {
+        return Err(ChainError::Truncated);
+    }
+    Ok(total)
+}
+
+/// Chains the guest has waiting in a queue (avail index minus next to pop).
+///
+/// # Errors
+/// [`WorkerError::Broken`] when the ring cannot be read or the avail index runs more than a
+/// queue ahead (virtio 1.2 2.7.6: the driver broke the ring).
+pub(crate) fn queue_depth<M: GuestMemory>(q: &Queue, mem: &M) -> Result<u16, WorkerError> {
+    let avail = q
+        .avail_idx(mem, Ordering::Acquire)
+        .map_err(|e| WorkerError::Broken(format!("avail ring: {e}")))?;
+    let depth = (avail - Wrapping(q.next_avail())).0;
+    if depth > q.size() {
+        return Err(WorkerError::Broken(format!(
+            "avail index {} is {depth} ahead of {} in a queue of {}",
+            avail.0,
+            q.next_avail(),
+            q.size()
+        )));
+    }
+    Ok(depth)
+}
+
+fn add_used<M: GuestMemory>(
+    q: &mut Queue,
+    mem: &M,
+    head: u16,
+    len: u32,
+) -> Result<(), WorkerError> {
+    q.add_used(mem, head, len)
+        .map_err(|e| WorkerError::Broken(format!("used ring: {e}")))
+}
+
+fn notify<M: GuestMemory>(
+    q: &mut Queue,
+    mem: &M,
+    pos: usize,
+    sig: &mut Signal,
+) -> Result<(), WorkerError> {
+    if q.needs_notification(mem)
+        .map_err(|e| WorkerError::Broken(format!("used event: {e}")))?
+    {
+        sig.add(pos);
+    }
+    Ok(())
+}
+
+/// A bounce error is either the guest's fault (a bad address) or the pool's (full, too large).
+fn is_guest_fault(e: &bounce::Error) -> bool {
+    matches!(
+        e,
+        bounce::Error::OrigAccess { .. }
+            | bounce::Error::Overflow { .. }
+            | bounce::Error::ZeroLength
+    )
+}
+
+/// An RX chain popped, checked and held until a frame fills it.
+#[derive(Debug)]
+struct HeldChain {
+    head: u16,
+    descs: Vec<(u64, u32)>,
+    capacity: usize,
+}
+
+/// What became of a TX chain.
+enum TxOutcome {
+    Sent,
+    Dropped,
+    Throttled,
+}
+
+/// What became of a pending RX frame.
+enum RxOutcome {
+    Delivered,
+    Dropped,
+    NoBuffers,
+}
+
+/// Serves one rx/tx queue pair.
+#[derive(Debug)]
+pub struct PairWorker<M> {
+    pair: u16,
+    acked: u64,
+    mrg: bool,
+    backend: SharedBackend,
+    backend_fd: Option<RawFd>,
+    dma: Dma,
+    metrics: Arc<NetMetrics>,
+    shaper: Option<RateLimiter>,
+    tx_buf: Vec<u8>,
+    tx_descs: Vec<(u64, u32)>,
+    rx_buf: Vec<u8>,
+    /// Length of the frame in `rx_buf` waiting for delivery, and whether the shaper was
+    /// already paid for it.
+    rx_pending: Option<(usize, bool)>,
+    rx_held: Vec<HeldChain>,
+    _mem: PhantomData<fn(&M)>,
+}
+
+impl<M: GuestMemory> PairWorker<M> {
+    /// A worker for queue pair `pair` (queues `2 * pair` and `2 * pair + 1`); `pair` is also
+    /// its bounce worker id.
+    pub fn new(
+        pair: u16,
+        acked: u64,
+        backend: SharedBackend,
+        dma: Dma,
+        metrics: Arc<NetMetrics>,
+        shaper: Option<RateLimiter>,
+    ) -> Self {
+        let backend_fd = lock(&backend).rx_fd();
+        Self {
+            pair,
+            acked,
+            mrg: acked & features::MRG_RXBUF != 0,
+            backend,
+            backend_fd,
+            dma,
+            metrics,
+            shaper,
+            tx_buf: vec![0; MAX_BUFFER_LEN],
+            tx_descs: Vec::with_capacity(16),
+            rx_buf: vec![0; MAX_BUFFER_LEN],
+            rx_pending: None,
+            rx_held: Vec::new(),
+            _mem: PhantomData,
+        }
+    }
+
+    fn worker_id(&self) -> usize {
+        usize::from(self.pair)
+    }
+
+    /// Drains the TX queue.
+    fn process_tx(&mut self, mem: &M, q: &mut Queue, sig: &mut Signal) -> Result<(), WorkerError> {
+        let backend = self.backend.clone();
+        let mut backend = lock(&backend);
+        let mut used = false;
+        loop {
+            let depth = queue_depth(q, mem)?;
+            self.metrics.tx_queue_depth_hiwater.max(u64::from(depth));
+            if depth == 0 {
+                if q.enable_notification(mem)
+                    .map_err(|e| WorkerError::Broken(format!("tx notification: {e}")))?
+                {
+                    // The driver added chains while notifications were off (EVENT_IDX).
+                    continue;
+                }
+                break;
+            }
+            if self.shaper.as_ref().is_some_and(|s| s.is_blocked()) {
+                break;
+            }
+            q.disable_notification(mem)
+                .map_err(|e| WorkerError::Broken(format!("tx notification: {e}")))?;
+            let Some(chain) = q.pop_descriptor_chain(mem) else {
+                break;
+            };
+            let head = chain.head_index();
+            match self.tx_one(mem, chain, backend.as_mut()) {
+                TxOutcome::Throttled => {
+                    q.go_to_previous_position();
+                    self.metrics.tx_throttled.inc();
+                    break;
+                }
+                TxOutcome::Sent | TxOutcome::Dropped => {
+                    add_used(q, mem, head, 0)?;
+                    used = true;
+                }
+            }
+        }
+        if used {
+            notify(q, mem, TX, sig)?;
+        }
+        Ok(())
+    }
+
+    fn tx_one<I>(&mut self, mem: &M, chain: I, backend: &mut dyn NetBackend) -> TxOutcome
+    where
+        I: Iterator<Item = virtio_queue::desc::split::Descriptor>,
+    {
+        let m = &self.metrics;
+        let total = match collect_chain(chain, mem, false, MAX_BUFFER_LEN, &mut self.tx_descs) {
+            Ok(t) => t,
+            Err(ChainError::TooLong) => {
+                m.tx_dropped_oversized.inc();
+                return TxOutcome::Dropped;
+            }
+            Err(e) => {
+                tracing::debug!(pair = self.pair, "tx chain refused: {e:?}");
+                m.tx_dropped_malformed.inc();
+                return TxOutcome::Dropped;
+            }
+        };
+        if total < VNET_HDR_LEN + MIN_FRAME_LEN {
+            m.tx_dropped_malformed.inc();
+            return TxOutcome::Dropped;
+        }
+        let frame_len = total - VNET_HDR_LEN;
+        if let Some(s) = self.shaper.as_mut() {
+            if !s.consume(Dir::Tx, frame_len as u64) {
+                return TxOutcome::Throttled;
+            }
+        }
+        // Gather through the DMA handle. `total` <= MAX_BUFFER_LEN = tx_buf.len(), so every
+        // slice below is in bounds.
+        let mut off = 0usize;
+        for &(addr, len) in &self.tx_descs {
+            let len = len as usize;
+            let r = self
+                .dma
+                .map(mem, addr, len, Direction::ToDevice, usize::from(self.pair))
+                .and_then(|b| {
+                    let read = self.dma.read(mem, &b, 0, &mut self.tx_buf[off..off + len]);
+                    let unmap = self.dma.unmap(mem, b, usize::from(self.pair));
+                    read.and(unmap)
+                });
+            if let Err(e) = r {
+                if is_guest_fault(&e) {
+                    m.tx_dropped_malformed.inc();
+                } else {
+                    m.tx_bounce_failures.inc();
+                }
+                tracing::debug!(pair = self.pair, "tx gather: {e}");
+                return TxOutcome::Dropped;
+            }
+            off += len;
+        }
+        let mut hdr_bytes = [0u8; VNET_HDR_LEN];
+        hdr_bytes.copy_from_slice(&self.tx_buf[..VNET_HDR_LEN]);
+        let hdr = VnetHeader::from_bytes(&hdr_bytes);
+        if let Err(e) = hdr.check_tx(self.acked, frame_len) {
+            tracing::debug!(pair = self.pair, "tx header: {e}");
+            m.tx_dropped_bad_header.inc();
+            return TxOutcome::Dropped;
+        }
+        // num_buffers means nothing on transmit; the tap ignores it, clear it anyway.
+        self.tx_buf[10..12].fill(0);
+        match backend.send(&self.tx_buf[..total]) {
+            Ok(()) => {
+                m.tx_frames.inc();
+                m.tx_bytes.add(frame_len as u64);
+                TxOutcome::Sent
+            }
+            Err(e) => {
+                tracing::debug!(pair = self.pair, "tx backend: {e}");
+                m.tx_dropped_backend.inc();
+                TxOutcome::Dropped
+            }
+        }
+    }
+
+    /// Pops RX chains into `rx_held` until they hold `need` bytes (or, without MRG_RXBUF,
+    /// until one chain is held). Bad chains are completed with length 0. Returns false when
+    /// the ring ran dry first.
+    fn hold_rx_chains(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+        need: usize,
+        used: &mut bool,
+    ) -> Result<bool, WorkerError> {
+        loop {
+            let held: usize = self.rx_held.iter().map(|c| c.capacity).sum();
+            let enough = if self.mrg {
+                held >= need
+            } else {
+                !self.rx_held.is_empty()
+            };
+            if enough {
+                return Ok(true);
+            }
+            let depth = queue_depth(q, mem)?;
+            self.metrics.rx_queue_depth_hiwater.max(u64::from(depth));
+            if depth == 0 {
+                return Ok(false);
+            }
+            let Some(chain) = q.pop_descriptor_chain(mem) else {
+                return Ok(false);
+            };
+            let head = chain.head_index();
+            let mut descs = Vec::new();
+            match collect_chain(chain, mem, true, usize::MAX, &mut descs) {
+                Ok(capacity) if capacity >= VNET_HDR_LEN => self.rx_held.push(HeldChain {
+                    head,
+                    descs,
+                    capacity,
+                }),
+                r => {
+                    tracing::debug!(pair = self.pair, "rx chain refused: {r:?}");
+                    self.metrics.rx_bad_chains.inc();
+                    add_used(q, mem, head, 0)?;
+                    *used = true;
+                }
+            }
+        }
+    }
+
+    /// Delivers the pending frame of `len` bytes (header included).
+    fn deliver(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+        len: usize,
+        used: &mut bool,
+    ) -> Result<RxOutcome, WorkerError> {
+        let m = self.metrics.clone();
+        if !self.hold_rx_chains(mem, q, len, used)? {
+            // Every buffer of the ring is held and they still cannot take the frame: it can
+            // never be delivered.
+            if self.rx_held.len() >= usize::from(q.size()) {
+                m.rx_dropped_too_small.inc();
+                return Ok(RxOutcome::Dropped);
+            }
+            return Ok(RxOutcome::NoBuffers);
+        }
+        // Chains the frame spans: the shortest prefix of the held ones that holds it.
+        let mut count = 0usize;
+        let mut cap = 0usize;
+        for c in &self.rx_held {
+            count += 1;
+            cap = cap.saturating_add(c.capacity);
+            if cap >= len {
+                break;
+            }
+        }
+        if cap < len {
+            // Only without MRG_RXBUF: the one chain is too small for this frame. The chain
+            // stays held for the next frame.
+            m.rx_dropped_too_small.inc();
+            return Ok(RxOutcome::Dropped);
+        }
+        // count <= held chains <= queue size <= 32768: fits a u16.
+        let num_buffers = u16::try_from(count).unwrap_or(u16::MAX);
+        let mut hdr_bytes = [0u8; VNET_HDR_LEN];
+        hdr_bytes.copy_from_slice(&self.rx_buf[..VNET_HDR_LEN]);
+        let mut hdr = VnetHeader::from_bytes(&hdr_bytes);
+        if let Err(e) = hdr.sanitize_rx(self.acked, num_buffers) {
+            tracing::debug!(pair = self.pair, "rx header: {e}");
+            m.rx_dropped_malformed.inc();
+            return Ok(RxOutcome::Dropped);
+        }
+        self.rx_buf[..VNET_HDR_LEN].copy_from_slice(&hdr.to_bytes());
+
+        // Scatter. Nothing is completed until every byte is in place, so a bounce failure
+        // leaves the chains held (their contents are the guest's to overwrite anyway).
+        let mut off = 0usize;
+        let mut written = Vec::with_capacity(count);
+        for c in &self.rx_held[..count] {
+            let start = off;
+            for &(addr, dlen) in &c.descs {
+                if off == len {
+                    break;
+                }
+                let n = (dlen as usize).min(len - off);
+                let r = self
+                    .dma
+                    .map(mem, addr, n, Direction::FromDevice, self.worker_id())
+                    .and_then(|b| {
+                        let w = self.dma.write(mem, &b, 0, &self.rx_buf[off..off + n]);
+                        let unmap = self.dma.unmap(mem, b, self.worker_id());
+                        w.and(unmap)
+                    });
+                if let Err(e) = r {
+                    tracing::debug!(pair = self.pair, "rx scatter: {e}");
+                    m.rx_bounce_failures.inc();
+                    return Ok(RxOutcome::Dropped);
+                }
+                off += n;
+            }
+            // At most MAX_BUFFER_LEN: fits a u32.
+            written.push((c.head, (off - start) as u32));
+        }
+        for (head, n) in written {
+            add_used(q, mem, head, n)?;
+        }
+        self.rx_held.drain(..count);
+        *used = true;
+        m.rx_frames.inc();
+        m.rx_bytes.add((len - VNET_HDR_LEN) as u64);
+        m.rx_buffers_used.add(count as u64);
+        Ok(RxOutcome::Delivered)
+    }
+
+    /// Delivers pending frames and reads the backend until it is empty, the guest runs out
+    /// of buffers, or the shaper says wait.
+    fn process_rx(&mut self, mem: &M, q: &mut Queue, sig: &mut Signal) -> Result<(), WorkerError> {
+        let backend = self.backend.clone();
+        let mut used = false;
+        loop {
+            let (len, paid) = match self.rx_pending {
+                Some(p) => p,
+                None => {
+                    if self.shaper.as_ref().is_some_and(|s| s.is_blocked()) {
+                        break;
+                    }
+                    match lock(&backend).recv(&mut self.rx_buf) {
+                        Ok(n) if n < VNET_HDR_LEN + MIN_FRAME_LEN => {
+                            self.metrics.rx_dropped_malformed.inc();
+                            continue;
+                        }
+                        Ok(n) => (n, false),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(e) => {
+                            tracing::debug!(pair = self.pair, "rx backend: {e}");
+                            self.metrics.rx_backend_errors.inc();
+                            break;
+                        }
+                    }
+                }
+            };
+            self.rx_pending = Some((len, paid));
+            if !paid {
+                if let Some(s) = self.shaper.as_mut() {
+                    if !s.consume(Dir::Rx, (len - VNET_HDR_LEN) as u64) {
+                        self.metrics.rx_throttled.inc();
+                        break;
+                    }
+                }
+                self.rx_pending = Some((len, true));
+            }
+            match self.deliver(mem, q, len, &mut used)? {
+                RxOutcome::Delivered | RxOutcome::Dropped => self.rx_pending = None,
+                RxOutcome::NoBuffers => {
+                    self.metrics.rx_no_buffers.inc();
+                    // Ask for a kick when buffers come; re-check in case they just did.
+                    if q.enable_notification(mem)
+                        .map_err(|e| WorkerError::Broken(format!("rx notification: {e}")))?
+                    {
+                        continue;
+                    }
+                    break;
+                }
+            }
+        }
+        if used {
+            notify(q, mem, RX, sig)?;
+        }
+        Ok(())
+    }
+
+    /// Frames waiting in the worker (0 or 1) and RX chains it holds (tests, stats).
+    pub fn rx_state(&self) -> (bool, usize) {
+        (self.rx_pending.is_some(), self.rx_held.len())
+    }
+}
+
+impl<M: GuestMemory> QueueWorker<M> for PairWorker<M> {
+    fn queue_indexes(&self) -> Vec<u16> {
+        // pair < MAX_QUEUE_PAIRS = 256: no overflow.
+        vec![2 * self.pair, 2 * self.pair + 1]
+    }
+
+    fn extra_fds(&self) -> Vec<(RawFd, u32)> {
+        let mut v = Vec::new();
+        if let Some(fd) = self.backend_fd {
+            v.push((fd, TOKEN_BACKEND));
+        }
+        if let Some(s) = &self.shaper {
+            v.push((s.timer_fd(), TOKEN_SHAPER));
+        }
+        v
+    }
+
+    fn handle(
+        &mut self,
+        event: WorkerEvent,
+        mem: &M,
+        queues: &mut [&mut Queue],
+    ) -> Result<Signal, WorkerError> {
+        let [rx, tx] = queues else {
+            return Err(WorkerError::Broken(format!(
+                "a pair worker needs 2 queues, got {}",
+                queues.len()
+            )));
+        };
+        let mut sig = Signal::NONE;
+        match event {
+            WorkerEvent::Kick(RX) | WorkerEvent::Fd(TOKEN_BACKEND) => {
+                self.process_rx(mem, rx, &mut sig)?
+            }
+            WorkerEvent::Kick(TX) => self.process_tx(mem, tx, &mut sig)?,
+            WorkerEvent::Fd(TOKEN_SHAPER) if self.shaper.is_some() => {
+                if let Some(s) = self.shaper.as_mut() {
+                    s.on_timer();
+                }
+                self.process_tx(mem, tx, &mut sig)?;
+                self.process_rx(mem, rx, &mut sig)?;
+            }
+            other => return Err(WorkerError::UnexpectedEvent(other)),
+        }
+        Ok(sig)
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        serde_json::json!({
+            "pair": self.pair,
+            "rx_pending": self.rx_pending.is_some(),
+            "rx_held_chains": self.rx_held.len(),
+        })
+    }
+}

@@ -1,0 +1,735 @@
+//! A test-side virtio driver: split virtqueues in a `GuestMemoryMmap`, feature negotiation,
+//! descriptor chains (direct, indirect, or raw and hostile), kicks and used-ring reaping.
+//!
+//! Compiled for this crate's tests and, for other crates and integration tests, with the
+//! `test-utils` feature. It plays both the guest driver and the transport: it programs a
+//! [`virtio_queue::Queue`] the way virtio-pci or vhost-user would, and calls the device's
+//! workers the way the transport's event loop would.
+//!
+//! # Using it
+//! ```no_run
+//! # #[cfg(feature = "test-utils")] {
+//! use devices::testing::{Buf, TestDriver};
+//! use devices::virtio::features::VERSION_1;
+//! # fn dev() -> devices::block::Block<devices::block::MemDisk> { unimplemented!() }
+//! let mut drv = TestDriver::new(dev(), 1 << 24);          // 16 MiB of guest RAM
+//! drv.negotiate(u64::MAX);                                // ack everything offered
+//! drv.activate(256).unwrap();                             // queues of 256, workers started
+//! let hdr = drv.ram.alloc_bytes(&[0u8; 16]);              // buffers come from a bump allocator
+//! let data = drv.ram.alloc(4096, 4096);
+//! let status = drv.ram.alloc(1, 1);
+//! let head = drv
+//!     .post(0, &[Buf::ro(hdr, 16), Buf::wo(data, 4096), Buf::wo(status, 1)])
+//!     .unwrap();
+//! drv.kick(0).unwrap();                                   // runs the worker synchronously
+//! let used = drv.reap(0);                                 // [(head, len)]
+//! assert_eq!(used[0].id, u32::from(head));
+//! # }
+//! ```
+//!
+//! - [`GuestRam`]: guest memory (one region at 0, or several with holes) with a bump
+//!   allocator ([`GuestRam::alloc`]) and byte helpers ([`GuestRam::write`],
+//!   [`GuestRam::read`]). Addresses at or above [`GuestRam::size`] are outside guest memory.
+//! - [`TestQueue`]: one split virtqueue's rings in guest memory and the driver's view of them
+//!   (free descriptors, shadow avail index, last seen used index). [`TestQueue::add_chain`] and
+//!   [`TestQueue::add_indirect`] write a chain and return its head; [`TestQueue::publish`]
+//!   puts a head on the available ring; [`TestQueue::write_desc`] writes any raw descriptor
+//!   (loops, bad indexes, nested indirect tables) for hostile tests; [`TestQueue::reap`] reads
+//!   new used entries and frees their descriptors; [`TestQueue::set_used_event`] and
+//!   [`TestQueue::avail_event`] handle EVENT_IDX from the driver's side.
+//! - [`TestDriver`]: a device, its guest RAM, its queues (both the device's
+//!   [`virtio_queue::Queue`] and the driver's [`TestQueue`]) and its workers.
+//!   [`TestDriver::negotiate`] acks features, [`TestDriver::activate`] lays out the queues
+//!   and calls [`VirtioDevice::activate`], [`TestDriver::post`] / [`TestDriver::post_indirect`]
+//!   add and publish chains, [`TestDriver::kick`] runs the owning worker with
+//!   [`WorkerEvent::Kick`], [`TestDriver::fd_event`] with [`WorkerEvent::Fd`] (net: tap
+//!   readable), [`TestDriver::reap`] returns used entries, and [`TestDriver::signals`] counts
+//!   the notifications workers asked for, per queue.
+//!
+//! A worker that returns [`WorkerError::Broken`] is remembered ([`TestDriver::broken`]) and
+//! not called again, as a transport would set DEVICE_NEEDS_RESET.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
+
+use crate::virtio::{
+    features, ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent,
+};
+
+/// Descriptor flag: the chain continues at `next`.
+pub const VRING_DESC_F_NEXT: u16 = 1;
+/// Descriptor flag: the device writes this buffer.
+pub const VRING_DESC_F_WRITE: u16 = 2;
+/// Descriptor flag: the buffer is a table of descriptors.
+pub const VRING_DESC_F_INDIRECT: u16 = 4;
+/// Avail ring flag: the driver does not want interrupts.
+pub const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
+
+/// Guest memory with a bump allocator.
+#[derive(Debug)]
+pub struct GuestRam {
+    mem: GuestMemoryMmap,
+    size: u64,
+    next: u64,
+}
+
+impl GuestRam {
+    /// One region of `size` bytes at guest address 0. The first page is never allocated (so a
+    /// buffer at address 0 is always a deliberate test).
+    ///
+    /// # Panics
+    /// When the memory cannot be mapped (a test setup failure).
+    pub fn new(size: u64) -> Self {
+        let len = usize::try_from(size).expect("guest RAM size fits usize");
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), len)])
+            .expect("cannot map test guest memory");
+        Self {
+            mem,
+            size,
+            next: 0x1000,
+        }
+    }
+
+    /// Guest memory.
+    pub fn mem(&self) -> &GuestMemoryMmap {
+        &self.mem
+    }
+
+    /// Bytes of guest RAM; every address at or above is outside guest memory.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Allocates `len` bytes aligned to `align` (a power of two).
+    ///
+    /// # Panics
+    /// When guest RAM is exhausted (a test setup failure).
+    pub fn alloc(&mut self, len: u64, align: u64) -> u64 {
+        let start = self.next.next_multiple_of(align.max(1));
+        let end = start.checked_add(len.max(1)).expect("allocation overflows");
+        assert!(end <= self.size, "test guest RAM exhausted");
+        self.next = end;
+        start
+    }
+
+    /// Allocates a buffer holding `bytes`.
+    pub fn alloc_bytes(&mut self, bytes: &[u8]) -> u64 {
+        let a = self.alloc(bytes.len() as u64, 16);
+        self.write(a, bytes);
+        a
+    }
+
+    /// Writes `bytes` at `addr`.
+    ///
+    /// # Panics
+    /// When the range is outside guest memory.
+    pub fn write(&self, addr: u64, bytes: &[u8]) {
+        self.mem
+            .write_slice(bytes, GuestAddress(addr))
+            .expect("test write outside guest memory");
+    }
+
+    /// Reads `len` bytes at `addr`.
+    ///
+    /// # Panics
+    /// When the range is outside guest memory.
+    pub fn read(&self, addr: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        self.mem
+            .read_slice(&mut v, GuestAddress(addr))
+            .expect("test read outside guest memory");
+        v
+    }
+}
+
+/// One buffer of a chain as the driver posts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Buf {
+    /// Guest address.
+    pub addr: u64,
+    /// Length.
+    pub len: u32,
+    /// The device writes it (VRING_DESC_F_WRITE).
+    pub writable: bool,
+}
+
+impl Buf {
+    /// A device-readable buffer.
+    pub fn ro(addr: u64, len: u32) -> Self {
+        Self {
+            addr,
+            len,
+            writable: false,
+        }
+    }
+
+    /// A device-writable buffer.
+    pub fn wo(addr: u64, len: u32) -> Self {
+        Self {
+            addr,
+            len,
+            writable: true,
+        }
+    }
+}
+
+/// A raw split-ring descriptor, written as is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RawDesc {
+    /// Buffer address.
+    pub addr: u64,
+    /// Buffer length.
+    pub len: u32,
+    /// `VRING_DESC_F_*` flags.
+    pub flags: u16,
+    /// Next descriptor index.
+    pub next: u16,
+}
+
+impl RawDesc {
+    fn bytes(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[0..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..12].copy_from_slice(&self.len.to_le_bytes());
+        b[12..14].copy_from_slice(&self.flags.to_le_bytes());
+        b[14..16].copy_from_slice(&self.next.to_le_bytes());
+        b
+    }
+}
+
+/// A used-ring entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Used {
+    /// The head of the completed chain.
+    pub id: u32,
+    /// Bytes the device wrote.
+    pub len: u32,
+}
+
+/// The driver side of one split virtqueue.
+#[derive(Debug)]
+pub struct TestQueue {
+    /// Queue size.
+    pub size: u16,
+    /// Descriptor table address.
+    pub desc: u64,
+    /// Available ring address.
+    pub avail: u64,
+    /// Used ring address.
+    pub used: u64,
+    free: Vec<u16>,
+    in_flight: HashMap<u16, Vec<u16>>,
+    avail_idx: u16,
+    last_used: u16,
+}
+
+impl TestQueue {
+    /// Lays out a queue of `size` (a power of two) in `ram`.
+    pub fn new(ram: &mut GuestRam, size: u16) -> Self {
+        let n = u64::from(size);
+        let desc = ram.alloc(16 * n, 16);
+        let avail = ram.alloc(6 + 2 * n, 2);
+        let used = ram.alloc(6 + 8 * n, 4);
+        Self {
+            size,
+            desc,
+            avail,
+            used,
+            free: (0..size).rev().collect(),
+            in_flight: HashMap::new(),
+            avail_idx: 0,
+            last_used: 0,
+        }
+    }
+
+    /// A [`Queue`] programmed as a transport would: size, ring addresses, EVENT_IDX per the
+    /// negotiated features, ready.
+    ///
+    /// # Panics
+    /// When the device's maximum is smaller than this queue (a test setup failure).
+    pub fn to_queue(&self, max_size: u16, event_idx: bool) -> Queue {
+        let mut q = Queue::new(max_size).expect("valid max queue size");
+        q.try_set_size(self.size)
+            .expect("test queue size is a power of two within the device's maximum");
+        let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
+        let (l, h) = split(self.desc);
+        q.set_desc_table_address(l, h);
+        let (l, h) = split(self.avail);
+        q.set_avail_ring_address(l, h);
+        let (l, h) = split(self.used);
+        q.set_used_ring_address(l, h);
+        q.set_event_idx(event_idx);
+        q.set_ready(true);
+        q
+    }
+
+    /// Free descriptors left.
+    pub fn free_descs(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Writes a raw descriptor at `index` of the table (no bookkeeping: for hostile tests).
+    pub fn write_desc(&self, ram: &GuestRam, index: u16, d: RawDesc) {
+        ram.write(self.desc + 16 * u64::from(index), &d.bytes());
+    }
+
+    /// Writes `bufs` as a chain of direct descriptors and returns its head (not yet
+    /// published). `None` when not enough descriptors are free.
+    pub fn add_chain(&mut self, ram: &GuestRam, bufs: &[Buf]) -> Option<u16> {
+        if bufs.is_empty() || bufs.len() > self.free.len() {
+            return None;
+        }
+        let idx: Vec<u16> = (0..bufs.len()).filter_map(|_| self.free.pop()).collect();
+        for (i, b) in bufs.iter().enumerate() {
+            let last = i + 1 == bufs.len();
+            let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
+            let next = if last {
+                0
+            } else {
+                flags |= VRING_DESC_F_NEXT;
+                idx[i + 1]
+            };
+            self.write_desc(
+                ram,
+                idx[i],
+                RawDesc {
+                    addr: b.addr,
+                    len: b.len,
+                    flags,
+                    next,
+                },
+            );
+        }
+        let head = idx[0];
+        self.in_flight.insert(head, idx);
+        Some(head)
+    }
+
+    /// Writes `bufs` as an indirect table in fresh guest memory and one descriptor pointing
+    /// to it; returns the head (not yet published).
+    pub fn add_indirect(&mut self, ram: &mut GuestRam, bufs: &[Buf]) -> Option<u16> {
+        if bufs.is_empty() {
+            return None;
+        }
+        let table = ram.alloc(16 * bufs.len() as u64, 16);
+        for (i, b) in bufs.iter().enumerate() {
+            let last = i + 1 == bufs.len();
+            let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
+            if !last {
+                flags |= VRING_DESC_F_NEXT;
+            }
+            let d = RawDesc {
+                addr: b.addr,
+                len: b.len,
+                flags,
+                next: if last { 0 } else { (i + 1) as u16 },
+            };
+            ram.write(table + 16 * i as u64, &d.bytes());
+        }
+        let head = self.free.pop()?;
+        self.write_desc(
+            ram,
+            head,
+            RawDesc {
+                addr: table,
+                len: 16 * bufs.len() as u32,
+                flags: VRING_DESC_F_INDIRECT,
+                next: 0,
+            },
+        );
+        self.in_flight.insert(head, vec![head]);
+        Some(head)
+    }
+
+    /// Puts `head` on the available ring and publishes the new index.
+    pub fn publish(&mut self, ram: &GuestRam, head: u16) {
+        let slot = u64::from(self.avail_idx % self.size);
+        ram.write(self.avail + 4 + 2 * slot, &head.to_le_bytes());
+        self.avail_idx = self.avail_idx.wrapping_add(1);
+        self.set_avail_idx(ram, self.avail_idx);
+    }
+
+    /// Writes the available index as is (hostile tests may set any value).
+    pub fn set_avail_idx(&self, ram: &GuestRam, idx: u16) {
+        ram.mem()
+            .store(idx.to_le(), GuestAddress(self.avail + 2), Ordering::Release)
+            .expect("avail ring in guest memory");
+    }
+
+    /// The driver's shadow of the available index.
+    pub fn avail_idx(&self) -> u16 {
+        self.avail_idx
+    }
+
+    /// Sets `used_event` (the last word of the available ring): with EVENT_IDX the device
+    /// notifies when its used index passes this value.
+    pub fn set_used_event(&self, ram: &GuestRam, v: u16) {
+        let off = 4 + 2 * u64::from(self.size);
+        ram.write(self.avail + off, &v.to_le_bytes());
+    }
+
+    /// Sets or clears VRING_AVAIL_F_NO_INTERRUPT.
+    pub fn set_no_interrupt(&self, ram: &GuestRam, on: bool) {
+        let f: u16 = if on { VRING_AVAIL_F_NO_INTERRUPT } else { 0 };
+        ram.write(self.avail, &f.to_le_bytes());
+    }
+
+    /// `avail_event` (the last word of the used ring): with EVENT_IDX the driver kicks when
+    /// its available index passes this value.
+    pub fn avail_event(&self, ram: &GuestRam) -> u16 {
+        let off = 4 + 8 * u64::from(self.size);
+        let b = ram.read(self.used + off, 2);
+        u16::from_le_bytes([b[0], b[1]])
+    }
+
+    /// The device's used index.
+    pub fn used_idx(&self, ram: &GuestRam) -> u16 {
+        let v: u16 = ram
+            .mem()
+            .load(GuestAddress(self.used + 2), Ordering::Acquire)
+            .expect("used ring in guest memory");
+        u16::from_le(v)
+    }
+
+    /// Reads the used entries added since the last call and frees their descriptors.
+    pub fn reap(&mut self, ram: &GuestRam) -> Vec<Used> {
+        let idx = self.used_idx(ram);
+        let mut out = Vec::new();
+        while self.last_used != idx {
+            let slot = u64::from(self.last_used % self.size);
+            let b = ram.read(self.used + 4 + 8 * slot, 8);
+            let id = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            let len = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            if let Ok(h) = u16::try_from(id) {
+                if let Some(descs) = self.in_flight.remove(&h) {
+                    self.free.extend(descs);
+                }
+            }
+            out.push(Used { id, len });
+            self.last_used = self.last_used.wrapping_add(1);
+        }
+        out
+    }
+}
+
+/// A device, its guest RAM, queues and workers, driven synchronously.
+pub struct TestDriver<D: VirtioDevice<GuestMemoryMmap>> {
+    /// Guest RAM.
+    pub ram: GuestRam,
+    /// The device.
+    pub device: D,
+    /// The driver side of each queue.
+    pub vqs: Vec<TestQueue>,
+    /// The device side of each queue (what the transport holds).
+    pub queues: Vec<Queue>,
+    workers: Vec<Box<dyn QueueWorker<GuestMemoryMmap>>>,
+    /// For each device queue: (worker, position in its `queue_indexes`).
+    owner: HashMap<u16, (usize, usize)>,
+    acked: u64,
+    broken: Vec<Option<String>>,
+    signals: Vec<u64>,
+}
+
+impl<D: VirtioDevice<GuestMemoryMmap>> std::fmt::Debug for TestDriver<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestDriver")
+            .field("acked", &format_args!("{:#x}", self.acked))
+            .field("queues", &self.vqs.len())
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
+    /// A driver for `device` with `ram_size` bytes of guest RAM.
+    pub fn new(device: D, ram_size: u64) -> Self {
+        Self {
+            ram: GuestRam::new(ram_size),
+            device,
+            vqs: Vec::new(),
+            queues: Vec::new(),
+            workers: Vec::new(),
+            owner: HashMap::new(),
+            acked: 0,
+            broken: Vec::new(),
+            signals: Vec::new(),
+        }
+    }
+
+    /// Acks `wanted & offered` and returns it.
+    pub fn negotiate(&mut self, wanted: u64) -> u64 {
+        self.acked = wanted & self.device.avail_features();
+        self.acked
+    }
+
+    /// The acked features.
+    pub fn acked(&self) -> u64 {
+        self.acked
+    }
+
+    /// Lays out all the device's queues with `queue_size` entries and activates the device.
+    ///
+    /// # Errors
+    /// The device's activation error.
+    pub fn activate(&mut self, queue_size: u16) -> Result<(), ActivateError> {
+        let n = self.device.num_queues();
+        let max = self.device.queue_max_size();
+        let event_idx = self.acked & features::RING_EVENT_IDX != 0;
+        self.vqs = (0..n)
+            .map(|_| TestQueue::new(&mut self.ram, queue_size))
+            .collect();
+        self.queues = self
+            .vqs
+            .iter()
+            .map(|v| v.to_queue(max, event_idx))
+            .collect();
+        for q in &self.queues {
+            assert!(q.is_valid(self.ram.mem()), "test queue layout is invalid");
+        }
+        self.signals = vec![0; n];
+        self.workers = self.device.activate(self.acked)?;
+        self.owner.clear();
+        for (w, worker) in self.workers.iter().enumerate() {
+            for (pos, qi) in worker.queue_indexes().into_iter().enumerate() {
+                self.owner.insert(qi, (w, pos));
+            }
+        }
+        self.broken = vec![None; self.workers.len()];
+        Ok(())
+    }
+
+    /// Drops the workers and resets the device.
+    pub fn reset(&mut self) {
+        self.workers.clear();
+        self.owner.clear();
+        self.device.reset();
+    }
+
+    /// Number of workers the device returned.
+    pub fn num_workers(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// The queue indexes of worker `w`.
+    pub fn worker_queues(&self, w: usize) -> Vec<u16> {
+        self.workers[w].queue_indexes()
+    }
+
+    /// Worker `w`'s extra file descriptors.
+    pub fn worker_fds(&self, w: usize) -> Vec<(std::os::fd::RawFd, u32)> {
+        self.workers[w].extra_fds()
+    }
+
+    /// The error a worker stopped with, if it did.
+    pub fn broken(&self, w: usize) -> Option<&str> {
+        self.broken.get(w).and_then(|b| b.as_deref())
+    }
+
+    /// The worker owning device queue `q`, if any (queues beyond the active ones have none).
+    pub fn owner(&self, q: u16) -> Option<usize> {
+        self.owner.get(&q).map(|&(w, _)| w)
+    }
+
+    /// Notifications the workers asked for on queue `q` so far.
+    pub fn signals(&self, q: u16) -> u64 {
+        self.signals.get(usize::from(q)).copied().unwrap_or(0)
+    }
+
+    /// Adds and publishes a direct chain on queue `q`; returns its head, `None` when the queue
+    /// has too few free descriptors.
+    pub fn post(&mut self, q: u16, bufs: &[Buf]) -> Option<u16> {
+        let vq = &mut self.vqs[usize::from(q)];
+        let head = vq.add_chain(&self.ram, bufs)?;
+        vq.publish(&self.ram, head);
+        Some(head)
+    }
+
+    /// Adds and publishes an indirect chain on queue `q`.
+    pub fn post_indirect(&mut self, q: u16, bufs: &[Buf]) -> Option<u16> {
+        let vq = &mut self.vqs[usize::from(q)];
+        let head = vq.add_indirect(&mut self.ram, bufs)?;
+        vq.publish(&self.ram, head);
+        Some(head)
+    }
+
+    /// Publishes a head whose descriptors the test wrote itself with
+    /// [`TestQueue::write_desc`].
+    pub fn publish_raw(&mut self, q: u16, head: u16) {
+        self.vqs[usize::from(q)].publish(&self.ram, head);
+    }
+
+    fn run(&mut self, w: usize, event: WorkerEvent) -> Result<Signal, WorkerError> {
+        if let Some(b) = &self.broken[w] {
+            return Err(WorkerError::Broken(format!("already broken: {b}")));
+        }
+        let idxs = self.workers[w].queue_indexes();
+        let mut slots: Vec<Option<&mut Queue>> = self.queues.iter_mut().map(Some).collect();
+        let mut qs: Vec<&mut Queue> = Vec::with_capacity(idxs.len());
+        for &qi in &idxs {
+            match slots.get_mut(usize::from(qi)).and_then(Option::take) {
+                Some(q) => qs.push(q),
+                None => {
+                    return Err(WorkerError::Broken(format!(
+                        "worker {w} names queue {qi} twice or out of range"
+                    )))
+                }
+            }
+        }
+        let r = self.workers[w].handle(event, self.ram.mem(), &mut qs);
+        match &r {
+            Ok(sig) => {
+                for (pos, &qi) in idxs.iter().enumerate() {
+                    if sig.has(pos) {
+                        if let Some(c) = self.signals.get_mut(usize::from(qi)) {
+                            *c += 1;
+                        }
+                    }
+                }
+            }
+            Err(WorkerError::Broken(m)) => self.broken[w] = Some(m.clone()),
+            Err(_) => {}
+        }
+        r
+    }
+
+    /// Kicks device queue `q`: runs its worker with [`WorkerEvent::Kick`]. A kick of a queue
+    /// no worker owns returns `Ok(Signal::NONE)`, as a transport would ignore it.
+    ///
+    /// # Errors
+    /// The worker's error.
+    pub fn kick(&mut self, q: u16) -> Result<Signal, WorkerError> {
+        match self.owner.get(&q).copied() {
+            Some((w, pos)) => self.run(w, WorkerEvent::Kick(pos)),
+            None => Ok(Signal::NONE),
+        }
+    }
+
+    /// Tells worker `w` that its fd with `token` is readable.
+    ///
+    /// # Errors
+    /// The worker's error.
+    pub fn fd_event(&mut self, w: usize, token: u32) -> Result<Signal, WorkerError> {
+        self.run(w, WorkerEvent::Fd(token))
+    }
+
+    /// New used entries of queue `q`.
+    pub fn reap(&mut self, q: u16) -> Vec<Used> {
+        self.vqs[usize::from(q)].reap(&self.ram)
+    }
+
+    /// Reads `len` bytes of configuration space at `offset`.
+    pub fn read_config(&self, offset: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        self.device.read_config(offset, &mut v);
+        v
+    }
+
+    /// True when guest address `a` is inside guest RAM.
+    pub fn in_ram(&self, a: u64) -> bool {
+        GuestAddress(a).raw_value() < self.ram.size()
+    }
+}
+
+/// A deliberately simple slot allocator for tests: one mutex, a linear first-fit scan that
+/// honours every placement rule ([`bounce::SlotRequest::fits`]). It lets bounced device tests
+/// run whatever state the real allocators are in, and is a reference for them.
+#[derive(Debug)]
+pub struct FirstFitAllocator {
+    geom: bounce::Geometry,
+    used: std::sync::Mutex<Vec<bool>>,
+}
+
+impl FirstFitAllocator {
+    /// An allocator for `geom`, all slots free.
+    pub fn new(geom: bounce::Geometry) -> Self {
+        Self {
+            used: std::sync::Mutex::new(vec![false; geom.nslabs]),
+            geom,
+        }
+    }
+}
+
+impl bounce::SlotAllocator for FirstFitAllocator {
+    fn kind(&self) -> bounce::AllocatorKind {
+        // There is no kind for a test allocator; it behaves as one global lock.
+        bounce::AllocatorKind::Legacy
+    }
+
+    fn alloc(&self, req: &bounce::SlotRequest) -> Option<usize> {
+        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let n = req.nslots;
+        let found = (0..self.geom.nslabs)
+            .find(|&i| req.fits(&self.geom, i) && used[i..i + n].iter().all(|u| !u))?;
+        used[found..found + n].iter_mut().for_each(|u| *u = true);
+        Some(found)
+    }
+
+    fn free(&self, index: usize, nslots: usize, _worker: usize) {
+        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(run) = used.get_mut(index..index.saturating_add(nslots)) {
+            run.iter_mut().for_each(|u| *u = false);
+        }
+    }
+
+    fn area_used(&self) -> Vec<usize> {
+        let used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        vec![used.iter().filter(|u| **u).count()]
+    }
+
+    fn lock_stats(&self) -> Vec<bounce::alloc::LockSnapshot> {
+        Vec::new()
+    }
+
+    fn reset_lock_stats(&self) {}
+}
+
+/// A bounce pool built from `config`, with [`FirstFitAllocator`] instead of
+/// `config.allocator`.
+///
+/// # Panics
+/// When the configuration is invalid (a test setup failure).
+pub fn first_fit_pool(config: &bounce::PoolConfig) -> std::sync::Arc<bounce::BouncePool> {
+    let geom = config.geometry().expect("valid test pool configuration");
+    let alloc = std::sync::Arc::new(FirstFitAllocator::new(geom));
+    std::sync::Arc::new(
+        bounce::BouncePool::with_allocator(geom, alloc, config.copy_on_map)
+            .expect("test pool memory"),
+    )
+}
+
+/// DMA handles to run a device test under: `off`, forced swiotlb and forced iova with the
+/// test allocator, then forced swiotlb and iova with every real allocator that builds for
+/// that mode (those that do not are listed in the second result, with the reason, so a test
+/// can print what it skipped). `slots` sizes each pool.
+pub fn dma_matrix(slots: usize) -> (Vec<(String, bounce::Dma)>, Vec<String>) {
+    use bounce::{AllocatorKind, BouncePool, Dma, Policy, PoolConfig};
+    let mut out = vec![("off".to_string(), Dma::direct())];
+    let mut skipped = Vec::new();
+    let configs = [
+        ("swiotlb", PoolConfig::swiotlb(slots)),
+        ("iova", PoolConfig::iova(slots)),
+    ];
+    for (mode, cfg) in &configs {
+        out.push((
+            format!("force/{mode}/first-fit"),
+            Dma::bounced(Policy::Force, first_fit_pool(cfg)),
+        ));
+    }
+    for (mode, cfg) in &configs {
+        for kind in AllocatorKind::ALL {
+            let mut c = cfg.clone();
+            c.allocator = kind;
+            match BouncePool::new(&c) {
+                Ok(p) => out.push((
+                    format!("force/{mode}/{kind}"),
+                    Dma::bounced(Policy::Force, std::sync::Arc::new(p)),
+                )),
+                Err(e) => skipped.push(format!("force/{mode}/{kind}: {e}")),
+            }
+        }
+    }
+    (out, skipped)
+}

@@ -1,0 +1,224 @@
+//! Helpers shared by the block tests: a harness that builds virtio-blk requests with the
+//! test driver.
+#![allow(dead_code)]
+
+use bounce::Dma;
+use devices::block::{req_type, status, Block, BlockConfig, Disk};
+use devices::testing::{Buf, TestDriver};
+use devices::virtio::features as vf;
+
+/// Guest RAM of every harness.
+pub const RAM: u64 = 32 << 20;
+
+/// How a request's buffers are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// header, one data descriptor, status.
+    Simple,
+    /// header, data split into `n` descriptors, status.
+    Split(usize),
+    /// everything in one indirect table (data split in 2).
+    Indirect,
+    /// header + data in one readable descriptor / data + status in one writable descriptor.
+    Merged,
+}
+
+/// What a completed request returned.
+#[derive(Debug)]
+pub struct Done {
+    /// Used length.
+    pub len: u32,
+    /// Status byte as found in guest memory.
+    pub status: u8,
+    /// Device-written data (for IN and GET_ID).
+    pub data: Vec<u8>,
+}
+
+/// A block device under a test driver.
+pub struct Blk<D: Disk> {
+    pub drv: TestDriver<Block<D>>,
+}
+
+pub fn header(t: u32, sector: u64) -> [u8; 16] {
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&t.to_le_bytes());
+    h[8..16].copy_from_slice(&sector.to_le_bytes());
+    h
+}
+
+pub fn discard_seg(sector: u64, num: u32, flags: u32) -> [u8; 16] {
+    let mut s = [0u8; 16];
+    s[0..8].copy_from_slice(&sector.to_le_bytes());
+    s[8..12].copy_from_slice(&num.to_le_bytes());
+    s[12..16].copy_from_slice(&flags.to_le_bytes());
+    s
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+impl<D: Disk> Blk<D> {
+    /// A device on `disk`, all offered features acked (minus `drop`), queues of 64 (or the
+    /// device's maximum if smaller).
+    pub fn new(disk: D, cfg: BlockConfig, dma: Dma, drop: u64) -> Self {
+        let qsize = cfg.queue_size.min(64);
+        let dev = Block::new(disk, cfg, dma).expect("device");
+        let mut drv = TestDriver::new(dev, RAM);
+        drv.negotiate(!drop);
+        drv.activate(qsize).expect("activate");
+        Self { drv }
+    }
+
+    pub fn indirect(&self) -> bool {
+        self.drv.acked() & vf::RING_INDIRECT_DESC != 0
+    }
+
+    /// Posts a request on queue `q` and kicks; returns the completion.
+    pub fn request(
+        &mut self,
+        q: u16,
+        t: u32,
+        sector: u64,
+        out: &[u8],
+        in_len: u32,
+        layout: Layout,
+    ) -> Done {
+        let head = self.post(q, t, sector, out, in_len, layout);
+        self.complete(q, head, in_len)
+    }
+
+    /// Posts a request without kicking; returns (head, data address, status address).
+    pub fn post(
+        &mut self,
+        q: u16,
+        t: u32,
+        sector: u64,
+        out: &[u8],
+        in_len: u32,
+        layout: Layout,
+    ) -> Posted {
+        let ram = &mut self.drv.ram;
+        let h = header(t, sector);
+        let olen = out.len() as u32;
+        let mut bufs = Vec::new();
+        let (din, st);
+        match layout {
+            Layout::Merged => {
+                let mut rd = h.to_vec();
+                rd.extend_from_slice(out);
+                let a = ram.alloc_bytes(&rd);
+                bufs.push(Buf::ro(a, rd.len() as u32));
+                let w = ram.alloc(u64::from(in_len) + 1, 512);
+                ram.write(w + u64::from(in_len), &[0xee]);
+                bufs.push(Buf::wo(w, in_len + 1));
+                din = w;
+                st = w + u64::from(in_len);
+            }
+            _ => {
+                let pieces = match layout {
+                    Layout::Simple => 1,
+                    Layout::Split(n) => n,
+                    _ => 2,
+                };
+                bufs.push(Buf::ro(ram.alloc_bytes(&h), 16));
+                if olen > 0 {
+                    let a = ram.alloc_bytes(out);
+                    for (off, len) in split(olen, pieces) {
+                        bufs.push(Buf::ro(a + u64::from(off), len));
+                    }
+                }
+                din = ram.alloc(u64::from(in_len).max(1), 4096);
+                if in_len > 0 {
+                    for (off, len) in split(in_len, pieces) {
+                        bufs.push(Buf::wo(din + u64::from(off), len));
+                    }
+                }
+                st = ram.alloc(1, 1);
+                ram.write(st, &[0xee]);
+                bufs.push(Buf::wo(st, 1));
+            }
+        }
+        let head = if layout == Layout::Indirect {
+            self.drv.post_indirect(q, &bufs)
+        } else {
+            self.drv.post(q, &bufs)
+        }
+        .expect("free descriptors");
+        Posted { head, din, st }
+    }
+
+    /// Kicks `q` and returns the completion of `p` (which must be the only one pending).
+    pub fn complete(&mut self, q: u16, p: Posted, in_len: u32) -> Done {
+        self.drv.kick(q).expect("kick");
+        let used = self.drv.reap(q);
+        assert_eq!(used.len(), 1, "exactly one completion expected: {used:?}");
+        assert_eq!(used[0].id, u32::from(p.head));
+        self.done(p, used[0].len, in_len)
+    }
+
+    pub fn done(&self, p: Posted, len: u32, in_len: u32) -> Done {
+        Done {
+            len,
+            status: self.drv.ram.read(p.st, 1)[0],
+            data: self.drv.ram.read(p.din, in_len as usize),
+        }
+    }
+
+    pub fn read(&mut self, sector: u64, len: u32, layout: Layout) -> Done {
+        self.request(0, req_type::IN, sector, &[], len, layout)
+    }
+
+    pub fn write(&mut self, sector: u64, data: &[u8], layout: Layout) -> Done {
+        self.request(0, req_type::OUT, sector, data, 0, layout)
+    }
+
+    pub fn flush(&mut self) -> u8 {
+        self.request(0, req_type::FLUSH, 0, &[], 0, Layout::Simple)
+            .status
+    }
+
+    pub fn stats(&self) -> serde_json::Value {
+        devices::virtio::VirtioDevice::<vm_memory::GuestMemoryMmap>::stats(&self.drv.device)
+    }
+
+    pub fn metric(&self, name: &str) -> u64 {
+        self.stats()["metrics"][name].as_u64().expect("metric")
+    }
+}
+
+/// What [`Blk::post`] returns.
+#[derive(Clone, Copy, Debug)]
+pub struct Posted {
+    pub head: u16,
+    pub din: u64,
+    pub st: u64,
+}
+
+/// Splits `len` into `n` nearly equal (non-empty) pieces.
+pub fn split(len: u32, n: usize) -> Vec<(u32, u32)> {
+    let n = (n as u32).clamp(1, len.max(1));
+    let base = len / n;
+    let mut v = Vec::new();
+    let mut off = 0;
+    for i in 0..n {
+        let l = if i + 1 == n { len - off } else { base };
+        v.push((off, l));
+        off += l;
+    }
+    v
+}
+
+/// Asserts a request succeeded.
+pub fn ok(d: &Done) {
+    assert_eq!(d.status, status::OK, "request failed: {d:?}");
+}

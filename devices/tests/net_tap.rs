@@ -1,0 +1,422 @@
+//! virtio-net through a real tap, inside a network namespace this test creates.
+//!
+//! The device end runs on a thread that entered the namespace (`setns`), where the test
+//! creates the tap (through the device's own `Tap::open`) and an AF_PACKET socket with vnet
+//! headers on it. Frames the test driver posts on TX must come out of the tap as sent (a
+//! plain frame byte for byte, a CSUM-partial frame and a TSO frame with their offload
+//! metadata), and frames written into the tap side (plain, CSUM-partial and a 64 KiB TSO one)
+//! must reach the driver's RX buffers, the large one spread over several buffers with
+//! MRG_RXBUF. Runs with the bounce module off, forced swiotlb and forced iova. The namespace is
+//! deleted at the end, even on failure. Skipped, with the reason printed, when not root or
+//! without /dev/net/tun or `ip`.
+
+#![allow(clippy::undocumented_unsafe_blocks)]
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bounce::{BouncePool, Dma, Policy, PoolConfig};
+use devices::net::header::{self, VnetHeader};
+use devices::net::worker::TOKEN_BACKEND;
+use devices::net::{features as nf, Net, NetConfig, MAX_FRAME_LEN, VNET_HDR_LEN};
+use devices::testing::{Buf, TestDriver};
+use devices::virtio::features as vf;
+
+const SOL_PACKET: libc::c_int = 263;
+const PACKET_VNET_HDR: libc::c_int = 15;
+const TAP: &str = "bvmtap0";
+const RXQ: u16 = 0;
+const TXQ: u16 = 1;
+
+fn skip_reason() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not root".into());
+    }
+    if !std::path::Path::new("/dev/net/tun").exists() {
+        return Some("/dev/net/tun is missing".into());
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        return Some("the `ip` command is missing".into());
+    }
+    None
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Deletes the namespace when dropped, whatever happened.
+struct Netns(String);
+
+impl Netns {
+    fn create() -> Self {
+        let name = format!("bvm-test-{}", std::process::id());
+        let _ = Command::new("ip").args(["netns", "del", &name]).output();
+        ip(&["netns", "add", &name]);
+        Self(name)
+    }
+
+    /// Moves the calling thread into the namespace.
+    fn enter(&self) {
+        let path = format!("/var/run/netns/{}", self.0);
+        let f = std::fs::File::open(&path).expect("open netns");
+        let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// An AF_PACKET socket on the tap with vnet headers (10-byte `virtio_net_hdr`).
+struct PacketSock(OwnedFd);
+
+impl PacketSock {
+    fn open(ifname: &str) -> Self {
+        let proto = (libc::ETH_P_ALL as u16).to_be();
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(proto)) };
+        assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let one: libc::c_int = 1;
+        let r = unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                SOL_PACKET,
+                PACKET_VNET_HDR,
+                (&one as *const libc::c_int).cast(),
+                4,
+            )
+        };
+        assert_eq!(r, 0, "PACKET_VNET_HDR: {}", std::io::Error::last_os_error());
+        let name = CString::new(ifname).unwrap();
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        assert!(ifindex > 0);
+        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_protocol = proto;
+        sll.sll_ifindex = ifindex as i32;
+        let r = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                (&sll as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        assert_eq!(r, 0, "bind: {}", std::io::Error::last_os_error());
+        Self(fd)
+    }
+
+    /// Sends `vnet_hdr(10) + frame`.
+    fn send(&self, buf: &[u8]) {
+        let n = unsafe { libc::send(self.0.as_raw_fd(), buf.as_ptr().cast(), buf.len(), 0) };
+        assert_eq!(
+            n,
+            buf.len() as isize,
+            "send: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+
+    /// Receives frames until one satisfies `want` (2 s at most).
+    fn recv_matching(&self, want: impl Fn(&[u8]) -> bool) -> Vec<u8> {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut buf = vec![0u8; 70_000];
+        loop {
+            let n = unsafe {
+                libc::recv(
+                    self.0.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n > 0 {
+                let f = &buf[..n as usize];
+                if want(f) {
+                    return f.to_vec();
+                }
+                continue;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no matching frame came out of the tap"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+const GUEST_MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
+const OTHER_MAC: [u8; 6] = [0x02, 0x00, 0x00, 0x00, 0x00, 0x99];
+
+/// Ethernet + IPv4 + TCP (or UDP) headers then `payload` bytes; `marker` goes in the IP id.
+fn ip_frame(dst: [u8; 6], src: [u8; 6], tcp: bool, payload: usize, marker: u16) -> Vec<u8> {
+    let l4 = if tcp { 20 } else { 8 };
+    let mut f = Vec::new();
+    f.extend_from_slice(&dst);
+    f.extend_from_slice(&src);
+    f.extend_from_slice(&[0x08, 0x00]);
+    let tot = (20 + l4 + payload).min(65535) as u16;
+    f.extend_from_slice(&[0x45, 0, (tot >> 8) as u8, tot as u8]);
+    f.extend_from_slice(&marker.to_be_bytes());
+    f.extend_from_slice(&[0x40, 0, 64, if tcp { 6 } else { 17 }, 0, 0]);
+    f.extend_from_slice(&[10, 99, 0, 2, 10, 99, 0, 3]);
+    // IPv4 header checksum.
+    let mut sum = 0u32;
+    for c in f[14..34].chunks(2) {
+        sum += u32::from(u16::from_be_bytes([c[0], c[1]]));
+    }
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    let c = !(sum as u16);
+    f[24..26].copy_from_slice(&c.to_be_bytes());
+    if tcp {
+        f.extend_from_slice(&[0x30, 0x39, 0x13, 0x89, 0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x18]);
+        f.extend_from_slice(&[0xff, 0xff, 0, 0, 0, 0]);
+    } else {
+        let ul = (8 + payload) as u16;
+        f.extend_from_slice(&[0x30, 0x39, 0x13, 0x89]);
+        f.extend_from_slice(&ul.to_be_bytes());
+        f.extend_from_slice(&[0, 0]);
+    }
+    f.extend((0..payload).map(|i| (i as u8).wrapping_mul(7).wrapping_add(marker as u8)));
+    f
+}
+
+fn ip_id(frame: &[u8]) -> Option<u16> {
+    (frame.len() >= 20 && frame[12..14] == [0x08, 0x00])
+        .then(|| u16::from_be_bytes([frame[18], frame[19]]))
+}
+
+fn dmas() -> Vec<(&'static str, Dma)> {
+    let mut sw = PoolConfig::swiotlb(8192);
+    sw.workers = 2;
+    let mut iova = PoolConfig::iova(8192);
+    iova.workers = 2;
+    vec![
+        ("off", Dma::direct()),
+        (
+            "force/swiotlb",
+            Dma::bounced(
+                Policy::Force,
+                Arc::new(BouncePool::new(&sw).expect("swiotlb pool")),
+            ),
+        ),
+        (
+            "force/iova",
+            Dma::bounced(
+                Policy::Force,
+                Arc::new(BouncePool::new(&iova).expect("iova pool")),
+            ),
+        ),
+    ]
+}
+
+fn run(ns: &Netns, name: &str, dma: Dma) {
+    let dev = Net::with_tap(NetConfig::default(), TAP, dma).expect("open tap in namespace");
+    ip(&["-n", &ns.0, "link", "set", TAP, "up"]);
+    ip(&["-n", &ns.0, "addr", "add", "10.99.0.1/24", "dev", TAP]);
+    let sock = PacketSock::open(TAP);
+    let mut drv = TestDriver::new(dev, 32 << 20);
+    let want = vf::VERSION_1
+        | vf::ACCESS_PLATFORM
+        | vf::RING_EVENT_IDX
+        | nf::MRG_RXBUF
+        | nf::CSUM
+        | nf::GUEST_CSUM
+        | nf::HOST_TSO4
+        | nf::GUEST_TSO4
+        | nf::CTRL_VQ;
+    assert_eq!(drv.negotiate(want), want);
+    drv.activate(256).unwrap();
+
+    // ---- TX: plain, CSUM-partial, TSO.
+    let plain = ip_frame(OTHER_MAC, GUEST_MAC, false, 1400, 0x1001);
+    let csum_hdr = VnetHeader {
+        flags: header::F_NEEDS_CSUM,
+        csum_start: 34,
+        csum_offset: 6,
+        ..Default::default()
+    };
+    let csum = ip_frame(OTHER_MAC, GUEST_MAC, false, 300, 0x1002);
+    let tso_hdr = VnetHeader {
+        flags: header::F_NEEDS_CSUM,
+        gso_type: header::GSO_TCPV4,
+        hdr_len: 54,
+        gso_size: 1448,
+        csum_start: 34,
+        csum_offset: 16,
+        num_buffers: 0,
+    };
+    let tso = ip_frame(OTHER_MAC, GUEST_MAC, true, 20_000, 0x1003);
+    for (h, f) in [
+        (VnetHeader::default(), &plain),
+        (csum_hdr, &csum),
+        (tso_hdr, &tso),
+    ] {
+        let hb = drv.ram.alloc_bytes(&h.to_bytes());
+        let (a, b) = f.split_at(f.len() / 3);
+        let fa = drv.ram.alloc_bytes(a);
+        let fb = drv.ram.alloc_bytes(b);
+        drv.post(
+            TXQ,
+            &[
+                Buf::ro(hb, VNET_HDR_LEN as u32),
+                Buf::ro(fa, a.len() as u32),
+                Buf::ro(fb, b.len() as u32),
+            ],
+        )
+        .unwrap();
+    }
+    drv.kick(TXQ).unwrap();
+    assert_eq!(drv.reap(TXQ).len(), 3, "{name}");
+    let got = sock.recv_matching(|f| ip_id(&f[10..]) == Some(0x1001));
+    assert_eq!(&got[10..], &plain[..], "{name}: plain frame");
+    let got = sock.recv_matching(|f| ip_id(&f[10..]) == Some(0x1002));
+    assert_eq!(&got[10..], &csum[..], "{name}: csum frame");
+    assert_eq!(
+        got[0] & header::F_NEEDS_CSUM,
+        header::F_NEEDS_CSUM,
+        "{name}"
+    );
+    assert_eq!(u16::from_le_bytes([got[6], got[7]]), 34);
+    let got = sock.recv_matching(|f| ip_id(&f[10..]) == Some(0x1003));
+    assert_eq!(&got[10..], &tso[..], "{name}: tso frame");
+    assert_eq!(got[1], header::GSO_TCPV4, "{name}: gso type kept");
+    assert_eq!(
+        u16::from_le_bytes([got[4], got[5]]),
+        1448,
+        "{name}: gso size kept"
+    );
+
+    // ---- RX: buffers of 4 KiB, then plain, CSUM-partial and 64 KiB TSO frames in the tap.
+    let mut bufs = std::collections::HashMap::new();
+    for _ in 0..64 {
+        let a = drv.ram.alloc(4096, 64);
+        let h = drv.post(RXQ, &[Buf::wo(a, 4096)]).unwrap();
+        bufs.insert(u32::from(h), a);
+    }
+    drv.kick(RXQ).unwrap();
+    let rx_plain = ip_frame(GUEST_MAC, OTHER_MAC, false, 1000, 0x2001);
+    let rx_csum = ip_frame(GUEST_MAC, OTHER_MAC, false, 500, 0x2002);
+    let rx_tso = ip_frame(GUEST_MAC, OTHER_MAC, true, MAX_FRAME_LEN - 54 - 200, 0x2003);
+    let h10 = |h: &VnetHeader, f: &[u8]| {
+        let mut v = h.to_bytes()[..10].to_vec();
+        v.extend_from_slice(f);
+        sock.send(&v);
+    };
+    h10(&VnetHeader::default(), &rx_plain);
+    h10(&csum_hdr, &rx_csum);
+    h10(&tso_hdr, &rx_tso);
+
+    // Reassemble the frames the driver receives (num_buffers from the first buffer).
+    let mut frames: Vec<(VnetHeader, Vec<u8>)> = Vec::new();
+    let mut pending: Vec<(u32, u32)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while frames
+        .iter()
+        .filter(|(_, f)| ip_id(f).is_some_and(|i| i >> 8 == 0x20))
+        .count()
+        < 3
+    {
+        assert!(
+            Instant::now() < deadline,
+            "{name}: frames did not reach the driver: {frames:?}"
+        );
+        drv.fd_event(0, TOKEN_BACKEND).unwrap();
+        pending.extend(drv.reap(RXQ).iter().map(|u| (u.id, u.len)));
+        while let Some(&(id, len)) = pending.first() {
+            let first = drv.ram.read(bufs[&id], len as usize);
+            let hdr = VnetHeader::from_bytes(first[..12].try_into().unwrap());
+            let n = usize::from(hdr.num_buffers);
+            if pending.len() < n {
+                break;
+            }
+            let mut data = first[12..].to_vec();
+            for &(id, len) in &pending[1..n] {
+                data.extend(drv.ram.read(bufs[&id], len as usize));
+            }
+            pending.drain(..n);
+            frames.push((hdr, data));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let find = |id: u16| {
+        frames
+            .iter()
+            .find(|(_, f)| ip_id(f) == Some(id))
+            .unwrap_or_else(|| panic!("{name}: frame {id:#x} missing"))
+    };
+    let (h, f) = find(0x2001);
+    assert_eq!(f, &rx_plain, "{name}: rx plain");
+    assert_eq!(h.num_buffers, 1);
+    let (h, f) = find(0x2002);
+    assert_eq!(f, &rx_csum, "{name}: rx csum");
+    assert_eq!(
+        h.flags & header::F_NEEDS_CSUM,
+        header::F_NEEDS_CSUM,
+        "{name}: csum offload delivered"
+    );
+    let (h, f) = find(0x2003);
+    assert_eq!(f, &rx_tso, "{name}: rx tso");
+    assert_eq!(
+        h.gso_type,
+        header::GSO_TCPV4,
+        "{name}: tso delivered unsegmented"
+    );
+    assert!(
+        h.num_buffers >= 16,
+        "{name}: 64 KiB over MRG_RXBUF buffers: {}",
+        h.num_buffers
+    );
+    let stats = devices::virtio::VirtioDevice::<vm_memory::GuestMemoryMmap>::stats(&drv.device);
+    assert_eq!(stats["net"]["tx_frames"], 3, "{name}: {stats}");
+    println!("{name}: ok, stats {}", stats["net"]);
+}
+
+#[test]
+fn net_through_tap_in_namespace() {
+    if let Some(why) = skip_reason() {
+        println!("SKIPPED net_through_tap_in_namespace: {why}");
+        return;
+    }
+    let ns = Netns::create();
+    let nsname = ns.0.clone();
+    let sysctl = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &nsname,
+            "sysctl",
+            "-qw",
+            "net.ipv6.conf.all.disable_ipv6=1",
+        ])
+        .output();
+    let _ = sysctl;
+    let ns = Arc::new(ns);
+    let ns2 = ns.clone();
+    let r = std::thread::spawn(move || {
+        ns2.enter();
+        for (name, dma) in dmas() {
+            run(&ns2, name, dma);
+        }
+    })
+    .join();
+    drop(ns);
+    if let Err(e) = r {
+        std::panic::resume_unwind(e);
+    }
+}

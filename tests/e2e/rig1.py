@@ -1,0 +1,687 @@
+"""Rig 1 harness: QEMU TCG guest (Debian cloud kernel + busybox/fio/iperf3 initramfs) with
+devices given by the caller -- QEMU's own, or vhost-user backends such as bouncevm-vhost.
+
+See tests/e2e/README.md for the API. Python 3 stdlib only (pytest only for skipping).
+
+Everything a test starts is started in its own process group and killed as a group at the end;
+network traffic only goes to loopback or to namespaces created here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGES_DIR = REPO / "images"
+OUT_DIR = Path(os.environ.get("BVM_TEST_OUT", REPO / "tests" / "out"))
+
+DEFAULT_MEM = "1G"
+DEFAULT_SMP = 2
+DEFAULT_TIMEOUT = float(os.environ.get("BVM_GUEST_TIMEOUT", "90"))  # per boot, host side
+
+
+# ----------------------------------------------------------------------------- prerequisites
+
+class Missing(Exception):
+    """A prerequisite is missing; tests turn this into pytest.skip(reason)."""
+
+
+def skip_if_missing(fn):
+    """Decorator for test functions: a Missing raised inside becomes a pytest skip."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        try:
+            return fn(*a, **kw)
+        except Missing as e:  # pragma: no cover - depends on the machine
+            import pytest
+
+            pytest.skip(str(e))
+
+    return wrapper
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise Missing("needs root (QEMU tap, network namespaces, image build)")
+
+
+def require_tun() -> None:
+    if not os.path.exists("/dev/net/tun"):
+        raise Missing("no /dev/net/tun")
+
+
+def require_cmd(name: str) -> str:
+    p = shutil.which(name)
+    if not p:
+        raise Missing(f"no {name} on PATH")
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def _qemu_paths() -> tuple[str, str]:
+    """(qemu-system-x86_64, qemu-storage-daemon or ''), via images/qemu.sh (cached per process)."""
+    env_q = os.environ.get("BVM_QEMU")
+    if env_q:
+        return env_q, os.environ.get("BVM_QSD") or (shutil.which("qemu-storage-daemon") or "")
+    try:
+        out = subprocess.run(
+            ["bash", str(IMAGES_DIR / "qemu.sh")], capture_output=True, text=True, timeout=900
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Missing(f"images/qemu.sh failed: {e}")
+    kv = _parse_kv_lines(out.stdout)
+    if out.returncode != 0 or not kv.get("QEMU"):
+        raise Missing(f"no usable qemu-system-x86_64 (images/qemu.sh: {out.stderr.strip()[-300:]})")
+    return kv["QEMU"], kv.get("QSD", "")
+
+
+def require_qemu() -> str:
+    if shutil.which("qemu-system-x86_64") is None and os.geteuid() != 0 and not os.environ.get("BVM_QEMU"):
+        raise Missing("no qemu-system-x86_64 (and not root to provide one)")
+    return _qemu_paths()[0]
+
+
+def require_qsd() -> str:
+    q = _qemu_paths()[1]
+    if not q:
+        raise Missing("no qemu-storage-daemon")
+    return q
+
+
+def _parse_kv_lines(text: str) -> dict[str, str]:
+    kv = {}
+    for line in text.splitlines():
+        if "=" in line and re.match(r"^[A-Z_]+=", line):
+            k, v = line.split("=", 1)
+            kv[k] = v
+    return kv
+
+
+@dataclass(frozen=True)
+class Images:
+    vmlinuz: Path
+    initramfs: Path
+    kernel_release: str
+
+
+@functools.lru_cache(maxsize=None)
+def images() -> Images:
+    """Builds (or reuses) images/out/{vmlinuz,initramfs.cpio} via images/build.sh."""
+    vm = os.environ.get("BVM_VMLINUZ")
+    ini = os.environ.get("BVM_INITRAMFS")
+    if vm and ini:
+        return Images(Path(vm), Path(ini), os.environ.get("BVM_KERNEL_RELEASE", "unknown"))
+    out = IMAGES_DIR / "out"
+    if os.geteuid() != 0 and not (out / "vmlinuz").exists():
+        raise Missing("guest images not built and not root to build them (run images/build.sh)")
+    try:
+        r = subprocess.run(
+            ["bash", str(IMAGES_DIR / "build.sh")], capture_output=True, text=True, timeout=1800
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Missing(f"images/build.sh failed: {e}")
+    kv = _parse_kv_lines(r.stdout)
+    if r.returncode != 0 or "VMLINUZ" not in kv:
+        raise Missing(f"images/build.sh failed (rc={r.returncode}): {r.stderr.strip()[-500:]}")
+    return Images(Path(kv["VMLINUZ"]), Path(kv["INITRAMFS"]), kv.get("KERNEL_RELEASE", ""))
+
+
+# ----------------------------------------------------------------------------- serial log parsing
+
+_CRASH = re.compile(r"(Oops: .*|BUG: .*|Kernel panic - .*|general protection fault.*)")
+_BVM_LINE = re.compile(r"BVM-(RESULT|SWIOTLB|BOOT|INFO|DONE|LOG)(?:\s+(.*))?$")
+
+
+def parse_kv(text: str) -> dict[str, str]:
+    """'a=1 b=x y=2' -> {'a': '1', 'b': 'x', 'y': '2'} (tokens without '=' are ignored)."""
+    d = {}
+    for tok in text.split():
+        if "=" in tok:
+            k, v = tok.split("=", 1)
+            d[k] = v
+    return d
+
+
+def parse_log(text: str) -> dict[str, list]:
+    """Collects the BVM-* lines of a serial log: {'RESULT': [dict, ...], 'SWIOTLB': [...], ...}.
+    'LOG' entries are kept as plain strings."""
+    out: dict[str, list] = {k: [] for k in ("RESULT", "SWIOTLB", "BOOT", "INFO", "DONE", "LOG")}
+    for raw in text.splitlines():
+        line = raw.replace("\r", "").rstrip()
+        m = _BVM_LINE.search(line)
+        if not m:
+            continue
+        kind, rest = m.group(1), m.group(2) or ""
+        out[kind].append(rest if kind == "LOG" else parse_kv(rest))
+    return out
+
+
+def num(v) -> float:
+    """float() that turns 'na'/''/None into nan."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+# ----------------------------------------------------------------------------- process helpers
+
+def _kill_group(p: subprocess.Popen, grace: float = 2.0) -> None:
+    if p.poll() is not None:
+        # the leader is gone; children of its group may remain
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(timeout=5)
+
+
+_seq = itertools.count()
+
+
+def out_path(name: str, suffix: str) -> Path:
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    return OUT_DIR / f"{safe}{suffix}"
+
+
+def make_raw_image(path: os.PathLike | str, size: int | str = "256M") -> Path:
+    """Creates (or truncates to) a sparse raw image. size: bytes or '256M'/'1G'."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(size, str):
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size = int(size[:-1]) * mult[size[-1].upper()] if size[-1].upper() in mult else int(size)
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+# ----------------------------------------------------------------------------- device arguments
+
+def _iommu(iommu: bool) -> str:
+    return ",iommu_platform=on,disable-legacy=on" if iommu else ""
+
+
+def blk_builtin(image, id: str = "d0", iommu: bool = False, cache_direct: bool = True,
+                extra: str = "") -> list[str]:
+    """QEMU's own virtio-blk-pci on a raw image."""
+    cache = "cache=none,aio=native" if cache_direct else "cache=writeback,aio=threads"
+    return ["-drive", f"file={image},format=raw,if=none,id={id},{cache}",
+            "-device", f"virtio-blk-pci,drive={id}{_iommu(iommu)}{extra}"]
+
+
+def blk_vhost_user(socket, id: str = "vu0", num_queues: int = 1, iommu: bool = False,
+                   extra: str = "") -> list[str]:
+    """vhost-user-blk-pci connected to a backend listening on a unix socket."""
+    return ["-chardev", f"socket,id={id},path={socket}",
+            "-device", f"vhost-user-blk-pci,chardev={id},num-queues={num_queues}{_iommu(iommu)}{extra}"]
+
+
+def net_vhost_user(socket, id: str = "vun0", mac: str = "52:54:00:12:34:57", iommu: bool = False,
+                   extra: str = "") -> list[str]:
+    """virtio-net-pci backed by a vhost-user net backend (QEMU has no 'vhost-user-net-pci' device:
+    it is -netdev vhost-user + -device virtio-net-pci). vectors=0 (INTx): QEMU 7.2 under TCG
+    segfaults when the guest starts a vhost-user-net device with MSI-X (ENVIRONMENT.md)."""
+    return ["-chardev", f"socket,id={id},path={socket}",
+            "-netdev", f"vhost-user,id=net_{id},chardev={id}",
+            "-device", f"virtio-net-pci,netdev=net_{id},mac={mac},vectors=0{_iommu(iommu)}{extra}"]
+
+
+def net_tap(ifname: str, id: str = "n0", mac: str = "52:54:00:12:34:56", iommu: bool = False,
+            vectors0: bool = True, extra: str = "") -> list[str]:
+    """QEMU's own virtio-net-pci on a tap (QEMU opens it: run the guest inside the tap's netns).
+    vectors=0 by default, to compare like for like with vhost-user-net."""
+    vec = ",vectors=0" if vectors0 else ""
+    return ["-netdev", f"tap,id={id},ifname={ifname},script=no,downscript=no,vhost=off",
+            "-device", f"virtio-net-pci,netdev={id},mac={mac}{vec}{_iommu(iommu)}{extra}"]
+
+
+# ----------------------------------------------------------------------------- guest
+
+@dataclass
+class GuestRun:
+    """The outcome of one guest boot."""
+    name: str
+    argv: list[str]
+    log_path: Path
+    log: str
+    returncode: int | None
+    timed_out: bool
+    wall_s: float
+    parsed: dict[str, list] = field(default_factory=dict)
+
+    @property
+    def results(self) -> list[dict]:
+        return self.parsed.get("RESULT", [])
+
+    def result(self, test: str) -> dict:
+        """The BVM-RESULT dict of one test; AssertionError with the log tail if absent."""
+        for r in self.results:
+            if r.get("test") == test:
+                return r
+        raise AssertionError(f"no BVM-RESULT for test={test}\n{self.describe()}")
+
+    def ok(self, test: str) -> dict:
+        """result(test), asserting status=ok."""
+        r = self.result(test)
+        if r.get("status") != "ok":
+            raise AssertionError(f"test={test} status={r.get('status')} reason={r.get('reason')}\n"
+                                 f"{self.describe()}")
+        return r
+
+    @property
+    def swiotlb(self) -> dict[str, dict]:
+        """{'before': {...}, 'after': {...}} from the BVM-SWIOTLB lines."""
+        return {d.get("when", "?"): d for d in self.parsed.get("SWIOTLB", [])}
+
+    @property
+    def boot_s(self) -> float:
+        """Seconds from kernel start to /init (the guest's own clock)."""
+        b = self.parsed.get("BOOT")
+        return num(b[0].get("uptime")) if b else float("nan")
+
+    @property
+    def done(self) -> bool:
+        return bool(self.parsed.get("DONE"))
+
+    @property
+    def booted(self) -> bool:
+        """/init started (BVM-BOOT seen)."""
+        return bool(self.parsed.get("BOOT"))
+
+    @property
+    def kernel_crash(self) -> str:
+        """The first Oops/BUG/panic line of the guest kernel, or ''."""
+        m = _CRASH.search(self.log)
+        return m.group(0).strip() if m else ""
+
+    @property
+    def boot_crash(self) -> bool:
+        """The guest kernel died before /init: nothing the devices under test did. Seen under
+        multi-threaded TCG as 'Oops: int3' right after the kernel patched its own code (a
+        static-key flip) -- a QEMU TCG race, not a bouncevm bug."""
+        return not self.booted and bool(self.kernel_crash)
+
+    retried: list["GuestRun"] = field(default_factory=list)
+
+    def describe(self, tail: int = 40) -> str:
+        lines = self.log.replace("\r", "").splitlines()
+        crash = f" kernel_crash={self.kernel_crash!r}" if self.kernel_crash else ""
+        retried = (f" after {len(self.retried)} boot crash(es) (logs: "
+                   + ", ".join(str(r.log_path) for r in self.retried) + ")") if self.retried else ""
+        return (f"guest {self.name}: rc={self.returncode} timed_out={self.timed_out} "
+                f"wall={self.wall_s:.1f}s log={self.log_path}{crash}{retried}\n"
+                f"argv: {shlex.join(self.argv)}\n--- last {tail} log lines ---\n"
+                + "\n".join(lines[-tail:]))
+
+
+class Guest:
+    """One rig-1 QEMU guest. Use as a context manager, or run() for start+wait.
+
+    test: value for bvm.test= (e.g. 'fio-verify' or 'fio-verify,fio-randread');
+    params: more bvm.* parameters ({'size': '64M'} -> bvm.size=64M);
+    devices: extra QEMU arguments (see blk_builtin, blk_vhost_user, net_tap, net_vhost_user);
+    append: extra kernel command line words (e.g. 'swiotlb=force');
+    netns: a NetNS to run QEMU in (needed for tap devices living in the namespace).
+    """
+
+    def __init__(self, name: str, test: str, params: dict | None = None,
+                 devices: Sequence[str] = (), append: str | Iterable[str] = "",
+                 mem: str = DEFAULT_MEM, smp: int = DEFAULT_SMP, timeout: float = DEFAULT_TIMEOUT,
+                 netns: "NetNS | None" = None, qemu: str | None = None, extra_qemu: Sequence[str] = ()):
+        self.name = name
+        self.test = test
+        self.params = dict(params or {})
+        self.devices = list(devices)
+        self.append = append if isinstance(append, str) else " ".join(append)
+        self.mem = mem
+        self.smp = smp
+        self.timeout = timeout
+        self.netns = netns
+        self.qemu = qemu
+        self.extra_qemu = list(extra_qemu)
+        self.proc: subprocess.Popen | None = None
+        self.log_path = out_path(name, ".serial.log")
+        self._t0 = 0.0
+        self._logf = None
+        self._attempt = 0
+
+    def kernel_cmdline(self) -> str:
+        words = ["console=ttyS0", "quiet", "panic=-1", f"bvm.test={self.test}"]
+        # guest-side watchdog a little before the host-side timeout, so a hang still reports
+        params = {"timeout": max(10, int(self.timeout) - 10), **self.params}
+        for k, v in params.items():
+            words.append(f"bvm.{k}={v}")
+        if self.append:
+            words.append(self.append)
+        return " ".join(words)
+
+    def argv(self) -> list[str]:
+        img = images()
+        qemu = self.qemu or require_qemu()
+        a = [qemu,
+             "-machine", "q35", "-accel", "tcg,thread=multi", "-cpu", "max",
+             "-smp", str(self.smp), "-m", self.mem,
+             "-object", f"memory-backend-memfd,id=mem,size={self.mem},share=on",
+             "-numa", "node,memdev=mem",
+             "-kernel", str(img.vmlinuz), "-initrd", str(img.initramfs),
+             "-append", self.kernel_cmdline(),
+             "-nographic", "-no-reboot", "-display", "none", "-serial", "stdio",
+             "-monitor", "none", "-nic", "none"]
+        a += self.devices + self.extra_qemu
+        if self.netns is not None:
+            a = self.netns.exec_prefix() + a
+        return a
+
+    def start(self) -> "Guest":
+        if self._attempt:
+            self.log_path = out_path(f"{self.name}.retry{self._attempt}", ".serial.log")
+        argv = self.argv()
+        self._argv = argv
+        self._logf = open(self.log_path, "wb")
+        self._logf.write(("# " + shlex.join(argv) + "\n").encode())
+        self._logf.flush()
+        self._t0 = time.monotonic()
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait(self, timeout: float | None = None) -> GuestRun:
+        assert self.proc is not None, "start() first"
+        timeout = self.timeout if timeout is None else timeout
+        timed_out = False
+        remaining = timeout - (time.monotonic() - self._t0)
+        try:
+            self.proc.wait(timeout=max(0.1, remaining))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        wall = time.monotonic() - self._t0
+        self.kill()
+        log = self.log_path.read_bytes().decode("utf-8", "replace")
+        run = GuestRun(self.name, self._argv, self.log_path, log, self.proc.returncode,
+                       timed_out, wall, parse_log(log))
+        return run
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            _kill_group(self.proc)
+        if self._logf is not None:
+            self._logf.close()
+            self._logf = None
+
+    def run(self, boot_retries: int = 1, on_retry=None) -> GuestRun:
+        """start + wait + kill. If the guest kernel crashed before /init (GuestRun.boot_crash,
+        a TCG race unrelated to the devices), boot again, up to boot_retries times; on_retry()
+        is called first (e.g. to restart a backend that serves one connection only). The
+        crashed runs are kept in GuestRun.retried. Crashes after /init are never retried."""
+        crashed: list[GuestRun] = []
+        while True:
+            with self:
+                run = self.wait()
+            if not run.boot_crash or len(crashed) >= boot_retries:
+                run.retried = crashed
+                return run
+            crashed.append(run)
+            self._attempt += 1
+            if on_retry is not None:
+                on_retry()
+
+    def __enter__(self) -> "Guest":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
+def run_guest(name: str, test: str, boot_retries: int = 1, on_retry=None, **kw) -> GuestRun:
+    """Guest(name, test, **kw).run(boot_retries, on_retry)"""
+    return Guest(name, test, **kw).run(boot_retries=boot_retries, on_retry=on_retry)
+
+
+# ----------------------------------------------------------------------------- backends
+
+class Backend:
+    """A host process serving a vhost-user socket (qemu-storage-daemon, bouncevm-vhost, ...).
+
+    Started in its own process group, with output to tests/out/NAME.backend.log; start() waits
+    until the socket exists (or the process dies: Missing is NOT raised then, RuntimeError is).
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], socket: os.PathLike | str,
+                 ready_timeout: float = 20.0, env: dict | None = None, netns: "NetNS | None" = None):
+        self.name = name
+        self.argv = list(argv)
+        if netns is not None:
+            self.argv = netns.exec_prefix() + self.argv
+        self.socket = Path(socket)
+        self.ready_timeout = ready_timeout
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.log_path = out_path(name, ".backend.log")
+        self._logf = None
+
+    def start(self) -> "Backend":
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+        self.socket.parent.mkdir(parents=True, exist_ok=True)
+        self._logf = open(self.log_path, "wb")
+        self._logf.write(("# " + shlex.join(self.argv) + "\n").encode())
+        self._logf.flush()
+        env = None if self.env is None else {**os.environ, **self.env}
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        deadline = time.monotonic() + self.ready_timeout
+        while not self.socket.exists():
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"backend {self.name} exited rc={self.proc.returncode} before "
+                                   f"creating {self.socket}:\n{self.log()[-2000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"backend {self.name} made no socket {self.socket} in "
+                                   f"{self.ready_timeout}s:\n{self.log()[-2000:]}")
+            time.sleep(0.05)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self) -> "Backend":
+        """stop() + start() (log appended to a new file NAME.restartN.backend.log)."""
+        self.stop()
+        self._restarts = getattr(self, "_restarts", 0) + 1
+        self.log_path = out_path(f"{self.name}.restart{self._restarts}", ".backend.log")
+        return self.start()
+
+    def log(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_bytes().decode("utf-8", "replace")
+        return ""
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _kill_group(self.proc)
+        if self._logf is not None:
+            self._logf.close()
+            self._logf = None
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+
+    def __enter__(self) -> "Backend":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def qsd_vhost_user_blk(name: str, image, socket, num_queues: int = 1, direct: bool = True,
+                       writable: bool = True) -> Backend:
+    """qemu-storage-daemon exporting a raw image as vhost-user-blk on a unix socket."""
+    qsd = require_qsd()
+    cache = "cache.direct=on,aio=native" if direct else "cache.direct=off,aio=threads"
+    argv = [qsd,
+            "--blockdev", f"driver=file,node-name=file0,filename={image},{cache}",
+            "--blockdev", "driver=raw,node-name=disk0,file=file0",
+            "--export", f"type=vhost-user-blk,id=exp0,addr.type=unix,addr.path={socket},"
+                        f"node-name=disk0,writable={'on' if writable else 'off'},num-queues={num_queues}"]
+    return Backend(name, argv, socket)
+
+
+# ----------------------------------------------------------------------------- network namespace
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{shlex.join(argv)} failed rc={r.returncode}: {r.stderr.strip()}")
+    return r
+
+
+class NetNS:
+    """A network namespace owned by the test, with a tap device inside for QEMU.
+
+    host side (in the namespace): tap `tap` with `host_ip`; guest: `guest_ip` (pass
+    guest_cidr as bvm.ip). QEMU must run inside (Guest(..., netns=ns)) so it can open the tap.
+    start_iperf3() runs an iperf3 server bound to host_ip inside the namespace.
+    Everything is removed by close() / the context manager exit.
+    """
+
+    _n = itertools.count()
+
+    def __init__(self, prefix: str = "bvm", subnet: str = "10.213.0", tap: str = "bvmtap0"):
+        self.name = f"{prefix}{os.getpid()}x{next(self._n)}"
+        self.tap = tap
+        self.host_ip = f"{subnet}.1"
+        self.guest_ip = f"{subnet}.2"
+        self.guest_cidr = f"{self.guest_ip}/24"
+        self._procs: list[subprocess.Popen] = []
+        self._created = False
+
+    def exec_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+    def create(self) -> "NetNS":
+        require_root()
+        require_tun()
+        require_cmd("ip")
+        _run(["ip", "netns", "add", self.name])
+        self._created = True
+        try:
+            ex = self.exec_prefix()
+            _run(ex + ["ip", "link", "set", "lo", "up"])
+            _run(ex + ["ip", "tuntap", "add", "dev", self.tap, "mode", "tap"])
+            _run(ex + ["ip", "addr", "add", f"{self.host_ip}/24", "dev", self.tap])
+            _run(ex + ["ip", "link", "set", self.tap, "up"])
+        except Exception:
+            self.close()
+            raise
+        return self
+
+    def popen(self, name: str, argv: Sequence[str]) -> subprocess.Popen:
+        """Starts a process inside the namespace (own process group, log in tests/out/)."""
+        logf = open(out_path(name, ".log"), "wb")
+        p = subprocess.Popen(self.exec_prefix() + list(argv), stdin=subprocess.DEVNULL,
+                             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        logf.close()
+        self._procs.append(p)
+        return p
+
+    def start_iperf3(self, port: int = 5201) -> subprocess.Popen:
+        iperf3 = require_cmd("iperf3")
+        p = self.popen(f"{self.name}.iperf3", [iperf3, "-s", "-B", self.host_ip, "-p", str(port)])
+        # wait until it listens
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            r = _run(self.exec_prefix() + ["ss", "-ltn", f"sport = :{port}"], check=False)
+            if f":{port}" in r.stdout:
+                return p
+            if p.poll() is not None:
+                raise RuntimeError(f"iperf3 server exited rc={p.returncode}")
+            time.sleep(0.1)
+        raise RuntimeError("iperf3 server did not start listening")
+
+    def close(self) -> None:
+        for p in self._procs:
+            _kill_group(p)
+        self._procs.clear()
+        if self._created:
+            _run(["ip", "netns", "del", self.name], check=False)
+            self._created = False
+
+    def __enter__(self) -> "NetNS":
+        return self.create()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- disk patterns
+
+def pattern_block(seed: str, offset: int, length: int = 4096) -> bytes:
+    """The bytes images/init's write-pattern puts at `offset` (same generator as the guest):
+    lines 'bvm-pattern SEED OFFSET(%016d) LINE(%08d)\\n' concatenated, cut to `length`."""
+    parts, n, i = [], 0, 0
+    while n < length:
+        s = f"bvm-pattern {seed} {offset:016d} {i:08d}\n".encode()
+        parts.append(s)
+        n += len(s)
+        i += 1
+    return b"".join(parts)[:length]
+
+
+def write_pattern(image, offsets: Iterable[int], seed: str = "bvm", length: int = 4096) -> None:
+    """Host side: writes pattern blocks into a raw image (for the guest's read-pattern test)."""
+    with open(image, "r+b") as f:
+        for o in offsets:
+            f.seek(o)
+            f.write(pattern_block(seed, o, length))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_pattern(image, offsets: Iterable[int], seed: str = "bvm", length: int = 4096) -> list[int]:
+    """Host side: offsets whose contents differ from the pattern (empty list: all match)."""
+    bad = []
+    with open(image, "rb") as f:
+        for o in offsets:
+            f.seek(o)
+            if f.read(length) != pattern_block(seed, o, length):
+                bad.append(o)
+    return bad
+
+
+def pattern_params(offsets: Iterable[int], seed: str = "bvm", length: int = 4096) -> dict:
+    """bvm.* parameters for write-pattern / read-pattern."""
+    return {"offsets": ",".join(str(o) for o in offsets), "seed": seed, "plen": length}
+
+
+# ----------------------------------------------------------------------------- figures
+
+def record_figures(name: str, **figures) -> Path:
+    """Appends one JSON line with measured figures to tests/out/figures.jsonl."""
+    p = out_path("figures", ".jsonl")
+    with open(p, "a") as f:
+        f.write(json.dumps({"name": name, "time": time.time(), **figures}) + "\n")
+    return p
