@@ -202,10 +202,17 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         };
         // MQ is offered whatever the queue count: it is what lets the frontend ask for it
         // (GET_QUEUE_NUM), and QEMU checks its own queue count against the answer.
-        let protocol_features = VhostUserProtocolFeatures::CONFIG
+        let mut protocol_features = VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::RESET_DEVICE;
+        if features & devices::virtio::features::ACCESS_PLATFORM != 0 {
+            // QEMU refuses a backend that offers ACCESS_PLATFORM without the backend request
+            // channel ("IOMMU support requires reply-ack and slave-req protocol features"):
+            // it is where device-IOTLB misses would go with a vIOMMU. Without a vIOMMU QEMU
+            // sends no IOTLB message and addresses stay guest-physical.
+            protocol_features |= VhostUserProtocolFeatures::BACKEND_REQ;
+        }
         let threads = (0..layout.threads()).map(|_| Mutex::default()).collect();
         Self {
             device,
