@@ -14,6 +14,8 @@
 //! * [`boot`]: Linux boot helpers (bzImage and PVH loading, boot_params/e820, page tables,
 //!   GDT, CPUID topology, MSRs, MP table).
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
+//! * [`vhost`]: the vhost-user transport (`bouncevm-vhost`): any device core served to QEMU.
+//! * [`options`]: command-line options shared by the binaries (`--bounce`/`-bounce`).
 //!
 //! The crate is x86_64-only.
 
@@ -28,8 +30,10 @@ pub mod layout;
 pub mod legacy;
 pub mod machine;
 pub mod memory;
+pub mod options;
 pub mod pci;
 pub mod vcpu;
+pub mod vhost;
 pub mod vm;
 
 pub use bus::{Bus, BusDevice};
