@@ -27,8 +27,10 @@ fn raw_file(dir: &Path, name: &str, bytes: u64, seed: u64) -> std::path::PathBuf
 fn dmas() -> Vec<(String, Dma)> {
     let (v, skipped) = dma_matrix(4096);
     for s in skipped {
-        println!("skipped bounce configuration {s}");
+        println!("SKIPPED bounce configuration {s}");
     }
+    let names: Vec<&str> = v.iter().map(|(n, _)| n.as_str()).collect();
+    println!("bounce configurations: {}", names.join(", "));
     v
 }
 

@@ -47,7 +47,8 @@ struct Case {
     indirect: Vec<FuzzDesc>,
     headers: Vec<(u32, u64)>,
     heads: Vec<u16>,
-    bounce: bool,
+    /// 0: off; 1: forced swiotlb, first-fit; 2: forced swiotlb, areas; 3: forced iova, iova-rcache.
+    bounce: u8,
     /// Well-formed chains of these lengths instead of random tables, then `mutations` applied.
     structured: Option<Vec<u8>>,
     mutations: Vec<(u8, u8, FuzzDesc)>,
@@ -73,7 +74,7 @@ fn case() -> impl Strategy<Value = Case> {
             4,
         ),
         prop::collection::vec(0..QSIZE, 1..=QSIZE as usize),
-        any::<bool>(),
+        0u8..4,
         prop::option::of(prop::collection::vec(2u8..6, 1..6)),
         prop::collection::vec((any::<u8>(), 0u8..5, fuzz_desc()), 0..3),
     )
@@ -91,11 +92,21 @@ fn case() -> impl Strategy<Value = Case> {
 }
 
 fn run_case(c: &Case) {
-    let (dma, pool) = if c.bounce {
-        let p = first_fit_pool(&PoolConfig::swiotlb(256));
-        (Dma::bounced(Policy::Force, p.clone()), Some(p))
-    } else {
-        (Dma::direct(), None)
+    let pool = match c.bounce {
+        0 => None,
+        1 => Some(first_fit_pool(&PoolConfig::swiotlb(256))),
+        2 => {
+            let mut cfg = PoolConfig::swiotlb(256);
+            cfg.allocator = bounce::AllocatorKind::Areas;
+            bounce::BouncePool::new(&cfg).ok().map(std::sync::Arc::new)
+        }
+        _ => bounce::BouncePool::new(&PoolConfig::iova(128))
+            .ok()
+            .map(std::sync::Arc::new),
+    };
+    let dma = match &pool {
+        Some(p) => Dma::bounced(Policy::Force, p.clone()),
+        None => Dma::direct(),
     };
     let cfg = BlockConfig {
         queue_size: QSIZE,

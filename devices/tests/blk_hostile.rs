@@ -443,6 +443,7 @@ fn sectors_past_the_end() {
 
 #[test]
 fn bounce_pool_full() {
+    let mut pools = Vec::new();
     for mode in ["swiotlb", "iova"] {
         // 128 slots: 256 KiB (swiotlb) or 512 KiB (iova).
         let cfg = if mode == "swiotlb" {
@@ -450,7 +451,17 @@ fn bounce_pool_full() {
         } else {
             PoolConfig::iova(128)
         };
-        let pool = first_fit_pool(&cfg);
+        pools.push((format!("{mode}/first-fit"), first_fit_pool(&cfg)));
+        for kind in bounce::AllocatorKind::ALL {
+            let mut c = cfg.clone();
+            c.allocator = kind;
+            match bounce::BouncePool::new(&c) {
+                Ok(p) => pools.push((format!("{mode}/{kind}"), Arc::new(p))),
+                Err(e) => println!("SKIPPED {mode}/{kind}: {e}"),
+            }
+        }
+    }
+    for (mode, pool) in pools {
         let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
         let mut blk = dev(dma, 0);
         // One request needing more than the whole pool at once.

@@ -4,7 +4,7 @@
 //! - this file: protocol constants, the error enum, the device configuration;
 //! - [`device`]: the [`Block`] device (features, configuration space, lifecycle) and its
 //!   per-queue [`BlockWorker`]s;
-//! - [`request`]: descriptor-chain walking, parsing into [`request::Request`], execution and
+//! - [`request`]: descriptor-chain walking, parsing into [`request::RequestType`], execution and
 //!   completion;
 //! - [`io`]: disk backends behind the [`io::Disk`] trait (raw file, qcow2 through `imago`,
 //!   memory);
