@@ -13,6 +13,9 @@
 //!   [`pci::PciDevice`] trait a virtio-pci function implements.
 //! * [`boot`]: Linux boot helpers (bzImage and PVH loading, boot_params/e820, page tables,
 //!   GDT, CPUID topology, MSRs, MP table).
+//! * [`virtio_pci`]: the modern virtio-pci transport (MSI-X through irqfd, notifications
+//!   through ioeventfd) for `devices::virtio::VirtioDevice`s.
+//! * [`options`]: `-bounce` option parsing shared with `bouncevm-vhost`.
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
 //!
 //! The crate is x86_64-only.
@@ -28,8 +31,10 @@ pub mod layout;
 pub mod legacy;
 pub mod machine;
 pub mod memory;
+pub mod options;
 pub mod pci;
 pub mod vcpu;
+pub mod virtio_pci;
 pub mod vm;
 
 pub use bus::{Bus, BusDevice};

@@ -1,0 +1,239 @@
+//! Command-line options shared by `bouncevm` (`-bounce`) and `bouncevm-vhost` (`--bounce`).
+//!
+//! The bounce option is a comma-separated list of `key=value` pairs:
+//!
+//! ```text
+//! policy=off|force|mask=BITS   when buffers are bounced (default: force)
+//! mode=swiotlb|iova            pool semantics (default: swiotlb)
+//! slots=N                      pool slots (swiotlb) or 4 KiB granules (iova); default 32768
+//! areas=N                      swiotlb areas (default: one per worker)
+//! alloc=NAME                   allocator (default: areas for swiotlb, iova-rcache for iova)
+//! workers=N                    workers (CPUs in Linux) the pool is sized for (default: the
+//!                              device's queue workers)
+//! ```
+//!
+//! ```
+//! use vmm::options::BounceOptions;
+//! let o: BounceOptions = "policy=force,slots=4096,alloc=legacy".parse().unwrap();
+//! let cfg = o.pool_config(2);
+//! assert_eq!((cfg.slots, cfg.workers, cfg.allocator.name()), (4096, 2, "legacy"));
+//! ```
+
+use std::str::FromStr;
+use std::sync::Arc;
+
+use bounce::{AllocatorKind, BouncePool, Dma, Policy, PoolConfig, PoolMode};
+
+/// Errors of option parsing and of building a pool from options.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum OptionsError {
+    /// An item is not `key=value`.
+    #[error("'{0}' is not key=value")]
+    NotKeyValue(String),
+    /// An unknown key.
+    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers)")]
+    UnknownKey(String),
+    /// A key given twice.
+    #[error("bounce option '{0}' given twice")]
+    Duplicate(String),
+    /// A value that does not parse.
+    #[error("bad value '{value}' for {key}: {reason}")]
+    BadValue {
+        /// The key.
+        key: String,
+        /// The value.
+        value: String,
+        /// Why.
+        reason: String,
+    },
+    /// The pool could not be built.
+    #[error("bounce pool: {0}")]
+    Pool(String),
+}
+
+/// Parsed `--bounce` options.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BounceOptions {
+    /// When buffers are bounced.
+    pub policy: Policy,
+    /// Pool semantics.
+    pub mode: PoolMode,
+    /// Requested slots (granules in iova mode).
+    pub slots: usize,
+    /// Requested areas, if given.
+    pub areas: Option<usize>,
+    /// Allocator, if given (else the mode's default).
+    pub alloc: Option<AllocatorKind>,
+    /// Workers, if given (else the caller's default).
+    pub workers: Option<usize>,
+}
+
+impl Default for BounceOptions {
+    /// Bouncing off.
+    fn default() -> Self {
+        Self {
+            policy: Policy::Off,
+            mode: PoolMode::Swiotlb,
+            slots: PoolConfig::DEFAULT_SLOTS,
+            areas: None,
+            alloc: None,
+            workers: None,
+        }
+    }
+}
+
+fn positive(key: &str, value: &str) -> Result<usize, OptionsError> {
+    value
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| OptionsError::BadValue {
+            key: key.into(),
+            value: value.into(),
+            reason: "expected a positive integer".into(),
+        })
+}
+
+impl FromStr for BounceOptions {
+    type Err = OptionsError;
+
+    fn from_str(s: &str) -> Result<Self, OptionsError> {
+        let mut o = Self {
+            policy: Policy::Force,
+            ..Self::default()
+        };
+        let mut seen: Vec<&str> = Vec::new();
+        for item in s.split(',').filter(|i| !i.is_empty()) {
+            let (key, value) = item
+                .split_once('=')
+                .ok_or_else(|| OptionsError::NotKeyValue(item.into()))?;
+            if seen.contains(&key) {
+                return Err(OptionsError::Duplicate(key.into()));
+            }
+            let bad = |reason: String| OptionsError::BadValue {
+                key: key.into(),
+                value: value.into(),
+                reason,
+            };
+            match key {
+                "policy" => {
+                    o.policy = value
+                        .parse()
+                        .map_err(|e: bounce::Error| bad(e.to_string()))?
+                }
+                "mode" => {
+                    o.mode = value
+                        .parse()
+                        .map_err(|e: bounce::Error| bad(e.to_string()))?
+                }
+                "alloc" => {
+                    o.alloc = Some(
+                        value
+                            .parse()
+                            .map_err(|e: bounce::Error| bad(e.to_string()))?,
+                    )
+                }
+                "slots" => o.slots = positive(key, value)?,
+                "areas" => o.areas = Some(positive(key, value)?),
+                "workers" => o.workers = Some(positive(key, value)?),
+                _ => return Err(OptionsError::UnknownKey(key.into())),
+            }
+            seen.push(key);
+        }
+        Ok(o)
+    }
+}
+
+impl BounceOptions {
+    /// The pool configuration, with `default_workers` when `workers` was not given.
+    pub fn pool_config(&self, default_workers: usize) -> PoolConfig {
+        let mut c = match self.mode {
+            PoolMode::Swiotlb => PoolConfig::swiotlb(self.slots),
+            PoolMode::Iova => PoolConfig::iova(self.slots),
+        };
+        c.workers = self.workers.unwrap_or(default_workers).max(1);
+        if let Some(a) = self.areas {
+            c.areas = Some(a);
+        }
+        if let Some(k) = self.alloc {
+            c.allocator = k;
+        }
+        c
+    }
+
+    /// Builds the DMA handle: direct for policy `off`, else bounced through a new pool.
+    ///
+    /// # Errors
+    /// [`OptionsError::Pool`] when the pool cannot be built.
+    pub fn build(
+        &self,
+        default_workers: usize,
+    ) -> Result<(Dma, Option<Arc<BouncePool>>), OptionsError> {
+        if self.policy == Policy::Off {
+            return Ok((Dma::direct(), None));
+        }
+        let pool = BouncePool::new(&self.pool_config(default_workers))
+            .map_err(|e| OptionsError::Pool(e.to_string()))?;
+        let pool = Arc::new(pool);
+        Ok((Dma::bounced(self.policy, pool.clone()), Some(pool)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_option_string_parses() {
+        let o: BounceOptions =
+            "policy=mask=32,mode=iova,slots=1024,areas=4,alloc=genpool,workers=3"
+                .parse()
+                .unwrap();
+        assert_eq!(o.policy, Policy::Mask(32));
+        assert_eq!(o.mode, PoolMode::Iova);
+        let c = o.pool_config(1);
+        assert_eq!(c.slots, 1024);
+        assert_eq!(c.areas, Some(4));
+        assert_eq!(c.allocator, AllocatorKind::Genpool);
+        assert_eq!(c.workers, 3);
+        assert_eq!(c.base, PoolConfig::DEFAULT_IOVA_BASE);
+    }
+
+    #[test]
+    fn defaults_are_force_swiotlb_with_the_callers_workers() {
+        let o: BounceOptions = "".parse().unwrap();
+        assert_eq!(o.policy, Policy::Force);
+        let c = o.pool_config(4);
+        assert_eq!(c.mode, PoolMode::Swiotlb);
+        assert_eq!(c.slots, PoolConfig::DEFAULT_SLOTS);
+        assert_eq!(c.workers, 4);
+        assert_eq!(c.allocator, AllocatorKind::Areas);
+        let iova = "mode=iova".parse::<BounceOptions>().unwrap().pool_config(1);
+        assert_eq!(iova.allocator, AllocatorKind::IovaRcache);
+    }
+
+    #[test]
+    fn bad_options_say_what_is_wrong() {
+        let e = |s: &str| s.parse::<BounceOptions>().unwrap_err();
+        assert_eq!(e("colour=red"), OptionsError::UnknownKey("colour".into()));
+        assert_eq!(e("slots"), OptionsError::NotKeyValue("slots".into()));
+        assert_eq!(
+            e("slots=1,slots=2"),
+            OptionsError::Duplicate("slots".into())
+        );
+        assert!(matches!(e("slots=0"), OptionsError::BadValue { .. }));
+        assert!(matches!(e("slots=-3"), OptionsError::BadValue { .. }));
+        assert!(matches!(e("alloc=best"), OptionsError::BadValue { .. }));
+        assert!(matches!(e("mode=dma"), OptionsError::BadValue { .. }));
+        assert!(matches!(e("policy=mask=99"), OptionsError::BadValue { .. }));
+        assert!(e("alloc=best").to_string().contains("areas-bitmap"));
+    }
+
+    #[test]
+    fn policy_off_needs_no_pool() {
+        let o: BounceOptions = "policy=off".parse().unwrap();
+        let (dma, pool) = o.build(1).unwrap();
+        assert_eq!(dma.policy(), Policy::Off);
+        assert!(pool.is_none());
+    }
+}
