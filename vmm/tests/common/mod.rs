@@ -145,6 +145,87 @@ impl Asm {
             .mov_dx(0xcfc)
             .in_eax_dx()
     }
+    /// `and eax, imm32` (any).
+    pub fn and_eax(&mut self, v: u32) -> &mut Self {
+        self.b(&[0x25]).b(&v.to_le_bytes())
+    }
+    /// `mov ebx, eax` (any).
+    pub fn mov_ebx_eax(&mut self) -> &mut Self {
+        self.b(&[0x89, 0xc3])
+    }
+    /// `mov ecx, eax` (any).
+    pub fn mov_ecx_eax(&mut self) -> &mut Self {
+        self.b(&[0x89, 0xc1])
+    }
+    /// `or eax, ebx` (any).
+    pub fn or_eax_ebx(&mut self) -> &mut Self {
+        self.b(&[0x09, 0xd8])
+    }
+    /// `test ebx, ebx` (any).
+    pub fn test_ebx(&mut self) -> &mut Self {
+        self.b(&[0x85, 0xdb])
+    }
+    /// `test eax, eax` (any).
+    pub fn test_eax(&mut self) -> &mut Self {
+        self.b(&[0x85, 0xc0])
+    }
+    /// `jz rel8` with a placeholder; returns the position to patch with [`Asm::patch_to_here`].
+    pub fn jz_fwd(&mut self) -> usize {
+        self.b(&[0x74, 0]);
+        self.code.len() - 1
+    }
+    /// Points the rel8 at `at` to the current position.
+    pub fn patch_to_here(&mut self, at: usize) -> &mut Self {
+        let rel = self.code.len() as isize - (at as isize + 1);
+        self.code[at] = i8::try_from(rel).expect("rel8") as u8;
+        self
+    }
+    /// `jz label` (backward, rel8).
+    pub fn jz_to(&mut self, label: usize) -> &mut Self {
+        let rel = label as isize - (self.code.len() as isize + 2);
+        self.b(&[0x74, i8::try_from(rel).expect("rel8") as u8])
+    }
+    /// `jmp label` (rel8).
+    pub fn jmp_to(&mut self, label: usize) -> &mut Self {
+        let rel = label as isize - (self.code.len() as isize + 2);
+        self.b(&[0xeb, i8::try_from(rel).expect("rel8") as u8])
+    }
+    /// `mov dword [base + disp32], imm32`; `base` is a register number (ebx 3, ecx 1).
+    pub fn st32(&mut self, base: u8, disp: u32, v: u32) -> &mut Self {
+        self.b(&[0xc7, 0x80 | base])
+            .b(&disp.to_le_bytes())
+            .b(&v.to_le_bytes())
+    }
+    /// `mov word [base + disp32], imm16`.
+    pub fn st16(&mut self, base: u8, disp: u32, v: u16) -> &mut Self {
+        self.b(&[0x66, 0xc7, 0x80 | base])
+            .b(&disp.to_le_bytes())
+            .b(&v.to_le_bytes())
+    }
+    /// `mov byte [base + disp32], imm8`.
+    pub fn st8(&mut self, base: u8, disp: u32, v: u8) -> &mut Self {
+        self.b(&[0xc6, 0x80 | base]).b(&disp.to_le_bytes()).b(&[v])
+    }
+    /// `mov eax, dword [base + disp32]`.
+    pub fn ld32(&mut self, base: u8, disp: u32) -> &mut Self {
+        self.b(&[0x8b, 0x80 | base]).b(&disp.to_le_bytes())
+    }
+    /// `movzx eax, word [base + disp32]`.
+    pub fn ld16(&mut self, base: u8, disp: u32) -> &mut Self {
+        self.b(&[0x0f, 0xb7, 0x80 | base]).b(&disp.to_le_bytes())
+    }
+    /// `movzx eax, byte [base + disp32]`.
+    pub fn ld8(&mut self, base: u8, disp: u32) -> &mut Self {
+        self.b(&[0x0f, 0xb6, 0x80 | base]).b(&disp.to_le_bytes())
+    }
+    /// `movzx eax, word [abs32]` (32-bit mode).
+    pub fn ld16_abs(&mut self, addr: u32) -> &mut Self {
+        self.b(&[0x0f, 0xb7, 0x05]).b(&addr.to_le_bytes())
+    }
+    /// `movzx eax, byte [abs32]` (32-bit mode).
+    pub fn ld8_abs(&mut self, addr: u32) -> &mut Self {
+        self.b(&[0x0f, 0xb6, 0x05]).b(&addr.to_le_bytes())
+    }
     /// Writes eax... to PCI config register `reg` of 00:`dev`.0 (value in `v`).
     pub fn conf1_write(&mut self, dev: u8, reg: u8, v: u32) -> &mut Self {
         let addr = 0x8000_0000 | u32::from(dev) << 11 | u32::from(reg) << 2;
