@@ -16,6 +16,7 @@
 //! * [`virtio_pci`]: the modern virtio-pci transport (MSI-X through irqfd, notifications
 //!   through ioeventfd) for `devices::virtio::VirtioDevice`s.
 //! * [`options`]: `-bounce` option parsing shared with `bouncevm-vhost`.
+//! * [`cli`]: the `bouncevm` command line; [`qmp`]: the QMP monitor.
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
 //!
 //! The crate is x86_64-only.
@@ -25,6 +26,7 @@
 
 pub mod boot;
 pub mod bus;
+pub mod cli;
 pub mod exit;
 pub mod irq;
 pub mod layout;
@@ -33,6 +35,7 @@ pub mod machine;
 pub mod memory;
 pub mod options;
 pub mod pci;
+pub mod qmp;
 pub mod vcpu;
 pub mod virtio_pci;
 pub mod vm;
