@@ -275,6 +275,10 @@ impl Props {
     }
 
     fn bool(&self, k: &str, default: bool) -> Result<bool> {
+        // A bare `key` means on, as in QEMU.
+        if self.items.iter().any(|(p, v)| p == k && v.is_none()) {
+            return Ok(true);
+        }
         match self.get(k) {
             None => Ok(default),
             Some("on" | "yes" | "true") => Ok(true),
@@ -555,7 +559,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Config> {
                     })?;
                 let p = Props::new("-qmp", &items[1..])?;
                 p.only(&["server", "nowait", "wait"])?;
-                if !p.bool("server", p.has("server"))? {
+                if !p.bool("server", false)? {
                     return Err(CliError::MissingProperty {
                         opt: "-qmp".into(),
                         prop: "server".into(),
