@@ -768,10 +768,8 @@ impl PciDevice for VirtioPciDevice {
     fn write_bar(&mut self, bar: usize, offset: u64, data: &[u8]) {
         match bar {
             MODERN_BAR => self.write_modern(offset, data),
-            MSIX_BAR if offset < MSIX_PBA_OFFSET => {
-                if offset < self.irq.len() as u64 * ENTRY_SIZE {
-                    self.irq.write_table(offset, data);
-                }
+            MSIX_BAR if offset < self.irq.len() as u64 * ENTRY_SIZE => {
+                self.irq.write_table(offset, data);
             }
             _ => {}
         }

@@ -49,6 +49,9 @@ impl Entry {
     }
 }
 
+/// A table entry and the route last committed for it.
+type Row = (Entry, Option<(u64, u32)>);
+
 #[derive(Debug)]
 struct Vector {
     evt: EventFd,
@@ -65,7 +68,7 @@ pub struct MsixInterrupts {
     vm: Arc<Vm>,
     vectors: Vec<Vector>,
     /// The table as the driver wrote it, plus the route last committed for each vector.
-    table: Mutex<Vec<(Entry, Option<(u64, u32)>)>>,
+    table: Mutex<Vec<Row>>,
     enabled: AtomicBool,
     function_masked: AtomicBool,
     isr: AtomicU8,
@@ -112,7 +115,7 @@ impl MsixInterrupts {
         self.vectors.is_empty()
     }
 
-    fn lock_table(&self) -> std::sync::MutexGuard<'_, Vec<(Entry, Option<(u64, u32)>)>> {
+    fn lock_table(&self) -> std::sync::MutexGuard<'_, Vec<Row>> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
