@@ -433,3 +433,124 @@ fn reset_stops_workers_and_clears_queues() {
     assert_eq!(f.lock().unwrap().running_workers(), 1);
     assert_eq!(f.lock().unwrap().activations(), 2);
 }
+
+/// Negotiates `features`, enables every queue (size 8, rings in guest memory from `ring_base`)
+/// and sets DRIVER_OK through the BAR, as a driver would.
+fn bring_up(f: &Arc<Mutex<VirtioPciDevice>>, features: u64, ring_base: u64) -> u16 {
+    w(f, 0x14, &[3]);
+    w(f, 0x08, &0u32.to_le_bytes());
+    w(f, 0x0c, &(features as u32).to_le_bytes());
+    w(f, 0x08, &1u32.to_le_bytes());
+    w(f, 0x0c, &((features >> 32) as u32).to_le_bytes());
+    w(f, 0x14, &[0x0b]);
+    assert_eq!(r(f, 0x14, 1), 0x0b);
+    let nq = r(f, 0x12, 2) as u16;
+    for q in 0..nq {
+        let base = ring_base + u64::from(q) * 0x1000;
+        w(f, 0x16, &q.to_le_bytes());
+        w(f, 0x18, &8u16.to_le_bytes());
+        w(f, 0x1a, &q.to_le_bytes());
+        w(f, 0x20, &(base as u32).to_le_bytes());
+        w(f, 0x28, &(base as u32 + 0x200).to_le_bytes());
+        w(f, 0x30, &(base as u32 + 0x400).to_le_bytes());
+        w(f, 0x1c, &[1, 0]);
+        assert_eq!(r(f, 0x1c, 2), 1, "queue {q} enabled");
+    }
+    w(f, 0x14, &[0x0f]);
+    assert_eq!(r(f, 0x14, 1), 0x0f, "live without NEEDS_RESET");
+    nq
+}
+
+#[test]
+fn several_multi_queue_devices_at_once() {
+    if !kvm_available() {
+        return;
+    }
+    use devices::net::backend::{NetBackend, NullBackend};
+    use devices::net::device::{Net, NetConfig};
+    let file = disk_file("multi");
+    let mut m = machine();
+    let pci = m.add_pci().unwrap();
+    let disk = DiskImage::open(&file.0, ImageFormat::Raw, false).unwrap();
+    let (dma, _) = "policy=force,slots=1024"
+        .parse::<BounceOptions>()
+        .unwrap()
+        .build(2)
+        .unwrap();
+    let blk: SharedVirtioDevice = Arc::new(Mutex::new(
+        Block::new(
+            disk,
+            BlockConfig {
+                num_queues: 2,
+                ..BlockConfig::default()
+            },
+            dma,
+        )
+        .unwrap(),
+    ));
+    let backends: Vec<Box<dyn NetBackend>> = vec![
+        Box::new(NullBackend::default()),
+        Box::new(NullBackend::default()),
+    ];
+    let (dma, _) = "policy=force,mode=iova,slots=1024"
+        .parse::<BounceOptions>()
+        .unwrap()
+        .build(2)
+        .unwrap();
+    let net: SharedVirtioDevice = Arc::new(Mutex::new(
+        Net::new(
+            NetConfig {
+                queue_pairs: 2,
+                ..NetConfig::default()
+            },
+            backends,
+            dma,
+        )
+        .unwrap(),
+    ));
+    let opts = VirtioPciOptions::default();
+    let fb = Arc::new(Mutex::new(
+        VirtioPciDevice::new("blk0", blk, m.vm().clone(), &pci, opts).unwrap(),
+    ));
+    let fnet = Arc::new(Mutex::new(
+        VirtioPciDevice::new("net0", net, m.vm().clone(), &pci, opts).unwrap(),
+    ));
+    assert_eq!(pci.add_device(fb.clone()).unwrap(), 1);
+    assert_eq!(pci.add_device(fnet.clone()).unwrap(), 2);
+    // Identity and MSI-X table sizes (queues + 1) through configuration space.
+    assert_eq!(pci.config_read(0, 1, 0, 0), 0x1042_1af4);
+    assert_eq!(pci.config_read(0, 2, 0, 0), 0x1041_1af4);
+    assert_eq!(pci.config_read(0, 2, 0, 2) >> 8, 0x02_0000, "network class");
+    assert_eq!((pci.config_read(0, 1, 0, 0x40 / 4) >> 16) & 0x7ff, 2);
+    assert_eq!((pci.config_read(0, 2, 0, 0x40 / 4) >> 16) & 0x7ff, 5);
+    // BARs do not overlap.
+    let bars: Vec<u64> = [1u8, 2]
+        .iter()
+        .flat_map(|&d| [5usize, 8].map(|reg| u64::from(pci.config_read(0, d, 0, reg) & !0xf)))
+        .collect();
+    let mut uniq = bars.clone();
+    uniq.sort();
+    uniq.dedup();
+    assert_eq!(uniq.len(), 4, "{bars:x?}");
+    const VERSION_1: u64 = 1 << 32;
+    const BLK_MQ: u64 = 1 << 12;
+    const NET_CTRL_VQ: u64 = 1 << 17;
+    const NET_MQ: u64 = 1 << 22;
+    assert_eq!(bring_up(&fb, VERSION_1 | BLK_MQ, 0x10_0000), 2);
+    assert_eq!(
+        bring_up(&fnet, VERSION_1 | NET_CTRL_VQ | NET_MQ, 0x20_0000),
+        5
+    );
+    assert_eq!(
+        fb.lock().unwrap().running_workers(),
+        2,
+        "one worker per blk queue"
+    );
+    let net_workers = fnet.lock().unwrap().running_workers();
+    assert!(net_workers >= 2, "net workers: {net_workers}");
+    eprintln!("blk workers 2, net workers {net_workers}");
+    // Resetting one device leaves the other running.
+    w(&fnet, 0x14, &[0]);
+    assert_eq!(fnet.lock().unwrap().running_workers(), 0);
+    assert_eq!(fb.lock().unwrap().running_workers(), 2);
+}
