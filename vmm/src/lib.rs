@@ -15,9 +15,10 @@
 //!   GDT, CPUID topology, MSRs, MP table).
 //! * [`virtio_pci`]: the modern virtio-pci transport (MSI-X through irqfd, notifications
 //!   through ioeventfd) for `devices::virtio::VirtioDevice`s.
-//! * [`options`]: `-bounce` option parsing shared with `bouncevm-vhost`.
 //! * [`cli`]: the `bouncevm` command line; [`qmp`]: the QMP monitor.
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
+//! * [`vhost`]: the vhost-user transport (`bouncevm-vhost`): any device core served to QEMU.
+//! * [`options`]: command-line options shared by the binaries (`--bounce`/`-bounce`).
 //!
 //! The crate is x86_64-only.
 
@@ -37,6 +38,7 @@ pub mod options;
 pub mod pci;
 pub mod qmp;
 pub mod vcpu;
+pub mod vhost;
 pub mod virtio_pci;
 pub mod vm;
 

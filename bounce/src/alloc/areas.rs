@@ -90,8 +90,12 @@ impl FreeRuns {
 
     /// True when the relative slot `i` is the last slot of its segment (Linux
     /// `io_tlb_offset(i) == IO_TLB_SEGSIZE - 1`).
-    fn seg_last(&self, geom: &Geometry, i: usize) -> bool {
-        (self.base + i) % geom.segsize == geom.segsize - 1
+    /// First slot (relative) of the segment that relative slot `i` is in, clamped to this
+    /// range. The backward walks of claim and free stop there, as Linux's stop at a slot whose
+    /// `io_tlb_offset` is `IO_TLB_SEGSIZE - 1`; computing the bound once keeps a division out
+    /// of the per-slot loop.
+    fn seg_start(&self, geom: &Geometry, i: usize) -> usize {
+        i.saturating_sub((self.base + i) % geom.segsize)
     }
 
     /// Finds and claims a run for `req`, returning its absolute first slot.
@@ -139,10 +143,11 @@ impl FreeRuns {
         // The free slots before the run now end at the run: recount them, back to the
         // segment start.
         let mut count = 0u32;
+        let seg_start = self.seg_start(geom, index);
         let mut i = index;
-        while i > 0 {
+        while i > seg_start {
             i -= 1;
-            if self.seg_last(geom, i) || self.list[i] == 0 {
+            if self.list[i] == 0 {
                 break;
             }
             count += 1;
@@ -178,10 +183,11 @@ impl FreeRuns {
             self.list[i] = count;
         }
         // And with the free slots before it, back to the segment start.
+        let seg_start = self.seg_start(geom, r);
         let mut i = r;
-        while i > 0 {
+        while i > seg_start {
             i -= 1;
-            if self.seg_last(geom, i) || self.list[i] == 0 {
+            if self.list[i] == 0 {
                 break;
             }
             count += 1;

@@ -1,0 +1,324 @@
+//! Reruns the swiotlb/IOVA allocator experiments of the LKML threads on the host, in one
+//! command: map+unmap pairs per second for each allocator, thread count, size and copy mode,
+//! measured side by side in interleaved rounds (this machine is shared and noisy: ratios taken
+//! in the same run are what to compare), printed as a table with the median of the rounds, the
+//! ratio to a baseline allocator, and the time spent waiting for allocator locks.
+//!
+//! ```text
+//! bounce-experiment --alloc legacy,areas,areas-bitmap --threads 1,2,4,8 --size 4k,64k
+//! bounce-experiment --alloc all --mode iova --json
+//! ```
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use bounce::{
+    AllocatorKind, BouncePool, Direction, HostMemory, MapRequest, NullMemory, OrigMemory,
+    PoolConfig, PoolMode,
+};
+use clap::Parser;
+use serde::Serialize;
+
+/// Allocator experiments: map+unmap throughput per allocator, threads, size.
+#[derive(Parser, Debug)]
+#[command(name = "bounce-experiment", version)]
+struct Args {
+    /// Allocators, comma separated, or "all".
+    #[arg(long, default_value = "all")]
+    alloc: String,
+    /// Thread counts, comma separated (each thread is one worker).
+    #[arg(long, default_value = "1,2,4,8")]
+    threads: String,
+    /// Mapping sizes, comma separated, with optional k/m suffix.
+    #[arg(long, default_value = "4k,64k")]
+    size: String,
+    /// Copy modes: "copy" (bidirectional buffers: one copy in, one back), "nocopy" (placement
+    /// only), or both, comma separated.
+    #[arg(long, default_value = "copy,nocopy")]
+    copy: String,
+    /// Pool semantics.
+    #[arg(long, default_value = "swiotlb")]
+    mode: String,
+    /// Pool slots (granules in iova mode).
+    #[arg(long, default_value_t = PoolConfig::DEFAULT_SLOTS)]
+    slots: usize,
+    /// Areas; default one per thread, as Linux uses one per CPU.
+    #[arg(long)]
+    areas: Option<usize>,
+    /// Mappings each thread keeps live while it maps and unmaps (models queue depth).
+    #[arg(long, default_value_t = 8)]
+    depth: usize,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 0.25)]
+    seconds: f64,
+    /// Interleaved rounds; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Allocator the ratios are taken against (default: the first one).
+    #[arg(long)]
+    baseline: Option<String>,
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+struct Cell {
+    alloc: String,
+    threads: usize,
+    size: usize,
+    copy: bool,
+    mops: f64,
+    ns_per_pair: f64,
+    lock_wait_pct: f64,
+    failures: u64,
+    ratio: f64,
+}
+
+fn parse_list<T>(s: &str, what: &str, f: impl Fn(&str) -> Option<T>) -> Result<Vec<T>, String> {
+    s.split(',')
+        .map(|p| f(p.trim()).ok_or_else(|| format!("bad {what} '{p}'")))
+        .collect()
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.to_ascii_lowercase();
+    let (num, mul) = if let Some(n) = s.strip_suffix('k') {
+        (n, 1024)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 1024 * 1024)
+    } else {
+        (s.as_str(), 1)
+    };
+    num.parse::<usize>()
+        .ok()
+        .map(|n| n * mul)
+        .filter(|n| *n > 0)
+}
+
+/// One measurement: `threads` threads map and unmap for `dur`; returns (pairs, elapsed, lock
+/// wait ns, failures).
+fn measure(
+    pool: &Arc<BouncePool>,
+    threads: usize,
+    size: usize,
+    copy: bool,
+    depth: usize,
+    dur: Duration,
+) -> (u64, Duration, u64, u64) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let pairs = Arc::new(AtomicU64::new(0));
+    let failures = Arc::new(AtomicU64::new(0));
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let wait_before = pool.stats().lock_wait_ns;
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (pool, stop, pairs, failures, barrier) = (
+                Arc::clone(pool),
+                Arc::clone(&stop),
+                Arc::clone(&pairs),
+                Arc::clone(&failures),
+                Arc::clone(&barrier),
+            );
+            std::thread::spawn(move || {
+                let orig = 0x10_0000_0000u64 * (t as u64 + 1);
+                let mut buf = vec![0x5au8; size * depth.max(1)];
+                barrier.wait();
+                let (n, f) = if copy {
+                    let mem = HostMemory::new(orig, &mut buf);
+                    worker(&pool, &mem, orig, size, depth, t, &stop)
+                } else {
+                    worker(&pool, &NullMemory, orig, size, depth, t, &stop)
+                };
+                pairs.fetch_add(n, Ordering::Relaxed);
+                failures.fetch_add(f, Ordering::Relaxed);
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    std::thread::sleep(dur);
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        let _ = h.join();
+    }
+    let elapsed = start.elapsed();
+    let wait = pool.stats().lock_wait_ns - wait_before;
+    (
+        pairs.load(Ordering::Relaxed),
+        elapsed,
+        wait,
+        failures.load(Ordering::Relaxed),
+    )
+}
+
+fn worker<M: OrigMemory>(
+    pool: &BouncePool,
+    mem: &M,
+    orig: u64,
+    size: usize,
+    depth: usize,
+    t: usize,
+    stop: &AtomicBool,
+) -> (u64, u64) {
+    let mut live = std::collections::VecDeque::with_capacity(depth + 1);
+    let (mut n, mut failed) = (0u64, 0u64);
+    let mut slot = 0usize;
+    while !stop.load(Ordering::Relaxed) {
+        let req =
+            MapRequest::new(orig + (slot * size) as u64, size, Direction::Bidirectional).worker(t);
+        slot = (slot + 1) % depth.max(1);
+        match pool.map(mem, &req) {
+            Ok(m) => live.push_back(m),
+            Err(_) => failed += 1,
+        }
+        if live.len() >= depth.max(1) || (failed > 0 && !live.is_empty()) {
+            if let Some(m) = live.pop_front() {
+                if pool.unmap(mem, &m, t).is_ok() {
+                    n += 1;
+                }
+            }
+        }
+    }
+    for m in live {
+        let _ = pool.unmap(mem, &m, t);
+    }
+    (n, failed)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn run(args: &Args) -> Result<Vec<Cell>, String> {
+    let kinds: Vec<AllocatorKind> = if args.alloc == "all" {
+        AllocatorKind::ALL.to_vec()
+    } else {
+        parse_list(&args.alloc, "allocator", |s| s.parse().ok())?
+    };
+    let threads = parse_list(&args.threads, "thread count", |s| {
+        s.parse::<usize>().ok().filter(|n| (1..=256).contains(n))
+    })?;
+    let sizes = parse_list(&args.size, "size", parse_size)?;
+    let copies = parse_list(&args.copy, "copy mode", |s| match s {
+        "copy" => Some(true),
+        "nocopy" => Some(false),
+        _ => None,
+    })?;
+    let mode: PoolMode = args.mode.parse().map_err(|e| format!("{e}"))?;
+    let baseline: AllocatorKind = match &args.baseline {
+        Some(b) => b.parse().map_err(|e| format!("{e}"))?,
+        None => kinds[0],
+    };
+    if !kinds.contains(&baseline) {
+        return Err(format!("baseline {baseline} is not among --alloc"));
+    }
+    if !(args.seconds > 0.0 && args.seconds < 60.0) || args.rounds == 0 {
+        return Err("--seconds must be in (0, 60) and --rounds at least 1".into());
+    }
+    let dur = Duration::from_secs_f64(args.seconds);
+    let mut cells = Vec::new();
+    for &t in &threads {
+        // One pool per allocator for this thread count, reused across rounds.
+        let mut pools = Vec::new();
+        for &k in &kinds {
+            let mut cfg = match mode {
+                PoolMode::Swiotlb => PoolConfig::swiotlb(args.slots),
+                PoolMode::Iova => PoolConfig::iova(args.slots),
+            };
+            cfg.allocator = k;
+            cfg.workers = t;
+            cfg.areas = args.areas.or(match mode {
+                PoolMode::Swiotlb => Some(t),
+                PoolMode::Iova => Some(1),
+            });
+            pools.push((
+                k,
+                Arc::new(BouncePool::new(&cfg).map_err(|e| format!("{k}: {e}"))?),
+            ));
+        }
+        for &size in &sizes {
+            for &copy in &copies {
+                let mut samples: Vec<(Vec<f64>, Vec<f64>, u64)> =
+                    vec![(Vec::new(), Vec::new(), 0); kinds.len()];
+                for _ in 0..args.rounds {
+                    // Interleave allocators inside each round.
+                    for (i, (_, pool)) in pools.iter().enumerate() {
+                        let (n, el, wait, f) = measure(pool, t, size, copy, args.depth, dur);
+                        let secs = el.as_secs_f64();
+                        samples[i].0.push(n as f64 / secs / 1e6);
+                        samples[i]
+                            .1
+                            .push(100.0 * wait as f64 / (secs * 1e9 * t as f64));
+                        samples[i].2 += f;
+                    }
+                }
+                let meds: Vec<(f64, f64, u64)> = samples
+                    .iter_mut()
+                    .map(|(m, w, f)| (median(m), median(w), *f))
+                    .collect();
+                let base = kinds
+                    .iter()
+                    .position(|k| *k == baseline)
+                    .map_or(1.0, |i| meds[i].0);
+                for (i, k) in kinds.iter().enumerate() {
+                    let (mops, wait, failures) = meds[i];
+                    cells.push(Cell {
+                        alloc: k.name().to_string(),
+                        threads: t,
+                        size,
+                        copy,
+                        mops,
+                        ns_per_pair: if mops > 0.0 {
+                            1e3 * t as f64 / mops
+                        } else {
+                            f64::INFINITY
+                        },
+                        lock_wait_pct: wait,
+                        failures,
+                        ratio: if base > 0.0 { mops / base } else { 0.0 },
+                    });
+                }
+            }
+        }
+    }
+    Ok(cells)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(cells) => {
+            if args.json {
+                for c in &cells {
+                    println!("{}", serde_json::to_string(c).unwrap_or_default());
+                }
+            } else {
+                println!("| allocator | threads | size | copy | M pairs/s | ns/pair/thread | x baseline | lock wait % | full |");
+                println!("|---|---|---|---|---|---|---|---|---|");
+                for c in &cells {
+                    println!(
+                        "| {} | {} | {}k | {} | {:.2} | {:.0} | {:.2} | {:.1} | {} |",
+                        c.alloc,
+                        c.threads,
+                        c.size / 1024,
+                        if c.copy { "copy" } else { "nocopy" },
+                        c.mops,
+                        c.ns_per_pair,
+                        c.ratio,
+                        c.lock_wait_pct,
+                        c.failures
+                    );
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("bounce-experiment: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! Replays of a real Linux 6.12 guest's swiotlb decisions (see `shared/traces/README.md`).
+//!
+//! - `kernel_trace_areas_reproduces_every_decision`: the whole trace through `areas` (4096
+//!   slots, 1 area, the kernel's pool start and segment boundary, worker = CPU) must give every
+//!   map the kernel's bounce address, fail exactly where the kernel failed, and leave the area's
+//!   `used` count and rolling index where the kernel had them, checked after every map.
+//! - `kernel_trace_through_*`: the same operations through the other swiotlb allocators must
+//!   fail only with "pool full" and return every slot.
+//! - `trace_head_excerpt_reproduces_every_decision`: the first 2000 lines, checked into
+//!   `tests/data`, always run.
+//!
+//! The full trace lives next to the repository (`<workspace>/../shared/traces/`). When it is
+//! absent the full-trace tests say so on stderr and return; with `BOUNCE_REQUIRE_TRACE=1` they
+//! fail instead. `BOUNCE_TRACE_DIR` points them at another directory.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use bounce::trace::{self, Mismatch, ReplayOptions, ReplaySummary, Replayer, TraceOp};
+use bounce::AllocatorKind;
+
+const TRACE: &str = "linux-6.12-swiotlb-4096slots-1area.jsonl.gz";
+const KERNEL_MAPS: u64 = 617_338;
+const KERNEL_FAILURES: u64 = 67;
+
+fn full_trace() -> Option<PathBuf> {
+    let dir = std::env::var_os("BOUNCE_TRACE_DIR").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces"),
+        PathBuf::from,
+    );
+    let path = dir.join(TRACE);
+    if path.is_file() {
+        return Some(path);
+    }
+    let why = format!(
+        "kernel trace {} not found (clone the repository next to shared/)",
+        path.display()
+    );
+    if std::env::var("BOUNCE_REQUIRE_TRACE").as_deref() == Ok("1") {
+        panic!("{why}, and BOUNCE_REQUIRE_TRACE=1");
+    }
+    eprintln!("SKIPPED: {why}; set BOUNCE_REQUIRE_TRACE=1 to make this a failure");
+    None
+}
+
+struct Replayed {
+    summary: ReplaySummary,
+    mismatches: Vec<Mismatch>,
+    used_at_end: usize,
+    area_used_at_end: Vec<usize>,
+    maps_with_area_state: u64,
+    live: usize,
+}
+
+fn replay(path: &Path, allocator: AllocatorKind, compare: bool) -> Replayed {
+    replay_with(path, allocator, compare, None)
+}
+
+fn replay_with(
+    path: &Path,
+    allocator: AllocatorKind,
+    compare: bool,
+    base: Option<u64>,
+) -> Replayed {
+    let started = Instant::now();
+    let mut ops = trace::open(path).expect("open trace");
+    let (_, first) = ops.next().expect("empty trace").expect("first line");
+    let TraceOp::Header(header) = &first else {
+        panic!("the trace does not start with a header");
+    };
+    assert_eq!((header.nslabs, header.nareas), (Some(4096), Some(1)));
+    let opts = ReplayOptions {
+        allocator,
+        compare,
+        base,
+        ..ReplayOptions::default()
+    };
+    let mut r = Replayer::new(&opts, Some(header)).expect("replay pool");
+    assert_eq!(r.pool().geometry().base, base.or(header.start).unwrap());
+    let mut mismatches = Vec::new();
+    let mut maps_with_area_state = 0;
+    for item in ops {
+        let (line, op) = item.expect("trace line");
+        if let TraceOp::Map(m) = &op {
+            if m.kernel
+                .as_ref()
+                .is_some_and(|k| k.area_used.is_some() && k.area_index.is_some())
+            {
+                maps_with_area_state += 1;
+            }
+        }
+        r.apply(line, &op, &mut mismatches);
+    }
+    eprintln!(
+        "{allocator}: replayed {} ops in {:.2?}",
+        r.summary().ops,
+        started.elapsed()
+    );
+    Replayed {
+        summary: r.summary().clone(),
+        mismatches,
+        used_at_end: r.pool().used(),
+        area_used_at_end: r.pool().allocator().area_used(),
+        maps_with_area_state,
+        live: r.live(),
+    }
+}
+
+fn assert_exact(r: &Replayed, maps: u64, failures: u64) {
+    for m in r.mismatches.iter().take(10) {
+        eprintln!("line {} map {}: {}", m.line, m.id, m.what);
+    }
+    assert!(
+        r.mismatches.is_empty(),
+        "{} maps differ from the kernel's decisions",
+        r.mismatches.len()
+    );
+    let s = &r.summary;
+    assert_eq!(s.compared, maps, "every map carries a kernel decision");
+    assert_eq!(r.maps_with_area_state, maps, "area state recorded per map");
+    assert_eq!(s.maps + s.pool_full, maps);
+    assert_eq!(s.pool_full, failures);
+    assert_eq!((s.map_errors, s.other_errors, s.mismatches), (0, 0, 0));
+}
+
+#[test]
+fn kernel_trace_areas_reproduces_every_decision() {
+    let Some(path) = full_trace() else {
+        return;
+    };
+    let r = replay(&path, AllocatorKind::Areas, true);
+    assert_exact(&r, KERNEL_MAPS, KERNEL_FAILURES);
+    assert_eq!(r.summary.unmaps, KERNEL_MAPS - KERNEL_FAILURES);
+    assert_eq!((r.used_at_end, r.live), (0, 0));
+    assert_eq!(r.area_used_at_end, vec![0]);
+}
+
+fn other_allocator(kind: AllocatorKind) {
+    let Some(path) = full_trace() else {
+        return;
+    };
+    let r = replay(&path, kind, false);
+    let s = &r.summary;
+    assert_eq!(s.maps + s.pool_full, KERNEL_MAPS, "{kind}");
+    assert_eq!(
+        (s.map_errors, s.other_errors),
+        (0, 0),
+        "{kind}: only pool-full errors"
+    );
+    assert_eq!(s.unmaps, s.maps, "{kind}");
+    assert_eq!((r.used_at_end, r.live), (0, 0), "{kind}");
+    assert!(r.area_used_at_end.iter().all(|&u| u == 0), "{kind}");
+    eprintln!(
+        "{kind}: {} pool-full failures (kernel: {KERNEL_FAILURES})",
+        s.pool_full
+    );
+}
+
+#[test]
+fn kernel_trace_through_legacy() {
+    other_allocator(AllocatorKind::Legacy);
+}
+
+#[test]
+fn kernel_trace_through_bitmap() {
+    other_allocator(AllocatorKind::Bitmap);
+}
+
+#[test]
+fn kernel_trace_through_areas_bitmap() {
+    other_allocator(AllocatorKind::AreasBitmap);
+}
+
+#[test]
+fn trace_head_excerpt_reproduces_every_decision() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/trace-head.jsonl");
+    let r = replay(&path, AllocatorKind::Areas, true);
+    // 2000 lines: the header, 1023 maps and 976 unmaps.
+    assert_exact(&r, 1023, 0);
+    assert_eq!(r.summary.unmaps, 976);
+    assert_eq!(r.live, 1023 - 976);
+}
+
+#[test]
+fn comparison_detects_a_pool_that_differs_from_the_kernels() {
+    // Half a page off: page-sized maps land on other slots, so addresses and indices differ.
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/trace-head.jsonl");
+    let r = replay_with(&path, AllocatorKind::Areas, true, Some(0x38f0_0800));
+    assert!(r.summary.mismatches > 0);
+    assert_eq!(r.summary.mismatches, r.mismatches.len() as u64);
+}

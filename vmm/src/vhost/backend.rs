@@ -1,0 +1,611 @@
+//! [`VhostUserDevice`]: any [`VirtioDevice`] served through `vhost-user-backend`.
+//!
+//! The adapter maps the vhost-user life cycle onto the device boundary of
+//! [`devices::virtio`]:
+//! - feature negotiation: the device's features plus `VHOST_USER_F_PROTOCOL_FEATURES`; the
+//!   device is activated with the acknowledged bits (the vhost-user bit stripped) when the
+//!   frontend sends `SET_FEATURES`, and again lazily after it was stopped;
+//! - one epoll thread of `vhost-user-backend` per queue group ([`QueueLayout`]); each
+//!   [`QueueWorker`] lives on the thread whose group holds all its queues, and its own file
+//!   descriptors (tap, timers) are registered on that thread's epoll handler with tokens above
+//!   the range `vhost-user-backend` reserves;
+//! - `GET_VRING_BASE` on every queue (the frontend stopped the device, e.g. on a guest reset)
+//!   drops the workers and resets the device; the next `SET_FEATURES` or kick re-activates it.
+//!
+//! Nothing the guest or the frontend controls may stop the epoll threads: a worker that
+//! reports [`WorkerError::Broken`] is logged once and parked (its kicks are consumed and
+//! ignored) until the device is reset; [`VhostUserBackend::handle_event`] never returns an
+//! error.
+
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use devices::virtio::{QueueWorker, VirtioDevice, WorkerError, WorkerEvent};
+use serde_json::json;
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
+use virtio_queue::Queue;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use super::layout::QueueLayout;
+
+/// Guest memory as the vhost-user backend maps it (no dirty-page bitmap).
+pub type Memory = GuestMemoryMmap<()>;
+/// The shared, replaceable view of guest memory that `vhost-user-backend` hands out.
+pub type AtomicMemory = GuestMemoryAtomic<Memory>;
+/// The vring type of the adapter.
+pub type Vring = VringRwLock<AtomicMemory>;
+/// An epoll handler of the adapter (one per worker thread).
+pub type EpollHandler<D> = VringEpollHandler<Arc<VhostUserDevice<D>>>;
+
+/// How worker file descriptors are polled: edge-triggered, as [`QueueWorker::extra_fds`]
+/// requires (a net worker leaves its tap readable while the guest has no receive buffers).
+const WORKER_FD_EVENTS: EventSet = EventSet::IN.union(EventSet::EDGE_TRIGGERED);
+
+/// What the adapter needs of an epoll handler: registering worker file descriptors.
+pub trait Listeners: Send + Sync {
+    /// Polls `fd` for input; events come back with `data`.
+    ///
+    /// # Errors
+    /// The epoll registration failed.
+    fn register(&self, fd: RawFd, data: u64) -> io::Result<()>;
+    /// Stops polling `fd`.
+    ///
+    /// # Errors
+    /// The fd was not registered.
+    fn unregister(&self, fd: RawFd, data: u64) -> io::Result<()>;
+}
+
+impl<T> Listeners for VringEpollHandler<T>
+where
+    T: VhostUserBackend,
+    VringEpollHandler<T>: Send + Sync,
+{
+    fn register(&self, fd: RawFd, data: u64) -> io::Result<()> {
+        self.register_listener(fd, WORKER_FD_EVENTS, data)
+    }
+
+    fn unregister(&self, fd: RawFd, data: u64) -> io::Result<()> {
+        self.unregister_listener(fd, WORKER_FD_EVENTS, data)
+    }
+}
+
+/// Transport counters (atomics: read by the stats reporter while the threads run).
+#[derive(Debug, Default)]
+struct Counters {
+    kicks: AtomicU64,
+    fd_events: AtomicU64,
+    signals: AtomicU64,
+    signal_errors: AtomicU64,
+    activations: AtomicU64,
+    activation_failures: AtomicU64,
+    resets: AtomicU64,
+    broken_workers: AtomicU64,
+    ignored_events: AtomicU64,
+}
+
+impl Counters {
+    fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// One worker as the adapter keeps it.
+struct WorkerSlot {
+    worker: Box<dyn QueueWorker<Memory>>,
+    /// Positions in the owning thread's vring slice, in the worker's queue order.
+    positions: Vec<usize>,
+    /// Set when the worker reported [`WorkerError::Broken`]; its events are then ignored.
+    broken: bool,
+    /// Set once an unexpected event was logged for this worker (log once).
+    warned: bool,
+}
+
+/// A worker file descriptor registered on a thread's epoll handler.
+#[derive(Clone, Copy, Debug)]
+struct ExtraFd {
+    fd: RawFd,
+    /// The epoll data value (above the range reserved by `vhost-user-backend`).
+    data: u64,
+    /// Index of the worker in its thread's slot.
+    worker: usize,
+    /// The worker's own token.
+    token: u32,
+}
+
+/// The workers of one epoll thread.
+#[derive(Default)]
+struct ThreadSlot {
+    workers: Vec<WorkerSlot>,
+    extra: Vec<ExtraFd>,
+}
+
+/// Negotiation state of the current connection.
+#[derive(Debug, Default)]
+struct NegState {
+    /// Features the frontend acknowledged (with the vhost-user bits), once it did.
+    acked: Option<u64>,
+    /// True while the device has live workers.
+    active: bool,
+    /// Set when activation failed for `acked`: not retried until the features change.
+    failed: bool,
+}
+
+/// Serves a [`VirtioDevice`] through `vhost-user-backend`.
+///
+/// Wrap it in an [`Arc`] and hand it to [`vhost_user_backend::VhostUserDaemon::new`]; then
+/// give the daemon's epoll handlers to [`VhostUserDevice::attach`] so worker file descriptors
+/// can be registered, and call [`VhostUserDevice::detach`] when the connection ends.
+pub struct VhostUserDevice<D> {
+    device: Arc<Mutex<D>>,
+    layout: QueueLayout,
+    num_queues: usize,
+    max_queue_size: usize,
+    features: u64,
+    protocol_features: VhostUserProtocolFeatures,
+    neg: Mutex<NegState>,
+    threads: Vec<Mutex<ThreadSlot>>,
+    handlers: Mutex<Vec<Arc<dyn Listeners>>>,
+    mem: RwLock<Option<AtomicMemory>>,
+    event_idx: AtomicBool,
+    counters: Counters,
+}
+
+impl<D> std::fmt::Debug for VhostUserDevice<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VhostUserDevice")
+            .field("layout", &self.layout)
+            .field("num_queues", &self.num_queues)
+            .field("features", &format_args!("{:#x}", self.features))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Locks a mutex, recovering the data of a poisoned one (a panicking worker must not take
+/// the whole server down with it).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
+    /// Wraps `device`, with its queues grouped onto threads by [`QueueLayout::for_device`].
+    pub fn new(device: D) -> Self {
+        Self::shared(Arc::new(Mutex::new(device)))
+    }
+
+    /// Wraps a device shared with others (the server makes one adapter per connection around
+    /// the same device), with the layout of [`QueueLayout::for_device`].
+    pub fn shared(device: Arc<Mutex<D>>) -> Self {
+        let layout = {
+            let d = lock(&device);
+            QueueLayout::for_device(d.device_type(), d.num_queues())
+        };
+        Self::with_layout(device, layout)
+    }
+
+    /// Wraps a shared device with an explicit thread layout. Workers whose queues are not all
+    /// in one group of `layout` cannot be served: their activation fails (and is logged).
+    pub fn with_layout(device: Arc<Mutex<D>>, layout: QueueLayout) -> Self {
+        let (num_queues, max_queue_size, features) = {
+            let d = lock(&device);
+            (
+                d.num_queues(),
+                usize::from(d.queue_max_size()),
+                d.avail_features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits(),
+            )
+        };
+        // MQ is offered whatever the queue count: it is what lets the frontend ask for it
+        // (GET_QUEUE_NUM), and QEMU checks its own queue count against the answer.
+        let mut protocol_features = VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::RESET_DEVICE;
+        if features & devices::virtio::features::ACCESS_PLATFORM != 0 {
+            // QEMU refuses a backend that offers ACCESS_PLATFORM without the backend request
+            // channel ("IOMMU support requires reply-ack and slave-req protocol features"):
+            // it is where device-IOTLB misses would go with a vIOMMU. Without a vIOMMU QEMU
+            // sends no IOTLB message and addresses stay guest-physical.
+            protocol_features |= VhostUserProtocolFeatures::BACKEND_REQ;
+        }
+        let threads = (0..layout.threads()).map(|_| Mutex::default()).collect();
+        Self {
+            device,
+            layout,
+            num_queues,
+            max_queue_size,
+            features,
+            protocol_features,
+            neg: Mutex::default(),
+            threads,
+            handlers: Mutex::default(),
+            mem: RwLock::default(),
+            event_idx: AtomicBool::new(false),
+            counters: Counters::default(),
+        }
+    }
+
+    /// The thread layout.
+    pub fn layout(&self) -> &QueueLayout {
+        &self.layout
+    }
+
+    /// Gives the adapter the epoll handlers of a new daemon (one per layout group), so that
+    /// worker file descriptors can be registered on them.
+    pub fn attach(&self, handlers: Vec<Arc<EpollHandler<D>>>) {
+        *lock(&self.handlers) = handlers
+            .into_iter()
+            .map(|h| h as Arc<dyn Listeners>)
+            .collect();
+    }
+
+    /// Ends a connection: drops the workers, resets the device and forgets the negotiation,
+    /// the memory and the epoll handlers. The daemon's threads must have been told to exit.
+    pub fn detach(&self) {
+        let mut neg = lock(&self.neg);
+        self.deactivate(&mut neg);
+        *neg = NegState::default();
+        drop(neg);
+        lock(&self.handlers).clear();
+        if let Ok(mut mem) = self.mem.write() {
+            *mem = None;
+        }
+        self.event_idx.store(false, Ordering::Relaxed);
+    }
+
+    /// Statistics: the device's own (with its bounce pool's), its workers', and the
+    /// transport's counters.
+    pub fn stats(&self) -> serde_json::Value {
+        let device = lock(&self.device).stats();
+        let mut workers = Vec::new();
+        for t in &self.threads {
+            for w in &lock(t).workers {
+                workers.push(w.worker.stats());
+            }
+        }
+        let c = &self.counters;
+        let neg = lock(&self.neg);
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        json!({
+            "device": device,
+            "workers": workers,
+            "transport": {
+                "active": neg.active,
+                "acked_features": neg.acked.map(|f| format!("{f:#x}")),
+                "event_idx": self.event_idx.load(Ordering::Relaxed),
+                "kicks": get(&c.kicks),
+                "fd_events": get(&c.fd_events),
+                "signals": get(&c.signals),
+                "signal_errors": get(&c.signal_errors),
+                "activations": get(&c.activations),
+                "activation_failures": get(&c.activation_failures),
+                "resets": get(&c.resets),
+                "broken_workers": get(&c.broken_workers),
+                "ignored_events": get(&c.ignored_events),
+            }
+        })
+    }
+
+    /// Activates the device with `acked` (vhost-user bits stripped) and places its workers.
+    /// Called with the negotiation lock held; takes the device and thread locks.
+    fn activate(&self, neg: &mut NegState, acked: u64) {
+        let device_features = acked & !VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+        let workers = match lock(&self.device).activate(device_features) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::error!("activating the device failed: {e}");
+                Counters::inc(&self.counters.activation_failures);
+                neg.failed = true;
+                return;
+            }
+        };
+        let mut placed: Vec<Vec<WorkerSlot>> =
+            (0..self.threads.len()).map(|_| Vec::new()).collect();
+        for worker in workers {
+            let queues = worker.queue_indexes();
+            let Some((thread, positions)) = self.layout.place(&queues) else {
+                tracing::error!(
+                    "device worker serves queues {queues:?}, which no thread of layout {:?} holds together",
+                    self.layout
+                );
+                Counters::inc(&self.counters.activation_failures);
+                neg.failed = true;
+                lock(&self.device).reset();
+                return;
+            };
+            placed[thread].push(WorkerSlot {
+                worker,
+                positions,
+                broken: false,
+                warned: false,
+            });
+        }
+        let handlers = lock(&self.handlers).clone();
+        // Tokens above `num_queues` are free for backend listeners (vhost-user-backend
+        // reserves 0..=num_queues for queues, the exit event and its own vring-enable event).
+        let mut next_data = self.num_queues as u64 + 1;
+        for (thread, workers) in placed.into_iter().enumerate() {
+            let mut extra = Vec::new();
+            for (index, w) in workers.iter().enumerate() {
+                for (fd, token) in w.worker.extra_fds() {
+                    next_data += 1;
+                    let Some(h) = handlers.get(thread) else {
+                        tracing::error!(
+                            "no epoll handler for thread {thread}: fd {fd} is not polled"
+                        );
+                        continue;
+                    };
+                    if let Err(e) = h.register(fd, next_data) {
+                        tracing::error!("registering worker fd {fd} (token {token}): {e}");
+                        continue;
+                    }
+                    extra.push(ExtraFd {
+                        fd,
+                        data: next_data,
+                        worker: index,
+                        token,
+                    });
+                }
+            }
+            let mut slot = lock(&self.threads[thread]);
+            slot.workers = workers;
+            slot.extra = extra;
+        }
+        neg.active = true;
+        neg.failed = false;
+        Counters::inc(&self.counters.activations);
+    }
+}
+
+impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
+    /// Drops the workers (unregistering their file descriptors) and resets the device.
+    /// Called with the negotiation lock held.
+    fn deactivate(&self, neg: &mut NegState) {
+        if !neg.active {
+            return;
+        }
+        let handlers = lock(&self.handlers).clone();
+        for (thread, slot) in self.threads.iter().enumerate() {
+            let mut slot = lock(slot);
+            for extra in slot.extra.drain(..) {
+                if let Some(h) = handlers.get(thread) {
+                    // The fd may already be gone from the set (a hang-up); nothing to do then.
+                    let _ = h.unregister(extra.fd, extra.data);
+                }
+            }
+            slot.workers.clear();
+        }
+        lock(&self.device).reset();
+        neg.active = false;
+        Counters::inc(&self.counters.resets);
+    }
+
+    /// Activates the device if features were acknowledged and it is not running (after a
+    /// stop, a kick or a worker fd restarts it).
+    fn ensure_active(&self) {
+        let mut neg = lock(&self.neg);
+        if !neg.active && !neg.failed {
+            if let Some(acked) = neg.acked {
+                self.activate(&mut neg, acked);
+            }
+        }
+    }
+
+    /// Handles one epoll event of thread `thread_id`: finds the worker, locks its vrings,
+    /// runs it and signals the queues it asks for.
+    fn dispatch(&self, device_event: u16, evset: EventSet, vrings: &[Vring], thread_id: usize) {
+        let Some(slot) = self.threads.get(thread_id) else {
+            Counters::inc(&self.counters.ignored_events);
+            return;
+        };
+        self.ensure_active();
+        let mem = match self.mem.read() {
+            Ok(m) => m.clone(),
+            Err(_) => None,
+        };
+        let mut slot = lock(slot);
+        let (index, event) = if usize::from(device_event) < vrings.len() {
+            Counters::inc(&self.counters.kicks);
+            let pos = usize::from(device_event);
+            let found = slot.workers.iter().enumerate().find_map(|(i, w)| {
+                w.positions
+                    .iter()
+                    .position(|&p| p == pos)
+                    .map(|k| (i, WorkerEvent::Kick(k)))
+            });
+            match found {
+                Some(f) => f,
+                None => {
+                    Counters::inc(&self.counters.ignored_events);
+                    return;
+                }
+            }
+        } else {
+            Counters::inc(&self.counters.fd_events);
+            let Some(k) = slot
+                .extra
+                .iter()
+                .position(|e| e.data == u64::from(device_event))
+            else {
+                Counters::inc(&self.counters.ignored_events);
+                return;
+            };
+            let extra = slot.extra[k];
+            if !evset.contains(EventSet::IN)
+                && evset.intersects(EventSet::HANG_UP | EventSet::ERROR)
+            {
+                // The fd is dead (a tap whose device went away): stop polling it.
+                tracing::warn!(
+                    "worker fd {} (token {}) hung up; no longer polled",
+                    extra.fd,
+                    extra.token
+                );
+                if let Some(h) = lock(&self.handlers).get(thread_id) {
+                    let _ = h.unregister(extra.fd, extra.data);
+                }
+                slot.extra.remove(k);
+                return;
+            }
+            (extra.worker, WorkerEvent::Fd(extra.token))
+        };
+        let Some(mem) = mem else {
+            // No memory table yet: nothing can be done; the frontend sends it before it
+            // starts the rings.
+            Counters::inc(&self.counters.ignored_events);
+            return;
+        };
+        let guard = mem.memory();
+        let Some(w) = slot.workers.get_mut(index) else {
+            return;
+        };
+        if w.broken {
+            Counters::inc(&self.counters.ignored_events);
+            return;
+        }
+        let mut states = Vec::with_capacity(w.positions.len());
+        for &p in &w.positions {
+            match vrings.get(p) {
+                Some(v) => states.push(v.get_mut()),
+                None => {
+                    Counters::inc(&self.counters.ignored_events);
+                    return;
+                }
+            }
+        }
+        let mut queues: Vec<&mut Queue> = states.iter_mut().map(|s| s.get_queue_mut()).collect();
+        let result = w.worker.handle(event, &*guard, &mut queues);
+        drop(queues);
+        match result {
+            Ok(signal) => {
+                for (i, state) in states.iter().enumerate() {
+                    if signal.has(i) {
+                        Counters::inc(&self.counters.signals);
+                        if let Err(e) = state.signal_used_queue() {
+                            // The call fd may be gone while the frontend reconfigures.
+                            Counters::inc(&self.counters.signal_errors);
+                            tracing::debug!("signalling queue at position {i}: {e}");
+                        }
+                    }
+                }
+            }
+            Err(WorkerError::Broken(reason)) => {
+                w.broken = true;
+                Counters::inc(&self.counters.broken_workers);
+                tracing::error!(
+                    "device worker for queues at positions {:?} of thread {thread_id} is broken and parked until reset: {reason}",
+                    w.positions
+                );
+            }
+            Err(WorkerError::UnexpectedEvent(ev)) => {
+                Counters::inc(&self.counters.ignored_events);
+                if !w.warned {
+                    w.warned = true;
+                    tracing::warn!("device worker refused event {ev:?} (logged once)");
+                }
+            }
+        }
+    }
+}
+
+impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> {
+    type Bitmap = ();
+    type Vring = Vring;
+
+    fn num_queues(&self) -> usize {
+        self.num_queues
+    }
+
+    fn max_queue_size(&self) -> usize {
+        self.max_queue_size
+    }
+
+    fn features(&self) -> u64 {
+        self.features
+    }
+
+    fn acked_features(&self, features: u64) {
+        let mut neg = lock(&self.neg);
+        if neg.acked == Some(features) && (neg.active || neg.failed) {
+            return;
+        }
+        self.deactivate(&mut neg);
+        neg.acked = Some(features);
+        neg.failed = false;
+        self.activate(&mut neg, features);
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        self.protocol_features
+    }
+
+    fn reset_device(&self) {
+        let mut neg = lock(&self.neg);
+        self.deactivate(&mut neg);
+        *neg = NegState::default();
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.event_idx.store(enabled, Ordering::Relaxed);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        // vhost bounds the size by its message limit; bound it again rather than trust that.
+        let size = size.min(vhost::vhost_user::message::VHOST_USER_CONFIG_SIZE) as usize;
+        let mut buf = vec![0u8; size];
+        lock(&self.device).read_config(u64::from(offset), &mut buf);
+        buf
+    }
+
+    fn set_config(&self, offset: u32, buf: &[u8]) -> io::Result<()> {
+        lock(&self.device).write_config(u64::from(offset), buf);
+        Ok(())
+    }
+
+    fn update_memory(&self, mem: AtomicMemory) -> io::Result<()> {
+        let mut slot = self
+            .mem
+            .write()
+            .map_err(|_| io::Error::other("memory lock poisoned"))?;
+        *slot = Some(mem);
+        Ok(())
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        self.layout.masks()
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        match new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC) {
+            Ok(pair) => Some(pair),
+            Err(e) => {
+                tracing::error!("creating an exit event: {e}");
+                None
+            }
+        }
+    }
+
+    fn stop_vring(&self, _queue_index: u32) -> io::Result<()> {
+        // GET_VRING_BASE: the frontend stops the device (guest reset, driver unload, VM
+        // stop). Drop the workers so no request runs on rings being torn down; the next
+        // SET_FEATURES (QEMU sends it on every start) or kick activates the device again.
+        let mut neg = lock(&self.neg);
+        self.deactivate(&mut neg);
+        Ok(())
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[Vring],
+        thread_id: usize,
+    ) -> io::Result<()> {
+        self.dispatch(device_event, evset, vrings, thread_id);
+        Ok(())
+    }
+}

@@ -1,0 +1,19 @@
+//! The vhost-user transport: serves any [`devices::virtio::VirtioDevice`] to a vhost-user
+//! frontend such as QEMU's `vhost-user-blk-pci` and `vhost-user-net-pci`.
+//!
+//! - [`backend`]: [`VhostUserDevice`], the adapter between a device core and
+//!   `vhost-user-backend` (features, configuration space, one thread per queue group, worker
+//!   file descriptors, signalling);
+//! - [`layout`]: which queues share a thread;
+//! - [`relay`]: passes the control messages between the frontend and `vhost-user-backend`,
+//!   accepting QEMU 7.2's `SET_VRING_ENABLE` before `SET_FEATURES`;
+//! - [`server`]: the listening socket, one connection after another, signals, statistics.
+
+pub mod backend;
+pub mod layout;
+pub mod relay;
+pub mod server;
+
+pub use backend::{Memory, VhostUserDevice};
+pub use layout::QueueLayout;
+pub use server::{Server, ServerError, SignalFd, StopHandle};

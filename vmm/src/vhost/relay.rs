@@ -1,0 +1,553 @@
+//! A vhost-user message relay that accepts `SET_VRING_ENABLE` before `SET_FEATURES`.
+//!
+//! QEMU 7.2 starts a vhost-user-net device by sending `VHOST_USER_SET_VRING_ENABLE` for its
+//! queues *before* `VHOST_USER_SET_FEATURES`, and never again afterwards. Both the `vhost`
+//! crate's request dispatcher and `vhost-user-backend`'s handler refuse that request until
+//! `VHOST_USER_F_PROTOCOL_FEATURES` has been acknowledged, and `vhost-user-backend` then drops
+//! the connection. The check sits in the dispatcher itself (before any handler of ours runs),
+//! and the handler type is private, so neither can be wrapped.
+//!
+//! The relay sits between the frontend's socket and the backend's request handler and passes
+//! every message through unchanged (header, body and attached file descriptors), except:
+//! - a `SET_VRING_ENABLE` that arrives before `SET_FEATURES` is held (the last value per
+//!   queue) and acknowledged by the relay itself if the frontend asked for a reply;
+//! - right after forwarding a `SET_FEATURES` that acknowledges `PROTOCOL_FEATURES`, the held
+//!   requests are forwarded (without the need-reply flag, as their reply was already given),
+//!   so the rings end up enabled exactly as the frontend asked. Without `PROTOCOL_FEATURES`
+//!   the spec says rings start enabled, and the held requests are dropped;
+//! - `RESET_OWNER` and `RESET_DEVICE` return the relay to its initial state.
+//!
+//! Only the control path goes through the relay: the rings, kicks and calls are shared memory
+//! and eventfds between the frontend and the backend.
+
+use std::collections::BTreeMap;
+use std::io::{self, Write};
+use std::net::Shutdown;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+
+use serde::Serialize;
+use vhost::vhost_user::message::{FrontendReq, VhostUserVirtioFeatures, MAX_ATTACHED_FD_ENTRIES};
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+/// Size of a vhost-user message header (request, flags, size; little-endian u32s).
+pub const HEADER_LEN: usize = 12;
+/// Largest body the relay accepts (the vhost crate's limit is 4 KiB; memory tables of many
+/// regions stay far below this).
+pub const MAX_BODY: usize = 64 * 1024;
+/// Header flag: protocol version 1.
+pub const FLAG_VERSION: u32 = 0x1;
+/// Header flag: this message is a reply.
+pub const FLAG_REPLY: u32 = 0x4;
+/// Header flag: the sender wants a reply (REPLY_ACK).
+pub const FLAG_NEED_REPLY: u32 = 0x8;
+
+/// One vhost-user message with its file descriptors.
+#[derive(Debug)]
+pub struct Message {
+    /// Request code.
+    pub request: u32,
+    /// Flags.
+    pub flags: u32,
+    /// Body (its length is the header's size field).
+    pub body: Vec<u8>,
+    /// Attached file descriptors (closed when the message is dropped).
+    pub fds: Vec<OwnedFd>,
+}
+
+impl Message {
+    /// A message without file descriptors.
+    pub fn new(request: u32, flags: u32, body: Vec<u8>) -> Self {
+        Self {
+            request,
+            flags,
+            body,
+            fds: Vec::new(),
+        }
+    }
+
+    /// The encoded header.
+    fn header(&self) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        h[0..4].copy_from_slice(&self.request.to_le_bytes());
+        h[4..8].copy_from_slice(&self.flags.to_le_bytes());
+        // Bodies are bounded by MAX_BODY when received and built small otherwise.
+        let size = u32::try_from(self.body.len()).unwrap_or(u32::MAX);
+        h[8..12].copy_from_slice(&size.to_le_bytes());
+        h
+    }
+
+    /// The first little-endian u32 of the body, if there is one.
+    fn body_u32(&self, at: usize) -> Option<u32> {
+        let b = self.body.get(at..at.checked_add(4)?)?;
+        Some(u32::from_le_bytes(b.try_into().ok()?))
+    }
+
+    /// The body as a u64 (SET_FEATURES).
+    fn body_u64(&self) -> Option<u64> {
+        let b = self.body.get(0..8)?;
+        Some(u64::from_le_bytes(b.try_into().ok()?))
+    }
+}
+
+/// Receives up to `buf.len()` bytes and any file descriptors sent with them.
+fn recv_some(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+    let mut raw = [-1 as RawFd; MAX_ATTACHED_FD_ENTRIES];
+    let mut iov = [libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    }];
+    // SAFETY: the iovec points to `buf`, valid and writable for its whole length for the
+    // duration of the call; `raw` has room for MAX_ATTACHED_FD_ENTRIES descriptors.
+    let (n, nfds) = unsafe { sock.recv_with_fds(&mut iov, &mut raw) }
+        .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
+    for &fd in raw.iter().take(nfds) {
+        if fd >= 0 {
+            // SAFETY: the kernel just installed this descriptor for us; nothing else owns it.
+            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+    }
+    Ok(n)
+}
+
+/// Fills `buf` completely; `Ok(false)` on end of stream before the first byte.
+fn recv_exact(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<bool> {
+    let mut got = 0;
+    while got < buf.len() {
+        match recv_some(sock, &mut buf[got..], fds) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+/// Receives one message; `Ok(None)` at a clean end of stream.
+///
+/// # Errors
+/// I/O errors, a truncated message, or a body larger than [`MAX_BODY`].
+pub fn recv_message(sock: &UnixStream) -> io::Result<Option<Message>> {
+    let mut fds = Vec::new();
+    let mut hdr = [0u8; HEADER_LEN];
+    if !recv_exact(sock, &mut hdr, &mut fds)? {
+        return Ok(None);
+    }
+    let word = |i: usize| u32::from_le_bytes([hdr[i], hdr[i + 1], hdr[i + 2], hdr[i + 3]]);
+    let (request, flags, size) = (word(0), word(4), word(8) as usize);
+    if size > MAX_BODY {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("message {request} has a {size}-byte body (limit {MAX_BODY})"),
+        ));
+    }
+    let mut body = vec![0u8; size];
+    if size > 0 && !recv_exact(sock, &mut body, &mut fds)? {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(Some(Message {
+        request,
+        flags,
+        body,
+        fds,
+    }))
+}
+
+/// Sends one message with its file descriptors.
+///
+/// # Errors
+/// I/O errors.
+pub fn send_message(sock: &UnixStream, msg: &Message) -> io::Result<()> {
+    let hdr = msg.header();
+    let raw: Vec<RawFd> = msg.fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let bufs: [&[u8]; 2] = [&hdr, &msg.body];
+    let total = HEADER_LEN + msg.body.len();
+    let sent = loop {
+        match sock.send_with_fds(&bufs, &raw) {
+            Ok(n) => break n,
+            Err(e) if e.errno() == libc::EINTR => {}
+            Err(e) => return Err(io::Error::from_raw_os_error(e.errno())),
+        }
+    };
+    if sent < total {
+        // A stream socket may take part of a message; the descriptors went with the first
+        // byte, the rest is plain data.
+        let mut rest = Vec::with_capacity(total - sent);
+        rest.extend_from_slice(&hdr);
+        rest.extend_from_slice(&msg.body);
+        (&*sock).write_all(&rest[sent..])?;
+    }
+    Ok(())
+}
+
+/// Counters of a relay.
+#[derive(Debug, Default, Serialize, Clone, Copy, PartialEq, Eq)]
+pub struct RelayStats {
+    /// Messages passed from the frontend to the backend.
+    pub to_backend: u64,
+    /// Messages passed from the backend to the frontend.
+    pub to_frontend: u64,
+    /// `SET_VRING_ENABLE` requests held because they came before `SET_FEATURES`.
+    pub early_enables_held: u64,
+    /// Held requests forwarded after `SET_FEATURES`.
+    pub early_enables_replayed: u64,
+    /// Held requests dropped (features without `PROTOCOL_FEATURES`, or a reset).
+    pub early_enables_dropped: u64,
+}
+
+#[derive(Debug, Default)]
+struct AtomicStats {
+    to_backend: AtomicU64,
+    to_frontend: AtomicU64,
+    held: AtomicU64,
+    replayed: AtomicU64,
+    dropped: AtomicU64,
+}
+
+impl AtomicStats {
+    fn snapshot(&self) -> RelayStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RelayStats {
+            to_backend: g(&self.to_backend),
+            to_frontend: g(&self.to_frontend),
+            early_enables_held: g(&self.held),
+            early_enables_replayed: g(&self.replayed),
+            early_enables_dropped: g(&self.dropped),
+        }
+    }
+}
+
+fn add(a: &AtomicU64, n: u64) {
+    a.fetch_add(n, Ordering::Relaxed);
+}
+
+/// The frontend-to-backend direction's state.
+#[derive(Debug, Default)]
+struct Sequencer {
+    /// True once `SET_FEATURES` went through (until a reset).
+    features_set: bool,
+    /// Early `SET_VRING_ENABLE` values by queue index.
+    held: BTreeMap<u32, u32>,
+}
+
+/// What to do with a message from the frontend.
+#[derive(Debug)]
+enum Action {
+    /// Pass these messages to the backend, in order.
+    Forward(Vec<Message>),
+    /// Answer the frontend with this reply (nothing goes to the backend).
+    Reply(Message),
+    /// Nothing to send.
+    Nothing,
+}
+
+const SET_FEATURES: u32 = FrontendReq::SET_FEATURES as u32;
+const SET_VRING_ENABLE: u32 = FrontendReq::SET_VRING_ENABLE as u32;
+const RESET_OWNER: u32 = FrontendReq::RESET_OWNER as u32;
+const RESET_DEVICE: u32 = FrontendReq::RESET_DEVICE as u32;
+
+impl Sequencer {
+    fn on_message(&mut self, msg: Message, stats: &AtomicStats) -> Action {
+        match msg.request {
+            SET_VRING_ENABLE if !self.features_set => {
+                let (Some(index), Some(num)) = (msg.body_u32(0), msg.body_u32(4)) else {
+                    // Malformed: let the backend's dispatcher reject it.
+                    return Action::Forward(vec![msg]);
+                };
+                tracing::debug!(
+                    "holding SET_VRING_ENABLE({index}, {num}) received before SET_FEATURES"
+                );
+                self.held.insert(index, num);
+                add(&stats.held, 1);
+                if msg.flags & FLAG_NEED_REPLY != 0 {
+                    Action::Reply(Message::new(
+                        msg.request,
+                        FLAG_VERSION | FLAG_REPLY,
+                        0u64.to_le_bytes().to_vec(),
+                    ))
+                } else {
+                    Action::Nothing
+                }
+            }
+            SET_FEATURES => {
+                self.features_set = true;
+                let protocol = msg
+                    .body_u64()
+                    .is_some_and(|f| f & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0);
+                let held = std::mem::take(&mut self.held);
+                let mut out = vec![msg];
+                if protocol {
+                    for (index, num) in held {
+                        tracing::info!(
+                            "applying early SET_VRING_ENABLE({index}, {num}) after SET_FEATURES"
+                        );
+                        let mut body = index.to_le_bytes().to_vec();
+                        body.extend_from_slice(&num.to_le_bytes());
+                        out.push(Message::new(SET_VRING_ENABLE, FLAG_VERSION, body));
+                        add(&stats.replayed, 1);
+                    }
+                } else {
+                    // Without PROTOCOL_FEATURES every ring starts enabled.
+                    add(&stats.dropped, held.len() as u64);
+                }
+                Action::Forward(out)
+            }
+            RESET_OWNER | RESET_DEVICE => {
+                self.features_set = false;
+                add(&stats.dropped, self.held.len() as u64);
+                self.held.clear();
+                Action::Forward(vec![msg])
+            }
+            _ => Action::Forward(vec![msg]),
+        }
+    }
+}
+
+/// A running relay: two threads copying messages between a frontend and a backend socket.
+#[derive(Debug)]
+pub struct Relay {
+    frontend: UnixStream,
+    backend: UnixStream,
+    stats: Arc<AtomicStats>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Relay {
+    /// Starts relaying between `frontend` (the VMM's connection) and `backend` (the request
+    /// handler's connection).
+    ///
+    /// # Errors
+    /// Socket cloning or thread creation failed.
+    pub fn start(frontend: UnixStream, backend: UnixStream) -> io::Result<Self> {
+        let stats = Arc::new(AtomicStats::default());
+        let fe_writer = Arc::new(Mutex::new(frontend.try_clone()?));
+
+        let (fe_in, be_out, st, writer) = (
+            frontend.try_clone()?,
+            backend.try_clone()?,
+            stats.clone(),
+            fe_writer.clone(),
+        );
+        let down = thread::Builder::new()
+            .name("vu-relay-req".into())
+            .spawn(move || {
+                let mut seq = Sequencer::default();
+                loop {
+                    let msg = match recv_message(&fe_in) {
+                        Ok(Some(m)) => m,
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::debug!("frontend connection: {e}");
+                            break;
+                        }
+                    };
+                    let result = match seq.on_message(msg, &st) {
+                        Action::Forward(msgs) => msgs.iter().try_for_each(|m| {
+                            add(&st.to_backend, 1);
+                            send_message(&be_out, m)
+                        }),
+                        Action::Reply(reply) => {
+                            let w = writer.lock().unwrap_or_else(|e| e.into_inner());
+                            send_message(&w, &reply)
+                        }
+                        Action::Nothing => Ok(()),
+                    };
+                    if let Err(e) = result {
+                        tracing::debug!("relaying a request: {e}");
+                        break;
+                    }
+                }
+                // The backend sees the end of the connection and winds down.
+                let _ = be_out.shutdown(Shutdown::Both);
+                let _ = fe_in.shutdown(Shutdown::Read);
+            })?;
+
+        let (be_in, st, writer, fe_shut) = (
+            backend.try_clone()?,
+            stats.clone(),
+            fe_writer,
+            frontend.try_clone()?,
+        );
+        let up = thread::Builder::new()
+            .name("vu-relay-rep".into())
+            .spawn(move || {
+                loop {
+                    let msg = match recv_message(&be_in) {
+                        Ok(Some(m)) => m,
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::debug!("backend connection: {e}");
+                            break;
+                        }
+                    };
+                    add(&st.to_frontend, 1);
+                    let w = writer.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Err(e) = send_message(&w, &msg) {
+                        tracing::debug!("relaying a reply: {e}");
+                        break;
+                    }
+                }
+                // The backend ended the session (disconnect or protocol error): so does the
+                // frontend's connection.
+                let _ = fe_shut.shutdown(Shutdown::Both);
+            })?;
+
+        Ok(Self {
+            frontend,
+            backend,
+            stats,
+            threads: vec![down, up],
+        })
+    }
+
+    /// Ends the session: shuts both connections down, which stops both threads and the
+    /// backend's request handler.
+    pub fn shutdown(&self) {
+        let _ = self.frontend.shutdown(Shutdown::Both);
+        let _ = self.backend.shutdown(Shutdown::Both);
+    }
+
+    /// A clone of the frontend connection, to shut the session down from elsewhere.
+    ///
+    /// # Errors
+    /// The socket could not be cloned.
+    pub fn frontend_handle(&self) -> io::Result<UnixStream> {
+        self.frontend.try_clone()
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> RelayStats {
+        self.stats.snapshot()
+    }
+
+    /// Shuts down and waits for both threads.
+    pub fn join(mut self) -> RelayStats {
+        self.shutdown();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.stats.snapshot()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn enable(index: u32, num: u32, flags: u32) -> Message {
+        let mut body = index.to_le_bytes().to_vec();
+        body.extend_from_slice(&num.to_le_bytes());
+        Message::new(SET_VRING_ENABLE, flags, body)
+    }
+
+    fn features(f: u64) -> Message {
+        Message::new(SET_FEATURES, FLAG_VERSION, f.to_le_bytes().to_vec())
+    }
+
+    #[test]
+    fn early_enable_is_held_and_replayed_after_features() {
+        let st = AtomicStats::default();
+        let mut seq = Sequencer::default();
+        assert!(matches!(
+            seq.on_message(enable(0, 1, FLAG_VERSION), &st),
+            Action::Nothing
+        ));
+        assert!(matches!(
+            seq.on_message(enable(1, 0, FLAG_VERSION), &st),
+            Action::Nothing
+        ));
+        assert!(matches!(
+            seq.on_message(enable(1, 1, FLAG_VERSION), &st),
+            Action::Nothing
+        ));
+        let Action::Forward(out) = seq.on_message(
+            features(VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()),
+            &st,
+        ) else {
+            panic!("features must be forwarded");
+        };
+        let got: Vec<_> = out
+            .iter()
+            .map(|m| (m.request, m.body_u32(0), m.body_u32(4), m.flags))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (SET_FEATURES, Some(0x4000_0000), Some(0), FLAG_VERSION),
+                (SET_VRING_ENABLE, Some(0), Some(1), FLAG_VERSION),
+                (SET_VRING_ENABLE, Some(1), Some(1), FLAG_VERSION),
+            ]
+        );
+        // Later enables pass straight through.
+        assert!(matches!(
+            seq.on_message(enable(0, 0, FLAG_VERSION), &st),
+            Action::Forward(v) if v.len() == 1
+        ));
+        let s = st.snapshot();
+        assert_eq!((s.early_enables_held, s.early_enables_replayed), (3, 2));
+    }
+
+    #[test]
+    fn early_enable_needing_a_reply_is_acknowledged_by_the_relay() {
+        let st = AtomicStats::default();
+        let mut seq = Sequencer::default();
+        let Action::Reply(r) = seq.on_message(enable(0, 1, FLAG_VERSION | FLAG_NEED_REPLY), &st)
+        else {
+            panic!("a reply was requested");
+        };
+        assert_eq!(r.request, SET_VRING_ENABLE);
+        assert_eq!(r.flags, FLAG_VERSION | FLAG_REPLY);
+        assert_eq!(r.body_u64(), Some(0));
+    }
+
+    #[test]
+    fn held_enables_are_dropped_without_protocol_features_or_on_reset() {
+        let st = AtomicStats::default();
+        let mut seq = Sequencer::default();
+        seq.on_message(enable(0, 1, FLAG_VERSION), &st);
+        let Action::Forward(out) = seq.on_message(features(1 << 32), &st) else {
+            panic!();
+        };
+        assert_eq!(out.len(), 1);
+        seq.on_message(Message::new(RESET_OWNER, FLAG_VERSION, vec![]), &st);
+        seq.on_message(enable(0, 1, FLAG_VERSION), &st);
+        seq.on_message(Message::new(RESET_OWNER, FLAG_VERSION, vec![]), &st);
+        assert_eq!(st.snapshot().early_enables_dropped, 2);
+    }
+
+    #[test]
+    fn messages_and_fds_cross_a_socket_pair_intact() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let mut m = Message::new(5, FLAG_VERSION, vec![7u8; 300]);
+        m.fds.push(OwnedFd::from(file));
+        send_message(&a, &m).unwrap();
+        send_message(&a, &Message::new(1, FLAG_VERSION, vec![])).unwrap();
+        let r = recv_message(&b).unwrap().unwrap();
+        assert_eq!(
+            (r.request, r.flags, r.body.len(), r.fds.len()),
+            (5, 1, 300, 1)
+        );
+        let r = recv_message(&b).unwrap().unwrap();
+        assert_eq!((r.request, r.body.len(), r.fds.len()), (1, 0, 0));
+        drop(a);
+        assert!(recv_message(&b).unwrap().is_none());
+    }
+
+    #[test]
+    fn oversized_bodies_are_refused() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut hdr = [0u8; HEADER_LEN];
+        hdr[8..12].copy_from_slice(&(MAX_BODY as u32 + 1).to_le_bytes());
+        (&a).write_all(&hdr).unwrap();
+        assert_eq!(
+            recv_message(&b).unwrap_err().kind(),
+            io::ErrorKind::InvalidData
+        );
+    }
+}

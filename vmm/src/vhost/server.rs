@@ -1,0 +1,547 @@
+//! The vhost-user server: a listening socket, one frontend connection at a time, signals and
+//! a statistics socket.
+//!
+//! Each connection gets a fresh [`VhostUserDevice`] adapter and a fresh
+//! `vhost_user_backend::VhostUserDaemon` around the same device; the frontend's socket is
+//! joined to the daemon's request handler through a [`Relay`] (which fixes QEMU's early
+//! `SET_VRING_ENABLE`). When the frontend disconnects the device is reset and the server
+//! accepts the next one.
+//!
+//! The main loop polls the listening socket (between connections), a stop event, an optional
+//! signal fd (SIGINT/SIGTERM stop, SIGUSR1 prints statistics), an optional statistics socket
+//! (each connection gets one JSON line) and the end of the current connection.
+
+use std::fs::DirBuilder;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use devices::virtio::VirtioDevice;
+use serde_json::{json, Value};
+use vhost::vhost_user::Error as VhostUserError;
+use vhost_user_backend::{Error as DaemonError, VhostUserDaemon};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::backend::{Memory, VhostUserDevice};
+use super::relay::{Relay, RelayStats};
+
+/// Errors of the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// Another process is listening on the socket.
+    #[error("socket {0} is in use by a running server")]
+    SocketInUse(PathBuf),
+    /// The socket path exists and is not a socket.
+    #[error("{0} exists and is not a socket")]
+    NotASocket(PathBuf),
+    /// Binding or preparing a socket failed.
+    #[error("cannot listen on {path}: {source}")]
+    Bind {
+        /// The socket path.
+        path: PathBuf,
+        /// The cause.
+        source: io::Error,
+    },
+    /// An operating-system call of the main loop failed.
+    #[error("{what}: {source}")]
+    Os {
+        /// What was being done.
+        what: &'static str,
+        /// The cause.
+        source: io::Error,
+    },
+}
+
+/// Result of the server.
+pub type Result<T> = std::result::Result<T, ServerError>;
+
+fn os(what: &'static str) -> impl FnOnce(io::Error) -> ServerError {
+    move |source| ServerError::Os { what, source }
+}
+
+/// Binds a listening socket at `path`: refuses when a live server answers there or the path
+/// is not a socket; replaces a stale socket file.
+///
+/// # Errors
+/// [`ServerError::SocketInUse`], [`ServerError::NotASocket`], [`ServerError::Bind`].
+pub fn bind_socket(path: &Path) -> Result<UnixListener> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if !meta.file_type().is_socket() => {
+            return Err(ServerError::NotASocket(path.to_path_buf()))
+        }
+        Ok(_) => match UnixStream::connect(path) {
+            Ok(_) => return Err(ServerError::SocketInUse(path.to_path_buf())),
+            Err(_) => {
+                tracing::info!("replacing stale socket {}", path.display());
+                std::fs::remove_file(path).map_err(|source| ServerError::Bind {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+            }
+        },
+        Err(_) => {}
+    }
+    UnixListener::bind(path).map_err(|source| ServerError::Bind {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Blocked signals read through a signalfd.
+#[derive(Debug)]
+pub struct SignalFd {
+    fd: OwnedFd,
+}
+
+impl SignalFd {
+    /// Blocks `signals` in the calling thread (and in every thread it spawns afterwards) and
+    /// opens a signalfd for them. Call it before any thread is spawned, so no other thread
+    /// receives them.
+    ///
+    /// # Errors
+    /// The mask or the signalfd could not be set up.
+    pub fn new(signals: &[libc::c_int]) -> io::Result<Self> {
+        // SAFETY: sigset_t is plain data; sigemptyset initialises it before any other use.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` is a valid, writable sigset_t.
+        unsafe { libc::sigemptyset(&mut set) };
+        for &s in signals {
+            // SAFETY: `set` is initialised; an invalid signal number only returns an error.
+            if unsafe { libc::sigaddset(&mut set, s) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        // SAFETY: `set` is initialised; a null old-set pointer is allowed.
+        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        // SAFETY: `set` is initialised; -1 asks for a new descriptor.
+        let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: signalfd returned a new descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self { fd })
+    }
+
+    /// The next pending signal, if any.
+    pub fn read(&self) -> Option<libc::c_int> {
+        // SAFETY: signalfd_siginfo is plain data.
+        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+        let len = std::mem::size_of::<libc::signalfd_siginfo>();
+        // SAFETY: `info` is valid and writable for `len` bytes.
+        let n = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                (&mut info as *mut libc::signalfd_siginfo).cast(),
+                len,
+            )
+        };
+        if n == len as isize {
+            libc::c_int::try_from(info.ssi_signo).ok()
+        } else {
+            None
+        }
+    }
+}
+
+impl AsRawFd for SignalFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// A handle that stops a running [`Server::run`] from another thread.
+#[derive(Debug)]
+pub struct StopHandle(EventFd);
+
+impl StopHandle {
+    /// Asks the server to stop (it closes the current connection and returns).
+    pub fn stop(&self) {
+        let _ = self.0.write(1);
+    }
+}
+
+/// Where a statistics source comes from: a name and a closure producing JSON.
+type StatsSource = (String, Box<dyn Fn() -> Value + Send>);
+
+/// The connection being served.
+struct Connection {
+    frontend: UnixStream,
+    done: EventFd,
+    thread: JoinHandle<()>,
+}
+
+/// Counters kept across connections.
+#[derive(Debug, Default)]
+struct ServerCounters {
+    connections: AtomicU64,
+    failed_connections: AtomicU64,
+    relay: Mutex<RelayStats>,
+}
+
+/// A vhost-user server for one device.
+pub struct Server<D> {
+    name: String,
+    device: Arc<Mutex<D>>,
+    socket: PathBuf,
+    listener: UnixListener,
+    stats_socket: Option<(PathBuf, UnixListener)>,
+    sources: Vec<StatsSource>,
+    stop: EventFd,
+    signals: Option<SignalFd>,
+    /// The adapter of the current (or last) connection.
+    current: Option<Arc<VhostUserDevice<D>>>,
+    connected: bool,
+    counters: Arc<ServerCounters>,
+    started: Instant,
+}
+
+impl<D> std::fmt::Debug for Server<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("name", &self.name)
+            .field("socket", &self.socket)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Poll slots of the main loop.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Slot {
+    Stop,
+    Signal,
+    Stats,
+    Accept,
+    Done,
+}
+
+impl<D: VirtioDevice<Memory> + 'static> Server<D> {
+    /// Listens on `socket` for `device`.
+    ///
+    /// # Errors
+    /// As [`bind_socket`]; [`ServerError::Os`] when the stop event cannot be created.
+    pub fn bind(name: &str, device: D, socket: &Path) -> Result<Self> {
+        let listener = bind_socket(socket)?;
+        let stop = EventFd::new(EFD_NONBLOCK).map_err(os("creating the stop event"))?;
+        Ok(Self {
+            name: name.to_string(),
+            device: Arc::new(Mutex::new(device)),
+            socket: socket.to_path_buf(),
+            listener,
+            stats_socket: None,
+            sources: Vec::new(),
+            stop,
+            signals: None,
+            current: None,
+            connected: false,
+            counters: Arc::default(),
+            started: Instant::now(),
+        })
+    }
+
+    /// Also answers one JSON line of statistics to each connection on `path`.
+    ///
+    /// # Errors
+    /// As [`bind_socket`].
+    pub fn with_stats_socket(mut self, path: &Path) -> Result<Self> {
+        let l = bind_socket(path)?;
+        self.stats_socket = Some((path.to_path_buf(), l));
+        Ok(self)
+    }
+
+    /// Handles SIGINT/SIGTERM (stop) and SIGUSR1 (statistics to stderr) through `signals`.
+    pub fn with_signals(mut self, signals: SignalFd) -> Self {
+        self.signals = Some(signals);
+        self
+    }
+
+    /// Adds a statistics source shown under `name` (e.g. the bounce pool).
+    pub fn with_stats_source(
+        mut self,
+        name: &str,
+        source: impl Fn() -> Value + Send + 'static,
+    ) -> Self {
+        self.sources.push((name.to_string(), Box::new(source)));
+        self
+    }
+
+    /// A handle that stops [`Server::run`].
+    ///
+    /// # Errors
+    /// The event could not be duplicated.
+    pub fn stop_handle(&self) -> io::Result<StopHandle> {
+        self.stop.try_clone().map(StopHandle)
+    }
+
+    /// The socket path.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The statistics as JSON: the device's (with its workers' and the current connection's
+    /// transport counters), the extra sources and the server's own counters.
+    pub fn stats(&self) -> Value {
+        let mut v = match &self.current {
+            Some(adapter) => adapter.stats(),
+            None => json!({ "device": lock(&self.device).stats() }),
+        };
+        let c = &self.counters;
+        let relay = *lock(&c.relay);
+        v["server"] = json!({
+            "name": self.name,
+            "socket": self.socket,
+            "uptime_s": self.started.elapsed().as_secs_f64(),
+            "connections": c.connections.load(Ordering::Relaxed),
+            "failed_connections": c.failed_connections.load(Ordering::Relaxed),
+            "connected": self.connected,
+            "relay": relay,
+        });
+        for (name, f) in &self.sources {
+            v[name.as_str()] = f();
+        }
+        v
+    }
+
+    /// Serves frontends one after another until stopped (stop handle, SIGINT or SIGTERM).
+    ///
+    /// # Errors
+    /// [`ServerError::Os`] when polling or accepting fails beyond recovery. A connection that
+    /// fails to start is logged and the next one is accepted.
+    pub fn run(&mut self) -> Result<()> {
+        let mut conn: Option<Connection> = None;
+        let mut stopping = false;
+        while !stopping {
+            let mut slots = vec![(Slot::Stop, self.stop.as_raw_fd())];
+            if let Some(s) = &self.signals {
+                slots.push((Slot::Signal, s.as_raw_fd()));
+            }
+            if let Some((_, l)) = &self.stats_socket {
+                slots.push((Slot::Stats, l.as_raw_fd()));
+            }
+            match &conn {
+                Some(c) => slots.push((Slot::Done, c.done.as_raw_fd())),
+                None => slots.push((Slot::Accept, self.listener.as_raw_fd())),
+            }
+            for slot in poll(&slots, -1).map_err(os("polling"))? {
+                match slot {
+                    Slot::Stop => {
+                        let _ = self.stop.read();
+                        stopping = true;
+                    }
+                    Slot::Signal => {
+                        while let Some(sig) = self.signals.as_ref().and_then(SignalFd::read) {
+                            match sig {
+                                libc::SIGUSR1 => eprintln!("{}", self.stats()),
+                                libc::SIGINT | libc::SIGTERM => {
+                                    tracing::info!("signal {sig}: stopping");
+                                    stopping = true;
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                    Slot::Stats => self.answer_stats(),
+                    Slot::Accept => match self.listener.accept() {
+                        Ok((stream, _)) => match self.start_connection(stream) {
+                            Ok(c) => {
+                                conn = Some(c);
+                                self.connected = true;
+                            }
+                            Err(e) => {
+                                self.counters
+                                    .failed_connections
+                                    .fetch_add(1, Ordering::Relaxed);
+                                tracing::error!("cannot serve the new connection: {e}");
+                            }
+                        },
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(os("accepting a connection")(e)),
+                    },
+                    Slot::Done => {
+                        if let Some(c) = conn.take() {
+                            let _ = c.thread.join();
+                        }
+                        self.connected = false;
+                        tracing::info!("frontend disconnected; waiting for the next one");
+                    }
+                }
+            }
+        }
+        if let Some(c) = conn.take() {
+            let _ = c.frontend.shutdown(std::net::Shutdown::Both);
+            // The session winds down once its sockets are shut; don't hang on a stuck one.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !c.thread.is_finished() && Instant::now() < deadline {
+                thread::sleep(Duration::from_millis(10));
+            }
+            if c.thread.is_finished() {
+                let _ = c.thread.join();
+            } else {
+                tracing::warn!("the session did not end within 5 s; leaving it behind");
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes one JSON line to a statistics client.
+    fn answer_stats(&self) {
+        let Some((_, l)) = &self.stats_socket else {
+            return;
+        };
+        if let Ok((mut s, _)) = l.accept() {
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            let line = format!("{}\n", self.stats());
+            if let Err(e) = s.write_all(line.as_bytes()) {
+                tracing::debug!("statistics client: {e}");
+            }
+        }
+    }
+
+    /// Starts serving `frontend`: a new adapter and daemon, a relay, and a thread that waits
+    /// for the end of the session and resets the device.
+    fn start_connection(&mut self, frontend: UnixStream) -> io::Result<Connection> {
+        let n = self.counters.connections.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::info!("frontend connected (connection {n})");
+        let adapter = Arc::new(VhostUserDevice::shared(self.device.clone()));
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
+        let mut daemon = VhostUserDaemon::new(self.name.clone(), adapter.clone(), mem)
+            .map_err(|e| io::Error::other(format!("creating the daemon: {e}")))?;
+        adapter.attach(daemon.get_epoll_handlers());
+        let backend = match connect_daemon(&mut daemon, n) {
+            Ok(b) => b,
+            Err(e) => {
+                exit_daemon(&daemon, &adapter);
+                return Err(e);
+            }
+        };
+        let relay = match Relay::start(frontend, backend) {
+            Ok(r) => r,
+            Err(e) => {
+                exit_daemon(&daemon, &adapter);
+                return Err(e);
+            }
+        };
+        let handle = relay.frontend_handle()?;
+        let done = EventFd::new(EFD_NONBLOCK)?;
+        let done2 = done.try_clone()?;
+        let counters = self.counters.clone();
+        let session_adapter = adapter.clone();
+        let thread = thread::Builder::new()
+            .name(format!("vu-session-{n}"))
+            .spawn(move || {
+                let result = daemon.wait();
+                let stats = relay.join();
+                exit_daemon(&daemon, &session_adapter);
+                match result {
+                    Ok(())
+                    | Err(DaemonError::HandleRequest(
+                        VhostUserError::Disconnected
+                        | VhostUserError::PartialMessage
+                        | VhostUserError::SocketBroken(_),
+                    )) => tracing::debug!("session {n} ended"),
+                    Err(e) => tracing::warn!("session {n} ended: {e}"),
+                }
+                let mut total = lock(&counters.relay);
+                total.to_backend += stats.to_backend;
+                total.to_frontend += stats.to_frontend;
+                total.early_enables_held += stats.early_enables_held;
+                total.early_enables_replayed += stats.early_enables_replayed;
+                total.early_enables_dropped += stats.early_enables_dropped;
+                drop(total);
+                let _ = done2.write(1);
+            })?;
+        self.current = Some(adapter);
+        Ok(Connection {
+            frontend: handle,
+            done,
+            thread,
+        })
+    }
+}
+
+impl<D> Drop for Server<D> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        if let Some((p, _)) = &self.stats_socket {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Tells the daemon's epoll threads to exit and resets the adapter's device.
+fn exit_daemon<D: VirtioDevice<Memory> + 'static>(
+    daemon: &VhostUserDaemon<Arc<VhostUserDevice<D>>>,
+    adapter: &VhostUserDevice<D>,
+) {
+    for h in daemon.get_epoll_handlers() {
+        h.send_exit_event();
+    }
+    adapter.detach();
+}
+
+/// Connects the daemon's request handler to a private socket and returns our end.
+fn connect_daemon<D: VirtioDevice<Memory> + 'static>(
+    daemon: &mut VhostUserDaemon<Arc<VhostUserDevice<D>>>,
+    n: u64,
+) -> io::Result<UnixStream> {
+    let dir = std::env::temp_dir().join(format!("bouncevm-vhost.{}.{n}", std::process::id()));
+    DirBuilder::new().mode(0o700).create(&dir)?;
+    let path = dir.join("s");
+    let result = (|| {
+        let listener = UnixListener::bind(&path)?;
+        let p = path
+            .to_str()
+            .ok_or_else(|| io::Error::other("temporary path is not UTF-8"))?;
+        daemon
+            .start_client(p)
+            .map_err(|e| io::Error::other(format!("starting the request handler: {e}")))?;
+        let (stream, _) = listener.accept()?;
+        Ok(stream)
+    })();
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_dir(&dir);
+    result
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Polls `slots` for input; returns the ready ones.
+fn poll(slots: &[(Slot, RawFd)], timeout_ms: i32) -> io::Result<Vec<Slot>> {
+    let mut fds: Vec<libc::pollfd> = slots
+        .iter()
+        .map(|&(_, fd)| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    loop {
+        // SAFETY: `fds` is a valid array of `fds.len()` pollfd structures.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
+        if n >= 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+    Ok(fds
+        .iter()
+        .zip(slots)
+        .filter(|(p, _)| p.revents != 0)
+        .map(|(_, &(s, _))| s)
+        .collect())
+}

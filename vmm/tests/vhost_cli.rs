@@ -1,0 +1,240 @@
+//! `bouncevm-vhost` as a user runs it: errors are one line with a non-zero status; the server
+//! answers statistics, survives reconnections and stops cleanly on signals.
+
+mod vhost_support;
+
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bouncevm-vhost-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn image(name: &str) -> PathBuf {
+    let p = tmp(name);
+    std::fs::File::create(&p)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    p
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().unwrap()
+}
+
+fn assert_one_line_error(out: &Output, needle: &str) {
+    assert!(!out.status.success(), "expected failure");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "expected one line, got: {err}");
+    assert!(lines[0].starts_with("bouncevm-vhost: error: "), "{err}");
+    assert!(lines[0].contains(needle), "'{needle}' not in: {err}");
+}
+
+/// A running server, killed on drop.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(args: &[&str]) -> Running {
+    Running(
+        Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+fn wait_for(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn signal(child: &Child, sig: libc::c_int) {
+    // SAFETY: kill() on our own child's pid has no memory effects.
+    #[allow(clippy::undocumented_unsafe_blocks)]
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, sig) };
+    assert_eq!(rc, 0);
+}
+
+fn stats(path: &Path) -> serde_json::Value {
+    let mut s = UnixStream::connect(path).unwrap();
+    let mut line = String::new();
+    s.read_to_string(&mut line).unwrap();
+    assert!(line.ends_with('\n'));
+    serde_json::from_str(line.trim()).unwrap()
+}
+
+#[test]
+fn bad_flags_are_one_line() {
+    assert_one_line_error(&run(&["blk", "--socket", "/tmp/x"]), "--file");
+    assert_one_line_error(&run(&["frob"]), "frob");
+    assert_one_line_error(
+        &run(&[
+            "blk", "--socket", "/tmp/x", "--file", "/x", "--format", "vmdk",
+        ]),
+        "vmdk",
+    );
+    assert_one_line_error(
+        &run(&[
+            "blk",
+            "--socket",
+            "/tmp/x",
+            "--file",
+            "/x",
+            "--bounce",
+            "alloc=best",
+        ]),
+        "unknown allocator",
+    );
+    assert_one_line_error(
+        &run(&["net", "--socket", "/tmp/x", "--tap", "t0", "--mac", "zz"]),
+        "MAC",
+    );
+    assert!(run(&["--help"]).status.success());
+}
+
+#[test]
+fn a_missing_image_is_one_line() {
+    let sock = tmp("missing.sock");
+    let out = run(&[
+        "blk",
+        "--socket",
+        sock.to_str().unwrap(),
+        "--file",
+        "/nonexistent/disk.img",
+    ]);
+    assert_one_line_error(&out, "cannot open image /nonexistent/disk.img");
+    assert!(!sock.exists());
+}
+
+#[test]
+fn an_occupied_socket_is_refused_and_a_stale_one_replaced() {
+    let img = image("occupied.img");
+    let sock = tmp("occupied.sock");
+    let _ = std::fs::remove_file(&sock);
+    let args = [
+        "blk",
+        "--socket",
+        sock.to_str().unwrap(),
+        "--file",
+        img.to_str().unwrap(),
+    ];
+    let first = spawn(&args);
+    wait_for(&sock);
+    assert_one_line_error(&run(&args), "in use");
+    drop(first); // SIGKILL: leaves a stale socket file behind
+    assert!(sock.exists());
+    let second = spawn(&args);
+    std::thread::sleep(Duration::from_millis(300));
+    let mut child = second;
+    assert!(
+        child.0.try_wait().unwrap().is_none(),
+        "the stale socket was not replaced"
+    );
+}
+
+#[test]
+fn stats_socket_sigusr1_reconnect_and_sigterm() {
+    let img = image("stats.img");
+    let sock = tmp("stats.sock");
+    let stats_sock = tmp("stats.stats");
+    let mut server = spawn(&[
+        "blk",
+        "--socket",
+        sock.to_str().unwrap(),
+        "--file",
+        img.to_str().unwrap(),
+        "--bounce",
+        "policy=force,slots=1024,alloc=bitmap",
+        "--stats-socket",
+        stats_sock.to_str().unwrap(),
+    ]);
+    wait_for(&stats_sock);
+    let s = stats(&stats_sock);
+    assert_eq!(s["bounce"]["allocator"], "bitmap");
+    assert_eq!(s["bounce"]["nslabs"], 1024);
+    assert_eq!(s["device"]["type"], "block");
+    // Two frontends one after the other: each negotiates; the device is reset between them.
+    for _ in 0..2 {
+        let mut d = vhost_support::Driver::connect(&sock, 1);
+        let offered = d.handshake().unwrap();
+        assert_ne!(offered & devices::virtio::features::ACCESS_PLATFORM, 0);
+        drop(d);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stats(&stats_sock)["server"]["connections"] != 2
+        || stats(&stats_sock)["server"]["connected"] != false
+    {
+        assert!(Instant::now() < deadline, "second connection not seen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    signal(&server.0, libc::SIGUSR1);
+    std::thread::sleep(Duration::from_millis(200));
+    signal(&server.0, libc::SIGTERM);
+    let status = server.0.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    let mut err = String::new();
+    server
+        .0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let json_lines: Vec<serde_json::Value> = err
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        json_lines.len(),
+        2,
+        "SIGUSR1 and final statistics expected: {err}"
+    );
+    assert_eq!(json_lines[1]["server"]["connections"], 2);
+    assert!(
+        !sock.exists() && !stats_sock.exists(),
+        "sockets removed at exit"
+    );
+}
+
+#[test]
+fn no_access_platform_is_honoured() {
+    let img = image("noap.img");
+    let sock = tmp("noap.sock");
+    let _server = spawn(&[
+        "blk",
+        "--socket",
+        sock.to_str().unwrap(),
+        "--file",
+        img.to_str().unwrap(),
+        "--no-access-platform",
+    ]);
+    let mut d = vhost_support::Driver::connect(&sock, 1);
+    let offered = d.handshake().unwrap();
+    assert_eq!(offered & devices::virtio::features::ACCESS_PLATFORM, 0);
+}

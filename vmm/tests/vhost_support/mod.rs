@@ -1,0 +1,439 @@
+//! Test helpers: a small echo device and a vhost-user frontend driving one split virtqueue.
+#![allow(dead_code, clippy::undocumented_unsafe_blocks)]
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use devices::virtio::{
+    features, ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent,
+};
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
+use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{
+    Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap,
+    GuestMemoryRegion,
+};
+use vmm::vhost::Memory;
+use vmm_sys_util::eventfd::EventFd;
+
+/// Device type used by the echo device (not a real virtio type).
+pub const ECHO_TYPE: u32 = 0xe0;
+/// Token of the echo worker's own eventfd.
+pub const EXTRA_TOKEN: u32 = 7;
+/// The echo device's configuration space.
+pub const CONFIG: &[u8; 8] = b"ECHOCONF";
+
+/// Counters shared between a test and its echo device.
+#[derive(Debug, Default)]
+pub struct EchoCounters {
+    pub activations: AtomicU64,
+    pub resets: AtomicU64,
+    pub chains: AtomicU64,
+    pub extra_events: AtomicU64,
+    pub config_writes: AtomicU64,
+    pub acked: AtomicU64,
+}
+
+/// A device with `queues` queues; every chain's readable bytes are copied into its writable
+/// buffers. One worker serves all queues (so the layout puts them on one thread).
+pub struct EchoDevice {
+    pub queues: usize,
+    pub counters: Arc<EchoCounters>,
+    /// The worker's extra fd (a test writes to it to wake the worker).
+    pub extra: Arc<EventFd>,
+    pub active: bool,
+}
+
+impl EchoDevice {
+    pub fn new(queues: usize) -> Self {
+        Self {
+            queues,
+            counters: Arc::default(),
+            extra: Arc::new(EventFd::new(libc::EFD_NONBLOCK).unwrap()),
+            active: false,
+        }
+    }
+}
+
+impl VirtioDevice<Memory> for EchoDevice {
+    fn device_type(&self) -> u32 {
+        ECHO_TYPE
+    }
+    fn num_queues(&self) -> usize {
+        self.queues
+    }
+    fn queue_max_size(&self) -> u16 {
+        256
+    }
+    fn avail_features(&self) -> u64 {
+        features::VERSION_1 | features::RING_EVENT_IDX | features::ACCESS_PLATFORM
+    }
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = usize::try_from(offset)
+                .ok()
+                .and_then(|o| o.checked_add(i))
+                .and_then(|at| CONFIG.get(at))
+                .copied()
+                .unwrap_or(0);
+        }
+    }
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {
+        self.counters.config_writes.fetch_add(1, Ordering::Relaxed);
+    }
+    fn activate(
+        &mut self,
+        acked_features: u64,
+    ) -> Result<Vec<Box<dyn QueueWorker<Memory>>>, ActivateError> {
+        if self.active {
+            return Err(ActivateError::AlreadyActive);
+        }
+        self.active = true;
+        self.counters.activations.fetch_add(1, Ordering::Relaxed);
+        self.counters.acked.store(acked_features, Ordering::Relaxed);
+        Ok(vec![Box::new(EchoWorker {
+            queues: (0..self.queues as u16).collect(),
+            counters: self.counters.clone(),
+            extra: self.extra.clone(),
+        })])
+    }
+    fn reset(&mut self) {
+        self.active = false;
+        self.counters.resets.fetch_add(1, Ordering::Relaxed);
+    }
+    fn stats(&self) -> serde_json::Value {
+        serde_json::json!({ "chains": self.counters.chains.load(Ordering::Relaxed) })
+    }
+}
+
+struct EchoWorker {
+    queues: Vec<u16>,
+    counters: Arc<EchoCounters>,
+    extra: Arc<EventFd>,
+}
+
+impl EchoWorker {
+    fn drain(&self, mem: &Memory, q: &mut Queue) -> Result<bool, WorkerError> {
+        let broken = |e: virtio_queue::Error| WorkerError::Broken(e.to_string());
+        let mut used = false;
+        loop {
+            q.disable_notification(mem).map_err(broken)?;
+            while let Some(chain) = q.pop_descriptor_chain(mem) {
+                let head = chain.head_index();
+                let mut data = Vec::new();
+                let mut written = 0u32;
+                for d in chain {
+                    if d.is_write_only() {
+                        let n = (d.len() as usize).min(data.len() - written as usize);
+                        let from = written as usize;
+                        mem.write_slice(&data[from..from + n], d.addr())
+                            .map_err(|e| WorkerError::Broken(e.to_string()))?;
+                        written += n as u32;
+                    } else {
+                        let mut buf = vec![0u8; d.len() as usize];
+                        mem.read_slice(&mut buf, d.addr())
+                            .map_err(|e| WorkerError::Broken(e.to_string()))?;
+                        data.extend_from_slice(&buf);
+                    }
+                }
+                q.add_used(mem, head, written).map_err(broken)?;
+                self.counters.chains.fetch_add(1, Ordering::Relaxed);
+                used = true;
+            }
+            if !q.enable_notification(mem).map_err(broken)? {
+                break;
+            }
+        }
+        Ok(used && q.needs_notification(mem).map_err(broken)?)
+    }
+}
+
+impl QueueWorker<Memory> for EchoWorker {
+    fn queue_indexes(&self) -> Vec<u16> {
+        self.queues.clone()
+    }
+    fn extra_fds(&self) -> Vec<(RawFd, u32)> {
+        vec![(self.extra.as_raw_fd(), EXTRA_TOKEN)]
+    }
+    fn handle(
+        &mut self,
+        event: WorkerEvent,
+        mem: &Memory,
+        queues: &mut [&mut Queue],
+    ) -> Result<Signal, WorkerError> {
+        let mut signal = Signal::NONE;
+        match event {
+            WorkerEvent::Kick(i) => {
+                let q = queues
+                    .get_mut(i)
+                    .ok_or(WorkerError::UnexpectedEvent(event))?;
+                if self.drain(mem, q)? {
+                    signal.add(i);
+                }
+            }
+            WorkerEvent::Fd(EXTRA_TOKEN) => {
+                let _ = self.extra.read();
+                self.counters.extra_events.fetch_add(1, Ordering::Relaxed);
+                // Signal queue 0 so the test can see the event was handled.
+                signal.add(0);
+            }
+            WorkerEvent::Fd(_) => return Err(WorkerError::UnexpectedEvent(event)),
+        }
+        Ok(signal)
+    }
+}
+
+/// Guest memory layout of the test driver (one queue per 0x10000 block).
+pub const MEM_SIZE: usize = 4 << 20;
+pub const QSIZE: u16 = 16;
+
+fn desc_addr(q: usize) -> u64 {
+    (q as u64) * 0x10000
+}
+fn avail_addr(q: usize) -> u64 {
+    desc_addr(q) + 0x1000
+}
+fn used_addr(q: usize) -> u64 {
+    desc_addr(q) + 0x2000
+}
+/// Data buffers of queue `q`.
+pub fn data_addr(q: usize) -> u64 {
+    0x20_0000 + (q as u64) * 0x10000
+}
+
+/// A vhost-user frontend with shared guest memory and split rings, as QEMU would drive it.
+pub struct Driver {
+    pub frontend: Frontend,
+    /// A clone of the frontend's socket, for messages the `vhost` frontend refuses to send
+    /// (QEMU's early SET_VRING_ENABLE).
+    pub raw: UnixStream,
+    pub mem: GuestMemoryMmap,
+    pub kicks: Vec<EventFd>,
+    pub calls: Vec<EventFd>,
+    avail_idx: Vec<u16>,
+    used_seen: Vec<u16>,
+}
+
+fn memfd(size: usize) -> File {
+    let name = std::ffi::CString::new("vhost-test").unwrap();
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    let f = unsafe { File::from_raw_fd(fd) };
+    f.set_len(size as u64).unwrap();
+    f
+}
+
+impl Driver {
+    /// Connects to `path` (retrying while the server starts).
+    pub fn connect(path: &Path, queues: usize) -> Self {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let stream = loop {
+            match UnixStream::connect(path) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("connecting to {}: {e}", path.display()),
+            }
+        };
+        Self::from_stream(stream, queues)
+    }
+
+    pub fn from_stream(stream: UnixStream, queues: usize) -> Self {
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let raw = stream.try_clone().unwrap();
+        let frontend = Frontend::from_stream(stream, queues as u64);
+        let mem = GuestMemoryMmap::from_ranges_with_files(&[(
+            GuestAddress(0),
+            MEM_SIZE,
+            Some(FileOffset::new(memfd(MEM_SIZE), 0)),
+        )])
+        .unwrap();
+        Self {
+            frontend,
+            raw,
+            mem,
+            kicks: (0..queues).map(|_| EventFd::new(0).unwrap()).collect(),
+            calls: (0..queues)
+                .map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap())
+                .collect(),
+            avail_idx: vec![0; queues],
+            used_seen: vec![0; queues],
+        }
+    }
+
+    /// Sends SET_VRING_ENABLE on the raw socket, whatever was negotiated (QEMU 7.2's order).
+    pub fn raw_vring_enable(&mut self, index: u32, enable: bool) {
+        let mut msg = Vec::new();
+        for w in [18u32, 0x1, 8, index, u32::from(enable)] {
+            msg.extend_from_slice(&w.to_le_bytes());
+        }
+        self.raw.write_all(&msg).unwrap();
+    }
+
+    /// SET_OWNER, GET_FEATURES, protocol features; returns the backend's virtio features.
+    pub fn handshake(&mut self) -> vhost::Result<u64> {
+        self.frontend.set_owner()?;
+        let features = self.frontend.get_features()?;
+        let proto = self.frontend.get_protocol_features()?;
+        self.frontend.set_protocol_features(
+            proto
+                & (VhostUserProtocolFeatures::CONFIG
+                    | VhostUserProtocolFeatures::REPLY_ACK
+                    | VhostUserProtocolFeatures::MQ),
+        )?;
+        Ok(features)
+    }
+
+    /// SET_FEATURES with `features | PROTOCOL_FEATURES`.
+    pub fn set_features(&mut self, features: u64) -> vhost::Result<()> {
+        self.frontend
+            .set_features(features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
+    }
+
+    /// SET_MEM_TABLE and the rings of queues `0..n` (num, base, addr, kick, call).
+    pub fn setup_rings(&mut self, n: usize) -> vhost::Result<()> {
+        let region = self.mem.find_region(GuestAddress(0)).unwrap();
+        let info = VhostUserMemoryRegionInfo::from_guest_region(region)?;
+        self.frontend.set_mem_table(&[info])?;
+        let host = |gpa: u64| {
+            region
+                .get_host_address(vm_memory::MemoryRegionAddress(gpa))
+                .unwrap() as u64
+        };
+        for q in 0..n {
+            // Zero the rings (a previous session may have left indexes behind).
+            self.mem
+                .write_slice(&[0u8; 0x3000], GuestAddress(desc_addr(q)))
+                .unwrap();
+            self.avail_idx[q] = 0;
+            self.used_seen[q] = 0;
+            self.frontend.set_vring_num(q, QSIZE)?;
+            self.frontend.set_vring_base(q, 0)?;
+            self.frontend.set_vring_addr(
+                q,
+                &VringConfigData {
+                    queue_max_size: QSIZE,
+                    queue_size: QSIZE,
+                    flags: 0,
+                    desc_table_addr: host(desc_addr(q)),
+                    used_ring_addr: host(used_addr(q)),
+                    avail_ring_addr: host(avail_addr(q)),
+                    log_addr: None,
+                },
+            )?;
+            self.frontend.set_vring_kick(q, &self.kicks[q])?;
+            self.frontend.set_vring_call(q, &self.calls[q])?;
+        }
+        Ok(())
+    }
+
+    /// Posts a chain (one readable buffer with `data`, one writable of `out_len`) on queue
+    /// `q` and kicks it. Returns the head index.
+    pub fn post(&mut self, q: usize, data: &[u8], out_len: u32) -> u16 {
+        let slot = self.avail_idx[q] % QSIZE;
+        let head = (slot * 2) % QSIZE;
+        let next = head + 1;
+        let inbuf = data_addr(q) + u64::from(head) * 0x800;
+        let outbuf = inbuf + 0x400;
+        self.mem.write_slice(data, GuestAddress(inbuf)).unwrap();
+        let d = |i: u16| GuestAddress(desc_addr(q) + u64::from(i) * 16);
+        // addr, len, flags (1 = NEXT, 2 = WRITE), next
+        self.mem.write_obj(inbuf, d(head)).unwrap();
+        self.mem
+            .write_obj(data.len() as u32, d(head).unchecked_add(8))
+            .unwrap();
+        self.mem.write_obj(1u16, d(head).unchecked_add(12)).unwrap();
+        self.mem.write_obj(next, d(head).unchecked_add(14)).unwrap();
+        self.mem.write_obj(outbuf, d(next)).unwrap();
+        self.mem
+            .write_obj(out_len, d(next).unchecked_add(8))
+            .unwrap();
+        self.mem.write_obj(2u16, d(next).unchecked_add(12)).unwrap();
+        self.mem.write_obj(0u16, d(next).unchecked_add(14)).unwrap();
+        let avail = GuestAddress(avail_addr(q));
+        self.mem
+            .write_obj(head, avail.unchecked_add(4 + 2 * u64::from(slot)))
+            .unwrap();
+        // used_event (EVENT_IDX): notify as soon as anything new is used.
+        self.mem
+            .write_obj(
+                self.used_seen[q],
+                avail.unchecked_add(4 + 2 * u64::from(QSIZE)),
+            )
+            .unwrap();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.avail_idx[q] = self.avail_idx[q].wrapping_add(1);
+        self.mem
+            .write_obj(self.avail_idx[q], avail.unchecked_add(2))
+            .unwrap();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.kicks[q].write(1).unwrap();
+        head
+    }
+
+    /// Waits up to `timeout` for the call eventfd of queue `q`.
+    pub fn wait_call(&self, q: usize, timeout: Duration) -> bool {
+        let mut p = libc::pollfd {
+            fd: self.calls[q].as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n == 1 {
+            let _ = self.calls[q].read();
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The next used element of queue `q` (id, len), if the device has produced one.
+    pub fn next_used(&mut self, q: usize) -> Option<(u32, u32)> {
+        let used = GuestAddress(used_addr(q));
+        let idx: u16 = self.mem.read_obj(used.unchecked_add(2)).unwrap();
+        if idx == self.used_seen[q] {
+            return None;
+        }
+        let slot = u64::from(self.used_seen[q] % QSIZE);
+        let e = used.unchecked_add(4 + 8 * slot);
+        let id: u32 = self.mem.read_obj(e).unwrap();
+        let len: u32 = self.mem.read_obj(e.unchecked_add(4)).unwrap();
+        self.used_seen[q] = self.used_seen[q].wrapping_add(1);
+        Some((id, len))
+    }
+
+    /// Reads what the device wrote for the chain with head `head` on queue `q`.
+    pub fn output(&self, q: usize, head: u16, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        let outbuf = data_addr(q) + u64::from(head) * 0x800 + 0x400;
+        self.mem.read_slice(&mut buf, GuestAddress(outbuf)).unwrap();
+        buf
+    }
+
+    /// Posts `data` on queue `q` and waits for its echo; returns the echoed bytes.
+    pub fn echo(&mut self, q: usize, data: &[u8]) -> Option<Vec<u8>> {
+        let head = self.post(q, data, 256);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Some((id, len)) = self.next_used(q) {
+                assert_eq!(id, u32::from(head));
+                return Some(self.output(q, head, len as usize));
+            }
+            self.wait_call(q, Duration::from_millis(100));
+        }
+        None
+    }
+}
