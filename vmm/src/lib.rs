@@ -13,6 +13,9 @@
 //!   [`pci::PciDevice`] trait a virtio-pci function implements.
 //! * [`boot`]: Linux boot helpers (bzImage and PVH loading, boot_params/e820, page tables,
 //!   GDT, CPUID topology, MSRs, MP table).
+//! * [`virtio_pci`]: the modern virtio-pci transport (MSI-X through irqfd, notifications
+//!   through ioeventfd) for `devices::virtio::VirtioDevice`s.
+//! * [`cli`]: the `bouncevm` command line; [`qmp`]: the QMP monitor.
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
 //! * [`vhost`]: the vhost-user transport (`bouncevm-vhost`): any device core served to QEMU.
 //! * [`options`]: command-line options shared by the binaries (`--bounce`/`-bounce`).
@@ -24,6 +27,7 @@
 
 pub mod boot;
 pub mod bus;
+pub mod cli;
 pub mod exit;
 pub mod irq;
 pub mod layout;
@@ -32,8 +36,10 @@ pub mod machine;
 pub mod memory;
 pub mod options;
 pub mod pci;
+pub mod qmp;
 pub mod vcpu;
 pub mod vhost;
+pub mod virtio_pci;
 pub mod vm;
 
 pub use bus::{Bus, BusDevice};

@@ -13,59 +13,8 @@ use vmm::boot::linux::LinuxBootConfig;
 use vmm::exit::ExitReason;
 use vmm::{Machine, MachineConfig};
 
-const KERNEL_ADDR: u64 = 0x10_0000;
 const MEM: u64 = 4 << 20;
 const CMDLINE: &str = "console=ttyS0 reboot=k";
-
-/// An ELF64 executable loading `code` at `KERNEL_ADDR` with entry `KERNEL_ADDR`, and with a
-/// Xen PHYS32_ENTRY note pointing there when `pvh`.
-fn build_elf(code: &[u8], pvh: bool) -> Vec<u8> {
-    const NOTE_OFF: u64 = 0x180;
-    const CODE_OFF: u64 = 0x200;
-    let phnum: u16 = if pvh { 2 } else { 1 };
-    let mut f = vec![0u8; CODE_OFF as usize];
-    let mut ehdr = Vec::new();
-    ehdr.extend([0x7f, b'E', b'L', b'F', 2, 1, 1, 0]);
-    ehdr.extend([0u8; 8]);
-    ehdr.extend(2u16.to_le_bytes()); // ET_EXEC
-    ehdr.extend(0x3eu16.to_le_bytes()); // x86-64
-    ehdr.extend(1u32.to_le_bytes());
-    ehdr.extend(KERNEL_ADDR.to_le_bytes()); // e_entry
-    ehdr.extend(64u64.to_le_bytes()); // e_phoff
-    ehdr.extend(0u64.to_le_bytes()); // e_shoff
-    ehdr.extend(0u32.to_le_bytes()); // e_flags
-    ehdr.extend(64u16.to_le_bytes()); // e_ehsize
-    ehdr.extend(56u16.to_le_bytes()); // e_phentsize
-    ehdr.extend(phnum.to_le_bytes());
-    ehdr.extend([0u8; 6]); // shentsize, shnum, shstrndx
-    assert_eq!(ehdr.len(), 64);
-    f[..64].copy_from_slice(&ehdr);
-    let phdr = |ty: u32, off: u64, paddr: u64, size: u64| {
-        let mut p = Vec::new();
-        p.extend(ty.to_le_bytes());
-        p.extend(5u32.to_le_bytes()); // R+X
-        p.extend(off.to_le_bytes());
-        p.extend(paddr.to_le_bytes()); // vaddr
-        p.extend(paddr.to_le_bytes()); // paddr
-        p.extend(size.to_le_bytes()); // filesz
-        p.extend(size.to_le_bytes()); // memsz
-        p.extend(0x1000u64.to_le_bytes());
-        p
-    };
-    f[64..120].copy_from_slice(&phdr(1, CODE_OFF, KERNEL_ADDR, code.len() as u64));
-    if pvh {
-        f[120..176].copy_from_slice(&phdr(4, NOTE_OFF, 0, 20));
-        let mut note = Vec::new();
-        note.extend(4u32.to_le_bytes()); // namesz
-        note.extend(4u32.to_le_bytes()); // descsz
-        note.extend(18u32.to_le_bytes()); // XEN_ELFNOTE_PHYS32_ENTRY
-        note.extend(*b"Xen\0");
-        note.extend((KERNEL_ADDR as u32).to_le_bytes());
-        f[NOTE_OFF as usize..NOTE_OFF as usize + 20].copy_from_slice(&note);
-    }
-    f.extend_from_slice(code);
-    f
-}
 
 /// A bzImage with one setup sector whose protected-mode part has `code64` at its 64-bit
 /// entry (+0x200).

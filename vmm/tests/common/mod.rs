@@ -145,6 +145,87 @@ impl Asm {
             .mov_dx(0xcfc)
             .in_eax_dx()
     }
+    /// `and eax, imm32` (any).
+    pub fn and_eax(&mut self, v: u32) -> &mut Self {
+        self.b(&[0x25]).b(&v.to_le_bytes())
+    }
+    /// `mov ebx, eax` (any).
+    pub fn mov_ebx_eax(&mut self) -> &mut Self {
+        self.b(&[0x89, 0xc3])
+    }
+    /// `mov ecx, eax` (any).
+    pub fn mov_ecx_eax(&mut self) -> &mut Self {
+        self.b(&[0x89, 0xc1])
+    }
+    /// `or eax, ebx` (any).
+    pub fn or_eax_ebx(&mut self) -> &mut Self {
+        self.b(&[0x09, 0xd8])
+    }
+    /// `test ebx, ebx` (any).
+    pub fn test_ebx(&mut self) -> &mut Self {
+        self.b(&[0x85, 0xdb])
+    }
+    /// `test eax, eax` (any).
+    pub fn test_eax(&mut self) -> &mut Self {
+        self.b(&[0x85, 0xc0])
+    }
+    /// `jz rel8` with a placeholder; returns the position to patch with [`Asm::patch_to_here`].
+    pub fn jz_fwd(&mut self) -> usize {
+        self.b(&[0x74, 0]);
+        self.code.len() - 1
+    }
+    /// Points the rel8 at `at` to the current position.
+    pub fn patch_to_here(&mut self, at: usize) -> &mut Self {
+        let rel = self.code.len() as isize - (at as isize + 1);
+        self.code[at] = i8::try_from(rel).expect("rel8") as u8;
+        self
+    }
+    /// `jz label` (backward, rel8).
+    pub fn jz_to(&mut self, label: usize) -> &mut Self {
+        let rel = label as isize - (self.code.len() as isize + 2);
+        self.b(&[0x74, i8::try_from(rel).expect("rel8") as u8])
+    }
+    /// `jmp label` (rel8).
+    pub fn jmp_to(&mut self, label: usize) -> &mut Self {
+        let rel = label as isize - (self.code.len() as isize + 2);
+        self.b(&[0xeb, i8::try_from(rel).expect("rel8") as u8])
+    }
+    /// `mov dword [base + disp32], imm32`; `base` is a register number (ebx 3, ecx 1).
+    pub fn st32(&mut self, base: u8, disp: u32, v: u32) -> &mut Self {
+        self.b(&[0xc7, 0x80 | base])
+            .b(&disp.to_le_bytes())
+            .b(&v.to_le_bytes())
+    }
+    /// `mov word [base + disp32], imm16`.
+    pub fn st16(&mut self, base: u8, disp: u32, v: u16) -> &mut Self {
+        self.b(&[0x66, 0xc7, 0x80 | base])
+            .b(&disp.to_le_bytes())
+            .b(&v.to_le_bytes())
+    }
+    /// `mov byte [base + disp32], imm8`.
+    pub fn st8(&mut self, base: u8, disp: u32, v: u8) -> &mut Self {
+        self.b(&[0xc6, 0x80 | base]).b(&disp.to_le_bytes()).b(&[v])
+    }
+    /// `mov eax, dword [base + disp32]`.
+    pub fn ld32(&mut self, base: u8, disp: u32) -> &mut Self {
+        self.b(&[0x8b, 0x80 | base]).b(&disp.to_le_bytes())
+    }
+    /// `movzx eax, word [base + disp32]`.
+    pub fn ld16(&mut self, base: u8, disp: u32) -> &mut Self {
+        self.b(&[0x0f, 0xb7, 0x80 | base]).b(&disp.to_le_bytes())
+    }
+    /// `movzx eax, byte [base + disp32]`.
+    pub fn ld8(&mut self, base: u8, disp: u32) -> &mut Self {
+        self.b(&[0x0f, 0xb6, 0x80 | base]).b(&disp.to_le_bytes())
+    }
+    /// `movzx eax, word [abs32]` (32-bit mode).
+    pub fn ld16_abs(&mut self, addr: u32) -> &mut Self {
+        self.b(&[0x0f, 0xb7, 0x05]).b(&addr.to_le_bytes())
+    }
+    /// `movzx eax, byte [abs32]` (32-bit mode).
+    pub fn ld8_abs(&mut self, addr: u32) -> &mut Self {
+        self.b(&[0x0f, 0xb6, 0x05]).b(&addr.to_le_bytes())
+    }
     /// Writes eax... to PCI config register `reg` of 00:`dev`.0 (value in `v`).
     pub fn conf1_write(&mut self, dev: u8, reg: u8, v: u32) -> &mut Self {
         let addr = 0x8000_0000 | u32::from(dev) << 11 | u32::from(reg) << 2;
@@ -216,4 +297,57 @@ impl Write for SharedBuf {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// Where the stand-in kernels load.
+pub const KERNEL_ADDR: u64 = 0x10_0000;
+
+/// An ELF64 executable loading `code` at `KERNEL_ADDR` with entry `KERNEL_ADDR`, and with a
+/// Xen PHYS32_ENTRY note pointing there when `pvh`.
+pub fn build_elf(code: &[u8], pvh: bool) -> Vec<u8> {
+    const NOTE_OFF: u64 = 0x180;
+    const CODE_OFF: u64 = 0x200;
+    let phnum: u16 = if pvh { 2 } else { 1 };
+    let mut f = vec![0u8; CODE_OFF as usize];
+    let mut ehdr = Vec::new();
+    ehdr.extend([0x7f, b'E', b'L', b'F', 2, 1, 1, 0]);
+    ehdr.extend([0u8; 8]);
+    ehdr.extend(2u16.to_le_bytes()); // ET_EXEC
+    ehdr.extend(0x3eu16.to_le_bytes()); // x86-64
+    ehdr.extend(1u32.to_le_bytes());
+    ehdr.extend(KERNEL_ADDR.to_le_bytes()); // e_entry
+    ehdr.extend(64u64.to_le_bytes()); // e_phoff
+    ehdr.extend(0u64.to_le_bytes()); // e_shoff
+    ehdr.extend(0u32.to_le_bytes()); // e_flags
+    ehdr.extend(64u16.to_le_bytes()); // e_ehsize
+    ehdr.extend(56u16.to_le_bytes()); // e_phentsize
+    ehdr.extend(phnum.to_le_bytes());
+    ehdr.extend([0u8; 6]); // shentsize, shnum, shstrndx
+    assert_eq!(ehdr.len(), 64);
+    f[..64].copy_from_slice(&ehdr);
+    let phdr = |ty: u32, off: u64, paddr: u64, size: u64| {
+        let mut p = Vec::new();
+        p.extend(ty.to_le_bytes());
+        p.extend(5u32.to_le_bytes()); // R+X
+        p.extend(off.to_le_bytes());
+        p.extend(paddr.to_le_bytes()); // vaddr
+        p.extend(paddr.to_le_bytes()); // paddr
+        p.extend(size.to_le_bytes()); // filesz
+        p.extend(size.to_le_bytes()); // memsz
+        p.extend(0x1000u64.to_le_bytes());
+        p
+    };
+    f[64..120].copy_from_slice(&phdr(1, CODE_OFF, KERNEL_ADDR, code.len() as u64));
+    if pvh {
+        f[120..176].copy_from_slice(&phdr(4, NOTE_OFF, 0, 20));
+        let mut note = Vec::new();
+        note.extend(4u32.to_le_bytes()); // namesz
+        note.extend(4u32.to_le_bytes()); // descsz
+        note.extend(18u32.to_le_bytes()); // XEN_ELFNOTE_PHYS32_ENTRY
+        note.extend(*b"Xen\0");
+        note.extend((KERNEL_ADDR as u32).to_le_bytes());
+        f[NOTE_OFF as usize..NOTE_OFF as usize + 20].copy_from_slice(&note);
+    }
+    f.extend_from_slice(code);
+    f
 }
