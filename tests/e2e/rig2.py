@@ -56,7 +56,10 @@ def require_rig2() -> None:
 
 
 def bouncevm_path() -> Path:
-    return Path(os.environ.get("BVM_BOUNCEVM") or (REPO / "target" / "release" / "bouncevm"))
+    if os.environ.get("BVM_BOUNCEVM"):
+        return Path(os.environ["BVM_BOUNCEVM"])
+    target = Path(os.environ.get("CARGO_TARGET_DIR") or (REPO / "target"))
+    return target / "release" / "bouncevm"
 
 
 def require_bouncevm() -> Path:
