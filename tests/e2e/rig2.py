@@ -396,6 +396,12 @@ class L1Run:
         return int(v) if v not in (None, "") else None
 
     @property
+    def l2_halted(self) -> bool:
+        """L2 printed "System halted" (e.g. poweroff without an ACPI power-off path) and l1-vmm
+        killed the still-running VMM after its grace period."""
+        return bool(self.l1.get("l2-halted")) or self.vmm.get("l2_halted") == "1"
+
+    @property
     def results(self) -> list[dict]:
         return self.l2.get("RESULT", [])
 

@@ -57,3 +57,10 @@ def test_l2_vmlinux_has_pvh_entry():
     rig2.require_root()
     p = rig2.l2_vmlinux()
     assert rig2.pvh_entry(p.read_bytes()) is not None
+
+
+def test_l2_halt_is_reported():
+    r = _run(SAMPLE.replace("BVM-L1 vmm rc=0 start=10.42 end=120.20 elapsed_s=109.8 timed_out=0",
+                            "BVM-L1 l2-halted uptime=100 vmm_killed=1\n"
+                            "BVM-L1 vmm rc=137 start=10.42 end=120.20 elapsed_s=109.8 timed_out=0 l2_halted=1"))
+    assert r.l2_halted and r.vmm_rc == 137

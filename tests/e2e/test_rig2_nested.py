@@ -98,5 +98,8 @@ def test_rig2_bouncevm_l2():
         assert drv in traffic, f"x-query-bounce lists no {drv}: {traffic}\n{run.describe()}"
         maps, nbytes = traffic[drv]
         assert maps > 0 and nbytes > 0, f"{drv} shows no bounced traffic: {traffic}\n{q}"
+    assert not run.l2_halted, (
+        "L2's poweroff halted the machine ('System halted': no power-off path the guest can "
+        "use, e.g. no ACPI) and bouncevm kept running; l1-vmm killed it\n" + run.describe())
     assert run.vmm_rc == 0, f"bouncevm exited rc={run.vmm_rc} after L2 powered off\n{run.describe()}"
     _report("rig2_bouncevm_l2", run, v, rr, ip)
