@@ -378,7 +378,8 @@ class L1Run:
         if self.timed_out:
             return "timed out (host side)"
         if not self.l1_done:
-            return "L1 did not finish"
+            return (f"L1's QEMU exited rc={self.returncode} before L1 finished, without an "
+                    f"Oops/panic in its log (the TCG QEMU itself died?)")
         return ""
 
     # ---- VMM / L2 facts
