@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for p in fio iperf3 busybox-static cpio iproute2 xz-utils kmod socat qemu-utils; do
+for p in fio iperf3 busybox-static cpio iproute2 xz-utils zstd kmod socat qemu-utils; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then
