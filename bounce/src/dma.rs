@@ -494,3 +494,78 @@ fn read_slice<B: BitmapSlice, R: ReadVolatile>(
     }
     Ok(done)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::PoolConfig;
+    use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryMmap};
+
+    #[test]
+    fn policies_parse_and_decide() {
+        assert_eq!("off".parse::<Policy>().unwrap(), Policy::Off);
+        assert_eq!("force".parse::<Policy>().unwrap(), Policy::Force);
+        assert_eq!("mask=32".parse::<Policy>().unwrap(), Policy::Mask(32));
+        for bad in ["mask=0", "mask=65", "mask=", "sometimes", ""] {
+            assert!(bad.parse::<Policy>().is_err(), "{bad}");
+        }
+        assert!(!Policy::Off.needs_bounce(u64::MAX - 10, 4));
+        assert!(Policy::Force.needs_bounce(0, 1));
+        let m32 = Policy::Mask(32);
+        assert!(
+            !m32.needs_bounce(0xffff_f000, 0x1000),
+            "ends exactly at the mask"
+        );
+        assert!(
+            m32.needs_bounce(0xffff_f000, 0x1001),
+            "one byte above the mask"
+        );
+        assert!(m32.needs_bounce(0x1_0000_0000, 1));
+        assert!(!Policy::Mask(64).needs_bounce(u64::MAX, 1));
+        assert_eq!(Policy::Mask(40).to_string(), "mask=40");
+    }
+
+    #[test]
+    fn mask_policy_bounces_only_buffers_above_the_mask() {
+        // Guest RAM below and above 4 GiB.
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[
+            (GuestAddress(0xffff_0000), 0x1_0000),
+            (GuestAddress(0x1_0000_0000), 0x1_0000),
+        ])
+        .unwrap();
+        let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(256)).unwrap());
+        let dma = Dma::bounced(Policy::Mask(32), Arc::clone(&pool));
+        let low = dma
+            .map(&mem, 0xffff_0000, 4096, Direction::FromDevice, 0)
+            .unwrap();
+        assert!(!low.is_bounced());
+        assert_eq!(low.dev_addr(), 0xffff_0000);
+        let high = dma
+            .map(&mem, 0x1_0000_0000, 4096, Direction::FromDevice, 0)
+            .unwrap();
+        assert!(high.is_bounced());
+        assert!(pool.contains(high.dev_addr(), 4096));
+        // The device writes both; after unmap guest memory holds the data either way.
+        dma.write(&mem, &low, 0, &[1; 4096]).unwrap();
+        dma.write(&mem, &high, 0, &[2; 4096]).unwrap();
+        dma.unmap(&mem, low, 0).unwrap();
+        dma.unmap(&mem, high, 0).unwrap();
+        let mut buf = [0u8; 4096];
+        mem.read_slice(&mut buf, GuestAddress(0xffff_0000)).unwrap();
+        assert_eq!(buf, [1; 4096]);
+        mem.read_slice(&mut buf, GuestAddress(0x1_0000_0000))
+            .unwrap();
+        assert_eq!(buf, [2; 4096]);
+        assert_eq!((pool.stats().maps, pool.used()), (1, 0));
+        // Out-of-range offsets within a buffer are errors, not panics.
+        let b = dma
+            .map(&mem, 0x1_0000_0000, 16, Direction::ToDevice, 0)
+            .unwrap();
+        assert!(dma.read(&mem, &b, 8, &mut [0u8; 9]).is_err());
+        assert!(dma.write(&mem, &b, usize::MAX, &[0u8; 2]).is_err());
+        dma.unmap(&mem, b, 0).unwrap();
+        // Not guest memory at all.
+        assert!(dma.map(&mem, 0x5000, 16, Direction::ToDevice, 0).is_err());
+        let _ = mem.num_regions();
+    }
+}

@@ -131,6 +131,19 @@ impl BouncePool {
             bytes,
             reason: e.to_string(),
         })?;
+        // Touch every page now, as Linux's pool is resident memory: otherwise the first pass
+        // of a rolling index over fresh anonymous memory pays a page fault per 4 KiB and
+        // skews every measurement taken during it.
+        let zeros = [0u8; 65536];
+        let whole = memory.as_volatile_slice();
+        let mut off = 0;
+        while off < bytes {
+            let n = (bytes - off).min(zeros.len());
+            if let Ok(part) = whole.subslice(off, n) {
+                part.copy_from(&zeros[..n]);
+            }
+            off += n;
+        }
         let meta = (0..geom.nslabs).map(|_| SlotMeta::new()).collect();
         Ok(Self {
             geom,

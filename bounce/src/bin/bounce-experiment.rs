@@ -2,7 +2,9 @@
 //! command: map+unmap pairs per second for each allocator, thread count, size and copy mode,
 //! measured side by side in interleaved rounds (this machine is shared and noisy: ratios taken
 //! in the same run are what to compare), printed as a table with the median of the rounds, the
-//! ratio to a baseline allocator, and the time spent waiting for allocator locks.
+//! ratio to a baseline allocator, and the time spent waiting for allocator locks. With copies, a
+//! plain memcpy of the same bytes (in and back out) is measured in the same rounds as the
+//! physical reference.
 //!
 //! ```text
 //! bounce-experiment --alloc legacy,areas,areas-bitmap --threads 1,2,4,8 --size 4k,64k
@@ -188,6 +190,42 @@ fn worker<M: OrigMemory>(
     (n, failed)
 }
 
+/// The physical reference: `threads` threads each copying `size` bytes in and back out (what a
+/// bidirectional map+unmap pair copies) for `dur`; returns pairs per second in millions.
+fn memcpy_reference(threads: usize, size: usize, dur: Duration) -> f64 {
+    let stop = Arc::new(AtomicBool::new(false));
+    let pairs = Arc::new(AtomicU64::new(0));
+    let barrier = Arc::new(Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let (stop, pairs, barrier) =
+                (Arc::clone(&stop), Arc::clone(&pairs), Arc::clone(&barrier));
+            std::thread::spawn(move || {
+                let orig = vec![0x5au8; size];
+                let mut bounce = vec![0u8; size];
+                let mut back = vec![0u8; size];
+                barrier.wait();
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    bounce.copy_from_slice(std::hint::black_box(&orig));
+                    back.copy_from_slice(std::hint::black_box(&bounce));
+                    std::hint::black_box(&back);
+                    n += 1;
+                }
+                pairs.fetch_add(n, Ordering::Relaxed);
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    std::thread::sleep(dur);
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        let _ = h.join();
+    }
+    pairs.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64() / 1e6
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -244,7 +282,11 @@ fn run(args: &Args) -> Result<Vec<Cell>, String> {
             for &copy in &copies {
                 let mut samples: Vec<(Vec<f64>, Vec<f64>, u64)> =
                     vec![(Vec::new(), Vec::new(), 0); kinds.len()];
+                let mut reference = Vec::new();
                 for _ in 0..args.rounds {
+                    if copy {
+                        reference.push(memcpy_reference(t, size, dur));
+                    }
                     // Interleave allocators inside each round.
                     for (i, (_, pool)) in pools.iter().enumerate() {
                         let (n, el, wait, f) = measure(pool, t, size, copy, args.depth, dur);
@@ -264,6 +306,24 @@ fn run(args: &Args) -> Result<Vec<Cell>, String> {
                     .iter()
                     .position(|k| *k == baseline)
                     .map_or(1.0, |i| meds[i].0);
+                if copy {
+                    let mops = median(&mut reference);
+                    cells.push(Cell {
+                        alloc: "memcpy (reference)".to_string(),
+                        threads: t,
+                        size,
+                        copy,
+                        mops,
+                        ns_per_pair: if mops > 0.0 {
+                            1e3 * t as f64 / mops
+                        } else {
+                            f64::INFINITY
+                        },
+                        lock_wait_pct: 0.0,
+                        failures: 0,
+                        ratio: if base > 0.0 { mops / base } else { 0.0 },
+                    });
+                }
                 for (i, k) in kinds.iter().enumerate() {
                     let (mops, wait, failures) = meds[i];
                     cells.push(Cell {
