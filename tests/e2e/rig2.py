@@ -669,7 +669,8 @@ def bouncevm_l2_argv(bvm: str, kernel: str, initrd: str, append: str, disk: str 
 def run_l2(name: str, vmm: str = "qemu", test: str = "fio-verify", params: dict | None = None,
            append: str = "", disk: str = "tmpfs", disk_size: str = "256M", net: bool = True,
            query: str | None = None, timeout: float = DEFAULT_TIMEOUT, vmm_timeout: int | None = None,
-           bounce: str = "policy=force", boot_retries: int = 1, tcg_thread: str = "multi") -> L1Run:
+           bounce: str = "policy=force", boot_retries: int = 1, tcg_thread: str = "multi",
+           kernel: str = "pvh") -> L1Run:
     """Boots L1, which runs `vmm` ('qemu' or 'bouncevm' or a path to a bouncevm-compatible
     binary) booting L2 = Debian cloud kernel (PVH vmlinux) + the fio/iperf3 initramfs with the
     images/init test(s) `test`.
@@ -677,13 +678,19 @@ def run_l2(name: str, vmm: str = "qemu", test: str = "fio-verify", params: dict 
     disk: 'tmpfs' (a sparse raw image created in L1's RAM: the block figures are L2's path only)
           or 'share' (tests/out/NAME.share/disk.img over 9p) or None (no disk);
     query: QMP command polled by l1-vmm (default: x-query-bounce for bouncevm, query-status
-           for QEMU), answers in NAME.share/out/qmp-*.json (L1Run.qmp_done / qmp_last)."""
+           for QEMU), answers in NAME.share/out/qmp-*.json (L1Run.qmp_done / qmp_last);
+    kernel: 'pvh' (the uncompressed vmlinux, PVH entry) or 'bzimage' (the Debian vmlinuz as
+           it is: real-mode setup header, 64-bit entry, in-kernel decompression)."""
     require_root()
-    vmlinux = l2_vmlinux()
     img = images()
     l1_images()
     share = Share(name)
-    k = share.add(vmlinux, "l2/vmlinux")
+    if kernel == "bzimage":
+        k = share.add(img.vmlinuz, "l2/vmlinuz")
+    elif kernel == "pvh":
+        k = share.add(l2_vmlinux(), "l2/vmlinux")
+    else:
+        raise ValueError(f"kernel must be 'pvh' or 'bzimage', not {kernel!r}")
     i = share.add(img.initramfs, "l2/initramfs.cpio")
     prep = ""
     if disk == "tmpfs":

@@ -103,3 +103,21 @@ def test_rig2_bouncevm_l2():
         "use, e.g. no ACPI) and bouncevm kept running; l1-vmm killed it\n" + run.describe())
     assert run.vmm_rc == 0, f"bouncevm exited rc={run.vmm_rc} after L2 powered off\n{run.describe()}"
     _report("rig2_bouncevm_l2", run, v, rr, ip)
+
+
+@skip_if_missing
+def test_rig2_bouncevm_l2_bzimage():
+    """Issue 5 point 1: the same stock kernel booted by bouncevm from the Debian bzImage
+    (vmlinuz as shipped) rather than the PVH vmlinux; a short fio verify passes and the VMM exits
+    0 when L2 powers off."""
+    require_bouncevm()
+    require_rig2()
+    rig2.require_root()
+    run = rig2.run_l2("rig2_bouncevm_l2_bzimage", vmm="bouncevm", test="fio-verify",
+                      params={"size": "16M"}, bounce="policy=force", net=False, kernel="bzimage")
+    _check_l1(run)
+    assert not run.l2_crash, f"L2 kernel crashed: {run.l2_crash}\n{run.describe()}"
+    v = run.ok("fio-verify")
+    assert v["verify_errors"] == "0" and v["fio_error"] == "0", run.describe()
+    assert not run.l2_halted, "L2's poweroff halted the machine and bouncevm kept running\n" + run.describe()
+    assert run.vmm_rc == 0, f"bouncevm exited rc={run.vmm_rc}\n{run.describe()}"
