@@ -255,7 +255,11 @@ fn guest_acpi_poweroff_ends_bouncevm_with_status_zero() {
     let out = run_logged(&args);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "stderr: {err}");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "acpi\n", "stderr: {err}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "acpi\n",
+        "stderr: {err}"
+    );
     assert!(err.contains("ACPI S5"), "stderr: {err}");
     assert!(err.contains("PowerOff"), "stderr: {err}");
 
@@ -264,7 +268,11 @@ fn guest_acpi_poweroff_ends_bouncevm_with_status_zero() {
     no_acpi.push("-no-acpi");
     let out = run_logged(&no_acpi);
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "acpi\nfail\n", "stderr: {err}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "acpi\nfail\n",
+        "stderr: {err}"
+    );
     assert!(!err.contains("PowerOff"), "stderr: {err}");
 }
 

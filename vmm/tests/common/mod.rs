@@ -276,7 +276,8 @@ impl Asm {
         rel32(self, &[0x0f, 0x84], &mut fail); // jz fail
         self.b(&[0x66, 0xb8]).b(&(5u16 << 10).to_le_bytes()); // mov ax, SLP_TYP=5
         self.b(&[0x66, 0xef]); // out dx, ax
-        self.b(&[0x66, 0xb8]).b(&((5u16 << 10) | (1 << 13)).to_le_bytes()); // | SLP_EN
+        self.b(&[0x66, 0xb8])
+            .b(&((5u16 << 10) | (1 << 13)).to_le_bytes()); // | SLP_EN
         self.b(&[0x66, 0xef]); // out dx, ax
         fail
     }
