@@ -151,6 +151,9 @@ pub struct Config {
     pub devices: Vec<DeviceSpec>,
     /// `-no-reboot`.
     pub no_reboot: bool,
+    /// `-no-acpi`: no ACPI tables and no PM registers (the MP table alone describes the
+    /// machine; a guest `poweroff` then only halts).
+    pub no_acpi: bool,
     /// `-qmp`.
     pub qmp: Option<QmpSpec>,
     /// `-bounce` without `id=`: the default for every device (bouncing is off otherwise).
@@ -340,6 +343,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Config> {
     // Devices with the position of the flag, so implicit drives keep command-line order.
     let mut devices: Vec<DeviceSpec> = Vec::new();
     let mut no_reboot = false;
+    let mut no_acpi = false;
     let mut qmp = None;
     let mut bounce_default = None;
     let mut bounce = Vec::new();
@@ -538,6 +542,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Config> {
                 }
             }
             "-no-reboot" => no_reboot = true,
+            "-no-acpi" => no_acpi = true,
             "-accel" | "-enable-kvm" => {
                 if name == "-accel" && arg != "kvm" {
                     return Err(CliError::BadValue {
@@ -643,6 +648,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Config> {
         netdevs,
         devices,
         no_reboot,
+        no_acpi,
         qmp,
         bounce_default,
         bounce,
@@ -720,6 +726,12 @@ mod tests {
         assert_eq!(c.bounce_for("drive0").policy, bounce::Policy::Force);
         assert_eq!(c.bounce_for("n0").policy, bounce::Policy::Off);
         assert!(c.no_reboot);
+        assert!(!c.no_acpi);
+    }
+
+    #[test]
+    fn no_acpi_flag() {
+        assert!(p(&["-kernel", "k", "-no-acpi"]).unwrap().no_acpi);
     }
 
     #[test]

@@ -21,7 +21,8 @@ pub enum ExitReason {
     /// The guest triple-faulted (KVM_EXIT_SHUTDOWN). QEMU treats this as a reset, so under
     /// `-no-reboot` it also ends with status 0; it is logged as a warning.
     TripleFault,
-    /// The guest powered off (KVM system-event shutdown).
+    /// The guest powered off (ACPI S5 through the PM1a control register, KVM system-event
+    /// shutdown) or the host asked for a power-down (QMP `system_powerdown`).
     PowerOff,
     /// The guest reported a crash (KVM system-event crash).
     GuestCrash,

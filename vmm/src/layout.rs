@@ -5,7 +5,8 @@
 //! 0x0000_6000  PVH hvm_start_info + memmap     0x0000_7000  Linux zero page (boot_params)
 //! 0x0000_8ff0  boot stack pointer              0x0000_9000  PML4, PDPT, 4 PDs (to 0xf000)
 //! 0x0002_0000  kernel command line (64 KiB)    0x0009_fc00  EBDA start (end of low RAM in e820)
-//! 0x000f_0000  MP floating pointer + table     0x0010_0000  kernel (HIMEM)
+//! 0x000e_0000  ACPI RSDP + tables (64 KiB)     0x000f_0000  MP floating pointer + table
+//! 0x0010_0000  kernel (HIMEM)
 //! 0xc000_0000  MMIO hole start: PCI 32-bit BAR window (to 0xe000_0000)
 //! 0xe000_0000  PCIe ECAM, bus 0 only (1 MiB used of the 256 MiB window)
 //! 0xfec0_0000  IOAPIC                          0xfee0_0000  local APIC
@@ -13,7 +14,8 @@
 //! 0x1_0000_0000  RAM above 4 GiB when RAM is larger than the hole start
 //! ```
 //!
-//! Port I/O: 0x60/0x64 i8042, 0x3f8 COM1, 0x501 debug exit, 0xcf8-0xcff PCI conf1.
+//! Port I/O: 0x60/0x64 i8042, 0x3f8 COM1, 0x501 debug exit, 0x600-0x605 ACPI PM1a event and
+//! control blocks, 0xcf8-0xcff PCI conf1.
 
 /// Start of the boot GDT.
 pub const BOOT_GDT_START: u64 = 0x500;
@@ -41,6 +43,11 @@ pub const CMDLINE_START: u64 = 0x20000;
 pub const CMDLINE_MAX_SIZE: usize = 0x10000;
 /// Start of the extended BIOS data area; low RAM in the e820 map ends here.
 pub const EBDA_START: u64 = 0x9fc00;
+/// ACPI RSDP and tables: the first 64 KiB of the BIOS area 0xE0000-0xFFFFF that Linux scans
+/// for the RSDP (reserved in the e820 map, up to 1 MiB).
+pub const ACPI_START: u64 = 0xe0000;
+/// Size of the ACPI table area (it ends where the MP table starts).
+pub const ACPI_MAX_SIZE: usize = 0x10000;
 /// MP floating pointer structure and configuration table (BIOS ROM area, scanned by Linux).
 pub const MPTABLE_START: u64 = 0xf0000;
 /// Size of the MP table area.
@@ -88,3 +95,13 @@ pub const DEBUG_EXIT_PORT: u16 = 0x501;
 pub const PCI_CONFIG_IO_PORT: u16 = 0xcf8;
 /// Number of ports decoded by configuration mechanism #1.
 pub const PCI_CONFIG_IO_LEN: u16 = 8;
+/// ACPI PM1a event block (status at +0, enable at +2; 4 bytes).
+pub const PM1A_EVT_BLK: u16 = 0x600;
+/// Length of the PM1a event block.
+pub const PM1_EVT_LEN: u8 = 4;
+/// ACPI PM1a control block (2 bytes).
+pub const PM1A_CNT_BLK: u16 = 0x604;
+/// Length of the PM1a control block.
+pub const PM1_CNT_LEN: u8 = 2;
+/// The ACPI System Control Interrupt (ISA IRQ and GSI 9, level, active high).
+pub const ACPI_SCI_IRQ: u8 = 9;

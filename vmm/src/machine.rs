@@ -6,6 +6,7 @@
 //! let mut m = Machine::new(&MachineConfig { mem_size: 512 << 20, vcpus: 2 })?;
 //! m.add_serial(std::io::stdout())?;
 //! m.add_i8042()?;
+//! m.add_acpi()?;
 //! let _pci = m.add_pci()?;
 //! m.load_linux(&vmm::boot::linux::LinuxBootConfig {
 //!     kernel: "vmlinux".into(),
@@ -20,7 +21,7 @@
 //!
 //! Lifecycle: [`Machine::new`] → add devices, configure vCPUs → [`Machine::start`] spawns
 //! one thread per vCPU → [`RunningMachine::wait`] blocks until someone requests an exit
-//! (guest reset, debug exit, error, or [`RunningMachine::stop`]), then kicks every vCPU out
+//! (guest reset, ACPI power-off, debug exit, error, or [`RunningMachine::stop`]), then kicks every vCPU out
 //! of `KVM_RUN`, joins the threads and returns the [`MachineExit`].
 
 use std::io::Write;
@@ -37,9 +38,9 @@ use crate::bus::Bus;
 use crate::exit::{ExitHandle, ExitReason};
 use crate::layout::{
     COM1_IRQ, COM1_PORT, I8042_COMMAND_PORT, I8042_DATA_PORT, PCI_CONFIG_IO_LEN,
-    PCI_CONFIG_IO_PORT, PCI_ECAM_SIZE, PCI_ECAM_START, SERIAL_PORT_LEN,
+    PCI_CONFIG_IO_PORT, PCI_ECAM_SIZE, PCI_ECAM_START, PM1A_EVT_BLK, SERIAL_PORT_LEN,
 };
-use crate::legacy::{DebugExit, IrqTrigger, SerialConsole, I8042};
+use crate::legacy::{AcpiPm, DebugExit, IrqTrigger, SerialConsole, ACPI_PM_PORTS, I8042};
 use crate::memory::{self, RamRange};
 use crate::pci::{PciConfigIo, PciConfigMmio, PciRoot};
 use crate::vcpu::{self, Vcpu, VcpuStats};
@@ -78,6 +79,9 @@ pub enum Error {
     /// Register setup.
     #[error(transparent)]
     Regs(#[from] boot::regs::Error),
+    /// ACPI tables.
+    #[error(transparent)]
+    Acpi(#[from] boot::acpi::Error),
     /// Linux loading.
     #[error(transparent)]
     Linux(#[from] boot::linux::Error),
@@ -115,6 +119,7 @@ pub struct Machine {
     mmio: Arc<Bus>,
     exit: ExitHandle,
     pci: Option<Arc<PciRoot>>,
+    rsdp: Option<u64>,
 }
 
 impl Machine {
@@ -151,6 +156,7 @@ impl Machine {
             mmio: Arc::new(Bus::new("mmio")),
             exit: ExitHandle::new()?,
             pci: None,
+            rsdp: None,
         })
     }
 
@@ -246,6 +252,28 @@ impl Machine {
         Ok(())
     }
 
+    /// Adds ACPI: writes the tables of [`boot::acpi`] (RSDP at 0xE0000) for this machine's
+    /// vCPUs and registers the PM1a registers ([`AcpiPm`]) at [`PM1A_EVT_BLK`], so a guest
+    /// entering S5 (`poweroff`) ends the VM with [`ExitReason::PowerOff`].
+    /// [`Machine::load_linux`] then hands the kernel the RSDP address. Without this call
+    /// the machine has no ACPI (the MP table alone describes it, as with QEMU's `-no-acpi`).
+    ///
+    /// # Errors
+    /// [`Error::Acpi`], [`Error::Bus`].
+    pub fn add_acpi(&mut self) -> Result<()> {
+        let rsdp = boot::acpi::write_acpi_tables(self.memory(), self.vcpus.len())?;
+        let dev = Arc::new(Mutex::new(AcpiPm::new(self.exit.clone())));
+        self.pio
+            .insert(dev, PM1A_EVT_BLK.into(), ACPI_PM_PORTS.into())?;
+        self.rsdp = Some(rsdp);
+        Ok(())
+    }
+
+    /// The ACPI RSDP address, once [`Machine::add_acpi`] was called.
+    pub fn acpi_rsdp(&self) -> Option<u64> {
+        self.rsdp
+    }
+
     /// Adds PCI bus 0 with its host bridge, configuration mechanism #1 at 0xCF8 and the ECAM
     /// window at [`PCI_ECAM_START`]. Add functions through the returned root.
     ///
@@ -290,7 +318,13 @@ impl Machine {
     /// # Errors
     /// [`Error::Linux`], and the errors of [`Machine::configure_linux_vcpus`].
     pub fn load_linux(&self, cfg: &boot::linux::LinuxBootConfig) -> Result<()> {
-        let entry = boot::linux::setup_linux(self.memory(), &self.ram, self.vcpus.len(), cfg)?;
+        let entry = boot::linux::setup_linux_with_acpi(
+            self.memory(),
+            &self.ram,
+            self.vcpus.len(),
+            cfg,
+            self.rsdp,
+        )?;
         self.configure_linux_vcpus()?;
         if let Some(bsp) = self.vcpus.first() {
             entry.apply(bsp, self.memory())?;

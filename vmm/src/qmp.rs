@@ -16,14 +16,15 @@
 //! Anything else gets `{"error": {"class": "CommandNotFound", "desc": ...}}`; an `id` member
 //! is echoed in the reply.
 //!
-//! **`system_powerdown` is not an ACPI power button.** bouncevm has no ACPI, so there is no
-//! event the guest could see and act on. The command ends the VM from the host side, in order:
+//! **`system_powerdown` is not an ACPI power button.** bouncevm's ACPI tables declare no fixed
+//! power button and nothing raises the SCI, so there is no event the guest could see and act on. The command ends the VM from the host side, in order:
 //! the vCPUs are stopped, the device workers are stopped (requests complete synchronously, so
 //! none is left half done), every disk is flushed to stable storage (`fdatasync`), and the VMM
 //! exits with status 0 and a `SHUTDOWN` event. What the guest held in its own page cache is
 //! lost, as with pulling the plug after a host-side flush. A guest that should shut down
 //! cleanly must be told so another way (e.g. over its console) and then power off or reboot
-//! itself (`reboot -f` resets through the i8042, which ends the VMM with status 0).
+//! itself (`reboot -f` resets through the i8042, `poweroff` enters ACPI S5 through the PM1a
+//! control register; both end the VMM with status 0).
 
 use std::io::{BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};

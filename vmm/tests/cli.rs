@@ -202,6 +202,80 @@ fn stand_in_kernel_prints_and_resets_with_status_zero() {
     eprintln!("bouncevm boot-to-reset: {:?}", t.elapsed());
 }
 
+/// A PVH kernel that takes the RSDP from its start info (`rsdp_paddr`), follows it to the
+/// FADT and powers off through PM1a_CNT, printing `acpi` first; without an RSDP it prints
+/// `fail` and executes `ud2` (no IDT: a triple fault).
+fn acpi_poweroff_kernel() -> Vec<u8> {
+    let mut a = Asm::new();
+    a.raw(&[0x89, 0xdf]); // mov edi, ebx (keep the start info pointer)
+    a.mov_dx(0x3f8);
+    for c in b"acpi\n" {
+        a.mov_al(*c).out_dx_al();
+    }
+    a.raw(&[0x89, 0xfb]); // mov ebx, edi
+    let fail = a.acpi_poweroff(true);
+    a.raw(&[0xfa]).hlt_forever();
+    a.patch_rel32_here(&fail).mov_dx(0x3f8);
+    for c in b"fail\n" {
+        a.mov_al(*c).out_dx_al();
+    }
+    a.raw(&[0x0f, 0x0b]); // ud2
+    build_elf(&a.code, true)
+}
+
+fn run_logged(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env("BOUNCEVM_LOG", "info")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run bouncevm")
+}
+
+#[test]
+fn guest_acpi_poweroff_ends_bouncevm_with_status_zero() {
+    if !kvm_available() {
+        return;
+    }
+    let k = tmp("acpi.elf", &acpi_poweroff_kernel());
+    let d = tmp("acpi-disk.img", &vec![0u8; 1 << 20]);
+    let drive = format!("file={},format=raw,if=virtio", d.0.display());
+    let args = [
+        "-m",
+        "64M",
+        "-smp",
+        "2",
+        "-kernel",
+        k.0.to_str().unwrap(),
+        "-drive",
+        &drive,
+        "-nographic",
+        "-no-reboot",
+    ];
+    let out = run_logged(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "acpi\n",
+        "stderr: {err}"
+    );
+    assert!(err.contains("ACPI S5"), "stderr: {err}");
+    assert!(err.contains("PowerOff"), "stderr: {err}");
+
+    // -no-acpi: no RSDP in the start info, the kernel says so and triple-faults.
+    let mut no_acpi = args.to_vec();
+    no_acpi.push("-no-acpi");
+    let out = run_logged(&no_acpi);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "acpi\nfail\n",
+        "stderr: {err}"
+    );
+    assert!(!err.contains("PowerOff"), "stderr: {err}");
+}
+
 const QMP_CLIENT: &str = r#"
 import json, socket, sys, time
 path = sys.argv[1]

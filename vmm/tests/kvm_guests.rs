@@ -637,3 +637,40 @@ fn ioeventfd_catches_a_doorbell_without_an_exit() {
         &[(u64::from(doorbell), vec![5, 0])]
     );
 }
+
+/// The guest finds "RSD PTR " in 0xE0000-0xFFFFF, follows RSDP -> XSDT -> FACP, reads
+/// PM1a_CNT_BLK from the FADT and writes SLP_TYP=5|SLP_EN to it: the VM ends with the
+/// power-off reason and status 0.
+#[test]
+fn acpi_s5_from_the_fadt_powers_off() {
+    if !kvm_available() {
+        return;
+    }
+    let mut m = machine(2);
+    m.add_acpi().expect("ACPI");
+    assert_eq!(m.acpi_rsdp(), Some(0xe0000));
+    let mut a = Asm::new();
+    let fail = a.acpi_poweroff(false);
+    // Not reached when the power-off works (the first exit request wins anyway).
+    a.debug_exit(2);
+    a.patch_rel32_here(&fail).debug_exit(1);
+    let (exit, took) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::PowerOff);
+    assert_eq!(exit.reason.exit_code(), 0);
+    eprintln!("ACPI power-off guest: {took:?}");
+}
+
+/// Without ACPI the same guest finds no RSDP.
+#[test]
+fn without_acpi_the_guest_finds_no_rsdp() {
+    if !kvm_available() {
+        return;
+    }
+    let m = machine(1);
+    let mut a = Asm::new();
+    let fail = a.acpi_poweroff(false);
+    a.debug_exit(2);
+    a.patch_rel32_here(&fail).debug_exit(1);
+    let (exit, _) = run_flat32(m, &a);
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 1 });
+}

@@ -184,6 +184,9 @@ fn run(cfg: Config) -> Result<i32, String> {
         .add_serial(std::io::stdout())
         .map_err(|e| format!("serial: {e}"))?;
     m.add_i8042().map_err(|e| format!("i8042: {e}"))?;
+    if !cfg.no_acpi {
+        m.add_acpi().map_err(|e| format!("ACPI: {e}"))?;
+    }
     let built = build_devices(&mut m, &cfg)?;
     m.load_linux(&LinuxBootConfig {
         kernel: cfg.kernel.clone(),

@@ -3,12 +3,12 @@
 //! ```text
 //! [0, EBDA_START)            RAM
 //! [EBDA_START, 0xa0000)      reserved (EBDA)
-//! [MPTABLE_START, 1 MiB)     reserved (BIOS area holding the MP table)
+//! [ACPI_START, 1 MiB)        reserved (BIOS area: ACPI tables at 0xE0000, MP table at 0xF0000)
 //! [1 MiB, end of low RAM)    RAM
 //! [4 GiB, ...)               RAM, when guest RAM is larger than the MMIO hole start
 //! ```
 
-use crate::layout::{EBDA_START, HIMEM_START, MPTABLE_START};
+use crate::layout::{ACPI_START, EBDA_START, HIMEM_START};
 use crate::memory::RamRange;
 
 /// Usable RAM.
@@ -56,8 +56,8 @@ pub fn e820_map(ram: &[RamRange]) -> Result<Vec<E820Entry>, Error> {
             kind: E820_RESERVED,
         },
         E820Entry {
-            addr: MPTABLE_START,
-            size: HIMEM_START - MPTABLE_START,
+            addr: ACPI_START,
+            size: HIMEM_START - ACPI_START,
             kind: E820_RESERVED,
         },
         E820Entry {

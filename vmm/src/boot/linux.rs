@@ -3,7 +3,8 @@
 //! [`load_kernel`] accepts an ELF `vmlinux` (entered through its PVH note when it has one,
 //! else at its 64-bit ELF entry) or a bzImage (entered at the 64-bit entry, load address +
 //! 0x200). [`setup_linux`] then loads the command line and initrd, writes the e820 map into
-//! boot_params (or the PVH start info), writes the MP table, and returns the
+//! boot_params (or the PVH start info), writes the MP table, passes the ACPI RSDP address
+//! when there is one, and returns the
 //! [`EntryState`] for the boot vCPU. CPUID/MSRs/FPU/LAPIC are per vCPU and set by
 //! [`crate::machine::Machine::configure_linux_vcpus`].
 
@@ -327,7 +328,7 @@ pub fn build_pvh_start_info(
 }
 
 /// Loads everything for `cfg` into `mem` for a VM with `ram` and `num_cpus` vCPUs and
-/// returns the boot vCPU's entry state.
+/// returns the boot vCPU's entry state (no ACPI RSDP passed).
 ///
 /// # Errors
 /// Any of this module's errors.
@@ -336,6 +337,23 @@ pub fn setup_linux(
     ram: &[RamRange],
     num_cpus: usize,
     cfg: &LinuxBootConfig,
+) -> Result<EntryState> {
+    setup_linux_with_acpi(mem, ram, num_cpus, cfg, None)
+}
+
+/// [`setup_linux`], also handing the kernel the ACPI RSDP address `rsdp` (written by
+/// [`super::acpi::write_acpi_tables`]): in boot_params `acpi_rsdp_addr` for the 64-bit
+/// entries, in the PVH start info `rsdp_paddr` for PVH. Linux also finds the RSDP by its
+/// legacy scan of 0xE0000-0xFFFFF.
+///
+/// # Errors
+/// Any of this module's errors.
+pub fn setup_linux_with_acpi(
+    mem: &GuestMemoryMmap,
+    ram: &[RamRange],
+    num_cpus: usize,
+    cfg: &LinuxBootConfig,
+    rsdp: Option<u64>,
 ) -> Result<EntryState> {
     let e820 = e820_map(ram)?;
     let kernel = load_kernel(mem, &cfg.kernel, cfg.prefer_pvh)?;
@@ -362,7 +380,8 @@ pub fn setup_linux(
 
     match kernel.entry {
         KernelEntry::Pvh(entry) => {
-            let (info, memmap, module) = build_pvh_start_info(initrd, &e820)?;
+            let (mut info, memmap, module) = build_pvh_start_info(initrd, &e820)?;
+            info.rsdp_paddr = rsdp.unwrap_or(0);
             mem.write_obj(info, GuestAddress(PVH_INFO_START))?;
             for (i, m) in memmap.iter().enumerate() {
                 mem.write_obj(*m, GuestAddress(PVH_MEMMAP_START + 24 * i as u64))?;
@@ -377,8 +396,9 @@ pub fn setup_linux(
             Ok(EntryState::pvh(entry, PVH_INFO_START as u32))
         }
         KernelEntry::Elf64(entry) | KernelEntry::BzImage(entry) => {
-            let params =
+            let mut params =
                 build_boot_params(kernel.setup_header, cfg.cmdline.len() + 1, initrd, &e820)?;
+            params.acpi_rsdp_addr = rsdp.unwrap_or(0);
             mem.write_obj(params, GuestAddress(ZERO_PAGE_START))?;
             Ok(EntryState::linux64(entry, ZERO_PAGE_START))
         }

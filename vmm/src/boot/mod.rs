@@ -7,11 +7,13 @@
 //! * [`msr`]: boot MSRs, FPU and LAPIC LINT setup.
 //! * [`mptable`]: the Intel MP table that lets Linux find every vCPU.
 //! * [`e820`]: the memory map for boot_params and PVH.
+//! * [`acpi`]: RSDP, XSDT, FADT, FACS, DSDT (`\_S5_`, PCI host bridge) and MADT.
 //! * [`linux`]: loading bzImage / ELF (PVH) kernels, initrd, command line, boot_params.
 //!
 //! Everything that does not need KVM is a pure function over guest memory or plain values
 //! and is unit-tested here; the parts that need a vCPU are exercised by `vmm/tests/`.
 
+pub mod acpi;
 pub mod cpuid;
 pub mod e820;
 pub mod gdt;

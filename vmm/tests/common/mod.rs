@@ -226,6 +226,71 @@ impl Asm {
     pub fn ld8_abs(&mut self, addr: u32) -> &mut Self {
         self.b(&[0x0f, 0xb6, 0x05]).b(&addr.to_le_bytes())
     }
+    /// Emits a 32-bit-mode ACPI power-off: finds the RSDP (by the legacy 16-byte scan of
+    /// 0xE0000-0xFFFFF, or from the PVH start info's `rsdp_paddr` at [ebx+32] when
+    /// `from_pvh_start_info`), follows RSDP -> XSDT -> FACP, reads PM1a_CNT_BLK (FADT offset
+    /// 64), checks that PM1a_CNT reads with SCI_EN set, and writes SLP_TYP=5 alone and then
+    /// with SLP_EN, as ACPICA does. Falls through after the writes. Returns the rel32 sites
+    /// of every failure jump: emit the failure code, then [`Asm::patch_rel32_here`].
+    pub fn acpi_poweroff(&mut self, from_pvh_start_info: bool) -> Vec<usize> {
+        let mut fail = Vec::new();
+        let rel32 = |a: &mut Self, op: &[u8], fail: &mut Vec<usize>| {
+            a.b(op).b(&[0; 4]);
+            fail.push(a.code.len() - 4);
+        };
+        if from_pvh_start_info {
+            self.b(&[0x8b, 0x5b, 0x20]); // mov ebx, [ebx+32]
+            self.b(&[0x81, 0x3b]).b(b"RSD "); // cmp dword [ebx], "RSD "
+            rel32(self, &[0x0f, 0x85], &mut fail); // jne fail
+        } else {
+            self.b(&[0xbb]).b(&0xe0000u32.to_le_bytes()); // mov ebx, 0xe0000
+            let scan = self.here();
+            self.b(&[0x81, 0x3b]).b(b"RSD "); // cmp dword [ebx], "RSD "
+            self.b(&[0x75, 0x09]); // jne next (skips the next 9 bytes)
+            self.b(&[0x81, 0x7b, 0x04]).b(b"PTR "); // cmp dword [ebx+4], "PTR "
+            let je_found = self.here();
+            self.b(&[0x74, 0x00]); // je found
+            self.b(&[0x83, 0xc3, 0x10]); // next: add ebx, 16
+            self.b(&[0x81, 0xfb]).b(&0x10_0000u32.to_le_bytes()); // cmp ebx, 1 MiB
+            let rel = scan as isize - (self.code.len() as isize + 2);
+            self.b(&[0x72, i8::try_from(rel).expect("rel8") as u8]); // jb scan
+            rel32(self, &[0xe9], &mut fail); // jmp fail
+            let found = self.here();
+            self.code[je_found + 1] = (found - je_found - 2) as u8;
+        }
+        self.b(&[0x8b, 0x5b, 0x18]); // mov ebx, [ebx+24]   (XSDT)
+        self.b(&[0x8b, 0x73, 0x04]); // mov esi, [ebx+4]    (XSDT length)
+        self.b(&[0x01, 0xde]); // add esi, ebx               (XSDT end)
+        self.b(&[0x8d, 0x4b, 0x24]); // lea ecx, [ebx+36]   (first entry)
+        let entries = self.here();
+        self.b(&[0x39, 0xf1]); // cmp ecx, esi
+        rel32(self, &[0x0f, 0x83], &mut fail); // jae fail
+        self.b(&[0x8b, 0x01]); // mov eax, [ecx]
+        self.b(&[0x81, 0x38]).b(b"FACP"); // cmp dword [eax], "FACP"
+        self.b(&[0x74, 0x05]); // je got
+        self.b(&[0x83, 0xc1, 0x08]); // add ecx, 8
+        self.jmp_to(entries);
+        self.b(&[0x8b, 0x50, 0x40]); // got: mov edx, [eax+64]  (PM1a_CNT_BLK)
+        self.b(&[0x66, 0xed]); // in ax, dx
+        self.b(&[0xa8, 0x01]); // test al, 1 (SCI_EN)
+        rel32(self, &[0x0f, 0x84], &mut fail); // jz fail
+        self.b(&[0x66, 0xb8]).b(&(5u16 << 10).to_le_bytes()); // mov ax, SLP_TYP=5
+        self.b(&[0x66, 0xef]); // out dx, ax
+        self.b(&[0x66, 0xb8])
+            .b(&((5u16 << 10) | (1 << 13)).to_le_bytes()); // | SLP_EN
+        self.b(&[0x66, 0xef]); // out dx, ax
+        fail
+    }
+    /// Points every rel32 at `sites` (from [`Asm::acpi_poweroff`]) to the current position.
+    pub fn patch_rel32_here(&mut self, sites: &[usize]) -> &mut Self {
+        let here = self.code.len();
+        for &s in sites {
+            let rel = here as i64 - (s as i64 + 4);
+            let rel = i32::try_from(rel).expect("rel32");
+            self.code[s..s + 4].copy_from_slice(&rel.to_le_bytes());
+        }
+        self
+    }
     /// Writes eax... to PCI config register `reg` of 00:`dev`.0 (value in `v`).
     pub fn conf1_write(&mut self, dev: u8, reg: u8, v: u32) -> &mut Self {
         let addr = 0x8000_0000 | u32::from(dev) << 11 | u32::from(reg) << 2;
