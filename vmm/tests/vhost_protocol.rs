@@ -12,9 +12,10 @@ use devices::virtio::features;
 use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserVirtioFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
+use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::{Driver, EchoDevice, CONFIG, EXTRA_TOKEN};
 use vhost_user_backend::VhostUserDaemon;
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
 use vmm::vhost::{Server, VhostUserDevice};
 
 fn socket_path(name: &str) -> PathBuf {
@@ -82,6 +83,52 @@ fn early_vring_enable_is_applied_after_set_features() {
     let stats = server.stats();
     assert_eq!(stats["server"]["relay"]["early_enables_replayed"], 1);
     assert_eq!(stats["server"]["connections"], 1);
+}
+
+#[test]
+fn worker_events_before_the_rings_are_ready_are_not_delivered() {
+    // Regression: with QEMU's net order the device is activated at SET_FEATURES, before the
+    // rings have addresses. A worker fd that became readable then (a frame arriving on the
+    // tap) was delivered to the net worker, which read the unconfigured ring ("avail index
+    // 61440 ahead"), declared itself broken and never received again.
+    let device = EchoDevice::new(1);
+    let counters = device.counters.clone();
+    let extra = device.extra.clone();
+    let (path, server, stop) = start_server("notready.sock", device);
+    let mut d = Driver::connect(&path, 1);
+    let offered = d.handshake().unwrap();
+    d.frontend.get_queue_num().unwrap();
+    // QEMU sends the memory table before the rings; the worker can run from then on.
+    let region = d.mem.find_region(GuestAddress(0)).unwrap();
+    let info = VhostUserMemoryRegionInfo::from_guest_region(region).unwrap();
+    d.frontend.set_mem_table(&[info]).unwrap();
+    d.raw_vring_enable(0, true);
+    d.set_features(offered & WANTED).unwrap();
+    // Let the server take the messages (SET_FEATURES has no reply), then the fd fires while
+    // the ring is not set up yet.
+    d.frontend.get_features().unwrap();
+    extra.write(1).unwrap();
+    thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        counters.extra_events.load(Ordering::Relaxed),
+        0,
+        "a worker saw an event for a queue that was not ready"
+    );
+    d.setup_rings(1).unwrap();
+    assert_eq!(
+        d.echo(0, b"still works").as_deref(),
+        Some(&b"still works"[..])
+    );
+    // Once ready, the worker's fd is delivered.
+    extra.write(1).unwrap();
+    assert!(
+        d.wait_call(0, Duration::from_secs(5)),
+        "extra fd event not handled"
+    );
+    assert_eq!(counters.extra_events.load(Ordering::Relaxed), 1);
+    drop(d);
+    stop.stop();
+    server.join().unwrap();
 }
 
 #[test]

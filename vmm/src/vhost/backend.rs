@@ -26,7 +26,7 @@ use devices::virtio::{QueueWorker, VirtioDevice, WorkerError, WorkerEvent};
 use serde_json::json;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -88,6 +88,7 @@ struct Counters {
     resets: AtomicU64,
     broken_workers: AtomicU64,
     ignored_events: AtomicU64,
+    not_ready_events: AtomicU64,
 }
 
 impl Counters {
@@ -287,6 +288,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 "resets": get(&c.resets),
                 "broken_workers": get(&c.broken_workers),
                 "ignored_events": get(&c.ignored_events),
+                "not_ready_events": get(&c.not_ready_events),
             }
         })
     }
@@ -476,6 +478,19 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                     return;
                 }
             }
+        }
+        // A worker only ever sees queues the frontend has finished setting up: addresses,
+        // base and kick fd (vhost-user-backend marks the queue ready then) and enabled. Events
+        // before that (a tap that became readable between SET_FEATURES and the rings being
+        // configured) are dropped: reading a ring at a stale address would see garbage and
+        // break the worker. Nothing is lost: the fds are edge-triggered and the workers go
+        // back to their fds on the first kick.
+        if states
+            .iter()
+            .any(|s| !s.get_queue().ready() || !s.is_enabled())
+        {
+            Counters::inc(&self.counters.not_ready_events);
+            return;
         }
         let mut queues: Vec<&mut Queue> = states.iter_mut().map(|s| s.get_queue_mut()).collect();
         let result = w.worker.handle(event, &*guard, &mut queues);
