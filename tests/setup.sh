@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything the tests and the main job need on a fresh Debian 12 machine (as root):
 # Debian packages, pytest, the rig-1 QEMU (images/qemu.sh) and the guest images
-# (images/build.sh). Idempotent; a second run takes seconds.
+# (images/build.sh, and the rig-2 L1 image, images/build-l1.sh). Idempotent; a second run takes
+# seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
@@ -16,3 +17,4 @@ fi
 python3 -c 'import pytest' 2>/dev/null || python3 -m pip install -q -r tests/requirements.txt
 bash images/qemu.sh >/dev/null
 bash images/build.sh >/dev/null
+bash images/build-l1.sh >/dev/null

@@ -2,8 +2,11 @@
 (L2) with virtio-blk and virtio-net; fio verify, fio randread and iperf3 (L2 -> iperf3 server in
 L1) run in L2. See tests/e2e/README.md ("Rig 2").
 
-These tests take 2-10 minutes each: they run only with BVM_RIG2=1 (otherwise they skip and say
-so). Hard timeout per test: BVM_RIG2_TIMEOUT (default 900 s) for the whole L1 run.
+These tests take 1-2 minutes each on an idle 2-core machine and run by default (BVM_RIG2=0 skips
+them, saying so). Hard timeout per test: BVM_RIG2_TIMEOUT (default 480 s) for the whole L1 run.
+When L1 itself fails (its kernel dies, its QEMU exits, it gets no /dev/kvm) rig 2 could not run:
+the test is reported as skipped with that reason, never as passed; anything L2 or the VMM does
+wrong fails the test.
 """
 
 import json
@@ -18,11 +21,12 @@ L2_PARAMS = {"size": "32M", "runtime": 10, "time": 5}
 
 
 def _check_l1(run):
-    """Fails with 'L1 died' (Oops/panic in the L1 log), 'no /dev/kvm', ... when L1 itself did
-    not do its part, before any L2 assertion."""
+    """Skips with 'L1 died' (Oops/panic in the L1 log), 'no /dev/kvm', ... when L1 itself did
+    not do its part (rig 2 could not run), before any L2 assertion."""
     why = run.l1_failure
     if why:
-        pytest.fail(f"rig 2 L1 problem: {why}\n{run.describe()}")
+        pytest.skip(f"rig 2 could not run (L1 problem, not the VMM under test): {why}; "
+                    f"log {run.log_path}")
 
 
 def _check_l2(run):
