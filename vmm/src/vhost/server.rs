@@ -494,7 +494,14 @@ fn connect_daemon<D: VirtioDevice<Memory> + 'static>(
     daemon: &mut VhostUserDaemon<Arc<VhostUserDevice<D>>>,
     n: u64,
 ) -> io::Result<UnixStream> {
-    let dir = std::env::temp_dir().join(format!("bouncevm-vhost.{}.{n}", std::process::id()));
+    // Unique in the process, not only per server: two servers in one process (an embedding,
+    // or parallel tests) numbered their connections alike and removed each other's socket.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let unique = NEXT.fetch_add(1, Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!(
+        "bouncevm-vhost.{}.{n}.{unique}",
+        std::process::id()
+    ));
     DirBuilder::new().mode(0o700).create(&dir)?;
     let path = dir.join("s");
     let result = (|| {
