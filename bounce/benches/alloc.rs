@@ -10,7 +10,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use bounce::{
-    AllocatorKind, BouncePool, Direction, HostMemory, MapRequest, NullMemory, OrigMemory,
+    AllocatorKind, BouncePool, Direction, HostMemory, MapRequest, NoCopyMemory, OrigMemory,
     PoolConfig,
 };
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -38,7 +38,7 @@ fn run(pool: &Arc<BouncePool>, threads: usize, size: usize, copy: bool, iters: u
                     let mem = HostMemory::new(orig, &mut buf);
                     pairs(&pool, &mem, orig, size, t, per_thread);
                 } else {
-                    pairs(&pool, &NullMemory, orig, size, t, per_thread);
+                    pairs(&pool, &NoCopyMemory, orig, size, t, per_thread);
                 }
             })
         })

@@ -42,7 +42,7 @@ pub use alloc::{AllocatorKind, SlotAllocator, SlotRequest};
 pub use dma::{DeviceDmaParams, Dma, DmaBuffer, Policy};
 pub use error::{Error, Result};
 pub use geometry::{Geometry, PoolConfig, PoolMode};
-pub use orig::{HostMemory, NullMemory, OrigMemory};
+pub use orig::{HostMemory, NoCopyMemory, OrigMemory};
 pub use pool::{BouncePool, CopyOnMap, Mapping};
 pub use stats::PoolStats;
 pub use types::{Direction, DmaAttrs, MapRequest};

@@ -129,12 +129,15 @@ impl OrigMemory for HostMemory<'_> {
     }
 }
 
-/// Original memory that is not there: reads produce zeros, writes are discarded, every
-/// address is accessible. For replaying traces and benchmarking placement without copies.
+/// Original memory that is not there and costs nothing: every address is accessible, and
+/// nothing is copied either way (a read leaves the bounce buffer as it was, a write is
+/// discarded). For measuring placement without the cost of copies (the `nocopy` rows of the
+/// benchmarks). Unlike [`crate::trace::NullMemory`], which hands out zeros, it never touches
+/// the pool.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct NullMemory;
+pub struct NoCopyMemory;
 
-impl OrigMemory for NullMemory {
+impl OrigMemory for NoCopyMemory {
     fn check(&self, _addr: u64, _len: usize, _write: bool) -> bool {
         true
     }

@@ -17,7 +17,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use bounce::{
-    AllocatorKind, BouncePool, Direction, HostMemory, MapRequest, NullMemory, OrigMemory,
+    AllocatorKind, BouncePool, Direction, HostMemory, MapRequest, NoCopyMemory, OrigMemory,
     PoolConfig, PoolMode,
 };
 use clap::Parser;
@@ -132,7 +132,7 @@ fn measure(
                     let mem = HostMemory::new(orig, &mut buf);
                     worker(&pool, &mem, orig, size, depth, t, &stop)
                 } else {
-                    worker(&pool, &NullMemory, orig, size, depth, t, &stop)
+                    worker(&pool, &NoCopyMemory, orig, size, depth, t, &stop)
                 };
                 pairs.fetch_add(n, Ordering::Relaxed);
                 failures.fetch_add(f, Ordering::Relaxed);
