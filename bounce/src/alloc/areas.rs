@@ -98,6 +98,23 @@ impl FreeRuns {
         i.saturating_sub((self.base + i) % geom.segsize)
     }
 
+    /// Renumbers the free slots just before relative slot `index`, back to the segment start
+    /// or the first slot in use: each gets its distance to the end of the free run, which now
+    /// ends at `index` having `count` free slots from there on (0 after a claim, the merged
+    /// run's length after a release).
+    fn recount_before(&mut self, geom: &Geometry, index: usize, mut count: u32) {
+        let seg_start = self.seg_start(geom, index);
+        let mut i = index;
+        while i > seg_start {
+            i -= 1;
+            if self.list[i] == 0 {
+                break;
+            }
+            count += 1;
+            self.list[i] = count;
+        }
+    }
+
     /// Finds and claims a run for `req`, returning its absolute first slot.
     pub fn alloc(
         &mut self,
@@ -142,17 +159,7 @@ impl FreeRuns {
         self.list[index..index + nslots].fill(0);
         // The free slots before the run now end at the run: recount them, back to the
         // segment start.
-        let mut count = 0u32;
-        let seg_start = self.seg_start(geom, index);
-        let mut i = index;
-        while i > seg_start {
-            i -= 1;
-            if self.list[i] == 0 {
-                break;
-            }
-            count += 1;
-            self.list[i] = count;
-        }
+        self.recount_before(geom, index, 0);
         self.index = self.wrap(index + nslots);
         self.used += nslots;
     }
@@ -183,16 +190,7 @@ impl FreeRuns {
             self.list[i] = count;
         }
         // And with the free slots before it, back to the segment start.
-        let seg_start = self.seg_start(geom, r);
-        let mut i = r;
-        while i > seg_start {
-            i -= 1;
-            if self.list[i] == 0 {
-                break;
-            }
-            count += 1;
-            self.list[i] = count;
-        }
+        self.recount_before(geom, r, count);
         self.used -= nslots;
         true
     }
