@@ -12,7 +12,7 @@
 //! ```
 
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -100,60 +100,67 @@ fn parse_size(s: &str) -> Option<usize> {
         .filter(|n| *n > 0)
 }
 
+/// Runs `threads` threads for `dur`: thread `t` first builds its work with `setup(t)` (buffers
+/// are allocated outside the measured window), then all start together and run until told to
+/// stop. Returns the summed (pairs, failures) and the elapsed time.
+fn timed<S, R>(threads: usize, dur: Duration, setup: S) -> (u64, u64, Duration)
+where
+    S: Fn(usize) -> R + Sync,
+    R: FnOnce(&AtomicBool) -> (u64, u64),
+{
+    let stop = AtomicBool::new(false);
+    let barrier = Barrier::new(threads + 1);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (stop, barrier, setup) = (&stop, &barrier, &setup);
+                scope.spawn(move || {
+                    let run = setup(t);
+                    barrier.wait();
+                    run(stop)
+                })
+            })
+            .collect();
+        barrier.wait();
+        let start = Instant::now();
+        std::thread::sleep(dur);
+        stop.store(true, Ordering::Relaxed);
+        let (mut pairs, mut failures) = (0, 0);
+        for h in handles {
+            if let Ok((n, f)) = h.join() {
+                pairs += n;
+                failures += f;
+            }
+        }
+        (pairs, failures, start.elapsed())
+    })
+}
+
 /// One measurement: `threads` threads map and unmap for `dur`; returns (pairs, elapsed, lock
 /// wait ns, failures).
 fn measure(
-    pool: &Arc<BouncePool>,
+    pool: &BouncePool,
     threads: usize,
     size: usize,
     copy: bool,
     depth: usize,
     dur: Duration,
 ) -> (u64, Duration, u64, u64) {
-    let stop = Arc::new(AtomicBool::new(false));
-    let pairs = Arc::new(AtomicU64::new(0));
-    let failures = Arc::new(AtomicU64::new(0));
-    let barrier = Arc::new(Barrier::new(threads + 1));
     let wait_before = pool.stats().lock_wait_ns;
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (pool, stop, pairs, failures, barrier) = (
-                Arc::clone(pool),
-                Arc::clone(&stop),
-                Arc::clone(&pairs),
-                Arc::clone(&failures),
-                Arc::clone(&barrier),
-            );
-            std::thread::spawn(move || {
-                let orig = 0x10_0000_0000u64 * (t as u64 + 1);
-                let mut buf = vec![0x5au8; size * depth.max(1)];
-                barrier.wait();
-                let (n, f) = if copy {
-                    let mem = HostMemory::new(orig, &mut buf);
-                    worker(&pool, &mem, orig, size, depth, t, &stop)
-                } else {
-                    worker(&pool, &NoCopyMemory, orig, size, depth, t, &stop)
-                };
-                pairs.fetch_add(n, Ordering::Relaxed);
-                failures.fetch_add(f, Ordering::Relaxed);
-            })
-        })
-        .collect();
-    barrier.wait();
-    let start = Instant::now();
-    std::thread::sleep(dur);
-    stop.store(true, Ordering::Relaxed);
-    for h in handles {
-        let _ = h.join();
-    }
-    let elapsed = start.elapsed();
+    let (pairs, failures, elapsed) = timed(threads, dur, |t| {
+        let orig = 0x10_0000_0000u64 * (t as u64 + 1);
+        let mut buf = vec![0x5au8; size * depth.max(1)];
+        move |stop: &AtomicBool| {
+            if copy {
+                let mem = HostMemory::new(orig, &mut buf);
+                worker(pool, &mem, orig, size, depth, t, stop)
+            } else {
+                worker(pool, &NoCopyMemory, orig, size, depth, t, stop)
+            }
+        }
+    });
     let wait = pool.stats().lock_wait_ns - wait_before;
-    (
-        pairs.load(Ordering::Relaxed),
-        elapsed,
-        wait,
-        failures.load(Ordering::Relaxed),
-    )
+    (pairs, elapsed, wait, failures)
 }
 
 fn worker<M: OrigMemory>(
@@ -193,37 +200,22 @@ fn worker<M: OrigMemory>(
 /// The physical reference: `threads` threads each copying `size` bytes in and back out (what a
 /// bidirectional map+unmap pair copies) for `dur`; returns pairs per second in millions.
 fn memcpy_reference(threads: usize, size: usize, dur: Duration) -> f64 {
-    let stop = Arc::new(AtomicBool::new(false));
-    let pairs = Arc::new(AtomicU64::new(0));
-    let barrier = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let (stop, pairs, barrier) =
-                (Arc::clone(&stop), Arc::clone(&pairs), Arc::clone(&barrier));
-            std::thread::spawn(move || {
-                let orig = vec![0x5au8; size];
-                let mut bounce = vec![0u8; size];
-                let mut back = vec![0u8; size];
-                barrier.wait();
-                let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    bounce.copy_from_slice(std::hint::black_box(&orig));
-                    back.copy_from_slice(std::hint::black_box(&bounce));
-                    std::hint::black_box(&back);
-                    n += 1;
-                }
-                pairs.fetch_add(n, Ordering::Relaxed);
-            })
-        })
-        .collect();
-    barrier.wait();
-    let start = Instant::now();
-    std::thread::sleep(dur);
-    stop.store(true, Ordering::Relaxed);
-    for h in handles {
-        let _ = h.join();
-    }
-    pairs.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64() / 1e6
+    let (pairs, _, elapsed) = timed(threads, dur, |_| {
+        let orig = vec![0x5au8; size];
+        let mut bounce = vec![0u8; size];
+        let mut back = vec![0u8; size];
+        move |stop: &AtomicBool| {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                bounce.copy_from_slice(std::hint::black_box(&orig));
+                back.copy_from_slice(std::hint::black_box(&bounce));
+                std::hint::black_box(&back);
+                n += 1;
+            }
+            (n, 0)
+        }
+    });
+    pairs as f64 / elapsed.as_secs_f64() / 1e6
 }
 
 fn median(v: &mut [f64]) -> f64 {
