@@ -22,28 +22,14 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$HERE/out"
 CACHE="$HERE/cache"
-SRCS=("$HERE/build-l1.sh" "$HERE/l1-init" "$HERE/l1-vmm" "$HERE/kvm-hold.c")
+SRCS=("$HERE/build-l1.sh" "$HERE/lib.sh" "$HERE/l1-init" "$HERE/l1-vmm" "$HERE/kvm-hold.c")
 HOST_PKGS=(iperf3 socat busybox-static cpio xz-utils kmod gcc libc6-dev)
 MODULES=(irqbypass ccp kvm kvm_amd netfs 9pnet 9pnet_virtio 9p tun)
 
-log() { echo "build-l1.sh: $*" >&2; }
-die() { echo "build-l1.sh: error: $*" >&2; exit 1; }
-have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q '^install ok installed$'; }
-pkg_ver() { dpkg-query -W -f='${Version}' "$1"; }
-
-APT_UPDATED=0
-apt_update_once() {
-    if [ "$APT_UPDATED" = 0 ]; then log "apt-get update"; apt-get update -qq >&2; APT_UPDATED=1; fi
-}
-
-missing=()
-for p in "${HOST_PKGS[@]}"; do have_pkg "$p" || missing+=("$p"); done
-if [ "${#missing[@]}" -gt 0 ]; then
-    [ "$(id -u)" = 0 ] || die "missing packages ${missing[*]} and not root"
-    apt_update_once
-    log "installing ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
-fi
+NAME=build-l1.sh
+# shellcheck source=images/lib.sh
+source "$HERE/lib.sh"
+install_host_pkgs "${HOST_PKGS[@]}"
 
 pick_kernel() {
     apt-cache pkgnames linux-image-6.12 2>/dev/null \
@@ -78,22 +64,7 @@ fi
 mkdir -p "$OUT" "$CACHE"
 
 # ---------------------------------------------------------------- kernel
-KDIR="$CACHE/l1kernel"
-mkdir -p "$KDIR"
-deb="$(ls "$KDIR"/"${KPKG}"_*.deb 2>/dev/null | head -n1 || true)"
-if [ -z "$deb" ] || [ "$(dpkg-deb -f "$deb" Version)" != "$KVER_PKG" ]; then
-    rm -f "$KDIR"/*.deb
-    log "downloading $KPKG $KVER_PKG (~100 MB)"
-    (cd "$KDIR" && apt-get -qq -o APT::Sandbox::User=root download "$KPKG=$KVER_PKG" >&2) \
-        || { apt_update_once; (cd "$KDIR" && apt-get -qq -o APT::Sandbox::User=root download "$KPKG=$KVER_PKG" >&2); }
-    deb="$(ls "$KDIR"/"${KPKG}"_*.deb | head -n1)"
-fi
-KROOT="$KDIR/root"
-rm -rf "$KROOT"
-dpkg-deb -x "$deb" "$KROOT"
-KREL="$(ls "$KROOT/lib/modules" | head -n1)"
-[ -n "$KREL" ] && [ -f "$KROOT/boot/vmlinuz-$KREL" ] || die "unexpected layout in $deb"
-MODDIR="$KROOT/lib/modules/$KREL"
+fetch_kernel "$CACHE/l1kernel"
 
 # ---------------------------------------------------------------- staging root
 STAGE="$CACHE/l1-rootfs"
@@ -107,53 +78,14 @@ mknod -m 600 "$STAGE/dev/console" c 5 1
 mknod -m 666 "$STAGE/dev/null" c 1 3
 
 # ---------------------------------------------------------------- modules (dependencies first)
-declare -A MODFILE=()
-while IFS= read -r f; do
-    b="$(basename "$f")"; b="${b%.xz}"; b="${b%.zst}"; b="${b%.ko}"; b="${b//-/_}"
-    MODFILE[$b]="$f"
-done < <(find "$MODDIR/kernel" -name '*.ko' -o -name '*.ko.xz' -o -name '*.ko.zst')
-is_builtin() { grep -qE "/${1//_/[_-]}\.ko\$" "$MODDIR/modules.builtin" 2>/dev/null; }
-ORDER=()
-declare -A SEEN=()
-resolve() {
-    local m="${1//-/_}"
-    [ -n "${SEEN[$m]:-}" ] && return 0
-    SEEN[$m]=1
-    local f="${MODFILE[$m]:-}"
-    if [ -z "$f" ]; then
-        is_builtin "$m" && return 0
-        die "module $m neither a module nor built in ($KREL)"
-    fi
-    local d
-    for d in $(modinfo -F depends "$f" | tr ',' ' '); do resolve "$d"; done
-    ORDER+=("$m")
-}
+index_modules
 for m in "${MODULES[@]}"; do resolve "$m"; done
 # virtio_pci must be built in: 9pnet_virtio needs it before /init could load anything
 is_builtin virtio_pci || resolve virtio_pci
-KMOD_DST="$STAGE/usr/lib/modules"
-: > "$KMOD_DST/load-order"
-for m in "${ORDER[@]}"; do
-    f="${MODFILE[$m]}"
-    case "$f" in
-        *.ko.xz) xz -dc "$f" > "$KMOD_DST/$m.ko" ;;
-        *.ko.zst) zstd -qdc "$f" > "$KMOD_DST/$m.ko" ;;
-        *) cp "$f" "$KMOD_DST/$m.ko" ;;
-    esac
-    echo "$m" >> "$KMOD_DST/load-order"
-done
-log "modules: ${ORDER[*]}"
+stage_modules
 
 # ---------------------------------------------------------------- busybox, iperf3, socat, kvm-hold
-BB=/bin/busybox
-[ -x "$BB" ] || die "no $BB (busybox-static)"
-cp "$BB" "$STAGE/usr/bin/busybox"
-"$BB" --list-full | while IFS= read -r a; do
-    case "$a" in */*) d="$(dirname "$a")"; n="$(basename "$a")" ;; *) continue ;; esac
-    case "$d" in bin|usr/bin) d=usr/bin ;; sbin|usr/sbin) d=usr/sbin ;; *) continue ;; esac
-    [ -e "$STAGE/$d/$n" ] || ln -s /usr/bin/busybox "$STAGE/$d/$n"
-done
-copy_file() { local dst="$STAGE$1"; mkdir -p "$(dirname "$dst")"; [ -e "$dst" ] || cp -L "$1" "$dst"; }
+stage_busybox
 BINS=(/usr/bin/iperf3 /usr/bin/socat)
 for b in "${BINS[@]}"; do [ -x "$b" ] || die "missing $b"; rm -f "$STAGE$b"; copy_file "$b"; done
 LIBS="$(for b in "${BINS[@]}"; do ldd "$b"; done)"

@@ -24,30 +24,10 @@ CACHE="$HERE/cache"
 INIT_SRC="$HERE/init"
 HOST_PKGS=(fio iperf3 busybox-static cpio xz-utils kmod)
 
-log() { echo "build.sh: $*" >&2; }
-die() { echo "build.sh: error: $*" >&2; exit 1; }
-
-have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q '^install ok installed$'; }
-pkg_ver() { dpkg-query -W -f='${Version}' "$1"; }
-
-APT_UPDATED=0
-apt_update_once() {
-    if [ "$APT_UPDATED" = 0 ]; then
-        log "apt-get update"
-        apt-get update -qq >&2
-        APT_UPDATED=1
-    fi
-}
-
-# ---------------------------------------------------------------- host packages
-missing=()
-for p in "${HOST_PKGS[@]}"; do have_pkg "$p" || missing+=("$p"); done
-if [ "${#missing[@]}" -gt 0 ]; then
-    [ "$(id -u)" = 0 ] || die "missing packages ${missing[*]} and not root"
-    apt_update_once
-    log "installing ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
-fi
+NAME=build.sh
+# shellcheck source=images/lib.sh
+source "$HERE/lib.sh"
+install_host_pkgs "${HOST_PKGS[@]}"
 
 # ---------------------------------------------------------------- kernel package choice
 pick_kernel() {
@@ -71,7 +51,7 @@ KVER_PKG="$(apt-cache show --no-all-versions "$KPKG" 2>/dev/null | sed -n 's/^Ve
 
 # ---------------------------------------------------------------- input hash / cache check
 inputs() {
-    sha256sum "$HERE/build.sh" "$INIT_SRC" | awk '{print $1}'
+    sha256sum "$HERE/build.sh" "$HERE/lib.sh" "$INIT_SRC" | awk '{print $1}'
     echo "kernel $KPKG $KVER_PKG"
     for p in fio iperf3 busybox-static libc6; do echo "$p $(pkg_ver "$p")"; done
 }
@@ -95,22 +75,7 @@ fi
 mkdir -p "$OUT" "$CACHE"
 
 # ---------------------------------------------------------------- kernel
-KDIR="$CACHE/kernel"
-mkdir -p "$KDIR"
-deb="$(ls "$KDIR"/"${KPKG}"_*.deb 2>/dev/null | head -n1 || true)"
-if [ -z "$deb" ] || [ "$(dpkg-deb -f "$deb" Version)" != "$KVER_PKG" ]; then
-    rm -f "$KDIR"/*.deb
-    log "downloading $KPKG $KVER_PKG"
-    (cd "$KDIR" && apt-get -qq -o APT::Sandbox::User=root download "$KPKG=$KVER_PKG" >&2) \
-        || { apt_update_once; (cd "$KDIR" && apt-get -qq -o APT::Sandbox::User=root download "$KPKG=$KVER_PKG" >&2); }
-    deb="$(ls "$KDIR"/"${KPKG}"_*.deb | head -n1)"
-fi
-KROOT="$KDIR/root"
-rm -rf "$KROOT"
-dpkg-deb -x "$deb" "$KROOT"
-KREL="$(ls "$KROOT/lib/modules" | head -n1)"
-[ -n "$KREL" ] && [ -f "$KROOT/boot/vmlinuz-$KREL" ] || die "unexpected layout in $deb"
-MODDIR="$KROOT/lib/modules/$KREL"
+fetch_kernel "$CACHE/kernel"
 
 # ---------------------------------------------------------------- staging root
 STAGE="$CACHE/rootfs"
@@ -130,69 +95,16 @@ mknod -m 666 "$STAGE/dev/null" c 1 3
 # Wanted drivers; on kernels where virtio_pci is a module (6.1) it is resolved too. Each module's
 # depends= field pulls in what it needs; the load order (dependencies first) goes to
 # /lib/modules/load-order, read by /init.
-declare -A MODFILE=()
-while IFS= read -r f; do
-    b="$(basename "$f")"; b="${b%.xz}"; b="${b%.zst}"; b="${b%.ko}"; b="${b//-/_}"
-    MODFILE[$b]="$f"
-done < <(find "$MODDIR/kernel" -name '*.ko' -o -name '*.ko.xz' -o -name '*.ko.zst')
-
-is_builtin() {
-    grep -qE "/${1//_/[_-]}\.ko\$" "$MODDIR/modules.builtin" 2>/dev/null
-}
-
-ORDER=()
-declare -A SEEN=()
-resolve() {
-    local m="${1//-/_}"
-    [ -n "${SEEN[$m]:-}" ] && return 0
-    SEEN[$m]=1
-    local f="${MODFILE[$m]:-}"
-    if [ -z "$f" ]; then
-        is_builtin "$m" && return 0
-        die "module $m neither a module nor built in ($KREL)"
-    fi
-    local deps d
-    deps="$(modinfo -F depends "$f" | tr ',' ' ')"
-    for d in $deps; do resolve "$d"; done
-    ORDER+=("$m")
-}
+index_modules
 for m in virtio_pci virtio_blk failover net_failover virtio_net; do resolve "$m"; done
 
-KMOD_DST="$STAGE/usr/lib/modules"
-: > "$KMOD_DST/load-order"
-for m in "${ORDER[@]}"; do
-    f="${MODFILE[$m]}"
-    case "$f" in
-        *.ko.xz) xz -dc "$f" > "$KMOD_DST/$m.ko" ;;
-        *.ko.zst) zstd -qdc "$f" > "$KMOD_DST/$m.ko" ;;
-        *) cp "$f" "$KMOD_DST/$m.ko" ;;
-    esac
-    echo "$m" >> "$KMOD_DST/load-order"
-done
-log "modules: ${ORDER[*]}"
+stage_modules
 
 # ---------------------------------------------------------------- busybox, fio, iperf3, libraries
-BB=/bin/busybox
-[ -x "$BB" ] || die "no $BB (busybox-static)"
-if command -v file >/dev/null; then file -L "$BB" | grep -q "statically linked" || log "warning: $BB may not be static"; fi
-cp "$BB" "$STAGE/usr/bin/busybox"
-"$BB" --list-full | while IFS= read -r a; do
-    # paths like usr/bin/awk, sbin/ip, linuxrc; put everything under usr/bin or usr/sbin
-    case "$a" in
-        */*) d="$(dirname "$a")"; n="$(basename "$a")" ;;
-        *) continue ;;
-    esac
-    case "$d" in bin|usr/bin) d=usr/bin ;; sbin|usr/sbin) d=usr/sbin ;; *) continue ;; esac
-    [ -e "$STAGE/$d/$n" ] || ln -s /usr/bin/busybox "$STAGE/$d/$n"
-done
+stage_busybox
 
 LDPATH=/usr/lib/x86_64-linux-gnu/ceph:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu
 BINS=(/usr/bin/fio /usr/bin/iperf3)
-copy_file() {  # copy a host file (resolving symlinks) to the same path in the staging root
-    local src="$1" dst="$STAGE$1"
-    mkdir -p "$(dirname "$dst")"
-    [ -e "$dst" ] || cp -L "$src" "$dst"
-}
 for b in "${BINS[@]}"; do
     [ -x "$b" ] || die "missing $b"
     rm -f "$STAGE$b"
