@@ -164,6 +164,11 @@ pub trait QueueWorker<M: GuestMemory>: Send {
     /// Handles one event. `queues[i]` is device queue `queue_indexes()[i]`. Returns the
     /// queues whose driver must be notified.
     ///
+    /// Transports call it only once every one of the worker's queues is fully set up by the
+    /// driver (sizes, ring addresses) and enabled: virtio-pci starts workers at DRIVER_OK for
+    /// enabled queues only, and the vhost-user adapter drops events until the frontend has
+    /// configured and enabled the rings (a tap can become readable earlier than that).
+    ///
     /// # Errors
     /// [`WorkerError::Broken`] when the device cannot go on.
     fn handle(
