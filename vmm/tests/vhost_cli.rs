@@ -127,7 +127,7 @@ fn a_missing_image_is_one_line() {
         "--file",
         "/nonexistent/disk.img",
     ]);
-    assert_one_line_error(&out, "cannot open image /nonexistent/disk.img");
+    assert_one_line_error(&out, "cannot open image '/nonexistent/disk.img'");
     assert!(!sock.exists());
 }
 

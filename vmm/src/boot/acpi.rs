@@ -183,7 +183,8 @@ pub fn build_fadt(dsdt: u64, facs: u64) -> Vec<u8> {
     put(96, &101u16.to_le_bytes()); // P_LVL2_LAT > 100: C2 not supported
     put(98, &1001u16.to_le_bytes()); // P_LVL3_LAT > 1000: C3 not supported
     put(109, &(IAPC_LEGACY_DEVICES | IAPC_8042).to_le_bytes()); // IAPC_BOOT_ARCH
-    let flags = FADT_F_WBINVD | FADT_F_PROC_C1 | FADT_F_PWR_BUTTON | FADT_F_SLP_BUTTON;
+                                                                // PWR_BUTTON clear: the fixed-feature power button exists (QMP system_powerdown).
+    let flags = FADT_F_WBINVD | FADT_F_PROC_C1 | FADT_F_SLP_BUTTON;
     put(112, &flags.to_le_bytes()); // Flags
                                     // RESET_REG (116) / RESET_VALUE (128): none; Linux falls back to the i8042 reset.
     put(131, &[5]); // FADT minor version: 6.5
