@@ -664,6 +664,52 @@ fn device_props<T>(own: &[Prop<T>], common: &[Prop<T>]) -> Vec<Prop<T>> {
         .collect()
 }
 
+/// `-smp` as given (see [`Parser::smp`]).
+#[derive(Default)]
+struct Smp {
+    cpus: Option<u8>,
+    cores: Option<u8>,
+    maxcpus: Option<u8>,
+}
+
+/// `sockets=`, `dies=`, `threads=` must be 1: bouncevm presents N single-threaded cores of
+/// one socket (see `boot::cpuid`).
+fn only_one(v: &Val, what: &str) -> Result<()> {
+    match v.number(1u8, MAX_VCPUS)? {
+        1 => Ok(()),
+        _ => Err(v.bad(&format!(
+            "bouncevm presents one {what} (N cores of one socket, one thread each)"
+        ))),
+    }
+}
+
+const SMP_PROPS: &[Prop<Smp>] = &[
+    Prop {
+        name: "cpus",
+        set: |s, v| put(&mut s.cpus, Some(v.number(1u8, MAX_VCPUS)?)),
+    },
+    Prop {
+        name: "cores",
+        set: |s, v| put(&mut s.cores, Some(v.number(1u8, MAX_VCPUS)?)),
+    },
+    Prop {
+        name: "maxcpus",
+        set: |s, v| put(&mut s.maxcpus, Some(v.number(1u8, MAX_VCPUS)?)),
+    },
+    Prop {
+        name: "sockets",
+        set: |_, v| only_one(v, "socket"),
+    },
+    Prop {
+        name: "dies",
+        set: |_, v| only_one(v, "die"),
+    },
+    Prop {
+        name: "threads",
+        set: |_, v| only_one(v, "thread per core"),
+    },
+];
+
 // ---- the parser ----
 
 /// The command line while it is being read.
@@ -859,51 +905,6 @@ impl Parser {
     /// `-smp [cpus=]N[,sockets=,dies=,cores=,threads=,maxcpus=]`: bouncevm's topology is one
     /// socket of N single-threaded cores (see `boot::cpuid`), so only that shape is accepted.
     fn smp(&mut self, flag: &str, arg: &str) -> Result<()> {
-        #[derive(Default)]
-        struct Smp {
-            cpus: Option<u8>,
-            sockets: u8,
-            dies: u8,
-            cores: Option<u8>,
-            threads: u8,
-            maxcpus: Option<u8>,
-        }
-        let n = |v: &Val| v.number(1u8, MAX_VCPUS);
-        let one = |v: &Val, what: &str| -> Result<u8> {
-            let x = n(v)?;
-            if x != 1 {
-                return Err(v.bad(&format!(
-                    "bouncevm presents one {what} (N cores of one socket, one thread each)"
-                )));
-            }
-            Ok(x)
-        };
-        let table: &[Prop<Smp>] = &[
-            Prop {
-                name: "cpus",
-                set: |s, v| put(&mut s.cpus, Some(v.number(1u8, MAX_VCPUS)?)),
-            },
-            Prop {
-                name: "sockets",
-                set: |s, v| put(&mut s.sockets, v.number(1u8, MAX_VCPUS)?),
-            },
-            Prop {
-                name: "dies",
-                set: |s, v| put(&mut s.dies, v.number(1u8, MAX_VCPUS)?),
-            },
-            Prop {
-                name: "cores",
-                set: |s, v| put(&mut s.cores, Some(v.number(1u8, MAX_VCPUS)?)),
-            },
-            Prop {
-                name: "threads",
-                set: |s, v| put(&mut s.threads, v.number(1u8, MAX_VCPUS)?),
-            },
-            Prop {
-                name: "maxcpus",
-                set: |s, v| put(&mut s.maxcpus, Some(v.number(1u8, MAX_VCPUS)?)),
-            },
-        ];
         let mut items = split_props(arg);
         if items
             .first()
@@ -911,28 +912,8 @@ impl Parser {
         {
             items[0] = format!("cpus={}", items[0]);
         }
-        let mut s = Smp {
-            sockets: 1,
-            dies: 1,
-            threads: 1,
-            ..Smp::default()
-        };
-        apply(flag, &items, table, &mut s)?;
-        let v = |key: &'static str, x: u8| (key, x.to_string());
-        for (key, value) in [
-            v("sockets", s.sockets),
-            v("dies", s.dies),
-            v("threads", s.threads),
-        ] {
-            one(
-                &Val {
-                    opt: flag,
-                    key,
-                    value: Some(&value),
-                },
-                key.trim_end_matches('s'),
-            )?;
-        }
+        let mut s = Smp::default();
+        apply(flag, &items, SMP_PROPS, &mut s)?;
         let cpus = match (s.cpus, s.cores) {
             (Some(c), Some(k)) if c != k => {
                 return Err(bad_flag(

@@ -612,37 +612,7 @@ fn execute(msg: &Value, ctx: &QmpContext, negotiated: &mut bool) -> (Value, Afte
     }
     let ok = |v: Value| (json!({ "return": v }), After::Nothing);
     match cmd {
-        "qmp_capabilities" => {
-            if *negotiated {
-                return (
-                    error(
-                        "CommandNotFound",
-                        "Capabilities negotiation is already complete, command ignored",
-                    ),
-                    After::Nothing,
-                );
-            }
-            match args.get("enable") {
-                None => {}
-                Some(Value::Array(caps)) => {
-                    if let Some(c) = caps.first() {
-                        let name = c.as_str().map_or_else(|| c.to_string(), str::to_string);
-                        return (
-                            generic(format!("Capability '{name}' not available")),
-                            After::Nothing,
-                        );
-                    }
-                }
-                Some(_) => {
-                    return (
-                        generic("Invalid parameter type for 'enable', expected: array"),
-                        After::Nothing,
-                    )
-                }
-            }
-            *negotiated = true;
-            ok(json!({}))
-        }
+        "qmp_capabilities" => capabilities(&args, negotiated),
         "query-commands" => ok(COMMANDS.iter().map(|c| json!({"name": c})).collect()),
         "query-version" => ok(version()),
         "query-status" => ok(json!({"status": "running", "running": true, "singlestep": false})),
@@ -679,6 +649,40 @@ fn execute(msg: &Value, ctx: &QmpContext, negotiated: &mut bool) -> (Value, Afte
         "quit" | "x-exit-now" => (json!({"return": {}}), After::Quit),
         _ => unreachable!("every name in COMMANDS is handled"),
     }
+}
+
+/// `qmp_capabilities`: refused once negotiated, and with any capability in `enable` (none
+/// is offered).
+fn capabilities(args: &Map<String, Value>, negotiated: &mut bool) -> (Value, After) {
+    if *negotiated {
+        return (
+            error(
+                "CommandNotFound",
+                "Capabilities negotiation is already complete, command ignored",
+            ),
+            After::Nothing,
+        );
+    }
+    match args.get("enable") {
+        None => {}
+        Some(Value::Array(caps)) => {
+            if let Some(c) = caps.first() {
+                let name = c.as_str().map_or_else(|| c.to_string(), str::to_string);
+                return (
+                    generic(format!("Capability '{name}' not available")),
+                    After::Nothing,
+                );
+            }
+        }
+        Some(_) => {
+            return (
+                generic("Invalid parameter type for 'enable', expected: array"),
+                After::Nothing,
+            )
+        }
+    }
+    *negotiated = true;
+    (json!({"return": {}}), After::Nothing)
 }
 
 fn block_info(b: &BlockInfo) -> Value {
