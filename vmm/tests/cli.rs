@@ -795,3 +795,49 @@ fn qmp_socket_is_private_kept_while_live_and_a_silent_client_does_not_block_exit
     assert_eq!(mode, 0o660);
     assert_eq!(out.status.code(), Some(0));
 }
+
+const PTY_RUNNER: &str = r#"
+import json, pty, signal, subprocess, sys, termios, time
+m, s = pty.openpty()
+before = termios.tcgetattr(s)
+p = subprocess.Popen(sys.argv[1:], stdin=s, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+raw = False
+deadline = time.time() + 20
+while time.time() < deadline and p.poll() is None:
+    if not (termios.tcgetattr(s)[3] & termios.ECHO):
+        raw = True
+        break
+    time.sleep(0.02)
+p.send_signal(signal.SIGTERM)
+rc = p.wait(timeout=20)
+print(json.dumps({"raw": raw, "rc": rc, "restored": termios.tcgetattr(s) == before,
+                  "stderr": p.stderr.read().decode(errors="replace")}))
+"#;
+
+/// SIGTERM with stdin on a terminal: the console was in raw mode while the VM ran, and the
+/// terminal's attributes are restored exactly on exit (status 0).
+#[test]
+fn sigterm_restores_the_terminal() {
+    if !kvm_available() || !python3_available() {
+        return;
+    }
+    let k = tmp("tty.elf", &stand_in_kernel(false));
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(PTY_RUNNER)
+        .args([
+            BIN,
+            "-m",
+            "64M",
+            "-kernel",
+            k.0.to_str().unwrap(),
+            "-nographic",
+        ])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(v["raw"], true, "{v}");
+    assert_eq!(v["rc"], 0, "{v}");
+    assert_eq!(v["restored"], true, "{v}");
+}
