@@ -420,3 +420,38 @@ fn net_through_tap_in_namespace() {
         std::panic::resume_unwind(e);
     }
 }
+
+/// `Tap::open(Tap::KERNEL_NAMED, n)`: the kernel picks `tapN` (QEMU's `-netdev tap` without
+/// `ifname=`), every queue attaches to that one interface, and `name()` reports it.
+#[test]
+fn a_kernel_named_tap_reports_its_name_and_every_queue_joins_it() {
+    if let Some(why) = skip_reason() {
+        println!("SKIPPED a_kernel_named_tap_reports_its_name_and_every_queue_joins_it: {why}");
+        return;
+    }
+    let name = format!("bvm-tapname-{}", std::process::id());
+    let _ = Command::new("ip").args(["netns", "del", &name]).output();
+    ip(&["netns", "add", &name]);
+    let ns = Netns(name);
+    let r = std::thread::spawn(move || {
+        ns.enter();
+        let taps = devices::net::Tap::open(devices::net::Tap::KERNEL_NAMED, 2).unwrap();
+        let n = taps[0].name().to_string();
+        assert!(n.starts_with("tap") && !n.contains('%'), "{n}");
+        assert_eq!(taps[1].name(), n);
+        // Children forked from this thread live in its namespace: one interface, multi-queue.
+        let out = Command::new("ip")
+            .args(["-d", "link", "show"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(text.matches(": tap").count(), 1, "{text}");
+        assert!(text.contains("multi_queue"), "{text}");
+        drop(taps);
+        drop(ns);
+    })
+    .join();
+    if let Err(e) = r {
+        std::panic::resume_unwind(e);
+    }
+}
