@@ -7,7 +7,7 @@
 
 use bounce::{
     AllocatorKind, BouncePool, CopyOnMap, Direction, DmaAttrs, Error, HostMemory, MapRequest,
-    OrigMemory, PoolConfig, PoolMode,
+    OrigMemory, PoolConfig, PoolMode, SizeLimit,
 };
 use vm_memory::VolatileSlice;
 
@@ -649,6 +649,55 @@ fn maximum_mapping_size_follows_linux() {
     p.unmap(&o.mem(), &m, 0).unwrap();
     let req = MapRequest::new(ORIG_BASE, 262_144 - 4095, Direction::ToDevice).min_align_mask(0xfff);
     assert!(matches!(p.map(&o.mem(), &req), Err(Error::TooLarge { .. })));
+}
+
+#[test]
+fn kernel_size_limit_places_the_band_above_max_mapping_size() {
+    // Linux's map refuses only an allocation over a segment: with a 4 KiB min_align_mask and a
+    // page-aligned original, 258_049..=262_144 bytes still fit in 128 slots although the
+    // advertised maximum is 258_048.
+    let mut cfg = PoolConfig::swiotlb(1024);
+    cfg.areas = Some(1);
+    cfg.size_limit = SizeLimit::Kernel;
+    let p = BouncePool::new(&cfg).unwrap();
+    let strict = pool(AllocatorKind::Areas, PoolMode::Swiotlb, 1024);
+    assert_eq!(p.max_mapping_size(0xfff), 262_144 - 4096);
+    let mut o = Orig::new();
+    for size in [262_144 - 4095, 262_144 - 1, 262_144] {
+        let req = MapRequest::new(ORIG_BASE, size, Direction::ToDevice).min_align_mask(0xfff);
+        assert!(matches!(
+            strict.map(&o.mem(), &req),
+            Err(Error::TooLarge { .. })
+        ));
+        let m = p.map(&o.mem(), &req).unwrap();
+        assert_eq!(
+            (m.nslots, m.dev_addr & 0xfff),
+            (size.div_ceil(2048), 0),
+            "{size}"
+        );
+        assert_eq!(m.slot / 128, (m.slot + m.nslots - 1) / 128);
+        assert_eq!(dev_read(&p, m.dev_addr, size), o.at(ORIG_BASE, size));
+        p.unmap(&o.mem(), &m, 0).unwrap();
+    }
+    // An original 2 KiB into a page must start on an odd slot: 127 slots fit (slots 1..128 of
+    // a segment), 128 fit nowhere, which Linux reports as "buffer full", not as too large.
+    let at = ORIG_BASE + 0x800;
+    let req = |size| MapRequest::new(at, size, Direction::ToDevice).min_align_mask(0xfff);
+    let m = p.map(&o.mem(), &req(262_144 - 2048)).unwrap();
+    assert_eq!(
+        (m.nslots, m.slot % 128, m.dev_addr & 0xfff),
+        (127, 1, 0x800)
+    );
+    p.unmap(&o.mem(), &m, 0).unwrap();
+    assert!(matches!(
+        p.map(&o.mem(), &req(262_144 - 2047)),
+        Err(Error::PoolFull { .. })
+    ));
+    assert!(matches!(
+        strict.map(&o.mem(), &req(262_144 - 2047)),
+        Err(Error::TooLarge { .. })
+    ));
+    assert_eq!(p.used(), 0);
 }
 
 #[test]

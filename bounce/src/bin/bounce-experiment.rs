@@ -250,8 +250,9 @@ fn streaming_reference(threads: usize, size: usize, pool_bytes: usize, dur: Dura
 
 /// Smallest and largest sample.
 fn spread(v: &[f64]) -> (f64, f64) {
-    v.iter()
-        .fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)))
+    v.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+        (lo.min(x), hi.max(x))
+    })
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -312,9 +313,7 @@ fn run(args: &Args) -> Result<Vec<Cell>, String> {
                     vec![(Vec::new(), Vec::new(), 0); kinds.len()];
                 let mut reference = Vec::new();
                 let mut streaming = Vec::new();
-                let pool_bytes = pools
-                    .first()
-                    .map_or(size, |(_, p)| p.geometry().bytes());
+                let pool_bytes = pools.first().map_or(size, |(_, p)| p.geometry().bytes());
                 for _ in 0..args.rounds {
                     if copy {
                         reference.push(memcpy_reference(t, size, dur));
