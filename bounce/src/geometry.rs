@@ -66,6 +66,27 @@ pub struct PoolConfig {
     pub allocator: AllocatorKind,
     /// Copy rule on map; `None` takes the mode's default.
     pub copy_on_map: Option<CopyOnMap>,
+    /// Which mappings map accepts by size.
+    #[serde(default)]
+    pub size_limit: SizeLimit,
+}
+
+/// Which mapping sizes a pool accepts.
+///
+/// Linux advertises `swiotlb_max_mapping_size` (a segment less `min_align_mask` rounded up to a
+/// slot) to drivers, but `swiotlb_tbl_map_single` itself only refuses an allocation whose
+/// padded size does not fit in one segment: a mapping up to `min_align_mask` bytes larger than
+/// the advertised maximum is still placed when its original's offset leaves room.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SizeLimit {
+    /// Refuse anything larger than [`max_mapping_size`](crate::BouncePool::max_mapping_size)
+    /// (what devices are told and respect).
+    #[default]
+    MaxMappingSize,
+    /// Accept exactly what `swiotlb_tbl_map_single` accepts: any mapping whose padded
+    /// allocation fits in one segment (trace replay).
+    Kernel,
 }
 
 impl PoolConfig {
@@ -87,6 +108,7 @@ impl PoolConfig {
             base: Self::DEFAULT_SWIOTLB_BASE,
             allocator: AllocatorKind::Areas,
             copy_on_map: None,
+            size_limit: SizeLimit::MaxMappingSize,
         }
     }
 
@@ -100,6 +122,7 @@ impl PoolConfig {
             base: Self::DEFAULT_IOVA_BASE,
             allocator: AllocatorKind::IovaRcache,
             copy_on_map: None,
+            size_limit: SizeLimit::MaxMappingSize,
         }
     }
 

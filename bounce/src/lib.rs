@@ -2,7 +2,7 @@
 //!
 //! Every device DMA of bouncevm goes through this crate. A device asks a [`BouncePool`] to map an
 //! *original* buffer (a guest address, or a host buffer) in a [`Direction`]; the pool allocates
-//! slots from its own memory with one of eight [`alloc`] strategies, copies the original in as
+//! slots from its own memory with one of ten [`alloc`] strategies, copies the original in as
 //! the rules say, and hands back a *device address* inside the pool. The device does its I/O on
 //! that address ([`BouncePool::device_slice`]); unmapping copies the data back as the rules say
 //! and releases the slots.
@@ -41,7 +41,7 @@ pub mod types;
 pub use alloc::{AllocatorKind, SlotAllocator, SlotRequest};
 pub use dma::{DeviceDmaParams, Dma, DmaBuffer, Policy};
 pub use error::{Error, Result};
-pub use geometry::{Geometry, PoolConfig, PoolMode};
+pub use geometry::{Geometry, PoolConfig, PoolMode, SizeLimit};
 pub use orig::{HostMemory, NoCopyMemory, OrigMemory};
 pub use pool::{BouncePool, CopyOnMap, Mapping};
 pub use stats::PoolStats;

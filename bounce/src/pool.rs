@@ -14,7 +14,7 @@ use vm_memory::{MmapRegion, VolatileMemory, VolatileSlice};
 
 use crate::alloc::{self, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
-use crate::geometry::{Geometry, PoolConfig, PoolMode};
+use crate::geometry::{Geometry, PoolConfig, PoolMode, SizeLimit};
 use crate::orig::OrigMemory;
 use crate::stats::{Counters, PoolStats};
 use crate::types::{Direction, DmaAttrs, MapRequest};
@@ -89,11 +89,21 @@ pub struct Mapping {
     pub nslots: usize,
 }
 
+/// Where a mapping's data sits in its allocation.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    /// Bytes from the allocation's start to the data (padding slots and in-slot offset).
+    offset: u64,
+    /// Allocation size in bytes, padding and alignment included.
+    alloc_size: u64,
+}
+
 /// A pool of bounce slots in one host mapping, usable from any thread.
 #[derive(Debug)]
 pub struct BouncePool {
     geom: Geometry,
     copy_on_map: CopyOnMap,
+    size_limit: SizeLimit,
     memory: MmapRegion,
     meta: Box<[SlotMeta]>,
     alloc: Arc<dyn SlotAllocator>,
@@ -114,7 +124,9 @@ impl BouncePool {
     pub fn new(config: &PoolConfig) -> Result<Self> {
         let geom = config.geometry()?;
         let alloc = alloc::build(config.allocator, &geom)?;
-        Self::with_allocator(geom, alloc, config.copy_on_map)
+        let mut pool = Self::with_allocator(geom, alloc, config.copy_on_map)?;
+        pool.size_limit = config.size_limit;
+        Ok(pool)
     }
 
     /// Builds a pool around an allocator made elsewhere (for experiments and tests).
@@ -148,6 +160,7 @@ impl BouncePool {
         Ok(Self {
             geom,
             copy_on_map: copy_on_map.unwrap_or(geom.mode.default_copy_on_map()),
+            size_limit: SizeLimit::MaxMappingSize,
             memory,
             meta,
             alloc,
@@ -171,6 +184,17 @@ impl BouncePool {
     /// The copy rule on map.
     pub fn copy_on_map(&self) -> CopyOnMap {
         self.copy_on_map
+    }
+
+    /// Which mapping sizes map accepts.
+    pub fn size_limit(&self) -> SizeLimit {
+        self.size_limit
+    }
+
+    /// Sets which mapping sizes map accepts (for pools built with
+    /// [`BouncePool::with_allocator`]).
+    pub fn set_size_limit(&mut self, limit: SizeLimit) {
+        self.size_limit = limit;
     }
 
     /// The largest mapping this pool can ever satisfy for a device with `min_align_mask`
@@ -225,6 +249,55 @@ impl BouncePool {
     /// form `2^k - 1`), [`Error::TooLarge`], [`Error::OrigAccess`] (the original range is not
     /// accessible), [`Error::PoolFull`] (logged, rate-limited, unless `no_warn`).
     pub fn map<M: OrigMemory + ?Sized>(&self, mem: &M, req: &MapRequest) -> Result<Mapping> {
+        let layout = self.layout(req)?;
+        // Validate the whole original range before anything is allocated or copied.
+        if !mem.check(req.orig, req.size, req.dir.device_writes()) {
+            return Err(Error::OrigAccess {
+                addr: req.orig,
+                len: req.size,
+            });
+        }
+        let sreq = SlotRequest::new(
+            &self.geom,
+            req.orig,
+            layout.alloc_size,
+            req.alloc_align_mask,
+            req.min_align_mask,
+            req.seg_boundary_mask,
+            req.worker,
+        );
+        let index = self.claim(&sreq, layout.alloc_size, req.attrs.no_warn)?;
+        let nslots = sreq.nslots;
+        self.counters.inc_used(nslots);
+        let (head, dev_addr) = self.record(index, nslots, req.orig, &layout);
+        let copy_in = match self.copy_on_map {
+            CopyOnMap::Always => true,
+            CopyOnMap::WhenDeviceReads => req.dir.device_reads() && !req.attrs.skip_cpu_sync,
+        };
+        if copy_in {
+            if let Err(e) = self.bounce(mem, dev_addr, req.size, Direction::ToDevice) {
+                // The original vanished between the check and the copy: give the slots back.
+                self.meta[head].head.store(0, Ordering::Relaxed);
+                self.release(index, nslots, req.worker);
+                return Err(e);
+            }
+        }
+        Counters::add(&self.counters.maps, 1);
+        Ok(Mapping {
+            dev_addr,
+            orig: req.orig,
+            size: req.size,
+            dir: req.dir,
+            attrs: req.attrs,
+            slot: index,
+            nslots,
+        })
+    }
+
+    /// Checks a request's size and masks and computes where its data sits in the allocation
+    /// (Linux `swiotlb_align_offset` and the `ALIGN(mapping_size + offset, ...)` of
+    /// `swiotlb_tbl_map_single`).
+    fn layout(&self, req: &MapRequest) -> Result<Layout> {
         let size = req.size;
         if size == 0 {
             return Err(Error::ZeroLength);
@@ -235,18 +308,22 @@ impl BouncePool {
                 size,
             });
         }
-        Self::check_mask(
-            req.min_align_mask,
-            "min_align_mask is not of the form 2^k-1",
-        )?;
-        Self::check_mask(
-            req.alloc_align_mask,
-            "alloc_align_mask is not of the form 2^k-1",
-        )?;
-        Self::check_mask(
-            req.seg_boundary_mask,
-            "segment boundary mask is not of the form 2^k-1",
-        )?;
+        for (mask, reason) in [
+            (
+                req.min_align_mask,
+                "min_align_mask is not of the form 2^k-1",
+            ),
+            (
+                req.alloc_align_mask,
+                "alloc_align_mask is not of the form 2^k-1",
+            ),
+            (
+                req.seg_boundary_mask,
+                "segment boundary mask is not of the form 2^k-1",
+            ),
+        ] {
+            Self::check_mask(mask, reason)?;
+        }
         let slot = self.geom.slot_size();
         if req.seg_boundary_mask < slot - 1 {
             return Err(Error::BadAlignment {
@@ -260,38 +337,23 @@ impl BouncePool {
             .checked_next_multiple_of(req.alloc_align_mask.saturating_add(1))
             .unwrap_or(u64::MAX);
         let seg_bytes = (self.geom.segsize as u64) << self.geom.slot_shift;
-        if size > max || alloc_size > seg_bytes {
+        let over_max = self.size_limit == SizeLimit::MaxMappingSize && size > max;
+        if over_max || alloc_size > seg_bytes {
             return Err(Error::TooLarge { size, max });
         }
-        let copy_in = match self.copy_on_map {
-            CopyOnMap::Always => true,
-            CopyOnMap::WhenDeviceReads => req.dir.device_reads() && !req.attrs.skip_cpu_sync,
-        };
-        // Validate the whole original range before anything is allocated or copied.
-        if !mem.check(req.orig, size, req.dir.device_writes()) {
-            return Err(Error::OrigAccess {
-                addr: req.orig,
-                len: size,
-            });
-        }
+        Ok(Layout { offset, alloc_size })
+    }
 
-        let sreq = SlotRequest::new(
-            &self.geom,
-            req.orig,
-            alloc_size,
-            req.alloc_align_mask,
-            req.min_align_mask,
-            req.seg_boundary_mask,
-            req.worker,
-        );
-        let Some(index) = self.alloc.alloc(&sreq) else {
+    /// Asks the allocator for a run and checks its answer; counts and reports a full pool.
+    fn claim(&self, sreq: &SlotRequest, alloc_size: u64, no_warn: bool) -> Result<usize> {
+        let Some(index) = self.alloc.alloc(sreq) else {
             Counters::add(&self.counters.map_failures, 1);
             let err = Error::PoolFull {
-                size: alloc_size as usize,
+                size: usize::try_from(alloc_size).unwrap_or(usize::MAX),
                 total: self.geom.nslabs,
                 used: self.counters.used.load(Ordering::Relaxed) as usize,
             };
-            if !req.attrs.no_warn {
+            if !no_warn {
                 self.warn_full(&err);
             }
             return Err(err);
@@ -304,22 +366,29 @@ impl BouncePool {
                 nslots = sreq.nslots,
                 "allocator returned a run that breaks the placement rules"
             );
-            self.alloc.free(index, sreq.nslots, req.worker);
+            self.alloc.free(index, sreq.nslots, sreq.worker);
             return Err(Error::BadAlignment {
                 reason: "allocator returned a misplaced run",
             });
         }
-        let nslots = sreq.nslots;
-        self.counters.inc_used(nslots);
+        Ok(index)
+    }
 
-        let pad_slots = (offset >> self.geom.slot_shift) as usize;
-        let in_slot = offset & (slot - 1);
+    /// Writes the metadata of a fresh allocation `index..index + nslots` (Linux: the
+    /// `alloc_size` loop of `swiotlb_search_pool_area` and the `orig_addr` loop of
+    /// `swiotlb_tbl_map_single`) and returns the head slot and the device address.
+    fn record(&self, index: usize, nslots: usize, orig: u64, layout: &Layout) -> (usize, u64) {
+        let shift = self.geom.slot_shift;
+        let pad_slots = (layout.offset >> shift) as usize;
+        let in_slot = layout.offset & (self.geom.slot_size() - 1);
         for i in 0..nslots {
+            // Bytes from this slot's start plus the in-slot offset to the end of the
+            // allocation. As in Linux (an unsigned int there), this wraps below zero for a last
+            // slot whose data ends before the in-slot offset; `bounce` reads it back as signed.
+            let from = in_slot + ((i as u64) << shift);
             let m = &self.meta[index + i];
-            m.alloc_size.store(
-                alloc_size - (in_slot + ((i as u64) << self.geom.slot_shift)),
-                Ordering::Relaxed,
-            );
+            m.alloc_size
+                .store(layout.alloc_size.wrapping_sub(from), Ordering::Relaxed);
             m.offset.store(in_slot as u32, Ordering::Relaxed);
         }
         let head = index + pad_slots;
@@ -327,34 +396,14 @@ impl BouncePool {
             .pad_slots
             .store(pad_slots as u32, Ordering::Relaxed);
         for i in 0..(nslots - pad_slots) {
-            self.meta[head + i].orig.store(
-                req.orig + ((i as u64) << self.geom.slot_shift),
-                Ordering::Relaxed,
-            );
+            self.meta[head + i]
+                .orig
+                .store(orig + ((i as u64) << shift), Ordering::Relaxed);
         }
         self.meta[head]
             .head
             .store(in_slot as u32 + 1, Ordering::Release);
-        let dev_addr = self.geom.slot_addr(head) + in_slot;
-
-        if copy_in {
-            if let Err(e) = self.bounce(mem, dev_addr, size, Direction::ToDevice) {
-                // The original vanished between the check and the copy: give the slots back.
-                self.meta[head].head.store(0, Ordering::Relaxed);
-                self.release(index, nslots, req.worker);
-                return Err(e);
-            }
-        }
-        Counters::add(&self.counters.maps, 1);
-        Ok(Mapping {
-            dev_addr,
-            orig: req.orig,
-            size,
-            dir: req.dir,
-            attrs: req.attrs,
-            slot: index,
-            nslots,
-        })
+        (head, self.geom.slot_addr(head) + in_slot)
     }
 
     fn warn_full(&self, err: &Error) {

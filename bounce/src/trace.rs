@@ -35,7 +35,7 @@ use vm_memory::VolatileSlice;
 
 use crate::alloc::AllocatorKind;
 use crate::error::Error;
-use crate::geometry::{PoolConfig, PoolMode};
+use crate::geometry::{PoolConfig, PoolMode, SizeLimit};
 use crate::orig::OrigMemory;
 use crate::pool::{BouncePool, Mapping};
 use crate::types::{Direction, DmaAttrs, MapRequest};
@@ -423,6 +423,9 @@ impl ReplayOptions {
             }
         };
         c.allocator = self.allocator;
+        // A trace records what the kernel's map accepted, which is more than the maximum
+        // mapping size it advertises: accept the same band.
+        c.size_limit = SizeLimit::Kernel;
         c.workers = self.workers.or(h.cpus).unwrap_or(1).max(1);
         if self.mode == PoolMode::Swiotlb {
             c.areas = self.areas.or(h.nareas);

@@ -7,7 +7,7 @@
 
 use bounce::{
     AllocatorKind, BouncePool, CopyOnMap, Direction, DmaAttrs, Error, HostMemory, MapRequest,
-    OrigMemory, PoolConfig, PoolMode,
+    OrigMemory, PoolConfig, PoolMode, SizeLimit,
 };
 use vm_memory::VolatileSlice;
 
@@ -60,7 +60,7 @@ fn dev_write(p: &BouncePool, addr: u64, data: &[u8]) {
     p.device_slice(addr, data.len()).unwrap().copy_from(data);
 }
 
-const SWIOTLB_KINDS: [AllocatorKind; 8] = AllocatorKind::ALL;
+const SWIOTLB_KINDS: [AllocatorKind; AllocatorKind::ALL.len()] = AllocatorKind::ALL;
 
 // ---------------------------------------------------------------- copy rules: map
 
@@ -122,6 +122,8 @@ fn iova_mode_copies_in_only_when_the_device_reads() {
         AllocatorKind::Genpool,
         AllocatorKind::IovaBitmap,
         AllocatorKind::Areas,
+        AllocatorKind::AreasLifo,
+        AllocatorKind::Magazine,
     ] {
         let p = pool(kind, PoolMode::Iova, 256);
         assert_eq!(p.copy_on_map(), CopyOnMap::WhenDeviceReads);
@@ -579,34 +581,39 @@ fn alloc_align_mask_aligns_the_allocation() {
 
 #[test]
 fn no_mapping_crosses_a_segment() {
+    // 423 slots in a 2048-slot pool (iova-bitmap serves large maps from half of it): every map
+    // must succeed. In address order the first three
+    // leave 41 slots of segment 0, so the 128-slot mapping that follows must skip to a later
+    // segment: an allocator that ignores segments crosses one here.
+    let sizes = [
+        5000usize, 100_000, 70_000, 262_144, 2048, 150_000, 9_000, 262_144,
+    ];
     for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 1024);
+        let p = pool(kind, PoolMode::Swiotlb, 2048);
+        let base = p.geometry().base;
         let mut o = Orig::new();
         let mut live = Vec::new();
-        // Fill with odd-sized mappings; each must stay within one 128-slot segment.
         let mut addr = ORIG_BASE;
-        for size in [
-            5000usize, 100_000, 70_000, 262_144, 2048, 150_000, 9_000, 262_144,
-        ] {
-            match p.map(&o.mem(), &MapRequest::new(addr, size, Direction::ToDevice)) {
-                Ok(m) => {
-                    let first = m.slot;
-                    let last = m.slot + m.nslots - 1;
-                    assert_eq!(
-                        first / 128,
-                        last / 128,
-                        "{kind}: {size} bytes crossed a segment"
-                    );
-                    live.push(m);
-                }
-                Err(Error::PoolFull { .. }) => {}
-                Err(e) => panic!("{kind}: {e}"),
-            }
+        for size in sizes {
+            let m = p
+                .map(&o.mem(), &MapRequest::new(addr, size, Direction::ToDevice))
+                .unwrap_or_else(|e| panic!("{kind}: {size} bytes: {e}"));
+            // Slots from the device address, not from what the pool reports.
+            let first = ((m.dev_addr - base) >> 11) as usize;
+            let last = ((m.dev_addr + size as u64 - 1 - base) >> 11) as usize;
+            assert_eq!(first, m.slot, "{kind}: {size} bytes");
+            assert_eq!(
+                first / 128,
+                last / 128,
+                "{kind}: {size} bytes crossed a segment at slot {first}"
+            );
+            live.push(m);
             addr += 0x1000;
         }
         for m in &live {
             p.unmap(&o.mem(), m, 0).unwrap();
         }
+        assert_eq!(p.used(), 0, "{kind}");
     }
 }
 
@@ -642,6 +649,55 @@ fn maximum_mapping_size_follows_linux() {
     p.unmap(&o.mem(), &m, 0).unwrap();
     let req = MapRequest::new(ORIG_BASE, 262_144 - 4095, Direction::ToDevice).min_align_mask(0xfff);
     assert!(matches!(p.map(&o.mem(), &req), Err(Error::TooLarge { .. })));
+}
+
+#[test]
+fn kernel_size_limit_places_the_band_above_max_mapping_size() {
+    // Linux's map refuses only an allocation over a segment: with a 4 KiB min_align_mask and a
+    // page-aligned original, 258_049..=262_144 bytes still fit in 128 slots although the
+    // advertised maximum is 258_048.
+    let mut cfg = PoolConfig::swiotlb(1024);
+    cfg.areas = Some(1);
+    cfg.size_limit = SizeLimit::Kernel;
+    let p = BouncePool::new(&cfg).unwrap();
+    let strict = pool(AllocatorKind::Areas, PoolMode::Swiotlb, 1024);
+    assert_eq!(p.max_mapping_size(0xfff), 262_144 - 4096);
+    let mut o = Orig::new();
+    for size in [262_144 - 4095, 262_144 - 1, 262_144] {
+        let req = MapRequest::new(ORIG_BASE, size, Direction::ToDevice).min_align_mask(0xfff);
+        assert!(matches!(
+            strict.map(&o.mem(), &req),
+            Err(Error::TooLarge { .. })
+        ));
+        let m = p.map(&o.mem(), &req).unwrap();
+        assert_eq!(
+            (m.nslots, m.dev_addr & 0xfff),
+            (size.div_ceil(2048), 0),
+            "{size}"
+        );
+        assert_eq!(m.slot / 128, (m.slot + m.nslots - 1) / 128);
+        assert_eq!(dev_read(&p, m.dev_addr, size), o.at(ORIG_BASE, size));
+        p.unmap(&o.mem(), &m, 0).unwrap();
+    }
+    // An original 2 KiB into a page must start on an odd slot: 127 slots fit (slots 1..128 of
+    // a segment), 128 fit nowhere, which Linux reports as "buffer full", not as too large.
+    let at = ORIG_BASE + 0x800;
+    let req = |size| MapRequest::new(at, size, Direction::ToDevice).min_align_mask(0xfff);
+    let m = p.map(&o.mem(), &req(262_144 - 2048)).unwrap();
+    assert_eq!(
+        (m.nslots, m.slot % 128, m.dev_addr & 0xfff),
+        (127, 1, 0x800)
+    );
+    p.unmap(&o.mem(), &m, 0).unwrap();
+    assert!(matches!(
+        p.map(&o.mem(), &req(262_144 - 2047)),
+        Err(Error::PoolFull { .. })
+    ));
+    assert!(matches!(
+        strict.map(&o.mem(), &req(262_144 - 2047)),
+        Err(Error::TooLarge { .. })
+    ));
+    assert_eq!(p.used(), 0);
 }
 
 #[test]

@@ -112,6 +112,14 @@ fn stress(kind: AllocatorKind, mode: PoolMode) {
     }
     let s = pool.stats();
     assert_eq!(s.used, 0, "{kind}: slots leaked");
+    assert!(occupied.iter().all(|o| !o.load(Ordering::Acquire)));
+    // The allocator agrees once its per-worker caches are flushed.
+    pool.allocator().flush_caches();
+    assert_eq!(
+        pool.allocator().area_used().iter().sum::<usize>(),
+        0,
+        "{kind}: the allocator still counts slots in use"
+    );
     assert_eq!(s.maps, s.unmaps);
     assert_eq!(s.map_failures as usize, fulls);
     eprintln!(
@@ -143,4 +151,7 @@ stress_tests! {
     stress_iova_mode_rcache: AllocatorKind::IovaRcache, PoolMode::Iova;
     stress_iova_mode_genpool: AllocatorKind::Genpool, PoolMode::Iova;
     stress_iova_mode_bitmap: AllocatorKind::IovaBitmap, PoolMode::Iova;
+    stress_areas_lifo: AllocatorKind::AreasLifo, PoolMode::Swiotlb;
+    stress_magazine: AllocatorKind::Magazine, PoolMode::Swiotlb;
+    stress_iova_mode_magazine: AllocatorKind::Magazine, PoolMode::Iova;
 }

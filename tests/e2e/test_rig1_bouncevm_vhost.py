@@ -191,6 +191,7 @@ ALLOCATORS = [
     ("legacy", "swiotlb"), ("bitmap", "swiotlb"), ("areas", "swiotlb"),
     ("areas-bitmap", "swiotlb"), ("iova-rbtree", "iova"), ("iova-rcache", "iova"),
     ("genpool", "iova"), ("iova-bitmap", "iova"),
+    ("areas-lifo", "swiotlb"), ("magazine", "swiotlb"),
 ]
 
 

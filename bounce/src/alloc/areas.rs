@@ -154,6 +154,28 @@ impl FreeRuns {
         None
     }
 
+    /// Claims the run at absolute slot `slot` for `req` when it fits there and is free,
+    /// without moving the rolling index (the reuse path of `areas-lifo`).
+    pub fn claim_at(&mut self, geom: &Geometry, req: &SlotRequest, slot: usize) -> bool {
+        let Some(r) = slot.checked_sub(self.base) else {
+            return false;
+        };
+        if r >= self.len() || (self.list[r] as usize) < req.nslots || !req.fits(geom, slot) {
+            return false;
+        }
+        let index = self.index;
+        self.claim(geom, r, req.nslots);
+        self.index = index;
+        true
+    }
+
+    /// True when absolute slot `slot` of this range is free.
+    pub fn is_free(&self, slot: usize) -> bool {
+        slot.checked_sub(self.base)
+            .and_then(|r| self.list.get(r))
+            .is_some_and(|&c| c > 0)
+    }
+
     /// Marks `index..index + nslots` (relative) used and fixes the counts before it.
     fn claim(&mut self, geom: &Geometry, index: usize, nslots: usize) {
         self.list[index..index + nslots].fill(0);

@@ -43,7 +43,7 @@ pub(crate) struct FreeBitmap {
 }
 
 /// Smallest `y >= x` with `y % align == phase` (`align` a power of two, `phase < align`).
-fn align_up(x: usize, align: usize, phase: usize) -> Option<usize> {
+pub(crate) fn align_up(x: usize, align: usize, phase: usize) -> Option<usize> {
     let rem = x & (align - 1);
     if rem <= phase {
         Some(x - rem + phase)

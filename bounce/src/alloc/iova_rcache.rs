@@ -273,6 +273,10 @@ impl SlotAllocator for IovaRcache {
         }
     }
 
+    fn flush_caches(&self) {
+        IovaRcache::flush_caches(self);
+    }
+
     fn area_used(&self) -> Vec<usize> {
         vec![self.tree.lock().used()]
     }

@@ -17,12 +17,15 @@
 //! | `iova-rcache` | per-worker magazines and a depot in front of `iova-rbtree` (`alloc_iova_fast`) |
 //! | `genpool` | first-fit bitmap, word-wise compare-and-swap, lock-free (`gen_pool_alloc`) |
 //! | `iova-bitmap` | per-worker bitmaps for small requests, tree fallback for larger ones |
+//! | `areas-lifo` | `areas`, with the most recently freed run reused first (2022 series patch 3) |
+//! | `magazine` | per-worker magazines of power-of-two runs over per-area bitmap depots (ours) |
 //!
 //! Every allocator must return only runs for which [`SlotRequest::fits`] is true, must never
 //! hand out a slot twice, and must make every freed slot available again.
 
 mod areas;
 mod areas_bitmap;
+mod areas_lifo;
 mod bitmap;
 mod genpool;
 mod iova_bitmap;
@@ -30,6 +33,7 @@ mod iova_rbtree;
 mod iova_rcache;
 mod legacy;
 mod lock;
+mod magazine;
 
 use std::fmt;
 use std::sync::Arc;
@@ -42,6 +46,7 @@ use crate::PAGE_SIZE;
 
 pub use areas::AreasAllocator;
 pub use areas_bitmap::AreasBitmapAllocator;
+pub use areas_lifo::{AreasLifoAllocator, RECENT_PROBE, RECENT_RUNS};
 pub use bitmap::BitmapAllocator;
 pub use genpool::Genpool;
 pub use iova_bitmap::{IovaBitmap, SMALL_BYTES};
@@ -49,8 +54,9 @@ pub use iova_rbtree::IovaRbtree;
 pub use iova_rcache::{IovaRcache, DEPOT_DELAY, IOVA_MAG_SIZE, IOVA_RANGE_CACHE_MAX_SIZE};
 pub use legacy::LegacyAllocator;
 pub use lock::{LockSnapshot, TimedMutex};
+pub use magazine::{class_capacity, MagazineAllocator, MAG_CLASS_SLOTS, MAX_CLASS};
 
-/// The eight allocators, selectable by name at run time.
+/// The ten allocators, selectable by name at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum AllocatorKind {
@@ -70,11 +76,15 @@ pub enum AllocatorKind {
     Genpool,
     /// Per-worker bitmaps for small requests, tree fallback.
     IovaBitmap,
+    /// Per-area locks with free-run counts, freed runs reused first.
+    AreasLifo,
+    /// Per-worker magazines over per-area bitmap depots.
+    Magazine,
 }
 
 impl AllocatorKind {
     /// All kinds, in the order of the table above.
-    pub const ALL: [AllocatorKind; 8] = [
+    pub const ALL: [AllocatorKind; 10] = [
         Self::Legacy,
         Self::Bitmap,
         Self::Areas,
@@ -83,6 +93,8 @@ impl AllocatorKind {
         Self::IovaRcache,
         Self::Genpool,
         Self::IovaBitmap,
+        Self::AreasLifo,
+        Self::Magazine,
     ];
 
     /// The name used on command lines and in reports.
@@ -96,6 +108,8 @@ impl AllocatorKind {
             Self::IovaRcache => "iova-rcache",
             Self::Genpool => "genpool",
             Self::IovaBitmap => "iova-bitmap",
+            Self::AreasLifo => "areas-lifo",
+            Self::Magazine => "magazine",
         }
     }
 }
@@ -275,6 +289,13 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
         Vec::new()
     }
 
+    /// Returns runs held in per-worker caches to the shared structure (nothing for
+    /// allocators without caches). Afterwards, with no concurrent user, [`area_used`]
+    /// counts exactly the slots of live runs.
+    ///
+    /// [`area_used`]: SlotAllocator::area_used
+    fn flush_caches(&self) {}
+
     /// Lock statistics, one entry per lock (empty for lock-free allocators).
     fn lock_stats(&self) -> Vec<LockSnapshot>;
 
@@ -296,6 +317,8 @@ pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocat
         AllocatorKind::IovaRcache => Ok(Arc::new(IovaRcache::new(geom))),
         AllocatorKind::Genpool => Ok(Arc::new(Genpool::new(geom))),
         AllocatorKind::IovaBitmap => Ok(Arc::new(IovaBitmap::new(geom))),
+        AllocatorKind::AreasLifo => Ok(Arc::new(AreasLifoAllocator::new(geom)?)),
+        AllocatorKind::Magazine => Ok(Arc::new(MagazineAllocator::new(geom)?)),
     }
 }
 
@@ -352,11 +375,13 @@ mod tests {
                 live.push((i, r.nslots));
             }
         }
+        a.flush_caches();
         let used: usize = a.area_used().iter().sum();
         assert_eq!(used, live.iter().map(|l| l.1).sum::<usize>(), "{kind}");
         for (i, n) in live.drain(..) {
             a.free(i, n, 0);
         }
+        a.flush_caches();
         assert_eq!(a.area_used().iter().sum::<usize>(), 0, "{kind}");
         // Slot alignment only: a pool that starts half a page in has no page-aligned segment.
         let seg = SlotRequest::new(&g, 0, 128 * 2048, 0x7ff, 0, u64::MAX, 0);
@@ -375,6 +400,8 @@ mod tests {
             AllocatorKind::AreasBitmap,
             AllocatorKind::Bitmap,
             AllocatorKind::Legacy,
+            AllocatorKind::AreasLifo,
+            AllocatorKind::Magazine,
         ] {
             stress(kind, 1024, 1, 0x4000_0000);
             stress(kind, 2048, 4, 0x4000_0800);

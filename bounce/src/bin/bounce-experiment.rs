@@ -2,9 +2,11 @@
 //! command: map+unmap pairs per second for each allocator, thread count, size and copy mode,
 //! measured side by side in interleaved rounds (this machine is shared and noisy: ratios taken
 //! in the same run are what to compare), printed as a table with the median of the rounds, the
-//! ratio to a baseline allocator, and the time spent waiting for allocator locks. With copies, a
-//! plain memcpy of the same bytes (in and back out) is measured in the same rounds as the
-//! physical reference.
+//! ratio to a baseline allocator, the slowest and fastest round, and the time spent waiting for
+//! allocator locks. With copies, two references are measured in the same rounds: a plain
+//! memcpy of the same bytes (in and back out) on hot buffers, and the same copies streaming
+//! through a buffer the size of the pool (a new place each time, as a rolling index hands out
+//! slots).
 //!
 //! ```text
 //! bounce-experiment --alloc legacy,areas,areas-bitmap --threads 1,2,4,8 --size 4k,64k
@@ -73,6 +75,9 @@ struct Cell {
     size: usize,
     copy: bool,
     mops: f64,
+    /// Slowest and fastest round.
+    min_mops: f64,
+    max_mops: f64,
     ns_per_pair: f64,
     lock_wait_pct: f64,
     failures: u64,
@@ -218,6 +223,38 @@ fn memcpy_reference(threads: usize, size: usize, dur: Duration) -> f64 {
     pairs as f64 / elapsed.as_secs_f64() / 1e6
 }
 
+/// The cold reference: as [`memcpy_reference`], but each thread's bounce side walks through
+/// its share of `pool_bytes`, `size` bytes further each pair (what a rolling index costs).
+fn streaming_reference(threads: usize, size: usize, pool_bytes: usize, dur: Duration) -> f64 {
+    let share = (pool_bytes / threads).max(size);
+    let (pairs, _, elapsed) = timed(threads, dur, |_| {
+        let orig = vec![0x5au8; size];
+        let mut pool = vec![0u8; share];
+        let mut back = vec![0u8; size];
+        move |stop: &AtomicBool| {
+            let mut n = 0u64;
+            let mut at = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                let slot = &mut pool[at..at + size];
+                slot.copy_from_slice(std::hint::black_box(&orig));
+                back.copy_from_slice(std::hint::black_box(slot));
+                std::hint::black_box(&back);
+                at = if at + 2 * size > share { 0 } else { at + size };
+                n += 1;
+            }
+            (n, 0)
+        }
+    });
+    pairs as f64 / elapsed.as_secs_f64() / 1e6
+}
+
+/// Smallest and largest sample.
+fn spread(v: &[f64]) -> (f64, f64) {
+    v.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+        (lo.min(x), hi.max(x))
+    })
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -275,9 +312,12 @@ fn run(args: &Args) -> Result<Vec<Cell>, String> {
                 let mut samples: Vec<(Vec<f64>, Vec<f64>, u64)> =
                     vec![(Vec::new(), Vec::new(), 0); kinds.len()];
                 let mut reference = Vec::new();
+                let mut streaming = Vec::new();
+                let pool_bytes = pools.first().map_or(size, |(_, p)| p.geometry().bytes());
                 for _ in 0..args.rounds {
                     if copy {
                         reference.push(memcpy_reference(t, size, dur));
+                        streaming.push(streaming_reference(t, size, pool_bytes, dur));
                     }
                     // Interleave allocators inside each round.
                     for (i, (_, pool)) in pools.iter().enumerate() {
@@ -298,32 +338,17 @@ fn run(args: &Args) -> Result<Vec<Cell>, String> {
                     .iter()
                     .position(|k| *k == baseline)
                     .map_or(1.0, |i| meds[i].0);
-                if copy {
-                    let mops = median(&mut reference);
-                    cells.push(Cell {
-                        alloc: "memcpy (reference)".to_string(),
+                let cell = |alloc: &str, v: &mut Vec<f64>, wait: f64, failures: u64| {
+                    let (min_mops, max_mops) = spread(v);
+                    let mops = median(v);
+                    Cell {
+                        alloc: alloc.to_string(),
                         threads: t,
                         size,
                         copy,
                         mops,
-                        ns_per_pair: if mops > 0.0 {
-                            1e3 * t as f64 / mops
-                        } else {
-                            f64::INFINITY
-                        },
-                        lock_wait_pct: 0.0,
-                        failures: 0,
-                        ratio: if base > 0.0 { mops / base } else { 0.0 },
-                    });
-                }
-                for (i, k) in kinds.iter().enumerate() {
-                    let (mops, wait, failures) = meds[i];
-                    cells.push(Cell {
-                        alloc: k.name().to_string(),
-                        threads: t,
-                        size,
-                        copy,
-                        mops,
+                        min_mops,
+                        max_mops,
                         ns_per_pair: if mops > 0.0 {
                             1e3 * t as f64 / mops
                         } else {
@@ -332,7 +357,15 @@ fn run(args: &Args) -> Result<Vec<Cell>, String> {
                         lock_wait_pct: wait,
                         failures,
                         ratio: if base > 0.0 { mops / base } else { 0.0 },
-                    });
+                    }
+                };
+                if copy {
+                    cells.push(cell("memcpy (reference)", &mut reference, 0.0, 0));
+                    cells.push(cell("streaming copy (reference)", &mut streaming, 0.0, 0));
+                }
+                for (i, k) in kinds.iter().enumerate() {
+                    let (_, wait, failures) = meds[i];
+                    cells.push(cell(k.name(), &mut samples[i].0, wait, failures));
                 }
             }
         }
@@ -349,16 +382,18 @@ fn main() -> ExitCode {
                     println!("{}", serde_json::to_string(c).unwrap_or_default());
                 }
             } else {
-                println!("| allocator | threads | size | copy | M pairs/s | ns/pair/thread | x baseline | lock wait % | full |");
-                println!("|---|---|---|---|---|---|---|---|---|");
+                println!("| allocator | threads | size | copy | M pairs/s | min-max | ns/pair/thread | x baseline | lock wait % | full |");
+                println!("|---|---|---|---|---|---|---|---|---|---|");
                 for c in &cells {
                     println!(
-                        "| {} | {} | {}k | {} | {:.2} | {:.0} | {:.2} | {:.1} | {} |",
+                        "| {} | {} | {}k | {} | {:.2} | {:.2}-{:.2} | {:.0} | {:.2} | {:.1} | {} |",
                         c.alloc,
                         c.threads,
                         c.size / 1024,
                         if c.copy { "copy" } else { "nocopy" },
                         c.mops,
+                        c.min_mops,
+                        c.max_mops,
                         c.ns_per_pair,
                         c.ratio,
                         c.lock_wait_pct,

@@ -20,7 +20,7 @@ struct Args {
     /// Trace file: JSON lines, optionally gzip-compressed.
     trace: PathBuf,
     /// Slot allocator (legacy, bitmap, areas, areas-bitmap, iova-rbtree, iova-rcache, genpool,
-    /// iova-bitmap).
+    /// iova-bitmap, areas-lifo, magazine).
     #[arg(long = "alloc", default_value = "areas")]
     alloc: AllocatorKind,
     /// Slots in the pool (default: the trace header's nslabs, else 32768).
