@@ -318,7 +318,7 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
         .status()
         .is_err()
     {
-        eprintln!("SKIPPED: python3 not available");
+        bounce::testing::missing(bounce::testing::Resource::Python3, "python3 not available");
         return;
     }
     let k = tmp("hlt.elf", &stand_in_kernel(false));
