@@ -697,6 +697,44 @@ class NetNS:
             time.sleep(0.1)
         raise RuntimeError("iperf3 server did not start listening")
 
+    def start_sha_server(self, blob: bytes, port: int = 5301) -> Path:
+        """An HTTP server on host_ip:port inside the namespace for images/init's net-sha test:
+        GET /blob answers `blob`; POST /up answers (and writes to the returned file) the sha256
+        of the body it received."""
+        blob_path = out_path(f"{self.name}.blob", ".bin")
+        blob_path.write_bytes(blob)
+        got = out_path(f"{self.name}.upload", ".sha256")
+        got.unlink(missing_ok=True)
+        script = (
+            "import hashlib, http.server, sys\n"
+            "blob = open(sys.argv[1], 'rb').read()\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def _send(self, body):\n"
+            "        self.send_response(200); self.send_header('Content-Length', str(len(body)))\n"
+            "        self.end_headers(); self.wfile.write(body)\n"
+            "    def do_GET(self):\n"
+            "        self._send(blob)\n"
+            "    def do_POST(self):\n"
+            "        n = int(self.headers.get('Content-Length', 0)); h = hashlib.sha256()\n"
+            "        while n > 0:\n"
+            "            c = self.rfile.read(min(n, 1 << 20))\n"
+            "            if not c: break\n"
+            "            h.update(c); n -= len(c)\n"
+            "        d = h.hexdigest(); open(sys.argv[4], 'w').write(d); self._send(d.encode())\n"
+            "http.server.HTTPServer((sys.argv[2], int(sys.argv[3])), H).serve_forever()\n")
+        py = require_cmd("python3")
+        p = self.popen(f"{self.name}.shaserver",
+                       [py, "-c", script, str(blob_path), self.host_ip, str(port), str(got)])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            r = _run(self.exec_prefix() + ["ss", "-ltn", f"sport = :{port}"], check=False)
+            if f":{port}" in r.stdout:
+                return got
+            if p.poll() is not None:
+                raise RuntimeError(f"sha server exited rc={p.returncode}")
+            time.sleep(0.1)
+        raise RuntimeError("sha server did not start listening")
+
     def close(self) -> None:
         for p in self._procs:
             _kill_group(p)
