@@ -35,6 +35,8 @@ pub mod geometry;
 pub mod orig;
 pub mod pool;
 pub mod stats;
+#[cfg(any(test, feature = "test-utils"))]
+pub mod testing;
 pub mod trace;
 pub mod types;
 

@@ -10,8 +10,8 @@
 //!   `tests/data`, always run.
 //!
 //! The full trace lives next to the repository (`<workspace>/../shared/traces/`). When it is
-//! absent the full-trace tests say so on stderr and return; with `BOUNCE_REQUIRE_TRACE=1` they
-//! fail instead. `BOUNCE_TRACE_DIR` points them at another directory.
+//! absent the full-trace tests record a skip and return (`bounce::testing::missing`: counted
+//! by ./tests/run); with `BVM_REQUIRE_RESOURCES=all` (or `kernel-trace`; on in CI) they fail. `BOUNCE_TRACE_DIR` points them at another directory.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -36,10 +36,7 @@ fn full_trace() -> Option<PathBuf> {
         "kernel trace {} not found (clone the repository next to shared/)",
         path.display()
     );
-    if std::env::var("BOUNCE_REQUIRE_TRACE").as_deref() == Ok("1") {
-        panic!("{why}, and BOUNCE_REQUIRE_TRACE=1");
-    }
-    eprintln!("SKIPPED: {why}; set BOUNCE_REQUIRE_TRACE=1 to make this a failure");
+    bounce::testing::missing(bounce::testing::Resource::KernelTrace, &why);
     None
 }
 

@@ -1,16 +1,138 @@
-//! Property test: random descriptor tables and heads never make the device panic, touch
-//! memory outside the guest, leak bounce slots or lose a head; every published head is
-//! completed exactly once, and a good request works afterwards.
+//! Property tests of the block device core with an oracle.
+//!
+//! - `random_chains_never_panic_and_complete_once`: random descriptor tables and heads (queue
+//!   sizes 2..16, with and without INDIRECT/EVENT_IDX, heads published over 1-3 kicks) never
+//!   make the device panic, leak bounce slots or lose a head; every published head completes
+//!   exactly once with a used length no larger than the writable bytes the table offers; guest
+//!   RAM is filled with a canary and no byte outside a device-writable descriptor (or the used
+//!   ring) changes; a good request works afterwards.
+//! - `well_formed_requests_match_a_model`: well-formed requests of every type (read, write,
+//!   flush, get-id, unsupported, out of range) in every layout, queue sizes 2..256, feature
+//!   sets, batches over several kicks, checked against a model disk: status byte, used length,
+//!   data read, disk contents at the end, no byte written outside device-writable buffers.
+//!
+//! Every bounced configuration must build (no silent fallback to `Dma::direct()`); pools are
+//! built once and each case must return every slot it took. `BVM_FUZZ_CASES` overrides the
+//! case count (default 512 each), `BVM_FUZZ_SEED` the fixed seed (`random` for a fresh one):
+//! a longer run is `BVM_FUZZ_CASES=10000 BVM_FUZZ_SEED=random`.
 
 mod common;
 
-use bounce::{Dma, Policy, PoolConfig};
+use std::sync::Arc;
+
+use bounce::{BouncePool, Dma, Policy, PoolConfig};
 use common::*;
-use devices::block::{BlockConfig, MemDisk};
-use devices::testing::{first_fit_pool, RawDesc};
+use devices::block::{features as bf, req_type, status, BlockConfig, MemDisk};
+use devices::testing::{first_fit_pool, RawDesc, TestDriver, VRING_DESC_F_WRITE};
+use devices::virtio::features as vf;
 use proptest::prelude::*;
 
 const QSIZE: u16 = 16;
+
+/// Cases per property (BVM_FUZZ_CASES overrides).
+fn cases() -> u32 {
+    std::env::var("BVM_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(512)
+}
+
+/// The bounced configurations, built once per test thread (the two properties run in
+/// parallel; sharing pools would let one test's mappings show in the other's accounting):
+/// (name, pool). Index 0 of a case's `bounce` is `off`; 1.. pick these. A pool that does not
+/// build fails the test.
+fn pools() -> Vec<(&'static str, Arc<BouncePool>)> {
+    thread_local! {
+        static POOLS: Vec<(&'static str, Arc<BouncePool>)> = {
+            let mut areas = PoolConfig::swiotlb(4096);
+            areas.allocator = bounce::AllocatorKind::Areas;
+            let mut rcache = PoolConfig::iova(2048);
+            rcache.allocator = bounce::AllocatorKind::IovaRcache;
+            vec![
+                ("swiotlb/first-fit", first_fit_pool(&PoolConfig::swiotlb(4096))),
+                (
+                    "swiotlb/areas",
+                    Arc::new(BouncePool::new(&areas).expect("swiotlb areas pool")),
+                ),
+                (
+                    "iova/iova-rcache",
+                    Arc::new(BouncePool::new(&rcache).expect("iova rcache pool")),
+                ),
+            ]
+        };
+    }
+    POOLS.with(Clone::clone)
+}
+
+/// (name, DMA handle, pool) for `bounce` (0 = off).
+fn dma_for(bounce: u8) -> (&'static str, Dma, Option<Arc<BouncePool>>) {
+    let ps = pools();
+    match usize::from(bounce) % (ps.len() + 1) {
+        0 => ("off", Dma::direct(), None),
+        i => {
+            let (name, p) = &ps[i - 1];
+            (
+                *name,
+                Dma::bounced(Policy::Force, Arc::clone(p)),
+                Some(Arc::clone(p)),
+            )
+        }
+    }
+}
+
+/// A device with queue 0 of `qsize` entries, features offered minus `drop`.
+fn device(qsize: u16, drop: u64, dma: Dma) -> Blk<MemDisk> {
+    let cfg = BlockConfig {
+        queue_size: 256,
+        ..BlockConfig::default()
+    };
+    let dev = devices::block::Block::new(MemDisk::new(1 << 20).unwrap(), cfg, dma).expect("device");
+    let mut drv = TestDriver::new(dev, RAM);
+    drv.negotiate(!drop);
+    drv.activate(qsize).expect("activate");
+    Blk { drv }
+}
+
+/// Guest RAM from the first page to `hw` plus the last 64 KiB: what the canary check compares.
+fn snapshot(blk: &Blk<MemDisk>, hw: u64) -> (Vec<u8>, Vec<u8>) {
+    let end = blk.drv.ram.size();
+    (
+        blk.drv.ram.read(0x1000, (hw - 0x1000) as usize),
+        blk.drv.ram.read(end - 0x10000, 0x10000),
+    )
+}
+
+/// Asserts that every byte that changed between `before` and now lies in `allowed`
+/// (half-open guest ranges the device may write).
+fn assert_only_writable_changed(
+    blk: &Blk<MemDisk>,
+    hw: u64,
+    before: &(Vec<u8>, Vec<u8>),
+    allowed: &[(u64, u64)],
+    what: &str,
+) {
+    let after = snapshot(blk, hw);
+    let end = blk.drv.ram.size();
+    let ok = |a: u64| allowed.iter().any(|&(s, e)| s <= a && a < e);
+    for (base, b, a) in [
+        (0x1000, &before.0, &after.0),
+        (end - 0x10000, &before.1, &after.1),
+    ] {
+        for (i, (x, y)) in b.iter().zip(a.iter()).enumerate() {
+            let addr = base + i as u64;
+            assert!(
+                x == y || ok(addr),
+                "{what}: the device wrote guest RAM at {addr:#x} ({x:#04x} -> {y:#04x}), \
+                 outside every device-writable buffer"
+            );
+        }
+    }
+}
+
+/// Fills `addr..addr + len` with the canary byte.
+fn canary(blk: &Blk<MemDisk>, addr: u64, len: u64) {
+    blk.drv.ram.write(addr, &vec![0xa5; len as usize]);
+}
 
 #[derive(Clone, Debug)]
 struct FuzzDesc {
@@ -49,6 +171,12 @@ struct Case {
     heads: Vec<u16>,
     /// 0: off; 1: forced swiotlb, first-fit; 2: forced swiotlb, areas; 3: forced iova, iova-rcache.
     bounce: u8,
+    /// Queue size 2 << (qsize_log2 % 4).
+    qsize_log2: u8,
+    /// 0: all features; 1: no INDIRECT; 2: no EVENT_IDX.
+    features: u8,
+    /// The heads are published over 1 + kicks % 3 kicks.
+    kicks: u8,
     /// Well-formed chains of these lengths instead of random tables, then `mutations` applied.
     structured: Option<Vec<u8>>,
     mutations: Vec<(u8, u8, FuzzDesc)>,
@@ -77,14 +205,18 @@ fn case() -> impl Strategy<Value = Case> {
         0u8..4,
         prop::option::of(prop::collection::vec(2u8..6, 1..6)),
         prop::collection::vec((any::<u8>(), 0u8..5, fuzz_desc()), 0..3),
+        any::<(u8, u8, u8)>(),
     )
         .prop_map(
-            |(table, indirect, headers, heads, bounce, structured, mutations)| Case {
+            |(table, indirect, headers, heads, bounce, structured, mutations, (q, f, k))| Case {
                 table,
                 indirect,
                 headers,
                 heads,
                 bounce,
+                qsize_log2: q,
+                features: f,
+                kicks: k,
                 structured,
                 mutations,
             },
@@ -92,27 +224,11 @@ fn case() -> impl Strategy<Value = Case> {
 }
 
 fn run_case(c: &Case) {
-    let pool = match c.bounce {
-        0 => None,
-        1 => Some(first_fit_pool(&PoolConfig::swiotlb(256))),
-        2 => {
-            let mut cfg = PoolConfig::swiotlb(256);
-            cfg.allocator = bounce::AllocatorKind::Areas;
-            bounce::BouncePool::new(&cfg).ok().map(std::sync::Arc::new)
-        }
-        _ => bounce::BouncePool::new(&PoolConfig::iova(128))
-            .ok()
-            .map(std::sync::Arc::new),
-    };
-    let dma = match &pool {
-        Some(p) => Dma::bounced(Policy::Force, p.clone()),
-        None => Dma::direct(),
-    };
-    let cfg = BlockConfig {
-        queue_size: QSIZE,
-        ..BlockConfig::default()
-    };
-    let mut blk = Blk::new(MemDisk::new(1 << 20).unwrap(), cfg, dma, 0);
+    let (dname, dma, pool) = dma_for(c.bounce);
+    let qsize = 1u16 << (1 + c.qsize_log2 % 4); // 2..16
+    let drop = [0, vf::RING_INDIRECT_DESC, vf::RING_EVENT_IDX][usize::from(c.features % 3)];
+    let mut blk = device(qsize, drop, dma);
+    let what = format!("{dname} qsize={qsize} drop={drop:#x}");
     let end = blk.drv.ram.size();
     // Areas the descriptors may point at: headers, a data area, the indirect table, the end of
     // RAM, outside RAM, the top of the address space.
@@ -122,6 +238,8 @@ fn run_case(c: &Case) {
         .map(|&(t, s)| blk.drv.ram.alloc_bytes(&header(t, s)))
         .collect();
     let data = blk.drv.ram.alloc(64 << 10, 4096);
+    canary(&blk, data, 64 << 10);
+    canary(&blk, end - 0x10000, 0x10000);
     let table = blk.drv.ram.alloc(16 * c.indirect.len() as u64, 16);
     let resolve = |f: &FuzzDesc| -> (u64, u32) {
         let len = match f.len % 8 {
@@ -154,14 +272,15 @@ fn run_case(c: &Case) {
         blk.drv.ram.write(table + 16 * i as u64, &e);
     }
     let status_area = blk.drv.ram.alloc(64, 1);
+    canary(&blk, status_area, 64);
     let mut descs: Vec<RawDesc> = Vec::new();
-    let mut heads = c.heads.clone();
+    let mut heads: Vec<u16> = c.heads.iter().map(|h| h % qsize).collect();
     if let Some(chains) = &c.structured {
         // Well-formed requests: header, data (direction by type), status.
         heads.clear();
         for (k, &n) in chains.iter().enumerate() {
             let start = descs.len() as u16;
-            if start + u16::from(n) > QSIZE {
+            if start + u16::from(n) > qsize {
                 break;
             }
             heads.push(start);
@@ -195,7 +314,7 @@ fn run_case(c: &Case) {
             }
         }
         for (idx, field, f) in &c.mutations {
-            let Some(d) = descs.get_mut(usize::from(*idx) % QSIZE as usize) else {
+            let Some(d) = descs.get_mut(usize::from(*idx) % usize::from(qsize)) else {
                 continue;
             };
             let (addr, len) = resolve(f);
@@ -218,37 +337,78 @@ fn run_case(c: &Case) {
             heads.push(0);
         }
     }
-    for (i, f) in c.table.iter().enumerate() {
-        let (addr, len) = resolve(f);
-        if let Some(d) = descs.get(i) {
-            blk.drv.vqs[0].write_desc(&blk.drv.ram, i as u16, *d);
-            continue;
+    // What the device may write: every write-flagged descriptor of the table (direct, and the
+    // indirect table's), and the used ring.
+    let mut allowed: Vec<(u64, u64)> = Vec::new();
+    let mut writable_bytes = 0u64;
+    let mut note = |d: &RawDesc| {
+        if d.flags & VRING_DESC_F_WRITE != 0 {
+            allowed.push((d.addr, d.addr.saturating_add(u64::from(d.len))));
+            writable_bytes += u64::from(d.len);
         }
-        blk.drv.vqs[0].write_desc(
-            &blk.drv.ram,
-            i as u16,
-            RawDesc {
-                addr,
-                len,
-                flags: f.flags,
-                next: f.next,
-            },
-        );
+    };
+    for (i, f) in c.table.iter().take(usize::from(qsize)).enumerate() {
+        let (addr, len) = resolve(f);
+        let d = descs.get(i).copied().unwrap_or(RawDesc {
+            addr,
+            len,
+            flags: f.flags,
+            next: f.next,
+        });
+        note(&d);
+        blk.drv.vqs[0].write_desc(&blk.drv.ram, i as u16, d);
     }
-    for &h in &heads {
-        blk.drv.publish_raw(0, h);
+    for f in &c.indirect {
+        let (addr, len) = resolve(f);
+        note(&RawDesc {
+            addr,
+            len,
+            flags: f.flags,
+            next: f.next,
+        });
     }
-    blk.drv
-        .kick(0)
-        .expect("heads in range never break the device");
-    let used = blk.drv.reap(0);
+    let vq = &blk.drv.vqs[0];
+    allowed.push((vq.used, vq.used + 6 + 8 * u64::from(qsize)));
+    // The avail ring: the test (the driver) publishes into it between kicks.
+    allowed.push((vq.avail, vq.avail + 6 + 2 * u64::from(qsize)));
+    let hw = blk.drv.ram.alloc(1, 1);
+    let before = snapshot(&blk, hw);
+    // The pools are shared by every case: count this case's slots only (a failed case, e.g.
+    // while proptest shrinks, leaves its own behind).
+    let used_before = pool.as_ref().map_or(0, |p| p.used());
+    // No more heads than ring entries (a driver cannot publish more), over 1..=3 kicks.
+    heads.truncate(usize::from(qsize));
+    let kicks = 1 + usize::from(c.kicks % 3);
+    let per = heads.len().div_ceil(kicks);
+    let mut used = Vec::new();
+    for part in heads.chunks(per.max(1)) {
+        for &h in part {
+            blk.drv.publish_raw(0, h);
+        }
+        blk.drv
+            .kick(0)
+            .expect("heads in range never break the device");
+        used.extend(blk.drv.reap(0));
+    }
     let mut got: Vec<u32> = used.iter().map(|u| u.id).collect();
     let mut want: Vec<u32> = heads.iter().map(|&h| u32::from(h)).collect();
     got.sort_unstable();
     want.sort_unstable();
-    assert_eq!(got, want, "every published head completes exactly once");
+    assert_eq!(
+        got, want,
+        "{what}: every published head completes exactly once"
+    );
+    for u in &used {
+        assert!(
+            u64::from(u.len) <= writable_bytes,
+            "{what}: used.len {} of head {} exceeds the {writable_bytes} writable bytes offered",
+            u.len,
+            u.id
+        );
+    }
+    assert_only_writable_changed(&blk, hw, &before, &allowed, &what);
     if let Some(p) = &pool {
-        assert_eq!(p.used(), 0, "bounce slots leaked");
+        assert_eq!(p.used(), used_before, "{what}: bounce slots leaked");
     }
     // The device still serves a good request.
     blk.drv
@@ -256,15 +416,342 @@ fn run_case(c: &Case) {
         .disk()
         .write_bytes(0, &pattern(1, 4096))
         .unwrap();
-    let r = blk.read(0, 4096, Layout::Split(2));
+    let layout = if qsize >= 4 {
+        Layout::Split(2)
+    } else {
+        Layout::Merged
+    };
+    let r = blk.read(0, 4096, layout);
     ok(&r);
-    assert_eq!(r.data, pattern(1, 4096));
+    assert_eq!(r.data, pattern(1, 4096), "{what}");
+}
+
+// ------------------------------------------------------------------------ the model oracle
+
+/// One well-formed request of the oracle test.
+#[derive(Clone, Debug)]
+enum Op {
+    /// Read `sectors` (1..=8) at `off` (0..8) sectors into the request's own 4 KiB region.
+    Read { off: u8, sectors: u8 },
+    /// Write `sectors` of pattern(`seed`) there.
+    Write { off: u8, sectors: u8, seed: u16 },
+    /// Flush (sent only when FLUSH was negotiated, as a driver would).
+    Flush,
+    /// GET_ID into a buffer of `len` (0..40) bytes.
+    GetId { len: u8 },
+    /// A type the device does not know.
+    Unsupported(u32),
+    /// A read or write of `sectors` starting `back` sectors before the end of the disk (or at
+    /// a huge sector): IOERR, nothing written.
+    OutOfRange {
+        write: bool,
+        back: u8,
+        sectors: u8,
+        huge: bool,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Req {
+    op: Op,
+    /// 0: Simple, 1: Split(2..4), 2: Indirect (Split without INDIRECT), 3: Merged.
+    layout: u8,
+    pieces: u8,
+}
+
+#[derive(Clone, Debug)]
+struct OracleCase {
+    qsize_log2: u8,
+    /// Bit 0: drop INDIRECT; bit 1: drop EVENT_IDX; bit 2: drop FLUSH (writethrough).
+    drop: u8,
+    bounce: u8,
+    /// Requests, cut into batches of `batch` (each batch published, then kicked once).
+    reqs: Vec<Req>,
+    batch: u8,
+    /// Kick again after each batch's completions (a spurious kick completes nothing).
+    spurious_kicks: bool,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..8, 1u8..=8).prop_map(|(off, sectors)| Op::Read { off, sectors: sectors.min(8 - off) .max(1) }),
+        4 => (0u8..8, 1u8..=8, any::<u16>()).prop_map(|(off, sectors, seed)| Op::Write { off, sectors: sectors.min(8 - off).max(1), seed }),
+        1 => Just(Op::Flush),
+        1 => (0u8..40).prop_map(|len| Op::GetId { len }),
+        1 => prop_oneof![Just(3u32), Just(99), Just(0xdead_beef)].prop_map(Op::Unsupported),
+        1 => (any::<bool>(), 0u8..4, 1u8..=8, any::<bool>()).prop_filter_map("in range", |(write, back, sectors, huge)| {
+            (huge || sectors > back).then_some(Op::OutOfRange { write, back, sectors, huge })
+        }),
+    ]
+}
+
+fn oracle_case() -> impl Strategy<Value = OracleCase> {
+    (
+        0u8..8,
+        0u8..8,
+        0u8..4,
+        prop::collection::vec((op(), 0u8..4, 2u8..5), 1..96),
+        1u8..64,
+        any::<bool>(),
+    )
+        .prop_map(
+            |(qsize_log2, drop, bounce, reqs, batch, spurious_kicks)| OracleCase {
+                qsize_log2,
+                drop,
+                bounce,
+                reqs: reqs
+                    .into_iter()
+                    .map(|(op, layout, pieces)| Req { op, layout, pieces })
+                    .collect(),
+                batch,
+                spurious_kicks,
+            },
+        )
+}
+
+const DISK_SECTORS: u64 = (1 << 20) / 512;
+
+/// Issue 11 item 2: a correct driver may build an indirect table longer than a small ring
+/// (Linux bounds it by seg_max). The device refuses it today; turn this on with the fix.
+const INDIRECT_LONGER_THAN_RING: bool = false;
+
+/// What a posted request must complete with.
+struct Expect {
+    head: u16,
+    p: Posted,
+    in_len: u32,
+    status: u8,
+    used_len: u32,
+    /// The bytes a read/GET_ID must return (first `data.len()` bytes of the buffer).
+    data: Vec<u8>,
+}
+
+fn run_oracle(c: &OracleCase) {
+    let (dname, dma, pool) = dma_for(c.bounce);
+    let qsize = 2u16 << (c.qsize_log2 % 8); // 2..256
+    let mut drop = 0;
+    if c.drop & 1 != 0 {
+        drop |= vf::RING_INDIRECT_DESC;
+    }
+    if c.drop & 2 != 0 {
+        drop |= vf::RING_EVENT_IDX;
+    }
+    if c.drop & 4 != 0 {
+        drop |= bf::FLUSH;
+    }
+    let mut blk = device(qsize, drop, dma);
+    let what = format!("{dname} qsize={qsize} drop={drop:#x}");
+    let used_before = pool.as_ref().map_or(0, |p| p.used());
+    let indirect = blk.indirect();
+    let flush = blk.drv.acked() & bf::FLUSH != 0;
+    let serial = {
+        let mut v = b"bouncevm-blk".to_vec();
+        v.resize(20, 0);
+        v
+    };
+    let mut model = vec![0u8; 1 << 20];
+    let mut region = 0u64;
+    let batch = usize::from(c.batch).min(usize::from(qsize));
+    for (bi, reqs) in c.reqs.chunks(batch).enumerate() {
+        let mut expects: Vec<Expect> = Vec::new();
+        let mut writes: Vec<(usize, Vec<u8>)> = Vec::new();
+        for r in reqs {
+            // Each request of a batch gets its own 4 KiB region: completions may come in any
+            // order, so no two requests of a batch overlap.
+            let base = (region % (DISK_SECTORS / 8)) * 8;
+            region += 1;
+            let free = blk.drv.vqs[0].free_descs();
+            let mut layout = match r.layout {
+                0 => Layout::Simple,
+                1 => Layout::Split(usize::from(r.pieces)),
+                2 if indirect => Layout::Indirect,
+                2 => Layout::Split(2),
+                _ => Layout::Merged,
+            };
+            let need = |l: Layout, has_data: bool| match l {
+                Layout::Simple => 2 + usize::from(has_data),
+                Layout::Split(n) => 2 + if has_data { n } else { 0 },
+                Layout::Indirect => 1,
+                Layout::Merged => 2,
+            };
+            let (t, sector, out, in_len, status_, used_len, data) = match &r.op {
+                Op::Read { off, sectors } => {
+                    let s = base + u64::from(*off);
+                    let n = 512 * usize::from(*sectors);
+                    let d = model[s as usize * 512..s as usize * 512 + n].to_vec();
+                    (
+                        req_type::IN,
+                        s,
+                        vec![],
+                        n as u32,
+                        status::OK,
+                        n as u32 + 1,
+                        d,
+                    )
+                }
+                Op::Write { off, sectors, seed } => {
+                    let s = base + u64::from(*off);
+                    let d = pattern(u64::from(*seed), 512 * usize::from(*sectors));
+                    (req_type::OUT, s, d, 0, status::OK, 1, vec![])
+                }
+                Op::Flush if flush => (req_type::FLUSH, 0, vec![], 0, status::OK, 1, vec![]),
+                Op::Flush => (
+                    req_type::IN,
+                    base,
+                    vec![],
+                    512,
+                    status::OK,
+                    513,
+                    model[base as usize * 512..base as usize * 512 + 512].to_vec(),
+                ),
+                Op::GetId { len } => {
+                    let n = usize::from(*len).min(20);
+                    (
+                        req_type::GET_ID,
+                        0,
+                        vec![],
+                        u32::from(*len),
+                        status::OK,
+                        n as u32 + 1,
+                        serial[..n].to_vec(),
+                    )
+                }
+                Op::Unsupported(t) => (*t, base, vec![], 0, status::UNSUPP, 1, vec![]),
+                Op::OutOfRange {
+                    write,
+                    back,
+                    sectors,
+                    huge,
+                } => {
+                    let s = if *huge {
+                        u64::MAX - u64::from(*back)
+                    } else {
+                        DISK_SECTORS - u64::from(*back)
+                    };
+                    let n = 512 * usize::from(*sectors);
+                    if *write {
+                        (req_type::OUT, s, pattern(7, n), 0, status::IOERR, 1, vec![])
+                    } else {
+                        (req_type::IN, s, vec![], n as u32, status::IOERR, 1, vec![])
+                    }
+                }
+            };
+            let has_data = !out.is_empty() || in_len > 0;
+            if need(layout, has_data) > usize::from(qsize) {
+                // An indirect table of header + 2 data + status is 4 entries; the device
+                // refuses tables longer than the ring (issue 11 item 2, found by this test:
+                // used.len 0, status byte untouched), so a ring of 2 gets Merged until then.
+                layout = if indirect && (qsize >= 4 || INDIRECT_LONGER_THAN_RING) {
+                    Layout::Indirect
+                } else {
+                    Layout::Merged
+                };
+            }
+            if layout == Layout::Indirect && qsize < 4 && !INDIRECT_LONGER_THAN_RING {
+                layout = Layout::Merged;
+            }
+            if need(layout, has_data) > free {
+                break; // the ring is full: the rest of this batch goes to the next one
+            }
+            let p = blk.post(0, t, sector, &out, in_len, layout);
+            canary(&blk, p.din, u64::from(in_len));
+            if t == req_type::OUT && status_ == status::OK {
+                writes.push((sector as usize * 512, out.clone()));
+            }
+            expects.push(Expect {
+                head: p.head,
+                p,
+                in_len,
+                status: status_,
+                used_len,
+                data,
+            });
+        }
+        // Device-writable: each request's data-in buffer and status byte, and the used ring.
+        let mut allowed: Vec<(u64, u64)> = expects
+            .iter()
+            .flat_map(|e| {
+                [
+                    (e.p.din, e.p.din + u64::from(e.in_len)),
+                    (e.p.st, e.p.st + 1),
+                ]
+            })
+            .collect();
+        let vq = &blk.drv.vqs[0];
+        allowed.push((vq.used, vq.used + 6 + 8 * u64::from(qsize)));
+        let hw = blk.drv.ram.alloc(1, 1);
+        let before = snapshot(&blk, hw);
+        blk.drv
+            .kick(0)
+            .expect("well-formed requests never break the device");
+        let used = blk.drv.reap(0);
+        let tag = format!("{what} batch {bi}");
+        assert_eq!(used.len(), expects.len(), "{tag}: completions {used:?}");
+        for e in &expects {
+            let u = used
+                .iter()
+                .find(|u| u.id == u32::from(e.head))
+                .unwrap_or_else(|| panic!("{tag}: head {} never completed", e.head));
+            let d = blk.done(e.p, u.len, e.in_len);
+            assert_eq!(
+                (d.status, d.len),
+                (e.status, e.used_len),
+                "{tag}: head {} (status, used.len); expected {:?}",
+                e.head,
+                (e.status, e.used_len)
+            );
+            assert!(
+                d.data[..e.data.len()] == e.data[..],
+                "{tag}: head {} data differs",
+                e.head
+            );
+        }
+        assert_only_writable_changed(&blk, hw, &before, &allowed, &tag);
+        if c.spurious_kicks {
+            blk.drv.kick(0).expect("spurious kick");
+            assert!(
+                blk.drv.reap(0).is_empty(),
+                "{tag}: a kick with nothing new completed something"
+            );
+        }
+        for (off, d) in writes {
+            model[off..off + d.len()].copy_from_slice(&d);
+        }
+        if let Some(p) = &pool {
+            assert_eq!(p.used(), used_before, "{tag}: bounce slots leaked");
+        }
+    }
+    let mut disk = vec![0u8; 1 << 20];
+    blk.drv.device.disk().read_bytes(0, &mut disk).unwrap();
+    assert!(disk == model, "{what}: the disk differs from the model");
+}
+
+/// The suite runs a fixed seed (the same cases every time: ./tests/run is not a lottery);
+/// `BVM_FUZZ_SEED=N` picks another, `BVM_FUZZ_SEED=random` a fresh one (longer runs).
+fn seed() -> proptest::test_runner::RngSeed {
+    use proptest::test_runner::RngSeed;
+    match std::env::var("BVM_FUZZ_SEED").as_deref() {
+        Ok("random") => RngSeed::Random,
+        Ok(v) => v
+            .parse()
+            .map_or(RngSeed::Fixed(0x5eed_b10c), RngSeed::Fixed),
+        Err(_) => RngSeed::Fixed(0x5eed_b10c),
+    }
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: cases(),
+        rng_seed: seed(),
+        ..ProptestConfig::default()
+    })]
     #[test]
     fn random_chains_never_panic_and_complete_once(c in case()) {
         run_case(&c);
+    }
+
+    #[test]
+    fn well_formed_requests_match_a_model(c in oracle_case()) {
+        run_oracle(&c);
     }
 }

@@ -40,10 +40,11 @@ def main() -> int:
     bounce = f"policy=force,alloc={a.alloc},mode={a.mode}"
     backend, sock, stats = _blk_backend("fio_check", binary, img, bounce=bounce)
     with backend:
+        # bvm.runtime bounds fio-randread only; fio-verify always finishes its verify pass
         run = run_guest("fio_check", "fio-verify,fio-randread" + (",swiotlb" if a.swiotlb_force else ""),
                         params={"size": a.size, "runtime": 10},
                         append="swiotlb=force" if a.swiotlb_force else "",
-                        devices=blk_vhost_user(sock, iommu=a.swiotlb_force))
+                        devices=blk_vhost_user(sock, iommu=a.swiotlb_force), clean_end=False)
         st = _final_stats(stats)
     by_test = {r.get("test"): r for r in run.results}
     v = by_test.get("fio-verify", {})
@@ -51,7 +52,8 @@ def main() -> int:
     b = st.get("bounce") or {}
     print(f"guest: kernel booted in {run.boot_s:.1f} s; fio verify: {v.get('status', 'missing')} "
           f"(read {v.get('read_iops', '?')} IOPS, write {v.get('write_iops', '?')} IOPS, "
-          f"verify errors {v.get('verify_errors', '?')}); 4k randread {rr.get('read_iops', '?')} IOPS")
+          f"verify errors {v.get('verify_errors', '?')}, verified {v.get('verify_kib', '?')} of "
+          f"{v.get('write_kib', '?')} KiB written); 4k randread {rr.get('read_iops', '?')} IOPS")
     print(f"host bounce ({bounce}): " + json.dumps(
         {k: b.get(k) for k in ("maps", "unmaps", "map_failures", "bytes_to_device",
                                "bytes_from_device", "used", "used_hiwater", "lock_wait_ns")}))
@@ -62,8 +64,20 @@ def main() -> int:
               f"({100 * b.get('used_hiwater', 0) / b['nslabs']:.2f} % of the pool); "
               f"{b.get('bytes_to_device', 0) / (1 << 20):.0f} MiB copied to the device, "
               f"{b.get('bytes_from_device', 0) / (1 << 20):.0f} MiB back")
-    if v.get("status") != "ok" or v.get("verify_errors") != "0" or b.get("maps", 0) == 0:
-        print(f"fio-check: FAILED; serial log: {run.log_path}", file=sys.stderr)
+    problems = []
+    if run.unclean_end:
+        problems.append(f"the guest did not end clean: {run.unclean_end}")
+    try:
+        rig1.check_fio_verify(v)
+    except AssertionError as e:
+        problems.append(str(e).splitlines()[0])
+    if rr.get("status") != "ok":
+        problems.append(f"fio-randread status={rr.get('status', 'missing')} reason={rr.get('reason')}")
+    if b.get("maps", 0) == 0:
+        problems.append("no bounce maps on the host")
+    if problems:
+        print("fio-check: FAILED: " + "; ".join(problems) + f"; serial log: {run.log_path}",
+              file=sys.stderr)
         return 1
     print("fio-check: ok")
     return 0

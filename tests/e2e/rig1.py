@@ -36,11 +36,24 @@ DEFAULT_TIMEOUT = float(os.environ.get("BVM_GUEST_TIMEOUT", "90"))  # per boot, 
 # ----------------------------------------------------------------------------- prerequisites
 
 class Missing(Exception):
-    """A prerequisite is missing; tests turn this into pytest.skip(reason)."""
+    """A prerequisite is missing; tests turn this into pytest.skip(reason), or a failure when
+    the machine is expected to have everything (resources_required)."""
+
+
+class OptIn(Missing):
+    """Not a missing resource: a suite that runs only when asked for (rig 2 without
+    BVM_RIG2=1). Always a skip."""
+
+
+def resources_required() -> bool:
+    """BVM_REQUIRE_RESOURCES=all (./tests/run sets it when CI=true, the same switch as the Rust
+    tests' bounce::testing): a missing prerequisite fails the test instead of skipping it."""
+    return "all" in [w.strip() for w in os.environ.get("BVM_REQUIRE_RESOURCES", "").split(",")]
 
 
 def skip_if_missing(fn):
-    """Decorator for test functions: a Missing raised inside becomes a pytest skip."""
+    """Decorator for test functions: a Missing raised inside becomes a pytest skip (a failure
+    with BVM_REQUIRE_RESOURCES=all, except for OptIn)."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
@@ -49,6 +62,8 @@ def skip_if_missing(fn):
         except Missing as e:  # pragma: no cover - depends on the machine
             import pytest
 
+            if resources_required() and not isinstance(e, OptIn):
+                pytest.fail(f"required prerequisite missing (BVM_REQUIRE_RESOURCES): {e}")
             pytest.skip(str(e))
 
     return wrapper
@@ -142,7 +157,11 @@ def images() -> Images:
 
 # ----------------------------------------------------------------------------- serial log parsing
 
-_CRASH = re.compile(r"(Oops: .*|BUG: .*|Kernel panic - .*|general protection fault.*)")
+# Kernel deaths and hangs: an Oops/BUG/panic, a soft or hard lockup, an RCU stall, a task
+# blocked for minutes (all printed at KERN_ERR or above, so `quiet` keeps them).
+_CRASH = re.compile(r"(Oops: .*|BUG: .*|Kernel panic - .*|general protection fault.*|"
+                    r"watchdog: .*lockup.*|rcu: INFO: rcu_.*(?:stall|detected).*|"
+                    r"INFO: task .* blocked for more than.*)")
 _BVM_LINE = re.compile(r"BVM-(RESULT|SWIOTLB|BOOT|INFO|DONE|LOG)(?:\s+(.*))?$")
 
 
@@ -176,6 +195,27 @@ def num(v) -> float:
         return float(v)
     except (TypeError, ValueError):
         return float("nan")
+
+
+def check_fio_verify(r: dict, describe=lambda: "") -> dict:
+    """Asserts that a fio-verify BVM-RESULT (rig 1 or rig 2) verified what it wrote: status ok,
+    no fio or verify error, reads and writes done, and the verify pass re-read every written
+    byte (verify_kib == write_kib > 0; images/init derives verify_kib from fio's byte counts).
+    A fio run cut short before its verify pass exits 0 with verify_errors=0: only this last
+    check tells it apart. `describe` is called for the failure message."""
+    def fail(what):
+        raise AssertionError(f"fio-verify: {what}: {r}\n{describe()}")
+    if r.get("status") != "ok":
+        fail(f"status={r.get('status')} reason={r.get('reason')}")
+    if r.get("verify_errors") != "0" or r.get("fio_error") != "0":
+        fail("fio or verify errors")
+    if not (num(r.get("write_iops")) > 0 and num(r.get("read_iops")) > 0):
+        fail("no reads or no writes")
+    w, v = num(r.get("write_kib")), num(r.get("verify_kib"))  # nan when absent: fails
+    if not (w > 0 and v == w):
+        fail(f"the verify pass did not re-read every written block (verify_kib={r.get('verify_kib')}"
+             f" write_kib={r.get('write_kib')})")
+    return r
 
 
 # ----------------------------------------------------------------------------- process helpers
@@ -327,6 +367,34 @@ class GuestRun:
 
     retried: list["GuestRun"] = field(default_factory=list)
 
+    @property
+    def unclean_end(self) -> str:
+        """Why this run did not end clean ('' if it did): a host-side timeout, a guest kernel
+        crash/lockup/stall (even after the last result line), no BVM-DONE, the guest watchdog
+        (reason=guest-timeout), or QEMU exiting non-zero (it crashed or was killed)."""
+        if self.timed_out:
+            return f"timed out after {self.wall_s:.0f}s (host side)"
+        if self.kernel_crash:
+            return f"guest kernel crash: {self.kernel_crash}"
+        if any(r.get("reason") == "guest-timeout" for r in self.results):
+            return "the guest's watchdog fired (reason=guest-timeout)"
+        if not self.done:
+            return "the guest never reached BVM-DONE"
+        if self.returncode != 0:
+            return f"QEMU exited rc={self.returncode}"
+        return ""
+
+    def assert_clean_end(self) -> "GuestRun":
+        """AssertionError (with the log tail) unless the run ended clean (unclean_end)."""
+        why = self.unclean_end
+        if why:
+            raise AssertionError(f"guest {self.name} did not end clean: {why}\n{self.describe()}")
+        return self
+
+    def fio_verified(self, test: str = "fio-verify") -> dict:
+        """ok(test) + check_fio_verify (the verify pass ran over every written byte)."""
+        return check_fio_verify(self.ok(test), self.describe)
+
     def describe(self, tail: int = 40) -> str:
         lines = self.log.replace("\r", "").splitlines()
         crash = f" kernel_crash={self.kernel_crash!r}" if self.kernel_crash else ""
@@ -432,17 +500,21 @@ class Guest:
             self._logf.close()
             self._logf = None
 
-    def run(self, boot_retries: int = 1, on_retry=None) -> GuestRun:
+    def run(self, boot_retries: int = 1, on_retry=None, clean_end: bool = True) -> GuestRun:
         """start + wait + kill. If the guest kernel crashed before /init (GuestRun.boot_crash,
         a TCG race unrelated to the devices), boot again, up to boot_retries times; on_retry()
         is called first (e.g. to restart a backend that serves one connection only). The
-        crashed runs are kept in GuestRun.retried. Crashes after /init are never retried."""
+        crashed runs are kept in GuestRun.retried. Crashes after /init are never retried.
+        clean_end (default): assert the run ended clean (GuestRun.assert_clean_end); only a
+        test that expects a bad end (e.g. the harness's own timeout test) turns it off."""
         crashed: list[GuestRun] = []
         while True:
             with self:
                 run = self.wait()
             if not run.boot_crash or len(crashed) >= boot_retries:
                 run.retried = crashed
+                if clean_end:
+                    run.assert_clean_end()
                 return run
             crashed.append(run)
             self._attempt += 1
@@ -456,9 +528,12 @@ class Guest:
         self.kill()
 
 
-def run_guest(name: str, test: str, boot_retries: int = 1, on_retry=None, **kw) -> GuestRun:
-    """Guest(name, test, **kw).run(boot_retries, on_retry)"""
-    return Guest(name, test, **kw).run(boot_retries=boot_retries, on_retry=on_retry)
+def run_guest(name: str, test: str, boot_retries: int = 1, on_retry=None, clean_end: bool = True,
+              **kw) -> GuestRun:
+    """Guest(name, test, **kw).run(boot_retries, on_retry, clean_end): every run it returns
+    ended clean (no crash, BVM-DONE, QEMU rc 0, no timeout) unless clean_end=False."""
+    return Guest(name, test, **kw).run(boot_retries=boot_retries, on_retry=on_retry,
+                                       clean_end=clean_end)
 
 
 # ----------------------------------------------------------------------------- backends
@@ -621,6 +696,44 @@ class NetNS:
                 raise RuntimeError(f"iperf3 server exited rc={p.returncode}")
             time.sleep(0.1)
         raise RuntimeError("iperf3 server did not start listening")
+
+    def start_sha_server(self, blob: bytes, port: int = 5301) -> Path:
+        """An HTTP server on host_ip:port inside the namespace for images/init's net-sha test:
+        GET /blob answers `blob`; POST /up answers (and writes to the returned file) the sha256
+        of the body it received."""
+        blob_path = out_path(f"{self.name}.blob", ".bin")
+        blob_path.write_bytes(blob)
+        got = out_path(f"{self.name}.upload", ".sha256")
+        got.unlink(missing_ok=True)
+        script = (
+            "import hashlib, http.server, sys\n"
+            "blob = open(sys.argv[1], 'rb').read()\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def _send(self, body):\n"
+            "        self.send_response(200); self.send_header('Content-Length', str(len(body)))\n"
+            "        self.end_headers(); self.wfile.write(body)\n"
+            "    def do_GET(self):\n"
+            "        self._send(blob)\n"
+            "    def do_POST(self):\n"
+            "        n = int(self.headers.get('Content-Length', 0)); h = hashlib.sha256()\n"
+            "        while n > 0:\n"
+            "            c = self.rfile.read(min(n, 1 << 20))\n"
+            "            if not c: break\n"
+            "            h.update(c); n -= len(c)\n"
+            "        d = h.hexdigest(); open(sys.argv[4], 'w').write(d); self._send(d.encode())\n"
+            "http.server.HTTPServer((sys.argv[2], int(sys.argv[3])), H).serve_forever()\n")
+        py = require_cmd("python3")
+        p = self.popen(f"{self.name}.shaserver",
+                       [py, "-c", script, str(blob_path), self.host_ip, str(port), str(got)])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            r = _run(self.exec_prefix() + ["ss", "-ltn", f"sport = :{port}"], check=False)
+            if f":{port}" in r.stdout:
+                return got
+            if p.poll() is not None:
+                raise RuntimeError(f"sha server exited rc={p.returncode}")
+            time.sleep(0.1)
+        raise RuntimeError("sha server did not start listening")
 
     def close(self) -> None:
         for p in self._procs:

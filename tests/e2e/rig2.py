@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 import rig1
-from rig1 import (IMAGES_DIR, REPO, Missing, _kill_group, images, make_raw_image,
+from rig1 import (IMAGES_DIR, REPO, Missing, OptIn, _kill_group, images, make_raw_image,
                   num, out_path, parse_kv, parse_log, record_figures, require_qemu, require_root,
                   skip_if_missing)
 
@@ -53,7 +53,7 @@ def require_rig2() -> None:
     multi-threaded TCG code-patching race of ENVIRONMENT.md), which must not decide whether a
     submission lands."""
     if os.environ.get("BVM_RIG2") != "1":
-        raise Missing("rig-2 (nested KVM under TCG) tests run only with BVM_RIG2=1: the rig "
+        raise OptIn("rig-2 (nested KVM under TCG) tests run only with BVM_RIG2=1: the rig "
                       "flakes now and then (TCG code-patching race), about 1-2 min per test")
 
 
@@ -383,6 +383,47 @@ class L1Run:
             return (f"L1's QEMU exited rc={self.returncode} before L1 finished, without an "
                     f"Oops/panic in its log (the TCG QEMU itself died?)")
         return ""
+
+    @property
+    def vmm_started(self) -> bool:
+        """l1-vmm started the VMM under test (BVM-L1 vmm start). From then on anything that goes
+        wrong, in L1 too (a lockup, a stall, an Oops, QEMU exiting), may be the VMM's doing."""
+        return any(d.get("start") == "1" for d in self.l1.get("vmm", []))
+
+    @property
+    def skip_reason(self) -> str:
+        """Why rig 2 could not run at all ('' if it could): L1 failed before the VMM started.
+        A failure after that is never a skip (see unclean_end)."""
+        return "" if self.vmm_started else self.l1_failure
+
+    @property
+    def unclean_end(self) -> str:
+        """Why the run did not end clean ('' if it did): L2 crashed or never reached BVM-DONE,
+        the VMM did not exit 0 (killed by the timeout, halted, crashed), the L2 watchdog fired,
+        or L1 failed (died, stalled, timed out, its QEMU exited) after the VMM started."""
+        if self.l2_crash:
+            return f"L2 kernel crash: {self.l2_crash}"
+        if any(r.get("reason") == "guest-timeout" for r in self.results):
+            return "the L2 watchdog fired (reason=guest-timeout)"
+        if not self.l2.get("DONE"):
+            return "L2 never reached BVM-DONE"
+        if self.vmm.get("timed_out") == "1":
+            return "l1-vmm killed the VMM at its timeout"
+        if self.vmm_rc != 0:
+            return f"the VMM exited rc={self.vmm_rc}"
+        if self.l1_failure:
+            return f"L1 failed after the VMM started: {self.l1_failure}"
+        return ""
+
+    def assert_clean_end(self) -> "L1Run":
+        why = self.unclean_end
+        if why:
+            raise AssertionError(f"rig2 {self.name} did not end clean: {why}\n{self.describe()}")
+        return self
+
+    def fio_verified(self, test: str = "fio-verify") -> dict:
+        """ok(test) + rig1.check_fio_verify (the verify pass re-read every written byte)."""
+        return rig1.check_fio_verify(self.ok(test), self.describe)
 
     # ---- VMM / L2 facts
     @property

@@ -25,11 +25,7 @@ def _prereqs(tun: bool = False, qsd: bool = False):
 
 
 def _check_fio_verify(run):
-    r = run.ok("fio-verify")
-    assert r["verify_errors"] == "0", run.describe()
-    assert r["fio_error"] == "0", run.describe()
-    assert num(r["write_iops"]) > 0 and num(r["read_iops"]) > 0, run.describe()
-    return r
+    return run.fio_verified()
 
 
 @skip_if_missing

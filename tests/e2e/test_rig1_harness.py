@@ -21,6 +21,52 @@ def test_parse_log():
     assert run.ok("fio-verify")["read_iops"] == "3812"
 
 
+def _run(log, rc=0, timed_out=False):
+    return rig1.GuestRun("x", [], rig1.OUT_DIR / "x", log, rc, timed_out, 1.0, rig1.parse_log(log))
+
+
+CLEAN = ("BVM-BOOT uptime=3.9 kernel=6.12\n"
+         "BVM-RESULT test=fio-verify status=ok fio_error=0 read_kib=8192 read_iops=10 "
+         "write_kib=4216 write_iops=9 verify_errors=0 verify_kib=4216 size_kib=8192\n"
+         "BVM-DONE uptime=14.5\n")
+
+
+def test_clean_end_detects_every_bad_end():
+    assert _run(CLEAN).assert_clean_end().unclean_end == ""
+    bad = {
+        "oops after the last result": _run(CLEAN + "[ 15.0] Oops: general protection fault\n"),
+        "soft lockup": _run(CLEAN.replace("BVM-DONE", "watchdog: BUG: soft lockup - CPU#0 stuck\nBVM-DONE")),
+        "rcu stall": _run(CLEAN + "rcu: INFO: rcu_preempt self-detected stall on CPU\n"),
+        "qemu crashed": _run(CLEAN, rc=-11),
+        "no BVM-DONE": _run(CLEAN.replace("BVM-DONE uptime=14.5\n", "")),
+        "host timeout": _run(CLEAN, timed_out=True),
+        "guest watchdog": _run(CLEAN.replace("BVM-DONE", "BVM-RESULT test=x status=fail reason=guest-timeout\nBVM-DONE")),
+    }
+    for what, run in bad.items():
+        assert run.unclean_end, what
+        try:
+            run.assert_clean_end()
+        except AssertionError:
+            continue
+        raise AssertionError(f"assert_clean_end passed on: {what}")
+
+
+def test_fio_verify_check_needs_the_verify_pass():
+    assert _run(CLEAN).fio_verified()["verify_kib"] == "4216"
+    # fio cut short by a runtime before its verify pass: exit 0, no errors, nothing verified
+    cut = CLEAN.replace("read_kib=8192", "read_kib=1024").replace("write_kib=4216", "write_kib=1024") \
+               .replace("verify_kib=4216", "verify_kib=-6144")
+    partial = CLEAN.replace("verify_kib=4216", "verify_kib=4212")
+    old_init = CLEAN.replace(" verify_kib=4216", "")
+    for what, log in {"cut": cut, "partial": partial, "no verify_kib": old_init}.items():
+        try:
+            _run(log).fio_verified()
+        except AssertionError as e:
+            assert "verify pass" in str(e), (what, e)
+            continue
+        raise AssertionError(f"fio_verified passed on: {what}")
+
+
 def test_pattern_block():
     b = rig1.pattern_block("s", 4096, 100)
     assert len(b) == 100
@@ -58,5 +104,6 @@ def test_harness_timeout_kills_guest():
     rig1.images()
     # bvm.shell=1 keeps the guest alive after the test; the host-side timeout must end it
     g = rig1.Guest("harness_timeout", "none", params={"shell": 1, "timeout": 600}, timeout=3)
-    run = g.run()
+    run = g.run(clean_end=False)
     assert run.timed_out and g.proc.poll() is not None
+    assert "timed out" in run.unclean_end

@@ -22,7 +22,8 @@ BVM-L1 done uptime=120.28
 
 def _run(text):
     l1, l2, t = rig2.parse_l1(text)
-    return rig2.L1Run("x", [], rig2.out_path("x", ".log"), text, "", rig2.out_path("x", ".share"),
+    l2_log = "\n".join(m.group(2) for m in map(rig2._L2_LINE.match, text.splitlines()) if m)
+    return rig2.L1Run("x", [], rig2.out_path("x", ".log"), text, l2_log, rig2.out_path("x", ".share"),
                       0, False, 1.0, {}, l1, l2, t)
 
 
@@ -64,3 +65,35 @@ def test_l2_halt_is_reported():
                             "BVM-L1 l2-halted uptime=100 vmm_killed=1\n"
                             "BVM-L1 vmm rc=137 start=10.42 end=120.20 elapsed_s=109.8 timed_out=0 l2_halted=1"))
     assert r.l2_halted and r.vmm_rc == 137
+
+
+CLEAN = SAMPLE.replace("L2 90.00| [   40.1] Oops: general protection fault\n", "")
+
+
+def test_skip_only_before_the_vmm_started():
+    # L1 dies before l1-vmm started the VMM: rig 2 could not run -> a skip reason
+    before = SAMPLE[:SAMPLE.index("BVM-L1 vmm start")] + "[  11.0] Oops: int3 SMP NOPTI\n"
+    r = _run(before)
+    assert not r.vmm_started and "L1 kernel died" in r.skip_reason
+    # the same death (or a lockup/stall) after the VMM started is a failure, never a skip
+    for death in ("[  50.0] Oops: int3 SMP NOPTI", "watchdog: BUG: soft lockup - CPU#1 stuck for 26s!",
+                  "rcu: INFO: rcu_preempt self-detected stall on CPU"):
+        r = _run(CLEAN.replace("BVM-L1 done uptime=120.28", death))
+        assert r.vmm_started and r.skip_reason == "", death
+        assert "L1 failed after the VMM started" in r.unclean_end, (death, r.unclean_end)
+
+
+def test_clean_end_of_l2_and_vmm():
+    clean = CLEAN
+    assert _run(clean).assert_clean_end().unclean_end == ""
+    assert "L2 kernel crash" in _run(SAMPLE).unclean_end
+    assert "rc=1" in _run(clean.replace("vmm rc=0", "vmm rc=1")).unclean_end
+    assert "timeout" in _run(clean.replace("timed_out=0", "timed_out=1")).unclean_end
+    assert "BVM-DONE" in _run(clean.replace("L2 111.80| BVM-DONE uptime=61.45\n", "")).unclean_end
+    # a fio-verify line without its verify pass (verify_kib) is not verified
+    try:
+        _run(clean).fio_verified()
+    except AssertionError as e:
+        assert str(e).startswith("fio-verify:")
+    else:
+        raise AssertionError("fio_verified passed without verify_kib")

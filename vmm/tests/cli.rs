@@ -529,7 +529,7 @@ fn python3_available() -> bool {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("SKIPPED: python3 not available");
+        bounce::testing::missing(bounce::testing::Resource::Python3, "python3 not available");
     }
     ok
 }

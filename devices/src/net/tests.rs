@@ -71,20 +71,49 @@ fn plain() -> VnetHeader {
     VnetHeader::default()
 }
 
+/// After traffic, a bounced run holds no slot (`used == 0`), and the pool copied at least the
+/// bytes that moved: `to_dev` guest -> device (TX), `from_dev` device -> guest (RX). The
+/// payload itself is compared byte for byte by each test. Nothing to check with bounce off.
+fn assert_pool_covers(name: &str, dma: &Dma, to_dev: usize, from_dev: usize) {
+    let Some(s) = dma.stats() else {
+        assert!(dma.pool().is_none(), "{name}: a pool without stats");
+        return;
+    };
+    assert_eq!(
+        s.used, 0,
+        "{name}: bounce slots held after the traffic: {s:?}"
+    );
+    assert!(
+        s.maps > 0 && s.maps == s.unmaps,
+        "{name}: maps/unmaps: {s:?}"
+    );
+    assert!(
+        s.bytes_to_device >= to_dev as u64,
+        "{name}: {to_dev} bytes went to the device, the pool copied {}",
+        s.bytes_to_device
+    );
+    assert!(
+        s.bytes_from_device >= from_dev as u64,
+        "{name}: {from_dev} bytes came from the device, the pool copied {}",
+        s.bytes_from_device
+    );
+}
+
 // ---------------------------------------------------------------- TX
 
 #[test]
 fn tx_frame_split_over_descriptors_reaches_backend_byte_for_byte() {
     for (name, dma) in dmas() {
-        let mut p = Pair::new(BASE, dma);
+        let mut p = Pair::new(BASE, dma.clone());
         let f = frame(&plain(), 1500, 7);
         let head = p.g.post_readable(TXQ, &[&f[..12], &f[12..100], &f[100..]]);
         let sig = p.kick_tx();
         assert!(sig.has(1), "{name}");
-        assert_eq!(p.be.take_sent(), vec![f], "{name}");
+        assert_eq!(p.be.take_sent(), vec![f.clone()], "{name}");
         assert_eq!(p.g.used(TXQ), vec![(u32::from(head), 0)], "{name}");
         assert_eq!(p.m.tx_frames.get(), 1);
         assert_eq!(p.m.tx_bytes.get(), 1500);
+        assert_pool_covers(name, &dma, f.len(), 0);
     }
 }
 
@@ -92,7 +121,7 @@ fn tx_frame_split_over_descriptors_reaches_backend_byte_for_byte() {
 fn tx_64k_tso_and_csum_partial_frames_pass_with_features_acked() {
     let acked = BASE | features::HOST_TSO4 | features::HOST_TSO6;
     for (name, dma) in dmas() {
-        let mut p = Pair::new(acked, dma);
+        let mut p = Pair::new(acked, dma.clone());
         let tso = VnetHeader {
             flags: header::F_NEEDS_CSUM,
             gso_type: header::GSO_TCPV4,
@@ -113,8 +142,10 @@ fn tx_64k_tso_and_csum_partial_frames_pass_with_features_acked() {
         let small = frame(&partial, 60, 2);
         p.g.post_readable(TXQ, &[&small[..12], &small[12..]]);
         p.kick_tx();
+        let moved = big.len() + small.len();
         assert_eq!(p.be.take_sent(), vec![big, small], "{name}");
         assert_eq!(p.g.used(TXQ).len(), 2);
+        assert_pool_covers(name, &dma, moved, 0);
     }
 }
 
@@ -166,7 +197,7 @@ fn tx_bounce_failure_drops_frame_counts_and_keeps_serving() {
 #[test]
 fn hostile_tx_chains_each_get_one_used_entry_and_good_frames_still_pass() {
     for (name, dma) in dmas() {
-        let mut p = Pair::new(BASE, dma);
+        let mut p = Pair::new(BASE, dma.clone());
         let good = p.g.alloc(200, &frame(&plain(), 188, 3));
         let out = (MEM_SIZE as u64) - 16;
         let heads = p.g.post_raw(
@@ -207,9 +238,12 @@ fn hostile_tx_chains_each_get_one_used_entry_and_good_frames_still_pass() {
         assert_eq!(p.m.tx_dropped_malformed.get(), 6, "{name}");
         assert_eq!(p.be.take_sent().len(), 1, "{name}");
         // Later good requests work.
-        p.g.post_readable(TXQ, &[&frame(&plain(), 60, 1)]);
+        let f = frame(&plain(), 60, 1);
+        p.g.post_readable(TXQ, &[&f]);
         p.kick_tx();
-        assert_eq!(p.be.take_sent().len(), 1);
+        assert_eq!(p.be.take_sent(), vec![f.clone()], "{name}");
+        // hostile chains released whatever they had mapped
+        assert_pool_covers(name, &dma, 200 + f.len(), 0);
     }
 }
 
@@ -230,7 +264,7 @@ fn hostile_avail_index_far_ahead_breaks_the_device_without_panic() {
 #[test]
 fn rx_frame_into_one_buffer_with_num_buffers_1() {
     for (name, dma) in dmas() {
-        let mut p = Pair::new(BASE, dma);
+        let mut p = Pair::new(BASE, dma.clone());
         let (head, addrs) = p.g.post_writable(RXQ, &[2048]);
         let f = frame(&plain(), 1000, 9);
         p.be.inject(f.clone());
@@ -241,6 +275,7 @@ fn rx_frame_into_one_buffer_with_num_buffers_1() {
         let hdr = VnetHeader::from_bytes(got[..12].try_into().unwrap());
         assert_eq!(hdr.num_buffers, 1);
         assert_eq!(got[12..], f[12..], "{name}");
+        assert_pool_covers(name, &dma, 0, 1012);
     }
 }
 
@@ -248,7 +283,7 @@ fn rx_frame_into_one_buffer_with_num_buffers_1() {
 fn rx_mrg_rxbuf_scatters_over_chains_and_counts_buffers() {
     let acked = BASE | features::MRG_RXBUF;
     for (name, dma) in dmas() {
-        let mut p = Pair::new(acked, dma);
+        let mut p = Pair::new(acked, dma.clone());
         let mut bufs = Vec::new();
         for _ in 0..4 {
             bufs.push(p.g.post_writable(RXQ, &[600, 400]));
@@ -273,6 +308,7 @@ fn rx_mrg_rxbuf_scatters_over_chains_and_counts_buffers() {
         assert_eq!(hdr.num_buffers, 4, "{name}");
         assert_eq!(got[12..], f[12..], "{name}");
         assert_eq!(p.m.rx_buffers_used.get(), 4);
+        assert_pool_covers(name, &dma, 0, f.len());
     }
 }
 
@@ -302,7 +338,7 @@ fn rx_64k_tso_frame_with_mrg_rxbuf() {
 #[test]
 fn rx_waits_for_buffers_then_resumes_on_kick() {
     for (name, dma) in dmas() {
-        let mut p = Pair::new(BASE | features::MRG_RXBUF, dma);
+        let mut p = Pair::new(BASE | features::MRG_RXBUF, dma.clone());
         p.be.inject(frame(&plain(), 500, 1));
         p.be.inject(frame(&plain(), 500, 2));
         p.tap_readable();
@@ -317,6 +353,8 @@ fn rx_waits_for_buffers_then_resumes_on_kick() {
         assert_eq!(p.g.used(RXQ).len(), 2, "{name}");
         assert_eq!(p.m.rx_frames.get(), 2);
         assert_eq!(p.w.rx_state(), (false, 0));
+        // the frame that waited for buffers holds no slot once delivered
+        assert_pool_covers(name, &dma, 0, 2 * 512);
     }
 }
 
@@ -358,7 +396,7 @@ fn rx_bounce_failure_drops_frame_and_keeps_buffers() {
 #[test]
 fn hostile_rx_chains_completed_with_zero_and_good_buffers_used() {
     for (name, dma) in dmas() {
-        let mut p = Pair::new(BASE | features::MRG_RXBUF, dma);
+        let mut p = Pair::new(BASE | features::MRG_RXBUF, dma.clone());
         let b = p.g.alloc(4096, &[]);
         let heads = p.g.post_raw(
             RXQ,
@@ -388,6 +426,7 @@ fn hostile_rx_chains_completed_with_zero_and_good_buffers_used() {
         assert!(used[..6].iter().all(|u| u.1 == 0));
         assert_eq!(used[6], (u32::from(heads[6]), 312));
         assert_eq!(p.m.rx_bad_chains.get(), 6);
+        assert_pool_covers(name, &dma, 0, 312);
     }
 }
 

@@ -222,3 +222,141 @@ pub fn split(len: u32, n: usize) -> Vec<(u32, u32)> {
 pub fn ok(d: &Done) {
     assert_eq!(d.status, status::OK, "request failed: {d:?}");
 }
+
+/// The disk operations a [`ProbeDisk`] counts and can fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiskOp {
+    Read,
+    Write,
+    Flush,
+}
+
+/// A [`Disk`] around another that counts every operation and what is not flushed yet, and can
+/// fail the Nth operation of a kind with an errno (fault injection: EIO, ENOSPC, ...). The test
+/// reaches it through the device (`blk.drv.device.disk()`).
+#[derive(Debug)]
+pub struct ProbeDisk<D: Disk> {
+    inner: D,
+    state: std::sync::Mutex<ProbeState>,
+}
+
+/// What a [`ProbeDisk`] saw.
+#[derive(Debug, Default, Clone)]
+pub struct ProbeState {
+    pub reads: u64,
+    pub writes: u64,
+    pub flushes: u64,
+    /// Writes (and write-zeroes/discards) done since the last successful flush.
+    pub unflushed: u64,
+    /// Operations failed on purpose.
+    pub injected: u64,
+    /// (op, n, errno): fail the n-th (1-based, counted from arming) `op` with `errno`, once.
+    fail: Option<(DiskOp, u64, i32)>,
+    armed_at: u64,
+}
+
+impl<D: Disk> ProbeDisk<D> {
+    pub fn new(inner: D) -> Self {
+        Self {
+            inner,
+            state: std::sync::Mutex::new(ProbeState::default()),
+        }
+    }
+
+    pub fn inner(&self) -> &D {
+        &self.inner
+    }
+
+    pub fn state(&self) -> ProbeState {
+        self.state.lock().unwrap().clone()
+    }
+
+    /// From now on, the `n`-th `op` (1-based) fails with `errno`, once.
+    pub fn fail_nth(&self, op: DiskOp, n: u64, errno: i32) {
+        let mut s = self.state.lock().unwrap();
+        s.armed_at = match op {
+            DiskOp::Read => s.reads,
+            DiskOp::Write => s.writes,
+            DiskOp::Flush => s.flushes,
+        };
+        s.fail = Some((op, n, errno));
+    }
+
+    /// Counts `op`; Err when it is the one armed to fail.
+    fn count(&self, op: DiskOp) -> std::io::Result<()> {
+        let mut s = self.state.lock().unwrap();
+        let n = match op {
+            DiskOp::Read => {
+                s.reads += 1;
+                s.reads
+            }
+            DiskOp::Write => {
+                s.writes += 1;
+                s.writes
+            }
+            DiskOp::Flush => {
+                s.flushes += 1;
+                s.flushes
+            }
+        };
+        if let Some((fop, nth, errno)) = s.fail {
+            if fop == op && n - s.armed_at == nth {
+                s.fail = None;
+                s.injected += 1;
+                return Err(std::io::Error::from_raw_os_error(errno));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<D: Disk> Disk for ProbeDisk<D> {
+    fn capacity(&self) -> u64 {
+        self.inner.capacity()
+    }
+
+    fn read_at<B: vm_memory::bitmap::BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut vm_memory::VolatileSlice<B>,
+    ) -> std::io::Result<usize> {
+        self.count(DiskOp::Read)?;
+        self.inner.read_at(offset, buf)
+    }
+
+    fn write_at<B: vm_memory::bitmap::BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &vm_memory::VolatileSlice<B>,
+    ) -> std::io::Result<usize> {
+        self.count(DiskOp::Write)?;
+        let n = self.inner.write_at(offset, buf)?;
+        self.state.lock().unwrap().unflushed += 1;
+        Ok(n)
+    }
+
+    fn flush(&self) -> std::io::Result<()> {
+        self.count(DiskOp::Flush)?;
+        self.inner.flush()?;
+        self.state.lock().unwrap().unflushed = 0;
+        Ok(())
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.count(DiskOp::Write)?;
+        self.inner.discard(offset, len)?;
+        self.state.lock().unwrap().unflushed += 1;
+        Ok(())
+    }
+
+    fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> std::io::Result<()> {
+        self.count(DiskOp::Write)?;
+        self.inner.write_zeroes(offset, len, unmap)?;
+        self.state.lock().unwrap().unflushed += 1;
+        Ok(())
+    }
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+}

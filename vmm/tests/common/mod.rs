@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use vmm::bus::BusDevice;
 use vmm::exit::{ExitHandle, ExitReason};
 
-/// Returns `false` (and says why) when this machine cannot run KVM guests.
+/// Returns `false` when this machine cannot run KVM guests, after recording the skip
+/// (`bounce::testing::missing`: counted by ./tests/run, a failure with BVM_REQUIRE_RESOURCES).
 pub fn kvm_available() -> bool {
     match std::fs::OpenOptions::new()
         .read(true)
@@ -18,7 +19,10 @@ pub fn kvm_available() -> bool {
     {
         Ok(_) => true,
         Err(e) => {
-            eprintln!("SKIPPED: /dev/kvm not usable ({e}); KVM guest tests need it");
+            bounce::testing::missing(
+                bounce::testing::Resource::Kvm,
+                &format!("/dev/kvm not usable ({e})"),
+            );
             false
         }
     }

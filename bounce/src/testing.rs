@@ -1,0 +1,111 @@
+//! Skip accounting for tests that need a resource some machines lack (`/dev/kvm`, root, a tun
+//! device, `qemu-img`, the full kernel trace, ...). Shared by the workspace's test crates
+//! (feature `test-utils`), so a missing resource is never reported as a silent pass:
+//!
+//! - [`missing`] is what such a test calls, and then returns, when the resource is absent. It
+//!   names the test (the test harness's thread name), the [`Resource`] and why on stderr, and
+//!   appends one line `SKIPPED <test> resource=<name> <why>` to the file named by
+//!   `BVM_SKIP_LOG` when that is set: `./tests/run` sets it, counts the lines and prints them
+//!   after `cargo test`.
+//! - `BVM_REQUIRE_RESOURCES` makes the same call a failure: `all`, or a comma list of
+//!   [`Resource::name`]s (`kvm,root,tun,qemu-img,kernel-trace,python3`). `./tests/run` sets it
+//!   to `all` when `CI=true` (`.ci/run`), where every one of them is expected to exist.
+
+use std::io::Write;
+
+/// What a test may find missing. [`Resource::name`] is the word used in `BVM_REQUIRE_RESOURCES`
+/// and in the skip log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resource {
+    /// A usable `/dev/kvm`.
+    Kvm,
+    /// Running as root (network namespaces, taps).
+    Root,
+    /// `/dev/net/tun`.
+    Tun,
+    /// `qemu-img` on PATH.
+    QemuImg,
+    /// The full Linux swiotlb trace next to the repository (`../shared/traces`).
+    KernelTrace,
+    /// `python3` on PATH.
+    Python3,
+}
+
+impl Resource {
+    /// The resource's name in `BVM_REQUIRE_RESOURCES` and the skip log.
+    pub fn name(self) -> &'static str {
+        match self {
+            Resource::Kvm => "kvm",
+            Resource::Root => "root",
+            Resource::Tun => "tun",
+            Resource::QemuImg => "qemu-img",
+            Resource::KernelTrace => "kernel-trace",
+            Resource::Python3 => "python3",
+        }
+    }
+}
+
+/// True when `BVM_REQUIRE_RESOURCES` (`all` or a comma list of names) says `resource` must exist.
+pub fn required(resource: Resource) -> bool {
+    std::env::var("BVM_REQUIRE_RESOURCES").is_ok_and(|v| listed(&v, resource))
+}
+
+/// `list` (`all` or comma-separated names) covers `resource`.
+fn listed(list: &str, resource: Resource) -> bool {
+    list.split(',')
+        .map(str::trim)
+        .any(|w| w == "all" || w == resource.name())
+}
+
+/// Records that the calling test cannot run because `resource` is missing (`why`); the caller
+/// then returns. Panics instead when the resource is [`required`].
+///
+/// # Panics
+/// When `BVM_REQUIRE_RESOURCES` covers `resource`: a test that needs it must fail, not skip.
+pub fn missing(resource: Resource, why: &str) {
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("<unnamed test>")
+        .to_string();
+    let name = resource.name();
+    if required(resource) {
+        panic!("{test}: required resource {name} is missing: {why} (BVM_REQUIRE_RESOURCES)");
+    }
+    let line = format!("SKIPPED {test} resource={name} {why}");
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("BVM_SKIP_LOG") {
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| writeln!(f, "{line}"));
+        if let Err(e) = written {
+            panic!("{test}: cannot record the skip in BVM_SKIP_LOG: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_distinct_and_lists_parse() {
+        assert!(listed("all", Resource::Kvm));
+        assert!(listed("tun, kvm", Resource::Kvm));
+        assert!(!listed("tun,qemu-img", Resource::Kvm));
+        assert!(!listed("", Resource::Root));
+        let all = [
+            Resource::Kvm,
+            Resource::Root,
+            Resource::Tun,
+            Resource::QemuImg,
+            Resource::KernelTrace,
+            Resource::Python3,
+        ];
+        let mut names: Vec<_> = all.iter().map(|r| r.name()).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+    }
+}
