@@ -446,8 +446,8 @@ fn net_through_tap_in_namespace() {
 /// `ifname=`), every queue attaches to that one interface, and `name()` reports it.
 #[test]
 fn a_kernel_named_tap_reports_its_name_and_every_queue_joins_it() {
-    if let Some(why) = skip_reason() {
-        println!("SKIPPED a_kernel_named_tap_reports_its_name_and_every_queue_joins_it: {why}");
+    if let Some((resource, why)) = skip_reason() {
+        bounce::testing::missing(resource, why);
         return;
     }
     let name = format!("bvm-tapname-{}", std::process::id());
