@@ -81,6 +81,14 @@ pub enum Error {
         /// Why.
         source: vhost::Error,
     },
+    /// A vhost-user request got no answer in time (the connection is then shut down).
+    #[error("vhost-user {step}: no answer from the backend in {secs} s")]
+    NoAnswer {
+        /// The request.
+        step: &'static str,
+        /// Seconds waited.
+        secs: f64,
+    },
     /// The back end lacks a feature the run needs.
     #[error("{0}")]
     Feature(String),

@@ -6,6 +6,7 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use devices::block::features as blk;
@@ -80,6 +81,7 @@ pub struct QueueSetup {
 /// A connected, negotiated vhost-user-blk back end.
 pub struct Session {
     frontend: Frontend,
+    wd: Watchdog,
     /// A clone of the socket, polled by the job threads to notice a disconnect.
     watch: UnixStream,
     info: DeviceInfo,
@@ -92,6 +94,106 @@ impl std::fmt::Debug for Session {
             .field("info", &self.info)
             .field("queues", &self.queues)
             .finish_non_exhaustive()
+    }
+}
+
+/// Bounds every vhost-user request: the `vhost` crate's front end blocks on the socket (and
+/// retries a receive timeout forever), so a back end that does not answer is cut off here by
+/// shutting the socket down when the deadline passes; the blocked call then fails.
+struct Watchdog {
+    shared: Arc<(Mutex<WatchState>, Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    timeout: Duration,
+}
+
+#[derive(Default)]
+struct WatchState {
+    deadline: Option<Instant>,
+    fired: bool,
+    exit: bool,
+}
+
+impl Watchdog {
+    fn new(sock: UnixStream, timeout: Duration) -> std::io::Result<Self> {
+        let shared = Arc::new((Mutex::new(WatchState::default()), Condvar::new()));
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("load-watchdog".into())
+            .spawn(move || {
+                let (lock, cv) = &*s;
+                let Ok(mut st) = lock.lock() else { return };
+                while !st.exit {
+                    st = match st.deadline {
+                        None => match cv.wait(st) {
+                            Ok(g) => g,
+                            Err(_) => return,
+                        },
+                        Some(d) if Instant::now() >= d => {
+                            let _ = sock.shutdown(std::net::Shutdown::Both);
+                            st.fired = true;
+                            st.deadline = None;
+                            st
+                        }
+                        Some(d) => {
+                            match cv.wait_timeout(st, d.saturating_duration_since(Instant::now())) {
+                                Ok((g, _)) => g,
+                                Err(_) => return,
+                            }
+                        }
+                    };
+                }
+            })?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+            timeout,
+        })
+    }
+
+    fn set(&self, deadline: Option<Instant>) -> bool {
+        let (lock, cv) = &*self.shared;
+        let fired = match lock.lock() {
+            Ok(mut st) => {
+                st.deadline = deadline;
+                st.fired
+            }
+            Err(_) => true,
+        };
+        cv.notify_one();
+        fired
+    }
+
+    /// Runs request `f` named `what` within the timeout.
+    fn call<T>(&self, what: &'static str, f: impl FnOnce() -> vhost::Result<T>) -> Result<T> {
+        if self.set(Some(Instant::now() + self.timeout)) {
+            return Err(Error::NoAnswer {
+                step: what,
+                secs: self.timeout.as_secs_f64(),
+            });
+        }
+        let r = f();
+        let fired = self.set(None);
+        match r {
+            _ if fired => Err(Error::NoAnswer {
+                step: what,
+                secs: self.timeout.as_secs_f64(),
+            }),
+            Ok(v) => Ok(v),
+            Err(source) => Err(Error::Protocol { step: what, source }),
+        }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.shared;
+        if let Ok(mut st) = lock.lock() {
+            st.exit = true;
+        }
+        cv.notify_one();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -165,13 +267,12 @@ impl Session {
             path: path.display().to_string(),
             source: e,
         };
-        stream.set_read_timeout(Some(timeout)).map_err(io)?;
-        stream.set_write_timeout(Some(timeout)).map_err(io)?;
         let watch = stream.try_clone().map_err(io)?;
+        let wd = Watchdog::new(stream.try_clone().map_err(io)?, timeout).map_err(io)?;
         let mut frontend = Frontend::from_stream(stream, 1);
 
-        frontend.set_owner().map_err(step("SET_OWNER"))?;
-        let offered = frontend.get_features().map_err(step("GET_FEATURES"))?;
+        wd.call("SET_OWNER", || frontend.set_owner())?;
+        let offered = wd.call("GET_FEATURES", || frontend.get_features())?;
         let proto_bit = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         if offered & virtio::VERSION_1 == 0 {
             return Err(Error::Feature(
@@ -193,9 +294,8 @@ impl Session {
                 "the device is read-only (VIRTIO_BLK_F_RO) and the job writes".into(),
             ));
         }
-        let proto_offered = frontend
-            .get_protocol_features()
-            .map_err(step("GET_PROTOCOL_FEATURES"))?;
+        let proto_offered =
+            wd.call("GET_PROTOCOL_FEATURES", || frontend.get_protocol_features())?;
         if !proto_offered.contains(VhostUserProtocolFeatures::CONFIG) {
             return Err(Error::Feature(
                 "the backend does not offer VHOST_USER_PROTOCOL_F_CONFIG (the capacity cannot be read)"
@@ -206,16 +306,16 @@ impl Session {
             & (VhostUserProtocolFeatures::MQ
                 | VhostUserProtocolFeatures::CONFIG
                 | VhostUserProtocolFeatures::REPLY_ACK);
-        frontend
-            .set_protocol_features(proto)
-            .map_err(step("SET_PROTOCOL_FEATURES"))?;
+        wd.call("SET_PROTOCOL_FEATURES", || {
+            frontend.set_protocol_features(proto)
+        })?;
         if proto.contains(VhostUserProtocolFeatures::REPLY_ACK) {
             // Every request is acknowledged: a backend that refuses a ring setting says so.
             frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
         }
         let mut queues: u16 = 1;
         if proto.contains(VhostUserProtocolFeatures::MQ) {
-            let n = frontend.get_queue_num().map_err(step("GET_QUEUE_NUM"))?;
+            let n = wd.call("GET_QUEUE_NUM", || frontend.get_queue_num())?;
             queues = u16::try_from(n.max(1)).unwrap_or(u16::MAX);
         }
 
@@ -238,14 +338,14 @@ impl Session {
         }
         acked &= offered;
 
-        let (_, config) = frontend
-            .get_config(
+        let (_, config) = wd.call("GET_CONFIG", || {
+            frontend.get_config(
                 0,
                 CONFIG_LEN,
                 VhostUserConfigFlags::empty(),
                 &[0u8; CONFIG_LEN as usize],
             )
-            .map_err(step("GET_CONFIG"))?;
+        })?;
         if config.len() < CONFIG_LEN as usize {
             return Err(Error::Misbehaved(format!(
                 "GET_CONFIG answered {} bytes of {CONFIG_LEN}",
@@ -283,6 +383,7 @@ impl Session {
         tracing::debug!(?info, "negotiated");
         Ok(Self {
             frontend,
+            wd,
             watch,
             info,
             queues: 0,
@@ -304,29 +405,26 @@ impl Session {
     /// # Errors
     /// A protocol error (a refusal is seen through REPLY_ACK when the backend offers it).
     pub fn start(&mut self, mem: &GuestMemoryMmap, queues: &[QueueSetup]) -> Result<()> {
-        self.frontend
-            .set_features(self.info.acked)
-            .map_err(step("SET_FEATURES"))?;
+        self.wd.call("SET_FEATURES", || {
+            self.frontend.set_features(self.info.acked)
+        })?;
         let region = mem
             .find_region(GuestAddress(0))
             .ok_or_else(|| Error::Memory("no guest memory region".into()))?;
         let info =
             VhostUserMemoryRegionInfo::from_guest_region(region).map_err(step("SET_MEM_TABLE"))?;
-        self.frontend
-            .set_mem_table(&[info])
-            .map_err(step("SET_MEM_TABLE"))?;
+        self.wd
+            .call("SET_MEM_TABLE", || self.frontend.set_mem_table(&[info]))?;
         // Ring addresses are the front end's virtual addresses (what QEMU sends).
         let base = region.as_ptr() as u64;
         for (i, q) in queues.iter().enumerate() {
             let l = q.layout;
-            self.frontend
-                .set_vring_num(i, l.size)
-                .map_err(step("SET_VRING_NUM"))?;
-            self.frontend
-                .set_vring_base(i, 0)
-                .map_err(step("SET_VRING_BASE"))?;
-            self.frontend
-                .set_vring_addr(
+            self.wd
+                .call("SET_VRING_NUM", || self.frontend.set_vring_num(i, l.size))?;
+            self.wd
+                .call("SET_VRING_BASE", || self.frontend.set_vring_base(i, 0))?;
+            self.wd.call("SET_VRING_ADDR", || {
+                self.frontend.set_vring_addr(
                     i,
                     &VringConfigData {
                         queue_max_size: l.size,
@@ -338,18 +436,18 @@ impl Session {
                         log_addr: None,
                     },
                 )
-                .map_err(step("SET_VRING_ADDR"))?;
-            self.frontend
-                .set_vring_kick(i, &q.kick)
-                .map_err(step("SET_VRING_KICK"))?;
-            self.frontend
-                .set_vring_call(i, &q.call)
-                .map_err(step("SET_VRING_CALL"))?;
+            })?;
+            self.wd.call("SET_VRING_KICK", || {
+                self.frontend.set_vring_kick(i, &q.kick)
+            })?;
+            self.wd.call("SET_VRING_CALL", || {
+                self.frontend.set_vring_call(i, &q.call)
+            })?;
         }
         for i in 0..queues.len() {
-            self.frontend
-                .set_vring_enable(i, true)
-                .map_err(step("SET_VRING_ENABLE"))?;
+            self.wd.call("SET_VRING_ENABLE", || {
+                self.frontend.set_vring_enable(i, true)
+            })?;
         }
         self.queues = queues.len();
         Ok(())
@@ -363,9 +461,8 @@ impl Session {
     pub fn stop(&mut self) -> Result<Vec<u32>> {
         (0..self.queues)
             .map(|i| {
-                self.frontend
-                    .get_vring_base(i)
-                    .map_err(step("GET_VRING_BASE"))
+                self.wd
+                    .call("GET_VRING_BASE", || self.frontend.get_vring_base(i))
             })
             .collect()
     }
