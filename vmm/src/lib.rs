@@ -18,6 +18,7 @@
 //! * [`cli`]: the `bouncevm` command line; [`qmp`]: the QMP monitor.
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
 //! * [`vhost`]: the vhost-user transport (`bouncevm-vhost`): any device core served to QEMU.
+//! * [`load`]: `bouncevm-load`, a vhost-user-blk front end that drives any back end at depth.
 //! * [`options`]: command-line options shared by the binaries (`--bounce`/`-bounce`).
 //! * [`builder`]: device construction shared by both binaries (image probing, bounce pool,
 //!   tap, device core); [`sock`]: unix sockets bound safely (mode 0600 by default, a live
@@ -36,6 +37,7 @@ pub mod exit;
 pub mod irq;
 pub mod layout;
 pub mod legacy;
+pub mod load;
 pub mod machine;
 pub mod memory;
 pub mod options;

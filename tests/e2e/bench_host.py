@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Side-by-side vhost-user-blk figures at host speed: bouncevm-load against qemu-storage-daemon
+and bouncevm-vhost blk (bounce off / forced swiotlb / forced iova), interleaved rounds, medians.
+
+    python3 tests/e2e/bench_host.py [--rounds 3] [--runtime 5] [--jobs 1,2] [--disks file,mem]
+                                    [--size 1G] [--file-dir /var/tmp] [--json OUT]
+
+Same client, same image, same cache mode for every variant: qemu-storage-daemon runs with
+cache.direct=on,aio=io_uring (O_DIRECT); bouncevm-vhost gets `--cache none` (and
+`--aio io_uring`) when its --help offers them. Until then ours goes through the page cache,
+and the table says so. "file" is a fully written raw image on a real filesystem (--file-dir,
+default /var/tmp); "mem" is the same on tmpfs (/dev/shm). Workload: 4 KiB randread, iodepth
+32 per job, 1 and 2 jobs (one queue each). Each round runs every variant once, in a rotated
+order; the table gives median [min-max] IOPS over the rounds and ratios of medians vs qsd
+and vs bounce off. A benchmark, not a test: run it on a quiet machine and report the spread.
+Build first: cargo build --release -p vmm.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = ROOT / "target" / "release"
+
+VARIANTS = {
+    "qsd": None,
+    "off": "policy=off",
+    "swiotlb": "policy=force,mode=swiotlb,alloc=areas",
+    "iova": "policy=force,mode=iova,alloc=iova-rcache",
+}
+
+
+def die(msg):
+    print(f"bench_host: error: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def wait_socket(path, proc, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            die(f"{what} exited with {proc.returncode}: {proc.stderr.read().decode(errors='replace').strip()}")
+        if path.exists():
+            # bouncevm-load retries while the listener is not ready yet.
+            return
+        time.sleep(0.02)
+    die(f"{what} did not create {path}")
+
+
+def ours_flags():
+    """The cache/aio flags bouncevm-vhost blk supports, and the cache mode that gives."""
+    out = subprocess.run([str(BIN / "bouncevm-vhost"), "blk", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    flags, mode = [], "page cache (bouncevm-vhost has no --cache yet)"
+    if "--cache" in out:
+        flags += ["--cache", "none"]
+        mode = "cache=none (O_DIRECT)"
+    if "--aio" in out:
+        flags += ["--aio", "io_uring"]
+    return flags, mode
+
+
+def start(variant, img, sock, queues, ours_extra):
+    if sock.exists():
+        sock.unlink()
+    if variant == "qsd":
+        argv = ["qemu-storage-daemon", "--blockdev",
+                f"driver=file,node-name=f0,filename={img},cache.direct=on,aio=io_uring",
+                "--export",
+                f"type=vhost-user-blk,id=e0,node-name=f0,addr.type=unix,addr.path={sock},"
+                f"writable=on,num-queues={queues}"]
+    else:
+        argv = [str(BIN / "bouncevm-vhost"), "blk", "--socket", str(sock), "--file", str(img),
+                "--queues", str(queues), "--bounce", VARIANTS[variant]] + ours_extra
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_socket(sock, p, variant)
+    return p
+
+
+def stop(p):
+    p.terminate()
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def measure(variant, img, sock, jobs, args, ours_extra):
+    p = start(variant, img, sock, max(args.jobs), ours_extra)
+    try:
+        argv = [str(BIN / "bouncevm-load"), "--socket", str(sock), "--json", "--rw", "randread",
+                "--bs", "4k", "--iodepth", "32", "--numjobs", str(jobs),
+                "--runtime", str(args.runtime), "--size", args.size]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=args.runtime + 60)
+        if r.returncode != 0:
+            die(f"{variant}: {r.stderr.strip()}")
+        rep = json.loads(r.stdout)
+        t = rep["total"]["read"]
+        return {"iops": t["iops"], "p50_us": t["lat_ns"]["p50"] / 1000,
+                "p99_us": t["lat_ns"]["p99"] / 1000}
+    finally:
+        stop(p)
+
+
+def make_image(path, size_bytes):
+    """A fully written image: O_DIRECT reads of holes or unwritten extents never reach the disk."""
+    if path.exists() and path.stat().st_size == size_bytes:
+        return
+    chunk = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(size_bytes >> 20):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def parse_size(s):
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    s = s.strip().lower()
+    return int(s[:-1]) * mult[s[-1]] if s[-1] in mult else int(s)
+
+
+def fmt_row(name, xs, ref_q, ref_off):
+    med = statistics.median(xs)
+    cells = [name, f"{med:,.0f}", f"{min(xs):,.0f}-{max(xs):,.0f}"]
+    cells.append(f"{med / ref_q:.2f}x" if ref_q else "-")
+    cells.append(f"{med / ref_off:.2f}x" if ref_off and name != "qsd" else "-")
+    return cells
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runtime", type=int, default=5, help="seconds per measurement")
+    ap.add_argument("--jobs", default="1,2")
+    ap.add_argument("--disks", default="file,mem")
+    ap.add_argument("--variants", default="qsd,off,swiotlb,iova")
+    ap.add_argument("--size", default="1G", help="image size (and --size of the load)")
+    ap.add_argument("--file-dir", default="/var/tmp", help="a directory on a real filesystem")
+    ap.add_argument("--json", help="also write every sample to this file")
+    args = ap.parse_args()
+    args.jobs = [int(j) for j in args.jobs.split(",")]
+    disks = args.disks.split(",")
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            die(f"unknown variant {v} (expected {', '.join(VARIANTS)})")
+    for d in disks:
+        if d not in ("file", "mem"):
+            die(f"unknown disk {d} (expected file, mem)")
+    for b in ("bouncevm-load", "bouncevm-vhost"):
+        if not (BIN / b).exists():
+            die(f"{BIN / b} is missing: cargo build --release -p vmm")
+    if "qsd" in variants and not shutil.which("qemu-storage-daemon"):
+        die("qemu-storage-daemon is not on PATH (apt-get install qemu-utils)")
+    ours_extra, ours_mode = ours_flags()
+    size = parse_size(args.size)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-host-"))
+    imgs = {}
+    for d in disks:
+        base = Path(args.file_dir) if d == "file" else Path("/dev/shm")
+        imgs[d] = base / f"bench-host-{os.getpid()}.img"
+        print(f"writing {size >> 20} MiB image {imgs[d]} ...", file=sys.stderr)
+        make_image(imgs[d], size)
+    samples = {}
+    try:
+        for r in range(args.rounds):
+            for d in disks:
+                for j in args.jobs:
+                    order = variants[r % len(variants):] + variants[:r % len(variants)]
+                    for v in order:
+                        m = measure(v, imgs[d], work / "vu.sock", j, args, ours_extra)
+                        samples.setdefault((d, j, v), []).append(m)
+                        print(f"round {r + 1}/{args.rounds} {d} jobs={j} {v}: "
+                              f"{m['iops']:,.0f} IOPS p50 {m['p50_us']:.0f} us p99 {m['p99_us']:.0f} us",
+                              file=sys.stderr)
+    finally:
+        for p in imgs.values():
+            p.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+    load = os.getloadavg()
+    print(f"\n4 KiB randread, iodepth 32 per job, {args.runtime} s per sample, {args.rounds} "
+          f"interleaved rounds, image {args.size}; load average at the end {load[0]:.1f} "
+          f"({os.cpu_count()} CPUs)")
+    print(f"qsd: cache.direct=on,aio=io_uring; bouncevm-vhost: {ours_mode}")
+    print("| disk | jobs | variant | median IOPS | min-max | vs qsd | vs off |")
+    print("|---|---|---|---|---|---|---|")
+    for d in disks:
+        for j in args.jobs:
+            med = {v: statistics.median(s["iops"] for s in samples[(d, j, v)]) for v in variants}
+            for v in variants:
+                xs = [s["iops"] for s in samples[(d, j, v)]]
+                cells = fmt_row(v, xs, med.get("qsd"), med.get("off"))
+                print(f"| {d} | {j} | " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"cache_ours": ours_mode, "runtime": args.runtime, "rounds": args.rounds,
+             "samples": [{"disk": d, "jobs": j, "variant": v, **s}
+                         for (d, j, v), ss in samples.items() for s in ss]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""bouncevm-vhost net at host speed, driven by DPDK's virtio_user front end (dpdk-testpmd).
+
+    python3 tests/e2e/bench_net_dpdk.py [--rounds 3] [--seconds 10] [--sizes 64,1500]
+                                        [--variants off,swiotlb,iova] [--no-rx] [--json OUT]
+
+Needs root, /dev/net/tun and `apt-get install --no-install-recommends dpdk-dev
+librte-net-virtio23` (the script says so and exits if dpdk-testpmd is missing). Per sample:
+a network namespace is created, bouncevm-vhost net runs inside it on a tap it creates there,
+and dpdk-testpmd (--no-huge --no-pci, one forwarding core) connects to its socket:
+- TX (guest -> tap): `--forward-mode=txonly --txpkts=SIZE`; frames/s = the tap's rx_packets
+  delta over the measured window (what really reached the kernel), testpmd's own Tx-pps
+  shown next to it;
+- RX (tap -> guest): `--forward-mode=rxonly`; an AF_PACKET sender inside the namespace
+  injects SIZE-byte frames for the device's MAC into the tap; frames/s = testpmd's Rx-pps
+  (the sender is a Python loop on a 2-core machine, so RX is bounded by it: compare ratios).
+Variants: bounce off, forced swiotlb (areas), forced iova (iova-rcache). Rounds are
+interleaved (every variant once per round, rotated); the table gives median [min-max] and
+the ratio of medians vs off. testpmd busy-polls one core: absolute figures depend on the
+machine's load; state it with the figures. Build first: cargo build --release -p vmm.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VHOST = ROOT / "target" / "release" / "bouncevm-vhost"
+MAC = "52:54:00:12:34:56"
+VARIANTS = {
+    "off": "policy=off",
+    "swiotlb": "policy=force,mode=swiotlb,alloc=areas",
+    "iova": "policy=force,mode=iova,alloc=iova-rcache",
+}
+
+INJECT = r"""
+import socket, sys, time
+size, secs, mac = int(sys.argv[1]), float(sys.argv[2]), bytes.fromhex(sys.argv[3].replace(":", ""))
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("tap0", 0))
+frame = mac + bytes.fromhex("020000000001") + b"\x88\xb5" + bytes(size - 14)
+end = time.monotonic() + secs
+n = 0
+while time.monotonic() < end:
+    for _ in range(256):
+        try:
+            s.send(frame)
+            n += 1
+        except OSError:
+            pass
+print(n)
+"""
+
+
+def die(msg):
+    print(f"bench_net_dpdk: error: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def sh(*argv, check=True):
+    return subprocess.run(argv, capture_output=True, text=True, check=check)
+
+
+def ns_exec(ns, *argv):
+    return ["ip", "netns", "exec", ns, *argv]
+
+
+def tap_counter(ns, name):
+    r = sh(*ns_exec(ns, "cat", f"/sys/class/net/tap0/statistics/{name}"))
+    return int(r.stdout.strip())
+
+
+def pps_lines(text, key):
+    return [int(x) for x in re.findall(rf"{key}:\s+(\d+)", text)]
+
+
+def sample(variant, size, direction, args, work):
+    ns = f"bvmdpdk{os.getpid()}"
+    sock = work / "net.sock"
+    if sock.exists():
+        sock.unlink()
+    sh("ip", "netns", "add", ns)
+    backend = testpmd = None
+    try:
+        sh(*ns_exec(ns, "ip", "link", "set", "lo", "up"))
+        backend = subprocess.Popen(
+            ns_exec(ns, str(VHOST), "net", "--socket", str(sock), "--tap", "tap0",
+                    "--mac", MAC, "--bounce", VARIANTS[variant]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            if backend.poll() is not None or time.monotonic() > deadline:
+                die(f"bouncevm-vhost net did not start: {backend.stderr.read().decode().strip()}")
+            time.sleep(0.02)
+        sh(*ns_exec(ns, "ip", "link", "set", "tap0", "up"))
+        mode = ["--forward-mode=txonly", f"--txpkts={size}"] if direction == "tx" \
+            else ["--forward-mode=rxonly"]
+        argv = ["dpdk-testpmd", "-l", "0,1", "--no-huge", "-m", "1024", "--no-pci",
+                "--file-prefix", f"bvm{os.getpid()}",
+                f"--vdev=net_virtio_user0,path={sock},queues=1", "--", *mode,
+                "--stats-period", "1", "--auto-start", "--nb-cores=1",
+                "--total-num-mbufs=16384"]
+        testpmd = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        time.sleep(args.warmup)
+        if testpmd.poll() is not None:
+            die(f"dpdk-testpmd exited: {testpmd.stdout.read()[-2000:]}")
+        inj = None
+        if direction == "rx":
+            inj = subprocess.Popen(
+                ns_exec(ns, sys.executable, "-c", INJECT, str(size), str(args.seconds), MAC),
+                stdout=subprocess.PIPE, text=True)
+            time.sleep(0.5)
+        before, t0 = tap_counter(ns, "rx_packets"), time.monotonic()
+        time.sleep(args.seconds - (1.0 if inj else 0))
+        after, t1 = tap_counter(ns, "rx_packets"), time.monotonic()
+        if inj:
+            inj.wait(timeout=args.seconds + 10)
+        testpmd.send_signal(signal.SIGINT)
+        try:
+            out, _ = testpmd.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            testpmd.kill()
+            out, _ = testpmd.communicate()
+        key = "Tx-pps" if direction == "tx" else "Rx-pps"
+        # Per-second rates of the measured window (skip the warm-up lines).
+        rates = pps_lines(out, key)[int(args.warmup):]
+        testpmd_pps = statistics.median(rates) if rates else 0.0
+        if direction == "tx":
+            return {"fps": (after - before) / (t1 - t0), "testpmd_pps": testpmd_pps}
+        return {"fps": testpmd_pps, "testpmd_pps": testpmd_pps}
+    finally:
+        for p in (testpmd, backend):
+            if p and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        sh("ip", "netns", "del", ns, check=False)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--warmup", type=float, default=3)
+    ap.add_argument("--sizes", default="64,1500")
+    ap.add_argument("--variants", default="off,swiotlb,iova")
+    ap.add_argument("--no-rx", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        die("needs root (network namespaces, tap)")
+    if not shutil.which("dpdk-testpmd"):
+        die("dpdk-testpmd is missing: apt-get install --no-install-recommends dpdk-dev librte-net-virtio23")
+    if not VHOST.exists():
+        die(f"{VHOST} is missing: cargo build --release -p vmm")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            die(f"unknown variant {v}")
+    dirs = ["tx"] if args.no_rx else ["tx", "rx"]
+    work = Path(tempfile.mkdtemp(prefix="bench-net-dpdk-"))
+    samples = {}
+    try:
+        for r in range(args.rounds):
+            for d in dirs:
+                for size in sizes:
+                    order = variants[r % len(variants):] + variants[:r % len(variants)]
+                    for v in order:
+                        m = sample(v, size, d, args, work)
+                        samples.setdefault((d, size, v), []).append(m)
+                        print(f"round {r + 1}/{args.rounds} {d} {size} B {v}: {m['fps']:,.0f} frames/s "
+                              f"(testpmd {m['testpmd_pps']:,.0f})", file=sys.stderr)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    load = os.getloadavg()
+    print(f"\nDPDK virtio_user -> bouncevm-vhost net, {args.seconds:g} s per sample after "
+          f"{args.warmup:g} s warm-up, {args.rounds} interleaved rounds; load average at the end "
+          f"{load[0]:.1f} ({os.cpu_count()} CPUs)")
+    print("| direction | frame | variant | median frames/s | min-max | vs off |")
+    print("|---|---|---|---|---|---|")
+    for d in dirs:
+        for size in sizes:
+            off = statistics.median(s["fps"] for s in samples[(d, size, "off")]) \
+                if (d, size, "off") in samples else None
+            for v in variants:
+                xs = [s["fps"] for s in samples[(d, size, v)]]
+                med = statistics.median(xs)
+                ratio = f"{med / off:.2f}x" if off else "-"
+                print(f"| {d} | {size} B | {v} | {med:,.0f} | {min(xs):,.0f}-{max(xs):,.0f} | {ratio} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            [{"dir": d, "size": s, "variant": v, **m}
+             for (d, s, v), ms in samples.items() for m in ms], indent=1))
+
+
+if __name__ == "__main__":
+    main()

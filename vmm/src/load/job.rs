@@ -1,0 +1,752 @@
+//! One job: one virtqueue driven by one thread, up to `iodepth` requests in flight,
+//! completions taken in whatever order the back end produces them.
+//!
+//! Each in-flight request owns a *slot*: a header, a status byte, an indirect table (when
+//! INDIRECT_DESC is negotiated) and a data buffer of `bs` bytes (4 KiB aligned, so a back end
+//! with O_DIRECT can use it as is). The head index names the slot (`slot` with indirect
+//! tables, `slot * descriptors` without), so a used entry is checked against the slots in
+//! flight: a head that is not in flight is a misbehaving back end.
+//!
+//! # Verification (`--verify`)
+//! Jobs then work on disjoint ranges of the device and keep a generation per block. Every
+//! write carries [`Pattern`] data for `(offset, generation + 1)` and the block's generation
+//! moves on when the write completes; every read is checked against the block's current
+//! generation, so stale data (an older write), misplaced data and corruption all fail. A block
+//! is never read or written while a write to it is in flight. The run has up to three phases:
+//! 1. *prefill* (when the pattern reads): the job's range is written once, at depth;
+//! 2. the measured workload (the only phase in the statistics);
+//! 3. *read-back*: every block written is read and checked (a write the back end acknowledged
+//!    but lost is caught here).
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use devices::block::{req_type, status, REQ_HEADER_LEN, SECTOR_SIZE};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::pattern::Pattern;
+use super::ring::{Desc, RingLayout, SplitRing, DESC_F_INDIRECT, DESC_F_NEXT, DESC_F_WRITE};
+use super::session::{DeviceInfo, QueueSetup};
+use super::stats::DirStats;
+use super::{Error, LoadConfig, Result, Rw};
+
+const PAGE: u64 = 4096;
+/// Status byte written before submission: a completion that leaves it is a back end that
+/// completed a request without a status.
+const STATUS_UNSET: u8 = 0xff;
+
+/// Where one job's queue, slots and buffers are in guest memory.
+#[derive(Clone, Copy, Debug)]
+pub struct JobArea {
+    /// Start (page aligned): the rings.
+    pub base: u64,
+    /// Slot metadata: header, status, indirect table.
+    slots: u64,
+    slot_stride: u64,
+    /// Data buffers.
+    data: u64,
+    data_stride: u64,
+    descs_per_req: u16,
+}
+
+impl JobArea {
+    fn meta_stride(segments: u32) -> u64 {
+        // header 16 + status (padded to 16) + table.
+        (32 + (u64::from(segments) + 2) * 16).next_multiple_of(64)
+    }
+
+    /// Bytes of one job's area.
+    pub fn bytes(queue_size: u16, iodepth: u16, bs: u32, segments: u32) -> u64 {
+        let meta = (u64::from(iodepth) * Self::meta_stride(segments)).next_multiple_of(PAGE);
+        RingLayout::bytes(queue_size)
+            + meta
+            + u64::from(iodepth) * u64::from(bs).next_multiple_of(PAGE)
+    }
+
+    /// The area starting at `base` (page aligned).
+    pub fn at(base: u64, queue_size: u16, iodepth: u16, bs: u32, segments: u32) -> Self {
+        let slots = base + RingLayout::bytes(queue_size);
+        let slot_stride = Self::meta_stride(segments);
+        let data = slots + (u64::from(iodepth) * slot_stride).next_multiple_of(PAGE);
+        Self {
+            base,
+            slots,
+            slot_stride,
+            data,
+            data_stride: u64::from(bs).next_multiple_of(PAGE),
+            // segments <= seg_max checked by the plan; + 2 fits u16 for any sane device.
+            descs_per_req: u16::try_from(segments + 2).unwrap_or(u16::MAX),
+        }
+    }
+
+    fn header(&self, slot: u16) -> u64 {
+        self.slots + u64::from(slot) * self.slot_stride
+    }
+    fn status(&self, slot: u16) -> u64 {
+        self.header(slot) + 16
+    }
+    fn table(&self, slot: u16) -> u64 {
+        self.header(slot) + 32
+    }
+    fn data(&self, slot: u16) -> u64 {
+        self.data + u64::from(slot) * self.data_stride
+    }
+}
+
+/// What verification did in one job.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// Blocks written before the measured phase.
+    pub prefilled: u64,
+    /// Reads of the measured phase whose data was checked.
+    pub verified_reads: u64,
+    /// Blocks read back and checked after the measured phase.
+    pub checked: u64,
+    /// Blocks never written (nothing to check).
+    pub unwritten: u64,
+}
+
+/// What a job did.
+#[derive(Clone, Debug)]
+pub struct JobOutcome {
+    /// Job number.
+    pub job: u16,
+    /// Reads of the measured phase.
+    pub read: DirStats,
+    /// Writes of the measured phase.
+    pub write: DirStats,
+    /// Time of the measured phase (first submission to last completion).
+    pub elapsed: Duration,
+    /// Verification, if on.
+    pub verify: Option<VerifyReport>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Read,
+    Write,
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::Read => "read",
+            Op::Write => "write",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Prefill,
+    Main,
+    ReadBack,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct InFlight {
+    op: Op,
+    block: u64,
+    gen: u32,
+    submitted: Instant,
+}
+
+enum Next {
+    Io(Op, u64),
+    /// Nothing can be issued until something completes.
+    Wait,
+    /// The phase has issued everything.
+    Done,
+}
+
+/// One job, ready to run on its own thread.
+#[derive(Debug)]
+pub struct Job {
+    id: u16,
+    rw: Rw,
+    bs: u32,
+    iodepth: u16,
+    rwmixread: u8,
+    runtime: Option<Duration>,
+    timeout: Duration,
+    mem: GuestMemoryMmap,
+    ring: SplitRing,
+    area: JobArea,
+    indirect: bool,
+    segment: u32,
+    /// Device byte offset of the job's range and its blocks.
+    start: u64,
+    blocks: u64,
+    kick: EventFd,
+    call: EventFd,
+    watch: RawFd,
+    stop: Arc<AtomicBool>,
+    rng: StdRng,
+    pattern: Pattern,
+    /// Per block: generation written (0 = never), with `--verify`.
+    gens: Option<Vec<u32>>,
+    /// Per block: a request is in flight, with `--verify`.
+    busy: Vec<bool>,
+    inflight: Vec<Option<InFlight>>,
+    free: Vec<u16>,
+    in_flight: usize,
+    scratch: Vec<u8>,
+    expect: Vec<u8>,
+}
+
+fn eventfd_dup(e: &EventFd) -> Result<EventFd> {
+    e.try_clone().map_err(|source| Error::Os {
+        what: "duplicating an eventfd",
+        source,
+    })
+}
+
+impl Job {
+    /// A job on queue `id` over `len` bytes from device byte `start`.
+    ///
+    /// # Errors
+    /// When the rings cannot be written or the eventfds duplicated.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: &LoadConfig,
+        id: u16,
+        info: &DeviceInfo,
+        mem: GuestMemoryMmap,
+        area: JobArea,
+        indirect: bool,
+        start: u64,
+        len: u64,
+        queue: &QueueSetup,
+        watch: RawFd,
+        stop: Arc<AtomicBool>,
+    ) -> Result<Self> {
+        let event_idx = info.has(devices::virtio::features::RING_EVENT_IDX);
+        let ring = SplitRing::new(mem.clone(), queue.layout, event_idx)
+            .map_err(|e| Error::Memory(e.to_string()))?;
+        let blocks = len / u64::from(cfg.bs);
+        let pattern = Pattern::new(cfg.seed ^ (u64::from(id) << 56) ^ now_nanos());
+        let segment = info.size_max.unwrap_or(cfg.bs).min(cfg.bs);
+        let nblocks = usize::try_from(blocks).unwrap_or(usize::MAX);
+        let job = Self {
+            id,
+            rw: cfg.rw,
+            bs: cfg.bs,
+            iodepth: cfg.iodepth,
+            rwmixread: cfg.rwmixread,
+            runtime: cfg.runtime,
+            timeout: cfg.timeout,
+            ring,
+            area,
+            indirect,
+            segment,
+            start,
+            blocks,
+            kick: eventfd_dup(&queue.kick)?,
+            call: eventfd_dup(&queue.call)?,
+            watch,
+            stop,
+            rng: StdRng::seed_from_u64(cfg.seed.wrapping_add(u64::from(id))),
+            pattern,
+            gens: cfg.verify.then(|| vec![0; nblocks]),
+            busy: if cfg.verify {
+                vec![false; nblocks]
+            } else {
+                Vec::new()
+            },
+            inflight: vec![None; usize::from(cfg.iodepth)],
+            free: (0..cfg.iodepth).rev().collect(),
+            in_flight: 0,
+            scratch: vec![0; cfg.bs as usize],
+            expect: Vec::new(),
+            mem,
+        };
+        // Without --verify, write buffers still carry non-zero, non-repeating data.
+        if !cfg.verify {
+            let mut buf = vec![0u8; cfg.bs as usize];
+            for s in 0..cfg.iodepth {
+                job.pattern
+                    .fill(&mut buf, u64::from(s) * u64::from(cfg.bs), 0);
+                job.mem
+                    .write_slice(&buf, GuestAddress(job.area.data(s)))
+                    .map_err(|e| Error::Memory(e.to_string()))?;
+            }
+        }
+        Ok(job)
+    }
+
+    /// The job number.
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    fn head(&self, slot: u16) -> u16 {
+        if self.indirect {
+            slot
+        } else {
+            slot * self.area.descs_per_req
+        }
+    }
+
+    fn slot_of(&self, id: u32) -> Option<u16> {
+        let id = u16::try_from(id).ok()?;
+        let slot = if self.indirect {
+            id
+        } else {
+            if id % self.area.descs_per_req != 0 {
+                return None;
+            }
+            id / self.area.descs_per_req
+        };
+        (slot < self.iodepth).then_some(slot)
+    }
+
+    fn mem_err(e: impl std::fmt::Display) -> Error {
+        Error::Memory(e.to_string())
+    }
+
+    /// Writes the request of `slot` and puts it on the available ring.
+    fn submit(&mut self, slot: u16, op: Op, block: u64, gen: u32) -> Result<()> {
+        let offset = self.start + block * u64::from(self.bs);
+        let mut hdr = [0u8; REQ_HEADER_LEN];
+        let t = match op {
+            Op::Read => req_type::IN,
+            Op::Write => req_type::OUT,
+        };
+        hdr[0..4].copy_from_slice(&t.to_le_bytes());
+        hdr[8..16].copy_from_slice(&(offset / SECTOR_SIZE).to_le_bytes());
+        let mem = &self.mem;
+        mem.write_slice(&hdr, GuestAddress(self.area.header(slot)))
+            .map_err(Self::mem_err)?;
+        mem.write_obj(STATUS_UNSET, GuestAddress(self.area.status(slot)))
+            .map_err(Self::mem_err)?;
+        if op == Op::Write && self.gens.is_some() {
+            self.pattern.fill(&mut self.scratch, offset, gen);
+            mem.write_slice(&self.scratch, GuestAddress(self.area.data(slot)))
+                .map_err(Self::mem_err)?;
+        }
+        // Descriptors: header, data segments, status.
+        let data_flags = if op == Op::Read { DESC_F_WRITE } else { 0 };
+        let n = self.area.descs_per_req;
+        let (table, first) = if self.indirect {
+            (self.area.table(slot), 0)
+        } else {
+            (self.ring.layout().desc, self.head(slot))
+        };
+        let put = |i: u16, addr: u64, len: u32, flags: u16| {
+            let last = i + 1 == n;
+            self.ring.write_desc(
+                table,
+                first + i,
+                Desc {
+                    addr,
+                    len,
+                    flags: if last { flags } else { flags | DESC_F_NEXT },
+                    next: if last { 0 } else { first + i + 1 },
+                },
+            )
+        };
+        let map = |e: super::ring::RingError| Error::Memory(e.to_string());
+        put(0, self.area.header(slot), REQ_HEADER_LEN as u32, 0).map_err(map)?;
+        let mut done = 0u32;
+        let mut i = 1;
+        while done < self.bs {
+            let len = self.segment.min(self.bs - done);
+            put(i, self.area.data(slot) + u64::from(done), len, data_flags).map_err(map)?;
+            done += len;
+            i += 1;
+        }
+        put(i, self.area.status(slot), 1, DESC_F_WRITE).map_err(map)?;
+        let head = self.head(slot);
+        if self.indirect {
+            self.ring
+                .write_desc(
+                    self.ring.layout().desc,
+                    head,
+                    Desc {
+                        addr: table,
+                        len: u32::from(n) * 16,
+                        flags: DESC_F_INDIRECT,
+                        next: 0,
+                    },
+                )
+                .map_err(map)?;
+        }
+        if let Some(b) = self
+            .busy
+            .get_mut(usize::try_from(block).unwrap_or(usize::MAX))
+        {
+            *b = true;
+        }
+        self.inflight[usize::from(slot)] = Some(InFlight {
+            op,
+            block,
+            gen,
+            submitted: Instant::now(),
+        });
+        self.in_flight += 1;
+        self.ring.push(head).map_err(map)
+    }
+
+    fn block_busy(&self, block: u64) -> bool {
+        usize::try_from(block)
+            .ok()
+            .and_then(|b| self.busy.get(b))
+            .copied()
+            .unwrap_or(false)
+    }
+
+    fn gen_of(&self, block: u64) -> u32 {
+        self.gens
+            .as_ref()
+            .and_then(|g| g.get(usize::try_from(block).ok()?))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Runs the job to the end.
+    ///
+    /// # Errors
+    /// Anything the back end did wrong, a timeout, a failed verify.
+    pub fn run(mut self) -> Result<JobOutcome> {
+        let res = self.run_inner();
+        if res.is_err() {
+            self.stop.store(true, Ordering::Relaxed);
+        }
+        res
+    }
+
+    fn run_inner(&mut self) -> Result<JobOutcome> {
+        let verify = self.gens.is_some();
+        let mut report = VerifyReport::default();
+        let mut read = DirStats::default();
+        let mut write = DirStats::default();
+        let mut phase = if verify && self.rw.reads() {
+            Phase::Prefill
+        } else {
+            Phase::Main
+        };
+        let mut cursor = 0u64;
+        let mut issued = 0u64;
+        let mut main_start = Instant::now();
+        let mut deadline = match phase {
+            Phase::Main => self.runtime.map(|r| main_start + r),
+            _ => None,
+        };
+        let mut last_done = main_start;
+        let mut elapsed = Duration::ZERO;
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return Err(Error::Stopped);
+            }
+            // Submit up to the depth.
+            let mut pushed = false;
+            let mut phase_done = false;
+            while let Some(&slot) = self.free.last() {
+                let next = match phase {
+                    Phase::Prefill | Phase::ReadBack => {
+                        // Sequential over the range; read-back skips unwritten blocks.
+                        while phase == Phase::ReadBack
+                            && cursor < self.blocks
+                            && self.gen_of(cursor) == 0
+                        {
+                            report.unwritten += 1;
+                            cursor += 1;
+                        }
+                        if cursor >= self.blocks {
+                            Next::Done
+                        } else {
+                            cursor += 1;
+                            let op = if phase == Phase::Prefill {
+                                Op::Write
+                            } else {
+                                Op::Read
+                            };
+                            Next::Io(op, cursor - 1)
+                        }
+                    }
+                    Phase::Main => self.next_main(&mut cursor, issued, deadline),
+                };
+                match next {
+                    Next::Io(op, block) => {
+                        let gen = match op {
+                            Op::Write if verify => match self.gen_of(block).wrapping_add(1) {
+                                0 => 1,
+                                g => g,
+                            },
+                            _ => self.gen_of(block),
+                        };
+                        self.free.pop();
+                        self.submit(slot, op, block, gen)?;
+                        if phase == Phase::Main {
+                            issued += 1;
+                        }
+                        pushed = true;
+                    }
+                    Next::Wait => break,
+                    Next::Done => {
+                        phase_done = true;
+                        break;
+                    }
+                }
+            }
+            if pushed
+                && self
+                    .ring
+                    .publish()
+                    .map_err(|e| Error::Memory(e.to_string()))?
+            {
+                self.kick.write(1).map_err(|source| Error::Os {
+                    what: "kicking the queue",
+                    source,
+                })?;
+            }
+            // Reap.
+            let mut reaped = 0;
+            while let Some(u) = self
+                .ring
+                .next_used()
+                .map_err(|e| Error::Misbehaved(e.to_string()))?
+            {
+                reaped += 1;
+                let slot = self.slot_of(u.id).ok_or_else(|| {
+                    Error::Misbehaved(format!(
+                        "job {}: used entry names head {}, not a request head",
+                        self.id, u.id
+                    ))
+                })?;
+                let f = self.inflight[usize::from(slot)].take().ok_or_else(|| {
+                    Error::Misbehaved(format!(
+                        "job {}: used entry for head {} which is not in flight",
+                        self.id, u.id
+                    ))
+                })?;
+                let now = Instant::now();
+                self.complete(slot, f)?;
+                self.free.push(slot);
+                self.in_flight -= 1;
+                last_done = now;
+                match phase {
+                    Phase::Prefill => report.prefilled += 1,
+                    Phase::ReadBack => report.checked += 1,
+                    Phase::Main => {
+                        let d = if f.op == Op::Read {
+                            if verify {
+                                report.verified_reads += 1;
+                            }
+                            &mut read
+                        } else {
+                            &mut write
+                        };
+                        d.ios += 1;
+                        d.bytes += u64::from(self.bs);
+                        d.lat.record(now.saturating_duration_since(f.submitted));
+                    }
+                }
+            }
+            if reaped > 0 {
+                continue;
+            }
+            if self.in_flight == 0 {
+                if !phase_done {
+                    // Nothing in flight means every slot is free and no block is busy, so
+                    // the phase either issued something or is over: this cannot happen.
+                    return Err(Error::Misbehaved(format!(
+                        "job {}: internal error: idle with nothing to issue",
+                        self.id
+                    )));
+                }
+                match phase {
+                    Phase::Prefill => {
+                        phase = Phase::Main;
+                        cursor = 0;
+                        main_start = Instant::now();
+                        deadline = self.runtime.map(|r| main_start + r);
+                    }
+                    Phase::Main => {
+                        elapsed = last_done.saturating_duration_since(main_start);
+                        if !verify {
+                            break;
+                        }
+                        phase = Phase::ReadBack;
+                        cursor = 0;
+                    }
+                    Phase::ReadBack => break,
+                }
+                continue;
+            }
+            if self
+                .ring
+                .arm()
+                .map_err(|e| Error::Misbehaved(e.to_string()))?
+            {
+                continue;
+            }
+            self.wait()?;
+        }
+        Ok(JobOutcome {
+            job: self.id,
+            read,
+            write,
+            elapsed,
+            verify: verify.then_some(report),
+        })
+    }
+
+    fn next_main(&mut self, cursor: &mut u64, issued: u64, deadline: Option<Instant>) -> Next {
+        match deadline {
+            Some(d) if Instant::now() >= d => return Next::Done,
+            None if issued >= self.blocks => return Next::Done,
+            _ => {}
+        }
+        let op = match self.rw {
+            Rw::Read | Rw::RandRead => Op::Read,
+            Rw::Write | Rw::RandWrite => Op::Write,
+            Rw::RandRw => {
+                if self.rng.gen_range(0..100u8) < self.rwmixread {
+                    Op::Read
+                } else {
+                    Op::Write
+                }
+            }
+        };
+        if self.rw.random() {
+            for _ in 0..8 {
+                let b = self.rng.gen_range(0..self.blocks);
+                if !self.block_busy(b) {
+                    return Next::Io(op, b);
+                }
+            }
+            Next::Wait
+        } else {
+            let b = *cursor % self.blocks;
+            if self.block_busy(b) {
+                return Next::Wait;
+            }
+            *cursor += 1;
+            Next::Io(op, b)
+        }
+    }
+
+    /// Checks a completed request: status, data (reads, with verify), generation (writes).
+    fn complete(&mut self, slot: u16, f: InFlight) -> Result<()> {
+        let offset = self.start + f.block * u64::from(self.bs);
+        let st: u8 = self
+            .mem
+            .read_obj(GuestAddress(self.area.status(slot)))
+            .map_err(Self::mem_err)?;
+        if let Some(b) = self
+            .busy
+            .get_mut(usize::try_from(f.block).unwrap_or(usize::MAX))
+        {
+            *b = false;
+        }
+        if st == STATUS_UNSET {
+            return Err(Error::Misbehaved(format!(
+                "job {}: {} at byte {offset} completed without a status byte",
+                self.id,
+                f.op.name()
+            )));
+        }
+        if st != status::OK {
+            return Err(Error::Io {
+                job: self.id,
+                op: f.op.name(),
+                offset,
+                len: self.bs,
+                status: st,
+            });
+        }
+        let Some(gens) = self.gens.as_mut() else {
+            return Ok(());
+        };
+        let b = usize::try_from(f.block).unwrap_or(usize::MAX);
+        match f.op {
+            Op::Write => {
+                if let Some(g) = gens.get_mut(b) {
+                    *g = f.gen;
+                }
+            }
+            Op::Read => {
+                if f.gen != 0 {
+                    self.mem
+                        .read_slice(&mut self.scratch, GuestAddress(self.area.data(slot)))
+                        .map_err(Self::mem_err)?;
+                    self.pattern
+                        .check(&self.scratch, offset, f.gen, &mut self.expect)
+                        .map_err(|mismatch| Error::Verify {
+                            job: self.id,
+                            mismatch,
+                        })?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sleeps until the back end signals the call eventfd, the connection closes, or the
+    /// timeout passes.
+    fn wait(&mut self) -> Result<()> {
+        let mut fds = [
+            libc::pollfd {
+                fd: self.call.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: self.watch,
+                events: libc::POLLRDHUP,
+                revents: 0,
+            },
+        ];
+        let ms = i32::try_from(self.timeout.as_millis()).unwrap_or(i32::MAX);
+        let start = Instant::now();
+        loop {
+            // SAFETY: fds is a valid array of two pollfd for the duration of the call; poll
+            // writes only their revents.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::Os {
+                    what: "polling the call eventfd",
+                    source: e,
+                });
+            }
+            if n == 0 {
+                return Err(Error::Timeout {
+                    job: self.id,
+                    secs: start.elapsed().as_secs_f64(),
+                    inflight: self.in_flight,
+                });
+            }
+            break;
+        }
+        if fds[1].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
+        {
+            return Err(Error::Disconnected {
+                job: self.id,
+                inflight: self.in_flight,
+            });
+        }
+        if fds[0].revents & libc::POLLIN != 0 {
+            // Non-blocking: EAGAIN only if another reader raced us, which cannot happen.
+            let _ = self.call.read();
+        }
+        Ok(())
+    }
+}
+
+fn now_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(0))
+        .unwrap_or(0)
+}
