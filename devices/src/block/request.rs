@@ -327,18 +327,27 @@ impl<D: Disk> RequestCtx<'_, D> {
         });
         if r.is_err() {
             // The map error is what the request reports; a failing unmap is counted too.
-            if let Err(e) = self.unmap_all(mem) {
+            // Nothing was transferred: nothing may be copied back.
+            if let Err(e) = self.unmap_all(mem, false) {
                 self.metrics.count_error(&e);
             }
         }
         r
     }
 
-    /// Unmaps every buffer in `self.mapped`; the first error is returned.
-    fn unmap_all<M: GuestMemory + ?Sized>(&mut self, mem: &M) -> Result<()> {
+    /// Unmaps every buffer in `self.mapped`; the first error is returned. Unless
+    /// `transferred` (the whole I/O succeeded), nothing is copied back to the guest: after a
+    /// failed or short read only the guest's own bytes stay in its buffers, never stale pool
+    /// contents (issue 11 item 4).
+    fn unmap_all<M: GuestMemory + ?Sized>(&mut self, mem: &M, transferred: bool) -> Result<()> {
         let mut first = Ok(());
         for b in self.mapped.drain(..) {
-            if let Err(e) = self.dma.unmap(mem, b, self.worker) {
+            let r = if transferred {
+                self.dma.unmap(mem, b, self.worker)
+            } else {
+                self.dma.unmap_written(mem, b, 0, self.worker)
+            };
+            if let Err(e) = r {
                 if first.is_ok() {
                     first = Err(e.into());
                 }
@@ -515,7 +524,7 @@ impl<D: Disk> RequestCtx<'_, D> {
                 }
             }
         }
-        let unmapped = self.unmap_all(mem);
+        let unmapped = self.unmap_all(mem, result.is_ok());
         result.and(unmapped)
     }
 
