@@ -496,8 +496,14 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
             .map(Dispatcher::new)
             .collect();
         self.owner.clear();
+        let groups = self.device.queue_groups();
         for (w, worker) in self.workers.iter().enumerate() {
-            for (pos, &qi) in worker.queue_indexes().iter().enumerate() {
+            let qs = worker.queue_indexes();
+            assert!(
+                groups.iter().any(|g| qs.iter().all(|q| g.contains(q))),
+                "worker {w} serves queues {qs:?} across the declared groups {groups:?}"
+            );
+            for (pos, &qi) in qs.iter().enumerate() {
                 self.owner.insert(qi, (w, pos));
             }
         }
@@ -668,7 +674,7 @@ impl bounce::SlotAllocator for FirstFitAllocator {
     }
 
     fn alloc(&self, req: &bounce::SlotRequest) -> Option<usize> {
-        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let mut used = crate::metrics::lock(&self.used);
         let n = req.nslots;
         let found = (0..self.geom.nslabs)
             .find(|&i| req.fits(&self.geom, i) && used[i..i + n].iter().all(|u| !u))?;
@@ -677,14 +683,14 @@ impl bounce::SlotAllocator for FirstFitAllocator {
     }
 
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let mut used = crate::metrics::lock(&self.used);
         if let Some(run) = used.get_mut(index..index.saturating_add(nslots)) {
             run.iter_mut().for_each(|u| *u = false);
         }
     }
 
     fn area_used(&self) -> Vec<usize> {
-        let used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let used = crate::metrics::lock(&self.used);
         vec![used.iter().filter(|u| **u).count()]
     }
 

@@ -43,6 +43,7 @@ pub struct Block<D: Disk> {
     metrics: Arc<BlockMetrics>,
     /// Largest single DMA mapping (the pool's, for a device without an alignment mask).
     max_map: usize,
+    config_write_logged: crate::metrics::LogOnce,
 }
 
 impl<D: Disk> Block<D> {
@@ -89,6 +90,7 @@ impl<D: Disk> Block<D> {
             state: DeviceState::Inactive,
             metrics: Arc::new(BlockMetrics::default()),
             max_map,
+            config_write_logged: crate::metrics::LogOnce::default(),
         })
     }
 
@@ -203,11 +205,14 @@ impl<M: GuestMemory, D: Disk> VirtioDevice<M> for Block<D> {
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {
+        // A driver can do this in a loop: counted always, logged once.
         self.metrics.config_write_rejected.inc();
-        tracing::warn!(
-            "virtio-blk: driver wrote {} bytes at config offset {offset}: ignored (read-only)",
-            data.len()
-        );
+        if self.config_write_logged.first() {
+            tracing::warn!(
+                "virtio-blk: driver wrote {} bytes at config offset {offset}: ignored (read-only; logged once)",
+                data.len()
+            );
+        }
     }
 
     fn activate(

@@ -21,43 +21,10 @@
 //! ```
 //! `bounce` is `null` when the device has no pool (policy `off`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 
 use super::BlockError;
-
-/// A counter that only goes up (or keeps a maximum), serialised as its value.
-#[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
-
-impl Counter {
-    /// Adds one.
-    pub fn inc(&self) {
-        self.add(1);
-    }
-
-    /// Adds `n`.
-    pub fn add(&self, n: u64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// Raises the value to `n` if it is lower (a high-water mark).
-    pub fn max(&self, n: u64) {
-        self.0.fetch_max(n, Ordering::Relaxed);
-    }
-
-    /// The current value.
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-impl Serialize for Counter {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(self.get())
-    }
-}
+pub use crate::metrics::Counter;
 
 /// Counters of one block device (all its queues).
 #[derive(Debug, Default, Serialize)]

@@ -684,3 +684,14 @@ fn device_rejects_bad_configs() {
     c.queue_size = 100;
     assert!(Net::new(c, be(), Dma::direct()).is_err());
 }
+
+#[test]
+fn queue_groups_are_pairs_and_the_control_queue_before_activation() {
+    let (dev, _) = device(3);
+    let groups = VirtioDevice::<GuestMemoryMmap>::queue_groups(&dev);
+    assert_eq!(
+        groups,
+        vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6]],
+        "declared before any feature is negotiated"
+    );
+}

@@ -52,10 +52,7 @@ const TX: usize = 1;
 /// A backend shared between the device (which configures it) and its worker.
 pub type SharedBackend = Arc<Mutex<Box<dyn NetBackend>>>;
 
-/// Locks a backend; a poisoned lock (a panicking thread) still holds a usable backend.
-pub(crate) fn lock(b: &SharedBackend) -> std::sync::MutexGuard<'_, Box<dyn NetBackend>> {
-    b.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub(crate) use crate::metrics::lock;
 
 /// The chain rules of a net worker: indirect tables when negotiated, up to the device's
 /// largest queue size.
