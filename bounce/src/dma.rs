@@ -189,6 +189,20 @@ impl Dma {
         self.pool.as_ref()
     }
 
+    /// The largest single buffer this handle can map, for the device's DMA constraints
+    /// ([`DeviceDmaParams::min_align_mask`] costs slots of padding); `None` when it never
+    /// bounces (no pool), so only the device's own limits apply.
+    pub fn max_mapping_size(&self) -> Option<usize> {
+        self.pool
+            .as_ref()
+            .map(|p| p.max_mapping_size(self.params.min_align_mask))
+    }
+
+    /// The device's DMA constraints.
+    pub fn params(&self) -> DeviceDmaParams {
+        self.params
+    }
+
     /// Pool statistics, if there is a pool.
     pub fn stats(&self) -> Option<PoolStats> {
         self.pool.as_ref().map(|p| p.stats())

@@ -78,9 +78,11 @@ impl<D: Disk> Block<D> {
         if config.discard {
             f |= blk::DISCARD | blk::WRITE_ZEROES;
         }
+        // size_max: the largest mapping the DMA handle can make for this device's constraints
+        // (its alignment mask included), so no request piece is ever too large to map.
         let max_map = dma
-            .pool()
-            .map_or(DIRECT_SIZE_MAX as usize, |p| p.max_mapping_size(0))
+            .max_mapping_size()
+            .unwrap_or(DIRECT_SIZE_MAX as usize)
             .clamp(4096, DIRECT_SIZE_MAX as usize);
         Ok(Self {
             disk: Arc::new(disk),
@@ -316,7 +318,7 @@ impl<M: GuestMemory, D: Disk> QueueWorker<M> for BlockWorker<D> {
             params: &self.params,
             metrics: &self.metrics,
             worker: usize::from(self.queue_index),
-            max_map: &mut self.max_map,
+            max_map: self.max_map,
             mapped: &mut self.mapped,
         };
         let chain = &mut self.chain;

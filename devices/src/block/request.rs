@@ -18,7 +18,7 @@
 //! whatever the descriptor boundaries.
 
 use bounce::{Direction, Dma, DmaBuffer};
-use vm_memory::{GuestAddress, GuestMemory, Permissions};
+use vm_memory::GuestMemory;
 
 use super::io::{Disk, DiskIo};
 use super::metrics::BlockMetrics;
@@ -30,26 +30,6 @@ use crate::virtio::chain::{self, for_each_piece, Chain, ChainHead, Seg, WalkRule
 
 /// Discard/write-zeroes segments read at once (the advertised `max_*_seg` is at most this).
 pub const MAX_DISCARD_SEGS: usize = 16;
-
-/// Checks that every piece of `start..start + len` of `segs` is guest memory with `perm`.
-fn check_stream<M: GuestMemory + ?Sized>(
-    mem: &M,
-    segs: &[Seg],
-    start: u64,
-    len: u64,
-    perm: Permissions,
-) -> Result<()> {
-    for_each_piece(segs, start, len, u64::MAX, |addr, n| {
-        if mem.check_range(GuestAddress(addr), n, perm) {
-            Ok(())
-        } else {
-            Err(BlockError::GuestAccess {
-                addr,
-                len: n as u64,
-            })
-        }
-    })
-}
 
 /// What a request asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,8 +156,9 @@ pub struct RequestCtx<'a, D: Disk> {
     pub metrics: &'a BlockMetrics,
     /// The bounce worker id (the queue index).
     pub worker: usize,
-    /// Largest single mapping; larger buffers are mapped in pieces.
-    pub max_map: &'a mut usize,
+    /// Largest single mapping ([`bounce::Dma::max_mapping_size`]); larger buffers are
+    /// mapped in pieces.
+    pub max_map: usize,
     /// Scratch list of mapped buffers, reused between requests.
     pub mapped: &'a mut Vec<DmaBuffer>,
 }
@@ -300,30 +281,9 @@ impl<D: Disk> RequestCtx<'_, D> {
         let dma = self.dma;
         let worker = self.worker;
         let mapped = &mut *self.mapped;
-        let max_map = &mut *self.max_map;
-        let r = for_each_piece(segs, start, len, *max_map as u64, |addr, n| {
-            match dma.map(mem, addr, n, dir, worker) {
-                Ok(b) => {
-                    mapped.push(b);
-                    Ok(())
-                }
-                // The pool cannot map pieces this large (a device alignment mask shrinks the
-                // largest mapping): remember the real limit and map this piece in parts. The
-                // limit only shrinks, so this happens at most once per worker and mask.
-                Err(bounce::Error::TooLarge { max, .. }) if max > 0 && max < n => {
-                    *max_map = max;
-                    let mut off = 0usize;
-                    while off < n {
-                        let k = (n - off).min(max);
-                        // off < n and addr + n did not overflow when the range was checked.
-                        let b = dma.map(mem, addr + off as u64, k, dir, worker)?;
-                        mapped.push(b);
-                        off += k;
-                    }
-                    Ok(())
-                }
-                Err(e) => Err(e.into()),
-            }
+        let r = for_each_piece(segs, start, len, self.max_map as u64, |addr, n| {
+            mapped.push(dma.map(mem, addr, n, dir, worker)?);
+            Ok::<(), BlockError>(())
         });
         if r.is_err() {
             // The map error is what the request reports; a failing unmap is counted too.
@@ -436,7 +396,6 @@ impl<D: Disk> RequestCtx<'_, D> {
                 }
                 let n = usize::try_from(in_len.min(ID_BYTES as u64)).unwrap_or(ID_BYTES);
                 let serial = self.params.serial;
-                check_stream(mem, &chain.writable, 0, n as u64, Permissions::Write)?;
                 chain::copy_to(self.dma, mem, self.worker, &chain.writable, 0, &serial[..n])?;
                 Ok(n as u64)
             }
@@ -493,12 +452,12 @@ impl<D: Disk> RequestCtx<'_, D> {
         if len == 0 {
             return Ok(());
         }
-        let (segs, start, perm) = match dir {
-            Direction::FromDevice => (&chain.writable, 0, Permissions::Write),
-            _ => (&chain.readable, REQ_HEADER_LEN as u64, Permissions::Read),
+        let (segs, start) = match dir {
+            Direction::FromDevice => (&chain.writable, 0),
+            _ => (&chain.readable, REQ_HEADER_LEN as u64),
         };
-        // The whole range is validated before the first byte moves.
-        check_stream(mem, segs, start, len, perm)?;
+        // Every buffer was checked against guest memory, with the permission its direction
+        // needs, by the chain walker; and every piece is mapped before the first byte moves.
         self.map_stream(mem, segs, start, len, dir)?;
         let mut io = DiskIo::new(self.disk, offset);
         let mut result = Ok(());
