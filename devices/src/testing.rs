@@ -655,6 +655,7 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
 pub struct FirstFitAllocator {
     geom: bounce::Geometry,
     used: std::sync::Mutex<Vec<bool>>,
+    fail: bool,
 }
 
 impl FirstFitAllocator {
@@ -663,6 +664,16 @@ impl FirstFitAllocator {
         Self {
             used: std::sync::Mutex::new(vec![false; geom.nslabs]),
             geom,
+            fail: false,
+        }
+    }
+
+    /// An allocator that refuses every request, as a pool that is always full ("bounce
+    /// buffer is full"), to test how devices survive it.
+    pub fn always_full(geom: bounce::Geometry) -> Self {
+        Self {
+            fail: true,
+            ..Self::new(geom)
         }
     }
 }
@@ -674,6 +685,9 @@ impl bounce::SlotAllocator for FirstFitAllocator {
     }
 
     fn alloc(&self, req: &bounce::SlotRequest) -> Option<usize> {
+        if self.fail {
+            return None;
+        }
         let mut used = crate::metrics::lock(&self.used);
         let n = req.nslots;
         let found = (0..self.geom.nslabs)

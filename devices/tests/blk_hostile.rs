@@ -46,8 +46,8 @@ fn dmas() -> Vec<(String, Dma)> {
 }
 
 /// Writes `descs` at table indexes `base..`, links each to the next when it has NEXT and
-/// `next` is 0, publishes `base` and kicks. Returns the used entries.
-fn raw(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) -> Vec<devices::testing::Used> {
+/// `next` is 0, and publishes `base`.
+fn publish(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) {
     for (i, d) in descs.iter().enumerate() {
         let mut d = *d;
         if d.flags & N != 0 && d.next == 0 {
@@ -56,6 +56,11 @@ fn raw(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) -> Vec<devices::tes
         blk.drv.vqs[0].write_desc(&blk.drv.ram, base + i as u16, d);
     }
     blk.drv.publish_raw(0, base);
+}
+
+/// [`publish`], then kicks. Returns the used entries.
+fn raw(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) -> Vec<devices::testing::Used> {
+    publish(blk, base, descs);
     blk.drv.kick(0).expect("the device must keep serving");
     blk.drv.reap(0)
 }
@@ -63,14 +68,7 @@ fn raw(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) -> Vec<devices::tes
 /// Writes `descs` as [`raw`] does, for a chain the device cannot serve: the kick must stop the
 /// device (DEVICE_NEEDS_RESET) with no used entry; the driver then resets and re-activates it.
 fn unusable(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) {
-    for (i, d) in descs.iter().enumerate() {
-        let mut d = *d;
-        if d.flags & N != 0 && d.next == 0 {
-            d.next = base + i as u16 + 1;
-        }
-        blk.drv.vqs[0].write_desc(&blk.drv.ram, base + i as u16, d);
-    }
-    blk.drv.publish_raw(0, base);
+    publish(blk, base, descs);
     let e = blk.drv.kick(0).expect_err("the device must stop");
     assert!(
         matches!(e, devices::virtio::WorkerError::Broken(_)),

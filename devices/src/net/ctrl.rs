@@ -11,7 +11,6 @@
 //!
 //! Command bytes and the ack go through the [`Dma`] handle like any data buffer.
 
-use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 
@@ -158,10 +157,6 @@ impl<M: GuestMemory> CtrlWorker<M> {
 impl<M: GuestMemory> QueueWorker<M> for CtrlWorker<M> {
     fn queue_indexes(&self) -> Vec<u16> {
         vec![self.index]
-    }
-
-    fn extra_fds(&self) -> Vec<(RawFd, u32)> {
-        Vec::new()
     }
 
     fn handle(
