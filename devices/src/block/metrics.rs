@@ -6,14 +6,14 @@
 //! ```json
 //! {
 //!   "type": "block", "disk": "raw", "capacity_sectors": 2048, "readonly": false,
-//!   "queues": 1,
+//!   "policy": "force", "acked_features": 4563402822, "active_queues": 1,
 //!   "metrics": {
 //!     "reqs_in": 10, "reqs_out": 4, "reqs_flush": 1, "reqs_get_id": 0,
 //!     "reqs_discard": 0, "reqs_write_zeroes": 0, "reqs_unsupported": 0,
 //!     "bytes_read": 40960, "bytes_written": 16384,
 //!     "err_bad_chain": 0, "err_guest_access": 0, "err_bounce": 0, "err_io": 0,
 //!     "err_out_of_range": 0, "err_readonly": 0, "err_unsupported": 0,
-//!     "no_status": 0, "config_write_rejected": 0,
+//!     "no_status": 0, "status_direct": 0, "config_write_rejected": 0,
 //!     "drains": 3, "queue_depth_hiwater": 8
 //!   },
 //!   "bounce": { "mode": "swiotlb", "nslabs": 32768, "used": 0, ... }

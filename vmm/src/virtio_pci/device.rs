@@ -280,12 +280,6 @@ impl VirtioPciDevice {
             .map_or(0, |b| b.addr)
     }
 
-    /// Signals a configuration change: bumps the generation and raises the config vector.
-    pub fn notify_config_change(&mut self) {
-        self.config_generation = self.config_generation.wrapping_add(1);
-        self.irq.signal_config();
-    }
-
     /// Stops the workers (used when the VMM shuts down; the device keeps its state).
     pub fn stop_workers(&mut self) {
         for w in self.workers.drain(..) {
