@@ -136,6 +136,47 @@ impl FromStr for AioMode {
     }
 }
 
+/// `on-full=` (a bounce option): what a request does when the bounce pool is momentarily
+/// full while the queue has other requests in flight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OnFull {
+    /// Stay on the available ring (back-pressure) and be retried when in-flight requests
+    /// release their slots, as a guest driver's request waits for a tag.
+    #[default]
+    Wait,
+    /// Complete with IOERR at once (the Linux swiotlb behaviour for a full pool).
+    Fail,
+}
+
+impl OnFull {
+    /// The option's name for this value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Wait => "wait",
+            Self::Fail => "fail",
+        }
+    }
+}
+
+impl fmt::Display for OnFull {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for OnFull {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "wait" => Ok(Self::Wait),
+            "fail" => Ok(Self::Fail),
+            o => Err(format!(
+                "unknown on-full action '{o}' (expected wait or fail)"
+            )),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile};
 
-pub use cache::{AioMode, CacheMode};
+pub use cache::{AioMode, CacheMode, OnFull};
 pub use engine::{
     AlignedBuf, AlignedEngine, DirectAlign, EngineStats, IoBuf, IoBufCollector, IoDone, IoEngine,
     IoOp, Range, SyncEngine, Tag,
