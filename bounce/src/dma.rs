@@ -261,6 +261,79 @@ impl Dma {
         }
     }
 
+    /// A small device read of guest bytes `gpa..gpa + dst.len()` (a request header, a
+    /// command): map to-device, read, unmap, in one call. The one helper for transfers too
+    /// small to keep a mapping for.
+    ///
+    /// # Errors
+    /// Those of [`Dma::map`], [`Dma::read`] and [`Dma::unmap`]; the mapping is released
+    /// whatever happens.
+    pub fn read_guest<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        dst: &mut [u8],
+        worker: usize,
+    ) -> Result<()> {
+        let buf = self.map(mem, gpa, dst.len(), Direction::ToDevice, worker)?;
+        let read = self.read(mem, &buf, 0, dst);
+        let unmapped = self.unmap(mem, buf, worker);
+        read.and(unmapped)
+    }
+
+    /// A small device write of `src` to guest address `gpa` (a status byte, an ack, an id
+    /// string): map from-device, write, unmap, in one call.
+    ///
+    /// # Errors
+    /// As [`Dma::read_guest`].
+    pub fn write_guest<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        src: &[u8],
+        worker: usize,
+    ) -> Result<()> {
+        let buf = self.map(mem, gpa, src.len(), Direction::FromDevice, worker)?;
+        let wrote = self.write(mem, &buf, 0, src);
+        let unmapped = self.unmap(mem, buf, worker);
+        wrote.and(unmapped)
+    }
+
+    /// Writes `src` straight to guest memory at `gpa`, bypassing the pool whatever the
+    /// policy. Only for the one byte that reports a failure (a virtio-blk status) when the
+    /// pool is too full to map it: without it the driver would read a stale "OK".
+    ///
+    /// # Errors
+    /// [`Error::ZeroLength`], or [`Error::OrigAccess`] when the range is not writable guest
+    /// memory (nothing is written then).
+    pub fn write_direct<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        src: &[u8],
+    ) -> Result<()> {
+        if src.is_empty() {
+            return Err(Error::ZeroLength);
+        }
+        let err = || Error::OrigAccess {
+            addr: gpa,
+            len: src.len(),
+        };
+        if !mem.check_range(GuestAddress(gpa), src.len(), Permissions::Write) {
+            return Err(err());
+        }
+        let mut done = 0;
+        for s in mem
+            .get_slices(GuestAddress(gpa), src.len(), Permissions::Write)
+            .map_err(|_| err())?
+        {
+            let s = s.map_err(|_| err())?;
+            s.copy_from(&src[done..done + s.len()]);
+            done += s.len();
+        }
+        Ok(())
+    }
+
     fn check(buf: &DmaBuffer, offset: usize, len: usize) -> Result<()> {
         if offset.checked_add(len).is_none_or(|end| end > buf.len) {
             return Err(Error::OutOfPool {

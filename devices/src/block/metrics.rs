@@ -94,8 +94,11 @@ pub struct BlockMetrics {
     pub err_readonly: Counter,
     /// Requests completed with UNSUPP.
     pub err_unsupported: Counter,
-    /// Chains completed with used length 0 because no status byte could be written.
+    /// Chains whose status byte could not be located or written (the device then stops:
+    /// DEVICE_NEEDS_RESET).
     pub no_status: Counter,
+    /// Status bytes written straight to guest memory because the bounce pool was full.
+    pub status_direct: Counter,
     /// Driver writes to the (read-only) configuration space, ignored.
     pub config_write_rejected: Counter,
     /// Queue drains (passes over the available ring).
@@ -108,7 +111,7 @@ impl BlockMetrics {
     /// Counts an error by kind.
     pub fn count_error(&self, e: &BlockError) {
         match e {
-            BlockError::BadChain(_) => self.err_bad_chain.inc(),
+            BlockError::BadChain(_) | BlockError::Chain(_) => self.err_bad_chain.inc(),
             BlockError::GuestAccess { .. } => self.err_guest_access.inc(),
             BlockError::Bounce(_) => self.err_bounce.inc(),
             BlockError::Io(_) | BlockError::Short { .. } => self.err_io.inc(),

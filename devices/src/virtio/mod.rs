@@ -17,6 +17,10 @@
 //! [`WorkerError::Broken`]; the transport then sets DEVICE_NEEDS_RESET and stops the worker,
 //! but keeps the VMM running.
 
+pub mod chain;
+pub mod dispatch;
+pub mod queue;
+
 use std::os::fd::RawFd;
 
 use virtio_queue::Queue;
