@@ -101,6 +101,12 @@ pub trait Disk: Send + Sync + fmt::Debug + 'static {
     fn direct_align(&self) -> Option<DirectAlign> {
         None
     }
+
+    /// False for a backend whose I/O never blocks (memory): with no `aio=` given it runs on
+    /// the synchronous path, where a thread pool would only add hand-offs.
+    fn may_block(&self) -> bool {
+        true
+    }
 }
 
 /// The engine for `aio` on `disk`, sized for `depth` requests in flight.
@@ -132,6 +138,7 @@ pub fn new_engine<D: Disk>(
                 Box::new(ThreadEngine::new(Arc::clone(disk), depth)?)
             }
         },
+        None if !disk.may_block() => Box::new(SyncEngine::new(Arc::clone(disk))),
         None => Box::new(ThreadEngine::new(Arc::clone(disk), depth)?),
     };
     Ok(match disk.direct_align() {
@@ -145,6 +152,7 @@ pub fn engine_name<D: Disk>(aio: Option<AioMode>, disk: &D) -> &'static str {
     match aio {
         Some(m) => m.name(),
         None if disk.raw_fd().is_some() => "io_uring",
+        None if !disk.may_block() => "sync",
         None => "threads",
     }
 }
@@ -302,5 +310,8 @@ impl Disk for DiskImage {
     }
     fn direct_align(&self) -> Option<DirectAlign> {
         dispatch!(self, d => d.direct_align())
+    }
+    fn may_block(&self) -> bool {
+        dispatch!(self, d => d.may_block())
     }
 }

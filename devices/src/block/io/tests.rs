@@ -308,8 +308,8 @@ fn errors_are_completions() {
     let mem = Arc::new(MemDisk::new(4096).unwrap());
     let err = new_engine(Some(AioMode::IoUring), &mem, 8).unwrap_err();
     assert!(err.to_string().contains("io_uring"), "{err}");
-    // The default for a disk without a file is the thread pool.
-    assert_eq!(new_engine(None, &mem, 8).unwrap().name(), "threads");
+    // The default for a memory disk (which never blocks) is the synchronous path.
+    assert_eq!(new_engine(None, &mem, 8).unwrap().name(), "sync");
     let raw = Arc::new(RawDisk::open(&path, true).unwrap());
     assert_eq!(new_engine(None, &raw, 8).unwrap().name(), "io_uring");
 }
