@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use devices::block::io::ImageFormat;
+use devices::block::io::{AioMode, CacheMode, ImageFormat};
 
 use crate::options::BounceOptions;
 
@@ -68,6 +68,10 @@ pub struct DriveSpec {
     pub if_virtio: bool,
     /// `readonly=on`.
     pub readonly: bool,
+    /// `aio=io_uring|threads|sync` (default: the image format's engine).
+    pub aio: Option<AioMode>,
+    /// `cache=none|writeback|writethrough|directsync|unsafe` (default writeback).
+    pub cache: CacheMode,
 }
 
 /// `-netdev tap`.
@@ -405,7 +409,7 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Config> {
             "-append" => append = arg,
             "-drive" => {
                 let p = Props::new("-drive", &split_props(&arg))?;
-                p.only(&["file", "format", "if", "id", "readonly"])?;
+                p.only(&["file", "format", "if", "id", "readonly", "aio", "cache"])?;
                 let file = PathBuf::from(p.require("file")?);
                 let format = match p.get("format") {
                     None => ImageFormat::Raw,
@@ -424,6 +428,14 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Config> {
                     return Err(CliError::Reference(format!("duplicate drive id '{id}'")));
                 }
                 let readonly = p.bool("readonly", false)?;
+                let aio = match p.get("aio") {
+                    None => None,
+                    Some(v) => Some(v.parse().map_err(|e: String| p.bad("aio", v, &e))?),
+                };
+                let cache = match p.get("cache") {
+                    None => CacheMode::default(),
+                    Some(v) => v.parse().map_err(|e: String| p.bad("cache", v, &e))?,
+                };
                 if if_virtio {
                     devices.push(DeviceSpec::Blk {
                         id: id.clone(),
@@ -439,6 +451,8 @@ pub fn parse<I: IntoIterator<Item = String>>(args: I) -> Result<Config> {
                     format,
                     if_virtio,
                     readonly,
+                    aio,
+                    cache,
                 });
             }
             "-netdev" => {
@@ -730,6 +744,18 @@ mod tests {
     }
 
     #[test]
+    fn drive_aio_and_cache_use_qemus_names() {
+        let c = p(&["-kernel", "k", "-drive", "file=a,aio=threads,cache=none"]).unwrap();
+        assert_eq!(c.drives[0].aio, Some(AioMode::Threads));
+        assert_eq!(c.drives[0].cache, CacheMode::None);
+        let c = p(&["-kernel", "k", "-drive", "file=a"]).unwrap();
+        assert_eq!(
+            (c.drives[0].aio, c.drives[0].cache),
+            (None, CacheMode::Writeback)
+        );
+    }
+
+    #[test]
     fn no_acpi_flag() {
         assert!(p(&["-kernel", "k", "-no-acpi"]).unwrap().no_acpi);
     }
@@ -743,9 +769,11 @@ mod tests {
             "unsupported option -machine"
         );
         assert_eq!(
-            e(&["-kernel", "k", "-drive", "file=a,cache=none"]),
-            "unsupported property 'cache' of -drive"
+            e(&["-kernel", "k", "-drive", "file=a,snapshot=on"]),
+            "unsupported property 'snapshot' of -drive"
         );
+        assert!(e(&["-kernel", "k", "-drive", "file=a,cache=off"]).contains("directsync"));
+        assert!(e(&["-kernel", "k", "-drive", "file=a,aio=native"]).contains("io_uring"));
         assert_eq!(
             e(&[
                 "-kernel",

@@ -3,7 +3,9 @@
 //!
 //! ```text
 //! bouncevm-vhost blk --socket PATH --file IMG [--format raw|qcow2] [--readonly] [--queues N]
-//!                    [--serial ID] [--no-access-platform] [--bounce OPTS] [--stats-socket PATH]
+//!                    [--serial ID] [--aio io_uring|threads|sync]
+//!                    [--cache none|writeback|writethrough|directsync|unsafe]
+//!                    [--no-access-platform] [--bounce OPTS] [--stats-socket PATH]
 //! bouncevm-vhost net --socket PATH --tap NAME [--queues N] [--mac MAC] [--rate GBIT]
 //!                    [--no-access-platform] [--bounce OPTS] [--stats-socket PATH]
 //! ```
@@ -18,7 +20,7 @@ use std::process::ExitCode;
 
 use bounce::PoolStats;
 use clap::{Args, Parser, Subcommand};
-use devices::block::io::ImageFormat;
+use devices::block::io::{AioMode, CacheMode, ImageFormat};
 use devices::block::{Block, BlockConfig, DiskImage};
 use devices::net::{Net, NetBackend, NetConfig, ShaperConfig, Tap};
 use devices::virtio::VirtioDevice;
@@ -53,7 +55,7 @@ struct Common {
     /// Do not offer VIRTIO_F_ACCESS_PLATFORM (then QEMU refuses iommu_platform=on).
     #[arg(long)]
     no_access_platform: bool,
-    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N].
+    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N][,on-full=wait|fail].
     #[arg(long, value_name = "OPTS")]
     bounce: Option<BounceOptions>,
     /// Also answer one JSON line of statistics to each connection on this unix socket.
@@ -77,6 +79,12 @@ struct BlkArgs {
     /// The id string answered to GET_ID.
     #[arg(long, value_name = "ID", default_value = "bouncevm-blk")]
     serial: String,
+    /// Host I/O engine, as QEMU's aio= (default: io_uring for raw images, threads for qcow2).
+    #[arg(long, value_name = "MODE")]
+    aio: Option<AioMode>,
+    /// Host cache mode, as QEMU's cache= (none and directsync open the image with O_DIRECT).
+    #[arg(long, value_name = "MODE", default_value = "writeback")]
+    cache: CacheMode,
 }
 
 #[derive(Args, Debug)]
@@ -147,13 +155,16 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
             let (dma, pool) = bounce
                 .build(usize::from(c.queues))
                 .map_err(|e| e.to_string())?;
-            let disk = DiskImage::open(&a.file, format, a.readonly)
+            let disk = DiskImage::open_with(&a.file, format, a.readonly, a.cache)
                 .map_err(|e| format!("cannot open image {}: {e}", a.file.display()))?;
             let config = BlockConfig {
                 serial: a.serial.clone(),
                 readonly: a.readonly,
                 num_queues: c.queues,
                 access_platform: !c.no_access_platform,
+                aio: a.aio,
+                cache: a.cache,
+                on_full: bounce.on_full,
                 ..BlockConfig::default()
             };
             let device = Block::new(disk, config, dma).map_err(|e| e.to_string())?;

@@ -92,17 +92,21 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
                 let (dma, _) = bounce
                     .build(usize::from(*num_queues))
                     .map_err(|e| format!("-bounce for {id}: {e}"))?;
-                let image = DiskImage::open(&d.file, d.format, d.readonly).map_err(|e| {
-                    format!(
-                        "-drive id={}: cannot open '{}': {e}",
-                        d.id,
-                        d.file.display()
-                    )
-                })?;
+                let image =
+                    DiskImage::open_with(&d.file, d.format, d.readonly, d.cache).map_err(|e| {
+                        format!(
+                            "-drive id={}: cannot open '{}': {e}",
+                            d.id,
+                            d.file.display()
+                        )
+                    })?;
                 let mut bc = BlockConfig {
                     readonly: d.readonly,
                     num_queues: *num_queues,
                     access_platform: *iommu_platform,
+                    aio: d.aio,
+                    cache: d.cache,
+                    on_full: bounce.on_full,
                     ..BlockConfig::default()
                 };
                 if let Some(s) = serial {
