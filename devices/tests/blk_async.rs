@@ -140,6 +140,10 @@ fn depth_32_verifies_for_every_allocator_and_pool_mode() {
             }
             if let Some(p) = dma.pool() {
                 let st = p.stats();
+                println!(
+                    "{aio} {name}: 32 x 4 KiB in flight, pool used_hiwater {}",
+                    st.used_hiwater
+                );
                 // 4 KiB of data plus the status byte per request, all held at once.
                 let per_req = if p.is_iova() { 2 } else { 3 };
                 assert!(
