@@ -55,6 +55,13 @@ def main() -> int:
     print(f"host bounce ({bounce}): " + json.dumps(
         {k: b.get(k) for k in ("maps", "unmaps", "map_failures", "bytes_to_device",
                                "bytes_from_device", "used", "used_hiwater", "lock_wait_ns")}))
+    if b.get("nslabs") and b.get("slot_size"):
+        mib = lambda slots: slots * b["slot_size"] / (1 << 20)  # noqa: E731
+        print(f"host pool: {b['nslabs']} slots x {b['slot_size']} B = {mib(b['nslabs']):.0f} MiB; "
+              f"high-water {b.get('used_hiwater', 0)} slots = {mib(b.get('used_hiwater', 0)):.2f} MiB "
+              f"({100 * b.get('used_hiwater', 0) / b['nslabs']:.2f} % of the pool); "
+              f"{b.get('bytes_to_device', 0) / (1 << 20):.0f} MiB copied to the device, "
+              f"{b.get('bytes_from_device', 0) / (1 << 20):.0f} MiB back")
     if v.get("status") != "ok" or v.get("verify_errors") != "0" or b.get("maps", 0) == 0:
         print(f"fio-check: FAILED; serial log: {run.log_path}", file=sys.stderr)
         return 1

@@ -81,7 +81,7 @@ def _blk_backend(name: str, binary: str, image: Path, bounce: str | None = "poli
             "--stats-socket", str(stats)]
     if bounce:
         argv += ["--bounce", bounce]
-    return Backend(name, argv, socket=sock, env={"RUST_LOG": "info"}), sock, stats
+    return Backend(name, argv, socket=sock, env={"BOUNCEVM_LOG": "info"}), sock, stats
 
 
 def _check_fio_verify(run) -> dict:
@@ -225,7 +225,7 @@ def test_bvm_vhost_net_iperf3():
         stats = out_path("bvm_net", ".stats")
         backend = Backend("bvm_net", [binary, "net", "--socket", str(sock), "--tap", ns.tap,
                                       "--bounce", "policy=force", "--stats-socket", str(stats)],
-                          socket=sock, netns=ns, env={"RUST_LOG": "info"})
+                          socket=sock, netns=ns, env={"BOUNCEVM_LOG": "info"})
         with backend:
             run = run_guest("bvm_net_iperf3", "iperf3",
                             params={"ip": ns.guest_cidr, "server": ns.host_ip, "time": 5},

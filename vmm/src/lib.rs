@@ -19,6 +19,9 @@
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
 //! * [`vhost`]: the vhost-user transport (`bouncevm-vhost`): any device core served to QEMU.
 //! * [`options`]: command-line options shared by the binaries (`--bounce`/`-bounce`).
+//! * [`builder`]: device construction shared by both binaries (image probing, bounce pool,
+//!   tap, device core); [`sock`]: unix sockets bound safely (mode 0600 by default, a live
+//!   server's socket never unlinked) and unpredictable private directories.
 //!
 //! The crate is x86_64-only.
 
@@ -26,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod boot;
+pub mod builder;
 pub mod bus;
 pub mod cli;
 pub mod exit;
@@ -37,11 +41,29 @@ pub mod memory;
 pub mod options;
 pub mod pci;
 pub mod qmp;
+pub mod sock;
 pub mod vcpu;
 pub mod vhost;
 pub mod virtio_pci;
 pub mod vm;
 
 pub use bus::{Bus, BusDevice};
+
+/// The environment variable both binaries read their log filter from (tracing env-filter
+/// syntax, e.g. `BOUNCEVM_LOG=info` or `BOUNCEVM_LOG=vmm::vhost=debug`).
+pub const LOG_ENV: &str = "BOUNCEVM_LOG";
+
+/// Installs the stderr logger of both binaries: the filter from [`LOG_ENV`], else `default`.
+pub fn init_logging(default: &str) {
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env(LOG_ENV)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
+        )
+        .init();
+}
 pub use exit::{ExitHandle, ExitReason};
 pub use machine::{Machine, MachineConfig, RunningMachine};

@@ -25,6 +25,7 @@
 //! of `KVM_RUN`, joins the threads and returns the [`MachineExit`].
 
 use std::io::Write;
+use std::sync::atomic::AtomicI32;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -37,10 +38,12 @@ use crate::boot;
 use crate::bus::Bus;
 use crate::exit::{ExitHandle, ExitReason};
 use crate::layout::{
-    COM1_IRQ, COM1_PORT, I8042_COMMAND_PORT, I8042_DATA_PORT, PCI_CONFIG_IO_LEN,
+    ACPI_SCI_IRQ, COM1_IRQ, COM1_PORT, I8042_COMMAND_PORT, I8042_DATA_PORT, PCI_CONFIG_IO_LEN,
     PCI_CONFIG_IO_PORT, PCI_ECAM_SIZE, PCI_ECAM_START, PM1A_EVT_BLK, SERIAL_PORT_LEN,
 };
-use crate::legacy::{AcpiPm, DebugExit, IrqTrigger, SerialConsole, ACPI_PM_PORTS, I8042};
+use crate::legacy::{
+    AcpiPm, DebugExit, IrqLine, IrqTrigger, PowerButton, SerialConsole, ACPI_PM_PORTS, I8042,
+};
 use crate::memory::{self, RamRange};
 use crate::pci::{PciConfigIo, PciConfigMmio, PciRoot};
 use crate::vcpu::{self, Vcpu, VcpuStats};
@@ -120,6 +123,23 @@ pub struct Machine {
     exit: ExitHandle,
     pci: Option<Arc<PciRoot>>,
     rsdp: Option<u64>,
+    power_button: Option<PowerButton>,
+    vcpu_tids: Arc<[AtomicI32]>,
+}
+
+/// The SCI as a KVM irqchip line (`KVM_IRQ_LINE`, level).
+#[derive(Debug)]
+struct KvmIrqLine {
+    vm: Arc<Vm>,
+    irq: u32,
+}
+
+impl IrqLine for KvmIrqLine {
+    fn set_level(&self, high: bool) {
+        if let Err(e) = self.vm.set_irq_line(self.irq, high) {
+            tracing::error!(irq = self.irq, error = %e, "cannot drive the SCI line");
+        }
+    }
 }
 
 impl Machine {
@@ -157,6 +177,8 @@ impl Machine {
             exit: ExitHandle::new()?,
             pci: None,
             rsdp: None,
+            power_button: None,
+            vcpu_tids: (0..cfg.vcpus).map(|_| AtomicI32::new(0)).collect(),
         })
     }
 
@@ -254,7 +276,8 @@ impl Machine {
 
     /// Adds ACPI: writes the tables of [`boot::acpi`] (RSDP at 0xE0000) for this machine's
     /// vCPUs and registers the PM1a registers ([`AcpiPm`]) at [`PM1A_EVT_BLK`], so a guest
-    /// entering S5 (`poweroff`) ends the VM with [`ExitReason::PowerOff`].
+    /// entering S5 (`poweroff`) ends the VM with [`ExitReason::PowerOff`], and the fixed
+    /// power button ([`Machine::power_button`]) raises the SCI on IRQ [`ACPI_SCI_IRQ`].
     /// [`Machine::load_linux`] then hands the kernel the RSDP address. Without this call
     /// the machine has no ACPI (the MP table alone describes it, as with QEMU's `-no-acpi`).
     ///
@@ -262,11 +285,29 @@ impl Machine {
     /// [`Error::Acpi`], [`Error::Bus`].
     pub fn add_acpi(&mut self) -> Result<()> {
         let rsdp = boot::acpi::write_acpi_tables(self.memory(), self.vcpus.len())?;
-        let dev = Arc::new(Mutex::new(AcpiPm::new(self.exit.clone())));
+        let sci = KvmIrqLine {
+            vm: self.vm.clone(),
+            irq: ACPI_SCI_IRQ.into(),
+        };
+        let dev = Arc::new(Mutex::new(AcpiPm::new(
+            self.exit.clone(),
+            Some(Box::new(sci)),
+        )));
         self.pio
-            .insert(dev, PM1A_EVT_BLK.into(), ACPI_PM_PORTS.into())?;
+            .insert(dev.clone(), PM1A_EVT_BLK.into(), ACPI_PM_PORTS.into())?;
         self.rsdp = Some(rsdp);
+        self.power_button = Some(PowerButton(dev));
         Ok(())
+    }
+
+    /// The ACPI power button, once [`Machine::add_acpi`] was called.
+    pub fn power_button(&self) -> Option<&PowerButton> {
+        self.power_button.as_ref()
+    }
+
+    /// The kernel thread id of each vCPU thread (0 until it runs), in id order.
+    pub fn vcpu_thread_ids(&self) -> Arc<[AtomicI32]> {
+        self.vcpu_tids.clone()
     }
 
     /// The ACPI RSDP address, once [`Machine::add_acpi`] was called.
@@ -344,6 +385,7 @@ impl Machine {
             mmio,
             exit,
             pci,
+            vcpu_tids,
             ..
         } = self;
         let mut running = RunningMachine {
@@ -354,7 +396,12 @@ impl Machine {
         };
         for v in vcpus {
             let id = v.id();
-            let t = v.spawn(pio.clone(), mmio.clone(), running.exit.clone())?;
+            let t = v.spawn_with_tid(
+                pio.clone(),
+                mmio.clone(),
+                running.exit.clone(),
+                vcpu_tids.clone(),
+            )?;
             running.threads.push((id, t));
         }
         tracing::info!(vcpus = running.threads.len(), "machine started");

@@ -16,6 +16,7 @@
 //! by Linux (the 8250, i8042 and conf1 drivers use single `in`/`out`); a device that is
 //! (ATA PIO) needs the exit split per element first.
 
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
@@ -154,11 +155,32 @@ impl Vcpu {
         mmio: Arc<Bus>,
         exit: ExitHandle,
     ) -> Result<JoinHandle<VcpuStats>> {
+        self.spawn_with_tid(pio, mmio, exit, Arc::from(Vec::new()))
+    }
+
+    /// [`Vcpu::spawn`], storing the thread's kernel thread id in `tids[id]` once it runs
+    /// (for QMP `query-cpus-fast`; ignored when `tids` is shorter).
+    ///
+    /// # Errors
+    /// [`Error::Signal`], [`Error::Spawn`].
+    pub fn spawn_with_tid(
+        self,
+        pio: Arc<Bus>,
+        mmio: Arc<Bus>,
+        exit: ExitHandle,
+        tids: Arc<[AtomicI32]>,
+    ) -> Result<JoinHandle<VcpuStats>> {
         install_kick_handler()?;
         let id = self.id;
         std::thread::Builder::new()
             .name(format!("vcpu{id}"))
-            .spawn(move || self.run_loop(&pio, &mmio, &exit))
+            .spawn(move || {
+                if let Some(t) = tids.get(usize::from(id)) {
+                    // SAFETY: gettid has no preconditions.
+                    t.store(unsafe { libc::gettid() }, Ordering::Relaxed);
+                }
+                self.run_loop(&pio, &mmio, &exit)
+            })
             .map_err(|source| Error::Spawn { id, source })
     }
 

@@ -238,6 +238,17 @@ impl Vm {
             .map_err(|source| Error::Irqfd { gsi, source })
     }
 
+    /// Drives the in-kernel irqchip line `irq` (PIC and IOAPIC pin of the same number) to
+    /// `high` with `KVM_IRQ_LINE`: a level that stays until changed (the ACPI SCI).
+    ///
+    /// # Errors
+    /// [`Error::Irqfd`] (the interrupt-injection error).
+    pub fn set_irq_line(&self, irq: u32, high: bool) -> Result<()> {
+        self.fd
+            .set_irq_line(irq, high)
+            .map_err(|source| Error::Irqfd { gsi: irq, source })
+    }
+
     /// Unregisters an irqfd registered with [`Vm::register_irqfd`].
     ///
     /// # Errors

@@ -6,7 +6,7 @@
 mod common;
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -54,15 +54,28 @@ fn unsupported_flags_and_properties_are_rejected_by_name() {
     let k = k.0.to_str().unwrap();
     let file = format!("file={}", d.0.display());
     one_line_error(&["-foo"], "unsupported option -foo");
+    // Usual QEMU flags with a meaning bouncevm does not have: refused naming the one
+    // flag or property that differs.
+    one_line_error(&["-kernel", k, "-machine", "pc"], "type of -machine");
+    one_line_error(&["-kernel", k, "-M", "q35,smm=on"], "smm of -M");
+    one_line_error(&["-kernel", k, "-display", "gtk"], "-display");
+    one_line_error(&["-kernel", k, "-vga", "std"], "-vga");
+    one_line_error(&["-kernel", k, "-monitor", "stdio"], "-monitor");
+    one_line_error(&["-kernel", k, "-cpu", "qemu64"], "-cpu");
     one_line_error(
-        &["-kernel", k, "-machine", "q35"],
-        "unsupported option -machine",
+        &["-kernel", k, "-cpu", "host,-x2apic"],
+        "unsupported property '-x2apic' of -cpu host",
     );
+    one_line_error(&["-kernel", k, "-smp", "255"], "1..=254");
     one_line_error(
-        &["-kernel", k, "-display", "none"],
-        "unsupported option -display",
+        &["-kernel", k, "-smp", "4,sockets=2,cores=2"],
+        "sockets of -smp",
     );
-    one_line_error(&["-kernel", k, "-cpu", "host"], "unsupported option -cpu");
+    one_line_error(&["-kernel", k, "-smp", "2,threads=2"], "threads of -smp");
+    one_line_error(
+        &["-kernel", k, "-accel", "kvm,dirty-ring-size=4096"],
+        "'dirty-ring-size' of -accel kvm",
+    );
     one_line_error(
         &["-kernel", k, "-drive", &format!("{file},snapshot=on")],
         "unsupported property 'snapshot' of -drive",
@@ -86,9 +99,20 @@ fn unsupported_flags_and_properties_are_rejected_by_name() {
             "-drive",
             &format!("{file},if=none,id=d0"),
             "-device",
-            "virtio-blk-pci,drive=d0,logical_block_size=4096",
+            "virtio-blk-pci,drive=d0,discard_granularity=4096",
         ],
-        "unsupported property 'logical_block_size' of -device virtio-blk-pci",
+        "unsupported property 'discard_granularity' of -device virtio-blk-pci",
+    );
+    one_line_error(
+        &[
+            "-kernel",
+            k,
+            "-drive",
+            &format!("{file},if=none,id=d0"),
+            "-device",
+            "virtio-blk-pci,drive=d0,disable-legacy=off",
+        ],
+        "disable-legacy of -device virtio-blk-pci",
     );
     one_line_error(
         &[
@@ -110,6 +134,23 @@ fn unsupported_flags_and_properties_are_rejected_by_name() {
         ],
         "script of -netdev tap",
     );
+    one_line_error(
+        &[
+            "-kernel",
+            k,
+            "-netdev",
+            "tap,id=n0",
+            "-device",
+            "virtio-net-pci,netdev=n0",
+            "-device",
+            "virtio-net-pci,netdev=n0,id=n1",
+        ],
+        "netdev 'n0' is used by more than one device",
+    );
+    one_line_error(
+        &["-kernel", k, "-nic", "tap,model=e1000"],
+        "model of -nic tap",
+    );
     one_line_error(&["-kernel", k, "-netdev", "user,id=n0"], "-netdev");
     one_line_error(&["-kernel", k, "-device", "e1000,netdev=n0"], "'e1000'");
     one_line_error(
@@ -123,6 +164,7 @@ fn unsupported_flags_and_properties_are_rejected_by_name() {
         &["-kernel", k, "-qmp", "unix:/tmp/x,server,telnet"],
         "'telnet' of -qmp",
     );
+    one_line_error(&["-kernel", k, "--socket-mode", "0999"], "-socket-mode");
     one_line_error(&["-kernel", k, "-bounce", "policy=sometimes"], "-bounce");
     one_line_error(
         &["-kernel", k, "-bounce", "id=nodev,policy=force"],
@@ -132,6 +174,88 @@ fn unsupported_flags_and_properties_are_rejected_by_name() {
     one_line_error(&["-kernel", k, "-smp", "0"], "-smp");
     one_line_error(&["-kernel"], "option -kernel requires an argument");
     one_line_error(&["-m", "64M"], "-kernel");
+}
+
+#[test]
+fn help_and_version_exit_zero() {
+    for flag in ["--help", "-h", "-help"] {
+        let out = run(&[flag]);
+        assert_eq!(out.status.code(), Some(0), "{flag}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.starts_with("usage: bouncevm"), "{flag}: {text}");
+        assert_eq!(text, vmm::cli::USAGE);
+    }
+    for flag in ["-version", "--version"] {
+        let out = run(&[flag]);
+        assert_eq!(out.status.code(), Some(0), "{flag}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.starts_with(&format!("bouncevm version {}", env!("CARGO_PKG_VERSION"))),
+            "{text}"
+        );
+    }
+}
+
+/// The README's table of accepted flags and `cli::accepted_flags` agree both ways.
+#[test]
+fn readme_table_lists_exactly_the_accepted_flags() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("vmm/README.md");
+    let start = readme
+        .find("| flag | accepted |")
+        .expect("the command-line table");
+    let mut in_table = Vec::new();
+    for line in readme[start..].lines().skip(2) {
+        if !line.starts_with('|') {
+            break;
+        }
+        let first = line.split('|').nth(1).unwrap_or("");
+        // Flags are the backticked words starting with '-' in the first column.
+        for (i, part) in first.split('`').enumerate() {
+            if i % 2 == 1 {
+                if let Some(f) = part
+                    .split_whitespace()
+                    .next()
+                    .filter(|f| f.starts_with('-'))
+                {
+                    in_table.push(f.trim_start_matches('-').to_string());
+                }
+            }
+        }
+    }
+    let accepted: Vec<String> = vmm::cli::accepted_flags()
+        .iter()
+        .map(|f| f.trim_start_matches('-').to_string())
+        .collect();
+    for f in &accepted {
+        assert!(
+            in_table.contains(f),
+            "-{f} is accepted but not in vmm/README.md's table"
+        );
+    }
+    for f in &in_table {
+        assert!(
+            accepted.contains(f),
+            "-{f} is in vmm/README.md's table but not accepted"
+        );
+    }
+}
+
+#[test]
+fn qcow2_without_format_is_refused_naming_format() {
+    let k = tmp("kq", b"x");
+    let mut img = b"QFI\xfb".to_vec();
+    img.resize(4096, 0);
+    let q = tmp("probe.qcow2", &img);
+    one_line_error(
+        &[
+            "-kernel",
+            k.0.to_str().unwrap(),
+            "-drive",
+            &format!("file={}", q.0.display()),
+        ],
+        "give format=qcow2",
+    );
 }
 
 #[test]
@@ -204,6 +328,52 @@ fn stand_in_kernel_prints_and_resets_with_status_zero() {
     assert_eq!(out.status.code(), Some(0), "stderr: {err}");
     assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
     eprintln!("bouncevm boot-to-reset: {:?}", t.elapsed());
+}
+
+/// The usual QEMU direct-boot line runs unchanged.
+#[test]
+fn a_usual_qemu_command_line_boots() {
+    if !kvm_available() {
+        return;
+    }
+    let k = tmp("usual.elf", &stand_in_kernel(true));
+    let d = tmp("usual.img", &vec![0u8; 1 << 20]);
+    let out = run(&[
+        "-machine",
+        "q35,accel=kvm",
+        "-cpu",
+        "host",
+        "-accel",
+        "kvm,kernel-irqchip=on",
+        "-smp",
+        "2,sockets=1,cores=2,threads=1",
+        "-m",
+        "0.0625G",
+        "-display",
+        "none",
+        "-vga",
+        "none",
+        "-nodefaults",
+        "-monitor",
+        "none",
+        "-name",
+        "usual",
+        "-nographic",
+        "-serial",
+        "mon:stdio",
+        "-no-reboot",
+        "-kernel",
+        k.0.to_str().unwrap(),
+        "-append",
+        "console=ttyS0",
+        "-drive",
+        &format!("file={},if=none,id=d0", d.0.display()),
+        "-device",
+        "virtio-blk-pci,drive=d0,disable-legacy=on,iommu_platform=on",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
 }
 
 /// A PVH kernel that takes the RSDP from its start info (`rsdp_paddr`), follows it to the
@@ -280,64 +450,112 @@ fn guest_acpi_poweroff_ends_bouncevm_with_status_zero() {
     assert!(!err.contains("PowerOff"), "stderr: {err}");
 }
 
+/// A PVH kernel that prints `up`, waits for the ACPI power button (polling PM1a_STS, as a
+/// fixed-event handler would after the SCI), prints `button` and powers off through the
+/// FADT's PM1a_CNT (S5).
+fn power_button_kernel() -> Vec<u8> {
+    let mut a = Asm::new();
+    a.raw(&[0x89, 0xdf]); // mov edi, ebx (keep the start info pointer)
+    a.mov_dx(0x3f8);
+    for c in b"up\n" {
+        a.mov_al(*c).out_dx_al();
+    }
+    a.wait_power_button();
+    a.mov_dx(0x3f8);
+    for c in b"button\n" {
+        a.mov_al(*c).out_dx_al();
+    }
+    a.raw(&[0x89, 0xfb]); // mov ebx, edi
+    let fail = a.acpi_poweroff(true);
+    a.raw(&[0xfa]).hlt_forever();
+    a.patch_rel32_here(&fail).raw(&[0x0f, 0x0b]); // ud2
+    build_elf(&a.code, true)
+}
+
 const QMP_CLIENT: &str = r#"
-import json, socket, sys, time
-path = sys.argv[1]
+import json, os, signal, socket, sys, time
+path, mode = sys.argv[1], sys.argv[2]
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-for _ in range(200):
+for _ in range(400):
     try:
         s.connect(path); break
     except OSError:
         time.sleep(0.05)
 f = s.makefile("rw")
+events = []
 def recv():
     return json.loads(f.readline())
-def cmd(c, **kw):
-    msg = {"execute": c}
-    if kw: msg["arguments"] = kw
-    msg["id"] = c
-    f.write(json.dumps(msg)); f.flush()
+def send(raw):
+    f.write(raw); f.flush()
     while True:
         r = recv()
         if "event" not in r: return r
+        events.append(r)
+def cmd(c, **kw):
+    msg = {"execute": c, "id": c}
+    if kw: msg["arguments"] = kw
+    return send(json.dumps(msg))
+def until_shutdown():
+    while not any(e["event"] == "SHUTDOWN" for e in events):
+        line = f.readline()
+        if not line: break
+        events.append(json.loads(line))
 out = {"greeting": recv()}
-out["early"] = cmd("query-status")
+if mode == "full":
+    out["early"] = cmd("query-status")
+    out["badcap"] = cmd("qmp_capabilities", enable=["oob"])
 out["caps"] = cmd("qmp_capabilities")
-out["status"] = cmd("query-status")
-out["block"] = cmd("query-block")
-out["bounce"] = cmd("x-query-bounce")
-out["bogus"] = cmd("no-such-command")
-out["powerdown"] = cmd("system_powerdown")
+if mode == "full":
+    for c in ["query-version", "query-commands", "query-name", "query-kvm", "query-cpus-fast",
+              "query-status", "query-block", "query-blockstats", "x-query-bounce"]:
+        out[c] = cmd(c)
+    out["bogus"] = cmd("no-such-command")
+    out["badarg"] = cmd("query-status", verbose=True)
+    out["syntax"] = send('{"execute": "query-status"]\n')
+    out["after-syntax"] = cmd("query-kvm")
+    big = '{"execute": "query-status", "arguments": {"x": "' + "a" * 70000 + '"}}'
+    out["big"] = send(big)
+    out["after-big"] = cmd("query-kvm")
+    out["powerdown"] = cmd("system_powerdown")
+elif mode == "signal":
+    os.kill(int(sys.argv[3]), signal.SIGTERM)
+elif mode == "exit-now":
+    out["exit"] = cmd("x-exit-now")
+until_shutdown()
+out["events"] = events
 print(json.dumps(out))
 "#;
 
-#[test]
-fn qmp_monitor_answers_a_python_client_and_powers_down() {
-    if !kvm_available() {
-        return;
-    }
-    if Command::new("python3")
+fn python3_available() -> bool {
+    let ok = Command::new("python3")
         .arg("-c")
         .arg("pass")
         .status()
-        .is_err()
-    {
+        .is_ok_and(|s| s.success());
+    if !ok {
         eprintln!("SKIPPED: python3 not available");
-        return;
     }
-    let k = tmp("hlt.elf", &stand_in_kernel(false));
-    let d = tmp("qmp.img", &vec![0u8; 1 << 20]);
-    let sock = std::env::temp_dir().join(format!("bvm-qmp-{}.sock", std::process::id()));
-    let mut vm = Command::new(BIN)
+    ok
+}
+
+fn qmp_sock(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("bvm-qmp-{}-{name}.sock", std::process::id()))
+}
+
+/// Starts bouncevm on `kernel` with a read-only drive and `-qmp PATH,server,nowait`.
+fn spawn_vm(kernel: &Tmp, disk: &Tmp, sock: &Path, extra: &[&str]) -> std::process::Child {
+    Command::new(BIN)
         .args([
             "-m",
             "64M",
+            "-name",
+            "qmp-test",
             "-kernel",
-            k.0.to_str().unwrap(),
+            kernel.0.to_str().unwrap(),
             "-drive",
             &format!(
                 "file={},format=raw,if=none,id=disk0,readonly=on",
-                d.0.display()
+                disk.0.display()
             ),
             "-device",
             "virtio-blk-pci,drive=disk0,id=blk0,serial=s1",
@@ -348,46 +566,93 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
             "-qmp",
             &format!("unix:{},server,nowait", sock.display()),
         ])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
-    let mut py = Command::new("python3")
+        .unwrap()
+}
+
+/// Waits for `child` up to `secs`; kills it and panics on timeout.
+fn wait_exit(mut child: std::process::Child, secs: u64, what: &str) -> Output {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{what}: timed out; stderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn python_client(sock: &Path, args: &[&str]) -> serde_json::Value {
+    let py = Command::new("python3")
         .arg("-c")
         .arg(QMP_CLIENT)
-        .arg(&sock)
+        .arg(sock)
+        .args(args)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while py.try_wait().unwrap().is_none() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
+    let out = wait_exit(py, 60, "QMP client");
+    serde_json::from_slice(&out.stdout).expect("client output")
+}
+
+fn shutdown_of(v: &serde_json::Value) -> serde_json::Value {
+    v["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["event"] == "SHUTDOWN")
+        .map(|e| e["data"].clone())
+        .unwrap_or_default()
+}
+
+#[test]
+fn qmp_monitor_answers_a_python_client_and_powers_down() {
+    if !kvm_available() || !python3_available() {
+        return;
     }
-    if py.try_wait().unwrap().is_none() {
-        let _ = py.kill();
-        let _ = vm.kill();
-        panic!("QMP client timed out");
-    }
-    let py_out = py.wait_with_output().unwrap();
-    while vm.try_wait().unwrap().is_none() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    if vm.try_wait().unwrap().is_none() {
-        let _ = vm.kill();
-        panic!("bouncevm did not exit after system_powerdown");
-    }
-    let vm_out = vm.wait_with_output().unwrap();
+    let k = tmp("btn.elf", &power_button_kernel());
+    let d = tmp("qmp.img", &vec![0u8; 1 << 20]);
+    let sock = qmp_sock("full");
+    let vm = spawn_vm(&k, &d, &sock, &[]);
+    let v = python_client(&sock, &["full"]);
+    let vm_out = wait_exit(vm, 30, "bouncevm after system_powerdown");
     let _ = std::io::stderr().write_all(&vm_out.stderr);
     assert_eq!(vm_out.status.code(), Some(0));
-    let v: serde_json::Value = serde_json::from_slice(&py_out.stdout).expect("client output");
-    assert!(v["greeting"]["QMP"]["version"].is_object(), "{v}");
+    // The guest saw the power button and powered itself off.
+    assert_eq!(String::from_utf8_lossy(&vm_out.stdout), "up\nbutton\n");
+    assert!(v["greeting"]["QMP"]["version"]["qemu"].is_object(), "{v}");
     assert_eq!(v["greeting"]["QMP"]["capabilities"], serde_json::json!([]));
     assert_eq!(v["early"]["error"]["class"], "CommandNotFound");
+    assert_eq!(v["badcap"]["error"]["class"], "GenericError");
     assert_eq!(v["caps"]["return"], serde_json::json!({}));
     assert_eq!(v["caps"]["id"], "qmp_capabilities");
-    assert_eq!(v["status"]["return"]["status"], "running");
-    let blk = &v["block"]["return"][0];
+    assert_eq!(
+        v["query-version"]["return"]["package"],
+        format!("bouncevm-{}", env!("CARGO_PKG_VERSION"))
+    );
+    let names: Vec<&str> = v["query-commands"]["return"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"system_powerdown") && names.contains(&"x-exit-now"));
+    assert_eq!(v["query-name"]["return"]["name"], "qmp-test");
+    assert_eq!(v["query-kvm"]["return"]["enabled"], true);
+    let cpu = &v["query-cpus-fast"]["return"][0];
+    assert_eq!(cpu["cpu-index"], 0);
+    assert!(cpu["thread-id"].as_i64().unwrap() > 0, "{cpu}");
+    assert_eq!(v["query-status"]["return"]["status"], "running");
+    let blk = &v["query-block"]["return"][0];
     assert_eq!(blk["device"], "disk0");
     assert_eq!(blk["inserted"]["drv"], "raw");
     assert_eq!(blk["inserted"]["ro"], true);
@@ -395,7 +660,11 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
         .as_str()
         .unwrap()
         .ends_with("qmp.img"));
-    let b = &v["bounce"]["return"][0];
+    let bs = &v["query-blockstats"]["return"][0];
+    assert_eq!(bs["device"], "disk0");
+    assert_eq!(bs["qdev"], "blk0");
+    assert!(bs["stats"]["rd_bytes"].is_u64(), "{bs}");
+    let b = &v["x-query-bounce"]["return"][0];
     assert_eq!(b["id"], "blk0");
     assert_eq!(b["driver"], "virtio-blk-pci");
     assert_eq!(b["stats"]["policy"], "force");
@@ -408,7 +677,125 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
         .as_str()
         .unwrap()
         .contains("no-such-command"));
+    assert_eq!(v["badarg"]["error"]["class"], "GenericError");
+    assert_eq!(
+        v["badarg"]["error"]["desc"],
+        "Parameter 'verbose' is unexpected"
+    );
+    // A syntax error and an oversized command are answered and the session goes on.
+    assert_eq!(v["syntax"]["error"]["class"], "GenericError");
+    assert_eq!(v["after-syntax"]["return"]["enabled"], true);
+    assert_eq!(v["big"]["error"]["class"], "GenericError");
+    assert_eq!(v["after-big"]["return"]["enabled"], true);
     assert_eq!(v["powerdown"]["return"], serde_json::json!({}));
-    assert_eq!(String::from_utf8_lossy(&vm_out.stdout), "ok\n");
+    let names: Vec<&str> = v["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, vec!["POWERDOWN", "SHUTDOWN"], "{v}");
+    assert_eq!(
+        shutdown_of(&v),
+        serde_json::json!({"guest": true, "reason": "guest-shutdown"})
+    );
     assert!(!sock.exists(), "socket removed on exit");
+}
+
+/// SIGTERM: status 0 and a `host-signal` SHUTDOWN event; `x-exit-now`: `host-qmp-quit`.
+#[test]
+fn sigterm_and_x_exit_now_end_the_vm_with_qemus_causes() {
+    if !kvm_available() || !python3_available() {
+        return;
+    }
+    let k = tmp("hlt2.elf", &stand_in_kernel(false));
+    let d = tmp("sig.img", &vec![0u8; 1 << 20]);
+    for (mode, cause) in [("signal", "host-signal"), ("exit-now", "host-qmp-quit")] {
+        let sock = qmp_sock(mode);
+        let vm = spawn_vm(&k, &d, &sock, &[]);
+        let pid = vm.id().to_string();
+        let v = python_client(&sock, &[mode, &pid]);
+        let out = wait_exit(vm, 30, mode);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{mode}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
+        assert_eq!(
+            shutdown_of(&v),
+            serde_json::json!({"guest": false, "reason": cause}),
+            "{mode}: {v}"
+        );
+        assert!(!sock.exists(), "{mode}: socket removed on exit");
+    }
+}
+
+/// The QMP socket is 0600; a second VMM does not unlink it while the first serves it; a
+/// client that connects and sends nothing does not delay the exit on SIGTERM.
+#[test]
+fn qmp_socket_is_private_kept_while_live_and_a_silent_client_does_not_block_exit() {
+    if !kvm_available() {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let k = tmp("hlt3.elf", &stand_in_kernel(false));
+    let d = tmp("silent.img", &vec![0u8; 1 << 20]);
+    let sock = qmp_sock("silent");
+    let vm = spawn_vm(&k, &d, &sock, &[]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let silent = loop {
+        if let Ok(s) = std::os::unix::net::UnixStream::connect(&sock) {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "QMP socket never appeared");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    // A second bouncevm on the same path is refused and leaves the socket alone.
+    let other = run(&[
+        "-m",
+        "64M",
+        "-kernel",
+        k.0.to_str().unwrap(),
+        "-qmp",
+        &format!("unix:{},server,nowait", sock.display()),
+    ]);
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert_eq!(other.status.code(), Some(1), "{err}");
+    assert!(err.contains("in use by a running process"), "{err}");
+    assert!(sock.exists());
+    // SIGTERM with the silent client still connected.
+    // SAFETY: kill() on our own child's pid has no memory effects.
+    #[allow(clippy::undocumented_unsafe_blocks)]
+    let rc = unsafe { libc::kill(vm.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let out = wait_exit(vm, 15, "bouncevm with a silent QMP client");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(silent);
+    assert!(!sock.exists());
+    // --socket-mode widens it.
+    let sock2 = qmp_sock("mode");
+    let vm = spawn_vm(&k, &d, &sock2, &["--socket-mode", "0660"]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !sock2.exists() {
+        assert!(Instant::now() < deadline, "QMP socket never appeared");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mode = std::fs::metadata(&sock2).unwrap().permissions().mode() & 0o777;
+    // SAFETY: as above.
+    #[allow(clippy::undocumented_unsafe_blocks)]
+    unsafe {
+        libc::kill(vm.id() as libc::pid_t, libc::SIGTERM)
+    };
+    let out = wait_exit(vm, 15, "bouncevm --socket-mode");
+    assert_eq!(mode, 0o660);
+    assert_eq!(out.status.code(), Some(0));
 }

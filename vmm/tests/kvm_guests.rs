@@ -674,3 +674,97 @@ fn without_acpi_the_guest_finds_no_rsdp() {
     let (exit, _) = run_flat32(m, &a);
     assert_eq!(exit.reason, ExitReason::DebugExit { value: 1 });
 }
+
+/// QMP `system_powerdown`'s power button at the register level: the guest enables
+/// PWRBTN_EN, the host presses the button, PM1a_STS gets PWRBTN_STS and the SCI (IRQ 9,
+/// through the slave PIC) reaches the guest's IDT vector, whose handler reads PM1a_STS.
+#[test]
+fn acpi_power_button_sets_pwrbtn_sts_and_raises_the_sci() {
+    if !kvm_available() {
+        return;
+    }
+    const IDT: u64 = 0x3000;
+    const IDTR: u64 = 0x2ff0;
+    const HANDLER: u64 = 0x1800;
+    const VECTOR: u64 = 0x29; // slave PIC base 0x28 + IRQ 9 - 8
+    const READY: u32 = 0x11;
+    let mut m = machine(1);
+    m.add_acpi().unwrap();
+    m.add_debug_exit(EXIT_PORT).unwrap();
+    let (dev, log) = Recorder::new(0);
+    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    vmm::boot::msr::setup_lapic(&m.vcpus()[0]).unwrap();
+    let mut gate = Vec::new();
+    gate.extend((HANDLER as u16).to_le_bytes());
+    gate.extend(0x08u16.to_le_bytes());
+    gate.extend([0, 0x8e]);
+    gate.extend(((HANDLER >> 16) as u16).to_le_bytes());
+    m.memory()
+        .write_slice(&gate, GuestAddress(IDT + 8 * VECTOR))
+        .unwrap();
+    let mut idtr = 0x7ffu16.to_le_bytes().to_vec();
+    idtr.extend((IDT as u32).to_le_bytes());
+    m.memory().write_slice(&idtr, GuestAddress(IDTR)).unwrap();
+    let mut handler = Asm::new();
+    handler
+        .mov_dx(0x600)
+        .in_eax_dx() // PM1a_STS | PM1a_EN << 16
+        .report_eax(REPORT_PORT)
+        .debug_exit(0);
+    load(&m, HANDLER, &handler);
+
+    let mut a = Asm::new();
+    // Both PICs: ICW1..ICW4 (bases 0x20/0x28, slave on IR2), then mask all but the cascade
+    // (master) and IRQ 9 (slave).
+    for (port, v) in [
+        (0x20, 0x11),
+        (0x21, 0x20),
+        (0x21, 0x04),
+        (0x21, 0x01),
+        (0x21, 0xfb),
+        (0xa0, 0x11),
+        (0xa1, 0x28),
+        (0xa1, 0x02),
+        (0xa1, 0x01),
+        (0xa1, 0xfd),
+    ] {
+        a.mov_al(v).out_imm_al(port);
+    }
+    a.raw(&[0x0f, 0x01, 0x1d])
+        .raw(&(IDTR as u32).to_le_bytes()) // lidt [IDTR]
+        .mov_dx(0x602)
+        .mov_eax(u32::from(vmm::legacy::PWRBTN))
+        .raw(&[0x66, 0xef]) // out dx, ax: PM1a_EN = PWRBTN_EN
+        .mov_eax(READY)
+        .report_eax(REPORT_PORT)
+        .raw(&[0xfb]) // sti
+        .hlt_forever();
+    load(&m, CODE_ADDR, &a);
+    flat32(&m, 0, CODE_ADDR);
+    let button = m.power_button().cloned().expect("ACPI has a power button");
+    let running = m.start().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !log.lock().unwrap().iter().any(|x| u32_of(x) == READY) {
+        assert!(Instant::now() < deadline, "guest never got ready");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    button.press();
+    // A watchdog: an SCI that never arrives must fail the test, not hang it.
+    let watchdog = running.exit_handle().clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(30));
+        watchdog.request(ExitReason::Error("no SCI within 30 s".into()));
+    });
+    let exit = running.wait().unwrap();
+    assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
+    let seen: Vec<u32> = log.lock().unwrap().iter().map(u32_of).collect();
+    assert_eq!(seen.len(), 2, "{seen:x?}");
+    let pwrbtn = u32::from(vmm::legacy::PWRBTN);
+    assert_eq!(seen[1] & pwrbtn, pwrbtn, "PWRBTN_STS: {:#x}", seen[1]);
+    assert_eq!(
+        (seen[1] >> 16) & pwrbtn,
+        pwrbtn,
+        "PWRBTN_EN: {:#x}",
+        seen[1]
+    );
+}

@@ -127,7 +127,7 @@ fn a_missing_image_is_one_line() {
         "--file",
         "/nonexistent/disk.img",
     ]);
-    assert_one_line_error(&out, "cannot open image /nonexistent/disk.img");
+    assert_one_line_error(&out, "cannot open image '/nonexistent/disk.img'");
     assert!(!sock.exists());
 }
 
@@ -237,4 +237,105 @@ fn no_access_platform_is_honoured() {
     let mut d = vhost_support::Driver::connect(&sock, 1);
     let offered = d.handshake().unwrap();
     assert_eq!(offered & devices::virtio::features::ACCESS_PLATFORM, 0);
+}
+
+/// --pidfile appears once the sockets accept connections and goes on exit; both sockets are
+/// 0600 unless --socket-mode says otherwise.
+#[test]
+fn pidfile_and_socket_modes() {
+    use std::os::unix::fs::PermissionsExt;
+    let img = image("pid.img");
+    let sock = tmp("pid.sock");
+    let stats_sock = tmp("pid.stats");
+    let pidfile = tmp("bvm.pid");
+    for p in [&sock, &stats_sock, &pidfile] {
+        let _ = std::fs::remove_file(p);
+    }
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let mut server = spawn(&[
+        "blk",
+        "--socket",
+        sock.to_str().unwrap(),
+        "--file",
+        img.to_str().unwrap(),
+        "--stats-socket",
+        stats_sock.to_str().unwrap(),
+        "--pidfile",
+        pidfile.to_str().unwrap(),
+    ]);
+    wait_for(&pidfile);
+    // Written after the bind: the sockets are there and answer.
+    assert!(UnixStream::connect(&sock).is_ok());
+    assert!(stats(&stats_sock)["server"].is_object());
+    let pid: u32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(pid, server.0.id());
+    assert_eq!((mode(&sock), mode(&stats_sock)), (0o600, 0o600));
+    signal(&server.0, libc::SIGTERM);
+    assert!(server.0.wait().unwrap().success());
+    assert!(!pidfile.exists(), "pid file removed on exit");
+
+    let mut server = spawn(&[
+        "blk",
+        "--socket",
+        sock.to_str().unwrap(),
+        "--file",
+        img.to_str().unwrap(),
+        "--stats-socket",
+        stats_sock.to_str().unwrap(),
+        "--socket-mode",
+        "0660",
+    ]);
+    wait_for(&stats_sock);
+    assert_eq!((mode(&sock), mode(&stats_sock)), (0o660, 0o660));
+    signal(&server.0, libc::SIGTERM);
+    assert!(server.0.wait().unwrap().success());
+}
+
+#[test]
+fn new_flags_are_checked_and_qcow2_needs_format() {
+    let img = image("flags.img");
+    let i = img.to_str().unwrap();
+    let blk = |extra: &[&str]| {
+        let mut a = vec!["blk", "--socket", "/tmp/bvm-never.sock", "--file", i];
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    assert_one_line_error(&blk(&["--queue-size", "100"]), "power of two");
+    assert_one_line_error(&blk(&["--logical-block-size", "256"]), "power of two");
+    assert_one_line_error(&blk(&["--socket-mode", "0999"]), "octal");
+    assert_one_line_error(&blk(&["--queues", "0"]), "--queues");
+    assert_one_line_error(&blk(&["--queues", "65"]), "--queues");
+    let mut q = b"QFI\xfb".to_vec();
+    q.resize(1 << 20, 0);
+    let qcow = tmp("probe.qcow2");
+    std::fs::write(&qcow, &q).unwrap();
+    let out = run(&[
+        "blk",
+        "--socket",
+        tmp("probe.sock").to_str().unwrap(),
+        "--file",
+        qcow.to_str().unwrap(),
+    ]);
+    assert_one_line_error(&out, "give format=qcow2");
+    // The help names the QEMU devices that exist and documents --mac for what it is.
+    let help = String::from_utf8(run(&["net", "--help"]).stdout).unwrap();
+    assert!(
+        help.contains("-netdev") && help.contains("vhost-user"),
+        "{help}"
+    );
+    assert!(help.contains("virtio-net-pci"), "{help}");
+    assert!(help.contains("does not read it"), "{help}");
+    let help = String::from_utf8(run(&["blk", "--help"]).stdout).unwrap();
+    for f in [
+        "--queue-size",
+        "--logical-block-size",
+        "--pidfile",
+        "--socket-mode",
+    ] {
+        assert!(help.contains(f), "{f} missing from blk --help");
+    }
 }

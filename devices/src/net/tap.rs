@@ -80,6 +80,10 @@ pub struct Tap {
 }
 
 impl Tap {
+    /// The name to pass to [`Tap::open`] for a new tap the kernel names (`tap0`, `tap1`, ...;
+    /// what QEMU's `-netdev tap` without `ifname=` does). [`Tap::name`] then gives the name.
+    pub const KERNEL_NAMED: &'static str = "tap%d";
+
     fn err(name: &str, reason: impl Into<String>) -> Error {
         Error::Tap {
             name: name.to_string(),
@@ -104,7 +108,14 @@ impl Tap {
         if queues > 1 {
             flags |= IFF_MULTI_QUEUE;
         }
-        (0..queues).map(|_| Self::open_one(name, flags)).collect()
+        // The first open resolves a kernel-named template; the other queues attach to it.
+        let first = Self::open_one(name, flags)?;
+        let resolved = first.name.clone();
+        let mut taps = vec![first];
+        for _ in 1..queues {
+            taps.push(Self::open_one(&resolved, flags)?);
+        }
+        Ok(taps)
     }
 
     fn open_one(name: &str, flags: i16) -> Result<Tap> {
@@ -126,9 +137,10 @@ impl Tap {
             _pad: [0; 22],
         };
         req.name[..name.len()].copy_from_slice(name.as_bytes());
-        // SAFETY: `file` is an open tun fd; TUNSETIFF reads a `struct ifreq`, and `req` is a
-        // 40-byte repr(C) struct with the name and flags where the kernel expects them.
-        let ret = unsafe { ioctl_with_ref(&file, TUNSETIFF(), &req) };
+        // SAFETY: `file` is an open tun fd; TUNSETIFF reads a `struct ifreq` and writes the
+        // interface's name back into it; `req` is a 40-byte repr(C) struct with the name and
+        // flags where the kernel expects them.
+        let ret = unsafe { ioctl_with_mut_ref(&file, TUNSETIFF(), &mut req) };
         if ret < 0 {
             let e = io::Error::last_os_error();
             return Err(match e.raw_os_error() {
@@ -144,9 +156,11 @@ impl Tap {
                 _ => Self::err(name, format!("TUNSETIFF: {e}")),
             });
         }
+        // The kernel's name (differs from `name` for a template such as "tap%d").
+        let len = req.name.iter().position(|&b| b == 0).unwrap_or(IFNAMSIZ);
         let tap = Tap {
             file,
-            name: name.to_string(),
+            name: String::from_utf8_lossy(&req.name[..len]).into_owned(),
         };
         tap.set_vnet_hdr_size(VNET_HDR_LEN)?;
         tap.set_offload(0)?;

@@ -3,29 +3,32 @@
 //!
 //! ```text
 //! bouncevm-vhost blk --socket PATH --file IMG [--format raw|qcow2] [--readonly] [--queues N]
-//!                    [--serial ID] [--aio io_uring|threads|sync]
+//!                    [--queue-size N] [--logical-block-size N] [--serial ID]
+//!                    [--aio io_uring|threads|sync]
 //!                    [--cache none|writeback|writethrough|directsync|unsafe]
 //!                    [--no-access-platform] [--bounce OPTS] [--stats-socket PATH]
-//! bouncevm-vhost net --socket PATH --tap NAME [--queues N] [--mac MAC] [--rate GBIT]
-//!                    [--no-access-platform] [--bounce OPTS] [--stats-socket PATH]
+//!                    [--socket-mode MODE] [--pidfile PATH]
+//! bouncevm-vhost net --socket PATH --tap NAME [--queues N] [--queue-size N] [--mac MAC]
+//!                    [--rate GBIT] [--no-access-platform] [--bounce OPTS]
+//!                    [--stats-socket PATH] [--socket-mode MODE] [--pidfile PATH]
 //! ```
 //!
 //! SIGINT/SIGTERM stop the server (final statistics are printed to stderr as one JSON line);
 //! SIGUSR1 prints the statistics; `--stats-socket` answers one JSON line per connection.
-//! Any error is one line on stderr and a non-zero exit status.
+//! Any error is one line on stderr and a non-zero exit status. Logs: `BOUNCEVM_LOG`.
 
-use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use bounce::PoolStats;
 use clap::{Args, Parser, Subcommand};
 use devices::block::io::{AioMode, CacheMode, ImageFormat};
-use devices::block::{Block, BlockConfig, DiskImage};
-use devices::net::{Net, NetBackend, NetConfig, ShaperConfig, Tap};
+use devices::block::BlockConfig;
+use devices::net::{NetConfig, ShaperConfig};
 use devices::virtio::VirtioDevice;
 use vmm::options::BounceOptions;
 use vmm::vhost::{Memory, Server, SignalFd};
+use vmm::{builder, cli, sock};
 
 /// Serve bouncevm devices over vhost-user.
 #[derive(Parser, Debug)]
@@ -37,9 +40,11 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// A virtio-blk device on a raw or qcow2 image (QEMU: -device vhost-user-blk-pci).
+    /// A virtio-blk device on a raw or qcow2 image (QEMU: -chardev socket,id=C,path=PATH
+    /// -device vhost-user-blk-pci,chardev=C).
     Blk(BlkArgs),
-    /// A virtio-net device on a tap interface (QEMU: -device vhost-user-net-pci,vectors=0).
+    /// A virtio-net device on a tap interface (QEMU: -chardev socket,id=C,path=PATH -netdev
+    /// vhost-user,id=N,chardev=C -device virtio-net-pci,netdev=N).
     Net(NetArgs),
 }
 
@@ -49,9 +54,15 @@ struct Common {
     /// The vhost-user socket to listen on.
     #[arg(long, value_name = "PATH")]
     socket: PathBuf,
-    /// Number of queues (blk) or queue pairs (net).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    queues: u16,
+    /// Permission bits of the vhost-user and statistics sockets (octal).
+    #[arg(long, value_name = "MODE", default_value = "0600", value_parser = sock::parse_mode)]
+    socket_mode: u32,
+    /// Write this process's id to PATH once the socket accepts connections (removed on exit).
+    #[arg(long, value_name = "PATH")]
+    pidfile: Option<PathBuf>,
+    /// Largest virtqueue size accepted from the front end (a power of two).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = queue_size)]
+    queue_size: u16,
     /// Do not offer VIRTIO_F_ACCESS_PLATFORM (then QEMU refuses iommu_platform=on).
     #[arg(long)]
     no_access_platform: bool,
@@ -63,6 +74,30 @@ struct Common {
     stats_socket: Option<PathBuf>,
 }
 
+fn queue_size(s: &str) -> Result<u16, String> {
+    s.parse::<u16>()
+        .ok()
+        .filter(|n| n.is_power_of_two() && (2..=32768).contains(n))
+        .ok_or_else(|| format!("'{s}' is not a power of two in 2..=32768"))
+}
+
+fn block_size(s: &str) -> Result<u32, String> {
+    s.parse::<u32>()
+        .ok()
+        .filter(|n| n.is_power_of_two() && (512..=65536).contains(n))
+        .ok_or_else(|| format!("'{s}' is not a power of two in 512..=65536"))
+}
+
+/// The default `--queues` of `blk`: one per host CPU (at most 64). QEMU's
+/// vhost-user-blk-pci asks for one queue per guest vCPU unless `num-queues=` says otherwise,
+/// and refuses a backend that offers fewer; guests rarely have more vCPUs than the host has
+/// CPUs. Linux uses at most one queue per vCPU, so unused queues cost nothing.
+fn default_blk_queues() -> u16 {
+    std::thread::available_parallelism()
+        .map(|n| n.get().min(usize::from(cli::MAX_BLK_QUEUES)) as u16)
+        .unwrap_or(1)
+}
+
 #[derive(Args, Debug)]
 struct BlkArgs {
     #[command(flatten)]
@@ -70,16 +105,23 @@ struct BlkArgs {
     /// The disk image.
     #[arg(long, value_name = "IMG")]
     file: PathBuf,
-    /// Image format.
-    #[arg(long, default_value = "raw", value_parser = ["raw", "qcow2"])]
-    format: String,
+    /// Image format; without it a qcow2 image is refused (name the format to use one).
+    #[arg(long, value_parser = ["raw", "qcow2"])]
+    format: Option<String>,
     /// Refuse writes (offers VIRTIO_BLK_F_RO).
     #[arg(long)]
     readonly: bool,
+    /// Number of request queues [default: one per host CPU, at most 64; QEMU asks for one
+    /// per guest vCPU unless the device says num-queues=].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    queues: Option<u16>,
+    /// Logical block size reported to the guest (blk_size; a power of two).
+    #[arg(long, value_name = "BYTES", default_value_t = 512, value_parser = block_size)]
+    logical_block_size: u32,
     /// The id string answered to GET_ID.
     #[arg(long, value_name = "ID", default_value = "bouncevm-blk")]
     serial: String,
-    /// Host I/O engine, as QEMU's aio= (default: io_uring for raw images, threads for qcow2).
+    /// Host I/O engine, as QEMU's aio= [default: io_uring for raw images, threads for qcow2].
     #[arg(long, value_name = "MODE")]
     aio: Option<AioMode>,
     /// Host cache mode, as QEMU's cache= (none and directsync open the image with O_DIRECT).
@@ -94,26 +136,17 @@ struct NetArgs {
     /// The tap interface (created if missing, multi-queue when --queues > 1).
     #[arg(long, value_name = "NAME")]
     tap: String,
-    /// The MAC address offered to the guest.
-    #[arg(long, value_parser = parse_mac, default_value = "52:54:00:12:34:56")]
+    /// Number of queue pairs (QEMU: -netdev vhost-user,queues=N; its default is 1).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    queues: u16,
+    /// The MAC address in the device's config space. QEMU's virtio-net-pci does not read it:
+    /// the guest sees the MAC of QEMU's own -device (mac=, or QEMU's default); only a front
+    /// end that reads the backend's config space sees this one.
+    #[arg(long, value_parser = cli::parse_mac, default_value = "52:54:00:12:34:56")]
     mac: [u8; 6],
     /// Shape each queue pair to this line rate, in Gbit/s (e.g. 10).
     #[arg(long, value_name = "GBIT")]
     rate: Option<f64>,
-}
-
-fn parse_mac(s: &str) -> Result<[u8; 6], String> {
-    let parts: Vec<&str> = s.split(':').collect();
-    let mut mac = [0u8; 6];
-    if parts.len() != 6 {
-        return Err(format!(
-            "'{s}' is not a MAC address (six hex bytes separated by ':')"
-        ));
-    }
-    for (b, p) in mac.iter_mut().zip(parts) {
-        *b = u8::from_str_radix(p, 16).map_err(|_| format!("'{s}' is not a MAC address"))?;
-    }
-    Ok(mac)
 }
 
 /// The pool's statistics as JSON (null when not bouncing).
@@ -123,23 +156,51 @@ fn pool_json(stats: Option<PoolStats>) -> serde_json::Value {
         .unwrap_or(serde_json::Value::Null)
 }
 
-/// Builds, binds and runs the server for `device`, printing final statistics.
+/// A pid file, written atomically and removed on drop.
+struct PidFile(PathBuf);
+
+impl PidFile {
+    fn write(path: &Path) -> Result<Self, String> {
+        let err = |e: std::io::Error| format!("--pidfile {}: {e}", path.display());
+        let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+        std::fs::write(&tmp, format!("{}\n", std::process::id())).map_err(err)?;
+        std::fs::rename(&tmp, path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            err(e)
+        })?;
+        Ok(Self(path.to_path_buf()))
+    }
+}
+
+impl Drop for PidFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Binds and runs the server for `device`, printing final statistics.
 fn serve<D: VirtioDevice<Memory> + 'static>(
     name: &str,
-    device: D,
+    built: builder::Built<D>,
     common: &Common,
-    pool: Option<std::sync::Arc<bounce::BouncePool>>,
     signals: SignalFd,
 ) -> Result<(), String> {
-    let mut server = Server::bind(name, device, &common.socket).map_err(|e| e.to_string())?;
+    let mode = common.socket_mode;
+    let mut server =
+        Server::bind_mode(name, built.device, &common.socket, mode).map_err(|e| e.to_string())?;
     if let Some(p) = &common.stats_socket {
-        server = server.with_stats_socket(p).map_err(|e| e.to_string())?;
+        server = server
+            .with_stats_socket_mode(p, mode)
+            .map_err(|e| e.to_string())?;
     }
+    let pool = built.pool;
     let mut server = server
         .with_signals(signals)
         .with_stats_source("bounce", move || {
             pool_json(pool.as_ref().map(|p| p.stats()))
         });
+    // The socket (and the stats socket) accept connections from here on.
+    let _pid = common.pidfile.as_deref().map(PidFile::write).transpose()?;
     tracing::info!("{name}: listening on {}", common.socket.display());
     server.run().map_err(|e| e.to_string())?;
     eprintln!("{}", server.stats());
@@ -150,38 +211,24 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
     match cli.device {
         Command::Blk(a) => {
             let c = &a.common;
-            let format: ImageFormat = a.format.parse()?;
-            let bounce = c.bounce.clone().unwrap_or_default();
-            let (dma, pool) = bounce
-                .build(usize::from(c.queues))
-                .map_err(|e| e.to_string())?;
-            let disk = DiskImage::open_with(&a.file, format, a.readonly, a.cache)
-                .map_err(|e| format!("cannot open image {}: {e}", a.file.display()))?;
+            let format: Option<ImageFormat> = a.format.as_deref().map(str::parse).transpose()?;
             let config = BlockConfig {
                 serial: a.serial.clone(),
-                readonly: a.readonly,
-                num_queues: c.queues,
+                num_queues: a.queues.unwrap_or_else(default_blk_queues),
+                queue_size: c.queue_size,
+                blk_size: a.logical_block_size,
                 access_platform: !c.no_access_platform,
                 aio: a.aio,
                 cache: a.cache,
-                on_full: bounce.on_full,
                 ..BlockConfig::default()
             };
-            let device = Block::new(disk, config, dma).map_err(|e| e.to_string())?;
-            serve("bouncevm-vhost-blk", device, c, pool, signals)
+            let bounce = c.bounce.clone().unwrap_or_default();
+            let built = builder::block(&a.file, format, a.readonly, config, &bounce)
+                .map_err(|e| format!("--file: {e}"))?;
+            serve("bouncevm-vhost-blk", built, c, signals)
         }
         Command::Net(a) => {
             let c = &a.common;
-            let bounce = c.bounce.clone().unwrap_or_default();
-            let (dma, pool) = bounce
-                .build(usize::from(c.queues))
-                .map_err(|e| e.to_string())?;
-            let taps = Tap::open(&a.tap, usize::from(c.queues))
-                .map_err(|e| format!("cannot open tap {}: {e}", a.tap))?;
-            let backends: Vec<Box<dyn NetBackend>> = taps
-                .into_iter()
-                .map(|t| Box::new(t) as Box<dyn NetBackend>)
-                .collect();
             let shaper = match a.rate {
                 None => None,
                 Some(g) if g.is_finite() && g > 0.0 => Some(ShaperConfig {
@@ -193,13 +240,15 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
             };
             let config = NetConfig {
                 mac: a.mac,
-                queue_pairs: c.queues,
+                queue_pairs: a.queues,
+                queue_size: c.queue_size,
                 access_platform: !c.no_access_platform,
                 shaper,
-                ..NetConfig::default()
             };
-            let device = Net::new(config, backends, dma).map_err(|e| e.to_string())?;
-            serve("bouncevm-vhost-net", device, c, pool, signals)
+            let bounce = c.bounce.clone().unwrap_or_default();
+            let (built, _) = builder::net(Some(&a.tap), config, &bounce)
+                .map_err(|e| format!("--tap {}: {e}", a.tap))?;
+            serve("bouncevm-vhost-net", built, c, signals)
         }
     }
 }
@@ -234,14 +283,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    vmm::init_logging("info");
     match run(cli, signals) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

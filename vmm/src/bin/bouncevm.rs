@@ -1,19 +1,27 @@
 //! `bouncevm`: boots a Linux kernel on KVM with virtio-pci devices whose DMA goes through the
 //! bounce module. QEMU-compatible command line; see `vmm/README.md`.
+//!
+//! SIGTERM and SIGINT end the VM as QMP `quit` does, as in QEMU: the vCPUs and device
+//! workers stop, every disk is flushed, the terminal is restored, a `SHUTDOWN` event with
+//! cause `host-signal` goes to the QMP client, and the exit status is 0.
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
-use devices::block::{Block, BlockConfig, Disk, DiskImage};
-use devices::net::{Net, NetConfig};
+use devices::block::{BlockConfig, Disk, DiskImage};
+use devices::net::NetConfig;
 use vmm::boot::linux::LinuxBootConfig;
-use vmm::cli::{self, Config, DeviceSpec};
-use vmm::exit::ExitReason;
-use vmm::qmp::{self, BlockInfo, DeviceInfo, QmpContext};
+use vmm::cli::{self, Action, BlkSpec, Config, DeviceSpec, NetSpec};
+use vmm::exit::{ExitHandle, ExitReason};
+use vmm::legacy::SerialConsole;
+use vmm::machine::MachineExit;
+use vmm::qmp::{self, BlockInfo, DeviceInfo, Monitor, QmpContext, ShutdownCause};
+use vmm::sock::BoundSocket;
+use vmm::vhost::SignalFd;
 use vmm::virtio_pci::{SharedVirtioDevice, VirtioPciDevice, VirtioPciOptions};
-use vmm::{Machine, MachineConfig};
+use vmm::{builder, Machine, MachineConfig};
 
 /// Restores the terminal on drop.
 struct RawTerminal(Option<libc::termios>);
@@ -60,6 +68,8 @@ fn check_readable(what: &str, p: &Path) -> Result<(), String> {
         .map_err(|e| format!("cannot open {what} '{}': {e}", p.display()))
 }
 
+/// Everything the devices left for the exit path and the monitor.
+#[derive(Default)]
 struct Built {
     functions: Vec<Arc<Mutex<VirtioPciDevice>>>,
     disks: Vec<Arc<DiskImage>>,
@@ -67,89 +77,72 @@ struct Built {
     qmp_blocks: Vec<BlockInfo>,
 }
 
+fn build_blk(cfg: &Config, b: &BlkSpec, built: &mut Built) -> Result<SharedVirtioDevice, String> {
+    let id = &b.common.id;
+    let d = cfg
+        .drive(&b.drive)
+        .ok_or_else(|| format!("drive '{}' is not defined", b.drive))?;
+    let config = BlockConfig {
+        serial: b.serial.clone(),
+        num_queues: b.num_queues,
+        queue_size: b.queue_size,
+        blk_size: b.logical_block_size,
+        access_platform: b.common.iommu_platform,
+        aio: d.aio,
+        cache: d.cache,
+        ..BlockConfig::default()
+    };
+    let drive_err = |e: builder::BuildError| format!("-drive id={}: {e}", d.id);
+    let format = builder::probe_format(&d.file, d.format).map_err(drive_err)?;
+    let blk = builder::block(
+        &d.file,
+        Some(format),
+        d.readonly,
+        config,
+        &cfg.bounce_for(id),
+    )
+    .map_err(drive_err)?
+    .device;
+    built.disks.push(blk.disk().clone());
+    let device: SharedVirtioDevice = Arc::new(Mutex::new(blk));
+    built.qmp_blocks.push(BlockInfo {
+        id: d.id.clone(),
+        qdev: id.clone(),
+        file: d.file.display().to_string(),
+        format: format!("{format:?}").to_lowercase(),
+        readonly: d.readonly,
+        device: Some(device.clone()),
+    });
+    Ok(device)
+}
+
+fn build_net(cfg: &Config, n: &NetSpec) -> Result<SharedVirtioDevice, String> {
+    let nd = cfg
+        .netdev(&n.netdev)
+        .ok_or_else(|| format!("netdev '{}' is not defined", n.netdev))?;
+    let config = NetConfig {
+        queue_pairs: if n.mq { nd.queues } else { 1 },
+        access_platform: n.common.iommu_platform,
+        mac: n.mac.unwrap_or(cli::DEFAULT_MAC),
+        ..NetConfig::default()
+    };
+    let (net, tap) = builder::net(nd.ifname.as_deref(), config, &cfg.bounce_for(&n.common.id))
+        .map_err(|e| format!("-netdev id={}: {e}", nd.id))?;
+    tracing::info!(netdev = %nd.id, tap, "tap opened");
+    Ok(Arc::new(Mutex::new(net.device)))
+}
+
 fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
     let pci = m.add_pci().map_err(|e| format!("PCI: {e}"))?;
-    let mut b = Built {
-        functions: Vec::new(),
-        disks: Vec::new(),
-        qmp_devices: Vec::new(),
-        qmp_blocks: Vec::new(),
-    };
+    let mut built = Built::default();
     for spec in &cfg.devices {
         let id = spec.id().to_string();
-        let bounce = cfg.bounce_for(&id);
-        let (device, driver): (SharedVirtioDevice, &str) = match spec {
-            DeviceSpec::Blk {
-                drive,
-                num_queues,
-                serial,
-                iommu_platform,
-                ..
-            } => {
-                let d = cfg
-                    .drive(drive)
-                    .ok_or_else(|| format!("drive '{drive}' is not defined"))?;
-                let (dma, _) = bounce
-                    .build(usize::from(*num_queues))
-                    .map_err(|e| format!("-bounce for {id}: {e}"))?;
-                let image =
-                    DiskImage::open_with(&d.file, d.format, d.readonly, d.cache).map_err(|e| {
-                        format!(
-                            "-drive id={}: cannot open '{}': {e}",
-                            d.id,
-                            d.file.display()
-                        )
-                    })?;
-                let mut bc = BlockConfig {
-                    readonly: d.readonly,
-                    num_queues: *num_queues,
-                    access_platform: *iommu_platform,
-                    aio: d.aio,
-                    cache: d.cache,
-                    on_full: bounce.on_full,
-                    ..BlockConfig::default()
-                };
-                if let Some(s) = serial {
-                    bc.serial = s.clone();
-                }
-                let blk = Block::new(image, bc, dma).map_err(|e| format!("-device {id}: {e}"))?;
-                b.disks.push(blk.disk().clone());
-                b.qmp_blocks.push(BlockInfo {
-                    id: d.id.clone(),
-                    qdev: id.clone(),
-                    file: d.file.display().to_string(),
-                    format: format!("{:?}", d.format).to_lowercase(),
-                    readonly: d.readonly,
-                });
-                (Arc::new(Mutex::new(blk)), "virtio-blk-pci")
-            }
-            DeviceSpec::Net {
-                netdev,
-                mac,
-                mq,
-                iommu_platform,
-                ..
-            } => {
-                let n = cfg
-                    .netdev(netdev)
-                    .ok_or_else(|| format!("netdev '{netdev}' is not defined"))?;
-                let pairs = if *mq { n.queues } else { 1 };
-                let (dma, _) = bounce
-                    .build(usize::from(pairs))
-                    .map_err(|e| format!("-bounce for {id}: {e}"))?;
-                let mut nc = NetConfig {
-                    queue_pairs: pairs,
-                    access_platform: *iommu_platform,
-                    ..NetConfig::default()
-                };
-                if let Some(mac) = mac {
-                    nc.mac = *mac;
-                }
-                let net = Net::with_tap(nc, &n.ifname, dma)
-                    .map_err(|e| format!("-netdev id={}: tap '{}': {e}", n.id, n.ifname))?;
-                (Arc::new(Mutex::new(net)), "virtio-net-pci")
-            }
+        let driver = spec.driver();
+        let device = match spec {
+            DeviceSpec::Blk(b) => build_blk(cfg, b, &mut built)?,
+            DeviceSpec::Net(n) => build_net(cfg, n)?,
         };
+        let what = |e: &dyn std::fmt::Display| format!("-device {driver},id={id}: {e}");
         let f = VirtioPciDevice::new(
             &id,
             device.clone(),
@@ -157,27 +150,30 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
             &pci,
             VirtioPciOptions::default(),
         )
-        .map_err(|e| format!("-device {driver},id={id}: {e}"))?;
+        .map_err(|e| what(&e))?;
         let f = Arc::new(Mutex::new(f));
-        pci.add_device(f.clone())
-            .map_err(|e| format!("-device {driver},id={id}: {e}"))?;
-        b.functions.push(f);
-        b.qmp_devices.push(DeviceInfo {
+        pci.add_device(f.clone()).map_err(|e| what(&e))?;
+        built.functions.push(f);
+        built.qmp_devices.push(DeviceInfo {
             id,
             driver: driver.into(),
             device,
         });
     }
-    Ok(b)
+    Ok(built)
 }
 
-fn run(cfg: Config) -> Result<i32, String> {
+type Serial = Arc<Mutex<SerialConsole<std::io::Stdout>>>;
+
+/// The machine with its legacy devices, ACPI, virtio devices and the kernel loaded.
+fn build_machine(cfg: &Config) -> Result<(Machine, Serial, Built), String> {
     check_readable("kernel", &cfg.kernel)?;
     if let Some(i) = &cfg.initrd {
         check_readable("initrd", i)?;
     }
     for d in &cfg.drives {
         check_readable(&format!("drive '{}'", d.id), &d.file)?;
+        builder::probe_format(&d.file, d.format).map_err(|e| format!("-drive id={}: {e}", d.id))?;
     }
     let mut m = Machine::new(&MachineConfig {
         mem_size: cfg.mem_size,
@@ -191,7 +187,7 @@ fn run(cfg: Config) -> Result<i32, String> {
     if !cfg.no_acpi {
         m.add_acpi().map_err(|e| format!("ACPI: {e}"))?;
     }
-    let built = build_devices(&mut m, &cfg)?;
+    let built = build_devices(&mut m, cfg)?;
     m.load_linux(&LinuxBootConfig {
         kernel: cfg.kernel.clone(),
         initrd: cfg.initrd.clone(),
@@ -199,35 +195,54 @@ fn run(cfg: Config) -> Result<i32, String> {
         prefer_pvh: true,
     })
     .map_err(|e| format!("cannot load kernel '{}': {e}", cfg.kernel.display()))?;
+    Ok((m, serial, built))
+}
 
-    let exit = m.exit_handle().clone();
-    let mut qmp_listener = None;
-    let mut first_client = None;
-    if let Some(q) = &cfg.qmp {
-        let l = qmp::bind(&q.path).map_err(|e| format!("-qmp: {e}"))?;
-        if q.wait {
-            eprintln!("bouncevm: waiting for a QMP client on {}", q.path.display());
-            first_client = Some(l.accept().map_err(|e| format!("-qmp: {e}"))?.0);
+/// Binds `-qmp`, waits for the first client when asked, and starts the monitor thread.
+/// `Ok(None)` without `-qmp`, or when a signal ended the wait (the exit is then requested).
+fn start_qmp(
+    cfg: &Config,
+    m: &Machine,
+    built: &Built,
+    monitor: &Arc<Monitor>,
+) -> Result<Option<BoundSocket>, String> {
+    let Some(q) = &cfg.qmp else {
+        return Ok(None);
+    };
+    let exit = m.exit_handle();
+    let sock = qmp::bind(&q.path, cfg.socket_mode).map_err(|e| format!("-qmp: {e}"))?;
+    let mut first = None;
+    if q.wait {
+        eprintln!("bouncevm: waiting for a QMP client on {}", q.path.display());
+        first = qmp::wait_for_client(&sock.listener, exit).map_err(|e| format!("-qmp: {e}"))?;
+        if first.is_none() {
+            sock.remove();
+            return Ok(None);
         }
-        qmp_listener = Some(l);
     }
-    if let Some(l) = qmp_listener {
-        let ctx = QmpContext {
-            exit: exit.clone(),
-            blocks: built.qmp_blocks.clone(),
-            devices: built.qmp_devices.clone(),
-        };
-        std::thread::Builder::new()
-            .name("qmp".into())
-            .spawn(move || qmp::serve(l, first_client, ctx))
-            .map_err(|e| format!("-qmp: {e}"))?;
-    }
+    let ctx = QmpContext {
+        exit: exit.clone(),
+        blocks: built.qmp_blocks.clone(),
+        devices: built.qmp_devices.clone(),
+        name: cfg.name.clone(),
+        vcpu_tids: m.vcpu_thread_ids(),
+        power_button: m.power_button().cloned(),
+    };
+    let listener = sock
+        .listener
+        .try_clone()
+        .map_err(|e| format!("-qmp: {e}"))?;
+    let monitor = monitor.clone();
+    std::thread::Builder::new()
+        .name("qmp".into())
+        .spawn(move || qmp::serve(listener, first, ctx, monitor))
+        .map_err(|e| format!("-qmp: {e}"))?;
+    Ok(Some(sock))
+}
 
-    let raw = RawTerminal::enable();
-    let tty = raw.0.is_some();
-    let input_exit = exit.clone();
-    let input_serial = serial.clone();
-    // The input thread blocks in read(); it is left behind when the VMM exits.
+/// Forwards stdin to the UART; `Ctrl-A x` quits as in QEMU (the thread blocks in read() and
+/// is left behind when the VMM exits).
+fn spawn_stdin(serial: Serial, exit: ExitHandle, monitor: Arc<Monitor>, tty: bool) {
     let _ = std::thread::Builder::new()
         .name("stdin".into())
         .spawn(move || {
@@ -240,11 +255,11 @@ fn run(cfg: Config) -> Result<i32, String> {
                     Ok(n) => n,
                 };
                 for &c in &buf[..n] {
-                    // QEMU's escape: Ctrl-A x quits, Ctrl-A Ctrl-A sends Ctrl-A.
+                    // Ctrl-A x quits, Ctrl-A Ctrl-A sends Ctrl-A.
                     if tty && ctrl_a {
                         ctrl_a = false;
                         if c == b'x' {
-                            input_exit.request(ExitReason::Stopped);
+                            monitor.stop(&exit, ShutdownCause::HostUi);
                             return;
                         }
                         if c != 1 {
@@ -254,14 +269,37 @@ fn run(cfg: Config) -> Result<i32, String> {
                         ctrl_a = true;
                         continue;
                     }
-                    let mut s = input_serial.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut s = serial.lock().unwrap_or_else(|e| e.into_inner());
                     let _ = s.enqueue_input(&[c]);
                 }
             }
         });
+}
 
-    let running = m.start().map_err(|e| format!("cannot start vCPUs: {e}"))?;
-    let result = running.wait();
+/// Turns SIGTERM/SIGINT into a host-signal stop.
+fn spawn_signal_thread(signals: SignalFd, exit: ExitHandle, monitor: Arc<Monitor>) {
+    use std::os::fd::AsRawFd;
+    let _ = std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || loop {
+            let mut pfd = libc::pollfd {
+                fd: signals.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: `pfd` is a valid pollfd for the duration of the call.
+            if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
+                continue;
+            }
+            while let Some(sig) = signals.read() {
+                tracing::info!(signal = sig, "terminating on signal");
+                monitor.stop(&exit, ShutdownCause::HostSignal);
+            }
+        });
+}
+
+/// Stops the device workers and flushes every disk.
+fn quiesce(built: &Built) {
     for f in &built.functions {
         f.lock().unwrap_or_else(|e| e.into_inner()).stop_workers();
     }
@@ -271,11 +309,9 @@ fn run(cfg: Config) -> Result<i32, String> {
         }
     }
     let _ = std::io::stdout().flush();
-    drop(raw);
-    if let Some(q) = &cfg.qmp {
-        let _ = std::fs::remove_file(&q.path);
-    }
-    let exit = result.map_err(|e| format!("VM: {e}"))?;
+}
+
+fn report(cfg: &Config, exit: &MachineExit) -> i32 {
     match &exit.reason {
         ExitReason::Reset | ExitReason::TripleFault if !cfg.no_reboot => {
             eprintln!(
@@ -286,22 +322,60 @@ fn run(cfg: Config) -> Result<i32, String> {
         ExitReason::GuestCrash => eprintln!("bouncevm: guest crashed"),
         _ => {}
     }
-    Ok(exit.reason.exit_code())
+    exit.reason.exit_code()
+}
+
+fn run(cfg: Config, signals: SignalFd) -> Result<i32, String> {
+    let monitor = Monitor::new();
+    let (m, serial, built) = build_machine(&cfg)?;
+    let exit = m.exit_handle().clone();
+    // Signals are handled from here on (also while waiting for a QMP client).
+    spawn_signal_thread(signals, exit.clone(), monitor.clone());
+    let qmp_sock = start_qmp(&cfg, &m, &built, &monitor)?;
+    if exit.is_requested() {
+        // A signal while waiting for the QMP client: nothing ran yet.
+        return Ok(0);
+    }
+    let raw = RawTerminal::enable();
+    spawn_stdin(serial, exit, monitor.clone(), raw.0.is_some());
+
+    let result = m
+        .start()
+        .map_err(|e| format!("cannot start vCPUs: {e}"))?
+        .wait();
+    quiesce(&built);
+    drop(raw);
+    if let Ok(e) = &result {
+        monitor.shutdown_event(&e.reason);
+    }
+    monitor.close();
+    if let Some(s) = &qmp_sock {
+        s.remove();
+    }
+    let exit = result.map_err(|e| format!("VM: {e}"))?;
+    Ok(report(&cfg, &exit))
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("BOUNCEVM_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    let cfg = match cli::parse(std::env::args().skip(1)) {
-        Ok(c) => c,
+    // Block the signals before any thread exists, so only the signalfd sees them.
+    let signals = match SignalFd::new(&[libc::SIGINT, libc::SIGTERM]) {
+        Ok(s) => s,
+        Err(e) => return fail(format!("cannot set up signal handling: {e}")),
+    };
+    vmm::init_logging("warn");
+    let cfg = match cli::parse_action(std::env::args().skip(1)) {
+        Ok(Action::Run(c)) => *c,
+        Ok(Action::Help) => {
+            print!("{}", cli::USAGE);
+            return ExitCode::SUCCESS;
+        }
+        Ok(Action::Version) => {
+            println!("{}", cli::version_line());
+            return ExitCode::SUCCESS;
+        }
         Err(e) => return fail(e),
     };
-    match run(cfg) {
+    match run(cfg, signals) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(e) => fail(e),
     }

@@ -17,8 +17,9 @@
 //! The FADT keeps the legacy PC: dual 8259 (MADT `PCAT_COMPAT`), i8042 and ISA devices in
 //! `IAPC_BOOT_ARCH`, `SMI_CMD` 0 (always in ACPI mode: the PM1a control register reads with
 //! `SCI_EN` set), PM1a event block at [`PM1A_EVT_BLK`] (4 bytes), PM1a control block at
-//! [`PM1A_CNT_BLK`] (2 bytes), SCI on IRQ 9, no PM timer, no GPE blocks, no fixed power or
-//! sleep buttons, C2/C3 latencies that disable those states.
+//! [`PM1A_CNT_BLK`] (2 bytes), SCI on IRQ 9, no PM timer, no GPE blocks, a fixed-feature power
+//! button (QMP `system_powerdown`, see [`crate::legacy::PowerButton`]), no sleep button,
+//! C2/C3 latencies that disable those states.
 //!
 //! The MADT matches the MP table of [`super::mptable`] and KVM's default GSI routing
 //! (which bouncevm keeps, see [`crate::irq::default_routes`]): one enabled local APIC per
@@ -34,6 +35,21 @@
 //! found only through ACPI host bridges (`pci_acpi_init` succeeds, so the legacy bus-0 probe
 //! is skipped), and a bridge without `_CRS` windows leaves the BARs unclaimed.
 
+//!
+//! The tables are built with rust-vmm's `acpi_tables` crate (the one Cloud Hypervisor uses):
+//! RSDP, XSDT, FADT (`FADTBuilder`), FACS, the DSDT's AML (`aml::{Name, Package, Scope,
+//! Device, EISAName, ResourceTemplate, AddressSpace, IO}`) and the MADT's processor and
+//! IOAPIC entries. The MADT itself is a generic `Sdt` (revision 5 with the `PCAT_COMPAT`
+//! flag, which the crate's `MADT` cannot set), and its interrupt source override and local
+//! APIC NMI entries, which the crate does not model, are appended as their 10 and 6 bytes.
+
+use acpi_tables::aml::{
+    AddressSpace, AddressSpaceCacheable, Device, EISAName, Name, Package, Path, ResourceTemplate,
+    Scope, IO,
+};
+use acpi_tables::fadt::{FADTBuilder, Flags};
+use acpi_tables::gas::{AccessSize, AddressSpace as GasSpace, GAS};
+use acpi_tables::{facs::FACS, rsdp::Rsdp, sdt::Sdt, xsdt::XSDT, Aml};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::layout::{
@@ -61,19 +77,7 @@ pub const FACS_LEN: usize = 64;
 const OEM_ID: [u8; 6] = *b"BOUNCE";
 const OEM_TABLE_ID: [u8; 8] = *b"BOUNCEVM";
 const OEM_REVISION: u32 = 1;
-const CREATOR_ID: [u8; 4] = *b"BVMM";
-const CREATOR_REVISION: u32 = 1;
 
-/// FADT `Flags`: WBINVD works.
-pub const FADT_F_WBINVD: u32 = 1 << 0;
-/// FADT `Flags`: C1 supported on all processors.
-pub const FADT_F_PROC_C1: u32 = 1 << 2;
-/// FADT `Flags`: no fixed-feature power button.
-pub const FADT_F_PWR_BUTTON: u32 = 1 << 4;
-/// FADT `Flags`: no fixed-feature sleep button.
-pub const FADT_F_SLP_BUTTON: u32 = 1 << 5;
-/// FADT `Flags`: hardware-reduced ACPI (never set here).
-pub const FADT_F_HW_REDUCED_ACPI: u32 = 1 << 20;
 /// `IAPC_BOOT_ARCH`: legacy (ISA) devices present.
 pub const IAPC_LEGACY_DEVICES: u16 = 1 << 0;
 /// `IAPC_BOOT_ARCH`: an 8042 keyboard controller is present.
@@ -84,9 +88,6 @@ pub const MADT_PCAT_COMPAT: u32 = 1;
 pub const SCI_INTI_FLAGS: u16 = 0x000d;
 /// The S5 sleep type value the DSDT's `\_S5_` package gives (written to `SLP_TYP`).
 pub const S5_SLP_TYP: u8 = 5;
-
-/// Generic Address Structure address space: system I/O.
-const GAS_SYSTEM_IO: u8 = 1;
 
 /// Errors of ACPI table setup.
 #[derive(Debug, thiserror::Error)]
@@ -106,253 +107,146 @@ pub enum Error {
 /// Result alias of this module.
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// The byte that makes `bytes` sum to 0 (mod 256) when stored in their checksum field
-/// (which must be 0 while this is computed).
-pub fn checksum(bytes: &[u8]) -> u8 {
-    0u8.wrapping_sub(bytes.iter().fold(0u8, |a, b| a.wrapping_add(*b)))
+fn bytes(t: &dyn Aml) -> Vec<u8> {
+    let mut v = Vec::new();
+    t.to_aml_bytes(&mut v);
+    v
 }
 
-/// A system description table: 36-byte header then `body`; length and checksum filled in.
-fn sdt(signature: &[u8; 4], revision: u8, body: &[u8]) -> Vec<u8> {
-    let len = HEADER_LEN + body.len();
-    let mut t = Vec::with_capacity(len);
-    t.extend(signature);
-    t.extend((len as u32).to_le_bytes());
-    t.push(revision);
-    t.push(0); // checksum, below
-    t.extend(OEM_ID);
-    t.extend(OEM_TABLE_ID);
-    t.extend(OEM_REVISION.to_le_bytes());
-    t.extend(CREATOR_ID);
-    t.extend(CREATOR_REVISION.to_le_bytes());
-    t.extend(body);
-    t[9] = checksum(&t);
-    t
-}
-
-/// A 12-byte Generic Address Structure for an I/O port block of `len` bytes (access size
-/// 0: "undefined", as QEMU does; ACPICA derives the access width from the bit width).
-fn gas_io(port: u16, len: u8) -> [u8; 12] {
-    let mut g = [0u8; 12];
-    g[0] = GAS_SYSTEM_IO;
-    g[1] = len * 8; // register bit width
-    g[2] = 0; // bit offset
-    g[3] = 0; // access size
-    g[4..12].copy_from_slice(&u64::from(port).to_le_bytes());
-    g
+/// A system-I/O Generic Address Structure for a port block of `len` bytes (access size
+/// "undefined", as QEMU does; ACPICA derives the access width from the bit width).
+fn gas_io(port: u16, len: u8) -> GAS {
+    GAS::new(
+        GasSpace::SystemIo,
+        len * 8,
+        0,
+        AccessSize::Undefined,
+        port.into(),
+    )
 }
 
 /// The RSDP (revision 2) pointing at the XSDT.
-pub fn build_rsdp(xsdt: u64) -> [u8; RSDP_LEN] {
-    let mut r = [0u8; RSDP_LEN];
-    r[0..8].copy_from_slice(b"RSD PTR ");
-    r[9..15].copy_from_slice(&OEM_ID);
-    r[15] = 2; // revision: ACPI 2.0+ (XSDT)
-               // [16..20] RSDT address: none; revision-2 readers use the XSDT.
-    r[20..24].copy_from_slice(&(RSDP_LEN as u32).to_le_bytes());
-    r[24..32].copy_from_slice(&xsdt.to_le_bytes());
-    r[8] = checksum(&r[..20]);
-    r[32] = checksum(&r);
-    r
+pub fn build_rsdp(xsdt: u64) -> Vec<u8> {
+    bytes(&Rsdp::new(OEM_ID, xsdt))
 }
 
 /// The XSDT listing `tables` (64-bit addresses).
 pub fn build_xsdt(tables: &[u64]) -> Vec<u8> {
-    let body: Vec<u8> = tables.iter().flat_map(|a| a.to_le_bytes()).collect();
-    sdt(b"XSDT", 1, &body)
+    let mut x = XSDT::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    for &t in tables {
+        x.add_entry(t);
+    }
+    bytes(&x)
 }
 
-/// The FADT (revision 6.5 layout, 276 bytes) for a DSDT and FACS at the given addresses.
+/// The FADT (revision 6.5, 276 bytes) for a DSDT and FACS at the given addresses.
 pub fn build_fadt(dsdt: u64, facs: u64) -> Vec<u8> {
-    // Offsets below are from the start of the table (header included).
-    let mut b = vec![0u8; FADT_LEN - HEADER_LEN];
-    let mut put = |off: usize, bytes: &[u8]| {
-        b[off - HEADER_LEN..off - HEADER_LEN + bytes.len()].copy_from_slice(bytes);
-    };
+    let mut f = FADTBuilder::new(OEM_ID, OEM_TABLE_ID, OEM_REVISION)
+        .flag(Flags::Wbinvd)
+        .flag(Flags::ProcC1)
+        // No PwrButton flag: the fixed-feature power button exists. No sleep button.
+        .flag(Flags::SlpButton);
     // The 32-bit pointers repeat the 64-bit ones (both below 4 GiB); ACPICA warns if they
-    // differ.
-    put(36, &(facs as u32).to_le_bytes()); // FIRMWARE_CTRL
-    put(40, &(dsdt as u32).to_le_bytes()); // DSDT
-    put(45, &[0]); // Preferred_PM_Profile: unspecified
-    put(46, &u16::from(ACPI_SCI_IRQ).to_le_bytes()); // SCI_INT
-    put(48, &0u32.to_le_bytes()); // SMI_CMD: none, ACPI is always enabled
-    put(56, &u32::from(PM1A_EVT_BLK).to_le_bytes()); // PM1a_EVT_BLK
-    put(64, &u32::from(PM1A_CNT_BLK).to_le_bytes()); // PM1a_CNT_BLK
-    put(88, &[PM1_EVT_LEN]); // PM1_EVT_LEN
-    put(89, &[PM1_CNT_LEN]); // PM1_CNT_LEN
-    put(96, &101u16.to_le_bytes()); // P_LVL2_LAT > 100: C2 not supported
-    put(98, &1001u16.to_le_bytes()); // P_LVL3_LAT > 1000: C3 not supported
-    put(109, &(IAPC_LEGACY_DEVICES | IAPC_8042).to_le_bytes()); // IAPC_BOOT_ARCH
-    let flags = FADT_F_WBINVD | FADT_F_PROC_C1 | FADT_F_PWR_BUTTON | FADT_F_SLP_BUTTON;
-    put(112, &flags.to_le_bytes()); // Flags
-                                    // RESET_REG (116) / RESET_VALUE (128): none; Linux falls back to the i8042 reset.
-    put(131, &[5]); // FADT minor version: 6.5
-    put(132, &facs.to_le_bytes()); // X_FIRMWARE_CTRL
-    put(140, &dsdt.to_le_bytes()); // X_DSDT
-    put(148, &gas_io(PM1A_EVT_BLK, PM1_EVT_LEN)); // X_PM1a_EVT_BLK
-    put(172, &gas_io(PM1A_CNT_BLK, PM1_CNT_LEN)); // X_PM1a_CNT_BLK
-                                                  // Hypervisor vendor identity (268): left 0.
-    sdt(b"FACP", 6, &b)
+    // differ. (The builder's dsdt_32/dsdt_64 set only one of each pair.)
+    f.firmware_ctrl = (facs as u32).into();
+    f.dsdt = (dsdt as u32).into();
+    f.x_firmware_ctrl = facs.into();
+    f.x_dsdt = dsdt.into();
+    f.sci_int = u16::from(ACPI_SCI_IRQ).into();
+    // SMI_CMD 0: no SMM, ACPI is always enabled (PM1a_CNT reads with SCI_EN).
+    f.pm1a_evt_blk = u32::from(PM1A_EVT_BLK).into();
+    f.pm1a_cnt_blk = u32::from(PM1A_CNT_BLK).into();
+    f.pm1_evt_len = PM1_EVT_LEN;
+    f.pm1_cnt_len = PM1_CNT_LEN;
+    f.p_lvl2_lat = 101.into(); // > 100: C2 not supported
+    f.p_lvl3_lat = 1001.into(); // > 1000: C3 not supported
+    f.iapc_boot_arch = (IAPC_LEGACY_DEVICES | IAPC_8042).into();
+    f.x_pm1a_evt_blk = gas_io(PM1A_EVT_BLK, PM1_EVT_LEN);
+    f.x_pm1a_cnt_blk = gas_io(PM1A_CNT_BLK, PM1_CNT_LEN);
+    // RESET_REG: none; Linux falls back to the i8042 reset.
+    bytes(&f.finalize())
 }
 
-/// The FACS: no checksum; hardware signature 0, no waking vector, global lock free.
-pub fn build_facs() -> [u8; FACS_LEN] {
-    let mut f = [0u8; FACS_LEN];
-    f[0..4].copy_from_slice(b"FACS");
-    f[4..8].copy_from_slice(&(FACS_LEN as u32).to_le_bytes());
-    f[32] = 2; // version
-    f
+/// The FACS (version 2): no waking vector, global lock free.
+pub fn build_facs() -> Vec<u8> {
+    let mut f = FACS::new();
+    f.version = 2;
+    bytes(&f)
 }
 
-/// Encodes an AML PkgLength for `content_len` bytes that follow it (the encoding counts its
-/// own bytes): one byte up to 63, else a lead byte with the byte count in bits 6-7 and the
-/// low nibble, then the remaining bits 8 at a time.
-pub fn aml_pkg_length(content_len: usize) -> Vec<u8> {
-    for n in 1..=4usize {
-        let total = content_len + n;
-        let fits = match n {
-            1 => total < 0x40,
-            _ => total < 1 << (4 + 8 * (n - 1)),
-        };
-        if fits {
-            if n == 1 {
-                return vec![total as u8];
-            }
-            let mut v = vec![(((n - 1) as u8) << 6) | (total & 0xf) as u8];
-            for i in 0..n - 1 {
-                v.push((total >> (4 + 8 * i)) as u8);
-            }
-            return v;
-        }
-    }
-    // 2^28 bytes of AML is far beyond anything built here.
-    vec![0xff, 0xff, 0xff, 0xff]
+/// The host bridge's `_CRS` resources: bus numbers 0-255, the configuration ports, I/O
+/// windows around them, and the 32-bit BAR window (non-cacheable, read-write).
+fn pci_crs_template<R>(f: impl FnOnce(&ResourceTemplate) -> R) -> R {
+    let bus = AddressSpace::<u16>::new_bus_number(0, 0xff);
+    let cf8 = IO::new(
+        PCI_CONFIG_IO_PORT,
+        PCI_CONFIG_IO_PORT,
+        1,
+        PCI_CONFIG_IO_LEN as u8,
+    );
+    let io_low = AddressSpace::<u16>::new_io(0, PCI_CONFIG_IO_PORT - 1, None);
+    let io_high = AddressSpace::<u16>::new_io(0x0d00, 0xffff, None);
+    let mem = AddressSpace::<u32>::new_memory(
+        AddressSpaceCacheable::NotCacheable,
+        true,
+        PCI_MMIO32_START as u32,
+        (PCI_MMIO32_START + PCI_MMIO32_SIZE - 1) as u32,
+        None,
+    );
+    f(&ResourceTemplate::new(vec![
+        &bus, &cf8, &io_low, &io_high, &mem,
+    ]))
 }
 
-/// `Name(NAME, data)`: NameOp 0x08, the 4-character NameSeg, the data object.
-fn aml_name(name: &[u8; 4], data: &[u8]) -> Vec<u8> {
-    let mut v = vec![0x08];
-    v.extend(name);
-    v.extend(data);
-    v
-}
-
-/// `Package(n){ints...}` of small integers: PackageOp 0x12, PkgLength, NumElements, then
-/// each element as ZeroOp (0x00), OneOp (0x01) or BytePrefix (0x0A) + byte.
-fn aml_package_bytes(items: &[u8]) -> Vec<u8> {
-    let mut body = vec![items.len() as u8];
-    for &i in items {
-        match i {
-            0 => body.push(0x00),
-            1 => body.push(0x01),
-            _ => body.extend([0x0a, i]),
-        }
-    }
-    let mut v = vec![0x12];
-    v.extend(aml_pkg_length(body.len()));
-    v.extend(body);
-    v
-}
-
-/// `Buffer(){bytes}`: BufferOp 0x11, PkgLength, BufferSize (WordPrefix 0x0B + u16), bytes.
-fn aml_buffer(bytes: &[u8]) -> Vec<u8> {
-    let mut body = vec![0x0b];
-    body.extend((bytes.len() as u16).to_le_bytes());
-    body.extend(bytes);
-    let mut v = vec![0x11];
-    v.extend(aml_pkg_length(body.len()));
-    v.extend(body);
-    v
-}
-
-/// A scope-like term: `prefix`, PkgLength, NameString, `terms`.
-fn aml_scoped(prefix: &[u8], name: &[u8], terms: &[u8]) -> Vec<u8> {
-    let mut v = prefix.to_vec();
-    v.extend(aml_pkg_length(name.len() + terms.len()));
-    v.extend(name);
-    v.extend(terms);
-    v
-}
-
-/// A 32-bit EISA id ("PNP0A03" -> 0x030AD041) as a DWordConst (0x0C + u32).
-fn aml_eisa_id(id: &[u8; 7]) -> Vec<u8> {
-    let c = |b: u8| u16::from(b.wrapping_sub(0x40) & 0x1f);
-    let vendor = (c(id[0]) << 10) | (c(id[1]) << 5) | c(id[2]);
-    let hex = |b: u8| (b as char).to_digit(16).unwrap_or(0) as u8;
-    let product = [
-        (hex(id[3]) << 4) | hex(id[4]),
-        (hex(id[5]) << 4) | hex(id[6]),
-    ];
-    let mut v = vec![0x0c];
-    v.extend(vendor.to_be_bytes());
-    v.extend(product);
-    v
-}
-
-/// Word Address Space Descriptor (large item 0x88): `kind` 1 = I/O, 2 = bus number;
-/// producer, min and max fixed, positive decode.
-fn word_address(kind: u8, type_flags: u8, min: u16, max: u16) -> Vec<u8> {
-    let mut v = vec![0x88, 0x0d, 0x00, kind, 0x0c, type_flags];
-    for x in [0u16, min, max, 0, max - min + 1] {
-        v.extend(x.to_le_bytes());
-    }
-    v
-}
-
-/// The host bridge's `_CRS` resource template: bus numbers 0-255, the configuration ports
-/// (consumed), I/O windows around them, and the 32-bit BAR window; then the end tag.
+/// The `_CRS` resource template as AML (a Buffer).
 pub fn pci_crs() -> Vec<u8> {
-    let mut r = word_address(2, 0, 0, 0xff);
-    // I/O port descriptor (small item 0x47): 16-bit decode, min, max, alignment, length.
-    let cf8 = PCI_CONFIG_IO_PORT.to_le_bytes();
-    r.extend([0x47, 0x01, cf8[0], cf8[1], cf8[0], cf8[1], 0x01]);
-    r.push(PCI_CONFIG_IO_LEN as u8);
-    // I/O windows: type-specific flags 3 = ISA and non-ISA ranges.
-    r.extend(word_address(1, 3, 0, PCI_CONFIG_IO_PORT - 1));
-    r.extend(word_address(1, 3, 0x0d00, 0xffff));
-    // DWord Address Space Descriptor (large item 0x87, 23 bytes): memory, producer,
-    // min/max fixed, read-write, non-cacheable.
-    let min = PCI_MMIO32_START as u32;
-    let max = (PCI_MMIO32_START + PCI_MMIO32_SIZE - 1) as u32;
-    r.extend([0x87, 0x17, 0x00, 0x00, 0x0c, 0x01]);
-    for x in [0u32, min, max, 0, max - min + 1] {
-        r.extend(x.to_le_bytes());
-    }
-    // End tag (small item 0x79) with checksum 0 ("treat as valid").
-    r.extend([0x79, 0x00]);
-    r
+    pci_crs_template(|t| bytes(t))
 }
 
 /// The DSDT's AML:
 ///
 /// ```text
 /// Name (_S5_, Package (4) { 5, 0, 0, 0 })
-///     08 '_S5_' 12 07 04 0A 05 00 00 00
-///     NameOp, NameSeg, PackageOp, PkgLength 7 (itself + the 6 bytes after it),
-///     NumElements 4, BytePrefix 5 (SLP_TYPa), ZeroOp (SLP_TYPb), ZeroOp, ZeroOp
-/// Scope (\_SB) {                           10 PkgLength '\' '_SB_' ...
-///   Device (PCI0) {                        5B 82 PkgLength 'PCI0' ...
-///     Name (_HID, EisaId ("PNP0A03"))      08 '_HID' 0C 41 D0 0A 03
-///     Name (_ADR, Zero)                    08 '_ADR' 00
-///     Name (_UID, Zero)                    08 '_UID' 00
-///     Name (_CRS, ResourceTemplate () {..})  08 '_CRS' 11 PkgLength 0B len16 bytes
+/// Scope (\_SB) {
+///   Device (PCI0) {
+///     Name (_HID, EisaId ("PNP0A03"))
+///     Name (_ADR, Zero)
+///     Name (_UID, Zero)
+///     Name (_CRS, ResourceTemplate () { bus 0-255, IO 0xCF8, IO windows, memory window })
 ///   }
 /// }
 /// ```
 pub fn dsdt_aml() -> Vec<u8> {
-    let mut aml = aml_name(b"_S5_", &aml_package_bytes(&[S5_SLP_TYP, 0, 0, 0]));
-    let mut dev = aml_name(b"_HID", &aml_eisa_id(b"PNP0A03"));
-    dev.extend(aml_name(b"_ADR", &[0x00]));
-    dev.extend(aml_name(b"_UID", &[0x00]));
-    dev.extend(aml_name(b"_CRS", &aml_buffer(&pci_crs())));
-    let pci0 = aml_scoped(&[0x5b, 0x82], b"PCI0", &dev);
-    aml.extend(aml_scoped(&[0x10], b"\\_SB_", &pci0));
+    let zero = 0u8;
+    let s5 = S5_SLP_TYP;
+    let s5_pkg = Package::new(vec![&s5, &zero, &zero, &zero]);
+    let mut aml = bytes(&Name::new(Path::new("_S5_"), &s5_pkg));
+    let hid = EISAName::new("PNP0A03");
+    pci_crs_template(|crs| {
+        let hid = Name::new(Path::new("_HID"), &hid);
+        let adr = Name::new(Path::new("_ADR"), &zero);
+        let uid = Name::new(Path::new("_UID"), &zero);
+        let crs = Name::new(Path::new("_CRS"), crs);
+        let pci0 = Device::new(Path::new("PCI0"), vec![&hid, &adr, &uid, &crs]);
+        aml.extend(bytes(&Scope::new(Path::new("\\_SB_"), vec![&pci0])));
+    });
     aml
 }
 
 /// The DSDT (revision 2: 64-bit AML integers).
 pub fn build_dsdt() -> Vec<u8> {
-    sdt(b"DSDT", 2, &dsdt_aml())
+    let aml = dsdt_aml();
+    let mut t = Sdt::new(
+        *b"DSDT",
+        (HEADER_LEN + aml.len()) as u32,
+        2,
+        OEM_ID,
+        OEM_TABLE_ID,
+        OEM_REVISION,
+    );
+    t.write_bytes(HEADER_LEN, &aml);
+    t.update_checksum();
+    t.as_slice().to_vec()
 }
 
 /// The MADT for `num_cpus` vCPUs (see the module documentation).
@@ -360,28 +254,31 @@ pub fn build_dsdt() -> Vec<u8> {
 /// # Errors
 /// [`Error::BadCpuCount`].
 pub fn build_madt(num_cpus: usize) -> Result<Vec<u8>> {
+    use acpi_tables::madt::{EnabledStatus, IoApic, ProcessorLocalApic};
     if num_cpus == 0 || num_cpus > 254 {
         return Err(Error::BadCpuCount(num_cpus));
     }
-    let mut b = Vec::new();
-    b.extend((APIC_START as u32).to_le_bytes());
-    b.extend(MADT_PCAT_COMPAT.to_le_bytes());
+    let mut t = Sdt::new(*b"APIC", 44, 5, OEM_ID, OEM_TABLE_ID, OEM_REVISION);
+    t.write_u32(36, APIC_START as u32);
+    t.write_u32(40, MADT_PCAT_COMPAT);
     for id in 0..num_cpus as u8 {
-        // Processor Local APIC: type 0, length 8, UID, APIC id, flags (enabled).
-        b.extend([0, 8, id, id]);
-        b.extend(1u32.to_le_bytes());
+        // ACPI processor UID = APIC id = vCPU id.
+        t.append_slice(&bytes(&ProcessorLocalApic::new(
+            id,
+            id,
+            EnabledStatus::Enabled,
+        )));
     }
-    // I/O APIC: type 1, length 12, id (as in the MP table), reserved, address, GSI base.
-    b.extend([1, 12, num_cpus as u8, 0]);
-    b.extend((IOAPIC_START as u32).to_le_bytes());
-    b.extend(0u32.to_le_bytes());
-    // Interrupt Source Override: type 2, length 10, bus 0 (ISA), source, GSI, flags.
-    b.extend([2, 10, 0, ACPI_SCI_IRQ]);
-    b.extend(u32::from(ACPI_SCI_IRQ).to_le_bytes());
-    b.extend(SCI_INTI_FLAGS.to_le_bytes());
-    // Local APIC NMI: type 4, length 6, all processors (0xff), flags 0, LINT1.
-    b.extend([4, 6, 0xff, 0, 0, 1]);
-    Ok(sdt(b"APIC", 5, &b))
+    // The IOAPIC id follows the APIC ids, as in the MP table.
+    t.append_slice(&bytes(&IoApic::new(num_cpus as u8, IOAPIC_START as u32, 0)));
+    // Interrupt Source Override (type 2, length 10): bus 0 (ISA), source, GSI, MPS flags.
+    let mut iso = vec![2, 10, 0, ACPI_SCI_IRQ];
+    iso.extend(u32::from(ACPI_SCI_IRQ).to_le_bytes());
+    iso.extend(SCI_INTI_FLAGS.to_le_bytes());
+    t.append_slice(&iso);
+    // Local APIC NMI (type 4, length 6): all processors (0xff), flags 0, LINT1.
+    t.append_slice(&[4, 6, 0xff, 0, 0, 1]);
+    Ok(t.as_slice().to_vec())
 }
 
 fn align(x: usize, a: usize) -> usize {
@@ -485,7 +382,16 @@ mod tests {
         assert_eq!(u32_at(&f, 76), 0, "no PM timer");
         assert_eq!((f[88], f[89], f[91]), (4, 2, 0));
         assert_eq!(u16_at(&f, 109) & IAPC_8042, IAPC_8042);
-        assert_eq!(u32_at(&f, 112) & FADT_F_HW_REDUCED_ACPI, 0);
+        let flags = u32_at(&f, 112);
+        assert_eq!(flags & Flags::HwReducedAcpi as u32, 0);
+        assert_eq!(
+            flags & Flags::PwrButton as u32,
+            0,
+            "a fixed power button exists"
+        );
+        assert_ne!(flags & Flags::SlpButton as u32, 0, "no sleep button");
+        assert_ne!(flags & Flags::Wbinvd as u32, 0);
+        assert_eq!((f[131], u16_at(&f, 96), u16_at(&f, 98)), (5, 101, 1001));
         assert_eq!((u64_at(&f, 132), u64_at(&f, 140)), (0xe01c0, 0xe0200));
         // X_PM1a_EVT_BLK and X_PM1a_CNT_BLK: system I/O, 32 and 16 bits wide.
         assert_eq!(&f[148..152], &[1, 32, 0, 0]);
@@ -502,16 +408,6 @@ mod tests {
     }
 
     #[test]
-    fn pkg_length_encoding() {
-        assert_eq!(aml_pkg_length(6), vec![7]);
-        assert_eq!(aml_pkg_length(62), vec![63]);
-        // 63 + 2 = 65 = 0x41: lead 0x40 | 1, then 0x41 >> 4 = 4.
-        assert_eq!(aml_pkg_length(63), vec![0x41, 0x04]);
-        assert_eq!(aml_pkg_length(0xffd), vec![0x4f, 0xff]);
-        assert_eq!(aml_pkg_length(0xffe), vec![0x81, 0x00, 0x01]);
-    }
-
-    #[test]
     fn dsdt_has_s5_and_the_host_bridge() {
         let d = build_dsdt();
         check_header(&d, b"DSDT", 2);
@@ -522,9 +418,15 @@ mod tests {
         );
         // Scope(\_SB): its PkgLength covers the rest of the AML exactly.
         assert_eq!(aml[13], 0x10);
-        let rest = aml.len() - 14;
-        let pl = aml_pkg_length(rest - 2);
-        assert_eq!(&aml[14..14 + pl.len()], &pl[..], "scope length");
+        // PkgLength: bits 6-7 of the lead byte count the bytes that follow it; it counts
+        // itself and everything after it, so it covers the rest of the AML exactly.
+        let lead = aml[14];
+        let n = usize::from(lead >> 6);
+        let mut len = usize::from(if n == 0 { lead & 0x3f } else { lead & 0x0f });
+        for i in 0..n {
+            len |= usize::from(aml[15 + i]) << (4 + 8 * i);
+        }
+        assert_eq!(len, aml.len() - 14, "scope length");
         let hid = [0x08, b'_', b'H', b'I', b'D', 0x0c, 0x41, 0xd0, 0x0a, 0x03];
         assert!(aml.windows(hid.len()).any(|w| w == hid), "PNP0A03 _HID");
         assert!(aml.windows(4).any(|w| w == b"PCI0"));

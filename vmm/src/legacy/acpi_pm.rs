@@ -11,8 +11,18 @@
 //!
 //! A write that leaves `SLP_EN` set with `SLP_TYP` = 5 (the DSDT's `\_S5_`) ends the VM with
 //! [`ExitReason::PowerOff`] (status 0; the VMM then flushes the disks as on any exit). Other
-//! sleep types are logged and ignored. Accesses of any width at any offset are taken byte
-//! by byte. Nothing raises the SCI: there are no fixed buttons, no PM timer and no GPEs.
+//! sleep types are ignored: logged once, counted always ([`AcpiPm::ignored_sleeps`]), since
+//! the guest can write them in a loop. Accesses of any width at any offset are taken byte
+//! by byte.
+//!
+//! The fixed-feature power button (the FADT does not set `PWR_BUTTON`, so it exists):
+//! [`PowerButton::press`] sets `PWRBTN_STS` (bit 8 of PM1a_STS), as QEMU's
+//! `acpi_pm1_evt_power_down` does. The SCI (ISA IRQ 9, level, active high) is asserted
+//! while any status bit is set whose enable bit is set (only `PWRBTN` exists), and
+//! deasserted when the guest clears the status (write 1) or the enable bit. There is no PM
+//! timer, no sleep button and no GPE block.
+
+use std::sync::{Arc, Mutex};
 
 use crate::bus::BusDevice;
 use crate::exit::{ExitHandle, ExitReason};
@@ -26,28 +36,73 @@ pub const SCI_EN: u16 = 1 << 0;
 pub const SLP_EN: u16 = 1 << 13;
 /// PM1_CNT `SLP_TYP` shift (3 bits).
 pub const SLP_TYP_SHIFT: u16 = 10;
+/// PM1_STS / PM1_EN `PWRBTN`: the power button was pressed / may raise the SCI.
+pub const PWRBTN: u16 = 1 << 8;
 /// The `SLP_TYP` of S5 (soft off), as the DSDT's `\_S5_` package says.
 pub const SLP_TYP_S5: u16 = crate::boot::acpi::S5_SLP_TYP as u16;
 
 const CNT_OFFSET: u64 = (PM1A_CNT_BLK - PM1A_EVT_BLK) as u64;
 
+/// A level-triggered interrupt line (the SCI).
+pub trait IrqLine: Send + std::fmt::Debug {
+    /// Drives the line high (`true`) or low.
+    fn set_level(&self, high: bool);
+}
+
 /// The PM1a status, enable and control registers.
 #[derive(Debug)]
 pub struct AcpiPm {
     exit: ExitHandle,
+    sci: Option<Box<dyn IrqLine>>,
+    sci_level: bool,
     status: u16,
     enable: u16,
     control: u16,
+    ignored_sleeps: u64,
 }
 
 impl AcpiPm {
-    /// The registers, ending the VM through `exit` on an S5 request.
-    pub fn new(exit: ExitHandle) -> Self {
+    /// The registers, ending the VM through `exit` on an S5 request and raising `sci`.
+    pub fn new(exit: ExitHandle, sci: Option<Box<dyn IrqLine>>) -> Self {
         AcpiPm {
             exit,
+            sci,
+            sci_level: false,
             status: 0,
             enable: 0,
             control: 0,
+            ignored_sleeps: 0,
+        }
+    }
+
+    /// Sleep requests other than S5 the guest made (ignored).
+    pub fn ignored_sleeps(&self) -> u64 {
+        self.ignored_sleeps
+    }
+
+    /// PM1a_STS as the guest reads it.
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    /// Whether the SCI is asserted.
+    pub fn sci_asserted(&self) -> bool {
+        self.sci_level
+    }
+
+    /// Sets `PWRBTN_STS` (the guest's button driver clears it) and updates the SCI.
+    pub fn press_power_button(&mut self) {
+        self.status |= PWRBTN;
+        self.update_sci();
+    }
+
+    fn update_sci(&mut self) {
+        let level = self.status & self.enable & PWRBTN != 0;
+        if level != self.sci_level {
+            self.sci_level = level;
+            if let Some(l) = &self.sci {
+                l.set_level(level);
+            }
         }
     }
 
@@ -85,10 +140,13 @@ impl AcpiPm {
             tracing::info!("guest entered ACPI S5: powering off");
             self.exit.request(ExitReason::PowerOff);
         } else {
-            tracing::warn!(
-                slp_typ,
-                "guest requested an unsupported ACPI sleep state; ignored"
-            );
+            self.ignored_sleeps += 1;
+            if self.ignored_sleeps == 1 {
+                tracing::warn!(
+                    slp_typ,
+                    "guest requested an unsupported ACPI sleep state; ignored (logged once, counted)"
+                );
+            }
         }
     }
 }
@@ -111,9 +169,24 @@ impl BusDevice for AcpiPm {
             self.write_byte(o, v);
             control |= o == CNT_OFFSET || o == CNT_OFFSET + 1;
         }
+        self.update_sci();
         if control {
             self.control_written();
         }
+    }
+}
+
+/// The power button of one [`AcpiPm`] (for QMP `system_powerdown`).
+#[derive(Debug, Clone)]
+pub struct PowerButton(pub Arc<Mutex<AcpiPm>>);
+
+impl PowerButton {
+    /// Presses the button: see [`AcpiPm::press_power_button`].
+    pub fn press(&self) {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .press_power_button();
     }
 }
 
@@ -123,7 +196,45 @@ mod tests {
 
     fn pm() -> (AcpiPm, ExitHandle) {
         let exit = ExitHandle::new().unwrap();
-        (AcpiPm::new(exit.clone()), exit)
+        (AcpiPm::new(exit.clone(), None), exit)
+    }
+
+    #[derive(Debug, Clone, Default)]
+    struct Line(Arc<Mutex<Vec<bool>>>);
+    impl IrqLine for Line {
+        fn set_level(&self, high: bool) {
+            self.0.lock().unwrap().push(high);
+        }
+    }
+
+    #[test]
+    fn power_button_sets_pwrbtn_sts_and_raises_the_sci_while_enabled() {
+        let exit = ExitHandle::new().unwrap();
+        let line = Line::default();
+        let mut d = AcpiPm::new(exit.clone(), Some(Box::new(line.clone())));
+        // Not enabled: the status bit is set, the SCI stays low.
+        d.press_power_button();
+        assert_eq!(read16(&mut d, 0) & PWRBTN, PWRBTN);
+        assert!(line.0.lock().unwrap().is_empty());
+        // Enabling with the status pending raises it (level semantics).
+        d.write(0x600, 2, &PWRBTN.to_le_bytes());
+        assert_eq!(*line.0.lock().unwrap(), vec![true]);
+        assert!(d.sci_asserted());
+        // A second press while pending changes nothing.
+        d.press_power_button();
+        assert_eq!(*line.0.lock().unwrap(), vec![true]);
+        // Write 1 to clear drops the line.
+        d.write(0x600, 0, &PWRBTN.to_le_bytes());
+        assert_eq!(read16(&mut d, 0) & PWRBTN, 0);
+        assert_eq!(*line.0.lock().unwrap(), vec![true, false]);
+        // Enabled: a press raises it at once; disabling drops it.
+        d.press_power_button();
+        d.write(0x600, 2, &0u16.to_le_bytes());
+        assert_eq!(*line.0.lock().unwrap(), vec![true, false, true, false]);
+        assert!(!exit.is_requested(), "the button only asks the guest");
+        let b = PowerButton(Arc::new(Mutex::new(d)));
+        b.press();
+        assert_eq!(b.0.lock().unwrap().status() & PWRBTN, PWRBTN);
     }
 
     fn read16(d: &mut AcpiPm, off: u64) -> u16 {
@@ -181,6 +292,7 @@ mod tests {
             d.write(0x600, 4, &((typ << SLP_TYP_SHIFT) | SLP_EN).to_le_bytes());
         }
         assert!(!exit.is_requested());
+        assert_eq!(d.ignored_sleeps(), 5, "counted always (logged once)");
         // SLP_EN reads back as 0.
         assert_eq!(read16(&mut d, 4) & SLP_EN, 0);
         // A byte write of the high half also counts.

@@ -6,7 +6,7 @@ mod debug_exit;
 mod i8042;
 mod serial;
 
-pub use acpi_pm::{AcpiPm, ACPI_PM_PORTS};
+pub use acpi_pm::{AcpiPm, IrqLine, PowerButton, ACPI_PM_PORTS, PWRBTN};
 pub use debug_exit::DebugExit;
 pub use i8042::I8042;
 pub use serial::{IrqTrigger, SerialConsole};

@@ -11,10 +11,8 @@
 //! signal fd (SIGINT/SIGTERM stop, SIGUSR1 prints statistics), an optional statistics socket
 //! (each connection gets one JSON line) and the end of the current connection.
 
-use std::fs::DirBuilder;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -66,31 +64,25 @@ fn os(what: &'static str) -> impl FnOnce(io::Error) -> ServerError {
     move |source| ServerError::Os { what, source }
 }
 
-/// Binds a listening socket at `path`: refuses when a live server answers there or the path
-/// is not a socket; replaces a stale socket file.
+/// Binds a listening socket at `path` with mode 0600: refuses when a live server answers
+/// there or the path is not a socket; replaces a stale socket file (see [`crate::sock`]).
 ///
 /// # Errors
 /// [`ServerError::SocketInUse`], [`ServerError::NotASocket`], [`ServerError::Bind`].
 pub fn bind_socket(path: &Path) -> Result<UnixListener> {
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if !meta.file_type().is_socket() => {
-            return Err(ServerError::NotASocket(path.to_path_buf()))
-        }
-        Ok(_) => match UnixStream::connect(path) {
-            Ok(_) => return Err(ServerError::SocketInUse(path.to_path_buf())),
-            Err(_) => {
-                tracing::info!("replacing stale socket {}", path.display());
-                std::fs::remove_file(path).map_err(|source| ServerError::Bind {
-                    path: path.to_path_buf(),
-                    source,
-                })?;
-            }
-        },
-        Err(_) => {}
-    }
-    UnixListener::bind(path).map_err(|source| ServerError::Bind {
-        path: path.to_path_buf(),
-        source,
+    bind_socket_mode(path, crate::sock::DEFAULT_SOCKET_MODE)
+}
+
+/// [`bind_socket`] with permission bits `mode`.
+///
+/// # Errors
+/// As [`bind_socket`].
+pub fn bind_socket_mode(path: &Path, mode: u32) -> Result<UnixListener> {
+    use crate::sock::SockError;
+    crate::sock::bind_unix(path, mode).map_err(|e| match e {
+        SockError::InUse(p) => ServerError::SocketInUse(p),
+        SockError::NotASocket(p) => ServerError::NotASocket(p),
+        SockError::Bind { path, source } => ServerError::Bind { path, source },
     })
 }
 
@@ -231,7 +223,15 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
     /// # Errors
     /// As [`bind_socket`]; [`ServerError::Os`] when the stop event cannot be created.
     pub fn bind(name: &str, device: D, socket: &Path) -> Result<Self> {
-        let listener = bind_socket(socket)?;
+        Self::bind_mode(name, device, socket, crate::sock::DEFAULT_SOCKET_MODE)
+    }
+
+    /// [`Server::bind`] with the socket's permission bits `mode`.
+    ///
+    /// # Errors
+    /// As [`Server::bind`].
+    pub fn bind_mode(name: &str, device: D, socket: &Path, mode: u32) -> Result<Self> {
+        let listener = bind_socket_mode(socket, mode)?;
         let stop = EventFd::new(EFD_NONBLOCK).map_err(os("creating the stop event"))?;
         Ok(Self {
             name: name.to_string(),
@@ -253,8 +253,16 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
     ///
     /// # Errors
     /// As [`bind_socket`].
-    pub fn with_stats_socket(mut self, path: &Path) -> Result<Self> {
-        let l = bind_socket(path)?;
+    pub fn with_stats_socket(self, path: &Path) -> Result<Self> {
+        self.with_stats_socket_mode(path, crate::sock::DEFAULT_SOCKET_MODE)
+    }
+
+    /// [`Server::with_stats_socket`] with the socket's permission bits `mode`.
+    ///
+    /// # Errors
+    /// As [`bind_socket`].
+    pub fn with_stats_socket_mode(mut self, path: &Path, mode: u32) -> Result<Self> {
+        let l = bind_socket_mode(path, mode)?;
         self.stats_socket = Some((path.to_path_buf(), l));
         Ok(self)
     }
@@ -498,11 +506,12 @@ fn connect_daemon<D: VirtioDevice<Memory> + 'static>(
     // or parallel tests) numbered their connections alike and removed each other's socket.
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let unique = NEXT.fetch_add(1, Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!(
-        "bouncevm-vhost.{}.{n}.{unique}",
+    // mkdtemp: a 0700 directory with an unpredictable name (a predictable name under /tmp
+    // lets another user pre-create it or race the bind).
+    let dir = crate::sock::private_dir(&format!(
+        "bouncevm-vhost.{}.{n}.{unique}.",
         std::process::id()
-    ));
-    DirBuilder::new().mode(0o700).create(&dir)?;
+    ))?;
     let path = dir.join("s");
     let result = (|| {
         let listener = UnixListener::bind(&path)?;

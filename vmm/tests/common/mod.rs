@@ -281,6 +281,18 @@ impl Asm {
         self.b(&[0x66, 0xef]); // out dx, ax
         fail
     }
+    /// Enables the ACPI power button (PWRBTN_EN in PM1a_EN, 0x602), polls PM1a_STS (0x600)
+    /// until PWRBTN_STS is set, then clears it (write 1), as an OS's fixed-event handler
+    /// does. Clobbers eax, dx.
+    pub fn wait_power_button(&mut self) -> &mut Self {
+        self.mov_dx(0x602).mov_eax(0x100).b(&[0x66, 0xef]); // out dx, ax
+        let poll = self.here();
+        self.mov_dx(0x600).b(&[0x66, 0xed]); // in ax, dx
+        self.b(&[0xf3, 0x90]); // pause
+        self.b(&[0x66, 0xa9, 0x00, 0x01]); // test ax, 0x100
+        self.jz_to(poll);
+        self.mov_eax(0x100).b(&[0x66, 0xef]) // out dx, ax: write 1 to clear
+    }
     /// Points every rel32 at `sites` (from [`Asm::acpi_poweroff`]) to the current position.
     pub fn patch_rel32_here(&mut self, sites: &[usize]) -> &mut Self {
         let here = self.code.len();
