@@ -334,6 +334,39 @@ impl Dma {
         Ok(())
     }
 
+    /// Unmaps a buffer of which the device wrote only the first `written` bytes (0 after a
+    /// failed transfer): only those bytes are copied back to guest memory; the rest of the
+    /// guest buffer keeps its contents. Without it, an IOVA-mode pool (no copy-in at map for
+    /// device writes) would copy a previous mapping's bytes — another request's, another
+    /// client's — into the guest after a failed or short read. A direct buffer needs nothing.
+    ///
+    /// # Errors
+    /// Those of [`BouncePool::sync_for_cpu`] and [`BouncePool::unmap_single`]; the mapping is
+    /// released whatever happens.
+    pub fn unmap_written<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        buf: DmaBuffer,
+        written: usize,
+        worker: usize,
+    ) -> Result<()> {
+        let (Some(m), Some(pool)) = (&buf.bounce, &self.pool) else {
+            return Ok(());
+        };
+        let n = written.min(buf.len);
+        let copied = if n > 0 && buf.dir.device_writes() {
+            pool.sync_for_cpu(mem, m.dev_addr, n, m.dir)
+        } else {
+            Ok(())
+        };
+        let attrs = DmaAttrs {
+            skip_cpu_sync: true,
+            ..m.attrs
+        };
+        let released = pool.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs, worker);
+        copied.and(released)
+    }
+
     fn check(buf: &DmaBuffer, offset: usize, len: usize) -> Result<()> {
         if offset.checked_add(len).is_none_or(|end| end > buf.len) {
             return Err(Error::OutOfPool {
@@ -596,6 +629,44 @@ mod tests {
         assert!(m32.needs_bounce(0x1_0000_0000, 1));
         assert!(!Policy::Mask(64).needs_bounce(u64::MAX, 1));
         assert_eq!(Policy::Mask(40).to_string(), "mask=40");
+    }
+
+    #[test]
+    fn unmap_written_copies_back_only_the_written_prefix() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let pool = Arc::new(BouncePool::new(&PoolConfig::iova(64)).unwrap());
+        let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
+        mem.write_slice(&[0xaa; 4096], GuestAddress(0x8000))
+            .unwrap();
+        let b = dma
+            .map(&mem, 0x8000, 4096, Direction::FromDevice, 0)
+            .unwrap();
+        dma.write(&mem, &b, 0, &[0x11; 4096]).unwrap();
+        dma.unmap_written(&mem, b, 100, 0).unwrap();
+        let mut got = [0u8; 4096];
+        mem.read_slice(&mut got, GuestAddress(0x8000)).unwrap();
+        assert!(got[..100].iter().all(|&x| x == 0x11));
+        assert!(
+            got[100..].iter().all(|&x| x == 0xaa),
+            "unwritten bytes copied back"
+        );
+        // Nothing written: nothing copied; the slots are released either way.
+        let b = dma
+            .map(&mem, 0x8000, 4096, Direction::FromDevice, 0)
+            .unwrap();
+        dma.write(&mem, &b, 0, &[0x22; 4096]).unwrap();
+        dma.unmap_written(&mem, b, 0, 0).unwrap();
+        mem.read_slice(&mut got, GuestAddress(0x8000)).unwrap();
+        assert_eq!(got[0], 0x11);
+        assert_eq!(pool.used(), 0);
+        // write_direct bypasses the pool; read_guest/write_guest round-trip.
+        dma.write_direct(&mem, 0x9000, &[7]).unwrap();
+        let mut one = [0u8; 1];
+        dma.read_guest(&mem, 0x9000, &mut one, 0).unwrap();
+        assert_eq!(one, [7]);
+        dma.write_guest(&mem, 0x9001, &[8, 9], 0).unwrap();
+        assert!(dma.write_direct(&mem, 0x10_0000, &[1]).is_err());
+        assert_eq!(pool.used(), 0);
     }
 
     #[test]

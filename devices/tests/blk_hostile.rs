@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use bounce::{Direction, Dma, Policy, PoolConfig};
 use common::*;
-use devices::block::{req_type, status, BlockConfig, MemDisk};
+use devices::block::{req_type, status, BlockConfig, Disk, MemDisk};
 use devices::testing::{
     first_fit_pool, RawDesc, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
 };
@@ -643,4 +643,85 @@ fn header_split_across_descriptors_is_fine() {
     );
     assert_eq!((used[0].len, status_of(&blk, &b)), (513, status::OK));
     assert_eq!(blk.drv.ram.read(b.data, 512), pattern(3, 1024)[512..]);
+}
+
+/// A memory disk whose reads fail (EIO) past the first 512 bytes of a request while `fail`
+/// is set: the device has then written 512 bytes of an 8 KiB read.
+#[derive(Debug)]
+struct FailingDisk {
+    inner: MemDisk,
+    fail: std::sync::atomic::AtomicBool,
+}
+
+impl Disk for FailingDisk {
+    fn capacity(&self) -> u64 {
+        self.inner.capacity()
+    }
+    fn read_at<B: vm_memory::bitmap::BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut vm_memory::VolatileSlice<B>,
+    ) -> std::io::Result<usize> {
+        if !self.fail.load(std::sync::atomic::Ordering::Relaxed) {
+            return self.inner.read_at(offset, buf);
+        }
+        if offset >= 512 {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        let n = (512 - offset as usize).min(buf.len());
+        self.inner.read_at(offset, &mut buf.subslice(0, n).unwrap())
+    }
+    fn write_at<B: vm_memory::bitmap::BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &vm_memory::VolatileSlice<B>,
+    ) -> std::io::Result<usize> {
+        self.inner.write_at(offset, buf)
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.inner.discard(offset, len)
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> std::io::Result<()> {
+        self.inner.write_zeroes(offset, len, unmap)
+    }
+    fn kind(&self) -> &'static str {
+        "failing"
+    }
+}
+
+/// Issue 11 item 4: in IOVA mode a device-write mapping is not filled from the guest, so the
+/// pool buffer holds whatever an earlier mapping left there. A read that fails part-way used
+/// to copy the whole pool buffer back: another request's (in bouncevm-vhost, another
+/// client's) bytes reached the guest. Now a failed read copies nothing back.
+#[test]
+fn failed_read_leaks_no_stale_pool_bytes() {
+    for (name, cfg) in [
+        ("iova", PoolConfig::iova(64)),
+        ("swiotlb", PoolConfig::swiotlb(64)),
+    ] {
+        let disk = FailingDisk {
+            inner: MemDisk::new(DISK).unwrap(),
+            fail: false.into(),
+        };
+        let dma = Dma::bounced(Policy::Force, first_fit_pool(&cfg));
+        let mut blk = Blk::new(disk, BlockConfig::default(), dma.clone(), 0);
+        // A write of "secret" bytes leaves them in the pool slots the read will reuse.
+        let secret = vec![0x5e; 8192];
+        ok(&blk.write(8, &secret, Layout::Simple));
+        blk.drv
+            .device
+            .disk()
+            .fail
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let r = blk.read(0, 8192, Layout::Simple);
+        assert_eq!((r.status, r.len), (status::IOERR, 1), "{name}");
+        assert!(
+            !r.data.contains(&0x5e),
+            "{name}: stale pool bytes reached the guest"
+        );
+        assert_eq!(dma.stats().unwrap().used, 0, "{name}: slots leaked");
+    }
 }

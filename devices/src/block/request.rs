@@ -359,7 +359,8 @@ impl RequestCtx<'_> {
             Err(e) => Err(BlockError::Io(e.to_string())),
         };
         *self.mapped = p.mapped;
-        let unmapped = self.unmap_all(mem);
+        // Only a complete transfer is copied back to the guest (issue 11 item 4).
+        let unmapped = self.unmap_all(mem, io.is_ok());
         let (st, written) = match io.and(unmapped) {
             Ok(()) => {
                 match p.kind {
@@ -382,7 +383,7 @@ impl RequestCtx<'_> {
     /// nothing is written to the guest.
     pub fn release<M: GuestMemory + ?Sized>(&mut self, mem: &M, p: Pending) {
         *self.mapped = p.mapped;
-        if let Err(e) = self.unmap_all(mem) {
+        if let Err(e) = self.unmap_all(mem, false) {
             self.metrics.count_error(&e);
         }
         self.release_slot(mem, p.slot);
@@ -526,18 +527,27 @@ impl RequestCtx<'_> {
         });
         if r.is_err() {
             // The map error is what the request reports; a failing unmap is counted too.
-            if let Err(e) = self.unmap_all(mem) {
+            // Nothing was transferred: nothing may be copied back.
+            if let Err(e) = self.unmap_all(mem, false) {
                 self.metrics.count_error(&e);
             }
         }
         r
     }
 
-    /// Unmaps every buffer in `self.mapped`; the first error is returned.
-    fn unmap_all<M: GuestMemory + ?Sized>(&mut self, mem: &M) -> Result<()> {
+    /// Unmaps every buffer in `self.mapped`; the first error is returned. Unless
+    /// `transferred` (the whole I/O succeeded), nothing is copied back to the guest: after a
+    /// failed or short read only the guest's own bytes stay in its buffers, never stale pool
+    /// contents (issue 11 item 4).
+    fn unmap_all<M: GuestMemory + ?Sized>(&mut self, mem: &M, transferred: bool) -> Result<()> {
         let mut first = Ok(());
         for b in self.mapped.drain(..) {
-            if let Err(e) = self.dma.unmap(mem, b, self.worker) {
+            let r = if transferred {
+                self.dma.unmap(mem, b, self.worker)
+            } else {
+                self.dma.unmap_written(mem, b, 0, self.worker)
+            };
+            if let Err(e) = r {
                 if first.is_ok() {
                     first = Err(e.into());
                 }
@@ -708,7 +718,7 @@ impl RequestCtx<'_> {
             }
         }
         if let Err(e) = collected {
-            if let Err(u) = self.unmap_all(mem) {
+            if let Err(u) = self.unmap_all(mem, false) {
                 self.metrics.count_error(&u);
             }
             return Err(e);
