@@ -635,6 +635,51 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
         self.vqs[usize::from(q)].reap(&self.ram)
     }
 
+    /// Reaps queue `q` until `n` used entries arrived, running its worker on each of the
+    /// worker's own fds that becomes readable (an I/O engine's completions, timers), as a
+    /// transport's event loop would. Waits at most `timeout` in all (a hung device fails the
+    /// test instead of hanging it). Returns the entries reaped, possibly more than `n`.
+    ///
+    /// # Panics
+    /// When `timeout` passes first, or the worker fails.
+    pub fn wait_used(&mut self, q: u16, n: usize, timeout: std::time::Duration) -> Vec<Used> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut used = self.reap(q);
+        let Some((w, _)) = self.owner.get(&q).copied() else {
+            return used;
+        };
+        while used.len() < n {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            assert!(
+                !left.is_zero(),
+                "queue {q}: {} of {n} completions",
+                used.len()
+            );
+            let fds = self.worker_fds(w);
+            let mut p: Vec<libc::pollfd> = fds
+                .iter()
+                .map(|&(fd, _)| libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                })
+                .collect();
+            let ms = libc::c_int::try_from(left.as_millis().min(1000)).unwrap_or(1000);
+            // SAFETY: `p` is a valid, exclusively borrowed array of `p.len()` pollfds.
+            let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, ms) };
+            assert!(r >= 0, "poll: {}", std::io::Error::last_os_error());
+            for (i, pfd) in p.iter().enumerate() {
+                if pfd.revents & libc::POLLIN != 0 {
+                    if let Err(e) = self.fd_event(w, fds[i].1) {
+                        panic!("worker {w}: {e}");
+                    }
+                }
+            }
+            used.extend(self.reap(q));
+        }
+        used
+    }
+
     /// Reads `len` bytes of configuration space at `offset`.
     pub fn read_config(&self, offset: u64, len: usize) -> Vec<u8> {
         let mut v = vec![0u8; len];

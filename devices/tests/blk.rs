@@ -316,8 +316,18 @@ fn config_writes_are_ignored_and_counted() {
     );
     let before = blk.drv.read_config(0, 60);
     VirtioDevice::<GuestMemoryMmap>::write_config(&mut blk.drv.device, 0, &[1, 2, 3, 4]);
-    VirtioDevice::<GuestMemoryMmap>::write_config(&mut blk.drv.device, 32, &[1]);
+    VirtioDevice::<GuestMemoryMmap>::write_config(&mut blk.drv.device, 32, &[1, 0]);
     assert_eq!(blk.drv.read_config(0, 60), before);
+    assert_eq!(blk.metric("config_write_rejected"), 2);
+    // `writeback` (offset 32, one byte) is the one writable field with CONFIG_WCE: the
+    // driver sets the cache mode there, as with QEMU.
+    assert_eq!(
+        before[32], 1,
+        "cache=writeback starts with the write cache on"
+    );
+    VirtioDevice::<GuestMemoryMmap>::write_config(&mut blk.drv.device, 32, &[0]);
+    assert_eq!(blk.drv.read_config(32, 1), [0]);
+    assert_eq!(blk.metric("config_wce_writes"), 1);
     assert_eq!(blk.metric("config_write_rejected"), 2);
 }
 

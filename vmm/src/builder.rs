@@ -114,7 +114,8 @@ fn dma(bounce: &BounceOptions, workers: u16) -> Result<(Dma, Option<Arc<BouncePo
     Ok(bounce.build(usize::from(workers))?)
 }
 
-/// A virtio-blk core on the image `path`; `config.readonly` is set from `readonly`.
+/// A virtio-blk core on the image `path`, opened for `config.cache`; `config.readonly` is set
+/// from `readonly`, `config.on_full` from the bounce options.
 ///
 /// # Errors
 /// Those of [`open_image`]; [`BuildError::Bounce`], [`BuildError::Device`].
@@ -126,7 +127,15 @@ pub fn block(
     bounce: &BounceOptions,
 ) -> Result<Built<Block<DiskImage>>, BuildError> {
     config.readonly = readonly;
-    let image = open_image(path, format, readonly)?;
+    config.on_full = bounce.on_full;
+    let format = probe_format(path, format)?;
+    // The cache mode decides how the image is opened (O_DIRECT for none and directsync).
+    let image = DiskImage::open_with(path, format, readonly, config.cache).map_err(|source| {
+        BuildError::Image {
+            path: path.to_path_buf(),
+            source,
+        }
+    })?;
     let (dma, pool) = dma(bounce, config.num_queues)?;
     let device = Block::new(image, config, dma).map_err(|e| BuildError::Device(e.to_string()))?;
     Ok(Built { device, pool })

@@ -13,7 +13,7 @@
 
 use std::path::PathBuf;
 
-use devices::block::io::ImageFormat;
+use devices::block::io::{AioMode, CacheMode, ImageFormat};
 
 use crate::options::BounceOptions;
 
@@ -86,6 +86,10 @@ pub struct DriveSpec {
     pub if_none: bool,
     /// `readonly=on`.
     pub readonly: bool,
+    /// `aio=io_uring|threads|sync` (`None`: io_uring for raw images, threads for qcow2).
+    pub aio: Option<AioMode>,
+    /// `cache=none|writeback|writethrough|directsync|unsafe` (default writeback).
+    pub cache: CacheMode,
 }
 
 /// `-netdev tap` (or the netdev half of `-nic tap`).
@@ -280,12 +284,13 @@ QEMU-compatible subset (see vmm/README.md for every accepted property):
   -m [size=]SIZE          guest RAM: MiB, or with a K/M/G/T suffix, fractions allowed (default 512M)
   -smp [cpus=]N[,sockets=1,dies=1,cores=N,threads=1,maxcpus=N]   vCPUs, 1..=254 (default 1)
   -drive file=F[,format=raw|qcow2][,if=virtio|none][,id=ID][,readonly=on|off]
+         [,aio=io_uring|threads|sync][,cache=none|writeback|writethrough|directsync|unsafe]
   -device virtio-blk-pci,drive=ID[,id=][,num-queues=N][,queue-size=N][,logical_block_size=N][,serial=S]
   -netdev tap,id=ID[,ifname=NAME][,queues=N][,script=no][,downscript=no]
   -device virtio-net-pci,netdev=ID[,id=][,mac=MAC][,mq=on|off]
   -nic tap[,ifname=NAME][,model=virtio-net-pci][,mac=MAC][,queues=N][,script=no][,downscript=no]
                           virtio devices also take iommu_platform=on|off, disable-legacy=on, disable-modern=off
-  -bounce [id=DEV,]policy=off|force|mask=BITS[,mode=swiotlb|iova][,slots=N][,areas=N][,alloc=NAME][,workers=N]
+  -bounce [id=DEV,]policy=off|force|mask=BITS[,mode=swiotlb|iova][,slots=N][,areas=N][,alloc=NAME][,workers=N][,on-full=wait|fail]
   -qmp unix:PATH,server[,wait=off|nowait]
   --socket-mode MODE      permission bits of the QMP socket (octal, default 0600)
   -serial stdio|mon:stdio, -nographic, -display none, -vga none, -monitor none, -nodefaults
@@ -541,6 +546,20 @@ const DRIVE_PROPS: &[Prop<DriveSpec>] = &[
     Prop {
         name: "readonly",
         set: |d, v| put(&mut d.readonly, v.bool()?),
+    },
+    Prop {
+        name: "aio",
+        set: |d, v| {
+            let a = v.str().parse().map_err(|e: String| v.bad(&e))?;
+            put(&mut d.aio, Some(a))
+        },
+    },
+    Prop {
+        name: "cache",
+        set: |d, v| {
+            let c = v.str().parse().map_err(|e: String| v.bad(&e))?;
+            put(&mut d.cache, c)
+        },
     },
 ];
 
@@ -1563,6 +1582,18 @@ mod tests {
     }
 
     #[test]
+    fn drive_aio_and_cache_use_qemus_names() {
+        let c = p(&["-kernel", "k", "-drive", "file=a,aio=threads,cache=none"]).unwrap();
+        assert_eq!(c.drives[0].aio, Some(AioMode::Threads));
+        assert_eq!(c.drives[0].cache, CacheMode::None);
+        let c = p(&["-kernel", "k", "-drive", "file=a"]).unwrap();
+        assert_eq!(
+            (c.drives[0].aio, c.drives[0].cache),
+            (None, CacheMode::Writeback)
+        );
+    }
+
+    #[test]
     fn errors_name_the_flag_or_property() {
         assert_eq!(e(&["-foo"]), "unsupported option -foo");
         assert!(e(&["-kernel", "k", "-machine", "pc"]).contains("type of -machine"));
@@ -1581,9 +1612,11 @@ mod tests {
         assert!(e(&["-kernel", "k", "-m", "1.3333M"]).contains("-m"));
         assert!(e(&["-kernel", "k", "-m", "1G,maxmem=2G"]).contains("'maxmem' of -m"));
         assert_eq!(
-            e(&["-kernel", "k", "-drive", "file=a,cache=none"]),
-            "unsupported property 'cache' of -drive"
+            e(&["-kernel", "k", "-drive", "file=a,snapshot=on"]),
+            "unsupported property 'snapshot' of -drive"
         );
+        assert!(e(&["-kernel", "k", "-drive", "file=a,cache=off"]).contains("directsync"));
+        assert!(e(&["-kernel", "k", "-drive", "file=a,aio=native"]).contains("io_uring"));
         assert_eq!(
             e(&[
                 "-kernel",

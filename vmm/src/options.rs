@@ -10,6 +10,8 @@
 //! alloc=NAME                   allocator (default: areas for swiotlb, iova-rcache for iova)
 //! workers=N                    workers (CPUs in Linux) the pool is sized for (default: the
 //!                              device's queue workers)
+//! on-full=wait|fail            a block request that finds the pool full while others are in
+//!                              flight waits for their slots (default) or fails with IOERR
 //! ```
 //!
 //! ```
@@ -23,6 +25,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use bounce::{AllocatorKind, BouncePool, Dma, Policy, PoolConfig, PoolMode};
+use devices::block::io::OnFull;
 
 /// Errors of option parsing and of building a pool from options.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -31,7 +34,7 @@ pub enum OptionsError {
     #[error("'{0}' is not key=value")]
     NotKeyValue(String),
     /// An unknown key.
-    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers)")]
+    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers, on-full)")]
     UnknownKey(String),
     /// A key given twice.
     #[error("bounce option '{0}' given twice")]
@@ -66,6 +69,8 @@ pub struct BounceOptions {
     pub alloc: Option<AllocatorKind>,
     /// Workers, if given (else the caller's default).
     pub workers: Option<usize>,
+    /// What a block request does when the pool is momentarily full.
+    pub on_full: OnFull,
 }
 
 impl Default for BounceOptions {
@@ -78,6 +83,7 @@ impl Default for BounceOptions {
             areas: None,
             alloc: None,
             workers: None,
+            on_full: OnFull::Wait,
         }
     }
 }
@@ -136,6 +142,7 @@ impl FromStr for BounceOptions {
                 "slots" => o.slots = positive(key, value)?,
                 "areas" => o.areas = Some(positive(key, value)?),
                 "workers" => o.workers = Some(positive(key, value)?),
+                "on-full" => o.on_full = value.parse().map_err(bad)?,
                 _ => return Err(OptionsError::UnknownKey(key.into())),
             }
             seen.push(key);
@@ -227,6 +234,17 @@ mod tests {
         assert!(matches!(e("mode=dma"), OptionsError::BadValue { .. }));
         assert!(matches!(e("policy=mask=99"), OptionsError::BadValue { .. }));
         assert!(e("alloc=best").to_string().contains("areas-bitmap"));
+    }
+
+    #[test]
+    fn on_full_is_wait_unless_told() {
+        let o: BounceOptions = "policy=force".parse().unwrap();
+        assert_eq!(o.on_full, OnFull::Wait);
+        assert_eq!(BounceOptions::default().on_full, OnFull::Wait);
+        let o: BounceOptions = "on-full=fail".parse().unwrap();
+        assert_eq!(o.on_full, OnFull::Fail);
+        let e = "on-full=drop".parse::<BounceOptions>().unwrap_err();
+        assert!(e.to_string().contains("wait or fail"), "{e}");
     }
 
     #[test]

@@ -77,8 +77,12 @@ fn unsupported_flags_and_properties_are_rejected_by_name() {
         "'dirty-ring-size' of -accel kvm",
     );
     one_line_error(
-        &["-kernel", k, "-drive", &format!("{file},cache=none")],
-        "unsupported property 'cache' of -drive",
+        &["-kernel", k, "-drive", &format!("{file},snapshot=on")],
+        "unsupported property 'snapshot' of -drive",
+    );
+    one_line_error(
+        &["-kernel", k, "-drive", &format!("{file},cache=off")],
+        "unknown cache mode 'off'",
     );
     one_line_error(
         &["-kernel", k, "-drive", &format!("{file},if=ide")],

@@ -1,6 +1,8 @@
 //! The virtio-blk device: features, configuration space, lifecycle, and the per-queue
 //! workers.
 
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bounce::{Dma, DmaBuffer};
@@ -8,9 +10,10 @@ use serde_json::json;
 use virtio_queue::Queue;
 use vm_memory::GuestMemory;
 
-use super::io::Disk;
+use super::inflight::{MemPin, RetryTimer, Slab};
+use super::io::{new_engine, Disk, EngineStats, IoDone, IoEngine, OnFull};
 use super::metrics::BlockMetrics;
-use super::request::{DiskParams, RequestCtx, MAX_DISCARD_SEGS};
+use super::request::{DiskParams, Pending, RequestCtx, Started, MAX_DISCARD_SEGS};
 use super::{features as blk, BlockConfig, BlockError, CONFIG_SPACE_LEN, ID_BYTES, SECTOR_SHIFT};
 use crate::virtio::chain::Chain;
 use crate::virtio::queue::{self, Step};
@@ -44,7 +47,20 @@ pub struct Block<D: Disk> {
     /// Largest single DMA mapping (the pool's, for a device without an alignment mask).
     max_map: usize,
     config_write_logged: crate::metrics::LogOnce,
+    /// The write cache the guest sees (config `writeback`): starts as the cache mode says,
+    /// set by the driver through CONFIG_WCE, or by FLUSH negotiation without it (QEMU's
+    /// rules); read by the workers for each request.
+    write_cache: Arc<AtomicBool>,
+    /// The engines of the active workers, for the statistics.
+    engines: Vec<Arc<EngineStats>>,
+    /// The `aio=` name of those engines.
+    engine_name: &'static str,
 }
+
+/// Worker fd token of the engine's completion eventfd.
+pub const ENGINE_TOKEN: u32 = 0;
+/// Worker fd token of the retry timer (a queue waiting for bounce slots).
+pub const RETRY_TOKEN: u32 = 1;
 
 impl<D: Disk> Block<D> {
     /// A device serving `disk` with `config`, whose every buffer goes through `dma`.
@@ -65,7 +81,8 @@ impl<D: Disk> Block<D> {
             | blk::SIZE_MAX
             | blk::SEG_MAX
             | blk::BLK_SIZE
-            | blk::FLUSH;
+            | blk::FLUSH
+            | blk::CONFIG_WCE;
         if config.access_platform {
             f |= vf::ACCESS_PLATFORM;
         }
@@ -78,6 +95,14 @@ impl<D: Disk> Block<D> {
         if config.discard {
             f |= blk::DISCARD | blk::WRITE_ZEROES;
         }
+        let disk = Arc::new(disk);
+        // Refuse an engine that cannot work here (aio=io_uring on qcow2 or on a kernel
+        // without io_uring) now, with its reason, rather than at activation.
+        let probe =
+            new_engine(config.aio, &disk, 8).map_err(|e| BlockError::Config(e.to_string()))?;
+        let engine_name = probe.name();
+        drop(probe);
+        let write_cache = Arc::new(AtomicBool::new(config.cache.write_cache()));
         // size_max: the largest mapping the DMA handle can make for this device's constraints
         // (its alignment mask included), so no request piece is ever too large to map.
         let max_map = dma
@@ -85,7 +110,10 @@ impl<D: Disk> Block<D> {
             .unwrap_or(DIRECT_SIZE_MAX as usize)
             .clamp(4096, DIRECT_SIZE_MAX as usize);
         Ok(Self {
-            disk: Arc::new(disk),
+            disk,
+            write_cache,
+            engines: Vec::new(),
+            engine_name,
             config,
             dma,
             avail_features: f,
@@ -139,7 +167,8 @@ impl<D: Disk> Block<D> {
         put(12, &self.seg_max().to_le_bytes());
         // 16..20: geometry (not offered).
         put(20, &self.config.blk_size.to_le_bytes());
-        // 24..32: topology (not offered); 32: writeback (CONFIG_WCE not offered).
+        // 24..32: topology (not offered); 32: writeback (CONFIG_WCE).
+        put(32, &[u8::from(self.write_cache.load(Ordering::Relaxed))]);
         put(34, &self.config.num_queues.to_le_bytes());
         put(36, &MAX_DISCARD_SECTORS.to_le_bytes());
         put(40, &(MAX_DISCARD_SEGS as u32).to_le_bytes());
@@ -163,7 +192,7 @@ impl<D: Disk> Block<D> {
         DiskParams {
             capacity: self.capacity(),
             readonly: self.config.readonly,
-            writeback: acked & blk::FLUSH != 0,
+            no_flush: self.config.cache.no_flush(),
             discard: acked & blk::DISCARD != 0,
             write_zeroes: acked & blk::WRITE_ZEROES != 0,
             may_unmap: true,
@@ -178,7 +207,43 @@ impl<D: Disk> Block<D> {
     }
 }
 
-impl<M: GuestMemory, D: Disk> VirtioDevice<M> for Block<D> {
+/// Offset of `writeback` in the configuration space.
+const WRITEBACK_OFFSET: u64 = 32;
+
+impl<D: Disk> Block<D> {
+    /// The engines' counters, summed over the queues.
+    fn engine_stats(&self) -> serde_json::Value {
+        let sum = |f: fn(&EngineStats) -> &std::sync::atomic::AtomicU64| -> u64 {
+            self.engines
+                .iter()
+                .map(|e| f(e).load(Ordering::Relaxed))
+                .sum()
+        };
+        json!({
+            "aio": self.engine_name,
+            "cache": self.config.cache.name(),
+            "write_cache": self.write_cache.load(Ordering::Relaxed),
+            "on_full": self.config.on_full.name(),
+            "submitted": sum(|e| &e.submitted),
+            "completed": sum(|e| &e.completed),
+            "submit_calls": sum(|e| &e.submit_calls),
+            "dio_bounced": sum(|e| &e.dio_bounced),
+            "resubmitted": sum(|e| &e.resubmitted),
+            "in_flight_hiwater": self
+                .engines
+                .iter()
+                .map(|e| e.in_flight_hiwater.load(Ordering::Relaxed))
+                .max()
+                .unwrap_or(0),
+        })
+    }
+}
+
+impl<M, D> VirtioDevice<M> for Block<D>
+where
+    M: GuestMemory + Clone + Send + Sync + 'static,
+    D: Disk,
+{
     fn device_type(&self) -> u32 {
         device_type::BLOCK
     }
@@ -207,6 +272,14 @@ impl<M: GuestMemory, D: Disk> VirtioDevice<M> for Block<D> {
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {
+        if offset == WRITEBACK_OFFSET && data.len() == 1 {
+            // The one writable field (virtio 1.2, 5.2.5: with CONFIG_WCE the driver sets the
+            // cache mode). Honoured at once by every worker, as QEMU's
+            // blk_set_enable_write_cache.
+            self.write_cache.store(data[0] != 0, Ordering::Relaxed);
+            self.metrics.config_wce_writes.inc();
+            return;
+        }
         // A driver can do this in a loop: counted always, logged once.
         self.metrics.config_write_rejected.inc();
         if self.config_write_logged.first() {
@@ -235,21 +308,38 @@ impl<M: GuestMemory, D: Disk> VirtioDevice<M> for Block<D> {
         } else {
             1
         };
+        if acked & blk::CONFIG_WCE == 0 {
+            // A driver that cannot read `writeback` gets the write cache it negotiated FLUSH
+            // for (QEMU's virtio_blk_set_status).
+            self.write_cache
+                .store(acked & blk::FLUSH != 0, Ordering::Relaxed);
+        }
         let params = Arc::new(self.params(acked));
-        let workers = (0..queues)
-            .map(|q| {
-                Box::new(BlockWorker {
-                    queue_index: q,
-                    disk: Arc::clone(&self.disk),
-                    dma: self.dma.clone(),
-                    params: Arc::clone(&params),
-                    metrics: Arc::clone(&self.metrics),
-                    max_map: self.max_map,
-                    chain: Chain::default(),
-                    mapped: Vec::new(),
-                }) as Box<dyn QueueWorker<M>>
-            })
-            .collect();
+        let mut workers: Vec<Box<dyn QueueWorker<M>>> = Vec::new();
+        self.engines.clear();
+        for q in 0..queues {
+            let engine = new_engine(self.config.aio, &self.disk, self.config.queue_size)
+                .map_err(|e| ActivateError::Backend(format!("queue {q}: {e}")))?;
+            self.engine_name = engine.name();
+            self.engines.push(Arc::clone(engine.stats()));
+            workers.push(Box::new(BlockWorker {
+                queue_index: q,
+                dma: self.dma.clone(),
+                params: Arc::clone(&params),
+                metrics: Arc::clone(&self.metrics),
+                max_map: self.max_map,
+                chain: Chain::default(),
+                mapped: Vec::new(),
+                engine,
+                pending: Slab::default(),
+                mem: MemPin::default(),
+                done: Vec::new(),
+                write_cache: Arc::clone(&self.write_cache),
+                on_full: self.config.on_full,
+                deferred: false,
+                retry: RetryTimer::new(),
+            }) as Box<dyn QueueWorker<M>>);
+        }
         self.state = DeviceState::Activated {
             acked_features: acked,
             queues,
@@ -259,6 +349,8 @@ impl<M: GuestMemory, D: Disk> VirtioDevice<M> for Block<D> {
 
     fn reset(&mut self) {
         self.state = DeviceState::Inactive;
+        self.write_cache
+            .store(self.config.cache.write_cache(), Ordering::Relaxed);
     }
 
     fn stats(&self) -> serde_json::Value {
@@ -278,29 +370,192 @@ impl<M: GuestMemory, D: Disk> VirtioDevice<M> for Block<D> {
             "acked_features": acked,
             "active_queues": queues,
             "metrics": &*self.metrics,
+            "engine": self.engine_stats(),
             "bounce": self.dma.stats(),
         })
     }
 }
 
-/// Serves one request queue. Requests complete synchronously inside [`QueueWorker::handle`],
-/// through the shared queue-service loop ([`queue::drain`]): each popped head gets exactly one
-/// used entry before the next is popped.
+/// A request whose host I/O is in flight.
 #[derive(Debug)]
-pub struct BlockWorker<D: Disk> {
+struct InFlight<M: GuestMemory> {
+    head: u16,
+    req: Pending,
+    /// The guest memory its buffers point into, kept mapped until it completes.
+    mem: Arc<M>,
+}
+
+/// Serves one request queue through the shared queue-service loop ([`queue::drain`]) and an
+/// [`IoEngine`]: a kick pops chains, maps them and submits their I/O (up to the queue size in
+/// flight); the engine's eventfd brings completions, which are unmapped, given their status
+/// and put on the used ring in completion order, one notification per batch. A request that
+/// finds the bounce pool full stays on the ring (`on-full=wait`) until completions release
+/// slots, or the retry timer fires when none of this queue's requests is in flight.
+#[derive(Debug)]
+pub struct BlockWorker<M: GuestMemory> {
     queue_index: u16,
-    disk: Arc<D>,
     dma: Dma,
     params: Arc<DiskParams>,
     metrics: Arc<BlockMetrics>,
     max_map: usize,
     chain: Chain,
     mapped: Vec<DmaBuffer>,
+    engine: Box<dyn IoEngine>,
+    pending: Slab<InFlight<M>>,
+    mem: MemPin<M>,
+    done: Vec<IoDone>,
+    write_cache: Arc<AtomicBool>,
+    on_full: OnFull,
+    /// A submission pass stopped on a full pool: run one again when slots may be free.
+    deferred: bool,
+    retry: RetryTimer,
 }
 
-impl<M: GuestMemory, D: Disk> QueueWorker<M> for BlockWorker<D> {
+fn broken(e: impl std::fmt::Display) -> WorkerError {
+    WorkerError::Broken(format!("virtio-blk: {e}"))
+}
+
+impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
+    fn ctx(&mut self, may_wait: bool) -> (RequestCtx<'_>, &mut Chain) {
+        (
+            RequestCtx {
+                dma: &self.dma,
+                params: &self.params,
+                metrics: &self.metrics,
+                worker: usize::from(self.queue_index),
+                max_map: self.max_map,
+                mapped: &mut self.mapped,
+                write_cache: self.write_cache.load(Ordering::Relaxed),
+                may_wait,
+            },
+            &mut self.chain,
+        )
+    }
+
+    /// Pops chains and submits them; returns the used entries added (requests finished at
+    /// once).
+    fn submit(&mut self, mem: &M, queue: &mut Queue) -> Result<usize, WorkerError> {
+        self.deferred = false;
+        let pin = self.mem.pin(mem);
+        let wait_mode = self.on_full == OnFull::Wait;
+        let write_cache = self.write_cache.load(Ordering::Relaxed);
+        let Self {
+            queue_index,
+            dma,
+            params,
+            metrics,
+            max_map,
+            chain,
+            mapped,
+            engine,
+            pending,
+            deferred,
+            retry,
+            ..
+        } = self;
+        let mut ctx = RequestCtx {
+            dma,
+            params,
+            metrics,
+            worker: usize::from(*queue_index),
+            max_map: *max_map,
+            mapped,
+            write_cache,
+            may_wait: false,
+        };
+        let drained = queue::drain(queue, mem, |at| {
+            // Waiting needs something that will retry: one of our own requests completing,
+            // or the retry timer.
+            ctx.may_wait = wait_mode && (!pending.is_empty() || retry.can_arm());
+            match ctx.start(mem, &at, chain) {
+                Ok(Started::Done(c)) => Ok(Step::Used(c.used_len)),
+                Ok(Started::Submit(req, op)) => {
+                    let tag = pending.insert(InFlight {
+                        head: at.head,
+                        req,
+                        mem: Arc::clone(&pin),
+                    });
+                    // SAFETY: the op's buffers are the device-visible side of the mappings
+                    // now owned by `pending[tag]` (bounce slots, or guest memory kept mapped
+                    // by its `mem`); they are unmapped only after the engine returned this
+                    // tag's completion, or after the engine is dropped (which waits).
+                    unsafe { engine.submit(tag as u64, op) };
+                    Ok(Step::Held)
+                }
+                Ok(Started::PoolFull) => {
+                    if pending.is_empty() {
+                        retry.arm();
+                    }
+                    *deferred = true;
+                    Ok(Step::Defer)
+                }
+                Err(e) => Err(broken(format_args!("head {}: {e}", at.head))),
+            }
+        });
+        engine.kick();
+        let drained = drained.map_err(|e| match e {
+            WorkerError::Broken(why) if !why.starts_with("virtio-blk") => broken(why),
+            e => e,
+        })?;
+        if drained.popped > 0 {
+            retry.progressed();
+        }
+        metrics.drains.add(drained.passes as u64);
+        metrics.queue_depth_hiwater.max(u64::from(drained.deepest));
+        metrics.inflight_hiwater.max(pending.len() as u64);
+        Ok(drained.used)
+    }
+
+    /// Reaps the engine's completions and puts them on the used ring, in completion order;
+    /// returns how many.
+    fn complete(&mut self, mem: &M, queue: &mut Queue) -> Result<usize, WorkerError> {
+        let mut done = std::mem::take(&mut self.done);
+        done.clear();
+        self.engine.reap(&mut done);
+        let mut used = 0;
+        let mut result = Ok(());
+        for d in done.drain(..) {
+            let Some(f) = self
+                .pending
+                .remove(usize::try_from(d.tag).unwrap_or(usize::MAX))
+            else {
+                tracing::error!("virtio-blk: completion for unknown tag {}", d.tag);
+                continue;
+            };
+            if result.is_err() {
+                // The device is already broken: release what is left.
+                let (mut ctx, _) = self.ctx(false);
+                ctx.release(mem, f.req);
+                continue;
+            }
+            let (mut ctx, _) = self.ctx(false);
+            match ctx.finish(mem, f.req, d.result) {
+                Ok(c) => match queue::add_used(queue, mem, f.head, c.used_len) {
+                    Ok(()) => used += 1,
+                    Err(e) => result = Err(e),
+                },
+                Err(e) => result = Err(broken(format_args!("head {}: {e}", f.head))),
+            }
+        }
+        self.done = done;
+        result.map(|()| used)
+    }
+}
+
+impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWorker<M> {
     fn queue_indexes(&self) -> Vec<u16> {
         vec![self.queue_index]
+    }
+
+    fn extra_fds(&self) -> Vec<(RawFd, u32)> {
+        let mut v = Vec::new();
+        if let Some(fd) = self.engine.notifier() {
+            v.push((fd, ENGINE_TOKEN));
+        }
+        if let Some(fd) = self.retry.fd() {
+            v.push((fd, RETRY_TOKEN));
+        }
+        v
     }
 
     fn handle(
@@ -309,44 +564,84 @@ impl<M: GuestMemory, D: Disk> QueueWorker<M> for BlockWorker<D> {
         mem: &M,
         queues: &mut [&mut Queue],
     ) -> Result<Signal, WorkerError> {
-        let (WorkerEvent::Kick(0), [queue]) = (event, queues) else {
+        let [queue] = queues else {
             return Err(WorkerError::UnexpectedEvent(event));
         };
-        let mut ctx = RequestCtx {
-            disk: &*self.disk,
-            dma: &self.dma,
-            params: &self.params,
-            metrics: &self.metrics,
-            worker: usize::from(self.queue_index),
-            max_map: self.max_map,
-            mapped: &mut self.mapped,
-        };
-        let chain = &mut self.chain;
-        let drained = queue::drain(queue, mem, |at| match ctx.serve(mem, &at, chain) {
-            Ok(c) => Ok(Step::Used(c.used_len)),
-            Err(e) => Err(WorkerError::Broken(format!(
-                "virtio-blk: head {}: {e}",
-                at.head
-            ))),
-        });
-        let drained = drained.map_err(|e| match e {
-            WorkerError::Broken(why) if !why.starts_with("virtio-blk") => {
-                WorkerError::Broken(format!("virtio-blk: {why}"))
+        let pass = match event {
+            WorkerEvent::Kick(0) => true,
+            WorkerEvent::Fd(ENGINE_TOKEN) => false,
+            WorkerEvent::Fd(RETRY_TOKEN) => {
+                self.retry.fired();
+                true
             }
-            e => e,
-        })?;
-        self.metrics.drains.add(drained.passes as u64);
-        self.metrics
-            .queue_depth_hiwater
-            .max(u64::from(drained.deepest));
+            _ => return Err(WorkerError::UnexpectedEvent(event)),
+        };
+        // Completions first: they release bounce slots a submission may need.
+        let mut used = self.complete(mem, queue)?;
+        if pass || self.deferred {
+            loop {
+                used += self.submit(mem, queue)?;
+                // Engines that finish inside submit (aio=sync), or very fast I/O. Their
+                // eventfd was consumed by this reap, so if the pass stopped on a full pool
+                // and these completions freed slots, the next pass must run now: no event
+                // would bring it.
+                let freed = self.complete(mem, queue)?;
+                used += freed;
+                if !(self.deferred && freed > 0) {
+                    break;
+                }
+            }
+        }
         let mut signal = Signal::NONE;
-        if drained.used > 0 {
+        if used > 0 {
             queue::notify(queue, mem, 0, &mut signal)?;
         }
         Ok(signal)
     }
 
     fn stats(&self) -> serde_json::Value {
-        json!({ "queue": self.queue_index })
+        json!({ "queue": self.queue_index, "in_flight": self.pending.len() })
+    }
+}
+
+impl<M: GuestMemory> Drop for BlockWorker<M> {
+    fn drop(&mut self) {
+        // Device reset or teardown with I/O in flight: wait for the host to finish with the
+        // buffers, then release every mapping (nothing is written to the guest any more).
+        let mut done = Vec::new();
+        let mut rounds = 0u32;
+        while !self.pending.is_empty() && rounds < 100_000 {
+            rounds += 1;
+            self.engine.kick();
+            self.engine.wait();
+            self.engine.reap(&mut done);
+            for d in done.drain(..) {
+                if let Some(f) = self
+                    .pending
+                    .remove(usize::try_from(d.tag).unwrap_or(usize::MAX))
+                {
+                    let mut ctx = RequestCtx {
+                        dma: &self.dma,
+                        params: &self.params,
+                        metrics: &self.metrics,
+                        worker: usize::from(self.queue_index),
+                        max_map: self.max_map,
+                        mapped: &mut self.mapped,
+                        write_cache: false,
+                        may_wait: false,
+                    };
+                    ctx.release(&*f.mem, f.req);
+                }
+            }
+            if self.engine.in_flight() == 0 {
+                break;
+            }
+        }
+        if !self.pending.is_empty() {
+            tracing::error!(
+                "virtio-blk: {} requests still pending at reset; their mappings are leaked",
+                self.pending.len()
+            );
+        }
     }
 }

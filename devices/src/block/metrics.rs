@@ -13,7 +13,8 @@
 //!     "bytes_read": 40960, "bytes_written": 16384,
 //!     "err_bad_chain": 0, "err_guest_access": 0, "err_bounce": 0, "err_io": 0,
 //!     "err_out_of_range": 0, "err_readonly": 0, "err_unsupported": 0,
-//!     "no_status": 0, "status_direct": 0, "config_write_rejected": 0,
+//!     "no_status": 0, "status_direct": 0, "config_write_rejected": 0, "config_wce_writes": 0,
+//!     "pool_full_waits": 0, "pool_full_failed": 0, "inflight_hiwater": 32,
 //!     "drains": 3, "queue_depth_hiwater": 8
 //!   },
 //!   "bounce": { "mode": "swiotlb", "nslabs": 32768, "used": 0, ... }
@@ -68,6 +69,16 @@ pub struct BlockMetrics {
     pub status_direct: Counter,
     /// Driver writes to the (read-only) configuration space, ignored.
     pub config_write_rejected: Counter,
+    /// Driver writes of `writeback` (CONFIG_WCE) applied.
+    pub config_wce_writes: Counter,
+    /// Submission passes that stopped on a full bounce pool and left the request on the ring
+    /// (`on-full=wait`).
+    pub pool_full_waits: Counter,
+    /// Requests completed with IOERR because the pool was full (`on-full=fail`, a request
+    /// larger than the pool, or a wait that never got slots).
+    pub pool_full_failed: Counter,
+    /// Most requests in flight at once on one queue.
+    pub inflight_hiwater: Counter,
     /// Queue drains (passes over the available ring).
     pub drains: Counter,
     /// Most chains popped in one drain.

@@ -16,6 +16,7 @@
 //! the chain walker, as on a real platform where the rings are shared (decrypted) memory.
 
 pub mod device;
+pub mod inflight;
 pub mod io;
 pub mod metrics;
 pub mod request;
@@ -52,6 +53,8 @@ pub mod features {
     pub const BLK_SIZE: u64 = 1 << 6;
     /// Cache flush command support.
     pub const FLUSH: u64 = 1 << 9;
+    /// The driver can read and set the write cache mode in `writeback`.
+    pub const CONFIG_WCE: u64 = 1 << 11;
     /// The device supports more than one queue; `num_queues` holds the count.
     pub const MQ: u64 = 1 << 12;
     /// DISCARD command support.
@@ -215,6 +218,15 @@ pub struct BlockConfig {
     pub blk_size: u32,
     /// Offer DISCARD and WRITE_ZEROES.
     pub discard: bool,
+    /// `aio=`: the host I/O engine; `None` picks io_uring for raw images (the thread pool
+    /// where the kernel refuses io_uring), the thread pool for qcow2, and the synchronous path
+    /// for memory disks, which never block.
+    pub aio: Option<io::AioMode>,
+    /// `cache=`: the write cache the guest sees and what FLUSH does (the image must be
+    /// opened for the same mode: [`io::DiskImage::open_with`]).
+    pub cache: io::CacheMode,
+    /// What a request does when the bounce pool is momentarily full.
+    pub on_full: io::OnFull,
 }
 
 impl Default for BlockConfig {
@@ -227,6 +239,9 @@ impl Default for BlockConfig {
             access_platform: true,
             blk_size: 512,
             discard: true,
+            aio: None,
+            cache: io::CacheMode::Writeback,
+            on_full: io::OnFull::Wait,
         }
     }
 }

@@ -4,14 +4,20 @@
 //! 1. The device's one chain walker ([`crate::virtio::chain::walk`]) reads the descriptors
 //!    into the device-readable and device-writable byte streams of a [`Chain`], with the
 //!    rules every device shares.
-//! 2. [`RequestCtx::execute`] maps the status byte first (so an error can still be
-//!    reported when the bounce pool fills up later in the request), reads the header through
-//!    the DMA handle, parses it into a [`RequestType`], validates directions, lengths and the
-//!    sector range with checked arithmetic, maps all data buffers (a scatter-gather map, as a
-//!    guest driver's `dma_map_sg`), runs the backend I/O on the device-visible buffers and
-//!    unmaps them.
-//! 3. The status byte is written through its mapping and unmapped; the caller puts the head on
-//!    the used ring with the returned length (0 when no status could be written).
+//! 2. [`RequestCtx::start`] maps the status byte first (so an error can still be reported
+//!    when the bounce pool fills up later in the request), reads the header through the DMA
+//!    handle, parses it into a [`RequestType`], validates directions, lengths and the sector
+//!    range with checked arithmetic, and maps all data buffers (a scatter-gather map, as a
+//!    guest driver's `dma_map_sg`). It returns the host I/O on the device-visible buffers
+//!    ([`Started::Submit`]: an [`IoOp`] and the [`Pending`] request that owns the mappings),
+//!    a finished request ([`Started::Done`]), or, with `may_wait`, [`Started::PoolFull`] when
+//!    the bounce pool is momentarily full (everything released, the caller retries later).
+//! 3. Once the engine completes the I/O, [`RequestCtx::finish`] unmaps the data (copying a
+//!    read back through the pool), writes the status through its mapping and unmaps it; the
+//!    caller puts the head on the used ring with the returned length.
+//!
+//! So a request holds its bounce slots exactly as long as its host I/O runs, as a real
+//! device's DMA window and the guest's own swiotlb mapping do.
 //!
 //! virtio 1.0 devices may not assume any framing (`VIRTIO_F_ANY_LAYOUT` is implied by
 //! VERSION_1): the header is the first 16 readable bytes, the status the last writable byte,
@@ -20,7 +26,7 @@
 use bounce::{Direction, Dma, DmaBuffer};
 use vm_memory::GuestMemory;
 
-use super::io::{Disk, DiskIo};
+use super::io::{IoBufCollector, IoOp, Range};
 use super::metrics::BlockMetrics;
 use super::{
     req_type, status, BlockError, Result, DISCARD_SEG_LEN, ID_BYTES, REQ_HEADER_LEN, SECTOR_SHIFT,
@@ -95,9 +101,8 @@ pub struct DiskParams {
     pub capacity: u64,
     /// Writes are refused.
     pub readonly: bool,
-    /// FLUSH was negotiated: writes may stay in the host's cache until a flush. Without it the
-    /// device is write-through and syncs after every write.
-    pub writeback: bool,
+    /// cache=unsafe: FLUSH requests sync nothing.
+    pub no_flush: bool,
     /// DISCARD was negotiated.
     pub discard: bool,
     /// WRITE_ZEROES was negotiated.
@@ -136,8 +141,14 @@ pub struct Completion {
 #[error("unusable request chain: {0}")]
 pub struct Unusable(pub BlockError);
 
+/// True for a mapping that failed because the bounce pool is momentarily full.
+fn is_pool_full(e: &BlockError) -> bool {
+    matches!(e, BlockError::Bounce(b) if b.class() == bounce::error::ErrorClass::Exhausted)
+}
+
 /// Where the status byte goes: through a mapping made before anything else, or, when the
 /// pool was full at that point, straight to guest memory.
+#[derive(Debug)]
 enum StatusSlot {
     Mapped(DmaBuffer),
     Direct(u64),
@@ -145,9 +156,7 @@ enum StatusSlot {
 
 /// Executes requests for one queue worker.
 #[derive(Debug)]
-pub struct RequestCtx<'a, D: Disk> {
-    /// The disk.
-    pub disk: &'a D,
+pub struct RequestCtx<'a> {
     /// The DMA handle.
     pub dma: &'a Dma,
     /// Limits and switches.
@@ -161,23 +170,77 @@ pub struct RequestCtx<'a, D: Disk> {
     pub max_map: usize,
     /// Scratch list of mapped buffers, reused between requests.
     pub mapped: &'a mut Vec<DmaBuffer>,
+    /// The write cache is on (the guest may see writes complete before they are durable);
+    /// read per request, since the driver may switch it through the `writeback` field.
+    pub write_cache: bool,
+    /// A request that finds the pool full may wait for slots instead of failing
+    /// (`on-full=wait` with something to wait for).
+    pub may_wait: bool,
 }
 
-impl<D: Disk> RequestCtx<'_, D> {
-    /// Walks the chain at `at` into `chain` and serves it.
+/// A request whose host I/O is in flight: it owns its DMA mappings (data and status) until
+/// [`RequestCtx::finish`] or [`RequestCtx::release`].
+#[derive(Debug)]
+pub struct Pending {
+    slot: StatusSlot,
+    mapped: Vec<DmaBuffer>,
+    /// Bytes the host I/O must move.
+    expected: u64,
+    /// Data bytes written to the guest on success (a read's length).
+    written: u64,
+    kind: RequestType,
+}
+
+impl Pending {
+    /// Bounce mappings held (data pieces plus the status byte's).
+    pub fn mappings(&self) -> usize {
+        self.mapped.len() + usize::from(matches!(self.slot, StatusSlot::Mapped(_)))
+    }
+}
+
+/// What [`RequestCtx::start`] did with a chain.
+#[derive(Debug)]
+pub enum Started {
+    /// Finished at once (refused, GET_ID, a FLUSH that syncs nothing): its status is written.
+    Done(Completion),
+    /// Host I/O to submit; [`RequestCtx::finish`] completes it with the I/O's result.
+    Submit(Pending, IoOp),
+    /// The bounce pool is momentarily full: every mapping of the request was released and
+    /// nothing was written; the caller puts the head back on the ring and retries later.
+    PoolFull,
+}
+
+/// The host side of a parsed request.
+enum Plan {
+    /// Nothing to submit; this many data bytes were written to the guest.
+    Done(u64),
+    /// I/O on the buffers in `RequestCtx::mapped`.
+    Io {
+        op: IoOp,
+        expected: u64,
+        written: u64,
+        kind: RequestType,
+    },
+}
+
+impl RequestCtx<'_> {
+    /// Walks the chain at `at` into `chain`, parses it, maps its buffers and either finishes
+    /// it or returns the host I/O to submit.
     ///
-    /// Every request whose status byte can be located gets a status there: OK, UNSUPP, or
-    /// IOERR for anything refused (a malformed but enumerable chain included).
+    /// Every request whose status byte can be located gets a status there (now, or at
+    /// [`RequestCtx::finish`]): OK, UNSUPP, or IOERR for anything refused (a malformed but
+    /// enumerable chain included). With `may_wait`, a full pool gives [`Started::PoolFull`]
+    /// instead of IOERR, unless the request could never fit in the pool.
     ///
     /// # Errors
     /// [`Unusable`] when the chain cannot be enumerated, has no device-writable byte, or its
     /// status byte cannot be written even directly.
-    pub fn serve<M: GuestMemory + ?Sized>(
+    pub fn start<M: GuestMemory + ?Sized>(
         &mut self,
         mem: &M,
         at: &ChainHead,
         chain: &mut Chain,
-    ) -> std::result::Result<Completion, Unusable> {
+    ) -> std::result::Result<Started, Unusable> {
         let rules = WalkRules {
             indirect: self.params.indirect,
             max_indirect: self.params.max_indirect,
@@ -192,38 +255,175 @@ impl<D: Disk> RequestCtx<'_, D> {
             self.metrics.no_status.inc();
             return Err(Unusable(e));
         };
+        let waits = self.may_wait && walked.is_ok() && self.could_fit(chain);
         // Map the status byte before anything else, so that a later failure (a full pool
         // among them) can still be reported.
-        let slot = self.map_status(mem, status_addr)?;
-        let (st, data_written) = match walked
-            .map_err(BlockError::from)
-            .and_then(|()| self.run(mem, chain))
+        let slot = match self
+            .dma
+            .map(mem, status_addr, 1, Direction::FromDevice, self.worker)
         {
-            Ok(written) => (status::OK, written),
+            Err(e)
+                if waits
+                    && e.class() == bounce::error::ErrorClass::Exhausted
+                    && self.others_hold_slots(0) =>
+            {
+                self.metrics.pool_full_waits.inc();
+                return Ok(Started::PoolFull);
+            }
+            r => self.status_slot(r, status_addr)?,
+        };
+        let (st, written) = match walked
+            .map_err(BlockError::from)
+            .and_then(|()| self.plan(mem, chain))
+        {
+            Ok(Plan::Done(written)) => (status::OK, written),
+            Ok(Plan::Io {
+                op,
+                expected,
+                written,
+                kind,
+            }) => {
+                let mapped = std::mem::take(self.mapped);
+                return Ok(Started::Submit(
+                    Pending {
+                        slot,
+                        mapped,
+                        expected,
+                        written,
+                        kind,
+                    },
+                    op,
+                ));
+            }
+            Err(e)
+                if waits
+                    && is_pool_full(&e)
+                    && self
+                        .others_hold_slots(usize::from(matches!(slot, StatusSlot::Mapped(_)))) =>
+            {
+                // Nothing but the status byte is still mapped (map_stream released the
+                // rest); the status mapping goes too, its byte untouched.
+                self.release_slot(mem, slot);
+                self.metrics.pool_full_waits.inc();
+                return Ok(Started::PoolFull);
+            }
+            Err(e) => {
+                tracing::debug!("virtio-blk request failed: {e}");
+                if is_pool_full(&e) {
+                    self.metrics.pool_full_failed.inc();
+                }
+                self.metrics.count_error(&e);
+                (e.status(), 0)
+            }
+        };
+        self.complete(mem, slot, st, written).map(Started::Done)
+    }
+
+    /// Completes a request whose host I/O ended with `result` (bytes moved, or the host
+    /// error): unmaps its data (copying a read's bytes back through the bounce pool), writes
+    /// the status and releases it.
+    ///
+    /// # Errors
+    /// [`Unusable`] when the status byte cannot be written even directly.
+    pub fn finish<M: GuestMemory + ?Sized>(
+        &mut self,
+        mem: &M,
+        p: Pending,
+        result: std::io::Result<u64>,
+    ) -> std::result::Result<Completion, Unusable> {
+        let io = match result {
+            Ok(n) if n == p.expected => Ok(()),
+            Ok(n) => Err(BlockError::Short {
+                expected: p.expected,
+                done: n,
+            }),
+            Err(e) => Err(BlockError::Io(e.to_string())),
+        };
+        *self.mapped = p.mapped;
+        // Only a complete transfer is copied back to the guest (issue 11 item 4).
+        let unmapped = self.unmap_all(mem, io.is_ok());
+        let (st, written) = match io.and(unmapped) {
+            Ok(()) => {
+                match p.kind {
+                    RequestType::In => self.metrics.bytes_read.add(p.expected),
+                    RequestType::Out => self.metrics.bytes_written.add(p.expected),
+                    _ => {}
+                }
+                (status::OK, p.written)
+            }
             Err(e) => {
                 tracing::debug!("virtio-blk request failed: {e}");
                 self.metrics.count_error(&e);
                 (e.status(), 0)
             }
         };
+        self.complete(mem, p.slot, st, written)
+    }
+
+    /// Drops a request without completing it (device reset): its mappings are released and
+    /// nothing is written to the guest.
+    pub fn release<M: GuestMemory + ?Sized>(&mut self, mem: &M, p: Pending) {
+        *self.mapped = p.mapped;
+        if let Err(e) = self.unmap_all(mem, false) {
+            self.metrics.count_error(&e);
+        }
+        self.release_slot(mem, p.slot);
+    }
+
+    fn release_slot<M: GuestMemory + ?Sized>(&self, mem: &M, slot: StatusSlot) {
+        if let StatusSlot::Mapped(b) = slot {
+            if let Err(e) = self.dma.unmap(mem, b, self.worker) {
+                self.metrics.count_error(&BlockError::from(e));
+            }
+        }
+    }
+
+    fn complete<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        slot: StatusSlot,
+        st: u8,
+        written: u64,
+    ) -> std::result::Result<Completion, Unusable> {
         self.write_status(mem, slot, st)?;
         Ok(Completion {
-            // data_written <= writable_len - 1 < u32::MAX (a chain holds at most 2^16
-            // buffers of at most 2^32 - 1 bytes; the saturation is a guard only).
-            used_len: u32::try_from(data_written.saturating_add(1)).unwrap_or(u32::MAX),
+            // written <= writable_len - 1 < u32::MAX (a chain holds at most 2^16 buffers of
+            // at most 2^32 - 1 bytes; the saturation is a guard only).
+            used_len: u32::try_from(written.saturating_add(1)).unwrap_or(u32::MAX),
             status: st,
         })
     }
 
-    fn map_status<M: GuestMemory + ?Sized>(
+    /// True when the pool holds more than the `own` slots of this request: someone's unmap
+    /// can make room. With nothing else mapped a failing request can never fit (its size or
+    /// the allocator's placement rules exceed the pool), so waiting could never help.
+    fn others_hold_slots(&self, own: usize) -> bool {
+        self.dma.pool().is_some_and(|p| p.used() > own)
+    }
+
+    /// False when the chain's buffers together exceed the whole bounce pool: waiting for
+    /// slots could never help.
+    fn could_fit(&self, chain: &Chain) -> bool {
+        let Some(pool) = self.dma.pool() else {
+            return true;
+        };
+        let g = pool.geometry();
+        let total = (g.nslabs as u64).saturating_mul(g.slot_size());
+        chain
+            .readable_len
+            .saturating_sub(REQ_HEADER_LEN as u64)
+            .saturating_add(chain.writable_len)
+            <= total
+    }
+
+    /// Where the status byte goes, given the result of mapping it: through the mapping, or,
+    /// when the pool was full, straight to guest memory.
+    fn status_slot(
         &self,
-        mem: &M,
+        mapped: bounce::Result<DmaBuffer>,
         addr: u64,
     ) -> std::result::Result<StatusSlot, Unusable> {
-        match self
-            .dma
-            .map(mem, addr, 1, Direction::FromDevice, self.worker)
-        {
+        match mapped {
             Ok(b) => Ok(StatusSlot::Mapped(b)),
             Err(e) if e.class() == bounce::error::ErrorClass::Exhausted => {
                 self.metrics.status_direct.inc();
@@ -341,7 +541,7 @@ impl<D: Disk> RequestCtx<'_, D> {
     }
 
     /// Parses and runs a request; returns the data bytes written to the guest.
-    fn run<M: GuestMemory + ?Sized>(&mut self, mem: &M, chain: &Chain) -> Result<u64> {
+    fn plan<M: GuestMemory + ?Sized>(&mut self, mem: &M, chain: &Chain) -> Result<Plan> {
         if chain.readable_len < REQ_HEADER_LEN as u64 {
             return Err(BlockError::BadChain("request header shorter than 16 bytes"));
         }
@@ -358,9 +558,7 @@ impl<D: Disk> RequestCtx<'_, D> {
                 if out_len != 0 {
                     return Err(BlockError::BadChain("device-readable data in a read"));
                 }
-                self.data_io(mem, chain, hdr.sector, in_len, Direction::FromDevice)?;
-                m.bytes_read.add(in_len);
-                Ok(in_len)
+                self.data_plan(mem, chain, hdr.sector, in_len, Direction::FromDevice)
             }
             RequestType::Out => {
                 m.reqs_out.inc();
@@ -370,24 +568,24 @@ impl<D: Disk> RequestCtx<'_, D> {
                 if self.params.readonly {
                     return Err(BlockError::ReadOnly);
                 }
-                self.data_io(mem, chain, hdr.sector, out_len, Direction::ToDevice)?;
-                m.bytes_written.add(out_len);
-                if !self.params.writeback {
-                    self.disk
-                        .flush()
-                        .map_err(|e| BlockError::Io(e.to_string()))?;
-                }
-                Ok(0)
+                self.data_plan(mem, chain, hdr.sector, out_len, Direction::ToDevice)
             }
             RequestType::Flush => {
                 m.reqs_flush.inc();
                 if out_len != 0 || in_len != 0 {
                     return Err(BlockError::BadChain("data buffers in a flush"));
                 }
-                self.disk
-                    .flush()
-                    .map_err(|e| BlockError::Io(e.to_string()))?;
-                Ok(0)
+                if self.params.no_flush {
+                    // cache=unsafe: FLUSH completes without syncing anything (QEMU's
+                    // cache.no-flush).
+                    return Ok(Plan::Done(0));
+                }
+                Ok(Plan::Io {
+                    op: IoOp::Flush,
+                    expected: 0,
+                    written: 0,
+                    kind: RequestType::Flush,
+                })
             }
             RequestType::GetId => {
                 m.reqs_get_id.inc();
@@ -397,7 +595,7 @@ impl<D: Disk> RequestCtx<'_, D> {
                 let n = usize::try_from(in_len.min(ID_BYTES as u64)).unwrap_or(ID_BYTES);
                 let serial = self.params.serial;
                 chain::copy_to(self.dma, mem, self.worker, &chain.writable, 0, &serial[..n])?;
-                Ok(n as u64)
+                Ok(Plan::Done(n as u64))
             }
             RequestType::Discard | RequestType::WriteZeroes => {
                 let zeroes = hdr.kind == RequestType::WriteZeroes;
@@ -425,8 +623,7 @@ impl<D: Disk> RequestCtx<'_, D> {
                 if self.params.readonly {
                     return Err(BlockError::ReadOnly);
                 }
-                self.discard(mem, chain, out_len, zeroes)?;
-                Ok(0)
+                self.discard_plan(mem, chain, out_len, zeroes)
             }
             RequestType::Unsupported(t) => {
                 m.reqs_unsupported.inc();
@@ -435,67 +632,86 @@ impl<D: Disk> RequestCtx<'_, D> {
         }
     }
 
-    /// Moves `len` bytes between the disk at `sector` and the data part of the chain.
-    fn data_io<M: GuestMemory + ?Sized>(
+    /// Maps the data part of the chain for moving `len` bytes between it and the disk at
+    /// `sector`, and describes the I/O on the device-visible buffers.
+    fn data_plan<M: GuestMemory + ?Sized>(
         &mut self,
         mem: &M,
         chain: &Chain,
         sector: u64,
         len: u64,
         dir: Direction,
-    ) -> Result<()> {
+    ) -> Result<Plan> {
         if len % SECTOR_SIZE != 0 {
             return Err(BlockError::Unaligned(len));
         }
         self.check_range(sector, len)?;
         let offset = Self::byte_offset(sector)?;
+        let read = dir == Direction::FromDevice;
         if len == 0 {
-            return Ok(());
+            return Ok(Plan::Done(0));
         }
-        let (segs, start) = match dir {
-            Direction::FromDevice => (&chain.writable, 0),
-            _ => (&chain.readable, REQ_HEADER_LEN as u64),
+        let (segs, start) = if read {
+            (&chain.writable, 0)
+        } else {
+            (&chain.readable, REQ_HEADER_LEN as u64)
         };
         // Every buffer was checked against guest memory, with the permission its direction
         // needs, by the chain walker; and every piece is mapped before the first byte moves.
         self.map_stream(mem, segs, start, len, dir)?;
-        let mut io = DiskIo::new(self.disk, offset);
-        let mut result = Ok(());
+        // Where the device-visible bytes are: the engine moves them later, while the
+        // mappings stay in `self.mapped` (then in the pending request).
+        let mut bufs = Vec::with_capacity(self.mapped.len());
+        let mut collected = Ok(());
         for b in self.mapped.iter() {
             let n = b.len();
-            let r = if dir == Direction::FromDevice {
-                self.dma.write_from(mem, b, 0, n, &mut io)
+            let mut sink = IoBufCollector(&mut bufs);
+            let r = if read {
+                self.dma.write_from(mem, b, 0, n, &mut sink)
             } else {
-                self.dma.read_to(mem, b, 0, n, &mut io)
+                self.dma.read_to(mem, b, 0, n, &mut sink)
             };
-            match r {
-                Ok(done) if done == n => {}
-                Ok(done) => {
-                    result = Err(BlockError::Short {
-                        expected: n as u64,
-                        done: done as u64,
-                    });
-                    break;
-                }
-                Err(e) => {
-                    result = Err(e.into());
-                    break;
-                }
+            if let Err(e) = r {
+                collected = Err(BlockError::from(e));
+                break;
             }
         }
-        let unmapped = self.unmap_all(mem, result.is_ok());
-        result.and(unmapped)
+        if let Err(e) = collected {
+            if let Err(u) = self.unmap_all(mem, false) {
+                self.metrics.count_error(&u);
+            }
+            return Err(e);
+        }
+        let (op, kind, written) = if read {
+            (IoOp::Read { offset, bufs }, RequestType::In, len)
+        } else {
+            (
+                IoOp::Write {
+                    offset,
+                    bufs,
+                    fua: !self.write_cache,
+                },
+                RequestType::Out,
+                0,
+            )
+        };
+        Ok(Plan::Io {
+            op,
+            expected: len,
+            written,
+            kind,
+        })
     }
 
-    /// Runs a DISCARD or WRITE_ZEROES request whose segments are the `payload` bytes after
-    /// the header.
-    fn discard<M: GuestMemory + ?Sized>(
+    /// Parses and checks the segments of a DISCARD or WRITE_ZEROES request (the `payload`
+    /// bytes after the header) into the ranges of its host op.
+    fn discard_plan<M: GuestMemory + ?Sized>(
         &mut self,
         mem: &M,
         chain: &Chain,
         payload: u64,
         zeroes: bool,
-    ) -> Result<()> {
+    ) -> Result<Plan> {
         let (max_seg, max_sectors) = if zeroes {
             (
                 self.params.max_write_zeroes_seg,
@@ -556,22 +772,22 @@ impl<D: Disk> RequestCtx<'_, D> {
                 unmap && self.params.may_unmap,
             );
         }
-        for &(off, len, unmap) in &segs[..nseg as usize] {
-            if len == 0 {
-                continue;
-            }
-            let r = if zeroes {
-                self.disk.write_zeroes(off, len, unmap)
-            } else {
-                self.disk.discard(off, len)
-            };
-            r.map_err(|e| BlockError::Io(e.to_string()))?;
-        }
-        if !self.params.writeback {
-            self.disk
-                .flush()
-                .map_err(|e| BlockError::Io(e.to_string()))?;
-        }
-        Ok(())
+        let ranges = segs[..nseg as usize]
+            .iter()
+            .filter(|&&(_, len, _)| len != 0)
+            .map(|&(offset, len, unmap)| Range { offset, len, unmap })
+            .collect();
+        let fua = !self.write_cache;
+        let (op, kind) = if zeroes {
+            (IoOp::WriteZeroes { ranges, fua }, RequestType::WriteZeroes)
+        } else {
+            (IoOp::Discard { ranges, fua }, RequestType::Discard)
+        };
+        Ok(Plan::Io {
+            op,
+            expected: 0,
+            written: 0,
+            kind,
+        })
     }
 }

@@ -112,6 +112,11 @@ pub fn waiting<M: GuestMemory>(queue: &Queue, mem: &M) -> Result<u16, WorkerErro
 fn pop<M: GuestMemory>(queue: &mut Queue, mem: &M) -> Result<Option<ChainHead>, WorkerError> {
     let size = queue.size();
     let desc_table = queue.desc_table();
+    // Read the available index before the iterator does: it only grows, so if chains were
+    // waiting by this read and the iterator still yields nothing, the entry really cannot be
+    // read. (Reading it after would race with a driver that publishes a chain between the
+    // iterator's read and ours, and break a healthy device.)
+    let waiting_before = waiting(queue, mem)?;
     let head = {
         let mut iter = queue.iter(mem).map_err(|e| broken("available ring", e))?;
         iter.next().map(|c| c.head_index())
@@ -126,7 +131,7 @@ fn pop<M: GuestMemory>(queue: &mut Queue, mem: &M) -> Result<Option<ChainHead>, 
         Some(head) => Err(WorkerError::Broken(format!(
             "head index {head} out of range (queue of {size})"
         ))),
-        None if waiting(queue, mem)? != 0 => Err(WorkerError::Broken(
+        None if waiting_before != 0 => Err(WorkerError::Broken(
             "available ring entry cannot be read".into(),
         )),
         None => Ok(None),

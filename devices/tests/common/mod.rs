@@ -165,7 +165,7 @@ impl<D: Disk> Blk<D> {
     /// Kicks `q` and returns the completion of `p` (which must be the only one pending).
     pub fn complete(&mut self, q: u16, p: Posted, in_len: u32) -> Done {
         self.drv.kick(q).expect("kick");
-        let used = self.drv.reap(q);
+        let used = self.drv.wait_used(q, 1, std::time::Duration::from_secs(20));
         assert_eq!(used.len(), 1, "exactly one completion expected: {used:?}");
         assert_eq!(used[0].id, u32::from(p.head));
         self.done(p, used[0].len, in_len)

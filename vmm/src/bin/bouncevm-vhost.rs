@@ -4,6 +4,8 @@
 //! ```text
 //! bouncevm-vhost blk --socket PATH --file IMG [--format raw|qcow2] [--readonly] [--queues N]
 //!                    [--queue-size N] [--logical-block-size N] [--serial ID]
+//!                    [--aio io_uring|threads|sync]
+//!                    [--cache none|writeback|writethrough|directsync|unsafe]
 //!                    [--no-access-platform] [--bounce OPTS] [--stats-socket PATH]
 //!                    [--socket-mode MODE] [--pidfile PATH]
 //! bouncevm-vhost net --socket PATH --tap NAME [--queues N] [--queue-size N] [--mac MAC]
@@ -20,7 +22,7 @@ use std::process::ExitCode;
 
 use bounce::PoolStats;
 use clap::{Args, Parser, Subcommand};
-use devices::block::io::ImageFormat;
+use devices::block::io::{AioMode, CacheMode, ImageFormat};
 use devices::block::BlockConfig;
 use devices::net::{NetConfig, ShaperConfig};
 use devices::virtio::VirtioDevice;
@@ -64,7 +66,7 @@ struct Common {
     /// Do not offer VIRTIO_F_ACCESS_PLATFORM (then QEMU refuses iommu_platform=on).
     #[arg(long)]
     no_access_platform: bool,
-    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N].
+    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N][,on-full=wait|fail].
     #[arg(long, value_name = "OPTS")]
     bounce: Option<BounceOptions>,
     /// Also answer one JSON line of statistics to each connection on this unix socket.
@@ -119,6 +121,12 @@ struct BlkArgs {
     /// The id string answered to GET_ID.
     #[arg(long, value_name = "ID", default_value = "bouncevm-blk")]
     serial: String,
+    /// Host I/O engine, as QEMU's aio= [default: io_uring for raw images, threads for qcow2].
+    #[arg(long, value_name = "MODE")]
+    aio: Option<AioMode>,
+    /// Host cache mode, as QEMU's cache= (none and directsync open the image with O_DIRECT).
+    #[arg(long, value_name = "MODE", default_value = "writeback")]
+    cache: CacheMode,
 }
 
 #[derive(Args, Debug)]
@@ -210,6 +218,8 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 queue_size: c.queue_size,
                 blk_size: a.logical_block_size,
                 access_platform: !c.no_access_platform,
+                aio: a.aio,
+                cache: a.cache,
                 ..BlockConfig::default()
             };
             let bounce = c.bounce.clone().unwrap_or_default();

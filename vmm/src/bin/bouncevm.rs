@@ -88,6 +88,8 @@ fn build_blk(cfg: &Config, b: &BlkSpec, built: &mut Built) -> Result<SharedVirti
         queue_size: b.queue_size,
         blk_size: b.logical_block_size,
         access_platform: b.common.iommu_platform,
+        aio: d.aio,
+        cache: d.cache,
         ..BlockConfig::default()
     };
     let drive_err = |e: builder::BuildError| format!("-drive id={}: {e}", d.id);

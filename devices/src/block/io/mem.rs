@@ -119,4 +119,8 @@ impl Disk for MemDisk {
     fn kind(&self) -> &'static str {
         "memory"
     }
+
+    fn may_block(&self) -> bool {
+        false
+    }
 }

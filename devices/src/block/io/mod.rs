@@ -9,21 +9,41 @@
 //! Backends: [`RawDisk`] (a raw image file, `pread`/`pwrite`, `fdatasync`, hole punching),
 //! [`Qcow2Disk`] (qcow2 through `imago` in sync mode) and [`MemDisk`] (anonymous memory, for
 //! tests and benchmarks). [`DiskImage`] is the one the VMM opens from a `-drive`.
+//!
+//! Host I/O runs through an [`IoEngine`] ([`engine`]): io_uring for raw images, a thread pool
+//! for anything, or the synchronous path; [`new_engine`] picks one for an `aio=` mode. How the
+//! image is opened and flushed follows its [`CacheMode`] (QEMU's `cache=`).
 
+mod cache;
+pub mod engine;
 mod mem;
 mod qcow2;
 mod raw;
+mod threads;
+mod uring;
+
+#[cfg(test)]
+mod tests;
 
 use std::fmt;
 use std::io;
+use std::os::fd::RawFd;
 use std::path::Path;
+use std::sync::Arc;
 
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile};
 
+pub use cache::{AioMode, CacheMode, OnFull};
+pub use engine::{
+    AlignedBuf, AlignedEngine, DirectAlign, EngineStats, IoBuf, IoBufCollector, IoDone, IoEngine,
+    IoOp, Range, SyncEngine, Tag,
+};
 pub use mem::MemDisk;
 pub use qcow2::Qcow2Disk;
-pub use raw::RawDisk;
+pub use raw::{direct_io_refused, probe_direct_align, RawDisk};
+pub use threads::ThreadEngine;
+pub use uring::UringEngine;
 
 /// A disk: positional I/O on volatile slices, shared by all the queues of a device.
 ///
@@ -69,6 +89,72 @@ pub trait Disk: Send + Sync + fmt::Debug + 'static {
 
     /// A short name for stats and logs ("raw", "qcow2", "memory").
     fn kind(&self) -> &'static str;
+
+    /// The file descriptor an io_uring engine can do I/O on, for a backend that is one file
+    /// (raw images). `None` for the others.
+    fn raw_fd(&self) -> Option<RawFd> {
+        None
+    }
+
+    /// The alignment buffers need when the disk was opened with O_DIRECT and the backend
+    /// does not align them itself (raw images); `None` otherwise.
+    fn direct_align(&self) -> Option<DirectAlign> {
+        None
+    }
+
+    /// False for a backend whose I/O never blocks (memory): with no `aio=` given it runs on
+    /// the synchronous path, where a thread pool would only add hand-offs.
+    fn may_block(&self) -> bool {
+        true
+    }
+}
+
+/// The engine for `aio` on `disk`, sized for `depth` requests in flight.
+///
+/// With no `aio` given, a disk with a file descriptor gets io_uring and falls back to the
+/// thread pool (with a warning) where the kernel refuses io_uring; other disks get the thread
+/// pool. An explicit `aio=io_uring` that cannot work is an error. A disk opened with O_DIRECT
+/// gets the [`AlignedEngine`] in front.
+///
+/// # Errors
+/// `aio=io_uring` on a disk without a file or on a kernel without io_uring; the eventfd of
+/// the thread pool cannot be created.
+pub fn new_engine<D: Disk>(
+    aio: Option<AioMode>,
+    disk: &Arc<D>,
+    depth: u16,
+) -> io::Result<Box<dyn IoEngine>> {
+    let engine: Box<dyn IoEngine> = match aio {
+        Some(AioMode::IoUring) => Box::new(UringEngine::new(Arc::clone(disk), depth)?),
+        Some(AioMode::Threads) => Box::new(ThreadEngine::new(Arc::clone(disk), depth)?),
+        Some(AioMode::Sync) => Box::new(SyncEngine::new(Arc::clone(disk))),
+        None if disk.raw_fd().is_some() => match UringEngine::new(Arc::clone(disk), depth) {
+            Ok(e) => Box::new(e),
+            Err(e) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!("virtio-blk: {e}; using aio=threads");
+                });
+                Box::new(ThreadEngine::new(Arc::clone(disk), depth)?)
+            }
+        },
+        None if !disk.may_block() => Box::new(SyncEngine::new(Arc::clone(disk))),
+        None => Box::new(ThreadEngine::new(Arc::clone(disk), depth)?),
+    };
+    Ok(match disk.direct_align() {
+        Some(align) => Box::new(AlignedEngine::new(engine, align)),
+        None => engine,
+    })
+}
+
+/// The engine [`new_engine`] would pick for `aio` on `disk` (for stats and logs).
+pub fn engine_name<D: Disk>(aio: Option<AioMode>, disk: &D) -> &'static str {
+    match aio {
+        Some(m) => m.name(),
+        None if disk.raw_fd().is_some() => "io_uring",
+        None if !disk.may_block() => "sync",
+        None => "threads",
+    }
 }
 
 /// A cursor on a disk: reads and writes at a byte offset that advances with each transfer.
@@ -162,9 +248,23 @@ impl DiskImage {
     /// # Errors
     /// The open error.
     pub fn open(path: &Path, format: ImageFormat, readonly: bool) -> io::Result<Self> {
+        Self::open_with(path, format, readonly, CacheMode::Writeback)
+    }
+
+    /// Opens an image file for a cache mode (O_DIRECT for `none` and `directsync`).
+    ///
+    /// # Errors
+    /// The open error; a file system without direct I/O gets a one-line error naming
+    /// O_DIRECT and the cache mode.
+    pub fn open_with(
+        path: &Path,
+        format: ImageFormat,
+        readonly: bool,
+        cache: CacheMode,
+    ) -> io::Result<Self> {
         Ok(match format {
-            ImageFormat::Raw => Self::Raw(RawDisk::open(path, readonly)?),
-            ImageFormat::Qcow2 => Self::Qcow2(Qcow2Disk::open(path, readonly)?),
+            ImageFormat::Raw => Self::Raw(RawDisk::open_with(path, readonly, cache)?),
+            ImageFormat::Qcow2 => Self::Qcow2(Qcow2Disk::open_with(path, readonly, cache)?),
         })
     }
 }
@@ -204,5 +304,14 @@ impl Disk for DiskImage {
     }
     fn kind(&self) -> &'static str {
         dispatch!(self, d => d.kind())
+    }
+    fn raw_fd(&self) -> Option<RawFd> {
+        dispatch!(self, d => d.raw_fd())
+    }
+    fn direct_align(&self) -> Option<DirectAlign> {
+        dispatch!(self, d => d.direct_align())
+    }
+    fn may_block(&self) -> bool {
+        dispatch!(self, d => d.may_block())
     }
 }

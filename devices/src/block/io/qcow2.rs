@@ -7,11 +7,11 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use imago::file::File as ImagoFile;
 use imago::io_buffers::{IoVector, IoVectorMut};
 use imago::qcow2::Qcow2;
-use imago::{FormatAccess, FormatDriverBuilder, PermissiveImplicitOpenGate};
+use imago::{FormatAccess, FormatDriverBuilder, PermissiveImplicitOpenGate, StorageOpenOptions};
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::VolatileSlice;
 
-use super::Disk;
+use super::{CacheMode, Disk};
 use crate::block::SECTOR_SIZE;
 
 /// A qcow2 image.
@@ -44,9 +44,27 @@ impl Qcow2Disk {
     /// # Errors
     /// The open error (not a qcow2 image, unsupported features, ...).
     pub fn open(path: &Path, readonly: bool) -> io::Result<Self> {
+        Self::open_with(path, readonly, CacheMode::Writeback)
+    }
+
+    /// Opens a qcow2 image for `cache`: with O_DIRECT for `none` and `directsync` (the image
+    /// and its backing files; `imago` aligns buffers and requests for direct I/O itself).
+    ///
+    /// # Errors
+    /// As [`Qcow2Disk::open`]; a file system without direct I/O gets the one-line
+    /// [`super::raw::direct_io_refused`] error.
+    pub fn open_with(path: &Path, readonly: bool, cache: CacheMode) -> io::Result<Self> {
         let qcow2 = Qcow2::<ImagoFile>::builder_path(path)
+            .storage_open_options(StorageOpenOptions::new().direct(cache.direct()))
             .write(!readonly)
-            .open(PermissiveImplicitOpenGate::default())?;
+            .open(PermissiveImplicitOpenGate::default())
+            .map_err(|e| {
+                if cache.direct() && e.raw_os_error() == Some(libc::EINVAL) {
+                    super::raw::direct_io_refused(path, cache, &e)
+                } else {
+                    e
+                }
+            })?;
         let image = FormatAccess::new(qcow2);
         let size = image.size();
         Ok(Self {

@@ -1,0 +1,205 @@
+//! Bookkeeping of a queue's requests in flight: their table, the guest memory they point
+//! into, and the timer that retries a queue waiting for bounce slots.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use vm_memory::{GuestMemory, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+use vmm_sys_util::timerfd::TimerFd;
+
+/// A table of in-flight entries indexed by small integers (the engine tags).
+#[derive(Debug)]
+pub struct Slab<T> {
+    slots: Vec<Option<T>>,
+    free: Vec<usize>,
+    len: usize,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Self {
+            slots: Vec::new(),
+            free: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T> Slab<T> {
+    /// Stores `v`; returns its index.
+    pub fn insert(&mut self, v: T) -> usize {
+        self.len += 1;
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(v);
+                i
+            }
+            None => {
+                self.slots.push(Some(v));
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    /// Takes the entry at `i` out, if there is one.
+    pub fn remove(&mut self, i: usize) -> Option<T> {
+        let v = self.slots.get_mut(i)?.take()?;
+        self.free.push(i);
+        self.len -= 1;
+        Some(v)
+    }
+
+    /// Entries stored.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Takes every entry out.
+    pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
+        self.free.clear();
+        self.len = 0;
+        self.slots.drain(..).flatten()
+    }
+}
+
+/// Keeps the guest memory that in-flight I/O points into mapped until the I/O is done.
+///
+/// An engine holds raw addresses into guest memory (bounce off) while the host does the I/O.
+/// If the transport replaces the memory table meanwhile (vhost-user SET_MEM_TABLE), the old
+/// mapping must outlive those requests: each request holds an `Arc` of the memory it was
+/// submitted with (a clone of `GuestMemoryMmap` shares its regions' mappings). The clone is
+/// made again only when the memory passed in changes (compared by region layout and host
+/// address), not per request.
+#[derive(Debug)]
+pub struct MemPin<M> {
+    current: Option<(Layout, Arc<M>)>,
+}
+
+/// A memory's regions: guest address, length, host address.
+type Layout = Vec<(u64, u64, usize)>;
+
+impl<M> Default for MemPin<M> {
+    fn default() -> Self {
+        Self { current: None }
+    }
+}
+
+fn fingerprint<M: GuestMemory>(mem: &M) -> Option<Layout> {
+    let phys = mem.physical_memory()?;
+    Some(
+        phys.iter()
+            .map(|r| {
+                (
+                    r.start_addr().0,
+                    r.len(),
+                    r.get_host_address(MemoryRegionAddress(0))
+                        .map_or(0, |p| p as usize),
+                )
+            })
+            .collect(),
+    )
+}
+
+impl<M: GuestMemory + Clone> MemPin<M> {
+    /// An `Arc` of `mem` to keep with a request submitted now.
+    pub fn pin(&mut self, mem: &M) -> Arc<M> {
+        let fp = fingerprint(mem);
+        match (&self.current, fp) {
+            (Some((old, arc)), Some(fp)) if *old == fp => Arc::clone(arc),
+            (_, Some(fp)) => {
+                let arc = Arc::new(mem.clone());
+                self.current = Some((fp, Arc::clone(&arc)));
+                arc
+            }
+            // No physical view to compare: a clone per request.
+            (_, None) => Arc::new(mem.clone()),
+        }
+    }
+}
+
+/// A one-shot timer that wakes a queue waiting for bounce slots when none of its own requests
+/// is in flight to release them (another queue or device holds the pool).
+#[derive(Debug)]
+pub struct RetryTimer {
+    timer: Option<TimerFd>,
+    armed: bool,
+    /// Consecutive retries without progress.
+    pub rounds: u32,
+}
+
+/// Wait between retries of a queue blocked on a full pool with nothing of its own in flight.
+pub const RETRY_INTERVAL: Duration = Duration::from_millis(1);
+/// Retries without progress before the waiting request fails with IOERR (about 0.1 s:
+/// long enough for another queue's I/O to complete, short enough that a pool held by
+/// someone else for good fails the request soon).
+pub const MAX_RETRY_ROUNDS: u32 = 100;
+
+impl RetryTimer {
+    /// A timer (none if the kernel refuses one: the waiting request then fails at once).
+    pub fn new() -> Self {
+        let timer = TimerFd::new()
+            .map_err(|e| tracing::warn!("virtio-blk: no retry timer: {e}"))
+            .ok();
+        Self {
+            timer,
+            armed: false,
+            rounds: 0,
+        }
+    }
+
+    /// The fd to poll, if any.
+    pub fn fd(&self) -> Option<RawFd> {
+        self.timer.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
+    /// True while a wait can still be retried by the timer.
+    pub fn can_arm(&self) -> bool {
+        self.timer.is_some() && self.rounds < MAX_RETRY_ROUNDS
+    }
+
+    /// Arms the timer; false when there is no timer or the retries are used up.
+    pub fn arm(&mut self) -> bool {
+        if self.rounds >= MAX_RETRY_ROUNDS {
+            return false;
+        }
+        let Some(t) = self.timer.as_mut() else {
+            return false;
+        };
+        if !self.armed {
+            if t.reset(RETRY_INTERVAL, None).is_err() {
+                return false;
+            }
+            self.armed = true;
+        }
+        true
+    }
+
+    /// Called when the timer fired: consumes the expiry.
+    pub fn fired(&mut self) {
+        if let Some(t) = self.timer.as_mut() {
+            // Non-blocking in effect: the poller saw it readable.
+            if self.armed {
+                let _ = t.wait();
+            }
+        }
+        self.armed = false;
+        self.rounds += 1;
+    }
+
+    /// Progress was made: the retry budget starts again.
+    pub fn progressed(&mut self) {
+        self.rounds = 0;
+    }
+}
+
+impl Default for RetryTimer {
+    fn default() -> Self {
+        Self::new()
+    }
+}

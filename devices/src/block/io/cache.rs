@@ -1,0 +1,214 @@
+//! Cache and AIO modes, named and defined as QEMU's `-drive cache=` and `aio=`.
+//!
+//! QEMU's `cache=` is shorthand for three switches (`qemu(1)`, "-drive cache="):
+//!
+//! | mode           | `cache.writeback` | `cache.direct` (O_DIRECT) | `cache.no-flush` |
+//! |----------------|-------------------|---------------------------|------------------|
+//! | `writeback`    | on                | off                       | off              |
+//! | `none`         | on                | on                        | off              |
+//! | `writethrough` | off               | off                       | off              |
+//! | `directsync`   | off               | on                        | off              |
+//! | `unsafe`       | on                | off                       | on               |
+//!
+//! What each switch does here, as in QEMU:
+//! - `cache.writeback` is the write cache the guest is told about (virtio-blk's `writeback`
+//!   configuration field with `VIRTIO_BLK_F_CONFIG_WCE`). With it off, every write completes
+//!   only after the data is on stable storage: the device flushes after each write (QEMU
+//!   emulates FUA this way; it does not open with O_DSYNC).
+//! - `cache.direct` opens the image with `O_DIRECT`, bypassing the host page cache; buffers
+//!   that are not aligned for it go through an aligned bounce buffer of the engine's own.
+//! - `cache.no-flush` makes FLUSH requests complete at once without syncing anything.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// `cache=`: how the host caches the image.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CacheMode {
+    /// O_DIRECT, write cache on (FLUSH syncs). QEMU's choice for benchmarks.
+    None,
+    /// Host page cache, write cache on (FLUSH syncs). QEMU's default.
+    #[default]
+    Writeback,
+    /// Host page cache, write cache off: every write is synced before it completes.
+    Writethrough,
+    /// O_DIRECT and write cache off.
+    DirectSync,
+    /// Host page cache, write cache on, FLUSH ignored: data may be lost on a host crash.
+    Unsafe,
+}
+
+impl CacheMode {
+    /// Every mode, in QEMU's documentation order.
+    pub const ALL: [CacheMode; 5] = [
+        Self::None,
+        Self::Writeback,
+        Self::Writethrough,
+        Self::DirectSync,
+        Self::Unsafe,
+    ];
+
+    /// `cache.direct`: open with O_DIRECT.
+    pub fn direct(self) -> bool {
+        matches!(self, Self::None | Self::DirectSync)
+    }
+
+    /// `cache.writeback`: the write cache the guest sees at start.
+    pub fn write_cache(self) -> bool {
+        !matches!(self, Self::Writethrough | Self::DirectSync)
+    }
+
+    /// `cache.no-flush`: FLUSH requests sync nothing.
+    pub fn no_flush(self) -> bool {
+        self == Self::Unsafe
+    }
+
+    /// QEMU's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Writeback => "writeback",
+            Self::Writethrough => "writethrough",
+            Self::DirectSync => "directsync",
+            Self::Unsafe => "unsafe",
+        }
+    }
+}
+
+impl fmt::Display for CacheMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CacheMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown cache mode '{s}' (expected none, writeback, writethrough, directsync or unsafe)"
+                )
+            })
+    }
+}
+
+/// `aio=`: which engine does the host I/O.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AioMode {
+    /// Linux io_uring: batched submission, completions in any order (raw images only).
+    IoUring,
+    /// A pool of threads doing blocking I/O (any image format).
+    Threads,
+    /// Blocking I/O inside the queue worker, one request at a time (for debugging).
+    Sync,
+}
+
+impl AioMode {
+    /// Every mode.
+    pub const ALL: [AioMode; 3] = [Self::IoUring, Self::Threads, Self::Sync];
+
+    /// QEMU's name (`native` is not offered: Linux AIO is what io_uring replaces).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::IoUring => "io_uring",
+            Self::Threads => "threads",
+            Self::Sync => "sync",
+        }
+    }
+}
+
+impl fmt::Display for AioMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for AioMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown aio mode '{s}' (expected io_uring, threads or sync)"))
+    }
+}
+
+/// `on-full=` (a bounce option): what a request does when the bounce pool is momentarily
+/// full while the queue has other requests in flight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OnFull {
+    /// Stay on the available ring (back-pressure) and be retried when in-flight requests
+    /// release their slots, as a guest driver's request waits for a tag.
+    #[default]
+    Wait,
+    /// Complete with IOERR at once (the Linux swiotlb behaviour for a full pool).
+    Fail,
+}
+
+impl OnFull {
+    /// The option's name for this value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Wait => "wait",
+            Self::Fail => "fail",
+        }
+    }
+}
+
+impl fmt::Display for OnFull {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for OnFull {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "wait" => Ok(Self::Wait),
+            "fail" => Ok(Self::Fail),
+            o => Err(format!(
+                "unknown on-full action '{o}' (expected wait or fail)"
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_modes_follow_qemus_table() {
+        // (mode, writeback, direct, no-flush), from qemu(1).
+        let table = [
+            ("writeback", true, false, false),
+            ("none", true, true, false),
+            ("writethrough", false, false, false),
+            ("directsync", false, true, false),
+            ("unsafe", true, false, true),
+        ];
+        for (name, wb, direct, no_flush) in table {
+            let m: CacheMode = name.parse().unwrap();
+            assert_eq!(m.name(), name);
+            assert_eq!(
+                (m.write_cache(), m.direct(), m.no_flush()),
+                (wb, direct, no_flush),
+                "{name}"
+            );
+        }
+        assert!("off".parse::<CacheMode>().unwrap_err().contains("'off'"));
+        assert_eq!(CacheMode::default(), CacheMode::Writeback);
+    }
+
+    #[test]
+    fn aio_names() {
+        for m in AioMode::ALL {
+            assert_eq!(m.name().parse::<AioMode>().unwrap(), m);
+        }
+        assert!("native".parse::<AioMode>().is_err());
+    }
+}

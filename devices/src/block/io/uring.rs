@@ -1,0 +1,493 @@
+//! `aio=io_uring`: raw images through Linux io_uring.
+//!
+//! Modelled on QEMU's `block/io_uring.c`: ops are prepared into the submission ring as they
+//! come (`submit`), the batch goes to the kernel in one `io_uring_enter` (`kick`), and
+//! completions are reaped in whatever order the kernel posts them; an eventfd registered with
+//! the ring tells the transport when there are some. Each op has at most one SQE in flight and
+//! moves through stages on its completions:
+//! - reads and writes: `READV`/`WRITEV` of at most `IOV_MAX` pieces at a time; a short
+//!   transfer is resubmitted for its remainder (QEMU's `luring_resubmit_short_read`), a
+//!   transfer of 0 bytes ends a read at the end of the file;
+//! - `fua` (write cache off): an `FSYNC` with `DATASYNC` after the data is written;
+//! - FLUSH: one `FSYNC(DATASYNC)`;
+//! - discard and write-zeroes: one `FALLOCATE` per range, in order (`PUNCH_HOLE` or
+//!   `ZERO_RANGE`, with `KEEP_SIZE`); where the file system has no such mode, a discard
+//!   succeeds as the hint it is and write-zeroes falls back to the disk's blocking path.
+//!
+//! At most `cq_entries` SQEs are in the kernel at once; more wait in a backlog, so the
+//! completion ring can never overflow.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use io_uring::{opcode, squeue, types, IoUring};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use super::engine::{EngineStats, IoBuf, IoDone, IoEngine, IoOp, Range, Tag};
+use super::Disk;
+
+/// Largest iovec count of one `readv`/`writev` (Linux `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Data transfer, next piece at `iov`.
+    Data,
+    /// The fsync after a write-through write or range op, or a FLUSH.
+    Sync,
+    /// Range `i` of a discard or write-zeroes.
+    Range(usize),
+}
+
+#[derive(Debug)]
+struct Inflight {
+    tag: Tag,
+    op: IoOp,
+    /// The remaining pieces of a read or write (the first possibly advanced into).
+    iovecs: Vec<libc::iovec>,
+    /// Index of the first remaining piece.
+    iov: usize,
+    /// Bytes transferred so far.
+    done: u64,
+    stage: Stage,
+}
+
+// SAFETY: the iovecs are addresses covered by the submit contract (see `IoBuf`); the entry
+// is only touched by the thread that owns the engine.
+unsafe impl Send for Inflight {}
+
+/// An io_uring engine on a raw file.
+pub struct UringEngine<D: Disk> {
+    ring: IoUring,
+    /// Keeps the file (and so `fd`) open while ops are in flight.
+    disk: Arc<D>,
+    fd: RawFd,
+    eventfd: EventFd,
+    slots: Vec<Option<Inflight>>,
+    free: Vec<usize>,
+    /// SQEs prepared but not yet in the submission ring.
+    backlog: VecDeque<squeue::Entry>,
+    /// SQEs handed to the kernel whose completion was not reaped yet.
+    in_kernel: usize,
+    /// Largest `in_kernel` the completion ring can take.
+    cq_cap: usize,
+    /// Ops that completed without reaching the kernel.
+    ready: Vec<IoDone>,
+    ops: usize,
+    stats: Arc<EngineStats>,
+    /// The last `io_uring_enter` error, logged once per kind.
+    logged_submit_error: bool,
+}
+
+impl<D: Disk> std::fmt::Debug for UringEngine<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UringEngine")
+            .field("fd", &self.fd)
+            .field("ops", &self.ops)
+            .field("in_kernel", &self.in_kernel)
+            .field("backlog", &self.backlog.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn uring_error(what: &str, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("io_uring: {what}: {e}"))
+}
+
+impl<D: Disk> UringEngine<D> {
+    /// A ring for `depth` ops in flight on `disk`, which must have a file descriptor.
+    ///
+    /// # Errors
+    /// The disk has no file descriptor (qcow2, memory), or the kernel refused io_uring
+    /// (`io_uring_setup` failing with ENOSYS or EPERM on hosts without it).
+    pub fn new(disk: Arc<D>, depth: u16) -> io::Result<Self> {
+        let fd = disk.raw_fd().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!(
+                    "aio=io_uring needs a raw image file (this disk is {})",
+                    disk.kind()
+                ),
+            )
+        })?;
+        let entries = u32::from(depth).next_power_of_two().clamp(8, 4096);
+        let ring = IoUring::new(entries).map_err(|e| uring_error("io_uring_setup", e))?;
+        let eventfd = EventFd::new(EFD_NONBLOCK).map_err(|e| uring_error("eventfd", e))?;
+        ring.submitter()
+            .register_eventfd(eventfd.as_raw_fd())
+            .map_err(|e| uring_error("register eventfd", e))?;
+        let cq_cap = ring.params().cq_entries() as usize;
+        Ok(Self {
+            ring,
+            disk,
+            fd,
+            eventfd,
+            slots: Vec::new(),
+            free: Vec::new(),
+            backlog: VecDeque::new(),
+            in_kernel: 0,
+            cq_cap,
+            ready: Vec::new(),
+            ops: 0,
+            stats: Arc::default(),
+            logged_submit_error: false,
+        })
+    }
+
+    /// Builds the next SQE of the op in `slot` for its current stage.
+    fn prepare(&mut self, slot: usize) {
+        let Some(e) = self.slots[slot].as_ref() else {
+            return;
+        };
+        let fd = types::Fd(self.fd);
+        let sqe = match e.stage {
+            Stage::Data => {
+                let rest = &e.iovecs[e.iov..];
+                // rest.len() <= IOV_MAX fits a u32.
+                let n = rest.len().min(IOV_MAX) as u32;
+                let (offset, read) = match &e.op {
+                    IoOp::Read { offset, .. } => (*offset, true),
+                    IoOp::Write { offset, .. } => (*offset, false),
+                    _ => (0, true),
+                };
+                let at = offset.saturating_add(e.done);
+                if read {
+                    opcode::Readv::new(fd, rest.as_ptr(), n).offset(at).build()
+                } else {
+                    opcode::Writev::new(fd, rest.as_ptr(), n).offset(at).build()
+                }
+            }
+            Stage::Sync => opcode::Fsync::new(fd)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
+            Stage::Range(i) => {
+                let (r, zeroes) = match &e.op {
+                    IoOp::Discard { ranges, .. } => (ranges[i], false),
+                    IoOp::WriteZeroes { ranges, .. } => (ranges[i], true),
+                    _ => (
+                        Range {
+                            offset: 0,
+                            len: 0,
+                            unmap: false,
+                        },
+                        false,
+                    ),
+                };
+                let mode = if zeroes && !r.unmap {
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+                } else {
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+                };
+                opcode::Fallocate::new(fd, r.len)
+                    .offset(r.offset)
+                    .mode(mode)
+                    .build()
+            }
+        };
+        self.backlog.push_back(sqe.user_data(slot as u64));
+    }
+
+    fn finish(&mut self, slot: usize, result: io::Result<u64>) {
+        if let Some(e) = self.slots[slot].take() {
+            self.free.push(slot);
+            self.ops -= 1;
+            self.ready.push(IoDone { tag: e.tag, result });
+        }
+    }
+
+    /// After the data or range stages: sync when asked, else done.
+    fn after_data(&mut self, slot: usize, fua: bool, done: u64) {
+        if fua {
+            if let Some(e) = self.slots[slot].as_mut() {
+                e.stage = Stage::Sync;
+            }
+            self.prepare(slot);
+        } else {
+            self.finish(slot, Ok(done));
+        }
+    }
+
+    /// Moves the op in `slot` on by one completion with result `res`.
+    fn complete(&mut self, slot: usize, res: i32) {
+        let Some(e) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
+            tracing::warn!("io_uring: completion for unknown slot {slot}");
+            return;
+        };
+        if res == -libc::EINTR || res == -libc::EAGAIN {
+            self.stats.resubmitted.fetch_add(1, Ordering::Relaxed);
+            self.prepare(slot);
+            return;
+        }
+        let stage = e.stage;
+        match stage {
+            Stage::Data => {
+                if res < 0 {
+                    return self.finish(slot, Err(io::Error::from_raw_os_error(-res)));
+                }
+                // res >= 0 here.
+                let mut n = res as usize;
+                e.done += n as u64;
+                while n > 0 && e.iov < e.iovecs.len() {
+                    let v = &mut e.iovecs[e.iov];
+                    if n >= v.iov_len {
+                        n -= v.iov_len;
+                        e.iov += 1;
+                    } else {
+                        // SAFETY: n < iov_len, so the advanced base stays inside the piece.
+                        v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n).cast() };
+                        v.iov_len -= n;
+                        n = 0;
+                    }
+                }
+                let (fua, read) = match &e.op {
+                    IoOp::Write { fua, .. } => (*fua, false),
+                    _ => (false, true),
+                };
+                let done = e.done;
+                if e.iov < e.iovecs.len() {
+                    if res == 0 {
+                        // End of file: a read returns what it got, a write cannot go on.
+                        return if read {
+                            self.finish(slot, Ok(done))
+                        } else {
+                            self.finish(
+                                slot,
+                                Err(io::Error::new(
+                                    io::ErrorKind::WriteZero,
+                                    "write took no bytes",
+                                )),
+                            )
+                        };
+                    }
+                    self.stats.resubmitted.fetch_add(1, Ordering::Relaxed);
+                    return self.prepare(slot);
+                }
+                self.after_data(slot, fua, done);
+            }
+            Stage::Sync => {
+                let done = e.done;
+                if res < 0 {
+                    self.finish(slot, Err(io::Error::from_raw_os_error(-res)))
+                } else {
+                    self.finish(slot, Ok(done))
+                }
+            }
+            Stage::Range(i) => {
+                let (ranges, fua, zeroes) = match &e.op {
+                    IoOp::Discard { ranges, fua } => (ranges, *fua, false),
+                    IoOp::WriteZeroes { ranges, fua } => (ranges, *fua, true),
+                    _ => return self.finish(slot, Ok(0)),
+                };
+                let r = ranges[i];
+                let nranges = ranges.len();
+                if res < 0 {
+                    let unsupported = res == -libc::EOPNOTSUPP || res == -libc::ENOSYS;
+                    if !unsupported {
+                        return self.finish(slot, Err(io::Error::from_raw_os_error(-res)));
+                    }
+                    if zeroes {
+                        // No fallocate mode for it: write the zeros the blocking way (rare:
+                        // every Linux file system with O_DIRECT has ZERO_RANGE or holes).
+                        if let Err(err) = self.disk.write_zeroes(r.offset, r.len, r.unmap) {
+                            return self.finish(slot, Err(err));
+                        }
+                    }
+                    // A discard is a hint: a file system that cannot punch holes keeps the
+                    // blocks, and the request still succeeds.
+                }
+                if let Some(e) = self.slots[slot].as_mut() {
+                    if i + 1 < nranges {
+                        e.stage = Stage::Range(i + 1);
+                        return self.prepare(slot);
+                    }
+                }
+                self.after_data(slot, fua, 0);
+            }
+        }
+    }
+
+    /// Moves backlog SQEs into the submission ring while the completion ring has room.
+    fn fill_sq(&mut self) -> usize {
+        let mut pushed = 0;
+        let mut sq = self.ring.submission();
+        while self.in_kernel < self.cq_cap {
+            let Some(sqe) = self.backlog.front() else {
+                break;
+            };
+            // SAFETY: every pointer in the SQE (iovec arrays, buffers) stays valid until its
+            // completion: iovec arrays live in `self.slots` (their heap storage does not move
+            // when the slot vector grows), buffers by the submit contract.
+            if unsafe { sq.push(sqe) }.is_err() {
+                break;
+            }
+            self.backlog.pop_front();
+            self.in_kernel += 1;
+            pushed += 1;
+        }
+        sq.sync();
+        pushed
+    }
+}
+
+impl<D: Disk> IoEngine for UringEngine<D> {
+    fn name(&self) -> &'static str {
+        "io_uring"
+    }
+
+    unsafe fn submit(&mut self, tag: Tag, op: IoOp) {
+        let (iovecs, stage, empty) = match &op {
+            IoOp::Read { bufs, .. } | IoOp::Write { bufs, .. } => (
+                bufs.iter()
+                    .map(|b: &IoBuf| libc::iovec {
+                        iov_base: b.ptr().cast(),
+                        iov_len: b.len(),
+                    })
+                    .collect::<Vec<_>>(),
+                Stage::Data,
+                bufs.is_empty(),
+            ),
+            IoOp::Flush => (Vec::new(), Stage::Sync, false),
+            IoOp::Discard { ranges, .. } | IoOp::WriteZeroes { ranges, .. } => {
+                (Vec::new(), Stage::Range(0), ranges.is_empty())
+            }
+        };
+        let fua = matches!(
+            op,
+            IoOp::Write { fua: true, .. }
+                | IoOp::Discard { fua: true, .. }
+                | IoOp::WriteZeroes { fua: true, .. }
+        );
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.slots.push(None);
+            self.slots.len() - 1
+        });
+        self.slots[slot] = Some(Inflight {
+            tag,
+            op,
+            iovecs,
+            iov: 0,
+            done: 0,
+            stage,
+        });
+        self.ops += 1;
+        self.stats.note_submit(self.ops);
+        if empty {
+            self.after_data(slot, fua, 0);
+        } else {
+            self.prepare(slot);
+        }
+    }
+
+    fn kick(&mut self) {
+        loop {
+            let pushed = self.fill_sq();
+            if pushed == 0 && self.ring.submission().is_empty() {
+                return;
+            }
+            match self.ring.submit() {
+                Ok(_) => {
+                    self.stats.submit_calls.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                Err(e) => {
+                    // EBUSY/EAGAIN: the kernel is short of resources; what stays in the
+                    // ring goes in with the next kick, which every completion brings.
+                    if !self.logged_submit_error {
+                        self.logged_submit_error = true;
+                        tracing::warn!("io_uring: submit: {e} (retried on the next completion)");
+                    }
+                    return;
+                }
+            }
+            if self.backlog.is_empty() || self.in_kernel >= self.cq_cap {
+                return;
+            }
+        }
+    }
+
+    fn reap(&mut self, out: &mut Vec<IoDone>) {
+        // Reset the eventfd before looking at the ring: a completion posted after this read
+        // raises it again, so an edge-triggered poller misses nothing.
+        let _ = self.eventfd.read();
+        let mut cqes: Vec<(usize, i32)> = Vec::new();
+        loop {
+            cqes.clear();
+            cqes.extend(
+                self.ring
+                    .completion()
+                    .map(|c| (c.user_data() as usize, c.result())),
+            );
+            if cqes.is_empty() {
+                break;
+            }
+            self.in_kernel = self.in_kernel.saturating_sub(cqes.len());
+            for &(slot, res) in &cqes {
+                self.complete(slot, res);
+            }
+        }
+        if !self.backlog.is_empty() {
+            self.kick();
+        }
+        self.stats
+            .completed
+            .fetch_add(self.ready.len() as u64, Ordering::Relaxed);
+        out.append(&mut self.ready);
+    }
+
+    fn wait(&mut self) {
+        if !self.ready.is_empty() || self.ops == 0 {
+            return;
+        }
+        if self.ring.completion().is_empty() {
+            self.kick();
+            if let Err(e) = self.ring.submit_and_wait(1) {
+                if e.raw_os_error() != Some(libc::EINTR) {
+                    tracing::warn!("io_uring: wait: {e}");
+                }
+            }
+        }
+    }
+
+    fn in_flight(&self) -> usize {
+        self.ops
+    }
+
+    fn notifier(&self) -> Option<RawFd> {
+        Some(self.eventfd.as_raw_fd())
+    }
+
+    fn stats(&self) -> &Arc<EngineStats> {
+        &self.stats
+    }
+}
+
+impl<D: Disk> Drop for UringEngine<D> {
+    fn drop(&mut self) {
+        // The kernel may still write into buffers and iovec arrays: wait for every op.
+        // `wait` blocks until a completion arrives, so rounds without progress only happen
+        // when the kernel refuses io_uring_enter; after many of those, ops that never reached
+        // the kernel are abandoned with the ring (the kernel holds no pointer of theirs).
+        let mut sink = Vec::new();
+        let mut idle_rounds = 0u32;
+        while self.ops > 0 && idle_rounds < 1000 {
+            self.kick();
+            self.wait();
+            self.reap(&mut sink);
+            if sink.is_empty() {
+                idle_rounds += 1;
+            } else {
+                idle_rounds = 0;
+            }
+            sink.clear();
+        }
+        if self.ops > 0 {
+            tracing::error!(
+                "io_uring: {} ops still pending when the ring closed",
+                self.ops
+            );
+        }
+    }
+}

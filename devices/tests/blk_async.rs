@@ -1,0 +1,685 @@
+//! The asynchronous block device at depth: many requests in flight per queue, completions in
+//! any order, bounce mappings held for the whole I/O, back-pressure on a full pool, cache
+//! modes with QEMU's semantics, FLUSH ordering. None of it depends on timing: completions are
+//! awaited by polling the worker's own fds (with a generous timeout that only fails a broken
+//! device).
+
+mod common;
+
+use std::io;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+use bounce::{Direction, Dma, Policy, PoolConfig};
+use common::{header, pattern, RAM};
+use devices::block::io::{AioMode, CacheMode, OnFull, RawDisk};
+use devices::block::{req_type, status, Block, BlockConfig, Disk, MemDisk};
+use devices::testing::{dma_matrix, Buf, TestDriver, Used};
+use devices::virtio::VirtioDevice;
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{GuestMemoryMmap, VolatileSlice};
+
+/// VIRTIO_BLK_F_CONFIG_WCE.
+const F_CONFIG_WCE: u64 = 1 << 11;
+/// VIRTIO_BLK_F_FLUSH.
+const F_FLUSH: u64 = 1 << 9;
+const DISK: u64 = 16 << 20;
+
+type Drv<D> = TestDriver<Block<D>>;
+
+fn driver<D: Disk>(disk: D, cfg: BlockConfig, dma: Dma, qsize: u16) -> Drv<D> {
+    let dev = Block::new(disk, cfg, dma).expect("device");
+    let mut drv = TestDriver::new(dev, RAM);
+    drv.negotiate(u64::MAX);
+    drv.activate(qsize).expect("activate");
+    drv
+}
+
+fn cfg(aio: AioMode, cache: CacheMode) -> BlockConfig {
+    BlockConfig {
+        aio: Some(aio),
+        cache,
+        ..BlockConfig::default()
+    }
+}
+
+/// Reaps queue 0 until `n` more used entries arrived, running the worker on its own fds
+/// (engine completions, the retry timer) as a transport would.
+fn settle<D: Disk>(drv: &mut Drv<D>, n: usize, mut used: Vec<Used>) -> Vec<Used> {
+    used.extend(drv.wait_used(0, n, std::time::Duration::from_secs(20)));
+    used
+}
+
+/// One posted request: head, data address, status address.
+#[derive(Clone, Copy, Debug)]
+struct Req {
+    head: u16,
+    data: u64,
+    st: u64,
+}
+
+/// Posts (without kicking) a read or write of `len` bytes at `sector` whose data buffer is at
+/// `data_align` plus `misalign` bytes.
+fn post<D: Disk>(
+    drv: &mut Drv<D>,
+    t: u32,
+    sector: u64,
+    payload: &[u8],
+    len: u32,
+    misalign: u64,
+) -> Req {
+    let h = drv.ram.alloc_bytes(&header(t, sector));
+    let data = drv.ram.alloc(u64::from(len) + 4096, 4096) + misalign;
+    let st = drv.ram.alloc(1, 1);
+    drv.ram.write(st, &[0xee]);
+    let mut bufs = vec![Buf::ro(h, 16)];
+    match t {
+        req_type::IN => bufs.push(Buf::wo(data, len)),
+        req_type::OUT => {
+            drv.ram.write(data, payload);
+            bufs.push(Buf::ro(data, len));
+        }
+        _ => {}
+    }
+    bufs.push(Buf::wo(st, 1));
+    let head = drv.post(0, &bufs).expect("free descriptors");
+    Req { head, data, st }
+}
+
+fn status_of<D: Disk>(drv: &Drv<D>, r: Req) -> u8 {
+    drv.ram.read(r.st, 1)[0]
+}
+
+fn stats<D: Disk>(drv: &Drv<D>) -> serde_json::Value {
+    VirtioDevice::<GuestMemoryMmap>::stats(&drv.device)
+}
+
+fn raw_image(dir: &Path, cache: CacheMode) -> RawDisk {
+    let p = dir.join("disk.raw");
+    std::fs::File::create(&p).unwrap().set_len(DISK).unwrap();
+    RawDisk::open_with(&p, false, cache).unwrap()
+}
+
+/// 32 writes of 4 KiB in flight at once, then 32 reads of them, verified, for bounce off and
+/// every allocator in both pool modes, with io_uring and the thread pool. Each request keeps
+/// its bounce slots until its host I/O completes: the pool's high-water mark covers all 32.
+#[test]
+fn depth_32_verifies_for_every_allocator_and_pool_mode() {
+    let dmas = dma_matrix(4096);
+    for aio in [AioMode::IoUring, AioMode::Threads] {
+        for (name, dma) in &dmas {
+            let dir = tempfile::tempdir().unwrap();
+            let disk = raw_image(dir.path(), CacheMode::Writeback);
+            let mut drv = driver(disk, cfg(aio, CacheMode::Writeback), dma.clone(), 256);
+            if let Some(p) = dma.pool() {
+                p.reset_hiwater();
+            }
+            // Scattered sectors, in an order unrelated to the heads.
+            let sector = |i: u64| ((i * 37) % 64) * 16;
+            let writes: Vec<Req> = (0..32)
+                .map(|i| {
+                    post(
+                        &mut drv,
+                        req_type::OUT,
+                        sector(i),
+                        &pattern(i, 4096),
+                        4096,
+                        0,
+                    )
+                })
+                .collect();
+            drv.kick(0).unwrap();
+            let used = settle(&mut drv, 32, Vec::new());
+            assert_eq!(used.len(), 32);
+            for w in &writes {
+                assert_eq!(status_of(&drv, *w), status::OK, "{aio} {name}");
+            }
+            if let Some(p) = dma.pool() {
+                let st = p.stats();
+                println!(
+                    "{aio} {name}: 32 x 4 KiB in flight, pool used_hiwater {}",
+                    st.used_hiwater
+                );
+                // 4 KiB of data plus the status byte per request, all held at once.
+                let per_req = if p.is_iova() { 2 } else { 3 };
+                assert!(
+                    st.used_hiwater >= 32 * per_req,
+                    "{aio} {name}: pool high-water {} < 32 requests' worth",
+                    st.used_hiwater
+                );
+                assert_eq!(st.used, 0, "{aio} {name}: slots leaked");
+            }
+            let reads: Vec<Req> = (0..32)
+                .map(|i| post(&mut drv, req_type::IN, sector(i), &[], 4096, 0))
+                .collect();
+            drv.kick(0).unwrap();
+            let used = settle(&mut drv, 32, Vec::new());
+            for (i, r) in reads.iter().enumerate() {
+                assert_eq!(status_of(&drv, *r), status::OK);
+                assert_eq!(
+                    drv.ram.read(r.data, 4096),
+                    pattern(i as u64, 4096),
+                    "{aio} {name}: read {i}"
+                );
+                let u = used.iter().find(|u| u.id == u32::from(r.head)).unwrap();
+                assert_eq!(u.len, 4097);
+            }
+            let s = stats(&drv);
+            assert!(
+                s["metrics"]["inflight_hiwater"].as_u64().unwrap() >= 32,
+                "{s}"
+            );
+            assert_eq!(s["engine"]["aio"], aio.name());
+        }
+    }
+}
+
+/// A memory disk whose reads of sector 0 wait until the test releases them.
+#[derive(Debug)]
+struct GateDisk {
+    mem: MemDisk,
+    gate: Mutex<mpsc::Receiver<()>>,
+}
+
+impl Disk for GateDisk {
+    fn capacity(&self) -> u64 {
+        self.mem.capacity()
+    }
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
+        if offset == 0 {
+            self.gate.lock().unwrap().recv().unwrap();
+        }
+        self.mem.read_at(offset, buf)
+    }
+    fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
+        self.mem.write_at(offset, buf)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
+        self.mem.discard(o, l)
+    }
+    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
+        self.mem.write_zeroes(o, l, u)
+    }
+    fn kind(&self) -> &'static str {
+        "gate"
+    }
+}
+
+/// Completions go on the used ring in the order the host finishes them: the first request
+/// posted is held by the disk and is used last, after the seven behind it; each batch of
+/// completions asks for one notification.
+#[test]
+fn used_ring_follows_completion_order() {
+    for (name, dma) in dma_matrix(4096) {
+        let (tx, rx) = mpsc::channel();
+        let mem = MemDisk::new(DISK).unwrap();
+        mem.write_bytes(0, &pattern(99, 4096)).unwrap();
+        let disk = GateDisk {
+            mem,
+            gate: Mutex::new(rx),
+        };
+        let mut drv = driver(disk, cfg(AioMode::Threads, CacheMode::Writeback), dma, 64);
+        let held = post(&mut drv, req_type::IN, 0, &[], 4096, 0);
+        let rest: Vec<Req> = (1..8)
+            .map(|i| post(&mut drv, req_type::IN, i * 8, &[], 4096, 0))
+            .collect();
+        drv.kick(0).unwrap();
+        let used = settle(&mut drv, 7, Vec::new());
+        assert!(
+            used.iter().all(|u| u.id != u32::from(held.head)),
+            "{name}: the held request completed"
+        );
+        assert_eq!(status_of(&drv, held), 0xee, "{name}: status written early");
+        for r in &rest {
+            assert_eq!(status_of(&drv, *r), status::OK);
+        }
+        assert!(drv.signals(0) >= 1);
+        tx.send(()).unwrap();
+        let used = settle(&mut drv, 1, Vec::new());
+        assert_eq!(used[0].id, u32::from(held.head), "{name}");
+        assert_eq!(drv.ram.read(held.data, 4096), pattern(99, 4096));
+        if let Some(p) = drv.device.dma().pool() {
+            assert_eq!(p.used(), 0);
+        }
+    }
+}
+
+/// A disk that counts what reaches it, to check each cache mode's flushes.
+#[derive(Debug)]
+struct Counting {
+    inner: MemDisk,
+    writes: AtomicU64,
+    flushes: AtomicU64,
+}
+
+impl Disk for Counting {
+    fn capacity(&self) -> u64 {
+        self.inner.capacity()
+    }
+    fn read_at<B: BitmapSlice>(&self, o: u64, b: &mut VolatileSlice<B>) -> io::Result<usize> {
+        self.inner.read_at(o, b)
+    }
+    fn write_at<B: BitmapSlice>(&self, o: u64, b: &VolatileSlice<B>) -> io::Result<usize> {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        self.inner.write_at(o, b)
+    }
+    fn flush(&self) -> io::Result<()> {
+        self.flushes.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
+        self.inner.discard(o, l)
+    }
+    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
+        self.inner.write_zeroes(o, l, u)
+    }
+    fn kind(&self) -> &'static str {
+        "counting"
+    }
+}
+
+fn one<D: Disk>(drv: &mut Drv<D>, t: u32, sector: u64, data: &[u8], len: u32) -> Req {
+    let r = post(drv, t, sector, data, len, 0);
+    drv.kick(0).unwrap();
+    settle(drv, 1, Vec::new());
+    r
+}
+
+/// QEMU's table: the guest sees the write cache of the mode (config `writeback`, CONFIG_WCE
+/// and FLUSH offered); with it off every write is followed by a flush before it completes;
+/// FLUSH syncs except with `unsafe`; the guest can switch the cache through `writeback`.
+#[test]
+fn cache_modes_decide_wce_and_flushes() {
+    for cache in CacheMode::ALL {
+        for aio in [AioMode::Threads, AioMode::Sync] {
+            let disk = Counting {
+                inner: MemDisk::new(DISK).unwrap(),
+                writes: AtomicU64::new(0),
+                flushes: AtomicU64::new(0),
+            };
+            let mut drv = driver(disk, cfg(aio, cache), Dma::direct(), 64);
+            let offered = VirtioDevice::<GuestMemoryMmap>::avail_features(&drv.device);
+            assert_ne!(offered & F_CONFIG_WCE, 0);
+            assert_ne!(offered & F_FLUSH, 0);
+            assert_eq!(
+                drv.read_config(32, 1)[0],
+                u8::from(cache.write_cache()),
+                "{cache}: writeback field"
+            );
+            let w = one(&mut drv, req_type::OUT, 8, &pattern(1, 4096), 4096);
+            assert_eq!(status_of(&drv, w), status::OK);
+            let flushes = drv.device.disk().flushes.load(Ordering::SeqCst);
+            assert_eq!(
+                flushes,
+                u64::from(!cache.write_cache()),
+                "{cache} {aio}: after a write"
+            );
+            let f = one(&mut drv, req_type::FLUSH, 0, &[], 0);
+            assert_eq!(status_of(&drv, f), status::OK);
+            let after = drv.device.disk().flushes.load(Ordering::SeqCst);
+            assert_eq!(
+                after - flushes,
+                u64::from(!cache.no_flush()),
+                "{cache} {aio}: FLUSH"
+            );
+            // The guest turns the write cache off: writes are now synced one by one.
+            VirtioDevice::<GuestMemoryMmap>::write_config(&mut drv.device, 32, &[0]);
+            assert_eq!(drv.read_config(32, 1)[0], 0);
+            let w = one(&mut drv, req_type::OUT, 16, &pattern(2, 512), 512);
+            assert_eq!(status_of(&drv, w), status::OK);
+            assert_eq!(
+                drv.device.disk().flushes.load(Ordering::SeqCst),
+                after + 1,
+                "{cache}"
+            );
+        }
+    }
+}
+
+/// With O_DIRECT (none, directsync) guest buffers that are not aligned for direct I/O go
+/// through the engine's aligned bounce buffer (counted), aligned ones do not, and the bytes
+/// are right in every mode and engine.
+#[test]
+fn every_cache_mode_with_unaligned_guest_buffers() {
+    for cache in CacheMode::ALL {
+        for aio in AioMode::ALL {
+            let dir = tempfile::tempdir().unwrap();
+            let disk = raw_image(dir.path(), cache);
+            let mut drv = driver(disk, cfg(aio, cache), Dma::direct(), 64);
+            // Aligned, then 1 byte off a page, then 3 bytes off.
+            for (i, mis) in [0u64, 1, 3].into_iter().enumerate() {
+                let data = pattern(10 + i as u64, 8192);
+                let sector = 64 * (i as u64 + 1);
+                let w = post(&mut drv, req_type::OUT, sector, &data, 8192, mis);
+                drv.kick(0).unwrap();
+                settle(&mut drv, 1, Vec::new());
+                assert_eq!(status_of(&drv, w), status::OK, "{cache} {aio} +{mis}");
+                let back = post(&mut drv, req_type::IN, sector, &[], 8192, mis);
+                drv.kick(0).unwrap();
+                settle(&mut drv, 1, Vec::new());
+                assert_eq!(status_of(&drv, back), status::OK);
+                assert_eq!(drv.ram.read(back.data, 8192), data, "{cache} {aio} +{mis}");
+            }
+            let s = stats(&drv);
+            let bounced = s["engine"]["dio_bounced"].as_u64().unwrap();
+            if cache.direct() {
+                // Two writes and two reads were misaligned.
+                assert_eq!(bounced, 4, "{cache} {aio}: {s}");
+            } else {
+                assert_eq!(bounced, 0, "{cache} {aio}");
+            }
+            assert_eq!(s["engine"]["cache"], cache.name());
+        }
+    }
+}
+
+/// A disk with a volatile cache and durable storage: writes land in the cache, a flush
+/// copies the cache to storage; `durable` is what survives a host crash.
+#[derive(Debug)]
+struct CrashDisk {
+    cache: MemDisk,
+    durable: Mutex<Vec<u8>>,
+}
+
+impl CrashDisk {
+    fn new() -> Self {
+        Self {
+            cache: MemDisk::new(1 << 20).unwrap(),
+            durable: Mutex::new(vec![0; 1 << 20]),
+        }
+    }
+    fn durable(&self, off: usize, len: usize) -> Vec<u8> {
+        self.durable.lock().unwrap()[off..off + len].to_vec()
+    }
+}
+
+impl Disk for CrashDisk {
+    fn capacity(&self) -> u64 {
+        self.cache.capacity()
+    }
+    fn read_at<B: BitmapSlice>(&self, o: u64, b: &mut VolatileSlice<B>) -> io::Result<usize> {
+        self.cache.read_at(o, b)
+    }
+    fn write_at<B: BitmapSlice>(&self, o: u64, b: &VolatileSlice<B>) -> io::Result<usize> {
+        self.cache.write_at(o, b)
+    }
+    fn flush(&self) -> io::Result<()> {
+        let mut d = self.durable.lock().unwrap();
+        self.cache.read_bytes(0, &mut d).map(|_| ())
+    }
+    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
+        self.cache.discard(o, l)
+    }
+    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
+        self.cache.write_zeroes(o, l, u)
+    }
+    fn kind(&self) -> &'static str {
+        "crash"
+    }
+}
+
+/// A FLUSH covers every write completed before it: eight writes at depth complete, then a
+/// FLUSH (posted together with more writes) completes, and all eight are durable. With
+/// `unsafe` the FLUSH is ignored and they are not; with write-through they are durable before
+/// any FLUSH.
+#[test]
+fn flush_covers_every_write_completed_before_it() {
+    for aio in [AioMode::Threads, AioMode::Sync] {
+        for cache in [
+            CacheMode::Writeback,
+            CacheMode::Unsafe,
+            CacheMode::Writethrough,
+        ] {
+            let mut drv = driver(CrashDisk::new(), cfg(aio, cache), Dma::direct(), 64);
+            let writes: Vec<Req> = (0..8)
+                .map(|i| post(&mut drv, req_type::OUT, i * 8, &pattern(i, 4096), 4096, 0))
+                .collect();
+            drv.kick(0).unwrap();
+            settle(&mut drv, 8, Vec::new());
+            assert!(writes.iter().all(|w| status_of(&drv, *w) == status::OK));
+            let durable_before = drv.device.disk().durable(0, 4096) == pattern(0, 4096);
+            assert_eq!(
+                durable_before,
+                cache == CacheMode::Writethrough,
+                "{cache}: before FLUSH"
+            );
+            let f = post(&mut drv, req_type::FLUSH, 0, &[], 0, 0);
+            let later: Vec<Req> = (8..12)
+                .map(|i| post(&mut drv, req_type::OUT, i * 8, &pattern(i, 4096), 4096, 0))
+                .collect();
+            drv.kick(0).unwrap();
+            settle(&mut drv, 5, Vec::new());
+            assert_eq!(status_of(&drv, f), status::OK);
+            assert!(later.iter().all(|w| status_of(&drv, *w) == status::OK));
+            for i in 0..8u64 {
+                let at = usize::try_from(i * 8 * 512).unwrap();
+                let durable = drv.device.disk().durable(at, 4096) == pattern(i, 4096);
+                assert_eq!(
+                    durable,
+                    cache != CacheMode::Unsafe,
+                    "{aio} {cache}: write {i} completed before the FLUSH"
+                );
+            }
+        }
+    }
+}
+
+fn small_pool(slots: usize) -> Dma {
+    let mut c = PoolConfig::swiotlb(slots);
+    c.areas = Some(1);
+    Dma::bounced(
+        Policy::Force,
+        Arc::new(bounce::BouncePool::new(&c).unwrap()),
+    )
+}
+
+/// A pool too small for the queue's depth: with `on-full=wait` requests that do not fit stay
+/// on the ring and go in as others complete, and all succeed; with `on-full=fail` some fail
+/// with IOERR at once. Both are counted.
+#[test]
+fn back_pressure_wait_and_fail() {
+    for aio in [AioMode::IoUring, AioMode::Threads] {
+        for on_full in [OnFull::Wait, OnFull::Fail] {
+            let dir = tempfile::tempdir().unwrap();
+            let disk = raw_image(dir.path(), CacheMode::Writeback);
+            let c = BlockConfig {
+                on_full,
+                ..cfg(aio, CacheMode::Writeback)
+            };
+            // 128 slots of 2 KiB: about 40 requests of 4 KiB + status fit at once.
+            let mut drv = driver(disk, c, small_pool(128), 256);
+            let reqs: Vec<Req> = (0..60)
+                .map(|i| post(&mut drv, req_type::OUT, i * 8, &pattern(i, 4096), 4096, 0))
+                .collect();
+            drv.kick(0).unwrap();
+            settle(&mut drv, 60, Vec::new());
+            let failed = reqs
+                .iter()
+                .filter(|r| status_of(&drv, **r) != status::OK)
+                .count();
+            let s = stats(&drv);
+            let m = &s["metrics"];
+            match on_full {
+                OnFull::Wait => {
+                    assert_eq!(failed, 0, "{aio}: {s}");
+                    assert!(m["pool_full_waits"].as_u64().unwrap() > 0, "{s}");
+                    assert_eq!(m["pool_full_failed"], 0);
+                }
+                OnFull::Fail => {
+                    assert!(failed > 0, "{aio}: nothing failed on a full pool");
+                    assert!(m["pool_full_failed"].as_u64().unwrap() > 0);
+                    assert_eq!(m["pool_full_waits"], 0);
+                }
+            }
+            assert_eq!(drv.device.dma().pool().unwrap().used(), 0);
+        }
+    }
+}
+
+/// A request larger than the whole pool can never fit: it fails even with `on-full=wait`,
+/// and the queue goes on.
+#[test]
+fn a_request_that_can_never_fit_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = raw_image(dir.path(), CacheMode::Writeback);
+    let mut drv = driver(
+        disk,
+        cfg(AioMode::IoUring, CacheMode::Writeback),
+        small_pool(128),
+        64,
+    );
+    // 128 slots * 2 KiB = 256 KiB; ask for 384 KiB.
+    let big = one(&mut drv, req_type::IN, 0, &[], 384 << 10);
+    assert_eq!(status_of(&drv, big), status::IOERR);
+    let small = one(&mut drv, req_type::IN, 0, &[], 4096);
+    assert_eq!(status_of(&drv, small), status::OK);
+    assert_eq!(stats(&drv)["metrics"]["pool_full_failed"], 1);
+}
+
+/// The pool is full because someone else holds it and the queue has nothing in flight of its
+/// own: the request waits on the worker's retry timer and goes in once the slots are free.
+#[test]
+fn waiting_with_nothing_in_flight_retries_on_the_timer() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = raw_image(dir.path(), CacheMode::Writeback);
+    let dma = small_pool(128);
+    let mut drv = driver(
+        disk,
+        cfg(AioMode::IoUring, CacheMode::Writeback),
+        dma.clone(),
+        64,
+    );
+    // Another user takes all but one slot.
+    let hog = drv.ram.alloc(127 * 2048, 4096);
+    let held = dma
+        .map(drv.ram.mem(), hog, 127 * 2048, Direction::ToDevice, 1)
+        .unwrap();
+    let r = post(&mut drv, req_type::IN, 0, &[], 4096, 0);
+    drv.kick(0).unwrap();
+    assert!(drv.reap(0).is_empty(), "completed on a full pool");
+    assert_eq!(status_of(&drv, r), 0xee);
+    // Timer rounds pass without progress while the pool stays full.
+    for _ in 0..3 {
+        let fds = drv.worker_fds(0);
+        let mut p: Vec<libc::pollfd> = fds
+            .iter()
+            .map(|&(fd, _)| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        #[allow(clippy::undocumented_unsafe_blocks)]
+        let n = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, 5000) };
+        assert!(n > 0, "the retry timer never fired");
+        for (i, pfd) in p.iter().enumerate() {
+            if pfd.revents & libc::POLLIN != 0 {
+                drv.fd_event(0, fds[i].1).unwrap();
+            }
+        }
+        assert!(drv.reap(0).is_empty());
+    }
+    dma.unmap(drv.ram.mem(), held, 1).unwrap();
+    let used = settle(&mut drv, 1, Vec::new());
+    assert_eq!(used[0].id, u32::from(r.head));
+    assert_eq!(status_of(&drv, r), status::OK);
+}
+
+/// Hostile chains among 32 good requests in one batch: each bad one gets its IOERR, the good
+/// ones their data, and the device keeps serving (the hostile suite's rules hold at depth).
+#[test]
+fn hostile_chains_at_depth() {
+    for aio in [AioMode::IoUring, AioMode::Threads] {
+        for (name, dma) in dma_matrix(4096).into_iter().take(3) {
+            let dir = tempfile::tempdir().unwrap();
+            let p = dir.path().join("disk.raw");
+            std::fs::write(&p, pattern(5, DISK as usize)).unwrap();
+            let disk = RawDisk::open_with(&p, false, CacheMode::None).unwrap();
+            let mut drv = driver(disk, cfg(aio, CacheMode::None), dma, 256);
+            let mut good = Vec::new();
+            let mut bad = Vec::new();
+            for i in 0..32u64 {
+                good.push((i, post(&mut drv, req_type::IN, i * 8, &[], 4096, 0)));
+                match i % 4 {
+                    // Beyond the end of the disk.
+                    0 => bad.push(post(&mut drv, req_type::IN, DISK / 512, &[], 4096, 0)),
+                    // Not a multiple of 512.
+                    1 => bad.push(post(&mut drv, req_type::IN, 0, &[], 700, 0)),
+                    // Data buffer outside guest memory.
+                    2 => {
+                        let h = drv.ram.alloc_bytes(&header(req_type::IN, 0));
+                        let st = drv.ram.alloc(1, 1);
+                        drv.ram.write(st, &[0xee]);
+                        let head = drv
+                            .post(
+                                0,
+                                &[Buf::ro(h, 16), Buf::wo(RAM - 512, 4096), Buf::wo(st, 1)],
+                            )
+                            .unwrap();
+                        bad.push(Req { head, data: 0, st });
+                    }
+                    // Unsupported type.
+                    _ => bad.push(post(&mut drv, 0x77, 0, &[], 0, 0)),
+                }
+            }
+            drv.kick(0).unwrap();
+            settle(&mut drv, 64, Vec::new());
+            for (i, g) in &good {
+                assert_eq!(status_of(&drv, *g), status::OK, "{aio} {name}");
+                let at = usize::try_from(i * 8 * 512).unwrap();
+                assert_eq!(
+                    drv.ram.read(g.data, 4096),
+                    pattern(5, DISK as usize)[at..at + 4096].to_vec()
+                );
+            }
+            for (k, b) in bad.iter().enumerate() {
+                let want = if k % 4 == 3 {
+                    status::UNSUPP
+                } else {
+                    status::IOERR
+                };
+                assert_eq!(status_of(&drv, *b), want, "{aio} {name}: bad request {k}");
+            }
+            assert!(drv.broken(0).is_none());
+            if let Some(p) = drv.device.dma().pool() {
+                assert_eq!(p.used(), 0);
+            }
+        }
+    }
+}
+
+/// A device reset with requests in flight waits for their host I/O and releases every slot.
+#[test]
+fn reset_with_requests_in_flight_releases_the_pool() {
+    let (tx, rx) = mpsc::channel();
+    let disk = GateDisk {
+        mem: MemDisk::new(DISK).unwrap(),
+        gate: Mutex::new(rx),
+    };
+    let dma = small_pool(1024);
+    let mut drv = driver(
+        disk,
+        cfg(AioMode::Threads, CacheMode::Writeback),
+        dma.clone(),
+        64,
+    );
+    post(&mut drv, req_type::IN, 0, &[], 4096, 0);
+    for i in 1..8 {
+        post(&mut drv, req_type::IN, i * 8, &[], 4096, 0);
+    }
+    drv.kick(0).unwrap();
+    assert!(dma.pool().unwrap().used() > 0);
+    // Release the held read from another thread once the reset is waiting for it.
+    let t = std::thread::spawn(move || tx.send(()).unwrap());
+    drv.reset();
+    t.join().unwrap();
+    assert_eq!(dma.pool().unwrap().used(), 0);
+}
