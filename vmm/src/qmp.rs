@@ -12,6 +12,7 @@
 //! | `system_powerdown` | `{}`, then a `POWERDOWN` event, then the VM ends (see below) |
 //! | `quit` | `{}`, then the VM ends with status 0 |
 //! | `x-query-bounce` | per device: `id`, `driver`, `stats` (`VirtioDevice::stats`: device counters and the bounce pool's statistics) |
+//! | `x-reset-bounce` | resets the bounce pools' high-water marks, lock counters and time histograms (`arguments: {"id": ID}` for one device); returns `{"reset": [ids]}`, or `DeviceNotFound` |
 //!
 //! Anything else gets `{"error": {"class": "CommandNotFound", "desc": ...}}`; an `id` member
 //! is echoed in the reply.
@@ -59,6 +60,8 @@ pub struct DeviceInfo {
     pub driver: String,
     /// The device core.
     pub device: SharedVirtioDevice,
+    /// The device's bounce pool, when it bounces (for `x-reset-bounce`).
+    pub pool: Option<std::sync::Arc<bounce::BouncePool>>,
 }
 
 impl std::fmt::Debug for DeviceInfo {
@@ -299,6 +302,33 @@ fn execute(msg: &Value, ctx: &QmpContext, negotiated: &mut bool) -> (Value, Afte
                 })
                 .collect();
             (ok(Value::Array(list)), After::Nothing)
+        }
+        "x-reset-bounce" => {
+            let want = msg
+                .get("arguments")
+                .and_then(|a| a.get("id"))
+                .and_then(Value::as_str);
+            let chosen: Vec<&DeviceInfo> = ctx
+                .devices
+                .iter()
+                .filter(|d| want.is_none_or(|w| d.id == w))
+                .collect();
+            if let (Some(w), true) = (want, chosen.is_empty()) {
+                return (
+                    error("DeviceNotFound", format!("Device '{w}' not found")),
+                    After::Nothing,
+                );
+            }
+            let reset: Vec<&str> = chosen
+                .iter()
+                .filter_map(|d| {
+                    d.pool.as_ref().map(|p| {
+                        p.reset_hiwater();
+                        d.id.as_str()
+                    })
+                })
+                .collect();
+            (ok(json!({ "reset": reset })), After::Nothing)
         }
         "system_powerdown" => (ok(json!({})), After::PowerDown),
         "quit" => (ok(json!({})), After::Quit),

@@ -78,7 +78,7 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
     for spec in &cfg.devices {
         let id = spec.id().to_string();
         let bounce = cfg.bounce_for(&id);
-        let (device, driver): (SharedVirtioDevice, &str) = match spec {
+        let (device, driver, pool): (SharedVirtioDevice, &str, _) = match spec {
             DeviceSpec::Blk {
                 drive,
                 num_queues,
@@ -89,7 +89,7 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
                 let d = cfg
                     .drive(drive)
                     .ok_or_else(|| format!("drive '{drive}' is not defined"))?;
-                let (dma, _) = bounce
+                let (dma, p) = bounce
                     .build(usize::from(*num_queues))
                     .map_err(|e| format!("-bounce for {id}: {e}"))?;
                 let image = DiskImage::open(&d.file, d.format, d.readonly).map_err(|e| {
@@ -117,7 +117,7 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
                     format: format!("{:?}", d.format).to_lowercase(),
                     readonly: d.readonly,
                 });
-                (Arc::new(Mutex::new(blk)), "virtio-blk-pci")
+                (Arc::new(Mutex::new(blk)), "virtio-blk-pci", p)
             }
             DeviceSpec::Net {
                 netdev,
@@ -130,7 +130,7 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
                     .netdev(netdev)
                     .ok_or_else(|| format!("netdev '{netdev}' is not defined"))?;
                 let pairs = if *mq { n.queues } else { 1 };
-                let (dma, _) = bounce
+                let (dma, p) = bounce
                     .build(usize::from(pairs))
                     .map_err(|e| format!("-bounce for {id}: {e}"))?;
                 let mut nc = NetConfig {
@@ -143,7 +143,7 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
                 }
                 let net = Net::with_tap(nc, &n.ifname, dma)
                     .map_err(|e| format!("-netdev id={}: tap '{}': {e}", n.id, n.ifname))?;
-                (Arc::new(Mutex::new(net)), "virtio-net-pci")
+                (Arc::new(Mutex::new(net)), "virtio-net-pci", p)
             }
         };
         let f = VirtioPciDevice::new(
@@ -162,6 +162,7 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
             id,
             driver: driver.into(),
             device,
+            pool,
         });
     }
     Ok(b)
@@ -261,6 +262,20 @@ fn run(cfg: Config) -> Result<i32, String> {
     for f in &built.functions {
         f.lock().unwrap_or_else(|e| e.into_inner()).stop_workers();
     }
+    // Final statistics on stderr as one JSON line, as bouncevm-vhost prints them.
+    let final_stats: Vec<serde_json::Value> = built
+        .qmp_devices
+        .iter()
+        .map(|d| {
+            let stats = d
+                .device
+                .lock()
+                .map(|g| g.stats())
+                .unwrap_or(serde_json::Value::Null);
+            serde_json::json!({"id": d.id, "driver": d.driver, "stats": stats})
+        })
+        .collect();
+    eprintln!("{}", serde_json::json!({ "devices": final_stats }));
     for d in &built.disks {
         if let Err(e) = d.flush() {
             eprintln!("bouncevm: flushing a disk failed: {e}");

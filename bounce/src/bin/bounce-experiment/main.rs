@@ -98,6 +98,11 @@ struct Args {
     /// Print the JSON document (metadata, every cell with its samples) instead of the table.
     #[arg(long)]
     json: bool,
+    /// The pools' time accounting: "off" (the default: it costs ~170-230 ns per map+unmap pair
+    /// on this machine, see bounce/README.md), "on", or "both" (each allocator twice, with and
+    /// without, in the same rounds: what the accounting costs).
+    #[arg(long, default_value = "off")]
+    timing: String,
     /// Write table.md, results.json and chart.svg into this directory.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
@@ -282,6 +287,9 @@ fn memcpy_reference(threads: usize, size: usize, dur: Duration) -> Option<f64> {
 /// The parsed and checked matrix.
 struct Plan {
     kinds: Vec<AllocatorKind>,
+    /// Time accounting per entry of `kinds` (an allocator appears twice with `--timing both`).
+    timing: Vec<bool>,
+    both: bool,
     threads: Vec<usize>,
     sizes: Vec<usize>,
     copies: Vec<bool>,
@@ -313,11 +321,23 @@ fn plan(args: &Args) -> Result<Plan, String> {
     if !kinds.contains(&baseline) {
         return Err(format!("baseline {baseline} is not among --alloc"));
     }
+    let modes: &[bool] = match args.timing.as_str() {
+        "on" => &[true],
+        "off" => &[false],
+        "both" => &[true, false],
+        other => return Err(format!("--timing: unknown '{other}' (on, off or both)")),
+    };
+    let (kinds, timing): (Vec<_>, Vec<_>) = kinds
+        .iter()
+        .flat_map(|&k| modes.iter().map(move |&m| (k, m)))
+        .unzip();
     if !(args.seconds > 0.0 && args.seconds < 60.0) || args.rounds == 0 {
         return Err("--seconds must be in (0, 60) and --rounds at least 1".into());
     }
     Ok(Plan {
         kinds,
+        timing,
+        both: modes.len() == 2,
         threads,
         sizes,
         copies,
@@ -330,7 +350,8 @@ fn plan(args: &Args) -> Result<Plan, String> {
 fn build_pools(args: &Args, p: &Plan, t: usize) -> Result<Vec<Arc<BouncePool>>, String> {
     p.kinds
         .iter()
-        .map(|&k| {
+        .zip(&p.timing)
+        .map(|(&k, &timing)| {
             let mut cfg = match p.mode {
                 PoolMode::Swiotlb => PoolConfig::swiotlb(args.slots),
                 PoolMode::Iova => PoolConfig::iova(args.slots),
@@ -342,7 +363,10 @@ fn build_pools(args: &Args, p: &Plan, t: usize) -> Result<Vec<Arc<BouncePool>>, 
                 PoolMode::Iova => Some(1),
             });
             BouncePool::new(&cfg)
-                .map(Arc::new)
+                .map(|pool| {
+                    pool.set_timing(timing);
+                    Arc::new(pool)
+                })
                 .map_err(|e| format!("{k}: {e}"))
         })
         .collect()
@@ -472,7 +496,11 @@ fn cells_of(
     }
     for (i, k) in p.kinds.iter().enumerate() {
         cells.push(Cell {
-            alloc: k.name().to_string(),
+            alloc: if p.both && !p.timing[i] {
+                format!("{} (no timing)", k.name())
+            } else {
+                k.name().to_string()
+            },
             threads: t,
             size,
             copy,
@@ -591,6 +619,7 @@ fn matrix(args: &Args) -> Result<bool, String> {
         meta,
         config: serde_json::json!({
             "alloc": p.kinds.iter().map(|k| k.name()).collect::<Vec<_>>(),
+            "timing": p.timing,
             "threads": p.threads, "sizes": p.sizes, "copy": p.copies, "mode": p.mode,
             "slots": args.slots, "areas": args.areas, "depth": args.depth,
             "seconds": args.seconds, "rounds": args.rounds, "baseline": p.baseline.name(),
