@@ -127,8 +127,14 @@ fn serve<D: VirtioDevice<Memory> + 'static>(
     if let Some(p) = &common.stats_socket {
         server = server.with_stats_socket(p).map_err(|e| e.to_string())?;
     }
+    let reset_pool = pool.clone();
     let mut server = server
         .with_signals(signals)
+        .with_reset(move || {
+            if let Some(p) = &reset_pool {
+                p.reset_hiwater();
+            }
+        })
         .with_stats_source("bounce", move || {
             pool_json(pool.as_ref().map(|p| p.stats()))
         });
