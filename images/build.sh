@@ -51,7 +51,7 @@ KVER_PKG="$(apt-cache show --no-all-versions "$KPKG" 2>/dev/null | sed -n 's/^Ve
 
 # ---------------------------------------------------------------- input hash / cache check
 inputs() {
-    sha256sum "$HERE/build.sh" "$HERE/lib.sh" "$INIT_SRC" | awk '{print $1}'
+    sha256sum "$HERE/build.sh" "$HERE/lib.sh" "$INIT_SRC" "$HERE/swiotlb-capture.sh" | awk '{print $1}'
     echo "kernel $KPKG $KVER_PKG"
     for p in fio iperf3 busybox-static libc6; do echo "$p $(pkg_ver "$p")"; done
 }
@@ -132,6 +132,7 @@ printf 'kernel=%s\nkernel_pkg=%s %s\nfio=%s\niperf3=%s\nbusybox=%s\n' "$KREL" "$
     "$(pkg_ver fio)" "$(pkg_ver iperf3)" "$(pkg_ver busybox-static)" > "$STAGE/etc/bvm-image"
 
 install -m 0755 "$INIT_SRC" "$STAGE/init"
+install -D -m 0755 "$HERE/swiotlb-capture.sh" "$STAGE/usr/lib/bvm/swiotlb-capture.sh"
 
 # ---------------------------------------------------------------- outputs
 (cd "$STAGE" && find . -mindepth 1 | LC_ALL=C sort | cpio -o -H newc -R 0:0 --quiet) > "$OUT/initramfs.cpio.tmp"

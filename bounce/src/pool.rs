@@ -16,7 +16,7 @@ use crate::alloc::{self, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, PoolConfig, PoolMode, SizeLimit};
 use crate::orig::OrigMemory;
-use crate::stats::{Counters, PoolStats};
+use crate::stats::{Counters, PoolStats, TimedOp, Timing};
 use crate::types::{Direction, DmaAttrs, MapRequest};
 
 /// What map copies into the pool.
@@ -108,6 +108,8 @@ pub struct BouncePool {
     meta: Box<[SlotMeta]>,
     alloc: Arc<dyn SlotAllocator>,
     counters: Counters,
+    /// Time accounting; its hooks are the three wrappers `map`, `bounce`, `unmap_single`.
+    timing: Timing,
     created: Instant,
     /// Milliseconds since `created` of the last "full" warning (rate limit).
     last_full_warn_ms: AtomicU64,
@@ -165,6 +167,7 @@ impl BouncePool {
             meta,
             alloc,
             counters: Counters::default(),
+            timing: Timing::default(),
             created: Instant::now(),
             last_full_warn_ms: AtomicU64::new(u64::MAX),
             clamp_warned: AtomicU32::new(0),
@@ -249,6 +252,13 @@ impl BouncePool {
     /// form `2^k - 1`), [`Error::TooLarge`], [`Error::OrigAccess`] (the original range is not
     /// accessible), [`Error::PoolFull`] (logged, rate-limited, unless `no_warn`).
     pub fn map<M: OrigMemory + ?Sized>(&self, mem: &M, req: &MapRequest) -> Result<Mapping> {
+        let t0 = self.timing.start();
+        let r = self.map_untimed(mem, req);
+        self.timing.record(TimedOp::Map, req.dir, t0);
+        r
+    }
+
+    fn map_untimed<M: OrigMemory + ?Sized>(&self, mem: &M, req: &MapRequest) -> Result<Mapping> {
         let layout = self.layout(req)?;
         // Validate the whole original range before anything is allocated or copied.
         if !mem.check(req.orig, req.size, req.dir.device_writes()) {
@@ -432,6 +442,19 @@ impl BouncePool {
         size: usize,
         dir: Direction,
     ) -> Result<()> {
+        let t0 = self.timing.start();
+        let r = self.bounce_untimed(mem, addr, size, dir);
+        self.timing.record(TimedOp::Copy, dir, t0);
+        r
+    }
+
+    fn bounce_untimed<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        addr: u64,
+        size: usize,
+        dir: Direction,
+    ) -> Result<()> {
         if !self.contains(addr, size) {
             return Err(Error::OutOfPool { addr, len: size });
         }
@@ -504,6 +527,21 @@ impl BouncePool {
     /// mapped, already unmapped, or not what map returned): nothing changes then.
     /// [`Error::OrigAccess`] when the copy back failed.
     pub fn unmap_single<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        addr: u64,
+        size: usize,
+        dir: Direction,
+        attrs: DmaAttrs,
+        worker: usize,
+    ) -> Result<()> {
+        let t0 = self.timing.start();
+        let r = self.unmap_untimed(mem, addr, size, dir, attrs, worker);
+        self.timing.record(TimedOp::Unmap, dir, t0);
+        r
+    }
+
+    fn unmap_untimed<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
         addr: u64,
@@ -592,10 +630,16 @@ impl BouncePool {
     }
 
     /// Resets the high-water mark to zero (Linux only allows writing 0 to
-    /// `io_tlb_used_hiwater`) and the lock counters.
+    /// `io_tlb_used_hiwater`), the lock counters and the time histograms.
     pub fn reset_hiwater(&self) {
         self.counters.hiwater.store(0, Ordering::Relaxed);
         self.alloc.reset_lock_stats();
+        self.timing.reset();
+    }
+
+    /// Turns the time accounting on (the default) or off.
+    pub fn set_timing(&self, on: bool) {
+        self.timing.set_enabled(on);
     }
 
     /// A snapshot of the statistics.
@@ -627,6 +671,7 @@ impl BouncePool {
             clamped: c.clamped.load(Ordering::Relaxed),
             lock_wait_ns: locks.iter().map(|l| l.wait_ns).sum(),
             locks,
+            timing: self.timing.stats(),
         }
     }
 

@@ -80,11 +80,361 @@ pub struct PoolStats {
     pub locks: Vec<LockSnapshot>,
     /// Sum of `wait_ns` over all locks.
     pub lock_wait_ns: u64,
+    /// Map, copy and unmap durations per direction since creation or the last reset.
+    #[serde(default)]
+    pub timing: TimingStats,
 }
 
 impl PoolStats {
     /// The statistics as a JSON string.
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+}
+
+/// Sub-buckets per power of two in [`Histogram`] (2^4: a bucket spans at most 1/16 of its
+/// value, so a quantile read from it is within ~3 % of the true one).
+const SUB_BITS: u32 = 4;
+const SUB: usize = 1 << SUB_BITS;
+/// Buckets: values below `SUB` exactly, then `SUB` per power of two up to 2^64.
+const BUCKETS: usize = SUB + (64 - SUB_BITS as usize) * SUB;
+
+/// A log-linear histogram of durations in nanoseconds, updated with relaxed atomics from any
+/// thread (no lock on the hot path), with count, sum and maximum.
+#[derive(Debug)]
+pub struct Histogram {
+    buckets: Box<[AtomicU64]>,
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+    max_ns: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self {
+            buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            sum_ns: AtomicU64::new(0),
+            max_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+fn bucket_of(ns: u64) -> usize {
+    if ns < SUB as u64 {
+        return ns as usize;
+    }
+    let e = 63 - ns.leading_zeros(); // >= SUB_BITS
+    let sub = ((ns >> (e - SUB_BITS)) as usize) & (SUB - 1);
+    SUB + (e - SUB_BITS) as usize * SUB + sub
+}
+
+/// The middle of bucket `i` (its exact value below `SUB`).
+fn bucket_mid(i: usize) -> u64 {
+    if i < SUB {
+        return i as u64;
+    }
+    let e = ((i - SUB) / SUB) as u32 + SUB_BITS;
+    let sub = ((i - SUB) % SUB) as u64;
+    let width = 1u64 << (e - SUB_BITS);
+    ((SUB as u64 + sub) << (e - SUB_BITS)).saturating_add(width / 2)
+}
+
+impl Histogram {
+    /// Records one duration.
+    pub fn record(&self, ns: u64) {
+        self.buckets[bucket_of(ns)].fetch_add(1, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
+        self.max_ns.fetch_max(ns, Ordering::Relaxed);
+    }
+
+    /// Adds everything `other` recorded.
+    pub fn merge(&self, other: &Histogram) {
+        for (a, b) in self.buckets.iter().zip(other.buckets.iter()) {
+            a.fetch_add(b.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+        self.count
+            .fetch_add(other.count.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.sum_ns
+            .fetch_add(other.sum_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.max_ns
+            .fetch_max(other.max_ns.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    /// Forgets everything (not atomic with respect to concurrent records: a record racing
+    /// with the reset may be half kept, which statistics tolerate).
+    pub fn reset(&self) {
+        for b in self.buckets.iter() {
+            b.store(0, Ordering::Relaxed);
+        }
+        self.count.store(0, Ordering::Relaxed);
+        self.sum_ns.store(0, Ordering::Relaxed);
+        self.max_ns.store(0, Ordering::Relaxed);
+    }
+
+    /// The `q` quantile (0..=1) in ns, from the bucket it falls in; 0 when empty.
+    pub fn quantile(&self, q: f64) -> u64 {
+        let n = self.count.load(Ordering::Relaxed);
+        if n == 0 {
+            return 0;
+        }
+        let target = ((q.clamp(0.0, 1.0) * n as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (i, b) in self.buckets.iter().enumerate() {
+            seen += b.load(Ordering::Relaxed);
+            if seen >= target {
+                return bucket_mid(i).min(self.max_ns.load(Ordering::Relaxed));
+            }
+        }
+        self.max_ns.load(Ordering::Relaxed)
+    }
+
+    /// A snapshot: count, total, mean, p50, p99, max.
+    pub fn summary(&self) -> LatencySummary {
+        let count = self.count.load(Ordering::Relaxed);
+        let total_ns = self.sum_ns.load(Ordering::Relaxed);
+        LatencySummary {
+            count,
+            total_ns,
+            mean_ns: total_ns.checked_div(count).unwrap_or(0),
+            p50_ns: self.quantile(0.5),
+            p99_ns: self.quantile(0.99),
+            max_ns: self.max_ns.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What a [`Histogram`] holds, summarised.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LatencySummary {
+    /// Durations recorded.
+    pub count: u64,
+    /// Their sum, ns.
+    pub total_ns: u64,
+    /// `total_ns / count`.
+    pub mean_ns: u64,
+    /// Median, ns (within ~3 %).
+    pub p50_ns: u64,
+    /// 99th percentile, ns (within ~3 %).
+    pub p99_ns: u64,
+    /// Largest, ns.
+    pub max_ns: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_quantiles_are_within_the_bucket_resolution() {
+        let h = Histogram::default();
+        for ns in 1..=100_000u64 {
+            h.record(ns);
+        }
+        let s = h.summary();
+        assert_eq!((s.count, s.max_ns), (100_000, 100_000));
+        assert_eq!(s.mean_ns, 50_000);
+        for (q, want) in [(0.5, 50_000.0), (0.99, 99_000.0)] {
+            let got = h.quantile(q) as f64;
+            assert!((got - want).abs() / want < 0.04, "q{q}: {got} vs {want}");
+        }
+        // Small values are exact.
+        let h = Histogram::default();
+        h.record(3);
+        assert_eq!(h.summary().p50_ns, 3);
+        let other = Histogram::default();
+        other.record(7);
+        h.merge(&other);
+        assert_eq!((h.summary().count, h.quantile(1.0)), (2, 7));
+        h.reset();
+        assert_eq!(h.summary(), LatencySummary::default());
+    }
+}
+
+/// Time accounting of a pool: a histogram of map, copy and unmap durations per direction.
+///
+/// Map and unmap durations are whole calls (their copies included); copies are also counted on
+/// their own, by the direction the data flows (`to_device`: original -> pool, `from_device`:
+/// pool -> original). The clock is the TSC on x86-64 ([`Ticks`]: `rdtsc`, converted to ns with
+/// a rate measured once per process against `Instant`), `Instant` elsewhere; each timed call
+/// reads it twice and does four relaxed atomic updates. [`Timing::set_enabled`] turns it off (one relaxed load per call is then all that
+/// remains); `bounce-experiment --timing both` measures the difference side by side.
+#[derive(Debug)]
+pub struct Timing {
+    enabled: std::sync::atomic::AtomicBool,
+    /// [op][dir]: op 0 map, 1 copy, 2 unmap; dir as [`crate::Direction`]'s Linux number.
+    hist: [[Histogram; 3]; 3],
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        ns_per_tick();
+        Self {
+            enabled: std::sync::atomic::AtomicBool::new(true),
+            hist: Default::default(),
+        }
+    }
+}
+
+/// A cheap timestamp: the TSC on x86-64, `Instant` elsewhere.
+#[derive(Clone, Copy, Debug)]
+pub struct Ticks(
+    #[cfg(target_arch = "x86_64")] u64,
+    #[cfg(not(target_arch = "x86_64"))] std::time::Instant,
+);
+
+#[cfg(target_arch = "x86_64")]
+fn rdtsc() -> u64 {
+    // SAFETY: rdtsc reads the time-stamp counter; it touches no memory and every x86-64 CPU
+    // has it.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+/// Nanoseconds per TSC tick, measured once against `Instant` over 20 ms.
+#[cfg(target_arch = "x86_64")]
+fn ns_per_tick() -> f64 {
+    static RATE: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *RATE.get_or_init(|| {
+        let (i0, t0) = (std::time::Instant::now(), rdtsc());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let (ns, ticks) = (i0.elapsed().as_nanos() as f64, rdtsc().wrapping_sub(t0));
+        if ticks == 0 {
+            1.0
+        } else {
+            ns / ticks as f64
+        }
+    })
+}
+
+impl Ticks {
+    /// Now.
+    #[inline]
+    pub fn now() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        return Self(rdtsc());
+        #[cfg(not(target_arch = "x86_64"))]
+        return Self(std::time::Instant::now());
+    }
+
+    /// Nanoseconds since `self`.
+    #[inline]
+    pub fn elapsed_ns(self) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        return (rdtsc().wrapping_sub(self.0) as f64 * ns_per_tick()) as u64;
+        #[cfg(not(target_arch = "x86_64"))]
+        return u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    }
+}
+
+/// What [`Timing`] measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TimedOp {
+    /// A whole map call.
+    Map,
+    /// One copy between the original and the pool.
+    Copy,
+    /// A whole unmap call.
+    Unmap,
+}
+
+impl Timing {
+    /// The start of a timed call, or `None` when timing is off.
+    #[inline]
+    pub fn start(&self) -> Option<Ticks> {
+        self.enabled.load(Ordering::Relaxed).then(Ticks::now)
+    }
+
+    /// Records the call started at `start` (nothing when it is `None`).
+    #[inline]
+    pub fn record(&self, op: TimedOp, dir: crate::Direction, start: Option<Ticks>) {
+        if let Some(t0) = start {
+            self.hist[op as usize][dir.to_linux() as usize].record(t0.elapsed_ns());
+        }
+    }
+
+    /// Turns timing on or off.
+    pub fn set_enabled(&self, on: bool) {
+        self.enabled.store(on, Ordering::Relaxed);
+    }
+
+    /// Forgets every duration.
+    pub fn reset(&self) {
+        self.hist.iter().flatten().for_each(Histogram::reset);
+    }
+
+    /// A snapshot.
+    pub fn stats(&self) -> TimingStats {
+        let per = |op: TimedOp| DirectionTimes {
+            bidirectional: self.hist[op as usize][0].summary(),
+            to_device: self.hist[op as usize][1].summary(),
+            from_device: self.hist[op as usize][2].summary(),
+        };
+        TimingStats {
+            enabled: self.enabled.load(Ordering::Relaxed),
+            map: per(TimedOp::Map),
+            copy: per(TimedOp::Copy),
+            unmap: per(TimedOp::Unmap),
+        }
+    }
+}
+
+/// Durations of one operation per direction.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectionTimes {
+    /// Bidirectional mappings (for copies: unused).
+    pub bidirectional: LatencySummary,
+    /// To-device mappings (for copies: original -> pool).
+    pub to_device: LatencySummary,
+    /// From-device mappings (for copies: pool -> original).
+    pub from_device: LatencySummary,
+}
+
+/// [`Timing`] as [`PoolStats`] reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TimingStats {
+    /// Whether durations are being recorded.
+    pub enabled: bool,
+    /// Whole map calls.
+    pub map: DirectionTimes,
+    /// Copies, by data flow.
+    pub copy: DirectionTimes,
+    /// Whole unmap calls.
+    pub unmap: DirectionTimes,
+}
+
+#[cfg(test)]
+mod timing_tests {
+    use super::*;
+
+    #[test]
+    fn pool_times_map_copy_and_unmap_per_direction() {
+        use crate::{BouncePool, Direction, HostMemory, MapRequest, PoolConfig};
+        let pool = BouncePool::new(&PoolConfig::swiotlb(1024)).unwrap();
+        let mut buf = vec![7u8; 8192];
+        let mem = HostMemory::new(0x10000, &mut buf);
+        let m = pool
+            .map(&mem, &MapRequest::new(0x10000, 4096, Direction::FromDevice))
+            .unwrap();
+        pool.unmap(&mem, &m, 0).unwrap();
+        let t = pool.stats().timing;
+        assert!(t.enabled);
+        assert_eq!(t.map.from_device.count, 1);
+        assert_eq!(t.unmap.from_device.count, 1);
+        assert_eq!(t.map.to_device.count, 0);
+        // The copy in on map (always, in swiotlb) and the copy back on unmap.
+        assert_eq!((t.copy.to_device.count, t.copy.from_device.count), (1, 1));
+        assert!(t.map.from_device.total_ns > 0);
+        pool.reset_hiwater();
+        assert_eq!(pool.stats().timing.map, DirectionTimes::default());
+        pool.set_timing(false);
+        let m = pool
+            .map(&mem, &MapRequest::new(0x10000, 512, Direction::ToDevice))
+            .unwrap();
+        pool.unmap(&mem, &m, 0).unwrap();
+        let t = pool.stats().timing;
+        assert!(!t.enabled);
+        assert_eq!(t.map.to_device.count, 0);
     }
 }

@@ -234,3 +234,177 @@ fn comparison_detects_a_pool_that_differs_from_the_kernels() {
     assert!(r.summary.mismatches > 0);
     assert_eq!(r.summary.mismatches, r.mismatches.len() as u64);
 }
+
+// ------------------------------------------------------------------ the pool-sizing advisor
+
+use bounce::trace::advise::Sizer;
+use bounce::IO_TLB_SEGSIZE;
+
+/// A live capture of this repository's rig-1 guest (images/swiotlb-capture.sh): fio on a
+/// bouncevm-vhost disk, Linux 6.12, `swiotlb=1024,1,force`, 2430 maps of which 8 failed.
+fn sample_trace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/rig1-fio-1024slots-1area.jsonl.gz")
+}
+
+#[test]
+fn sample_trace_reproduces_every_decision() {
+    let r = replay_sample(&sample_trace());
+    assert_eq!(r.summary.compared, 2430);
+    assert_eq!((r.summary.pool_full, r.summary.mismatches), (8, 0));
+    assert_eq!((r.summary.map_errors, r.summary.other_errors), (0, 0));
+    assert_eq!((r.used_at_end, r.live), (0, 0));
+}
+
+fn replay_sample(path: &Path) -> Replayed {
+    let mut ops = trace::open(path).expect("open trace");
+    let (_, TraceOp::Header(header)) = ops.next().unwrap().unwrap() else {
+        panic!("no header");
+    };
+    let opts = ReplayOptions {
+        compare: true,
+        ..ReplayOptions::default()
+    };
+    let mut r = Replayer::new(&opts, Some(&header)).unwrap();
+    let mut mismatches = Vec::new();
+    for item in ops {
+        let (line, op) = item.unwrap();
+        r.apply(line, &op, &mut mismatches);
+    }
+    for m in mismatches.iter().take(5) {
+        eprintln!("line {} map {}: {}", m.line, m.id, m.what);
+    }
+    Replayed {
+        summary: r.summary().clone(),
+        mismatches,
+        used_at_end: r.pool().used(),
+        area_used_at_end: r.pool().allocator().area_used(),
+        maps_with_area_state: 0,
+        live: r.live(),
+    }
+}
+
+/// The advisor's answer for `kind` holds: no failure at `min_slots` nor at the rounded `slots`
+/// (built through `PoolConfig`, as the host and Linux would), failures one segment per area
+/// below `min_slots`, and the current size's failures split into the two causes.
+fn check_advice(sizer: &Sizer, kind: AllocatorKind) -> bounce::trace::advise::Advice {
+    let a = sizer.advise(kind).expect("advice");
+    let step = IO_TLB_SEGSIZE * a.areas;
+    let at = |slots| {
+        sizer
+            .replay(kind, &sizer.geometry_with_slots(kind, slots).unwrap())
+            .unwrap()
+            .failures
+    };
+    assert_eq!(at(a.min_slots).pool_full, 0, "{kind}: {a:?}");
+    if a.min_slots > step {
+        let below = at(a.min_slots - step);
+        assert!(
+            below.pool_full > 0,
+            "{kind}: one segment smaller: {below:?}"
+        );
+        assert_eq!(below.pool_full, a.failures_one_step_smaller, "{kind}");
+    }
+    let mut cfg = sizer.current_geometry(kind).unwrap();
+    assert_eq!(cfg.nareas, a.areas);
+    cfg.nslabs = a.slots;
+    cfg.area_nslabs = a.slots / a.areas;
+    assert_eq!(
+        sizer.replay(kind, &cfg).unwrap().failures.pool_full,
+        0,
+        "{kind}"
+    );
+    // The rounded size is what Linux makes of `swiotlb=<slots>,<areas>`.
+    let pc = bounce::PoolConfig {
+        slots: a.slots,
+        areas: Some(a.areas),
+        ..bounce::PoolConfig::swiotlb(a.slots)
+    };
+    let g = pc.geometry().unwrap();
+    assert_eq!(
+        (g.nslabs, g.nareas),
+        (a.slots, a.areas),
+        "{kind}: not a fixed point"
+    );
+    assert!(a.slots >= a.min_slots && a.slots.is_power_of_two());
+    assert_eq!(
+        a.swiotlb.as_deref(),
+        Some(format!("{},{}", a.slots, a.areas).as_str())
+    );
+    let c = &a.current.failures;
+    assert_eq!(c.capacity + c.fragmentation, c.pool_full, "{kind}");
+    a
+}
+
+#[test]
+fn advisor_sizes_the_sample_trace_for_every_allocator() {
+    let sizer = Sizer::load(
+        trace::open(&sample_trace()).unwrap(),
+        &ReplayOptions::default(),
+    )
+    .unwrap();
+    for kind in AllocatorKind::ALL {
+        let a = check_advice(&sizer, kind);
+        eprintln!(
+            "{kind}: min {} slots, advise swiotlb={:?}; at 1024: {:?}",
+            a.min_slots, a.swiotlb, a.current.failures
+        );
+    }
+    // The kernel's own allocator, at the kernel's size, fails where the kernel did.
+    let a = sizer.advise(AllocatorKind::Areas).unwrap();
+    assert_eq!((a.current.slots, a.current.failures.pool_full), (1024, 8));
+    assert!(a.min_slots > 1024);
+}
+
+#[test]
+fn advisor_tells_capacity_from_fragmentation() {
+    // One 128-slot segment. Four 32-slot maps fill it; one more slot is a capacity failure.
+    // Then two of the four go, leaving 64 free slots in two runs of 32: a 64-slot map fails
+    // for fragmentation.
+    let kb64 = 64 * 1024;
+    let mut text = String::from(r#"{"op":"header","nslabs":128,"nareas":1,"cpus":1}"#);
+    text.push('\n');
+    for id in 0..4 {
+        text.push_str(&format!(
+            "{{\"op\":\"map\",\"id\":{id},\"orig\":{},\"size\":{kb64},\"dir\":1}}\n",
+            0x10_0000 + id * kb64
+        ));
+    }
+    text.push_str("{\"op\":\"map\",\"id\":9,\"orig\":4096,\"size\":512,\"dir\":1}\n");
+    text.push_str("{\"op\":\"unmap\",\"id\":0}\n{\"op\":\"unmap\",\"id\":2}\n");
+    text.push_str(&format!(
+        "{{\"op\":\"map\",\"id\":10,\"orig\":0,\"size\":{},\"dir\":2}}\n",
+        2 * kb64
+    ));
+    text.push_str(
+        "{\"op\":\"unmap\",\"id\":1}\n{\"op\":\"unmap\",\"id\":3}\n{\"op\":\"unmap\",\"id\":10}\n",
+    );
+    let sizer = Sizer::load(
+        trace::TraceReader::from_reader(text.as_bytes(), "t".into()),
+        &ReplayOptions::default(),
+    )
+    .unwrap();
+    let a = check_advice(&sizer, AllocatorKind::Areas);
+    let c = a.current.failures;
+    assert_eq!(
+        (c.pool_full, c.capacity, c.fragmentation),
+        (2, 1, 1),
+        "{a:?}"
+    );
+    // 4 x 32 + 1 slot live at once, then 64 contiguous: two segments suffice, one does not.
+    assert_eq!(
+        (a.min_slots, a.slots, a.failures_one_step_smaller),
+        (256, 256, 2)
+    );
+    assert_eq!(a.swiotlb.as_deref(), Some("256,1"));
+}
+
+#[test]
+fn advisor_answer_holds_on_the_kernel_trace() {
+    let Some(path) = full_trace() else {
+        return;
+    };
+    let sizer = Sizer::load(trace::open(&path).unwrap(), &ReplayOptions::default()).unwrap();
+    let a = check_advice(&sizer, AllocatorKind::Areas);
+    assert_eq!(a.current.failures.pool_full, KERNEL_FAILURES);
+    eprintln!("kernel trace: {a:?}");
+}

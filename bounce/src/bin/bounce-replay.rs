@@ -1,14 +1,17 @@
 //! `bounce-replay`: replays a JSON-lines trace of DMA map/unmap/sync operations (plain or gzip)
 //! through a bounce pool, prints what each operation got and, at the end, the pool statistics
 //! as JSON. With `--compare`, each map of a kernel trace is checked against the kernel's
-//! decision and the exit status is non-zero on any mismatch. See bounce/README.md for the
-//! formats.
+//! decision and the exit status is non-zero on any mismatch. With `--advise`, it replays the
+//! trace at many pool sizes instead and prints, per allocator, the smallest pool with no
+//! "buffer full" (as a guest `swiotlb=` value and a host `--bounce slots=`), and why each
+//! failure at the current size happened. See bounce/README.md for the formats.
 
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use bounce::trace::advise::Sizer;
 use bounce::trace::{self, Mismatch, Outcome, ReplayOptions, Replayer, TraceOp};
 use bounce::{AllocatorKind, PoolMode};
 use clap::Parser;
@@ -20,9 +23,9 @@ struct Args {
     /// Trace file: JSON lines, optionally gzip-compressed.
     trace: PathBuf,
     /// Slot allocator (legacy, bitmap, areas, areas-bitmap, iova-rbtree, iova-rcache, genpool,
-    /// iova-bitmap, areas-lifo, magazine).
+    /// iova-bitmap, areas-lifo, magazine); with --advise also a comma-separated list or "all".
     #[arg(long = "alloc", default_value = "areas")]
-    alloc: AllocatorKind,
+    alloc: String,
     /// Slots in the pool (default: the trace header's nslabs, else 32768).
     #[arg(long)]
     slots: Option<usize>,
@@ -47,6 +50,23 @@ struct Args {
     /// Mismatches printed in detail (all are counted).
     #[arg(long, default_value_t = 20)]
     show_mismatches: usize,
+    /// Find the smallest pool with no "buffer full" for this trace, per allocator, by
+    /// replaying it at many sizes (the current size is the header's or --slots/--areas); print
+    /// one JSON object.
+    #[arg(long, conflicts_with_all = ["compare", "quiet"])]
+    advise: bool,
+    /// With --advise: the largest pool tried, in slots.
+    #[arg(long, default_value_t = trace::advise::DEFAULT_MAX_SLOTS, requires = "advise")]
+    max_slots: usize,
+}
+
+fn allocators(s: &str) -> Result<Vec<AllocatorKind>, String> {
+    if s == "all" {
+        return Ok(AllocatorKind::ALL.to_vec());
+    }
+    s.split(',')
+        .map(|a| a.trim().parse::<AllocatorKind>().map_err(|e| e.to_string()))
+        .collect()
 }
 
 fn parse_u64(s: &str) -> Result<u64, String> {
@@ -76,17 +96,50 @@ fn print_outcome(out: &mut impl Write, line: u64, o: &Outcome) -> std::io::Resul
     }
 }
 
-fn run(args: &Args) -> Result<bool, String> {
-    let mut reader = trace::open(&args.trace).map_err(|e| e.to_string())?;
-    let opts = ReplayOptions {
-        allocator: args.alloc,
+fn options(args: &Args, allocator: AllocatorKind) -> ReplayOptions {
+    ReplayOptions {
+        allocator,
         mode: args.mode,
         slots: args.slots,
         areas: args.areas,
         workers: args.workers,
         base: args.base,
         compare: args.compare,
-    };
+    }
+}
+
+fn advise(args: &Args) -> Result<(), String> {
+    let kinds = allocators(&args.alloc)?;
+    let started = Instant::now();
+    let reader = trace::open(&args.trace).map_err(|e| e.to_string())?;
+    let sizer = Sizer::load(reader, &options(args, kinds[0]))
+        .map_err(|e| e.to_string())?
+        .max_slots(args.max_slots);
+    let mut per_alloc = serde_json::Map::new();
+    for k in kinds {
+        let advice = sizer.advise(k).map_err(|e| format!("{k}: {e}"))?;
+        per_alloc.insert(
+            k.name().to_string(),
+            serde_json::to_value(&advice).map_err(|e| e.to_string())?,
+        );
+    }
+    let report = serde_json::json!({
+        "trace": args.trace.display().to_string(),
+        "mode": args.mode,
+        "elapsed_s": started.elapsed().as_secs_f64(),
+        "advice": per_alloc,
+    });
+    println!("{report}");
+    Ok(())
+}
+
+fn run(args: &Args) -> Result<bool, String> {
+    let allocator = args
+        .alloc
+        .parse::<AllocatorKind>()
+        .map_err(|e| e.to_string())?;
+    let mut reader = trace::open(&args.trace).map_err(|e| e.to_string())?;
+    let opts = options(args, allocator);
     let first = reader.next().transpose().map_err(|e| e.to_string())?;
     let header = match &first {
         Some((_, TraceOp::Header(h))) => Some(h.clone()),
@@ -129,6 +182,15 @@ fn run(args: &Args) -> Result<bool, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.advise {
+        return match advise(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bounce-replay: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     match run(&args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {

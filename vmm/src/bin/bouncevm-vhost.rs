@@ -194,8 +194,14 @@ fn serve<D: VirtioDevice<Memory> + 'static>(
             .map_err(|e| e.to_string())?;
     }
     let pool = built.pool;
+    let reset_pool = pool.clone();
     let mut server = server
         .with_signals(signals)
+        .with_reset(move || {
+            if let Some(p) = &reset_pool {
+                p.reset_hiwater();
+            }
+        })
         .with_stats_source("bounce", move || {
             pool_json(pool.as_ref().map(|p| p.stats()))
         });

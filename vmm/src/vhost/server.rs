@@ -189,6 +189,8 @@ pub struct Server<D> {
     listener: UnixListener,
     stats_socket: Option<(PathBuf, UnixListener)>,
     sources: Vec<StatsSource>,
+    /// Run when a statistics client sends `reset` (high-water marks, histograms).
+    resets: Vec<Box<dyn Fn() + Send>>,
     stop: EventFd,
     signals: Option<SignalFd>,
     /// The adapter of the current (or last) connection.
@@ -240,6 +242,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
             listener,
             stats_socket: None,
             sources: Vec::new(),
+            resets: Vec::new(),
             stop,
             signals: None,
             current: None,
@@ -280,6 +283,13 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         source: impl Fn() -> Value + Send + 'static,
     ) -> Self {
         self.sources.push((name.to_string(), Box::new(source)));
+        self
+    }
+
+    /// Adds what a statistics client's `reset` request runs (e.g. the bounce pool's
+    /// `reset_hiwater`).
+    pub fn with_reset(mut self, reset: impl Fn() + Send + 'static) -> Self {
+        self.resets.push(Box::new(reset));
         self
     }
 
@@ -408,7 +418,19 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         };
         if let Ok((mut s, _)) = l.accept() {
             let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-            let line = format!("{}\n", self.stats());
+            // A client may send "reset\n" first (within 20 ms): the reset hooks run, then the
+            // statistics after the reset are answered with "reset": true.
+            let _ = s.set_read_timeout(Some(Duration::from_millis(20)));
+            let mut req = [0u8; 16];
+            let reset = matches!(std::io::Read::read(&mut s, &mut req), Ok(n) if req[..n].trim_ascii() == b"reset");
+            if reset {
+                self.resets.iter().for_each(|r| r());
+            }
+            let mut v = self.stats();
+            if reset {
+                v["reset"] = json!(true);
+            }
+            let line = format!("{v}\n");
             if let Err(e) = s.write_all(line.as_bytes()) {
                 tracing::debug!("statistics client: {e}");
             }

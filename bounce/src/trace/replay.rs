@@ -1,352 +1,19 @@
-//! Trace replay: JSON-lines traces of map/unmap/sync operations, replayed through a
-//! [`BouncePool`] to compare its placement decisions with a real kernel's.
-//!
-//! Two formats are read, line by line, plain or gzip-compressed (detected by the gzip magic):
-//!
-//! - **The kernel trace format** (`swiotlb-kernel-trace/1`, see `shared/traces/README.md`): a
-//!   `header` line with the pool geometry (`nslabs`, `nareas`, `start`, `seg_boundary_mask`,
-//!   `cpus`), then `map` lines (`id`, `orig`, `size`, `cpu`, `dir` as 0/1/2, `attrs` as Linux
-//!   bits, `min_align_mask`, `alloc_align_mask`, and what the kernel decided:
-//!   `kernel_tlb_addr` or `kernel_error: "full"`, plus `kernel_area_used`/`kernel_area_index`)
-//!   and `unmap` lines (`id` of the map they release).
-//! - **A simple user format** for hand-written or generated workloads:
-//!   `{"op":"map","id":1,"orig":4096,"size":512,"dir":"to-device","worker":0,"min_align_mask":0}`,
-//!   `{"op":"unmap","id":1}`, `{"op":"sync_for_cpu","id":1,"offset":0,"size":512}`,
-//!   `{"op":"sync_for_device","id":1}`. `dir` is `"bidirectional"`, `"to-device"`,
-//!   `"from-device"` (or `_` instead of `-`) or Linux's number 0/1/2; `worker` and `cpu` are
-//!   synonyms; optional fields: `attrs`, `alloc_align_mask`, `seg_boundary_mask`; a sync's
-//!   `offset` defaults to 0 and its `size` to the rest of the mapping.
-//!
-//! Both formats mix freely (the op names are the same); unknown fields are ignored, so kernel
-//! bookkeeping fields (`ts`, `phase`, ...) cost nothing.
-//!
-//! Original addresses of a trace are guest-physical addresses of a machine that is gone, so a
-//! replay uses [`NullMemory`]: every original address is accessible, reads produce zeros and
-//! writes are discarded. A replay therefore measures placement (and the pool's own copies into
-//! and out of its slots), not guest memory.
+//! Replaying operations through a [`BouncePool`], with the comparison against the kernel's
+//! decisions.
 
 use std::collections::HashMap;
-use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
-use std::path::Path;
 
-use serde::Deserialize;
 use vm_memory::VolatileSlice;
 
+use super::parse::{KernelDecision, MapOp, TraceHeader, TraceOp};
+use super::Result;
 use crate::alloc::AllocatorKind;
 use crate::error::Error;
 use crate::geometry::{PoolConfig, PoolMode, SizeLimit};
 use crate::orig::OrigMemory;
 use crate::pool::{BouncePool, Mapping};
-use crate::types::{Direction, DmaAttrs, MapRequest};
+use crate::types::MapRequest;
 use crate::DEFAULT_SEG_BOUNDARY_MASK;
-
-/// Errors of reading and replaying traces.
-#[derive(Debug, thiserror::Error)]
-pub enum TraceError {
-    /// The trace file could not be opened or read.
-    #[error("cannot read trace {path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The system's error.
-        source: std::io::Error,
-    },
-    /// A line is not a valid operation.
-    #[error("trace line {line}: {reason}")]
-    Parse {
-        /// 1-based line number.
-        line: u64,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// The pool described by the trace and the options cannot be built.
-    #[error("cannot build the replay pool: {0}")]
-    Pool(#[from] Error),
-}
-
-/// Result alias of this module.
-pub type Result<T> = std::result::Result<T, TraceError>;
-
-/// The pool geometry a kernel trace was recorded with (its `header` line).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TraceHeader {
-    /// Slots of the kernel's pool.
-    pub nslabs: Option<usize>,
-    /// Areas of the kernel's pool.
-    pub nareas: Option<usize>,
-    /// Physical address of the pool's first slot.
-    pub start: Option<u64>,
-    /// The device's `min_align_mask`.
-    pub min_align_mask: Option<u64>,
-    /// The device's segment boundary mask.
-    pub seg_boundary_mask: Option<u64>,
-    /// CPUs of the traced machine.
-    pub cpus: Option<usize>,
-}
-
-/// What the kernel decided for a map, when the trace recorded it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KernelDecision {
-    /// The bounce address returned, or `None` when the kernel reported "buffer is full".
-    pub tlb_addr: Option<u64>,
-    /// Each area's `used` count right after the allocation.
-    pub area_used: Option<Vec<usize>>,
-    /// Each area's rolling index right after the allocation.
-    pub area_index: Option<Vec<usize>>,
-}
-
-/// A map operation.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MapOp {
-    /// Identifies the mapping for later unmap and sync operations.
-    pub id: u64,
-    /// Original address.
-    pub orig: u64,
-    /// Mapping size in bytes.
-    pub size: usize,
-    /// Calling worker (the kernel's CPU).
-    pub worker: usize,
-    /// Direction.
-    pub dir: Direction,
-    /// Attributes.
-    pub attrs: DmaAttrs,
-    /// `min_align_mask`; `None` takes the header's (or 0).
-    pub min_align_mask: Option<u64>,
-    /// `alloc_align_mask`.
-    pub alloc_align_mask: u64,
-    /// Segment boundary mask; `None` takes the header's (or the PCI default).
-    pub seg_boundary_mask: Option<u64>,
-    /// The kernel's decision, in kernel traces.
-    pub kernel: Option<KernelDecision>,
-}
-
-/// One operation of a trace.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TraceOp {
-    /// The kernel trace's header.
-    Header(TraceHeader),
-    /// Map a buffer.
-    Map(MapOp),
-    /// Unmap the mapping `id`; `attrs` overrides the map's attributes when given.
-    Unmap {
-        /// The map's id.
-        id: u64,
-        /// Releasing worker; `None` means worker 0.
-        worker: Option<usize>,
-        /// Attributes of the unmap.
-        attrs: Option<DmaAttrs>,
-    },
-    /// Sync part of the mapping `id` for the CPU (`for_cpu`) or for the device.
-    Sync {
-        /// The map's id.
-        id: u64,
-        /// True for `sync_for_cpu`, false for `sync_for_device`.
-        for_cpu: bool,
-        /// Offset into the mapping.
-        offset: usize,
-        /// Bytes; `None` means to the end of the mapping.
-        size: Option<usize>,
-    },
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum RawDir {
-    Num(u64),
-    Name(String),
-}
-
-#[derive(Deserialize)]
-struct RawLine {
-    op: String,
-    id: Option<u64>,
-    orig: Option<u64>,
-    size: Option<u64>,
-    cpu: Option<usize>,
-    worker: Option<usize>,
-    dir: Option<RawDir>,
-    attrs: Option<u64>,
-    min_align_mask: Option<u64>,
-    alloc_align_mask: Option<u64>,
-    seg_boundary_mask: Option<u64>,
-    offset: Option<u64>,
-    kernel_tlb_addr: Option<u64>,
-    kernel_error: Option<String>,
-    kernel_area_used: Option<Vec<usize>>,
-    kernel_area_index: Option<Vec<usize>>,
-    nslabs: Option<usize>,
-    nareas: Option<usize>,
-    start: Option<u64>,
-    cpus: Option<usize>,
-}
-
-fn parse_dir(raw: Option<&RawDir>) -> std::result::Result<Direction, String> {
-    match raw {
-        None => Err("missing dir".into()),
-        Some(RawDir::Num(n)) => {
-            Direction::from_linux(*n).ok_or_else(|| format!("bad dir {n} (expected 0, 1, 2)"))
-        }
-        Some(RawDir::Name(s)) => match s.to_ascii_lowercase().replace('_', "-").as_str() {
-            "bidirectional" => Ok(Direction::Bidirectional),
-            "to-device" => Ok(Direction::ToDevice),
-            "from-device" => Ok(Direction::FromDevice),
-            other => Err(format!("bad dir '{other}'")),
-        },
-    }
-}
-
-fn to_usize(v: u64, what: &str) -> std::result::Result<usize, String> {
-    usize::try_from(v).map_err(|_| format!("{what} {v} does not fit"))
-}
-
-/// Parses one line of a trace. Blank lines give `Ok(None)`.
-///
-/// # Errors
-/// [`TraceError::Parse`] for invalid JSON, an unknown `op` or a missing field.
-pub fn parse_line(line_no: u64, line: &str) -> Result<Option<TraceOp>> {
-    let line = line.trim();
-    if line.is_empty() {
-        return Ok(None);
-    }
-    let err = |reason: String| TraceError::Parse {
-        line: line_no,
-        reason,
-    };
-    let raw: RawLine = serde_json::from_str(line).map_err(|e| err(e.to_string()))?;
-    let need_id = || raw.id.ok_or_else(|| err(format!("{} without id", raw.op)));
-    let op = match raw.op.as_str() {
-        "header" => TraceOp::Header(TraceHeader {
-            nslabs: raw.nslabs,
-            nareas: raw.nareas,
-            start: raw.start,
-            min_align_mask: raw.min_align_mask,
-            seg_boundary_mask: raw.seg_boundary_mask,
-            cpus: raw.cpus,
-        }),
-        "map" => {
-            let id = need_id()?;
-            let kernel = if raw.kernel_tlb_addr.is_some() || raw.kernel_error.is_some() {
-                Some(KernelDecision {
-                    tlb_addr: raw.kernel_tlb_addr,
-                    area_used: raw.kernel_area_used,
-                    area_index: raw.kernel_area_index,
-                })
-            } else {
-                None
-            };
-            TraceOp::Map(MapOp {
-                id,
-                orig: raw.orig.ok_or_else(|| err("map without orig".into()))?,
-                size: to_usize(
-                    raw.size.ok_or_else(|| err("map without size".into()))?,
-                    "size",
-                )
-                .map_err(err)?,
-                worker: raw.worker.or(raw.cpu).unwrap_or(0),
-                dir: parse_dir(raw.dir.as_ref()).map_err(err)?,
-                attrs: DmaAttrs::from_linux(raw.attrs.unwrap_or(0)),
-                min_align_mask: raw.min_align_mask,
-                alloc_align_mask: raw.alloc_align_mask.unwrap_or(0),
-                seg_boundary_mask: raw.seg_boundary_mask,
-                kernel,
-            })
-        }
-        "unmap" => TraceOp::Unmap {
-            id: need_id()?,
-            worker: raw.worker.or(raw.cpu),
-            attrs: raw.attrs.map(DmaAttrs::from_linux),
-        },
-        "sync_for_cpu" | "sync_for_device" => TraceOp::Sync {
-            id: need_id()?,
-            for_cpu: raw.op == "sync_for_cpu",
-            offset: to_usize(raw.offset.unwrap_or(0), "offset").map_err(err)?,
-            size: raw
-                .size
-                .map(|s| to_usize(s, "size"))
-                .transpose()
-                .map_err(err)?,
-        },
-        other => return Err(err(format!("unknown op '{other}'"))),
-    };
-    Ok(Some(op))
-}
-
-/// Opens a trace file, transparently decompressing gzip.
-///
-/// # Errors
-/// [`TraceError::Io`] when the file cannot be opened or read.
-pub fn open(path: &Path) -> Result<TraceReader<Box<dyn BufRead>>> {
-    let io = |source| TraceError::Io {
-        path: path.display().to_string(),
-        source,
-    };
-    let mut file = BufReader::with_capacity(1 << 20, File::open(path).map_err(io)?);
-    let magic = file.fill_buf().map_err(io)?;
-    let reader: Box<dyn BufRead> = if magic.starts_with(&[0x1f, 0x8b]) {
-        Box::new(BufReader::with_capacity(
-            1 << 20,
-            flate2::read::MultiGzDecoder::new(file),
-        ))
-    } else {
-        Box::new(file)
-    };
-    Ok(TraceReader::new(reader, path.display().to_string()))
-}
-
-/// Iterates over the operations of a trace, with their 1-based line numbers.
-#[derive(Debug)]
-pub struct TraceReader<R> {
-    inner: R,
-    name: String,
-    line_no: u64,
-    buf: String,
-}
-
-impl<R: BufRead> TraceReader<R> {
-    /// Reads operations from `inner`; `name` is used in error messages.
-    pub fn new(inner: R, name: String) -> Self {
-        Self {
-            inner,
-            name,
-            line_no: 0,
-            buf: String::new(),
-        }
-    }
-}
-
-impl<R: Read> TraceReader<BufReader<R>> {
-    /// Reads operations from an unbuffered reader.
-    pub fn from_reader(inner: R, name: String) -> Self {
-        Self::new(BufReader::new(inner), name)
-    }
-}
-
-impl<R: BufRead> Iterator for TraceReader<R> {
-    type Item = Result<(u64, TraceOp)>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        loop {
-            self.buf.clear();
-            match self.inner.read_line(&mut self.buf) {
-                Ok(0) => return None,
-                Ok(_) => {}
-                Err(source) => {
-                    return Some(Err(TraceError::Io {
-                        path: self.name.clone(),
-                        source,
-                    }))
-                }
-            }
-            self.line_no += 1;
-            match parse_line(self.line_no, &self.buf) {
-                Ok(None) => continue,
-                Ok(Some(op)) => return Some(Ok((self.line_no, op))),
-                Err(e) => return Some(Err(e)),
-            }
-        }
-    }
-}
 
 /// Original memory that is not there: every address is accessible, reads produce zeros, writes
 /// are discarded. Replays use it so they measure placement, not copies to a vanished guest.
@@ -511,6 +178,10 @@ pub struct ReplaySummary {
     pub compared: u64,
     /// Maps whose result differed from the kernel's.
     pub mismatches: u64,
+    /// Maps the kernel failed ("buffer is full") that succeeded here: the trace has no unmap
+    /// for them (the driver gave up on that request and retried it later, which the trace
+    /// shows as new maps), so they are unmapped at once.
+    pub kernel_failures_released: u64,
 }
 
 /// Replays operations through a pool, keeping the live mappings by id.
@@ -531,16 +202,69 @@ impl Replayer {
     /// [`TraceError::Pool`] when the pool cannot be built.
     pub fn new(opts: &ReplayOptions, header: Option<&TraceHeader>) -> Result<Self> {
         let pool = BouncePool::new(&opts.pool_config(header))?;
-        Ok(Self {
+        Ok(Self::with_pool(pool, opts.compare, header))
+    }
+
+    /// Replays through a pool built elsewhere (a geometry [`PoolConfig`] cannot express, as the
+    /// sizing search uses). When the header records where each area's rolling index stood at
+    /// the start of the capture, the areas are moved there first (see
+    /// [`Replayer::start_areas_at`]).
+    pub fn with_pool(pool: BouncePool, compare: bool, header: Option<&TraceHeader>) -> Self {
+        let mut r = Self {
             pool,
             live: HashMap::new(),
             min_align_mask: header.and_then(|h| h.min_align_mask).unwrap_or(0),
             seg_boundary_mask: header
                 .and_then(|h| h.seg_boundary_mask)
                 .unwrap_or(DEFAULT_SEG_BOUNDARY_MASK),
-            compare: opts.compare,
+            compare,
             summary: ReplaySummary::default(),
-        })
+        };
+        if let Some(index) = header.and_then(|h| h.area_index_at_start.as_deref()) {
+            let used = header.and_then(|h| h.area_used_at_start.as_deref());
+            if used.is_some_and(|u| u.iter().any(|&n| n != 0)) {
+                tracing::warn!(
+                    ?used,
+                    "the trace began with slots in use; its first decisions cannot be reproduced"
+                );
+            } else {
+                r.start_areas_at(index);
+            }
+        }
+        r
+    }
+
+    /// Moves each area's rolling index to `index[area]` on an empty pool, as a live kernel's
+    /// pool stands after boot: area `a` gets `index[a]` one-slot maps (each lands on the slot
+    /// at the index and moves it one on), each unmapped at once, which leaves every slot free
+    /// and the free-run counts as they were. These maps do not count in the replay summary (the
+    /// pool's own counters include them). Skipped, with a warning, when the area count differs
+    /// from the pool's or an index is out of its area.
+    pub fn start_areas_at(&mut self, index: &[usize]) {
+        let g = *self.pool.geometry();
+        if index.len() != g.nareas || index.iter().any(|&i| i >= g.area_nslabs) {
+            tracing::warn!(
+                ?index,
+                nareas = g.nareas,
+                area_nslabs = g.area_nslabs,
+                "the trace's starting area indices do not fit this pool; starting at 0"
+            );
+            return;
+        }
+        for (area, &n) in index.iter().enumerate() {
+            let req = MapRequest::new(0, 1, crate::types::Direction::ToDevice).worker(area);
+            for _ in 0..n {
+                match self.pool.map(&NullMemory, &req) {
+                    Ok(m) => {
+                        let _ = self.pool.unmap(&NullMemory, &m, area);
+                    }
+                    Err(e) => {
+                        tracing::warn!(area, "moving the area index failed: {e}");
+                        return;
+                    }
+                }
+            }
+        }
     }
 
     /// The pool.
@@ -659,6 +383,16 @@ impl Replayer {
         match result {
             Ok(mapping) => {
                 self.summary.maps += 1;
+                if m.kernel.as_ref().is_some_and(|k| k.tlb_addr.is_none()) {
+                    self.summary.kernel_failures_released += 1;
+                    let _ = self.pool.unmap(&NullMemory, &mapping, m.worker);
+                    return Outcome::Mapped {
+                        id: m.id,
+                        dev_addr: mapping.dev_addr,
+                        slot: mapping.slot,
+                        nslots: mapping.nslots,
+                    };
+                }
                 if let Some(old) = self.live.insert(m.id, mapping) {
                     // A reused id: the trace lost an unmap. Keep the pool consistent.
                     tracing::warn!(id = m.id, line, "map id reused while live; unmapping");
@@ -729,63 +463,8 @@ impl Replayer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_both_formats() {
-        let k = r#"{"op":"map","id":0,"orig":1049125112,"size":16,"cpu":1,"min_align_mask":0,"alloc_align_mask":0,"dir":1,"attrs":0,"ts":1,"phase":"x","kernel_area_used":[1],"kernel_area_index":[1],"kernel_tlb_addr":955252736}"#;
-        let Some(TraceOp::Map(m)) = parse_line(1, k).unwrap() else {
-            panic!("not a map");
-        };
-        assert_eq!(
-            (m.id, m.size, m.worker, m.dir),
-            (0, 16, 1, Direction::ToDevice)
-        );
-        let kd = m.kernel.unwrap();
-        assert_eq!(kd.tlb_addr, Some(955252736));
-        assert_eq!(kd.area_used, Some(vec![1]));
-        let full = r#"{"op":"map","id":5,"orig":1,"size":262144,"cpu":0,"dir":2,"kernel_tlb_addr":null,"kernel_error":"full"}"#;
-        let Some(TraceOp::Map(m)) = parse_line(2, full).unwrap() else {
-            panic!("not a map");
-        };
-        assert_eq!(m.kernel.unwrap().tlb_addr, None);
-
-        let u = r#"{"op":"map","id":7,"orig":4096,"size":512,"dir":"from_device","worker":3}"#;
-        let Some(TraceOp::Map(m)) = parse_line(3, u).unwrap() else {
-            panic!("not a map");
-        };
-        assert_eq!(
-            (m.worker, m.dir, m.kernel),
-            (3, Direction::FromDevice, None)
-        );
-        assert_eq!(
-            parse_line(4, r#"{"op":"sync_for_cpu","id":7,"offset":8}"#).unwrap(),
-            Some(TraceOp::Sync {
-                id: 7,
-                for_cpu: true,
-                offset: 8,
-                size: None
-            })
-        );
-        assert_eq!(
-            parse_line(5, r#"{"op":"unmap","id":7,"attrs":32}"#).unwrap(),
-            Some(TraceOp::Unmap {
-                id: 7,
-                worker: None,
-                attrs: Some(DmaAttrs::from_linux(32))
-            })
-        );
-        assert_eq!(parse_line(6, "  ").unwrap(), None);
-        for bad in [
-            "{",
-            r#"{"op":"map","id":1}"#,
-            r#"{"op":"map","id":1,"orig":0,"size":1,"dir":9}"#,
-            r#"{"op":"map","id":1,"orig":0,"size":1,"dir":"sideways"}"#,
-            r#"{"op":"frobnicate"}"#,
-            r#"{"op":"unmap"}"#,
-        ] {
-            assert!(parse_line(7, bad).is_err(), "{bad}");
-        }
-    }
+    use crate::trace::TraceReader;
+    use vm_memory::VolatileSlice;
 
     #[test]
     fn replays_a_user_trace() {

@@ -1,0 +1,699 @@
+//! Reruns the swiotlb/IOVA allocator experiments of the LKML threads on the host, in one
+//! command: map+unmap pairs per second for each allocator, thread count, size and copy mode,
+//! measured side by side in interleaved rounds (this machine is shared and noisy: ratios taken
+//! in the same run are what to compare), printed as a table with the median of the rounds, the
+//! ratio to a baseline allocator, and the time spent waiting for allocator locks. With copies, a
+//! plain memcpy of the same bytes (in and back out) is measured in the same rounds as the
+//! physical reference.
+//!
+//! Every run collects machine metadata (git revision, CPU, kernel, load), shows a progress bar
+//! with ETA on stderr, stops cleanly on Ctrl-C keeping the rounds measured so far, and with
+//! `--out DIR` writes the Markdown table, a JSON document with every sample and an SVG chart
+//! (M pairs/s against threads, one line per allocator, one panel per size and copy mode).
+//!
+//! `bounce-experiment map-benchmark` is Linux's `dma_map_benchmark` on the host (see
+//! `map_bench.rs`).
+//!
+//! ```text
+//! bounce-experiment --alloc legacy,areas,areas-bitmap --threads 1,2,4,8 --size 4k,64k
+//! bounce-experiment --alloc all --mode iova --json
+//! bounce-experiment map-benchmark -t 2 -s 1 -g 1 --alloc all
+//! ```
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use bounce::{
+    AllocatorKind, BouncePool, Direction, HostMemory, MapRequest, NoCopyMemory, OrigMemory,
+    PoolConfig, PoolMode,
+};
+use clap::{Parser, Subcommand};
+use serde::Serialize;
+
+mod map_bench;
+mod report;
+
+use report::{size_label, Meta, Panel, Summary};
+
+/// Allocator experiments: map+unmap throughput per allocator, threads, size.
+#[derive(Parser, Debug)]
+#[command(
+    name = "bounce-experiment",
+    version,
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+    #[command(flatten)]
+    matrix: Args,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Linux's dma_map_benchmark on the host: map/unmap latency per allocator, with the kernel
+    /// tool's flags and output lines.
+    MapBenchmark(map_bench::Args),
+}
+
+/// The allocator matrix.
+#[derive(clap::Args, Debug)]
+struct Args {
+    /// Allocators, comma separated, or "all".
+    #[arg(long, default_value = "all")]
+    alloc: String,
+    /// Thread counts, comma separated (each thread is one worker).
+    #[arg(long, default_value = "1,2,4,8")]
+    threads: String,
+    /// Mapping sizes, comma separated, with optional k/m suffix.
+    #[arg(long, default_value = "4k,64k")]
+    size: String,
+    /// Copy modes: "copy" (bidirectional buffers: one copy in, one back), "nocopy" (placement
+    /// only), or both, comma separated.
+    #[arg(long, default_value = "copy,nocopy")]
+    copy: String,
+    /// Pool semantics.
+    #[arg(long, default_value = "swiotlb")]
+    mode: String,
+    /// Pool slots (granules in iova mode).
+    #[arg(long, default_value_t = PoolConfig::DEFAULT_SLOTS)]
+    slots: usize,
+    /// Areas; default one per thread, as Linux uses one per CPU.
+    #[arg(long)]
+    areas: Option<usize>,
+    /// Mappings each thread keeps live while it maps and unmaps (models queue depth).
+    #[arg(long, default_value_t = 8)]
+    depth: usize,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 0.25)]
+    seconds: f64,
+    /// Interleaved rounds; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Allocator the ratios are taken against (default: the first one).
+    #[arg(long)]
+    baseline: Option<String>,
+    /// Print the JSON document (metadata, every cell with its samples) instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// The pools' time accounting: "off" (the default: it costs ~170-230 ns per map+unmap pair
+    /// on this machine, see bounce/README.md), "on", or "both" (each allocator twice, with and
+    /// without, in the same rounds: what the accounting costs).
+    #[arg(long, default_value = "off")]
+    timing: String,
+    /// Write table.md, results.json and chart.svg into this directory.
+    #[arg(long)]
+    out: Option<std::path::PathBuf>,
+}
+
+/// One cell of the table: an allocator (or the memcpy reference) at one thread count, size and
+/// copy mode, over the rounds measured.
+#[derive(Clone, Debug, Serialize)]
+struct Cell {
+    alloc: String,
+    threads: usize,
+    size: usize,
+    copy: bool,
+    mode: PoolMode,
+    /// The pool's geometry (absent for the memcpy reference).
+    geometry: Option<bounce::Geometry>,
+    /// Rounds measured (fewer than asked after Ctrl-C).
+    rounds: usize,
+    /// Million map+unmap pairs per second, per round.
+    mops: Summary,
+    /// Nanoseconds per pair and thread, from the median.
+    ns_per_pair: f64,
+    /// Share of thread time spent waiting for allocator locks, per round.
+    lock_wait_pct: Summary,
+    /// Maps that found the pool full, over all rounds.
+    failures: u64,
+    /// Median over the baseline allocator's median, in the same rounds.
+    ratio: f64,
+    /// The pool's statistics over this cell's rounds (reset before them).
+    pool: Option<bounce::PoolStats>,
+}
+
+/// A whole run: what was asked, where, and every cell.
+#[derive(Debug, Serialize)]
+struct Report {
+    tool: &'static str,
+    meta: Meta,
+    config: serde_json::Value,
+    /// True when Ctrl-C stopped the run: the cells hold the rounds measured until then.
+    interrupted: bool,
+    cells: Vec<Cell>,
+}
+
+fn parse_list<T>(s: &str, what: &str, f: impl Fn(&str) -> Option<T>) -> Result<Vec<T>, String> {
+    s.split(',')
+        .map(|p| f(p.trim()).ok_or_else(|| format!("bad {what} '{p}'")))
+        .collect()
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.to_ascii_lowercase();
+    let (num, mul) = if let Some(n) = s.strip_suffix('k') {
+        (n, 1024)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 1024 * 1024)
+    } else {
+        (s.as_str(), 1)
+    };
+    num.parse::<usize>()
+        .ok()
+        .map(|n| n * mul)
+        .filter(|n| *n > 0)
+}
+
+/// Runs `threads` threads for `dur` (less if Ctrl-C comes): thread `t` first builds its work
+/// with `setup(t)` (buffers are allocated outside the measured window), then all start together
+/// and run until told to stop. Returns each thread's result, the elapsed time, and whether the
+/// window ran to its end (false after Ctrl-C: callers drop such a measurement).
+fn timed<S, R, T>(threads: usize, dur: Duration, setup: S) -> (Vec<T>, Duration, bool)
+where
+    S: Fn(usize) -> R + Sync,
+    R: FnOnce(&AtomicBool) -> T,
+    T: Send,
+{
+    let stop = AtomicBool::new(false);
+    let barrier = Barrier::new(threads + 1);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (stop, barrier, setup) = (&stop, &barrier, &setup);
+                scope.spawn(move || {
+                    let run = setup(t);
+                    barrier.wait();
+                    run(stop)
+                })
+            })
+            .collect();
+        barrier.wait();
+        let start = Instant::now();
+        let complete = report::sleep_unless_stopped(dur);
+        stop.store(true, Ordering::Relaxed);
+        let results = handles.into_iter().filter_map(|h| h.join().ok()).collect();
+        (results, start.elapsed(), complete)
+    })
+}
+
+/// One measurement: `threads` threads map and unmap for `dur`; returns (pairs, elapsed, lock
+/// wait ns, failures), or `None` when Ctrl-C cut it short.
+fn measure(
+    pool: &BouncePool,
+    threads: usize,
+    size: usize,
+    copy: bool,
+    depth: usize,
+    dur: Duration,
+) -> Option<(u64, Duration, u64, u64)> {
+    let wait_before = pool.stats().lock_wait_ns;
+    let (results, elapsed, complete) = timed(threads, dur, |t| {
+        let orig = 0x10_0000_0000u64 * (t as u64 + 1);
+        let mut buf = vec![0x5au8; size * depth.max(1)];
+        move |stop: &AtomicBool| {
+            if copy {
+                let mem = HostMemory::new(orig, &mut buf);
+                worker(pool, &mem, orig, size, depth, t, stop)
+            } else {
+                worker(pool, &NoCopyMemory, orig, size, depth, t, stop)
+            }
+        }
+    });
+    let wait = pool.stats().lock_wait_ns.saturating_sub(wait_before);
+    let (pairs, failures) = results.iter().fold((0, 0), |(p, f), (n, x)| (p + n, f + x));
+    complete.then_some((pairs, elapsed, wait, failures))
+}
+
+fn worker<M: OrigMemory>(
+    pool: &BouncePool,
+    mem: &M,
+    orig: u64,
+    size: usize,
+    depth: usize,
+    t: usize,
+    stop: &AtomicBool,
+) -> (u64, u64) {
+    let mut live = std::collections::VecDeque::with_capacity(depth + 1);
+    let (mut n, mut failed) = (0u64, 0u64);
+    let mut slot = 0usize;
+    while !stop.load(Ordering::Relaxed) {
+        let req =
+            MapRequest::new(orig + (slot * size) as u64, size, Direction::Bidirectional).worker(t);
+        slot = (slot + 1) % depth.max(1);
+        match pool.map(mem, &req) {
+            Ok(m) => live.push_back(m),
+            Err(_) => failed += 1,
+        }
+        if live.len() >= depth.max(1) || (failed > 0 && !live.is_empty()) {
+            if let Some(m) = live.pop_front() {
+                if pool.unmap(mem, &m, t).is_ok() {
+                    n += 1;
+                }
+            }
+        }
+    }
+    for m in live {
+        let _ = pool.unmap(mem, &m, t);
+    }
+    (n, failed)
+}
+
+/// The physical reference: `threads` threads each copying `size` bytes in and back out (what a
+/// bidirectional map+unmap pair copies) for `dur`; returns pairs per second in millions, or
+/// `None` after Ctrl-C.
+fn memcpy_reference(threads: usize, size: usize, dur: Duration) -> Option<f64> {
+    let (results, elapsed, complete) = timed(threads, dur, |_| {
+        let orig = vec![0x5au8; size];
+        let mut bounce = vec![0u8; size];
+        let mut back = vec![0u8; size];
+        move |stop: &AtomicBool| {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                bounce.copy_from_slice(std::hint::black_box(&orig));
+                back.copy_from_slice(std::hint::black_box(&bounce));
+                std::hint::black_box(&back);
+                n += 1;
+            }
+            n
+        }
+    });
+    let pairs: u64 = results.iter().sum();
+    complete.then(|| pairs as f64 / elapsed.as_secs_f64() / 1e6)
+}
+
+/// The cold reference: as [`memcpy_reference`], but each thread's bounce side walks through its
+/// share of `pool_bytes`, `size` bytes further each pair (what a rolling index costs in cache
+/// misses); pairs per second in millions, or `None` after Ctrl-C.
+fn streaming_reference(
+    threads: usize,
+    size: usize,
+    pool_bytes: usize,
+    dur: Duration,
+) -> Option<f64> {
+    let share = (pool_bytes / threads.max(1)).max(size);
+    let (results, elapsed, complete) = timed(threads, dur, |_| {
+        let orig = vec![0x5au8; size];
+        let mut pool = vec![0u8; share];
+        let mut back = vec![0u8; size];
+        move |stop: &AtomicBool| {
+            let mut n = 0u64;
+            let mut at = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                let slot = &mut pool[at..at + size];
+                slot.copy_from_slice(std::hint::black_box(&orig));
+                back.copy_from_slice(std::hint::black_box(slot));
+                std::hint::black_box(&back);
+                at = if at + 2 * size > share { 0 } else { at + size };
+                n += 1;
+            }
+            n
+        }
+    });
+    let pairs: u64 = results.iter().sum();
+    complete.then(|| pairs as f64 / elapsed.as_secs_f64() / 1e6)
+}
+
+/// The parsed and checked matrix.
+struct Plan {
+    kinds: Vec<AllocatorKind>,
+    /// Time accounting per entry of `kinds` (an allocator appears twice with `--timing both`).
+    timing: Vec<bool>,
+    both: bool,
+    threads: Vec<usize>,
+    sizes: Vec<usize>,
+    copies: Vec<bool>,
+    mode: PoolMode,
+    baseline: AllocatorKind,
+    dur: Duration,
+}
+
+fn plan(args: &Args) -> Result<Plan, String> {
+    let kinds: Vec<AllocatorKind> = if args.alloc == "all" {
+        AllocatorKind::ALL.to_vec()
+    } else {
+        parse_list(&args.alloc, "allocator", |s| s.parse().ok())?
+    };
+    let threads = parse_list(&args.threads, "thread count", |s| {
+        s.parse::<usize>().ok().filter(|n| (1..=256).contains(n))
+    })?;
+    let sizes = parse_list(&args.size, "size", parse_size)?;
+    let copies = parse_list(&args.copy, "copy mode", |s| match s {
+        "copy" => Some(true),
+        "nocopy" => Some(false),
+        _ => None,
+    })?;
+    let mode: PoolMode = args.mode.parse().map_err(|e| format!("{e}"))?;
+    let baseline: AllocatorKind = match &args.baseline {
+        Some(b) => b.parse().map_err(|e| format!("{e}"))?,
+        None => kinds[0],
+    };
+    if !kinds.contains(&baseline) {
+        return Err(format!("baseline {baseline} is not among --alloc"));
+    }
+    let modes: &[bool] = match args.timing.as_str() {
+        "on" => &[true],
+        "off" => &[false],
+        "both" => &[true, false],
+        other => return Err(format!("--timing: unknown '{other}' (on, off or both)")),
+    };
+    let (kinds, timing): (Vec<_>, Vec<_>) = kinds
+        .iter()
+        .flat_map(|&k| modes.iter().map(move |&m| (k, m)))
+        .unzip();
+    if !(args.seconds > 0.0 && args.seconds < 60.0) || args.rounds == 0 {
+        return Err("--seconds must be in (0, 60) and --rounds at least 1".into());
+    }
+    Ok(Plan {
+        kinds,
+        timing,
+        both: modes.len() == 2,
+        threads,
+        sizes,
+        copies,
+        mode,
+        baseline,
+        dur: Duration::from_secs_f64(args.seconds),
+    })
+}
+
+fn build_pools(args: &Args, p: &Plan, t: usize) -> Result<Vec<Arc<BouncePool>>, String> {
+    p.kinds
+        .iter()
+        .zip(&p.timing)
+        .map(|(&k, &timing)| {
+            let mut cfg = match p.mode {
+                PoolMode::Swiotlb => PoolConfig::swiotlb(args.slots),
+                PoolMode::Iova => PoolConfig::iova(args.slots),
+            };
+            cfg.allocator = k;
+            cfg.workers = t;
+            cfg.areas = args.areas.or(match p.mode {
+                PoolMode::Swiotlb => Some(t),
+                PoolMode::Iova => Some(1),
+            });
+            BouncePool::new(&cfg)
+                .map(|pool| {
+                    pool.set_timing(timing);
+                    Arc::new(pool)
+                })
+                .map_err(|e| format!("{k}: {e}"))
+        })
+        .collect()
+}
+
+/// Runs the matrix; returns the cells measured and whether Ctrl-C cut the run short.
+fn run(args: &Args, p: &Plan) -> Result<(Vec<Cell>, bool), String> {
+    let per_round = p.kinds.len() as u64;
+    let total: u64 = p.threads.len() as u64
+        * p.sizes.len() as u64
+        * p.copies
+            .iter()
+            .map(|&c| (per_round + u64::from(c)) * args.rounds as u64)
+            .sum::<u64>();
+    let bar = report::progress(total, "bounce-experiment");
+    let mut cells = Vec::new();
+    'all: for &t in &p.threads {
+        // One pool per allocator for this thread count, reused across sizes and rounds.
+        let pools = build_pools(args, p, t)?;
+        for &size in &p.sizes {
+            for &copy in &p.copies {
+                bar.set_message(format!(
+                    "{t} threads, {}, {}",
+                    size_label(size),
+                    if copy { "copy" } else { "nocopy" }
+                ));
+                for pool in &pools {
+                    pool.reset_hiwater();
+                }
+                let mut mops = vec![Vec::new(); p.kinds.len()];
+                let mut wait = vec![Vec::new(); p.kinds.len()];
+                let mut failures = vec![0u64; p.kinds.len()];
+                let mut reference = Vec::new();
+                let mut streaming = Vec::new();
+                let pool_bytes = pools.first().map_or(size, |pool| pool.geometry().bytes());
+                let mut interrupted = false;
+                for _ in 0..args.rounds {
+                    if copy {
+                        match memcpy_reference(t, size, p.dur) {
+                            Some(m) => reference.push(m),
+                            None => interrupted = true,
+                        }
+                        if !interrupted {
+                            match streaming_reference(t, size, pool_bytes, p.dur) {
+                                Some(m) => streaming.push(m),
+                                None => interrupted = true,
+                            }
+                        }
+                        bar.inc(1);
+                    }
+                    // Interleave allocators inside each round; a round counts only if every
+                    // allocator completed it.
+                    let mut round = Vec::new();
+                    for pool in &pools {
+                        if interrupted {
+                            break;
+                        }
+                        match measure(pool, t, size, copy, args.depth, p.dur) {
+                            Some(r) => round.push(r),
+                            None => interrupted = true,
+                        }
+                        bar.inc(1);
+                    }
+                    if interrupted {
+                        reference.truncate(mops[0].len());
+                        streaming.truncate(mops[0].len());
+                        break;
+                    }
+                    for (i, (n, el, w, f)) in round.into_iter().enumerate() {
+                        let secs = el.as_secs_f64();
+                        mops[i].push(n as f64 / secs / 1e6);
+                        wait[i].push(100.0 * w as f64 / (secs * 1e9 * t as f64));
+                        failures[i] += f;
+                    }
+                }
+                let rounds = mops[0].len();
+                if rounds > 0 {
+                    cells.extend(cells_of(
+                        p, &pools, t, size, copy, &mops, &wait, &failures, &reference, &streaming,
+                    ));
+                }
+                if interrupted {
+                    break 'all;
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    Ok((cells, report::stopped()))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cells_of(
+    p: &Plan,
+    pools: &[Arc<BouncePool>],
+    t: usize,
+    size: usize,
+    copy: bool,
+    mops: &[Vec<f64>],
+    wait: &[Vec<f64>],
+    failures: &[u64],
+    reference: &[f64],
+    streaming: &[f64],
+) -> Vec<Cell> {
+    let meds: Vec<Summary> = mops.iter().map(|m| Summary::of(m)).collect();
+    let base = p
+        .kinds
+        .iter()
+        .position(|k| *k == p.baseline)
+        .map_or(1.0, |i| meds[i].median);
+    let ratio = |m: f64| if base > 0.0 { m / base } else { 0.0 };
+    let ns = |m: f64| {
+        if m > 0.0 {
+            1e3 * t as f64 / m
+        } else {
+            f64::INFINITY
+        }
+    };
+    let mut cells = Vec::new();
+    for (name, samples) in [
+        ("memcpy (reference)", reference),
+        ("streaming copy (reference)", streaming),
+    ] {
+        if !copy || samples.is_empty() {
+            continue;
+        }
+        let s = Summary::of(samples);
+        cells.push(Cell {
+            alloc: name.to_string(),
+            threads: t,
+            size,
+            copy,
+            mode: p.mode,
+            geometry: None,
+            rounds: samples.len(),
+            ns_per_pair: ns(s.median),
+            ratio: ratio(s.median),
+            mops: s,
+            lock_wait_pct: Summary::of(&[0.0]),
+            failures: 0,
+            pool: None,
+        });
+    }
+    for (i, k) in p.kinds.iter().enumerate() {
+        cells.push(Cell {
+            alloc: if p.both && !p.timing[i] {
+                format!("{} (no timing)", k.name())
+            } else {
+                k.name().to_string()
+            },
+            threads: t,
+            size,
+            copy,
+            mode: p.mode,
+            geometry: Some(*pools[i].geometry()),
+            rounds: mops[i].len(),
+            ns_per_pair: ns(meds[i].median),
+            ratio: ratio(meds[i].median),
+            mops: meds[i].clone(),
+            lock_wait_pct: Summary::of(&wait[i]),
+            failures: failures[i],
+            pool: Some(pools[i].stats()),
+        });
+    }
+    cells
+}
+
+fn table(cells: &[Cell]) -> String {
+    let mut s = String::from("| allocator | threads | size | copy | M pairs/s | min-max | ns/pair/thread | x baseline | lock wait % | full |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    for c in cells {
+        s.push_str(&format!(
+            "| {} | {} | {} | {} | {:.2} | {:.2}-{:.2} | {:.0} | {:.2} | {:.1} | {} |\n",
+            c.alloc,
+            c.threads,
+            size_label(c.size),
+            if c.copy { "copy" } else { "nocopy" },
+            c.mops.median,
+            c.mops.min,
+            c.mops.max,
+            c.ns_per_pair,
+            c.ratio,
+            c.lock_wait_pct.median,
+            c.failures
+        ));
+    }
+    s
+}
+
+/// One panel per (size, copy): M pairs/s against threads, one line per allocator.
+fn panels(cells: &[Cell]) -> Vec<Panel> {
+    let mut keys: Vec<(usize, bool)> = Vec::new();
+    for c in cells {
+        if !keys.contains(&(c.size, c.copy)) {
+            keys.push((c.size, c.copy));
+        }
+    }
+    keys.into_iter()
+        .map(|(size, copy)| {
+            let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+            for c in cells.iter().filter(|c| c.size == size && c.copy == copy) {
+                let pt = (c.threads as f64, c.mops.median);
+                match series.iter_mut().find(|(n, _)| *n == c.alloc) {
+                    Some((_, v)) => v.push(pt),
+                    None => series.push((c.alloc.clone(), vec![pt])),
+                }
+            }
+            Panel {
+                title: format!(
+                    "{} {}",
+                    size_label(size),
+                    if copy { "copy" } else { "nocopy" }
+                ),
+                x_label: "threads".into(),
+                y_label: "M map+unmap pairs/s (median)".into(),
+                series,
+            }
+        })
+        .collect()
+}
+
+/// Prints the table or JSON, and writes them with the chart under `--out`.
+fn emit(args: &Args, report: &Report) -> Result<(), String> {
+    let json = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
+    let md = table(&report.cells);
+    if args.json {
+        println!("{json}");
+    } else {
+        print!("{md}");
+    }
+    if let Some(dir) = &args.out {
+        report::write_file(dir, "table.md", &md)?;
+        report::write_file(dir, "results.json", &json)?;
+        report::write_chart(
+            &dir.join("chart.svg"),
+            &format!(
+                "bounce-experiment: {} pool, {} mappings live per thread",
+                report
+                    .cells
+                    .first()
+                    .map_or("swiotlb", |c| if c.mode == PoolMode::Iova {
+                        "iova"
+                    } else {
+                        "swiotlb"
+                    }),
+                args.depth
+            ),
+            &panels(&report.cells),
+        )?;
+        eprintln!(
+            "bounce-experiment: wrote table.md, results.json, chart.svg in {}",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
+fn matrix(args: &Args) -> Result<bool, String> {
+    let p = plan(args)?;
+    let started = Instant::now();
+    let mut meta = Meta::collect();
+    report::install_ctrl_c();
+    let (cells, interrupted) = run(args, &p)?;
+    meta.finish(started);
+    let report = Report {
+        tool: "bounce-experiment",
+        meta,
+        config: serde_json::json!({
+            "alloc": p.kinds.iter().map(|k| k.name()).collect::<Vec<_>>(),
+            "timing": p.timing,
+            "threads": p.threads, "sizes": p.sizes, "copy": p.copies, "mode": p.mode,
+            "slots": args.slots, "areas": args.areas, "depth": args.depth,
+            "seconds": args.seconds, "rounds": args.rounds, "baseline": p.baseline.name(),
+        }),
+        interrupted,
+        cells,
+    };
+    emit(args, &report)?;
+    Ok(!interrupted)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match &cli.cmd {
+        Some(Cmd::MapBenchmark(a)) => map_bench::main(a),
+        None => matrix(&cli.matrix),
+    };
+    match r {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("bounce-experiment: interrupted; the results above are partial");
+            ExitCode::from(130)
+        }
+        Err(e) => {
+            eprintln!("bounce-experiment: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
