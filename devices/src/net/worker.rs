@@ -270,7 +270,7 @@ impl<M: GuestMemory> PairWorker<M> {
                 }
                 break;
             }
-            if self.shaper.as_ref().is_some_and(|s| s.is_blocked()) {
+            if self.shaper.as_ref().is_some_and(|s| s.is_blocked(Dir::Tx)) {
                 break;
             }
             q.disable_notification(mem)
@@ -513,7 +513,7 @@ impl<M: GuestMemory> PairWorker<M> {
             let (len, paid) = match self.rx_pending {
                 Some(p) => p,
                 None => {
-                    if self.shaper.as_ref().is_some_and(|s| s.is_blocked()) {
+                    if self.shaper.as_ref().is_some_and(|s| s.is_blocked(Dir::Rx)) {
                         break;
                     }
                     match lock(&backend).recv(&mut self.rx_buf) {
