@@ -23,6 +23,7 @@ use devices::block::{Block, BlockConfig, DiskImage};
 use devices::net::{Net, NetBackend, NetConfig, ShaperConfig, Tap};
 use devices::virtio::VirtioDevice;
 use vmm::options::BounceOptions;
+use vmm::vhost::layout::{MAX_NET_QUEUE_PAIRS, MAX_QUEUES};
 use vmm::vhost::{Memory, Server, SignalFd};
 
 /// Serve bouncevm devices over vhost-user.
@@ -161,6 +162,13 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
         }
         Command::Net(a) => {
             let c = &a.common;
+            if c.queues == 0 || c.queues > MAX_NET_QUEUE_PAIRS {
+                // Checked before the tap is opened (or created).
+                return Err(format!(
+                    "--queues {}: net serves 1..={MAX_NET_QUEUE_PAIRS} queue pairs over vhost-user (2 vrings per pair and the control queue must fit in {MAX_QUEUES})",
+                    c.queues
+                ));
+            }
             let bounce = c.bounce.clone().unwrap_or_default();
             let (dma, pool) = bounce
                 .build(usize::from(c.queues))

@@ -32,6 +32,25 @@ pub enum LayoutError {
     /// A group is empty.
     #[error("group {0} is empty")]
     EmptyGroup(usize),
+    /// The device has more queues than vhost-user-backend can serve.
+    #[error("the device has {0} queues; vhost-user serves at most {MAX_QUEUES}")]
+    TooManyQueues(usize),
+}
+
+/// Most net queue pairs over vhost-user: 2 queues per pair plus the control queue must fit in
+/// [`MAX_QUEUES`] vrings.
+pub const MAX_NET_QUEUE_PAIRS: u16 = ((MAX_QUEUES - 1) / 2) as u16;
+
+/// Refuses a device whose queues do not all fit in a layout (`vhost-user-backend` describes
+/// threads by 64-bit queue masks: queue 64 and above could never be served).
+///
+/// # Errors
+/// [`LayoutError::TooManyQueues`].
+pub fn check_queue_count(num_queues: usize) -> Result<(), LayoutError> {
+    if num_queues > MAX_QUEUES {
+        return Err(LayoutError::TooManyQueues(num_queues));
+    }
+    Ok(())
 }
 
 /// Queues grouped onto threads: thread `i` serves the queues whose bits are set in mask `i`.
@@ -156,6 +175,19 @@ mod tests {
         assert_eq!(l.place(&[1, 2]), None);
         assert_eq!(l.place(&[]), None);
         assert_eq!(l.place(&[200]), None);
+    }
+
+    #[test]
+    fn queue_counts_beyond_the_masks_are_refused() {
+        // Regression (issue 11 item 10): net with 32 pairs has 65 queues; the layout silently
+        // dropped queue 64 (the control queue) and activation failed later.
+        assert_eq!(check_queue_count(64), Ok(()));
+        assert_eq!(
+            check_queue_count(2 * 32 + 1),
+            Err(LayoutError::TooManyQueues(65))
+        );
+        assert_eq!(2 * usize::from(MAX_NET_QUEUE_PAIRS) + 1, 63);
+        assert!(check_queue_count(2 * usize::from(MAX_NET_QUEUE_PAIRS) + 1).is_ok());
     }
 
     #[test]
