@@ -426,11 +426,40 @@ impl Driver {
             .unwrap();
         self.mem.write_obj(2u16, d(next).unchecked_add(12)).unwrap();
         self.mem.write_obj(0u16, d(next).unchecked_add(14)).unwrap();
+        self.publish(q, head);
+        head
+    }
+
+    /// Posts one chain made of descriptors `first..first + bufs.len()` of queue `q` (each
+    /// `(guest address, length, device-writable)`), publishes it and kicks. Returns the head.
+    pub fn post_descs(&mut self, q: usize, first: u16, bufs: &[(u64, u32, bool)]) -> u16 {
+        let n = u16::try_from(bufs.len()).unwrap();
+        assert!(
+            n > 0 && first + n <= QSIZE,
+            "descriptors {first}+{n} out of the table"
+        );
+        for (i, &(addr, len, write)) in (first..).zip(bufs) {
+            let d = GuestAddress(desc_addr(q) + u64::from(i) * 16);
+            let last = i + 1 == first + n;
+            let flags = u16::from(!last) | if write { 2 } else { 0 };
+            self.mem.write_obj(addr, d).unwrap();
+            self.mem.write_obj(len, d.unchecked_add(8)).unwrap();
+            self.mem.write_obj(flags, d.unchecked_add(12)).unwrap();
+            self.mem
+                .write_obj(if last { 0 } else { i + 1 }, d.unchecked_add(14))
+                .unwrap();
+        }
+        self.publish(q, first);
+        first
+    }
+
+    /// Adds `head` to the avail ring of queue `q` and kicks.
+    fn publish(&mut self, q: usize, head: u16) {
+        let slot = self.avail_idx[q] % QSIZE;
         let avail = GuestAddress(avail_addr(q));
         self.mem
             .write_obj(head, avail.unchecked_add(4 + 2 * u64::from(slot)))
             .unwrap();
-        // used_event (EVENT_IDX): notify as soon as anything new is used.
         self.mem
             .write_obj(
                 self.used_seen[q],
@@ -444,7 +473,6 @@ impl Driver {
             .unwrap();
         std::sync::atomic::fence(Ordering::SeqCst);
         self.kicks[q].write(1).unwrap();
-        head
     }
 
     /// Waits up to `timeout` for the call eventfd of queue `q`.
