@@ -189,6 +189,20 @@ impl Dma {
         self.pool.as_ref()
     }
 
+    /// The largest single buffer this handle can map, for the device's DMA constraints
+    /// ([`DeviceDmaParams::min_align_mask`] costs slots of padding); `None` when it never
+    /// bounces (no pool), so only the device's own limits apply.
+    pub fn max_mapping_size(&self) -> Option<usize> {
+        self.pool
+            .as_ref()
+            .map(|p| p.max_mapping_size(self.params.min_align_mask))
+    }
+
+    /// The device's DMA constraints.
+    pub fn params(&self) -> DeviceDmaParams {
+        self.params
+    }
+
     /// Pool statistics, if there is a pool.
     pub fn stats(&self) -> Option<PoolStats> {
         self.pool.as_ref().map(|p| p.stats())
@@ -259,6 +273,112 @@ impl Dma {
             (Some(m), Some(pool)) => pool.unmap(mem, m, worker),
             _ => Ok(()),
         }
+    }
+
+    /// A small device read of guest bytes `gpa..gpa + dst.len()` (a request header, a
+    /// command): map to-device, read, unmap, in one call. The one helper for transfers too
+    /// small to keep a mapping for.
+    ///
+    /// # Errors
+    /// Those of [`Dma::map`], [`Dma::read`] and [`Dma::unmap`]; the mapping is released
+    /// whatever happens.
+    pub fn read_guest<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        dst: &mut [u8],
+        worker: usize,
+    ) -> Result<()> {
+        let buf = self.map(mem, gpa, dst.len(), Direction::ToDevice, worker)?;
+        let read = self.read(mem, &buf, 0, dst);
+        let unmapped = self.unmap(mem, buf, worker);
+        read.and(unmapped)
+    }
+
+    /// A small device write of `src` to guest address `gpa` (a status byte, an ack, an id
+    /// string): map from-device, write, unmap, in one call.
+    ///
+    /// # Errors
+    /// As [`Dma::read_guest`].
+    pub fn write_guest<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        src: &[u8],
+        worker: usize,
+    ) -> Result<()> {
+        let buf = self.map(mem, gpa, src.len(), Direction::FromDevice, worker)?;
+        let wrote = self.write(mem, &buf, 0, src);
+        let unmapped = self.unmap(mem, buf, worker);
+        wrote.and(unmapped)
+    }
+
+    /// Writes `src` straight to guest memory at `gpa`, bypassing the pool whatever the
+    /// policy. Only for the one byte that reports a failure (a virtio-blk status) when the
+    /// pool is too full to map it: without it the driver would read a stale "OK".
+    ///
+    /// # Errors
+    /// [`Error::ZeroLength`], or [`Error::OrigAccess`] when the range is not writable guest
+    /// memory (nothing is written then).
+    pub fn write_direct<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        src: &[u8],
+    ) -> Result<()> {
+        if src.is_empty() {
+            return Err(Error::ZeroLength);
+        }
+        let err = || Error::OrigAccess {
+            addr: gpa,
+            len: src.len(),
+        };
+        if !mem.check_range(GuestAddress(gpa), src.len(), Permissions::Write) {
+            return Err(err());
+        }
+        let mut done = 0;
+        for s in mem
+            .get_slices(GuestAddress(gpa), src.len(), Permissions::Write)
+            .map_err(|_| err())?
+        {
+            let s = s.map_err(|_| err())?;
+            s.copy_from(&src[done..done + s.len()]);
+            done += s.len();
+        }
+        Ok(())
+    }
+
+    /// Unmaps a buffer of which the device wrote only the first `written` bytes (0 after a
+    /// failed transfer): only those bytes are copied back to guest memory; the rest of the
+    /// guest buffer keeps its contents. Without it, an IOVA-mode pool (no copy-in at map for
+    /// device writes) would copy a previous mapping's bytes — another request's, another
+    /// client's — into the guest after a failed or short read. A direct buffer needs nothing.
+    ///
+    /// # Errors
+    /// Those of [`BouncePool::sync_for_cpu`] and [`BouncePool::unmap_single`]; the mapping is
+    /// released whatever happens.
+    pub fn unmap_written<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        buf: DmaBuffer,
+        written: usize,
+        worker: usize,
+    ) -> Result<()> {
+        let (Some(m), Some(pool)) = (&buf.bounce, &self.pool) else {
+            return Ok(());
+        };
+        let n = written.min(buf.len);
+        let copied = if n > 0 && buf.dir.device_writes() {
+            pool.sync_for_cpu(mem, m.dev_addr, n, m.dir)
+        } else {
+            Ok(())
+        };
+        let attrs = DmaAttrs {
+            skip_cpu_sync: true,
+            ..m.attrs
+        };
+        let released = pool.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs, worker);
+        copied.and(released)
     }
 
     fn check(buf: &DmaBuffer, offset: usize, len: usize) -> Result<()> {
@@ -523,6 +643,44 @@ mod tests {
         assert!(m32.needs_bounce(0x1_0000_0000, 1));
         assert!(!Policy::Mask(64).needs_bounce(u64::MAX, 1));
         assert_eq!(Policy::Mask(40).to_string(), "mask=40");
+    }
+
+    #[test]
+    fn unmap_written_copies_back_only_the_written_prefix() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let pool = Arc::new(BouncePool::new(&PoolConfig::iova(64)).unwrap());
+        let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
+        mem.write_slice(&[0xaa; 4096], GuestAddress(0x8000))
+            .unwrap();
+        let b = dma
+            .map(&mem, 0x8000, 4096, Direction::FromDevice, 0)
+            .unwrap();
+        dma.write(&mem, &b, 0, &[0x11; 4096]).unwrap();
+        dma.unmap_written(&mem, b, 100, 0).unwrap();
+        let mut got = [0u8; 4096];
+        mem.read_slice(&mut got, GuestAddress(0x8000)).unwrap();
+        assert!(got[..100].iter().all(|&x| x == 0x11));
+        assert!(
+            got[100..].iter().all(|&x| x == 0xaa),
+            "unwritten bytes copied back"
+        );
+        // Nothing written: nothing copied; the slots are released either way.
+        let b = dma
+            .map(&mem, 0x8000, 4096, Direction::FromDevice, 0)
+            .unwrap();
+        dma.write(&mem, &b, 0, &[0x22; 4096]).unwrap();
+        dma.unmap_written(&mem, b, 0, 0).unwrap();
+        mem.read_slice(&mut got, GuestAddress(0x8000)).unwrap();
+        assert_eq!(got[0], 0x11);
+        assert_eq!(pool.used(), 0);
+        // write_direct bypasses the pool; read_guest/write_guest round-trip.
+        dma.write_direct(&mem, 0x9000, &[7]).unwrap();
+        let mut one = [0u8; 1];
+        dma.read_guest(&mem, 0x9000, &mut one, 0).unwrap();
+        assert_eq!(one, [7]);
+        dma.write_guest(&mem, 0x9001, &[8, 9], 0).unwrap();
+        assert!(dma.write_direct(&mem, 0x10_0000, &[1]).is_err());
+        assert_eq!(pool.used(), 0);
     }
 
     #[test]

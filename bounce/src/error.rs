@@ -82,5 +82,42 @@ pub enum Error {
     Config(String),
 }
 
+/// Whose fault an [`Error`] is, which decides what a device does with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// The guest's buffer is bad (not guest memory, overflowing, empty): the request fails
+    /// and the guest is told so.
+    GuestFault,
+    /// The pool is momentarily full: the same request may succeed once mappings are
+    /// released (back-pressure, not an I/O error).
+    Exhausted,
+    /// The request can never be mapped by this pool (larger than its largest mapping, or
+    /// alignment masks no slot satisfies): a device limit.
+    Limit,
+    /// The backend's I/O on a DMA buffer failed.
+    Io,
+    /// A bug or a setup failure of the device or the pool (unmapping what was not mapped,
+    /// an access outside the pool, pool memory that cannot be mapped, a bad configuration).
+    Internal,
+}
+
+impl Error {
+    /// Classifies the error (see [`ErrorClass`]).
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Self::OrigAccess { .. } | Self::Overflow { .. } | Self::ZeroLength => {
+                ErrorClass::GuestFault
+            }
+            Self::PoolFull { .. } => ErrorClass::Exhausted,
+            Self::TooLarge { .. } | Self::BadAlignment { .. } => ErrorClass::Limit,
+            Self::Io(_) => ErrorClass::Io,
+            Self::NotMapped { .. }
+            | Self::OutOfPool { .. }
+            | Self::PoolMemory { .. }
+            | Self::Config(_) => ErrorClass::Internal,
+        }
+    }
+}
+
 /// Result alias of this crate.
 pub type Result<T> = std::result::Result<T, Error>;

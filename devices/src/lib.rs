@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod block;
+pub mod metrics;
 pub mod net;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;

@@ -46,8 +46,9 @@
 //!   readable), [`TestDriver::reap`] returns used entries, and [`TestDriver::signals`] counts
 //!   the notifications workers asked for, per queue.
 //!
-//! A worker that returns [`WorkerError::Broken`] is remembered ([`TestDriver::broken`]) and
-//! not called again, as a transport would set DEVICE_NEEDS_RESET.
+//! Workers run through [`Dispatcher`], the transports' dispatcher, so tests see the worker
+//! contract of production (only ready, valid, enabled queues). A worker that breaks is parked
+//! ([`TestDriver::broken`]) and not called again, as a transport would set DEVICE_NEEDS_RESET.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -55,9 +56,8 @@ use std::sync::atomic::Ordering;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::virtio::{
-    features, ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent,
-};
+use crate::virtio::dispatch::{Dispatcher, Outcome};
+use crate::virtio::{features, ActivateError, Signal, VirtioDevice, WorkerError, WorkerEvent};
 
 /// Descriptor flag: the chain continues at `next`.
 pub const VRING_DESC_F_NEXT: u16 = 1;
@@ -190,7 +190,8 @@ pub struct RawDesc {
 }
 
 impl RawDesc {
-    fn bytes(&self) -> [u8; 16] {
+    /// The 16 bytes of the descriptor as the ring holds them.
+    pub fn to_bytes(&self) -> [u8; 16] {
         let mut b = [0u8; 16];
         b[0..8].copy_from_slice(&self.addr.to_le_bytes());
         b[8..12].copy_from_slice(&self.len.to_le_bytes());
@@ -273,7 +274,7 @@ impl TestQueue {
 
     /// Writes a raw descriptor at `index` of the table (no bookkeeping: for hostile tests).
     pub fn write_desc(&self, ram: &GuestRam, index: u16, d: RawDesc) {
-        ram.write(self.desc + 16 * u64::from(index), &d.bytes());
+        ram.write(self.desc + 16 * u64::from(index), &d.to_bytes());
     }
 
     /// Writes `bufs` as a chain of direct descriptors and returns its head (not yet
@@ -327,7 +328,7 @@ impl TestQueue {
                 flags,
                 next: if last { 0 } else { (i + 1) as u16 },
             };
-            ram.write(table + 16 * i as u64, &d.bytes());
+            ram.write(table + 16 * i as u64, &d.to_bytes());
         }
         let head = self.free.pop()?;
         self.write_desc(
@@ -425,11 +426,10 @@ pub struct TestDriver<D: VirtioDevice<GuestMemoryMmap>> {
     pub vqs: Vec<TestQueue>,
     /// The device side of each queue (what the transport holds).
     pub queues: Vec<Queue>,
-    workers: Vec<Box<dyn QueueWorker<GuestMemoryMmap>>>,
+    workers: Vec<Dispatcher<GuestMemoryMmap>>,
     /// For each device queue: (worker, position in its `queue_indexes`).
     owner: HashMap<u16, (usize, usize)>,
     acked: u64,
-    broken: Vec<Option<String>>,
     signals: Vec<u64>,
 }
 
@@ -438,7 +438,7 @@ impl<D: VirtioDevice<GuestMemoryMmap>> std::fmt::Debug for TestDriver<D> {
         f.debug_struct("TestDriver")
             .field("acked", &format_args!("{:#x}", self.acked))
             .field("queues", &self.vqs.len())
-            .field("broken", &self.broken)
+            .field("workers", &self.workers)
             .finish_non_exhaustive()
     }
 }
@@ -454,7 +454,6 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
             workers: Vec::new(),
             owner: HashMap::new(),
             acked: 0,
-            broken: Vec::new(),
             signals: Vec::new(),
         }
     }
@@ -490,14 +489,24 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
             assert!(q.is_valid(self.ram.mem()), "test queue layout is invalid");
         }
         self.signals = vec![0; n];
-        self.workers = self.device.activate(self.acked)?;
+        self.workers = self
+            .device
+            .activate(self.acked)?
+            .into_iter()
+            .map(Dispatcher::new)
+            .collect();
         self.owner.clear();
+        let groups = self.device.queue_groups();
         for (w, worker) in self.workers.iter().enumerate() {
-            for (pos, qi) in worker.queue_indexes().into_iter().enumerate() {
+            let qs = worker.queue_indexes();
+            assert!(
+                groups.iter().any(|g| qs.iter().all(|q| g.contains(q))),
+                "worker {w} serves queues {qs:?} across the declared groups {groups:?}"
+            );
+            for (pos, &qi) in qs.iter().enumerate() {
                 self.owner.insert(qi, (w, pos));
             }
         }
-        self.broken = vec![None; self.workers.len()];
         Ok(())
     }
 
@@ -515,7 +524,7 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
 
     /// The queue indexes of worker `w`.
     pub fn worker_queues(&self, w: usize) -> Vec<u16> {
-        self.workers[w].queue_indexes()
+        self.workers[w].queue_indexes().to_vec()
     }
 
     /// Worker `w`'s extra file descriptors.
@@ -525,7 +534,7 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
 
     /// The error a worker stopped with, if it did.
     pub fn broken(&self, w: usize) -> Option<&str> {
-        self.broken.get(w).and_then(|b| b.as_deref())
+        self.workers.get(w).and_then(Dispatcher::broken)
     }
 
     /// The worker owning device queue `q`, if any (queues beyond the active ones have none).
@@ -561,11 +570,13 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
         self.vqs[usize::from(q)].publish(&self.ram, head);
     }
 
+    /// Runs worker `w` through the transports' [`Dispatcher`], so tests run under the
+    /// production worker contract.
     fn run(&mut self, w: usize, event: WorkerEvent) -> Result<Signal, WorkerError> {
-        if let Some(b) = &self.broken[w] {
-            return Err(WorkerError::Broken(format!("already broken: {b}")));
-        }
-        let idxs = self.workers[w].queue_indexes();
+        let Some(worker) = self.workers.get_mut(w) else {
+            return Err(WorkerError::UnexpectedEvent(event));
+        };
+        let idxs = worker.queue_indexes().to_vec();
         let mut slots: Vec<Option<&mut Queue>> = self.queues.iter_mut().map(Some).collect();
         let mut qs: Vec<&mut Queue> = Vec::with_capacity(idxs.len());
         for &qi in &idxs {
@@ -578,9 +589,8 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
                 }
             }
         }
-        let r = self.workers[w].handle(event, self.ram.mem(), &mut qs);
-        match &r {
-            Ok(sig) => {
+        match worker.dispatch(event, self.ram.mem(), &mut qs, true) {
+            Outcome::Served(sig) => {
                 for (pos, &qi) in idxs.iter().enumerate() {
                     if sig.has(pos) {
                         if let Some(c) = self.signals.get_mut(usize::from(qi)) {
@@ -588,11 +598,16 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
                         }
                     }
                 }
+                Ok(sig)
             }
-            Err(WorkerError::Broken(m)) => self.broken[w] = Some(m.clone()),
-            Err(_) => {}
+            Outcome::NotReady => Ok(Signal::NONE),
+            Outcome::Parked => Err(WorkerError::Broken(format!(
+                "already broken: {}",
+                worker.broken().unwrap_or_default()
+            ))),
+            Outcome::Broken(why) => Err(WorkerError::Broken(why)),
+            Outcome::Refused(ev) => Err(WorkerError::UnexpectedEvent(ev)),
         }
-        r
     }
 
     /// Kicks device queue `q`: runs its worker with [`WorkerEvent::Kick`]. A kick of a queue
@@ -640,6 +655,7 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
 pub struct FirstFitAllocator {
     geom: bounce::Geometry,
     used: std::sync::Mutex<Vec<bool>>,
+    fail: bool,
 }
 
 impl FirstFitAllocator {
@@ -648,6 +664,16 @@ impl FirstFitAllocator {
         Self {
             used: std::sync::Mutex::new(vec![false; geom.nslabs]),
             geom,
+            fail: false,
+        }
+    }
+
+    /// An allocator that refuses every request, as a pool that is always full ("bounce
+    /// buffer is full"), to test how devices survive it.
+    pub fn always_full(geom: bounce::Geometry) -> Self {
+        Self {
+            fail: true,
+            ..Self::new(geom)
         }
     }
 }
@@ -659,7 +685,10 @@ impl bounce::SlotAllocator for FirstFitAllocator {
     }
 
     fn alloc(&self, req: &bounce::SlotRequest) -> Option<usize> {
-        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        if self.fail {
+            return None;
+        }
+        let mut used = crate::metrics::lock(&self.used);
         let n = req.nslots;
         let found = (0..self.geom.nslabs)
             .find(|&i| req.fits(&self.geom, i) && used[i..i + n].iter().all(|u| !u))?;
@@ -668,14 +697,14 @@ impl bounce::SlotAllocator for FirstFitAllocator {
     }
 
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let mut used = crate::metrics::lock(&self.used);
         if let Some(run) = used.get_mut(index..index.saturating_add(nslots)) {
             run.iter_mut().for_each(|u| *u = false);
         }
     }
 
     fn area_used(&self) -> Vec<usize> {
-        let used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let used = crate::metrics::lock(&self.used);
         vec![used.iter().filter(|u| **u).count()]
     }
 

@@ -5,13 +5,15 @@ use std::sync::Arc;
 
 use bounce::{Dma, DmaBuffer};
 use serde_json::json;
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestMemory};
+use virtio_queue::Queue;
+use vm_memory::GuestMemory;
 
 use super::io::Disk;
 use super::metrics::BlockMetrics;
-use super::request::{walk_chain, ChainBufs, DiskParams, RequestCtx, MAX_DISCARD_SEGS};
+use super::request::{DiskParams, RequestCtx, MAX_DISCARD_SEGS};
 use super::{features as blk, BlockConfig, BlockError, CONFIG_SPACE_LEN, ID_BYTES, SECTOR_SHIFT};
+use crate::virtio::chain::Chain;
+use crate::virtio::queue::{self, Step};
 use crate::virtio::{
     device_type, features as vf, ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError,
     WorkerEvent,
@@ -41,6 +43,7 @@ pub struct Block<D: Disk> {
     metrics: Arc<BlockMetrics>,
     /// Largest single DMA mapping (the pool's, for a device without an alignment mask).
     max_map: usize,
+    config_write_logged: crate::metrics::LogOnce,
 }
 
 impl<D: Disk> Block<D> {
@@ -75,9 +78,11 @@ impl<D: Disk> Block<D> {
         if config.discard {
             f |= blk::DISCARD | blk::WRITE_ZEROES;
         }
+        // size_max: the largest mapping the DMA handle can make for this device's constraints
+        // (its alignment mask included), so no request piece is ever too large to map.
         let max_map = dma
-            .pool()
-            .map_or(DIRECT_SIZE_MAX as usize, |p| p.max_mapping_size(0))
+            .max_mapping_size()
+            .unwrap_or(DIRECT_SIZE_MAX as usize)
             .clamp(4096, DIRECT_SIZE_MAX as usize);
         Ok(Self {
             disk: Arc::new(disk),
@@ -87,6 +92,7 @@ impl<D: Disk> Block<D> {
             state: DeviceState::Inactive,
             metrics: Arc::new(BlockMetrics::default()),
             max_map,
+            config_write_logged: crate::metrics::LogOnce::default(),
         })
     }
 
@@ -167,6 +173,7 @@ impl<D: Disk> Block<D> {
             max_write_zeroes_seg: MAX_DISCARD_SEGS as u32,
             serial,
             indirect: acked & vf::RING_INDIRECT_DESC != 0,
+            max_indirect: self.config.queue_size,
         }
     }
 }
@@ -200,11 +207,14 @@ impl<M: GuestMemory, D: Disk> VirtioDevice<M> for Block<D> {
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {
+        // A driver can do this in a loop: counted always, logged once.
         self.metrics.config_write_rejected.inc();
-        tracing::warn!(
-            "virtio-blk: driver wrote {} bytes at config offset {offset}: ignored (read-only)",
-            data.len()
-        );
+        if self.config_write_logged.first() {
+            tracing::warn!(
+                "virtio-blk: driver wrote {} bytes at config offset {offset}: ignored (read-only; logged once)",
+                data.len()
+            );
+        }
     }
 
     fn activate(
@@ -235,9 +245,8 @@ impl<M: GuestMemory, D: Disk> VirtioDevice<M> for Block<D> {
                     params: Arc::clone(&params),
                     metrics: Arc::clone(&self.metrics),
                     max_map: self.max_map,
-                    chain: ChainBufs::default(),
+                    chain: Chain::default(),
                     mapped: Vec::new(),
-                    heads: Vec::new(),
                 }) as Box<dyn QueueWorker<M>>
             })
             .collect();
@@ -275,8 +284,8 @@ impl<M: GuestMemory, D: Disk> VirtioDevice<M> for Block<D> {
 }
 
 /// Serves one request queue. Requests complete synchronously inside [`QueueWorker::handle`],
-/// so a head is never in flight twice: each popped head gets exactly one used entry before
-/// the next drain begins.
+/// through the shared queue-service loop ([`queue::drain`]): each popped head gets exactly one
+/// used entry before the next is popped.
 #[derive(Debug)]
 pub struct BlockWorker<D: Disk> {
     queue_index: u16,
@@ -285,101 +294,8 @@ pub struct BlockWorker<D: Disk> {
     params: Arc<DiskParams>,
     metrics: Arc<BlockMetrics>,
     max_map: usize,
-    chain: ChainBufs,
+    chain: Chain,
     mapped: Vec<DmaBuffer>,
-    heads: Vec<u16>,
-}
-
-fn broken(what: &str, e: impl std::fmt::Display) -> WorkerError {
-    WorkerError::Broken(format!("virtio-blk: {what}: {e}"))
-}
-
-impl<D: Disk> BlockWorker<D> {
-    /// Pops at most one queue's worth of heads, serves them and puts them on the used ring.
-    /// Returns the number served.
-    fn drain<M: GuestMemory>(&mut self, mem: &M, queue: &mut Queue) -> Result<usize, WorkerError> {
-        let size = queue.size();
-        self.heads.clear();
-        {
-            // AvailIter refuses an avail index more than `size` ahead of ours, and `take`
-            // bounds this drain by the queue size whatever the ring says.
-            let iter = queue.iter(mem).map_err(|e| broken("available ring", e))?;
-            self.heads
-                .extend(iter.take(usize::from(size)).map(|c| c.head_index()));
-        }
-        let desc_table = queue.desc_table();
-        for i in 0..self.heads.len() {
-            let head = self.heads[i];
-            if head >= size {
-                // No used entry can name this head (its id would be out of range): the
-                // driver is broken.
-                self.metrics.err_bad_chain.inc();
-                return Err(broken("head index out of range", head));
-            }
-            let used_len = match walk_chain(
-                mem,
-                desc_table,
-                size,
-                head,
-                self.params.indirect,
-                &mut self.chain,
-            ) {
-                Ok(()) => {
-                    let mut ctx = RequestCtx {
-                        disk: &*self.disk,
-                        dma: &self.dma,
-                        params: &self.params,
-                        metrics: &self.metrics,
-                        worker: usize::from(self.queue_index),
-                        max_map: &mut self.max_map,
-                        mapped: &mut self.mapped,
-                    };
-                    ctx.execute(mem, &self.chain).used_len
-                }
-                Err(e) => {
-                    tracing::debug!("virtio-blk: head {head}: {e}");
-                    self.metrics.count_error(&e);
-                    // The chain could not be walked, so its status byte cannot be found:
-                    // complete it with nothing written.
-                    self.metrics.no_status.inc();
-                    0
-                }
-            };
-            queue
-                .add_used(mem, head, used_len)
-                .map_err(|e| broken("used ring", e))?;
-        }
-        self.metrics.drains.inc();
-        self.metrics
-            .queue_depth_hiwater
-            .max(self.heads.len() as u64);
-        Ok(self.heads.len())
-    }
-}
-
-/// VRING_AVAIL_F_NO_INTERRUPT.
-const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
-
-/// Whether the driver wants a used-buffer notification: `used_event` with EVENT_IDX
-/// (virtio-queue), otherwise the avail ring's NO_INTERRUPT flag, which virtio-queue does not
-/// look at (virtio 1.2, 2.7.10: the device should not notify when it is set).
-pub(crate) fn needs_notification<M: GuestMemory>(
-    mem: &M,
-    queue: &mut Queue,
-) -> Result<bool, WorkerError> {
-    let needed = queue
-        .needs_notification(mem)
-        .map_err(|e| broken("used event", e))?;
-    if !needed || queue.event_idx_enabled() {
-        return Ok(needed);
-    }
-    let flags: u16 = mem
-        .load(
-            vm_memory::GuestAddress(queue.avail_ring()),
-            std::sync::atomic::Ordering::Acquire,
-        )
-        .map_err(|e| broken("avail flags", e))?;
-    Ok(u16::from_le(flags) & VRING_AVAIL_F_NO_INTERRUPT == 0)
 }
 
 impl<M: GuestMemory, D: Disk> QueueWorker<M> for BlockWorker<D> {
@@ -393,35 +309,39 @@ impl<M: GuestMemory, D: Disk> QueueWorker<M> for BlockWorker<D> {
         mem: &M,
         queues: &mut [&mut Queue],
     ) -> Result<Signal, WorkerError> {
-        if event != WorkerEvent::Kick(0) {
-            return Err(WorkerError::UnexpectedEvent(event));
-        }
-        let Some(queue) = queues.get_mut(0) else {
+        let (WorkerEvent::Kick(0), [queue]) = (event, queues) else {
             return Err(WorkerError::UnexpectedEvent(event));
         };
-        if !queue.ready() {
-            // A kick before the driver enabled the queue: nothing to do yet.
-            return Ok(Signal::NONE);
-        }
-        let mut served = 0usize;
-        loop {
-            // Each pass serves at most one queue's worth; with EVENT_IDX, passes go on while
-            // the driver added buffers before we re-armed notifications (re-drain after
-            // `enable_notification` returns true, or a kick is lost).
-            queue
-                .disable_notification(mem)
-                .map_err(|e| broken("disable notification", e))?;
-            served += self.drain(mem, queue)?;
-            if !queue
-                .enable_notification(mem)
-                .map_err(|e| broken("enable notification", e))?
-            {
-                break;
+        let mut ctx = RequestCtx {
+            disk: &*self.disk,
+            dma: &self.dma,
+            params: &self.params,
+            metrics: &self.metrics,
+            worker: usize::from(self.queue_index),
+            max_map: self.max_map,
+            mapped: &mut self.mapped,
+        };
+        let chain = &mut self.chain;
+        let drained = queue::drain(queue, mem, |at| match ctx.serve(mem, &at, chain) {
+            Ok(c) => Ok(Step::Used(c.used_len)),
+            Err(e) => Err(WorkerError::Broken(format!(
+                "virtio-blk: head {}: {e}",
+                at.head
+            ))),
+        });
+        let drained = drained.map_err(|e| match e {
+            WorkerError::Broken(why) if !why.starts_with("virtio-blk") => {
+                WorkerError::Broken(format!("virtio-blk: {why}"))
             }
-        }
+            e => e,
+        })?;
+        self.metrics.drains.add(drained.passes as u64);
+        self.metrics
+            .queue_depth_hiwater
+            .max(u64::from(drained.deepest));
         let mut signal = Signal::NONE;
-        if served > 0 && needs_notification(mem, queue)? {
-            signal.add(0);
+        if drained.used > 0 {
+            queue::notify(queue, mem, 0, &mut signal)?;
         }
         Ok(signal)
     }

@@ -6,14 +6,14 @@
 //! ```json
 //! {
 //!   "type": "block", "disk": "raw", "capacity_sectors": 2048, "readonly": false,
-//!   "queues": 1,
+//!   "policy": "force", "acked_features": 4563402822, "active_queues": 1,
 //!   "metrics": {
 //!     "reqs_in": 10, "reqs_out": 4, "reqs_flush": 1, "reqs_get_id": 0,
 //!     "reqs_discard": 0, "reqs_write_zeroes": 0, "reqs_unsupported": 0,
 //!     "bytes_read": 40960, "bytes_written": 16384,
 //!     "err_bad_chain": 0, "err_guest_access": 0, "err_bounce": 0, "err_io": 0,
 //!     "err_out_of_range": 0, "err_readonly": 0, "err_unsupported": 0,
-//!     "no_status": 0, "config_write_rejected": 0,
+//!     "no_status": 0, "status_direct": 0, "config_write_rejected": 0,
 //!     "drains": 3, "queue_depth_hiwater": 8
 //!   },
 //!   "bounce": { "mode": "swiotlb", "nslabs": 32768, "used": 0, ... }
@@ -21,43 +21,10 @@
 //! ```
 //! `bounce` is `null` when the device has no pool (policy `off`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 
 use super::BlockError;
-
-/// A counter that only goes up (or keeps a maximum), serialised as its value.
-#[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
-
-impl Counter {
-    /// Adds one.
-    pub fn inc(&self) {
-        self.add(1);
-    }
-
-    /// Adds `n`.
-    pub fn add(&self, n: u64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// Raises the value to `n` if it is lower (a high-water mark).
-    pub fn max(&self, n: u64) {
-        self.0.fetch_max(n, Ordering::Relaxed);
-    }
-
-    /// The current value.
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-impl Serialize for Counter {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(self.get())
-    }
-}
+pub use crate::metrics::Counter;
 
 /// Counters of one block device (all its queues).
 #[derive(Debug, Default, Serialize)]
@@ -94,8 +61,11 @@ pub struct BlockMetrics {
     pub err_readonly: Counter,
     /// Requests completed with UNSUPP.
     pub err_unsupported: Counter,
-    /// Chains completed with used length 0 because no status byte could be written.
+    /// Chains whose status byte could not be located or written (the device then stops:
+    /// DEVICE_NEEDS_RESET).
     pub no_status: Counter,
+    /// Status bytes written straight to guest memory because the bounce pool was full.
+    pub status_direct: Counter,
     /// Driver writes to the (read-only) configuration space, ignored.
     pub config_write_rejected: Counter,
     /// Queue drains (passes over the available ring).
@@ -108,7 +78,7 @@ impl BlockMetrics {
     /// Counts an error by kind.
     pub fn count_error(&self, e: &BlockError) {
         match e {
-            BlockError::BadChain(_) => self.err_bad_chain.inc(),
+            BlockError::BadChain(_) | BlockError::Chain(_) => self.err_bad_chain.inc(),
             BlockError::GuestAccess { .. } => self.err_guest_access.inc(),
             BlockError::Bounce(_) => self.err_bounce.inc(),
             BlockError::Io(_) | BlockError::Short { .. } => self.err_io.inc(),

@@ -97,6 +97,9 @@ pub enum BlockError {
     /// writable one, or buffers too short or in the wrong direction for the request.
     #[error("bad descriptor chain: {0}")]
     BadChain(&'static str),
+    /// The chain walker refused the chain.
+    #[error("bad descriptor chain: {0}")]
+    Chain(crate::virtio::chain::ChainError),
     /// A buffer lies (partly) outside guest memory.
     #[error("buffer {addr:#x}+{len:#x} is outside guest memory")]
     GuestAccess {
@@ -167,6 +170,27 @@ impl From<bounce::Error> for BlockError {
             bounce::Error::ZeroLength => Self::BadChain("zero-length buffer"),
             bounce::Error::Io(s) => Self::Io(s),
             other => Self::Bounce(other),
+        }
+    }
+}
+
+impl From<crate::virtio::chain::ChainError> for BlockError {
+    fn from(e: crate::virtio::chain::ChainError) -> Self {
+        match e {
+            crate::virtio::chain::ChainError::OutsideMemory { addr, len } => Self::GuestAccess {
+                addr,
+                len: u64::from(len),
+            },
+            other => Self::Chain(other),
+        }
+    }
+}
+
+impl From<crate::virtio::chain::CopyError> for BlockError {
+    fn from(e: crate::virtio::chain::CopyError) -> Self {
+        match e {
+            crate::virtio::chain::CopyError::Dma(e) => e.into(),
+            _ => Self::BadChain("buffer shorter than the request"),
         }
     }
 }

@@ -1,11 +1,9 @@
 //! Descriptor chains to requests, requests to I/O, I/O to a status.
 //!
 //! A popped chain goes through three steps, each of which can only fail into a status:
-//! 1. [`walk_chain`] reads the descriptors (direct and one level of indirect) into the
-//!    device-readable and device-writable byte streams of a [`ChainBufs`], refusing loops,
-//!    chains longer than the queue, bad indexes, nested or unnegotiated indirect tables,
-//!    zero-length descriptors and readable-after-writable ordering. Descriptor tables are
-//!    read directly (they are ring memory); data is not touched.
+//! 1. The device's one chain walker ([`crate::virtio::chain::walk`]) reads the descriptors
+//!    into the device-readable and device-writable byte streams of a [`Chain`], with the
+//!    rules every device shares.
 //! 2. [`RequestCtx::execute`] maps the status byte first (so an error can still be
 //!    reported when the bounce pool fills up later in the request), reads the header through
 //!    the DMA handle, parses it into a [`RequestType`], validates directions, lengths and the
@@ -19,11 +17,8 @@
 //! VERSION_1): the header is the first 16 readable bytes, the status the last writable byte,
 //! whatever the descriptor boundaries.
 
-use std::mem::size_of;
-
 use bounce::{Direction, Dma, DmaBuffer};
-use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions};
+use vm_memory::GuestMemory;
 
 use super::io::{Disk, DiskIo};
 use super::metrics::BlockMetrics;
@@ -31,203 +26,10 @@ use super::{
     req_type, status, BlockError, Result, DISCARD_SEG_LEN, ID_BYTES, REQ_HEADER_LEN, SECTOR_SHIFT,
     SECTOR_SIZE, WRITE_ZEROES_FLAG_UNMAP,
 };
+use crate::virtio::chain::{self, for_each_piece, Chain, ChainHead, Seg, WalkRules};
 
-const VRING_DESC_F_NEXT: u16 = 1;
-const VRING_DESC_F_WRITE: u16 = 2;
-const VRING_DESC_F_INDIRECT: u16 = 4;
-/// Size of one split-ring descriptor.
-const DESC_SIZE: u64 = 16;
 /// Discard/write-zeroes segments read at once (the advertised `max_*_seg` is at most this).
 pub const MAX_DISCARD_SEGS: usize = 16;
-
-/// One guest buffer of a chain.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Seg {
-    /// Guest address.
-    pub addr: u64,
-    /// Length in bytes (never 0).
-    pub len: u32,
-}
-
-/// The buffers of one chain, split by direction, in chain order.
-#[derive(Debug, Default)]
-pub struct ChainBufs {
-    /// Device-readable buffers.
-    pub readable: Vec<Seg>,
-    /// Device-writable buffers (all after the readable ones).
-    pub writable: Vec<Seg>,
-    /// Sum of the readable lengths.
-    pub readable_len: u64,
-    /// Sum of the writable lengths.
-    pub writable_len: u64,
-}
-
-impl ChainBufs {
-    fn clear(&mut self) {
-        self.readable.clear();
-        self.writable.clear();
-        self.readable_len = 0;
-        self.writable_len = 0;
-    }
-}
-
-/// Reads the descriptor chain at `head` of a split queue whose table is at `desc_table` with
-/// `queue_size` entries into `out`.
-///
-/// At most `queue_size` buffers are accepted in total (virtio 1.2, 2.7.5.3.1: a chain, indirect
-/// tables included, is never longer than the queue), which also ends descriptor loops; an
-/// indirect table is accepted only when `indirect_ok`, never inside another, and never with
-/// NEXT set on the descriptor that points to it.
-///
-/// # Errors
-/// [`BlockError::BadChain`] naming the rule broken.
-pub fn walk_chain<M: GuestMemory + ?Sized>(
-    mem: &M,
-    desc_table: u64,
-    queue_size: u16,
-    head: u16,
-    indirect_ok: bool,
-    out: &mut ChainBufs,
-) -> Result<()> {
-    out.clear();
-    let mut table = desc_table;
-    let mut table_len = queue_size;
-    let mut index = head;
-    let mut in_indirect = false;
-    // One step per descriptor read, indirect pointers included: bounded by 2 * queue_size.
-    let mut budget = u32::from(queue_size) * 2;
-    let mut bufs: u32 = 0;
-    loop {
-        if index >= table_len {
-            return Err(BlockError::BadChain("descriptor index out of range"));
-        }
-        budget = budget
-            .checked_sub(1)
-            .ok_or(BlockError::BadChain("descriptor loop"))?;
-        // index < table_len <= 65535, so index * 16 cannot overflow a u64.
-        let addr = table
-            .checked_add(u64::from(index) * DESC_SIZE)
-            .ok_or(BlockError::BadChain("descriptor address overflows"))?;
-        let desc: Descriptor = mem
-            .read_obj(GuestAddress(addr))
-            .map_err(|_| BlockError::BadChain("descriptor table outside guest memory"))?;
-        let flags = desc.flags();
-        if flags & VRING_DESC_F_INDIRECT != 0 {
-            if !indirect_ok {
-                return Err(BlockError::BadChain("indirect descriptor not negotiated"));
-            }
-            if in_indirect {
-                return Err(BlockError::BadChain("nested indirect table"));
-            }
-            if flags & VRING_DESC_F_NEXT != 0 {
-                return Err(BlockError::BadChain("indirect descriptor with NEXT"));
-            }
-            let len = desc.len();
-            if len == 0 || u64::from(len) % DESC_SIZE != 0 {
-                return Err(BlockError::BadChain("bad indirect table length"));
-            }
-            let entries = u64::from(len) / DESC_SIZE;
-            if entries > u64::from(queue_size) {
-                return Err(BlockError::BadChain("indirect table longer than the queue"));
-            }
-            table = desc.addr().0;
-            // entries <= queue_size <= u16::MAX.
-            table_len = u16::try_from(entries).unwrap_or(queue_size);
-            index = 0;
-            in_indirect = true;
-            // The chain continues in the table, with a fresh loop budget (the table is
-            // bounded by the queue size as well).
-            budget = u32::from(table_len);
-            continue;
-        }
-        let len = desc.len();
-        if len == 0 {
-            return Err(BlockError::BadChain("zero-length descriptor"));
-        }
-        bufs += 1;
-        if bufs > u32::from(queue_size) {
-            return Err(BlockError::BadChain("chain longer than the queue"));
-        }
-        let seg = Seg {
-            addr: desc.addr().0,
-            len,
-        };
-        if flags & VRING_DESC_F_WRITE != 0 {
-            out.writable.push(seg);
-            out.writable_len += u64::from(len);
-        } else {
-            if !out.writable.is_empty() {
-                return Err(BlockError::BadChain(
-                    "device-readable descriptor after a writable one",
-                ));
-            }
-            out.readable.push(seg);
-            out.readable_len += u64::from(len);
-        }
-        if flags & VRING_DESC_F_NEXT == 0 {
-            return Ok(());
-        }
-        index = desc.next();
-    }
-}
-
-/// Calls `f(addr, len)` for each contiguous piece of bytes `start..start + len` of the byte
-/// stream that `segs` form, in order, with no piece longer than `max_piece`.
-fn for_each_piece<F>(segs: &[Seg], start: u64, len: u64, max_piece: u64, mut f: F) -> Result<()>
-where
-    F: FnMut(u64, usize) -> Result<()>,
-{
-    let max_piece = max_piece.max(1);
-    let mut skip = start;
-    let mut left = len;
-    for s in segs {
-        if left == 0 {
-            break;
-        }
-        let slen = u64::from(s.len);
-        if skip >= slen {
-            skip -= slen;
-            continue;
-        }
-        let mut off = skip;
-        skip = 0;
-        while off < slen && left > 0 {
-            let n = (slen - off).min(left).min(max_piece);
-            let addr = s.addr.checked_add(off).ok_or(BlockError::GuestAccess {
-                addr: s.addr,
-                len: slen,
-            })?;
-            // n <= u32::MAX, so it fits a usize on every supported target.
-            f(addr, n as usize)?;
-            off += n;
-            left -= n;
-        }
-    }
-    if left != 0 {
-        return Err(BlockError::BadChain("buffer shorter than the request"));
-    }
-    Ok(())
-}
-
-/// Checks that every piece of `start..start + len` of `segs` is guest memory with `perm`.
-fn check_stream<M: GuestMemory + ?Sized>(
-    mem: &M,
-    segs: &[Seg],
-    start: u64,
-    len: u64,
-    perm: Permissions,
-) -> Result<()> {
-    for_each_piece(segs, start, len, u64::MAX, |addr, n| {
-        if mem.check_range(GuestAddress(addr), n, perm) {
-            Ok(())
-        } else {
-            Err(BlockError::GuestAccess {
-                addr,
-                len: n as u64,
-            })
-        }
-    })
-}
 
 /// What a request asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -314,15 +116,31 @@ pub struct DiskParams {
     pub serial: [u8; ID_BYTES],
     /// RING_INDIRECT_DESC was negotiated.
     pub indirect: bool,
+    /// Largest indirect table accepted: the device's maximum queue size, which `seg_max`
+    /// is derived from (not the ring size the driver chose).
+    pub max_indirect: u16,
 }
 
-/// How a chain ended: the used length and what it was.
+/// How a chain ended: the used length and the status written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Completion {
-    /// The used length to report (0 when no status byte could be written).
+    /// The used length to report: data bytes written plus the status byte.
     pub used_len: u32,
-    /// The status written, if any.
-    pub status: Option<u8>,
+    /// The status written.
+    pub status: u8,
+}
+
+/// A chain whose status byte cannot be found or written: no completion can tell the driver
+/// it failed, so the device must stop (DEVICE_NEEDS_RESET, as QEMU's `virtio_error`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unusable request chain: {0}")]
+pub struct Unusable(pub BlockError);
+
+/// Where the status byte goes: through a mapping made before anything else, or, when the
+/// pool was full at that point, straight to guest memory.
+enum StatusSlot {
+    Mapped(DmaBuffer),
+    Direct(u64),
 }
 
 /// Executes requests for one queue worker.
@@ -338,48 +156,49 @@ pub struct RequestCtx<'a, D: Disk> {
     pub metrics: &'a BlockMetrics,
     /// The bounce worker id (the queue index).
     pub worker: usize,
-    /// Largest single mapping; larger buffers are mapped in pieces.
-    pub max_map: &'a mut usize,
+    /// Largest single mapping ([`bounce::Dma::max_mapping_size`]); larger buffers are
+    /// mapped in pieces.
+    pub max_map: usize,
     /// Scratch list of mapped buffers, reused between requests.
     pub mapped: &'a mut Vec<DmaBuffer>,
 }
 
 impl<D: Disk> RequestCtx<'_, D> {
-    /// Serves one walked chain and returns its completion. Never fails: every error becomes
-    /// a status (or, when not even the status byte can be written, a used length of 0).
-    pub fn execute<M: GuestMemory + ?Sized>(&mut self, mem: &M, chain: &ChainBufs) -> Completion {
-        let status_seg = if chain.writable_len == 0 {
-            None
-        } else {
-            // writable_len >= 1, so the subtraction cannot underflow.
-            self.locate(&chain.writable, chain.writable_len - 1)
+    /// Walks the chain at `at` into `chain` and serves it.
+    ///
+    /// Every request whose status byte can be located gets a status there: OK, UNSUPP, or
+    /// IOERR for anything refused (a malformed but enumerable chain included).
+    ///
+    /// # Errors
+    /// [`Unusable`] when the chain cannot be enumerated, has no device-writable byte, or its
+    /// status byte cannot be written even directly.
+    pub fn serve<M: GuestMemory + ?Sized>(
+        &mut self,
+        mem: &M,
+        at: &ChainHead,
+        chain: &mut Chain,
+    ) -> std::result::Result<Completion, Unusable> {
+        let rules = WalkRules {
+            indirect: self.params.indirect,
+            max_indirect: self.params.max_indirect,
         };
-        let Some(status_addr) = status_seg else {
-            self.metrics
-                .count_error(&BlockError::BadChain("no device-writable status byte"));
+        let walked = at.walk(mem, &rules, chain);
+        let Some(status_addr) = chain.last_writable_byte() else {
+            let e = walked.err().map_or(
+                BlockError::BadChain("no device-writable status byte"),
+                BlockError::from,
+            );
+            self.metrics.count_error(&e);
             self.metrics.no_status.inc();
-            return Completion {
-                used_len: 0,
-                status: None,
-            };
+            return Err(Unusable(e));
         };
         // Map the status byte before anything else, so that a later failure (a full pool
         // among them) can still be reported.
-        let status_buf = match self
-            .dma
-            .map(mem, status_addr, 1, Direction::FromDevice, self.worker)
+        let slot = self.map_status(mem, status_addr)?;
+        let (st, data_written) = match walked
+            .map_err(BlockError::from)
+            .and_then(|()| self.run(mem, chain))
         {
-            Ok(b) => b,
-            Err(e) => {
-                self.metrics.count_error(&BlockError::from(e));
-                self.metrics.no_status.inc();
-                return Completion {
-                    used_len: 0,
-                    status: None,
-                };
-            }
-        };
-        let (st, data_written) = match self.run(mem, chain) {
             Ok(written) => (status::OK, written),
             Err(e) => {
                 tracing::debug!("virtio-blk request failed: {e}");
@@ -387,76 +206,64 @@ impl<D: Disk> RequestCtx<'_, D> {
                 (e.status(), 0)
             }
         };
-        let wrote = self.dma.write(mem, &status_buf, 0, &[st]);
-        let unmapped = self.dma.unmap(mem, status_buf, self.worker);
-        if let Err(e) = wrote.and(unmapped) {
-            self.metrics.count_error(&BlockError::from(e));
-            self.metrics.no_status.inc();
-            return Completion {
-                used_len: 0,
-                status: None,
-            };
-        }
-        Completion {
-            // data_written <= writable_len - 1 < u32::MAX by the walk's 2^32 chain cap; the
-            // saturation is a guard only.
+        self.write_status(mem, slot, st)?;
+        Ok(Completion {
+            // data_written <= writable_len - 1 < u32::MAX (a chain holds at most 2^16
+            // buffers of at most 2^32 - 1 bytes; the saturation is a guard only).
             used_len: u32::try_from(data_written.saturating_add(1)).unwrap_or(u32::MAX),
-            status: Some(st),
-        }
-    }
-
-    /// The guest address of byte `pos` of a stream.
-    fn locate(&self, segs: &[Seg], pos: u64) -> Option<u64> {
-        let mut skip = pos;
-        for s in segs {
-            let l = u64::from(s.len);
-            if skip < l {
-                return s.addr.checked_add(skip);
-            }
-            skip -= l;
-        }
-        None
-    }
-
-    /// Reads `dst.len()` bytes at `start` of a readable stream through the DMA handle.
-    fn read_stream<M: GuestMemory + ?Sized>(
-        &mut self,
-        mem: &M,
-        segs: &[Seg],
-        start: u64,
-        dst: &mut [u8],
-    ) -> Result<()> {
-        let dma = self.dma;
-        let worker = self.worker;
-        let mut done = 0usize;
-        for_each_piece(segs, start, dst.len() as u64, u64::MAX, |addr, n| {
-            let buf = dma.map(mem, addr, n, Direction::ToDevice, worker)?;
-            let r = dma.read(mem, &buf, 0, &mut dst[done..done + n]);
-            let u = dma.unmap(mem, buf, worker);
-            r.and(u)?;
-            done += n;
-            Ok(())
+            status: st,
         })
     }
 
-    /// Writes `src` at `start` of a writable stream through the DMA handle.
-    fn write_stream<M: GuestMemory + ?Sized>(
-        &mut self,
+    fn map_status<M: GuestMemory + ?Sized>(
+        &self,
         mem: &M,
-        segs: &[Seg],
-        start: u64,
-        src: &[u8],
-    ) -> Result<()> {
-        let dma = self.dma;
-        let worker = self.worker;
-        let mut done = 0usize;
-        for_each_piece(segs, start, src.len() as u64, u64::MAX, |addr, n| {
-            let buf = dma.map(mem, addr, n, Direction::FromDevice, worker)?;
-            let w = dma.write(mem, &buf, 0, &src[done..done + n]);
-            let u = dma.unmap(mem, buf, worker);
-            w.and(u)?;
-            done += n;
-            Ok(())
+        addr: u64,
+    ) -> std::result::Result<StatusSlot, Unusable> {
+        match self
+            .dma
+            .map(mem, addr, 1, Direction::FromDevice, self.worker)
+        {
+            Ok(b) => Ok(StatusSlot::Mapped(b)),
+            Err(e) if e.class() == bounce::error::ErrorClass::Exhausted => {
+                self.metrics.status_direct.inc();
+                Ok(StatusSlot::Direct(addr))
+            }
+            Err(e) => {
+                let e = BlockError::from(e);
+                self.metrics.count_error(&e);
+                self.metrics.no_status.inc();
+                Err(Unusable(e))
+            }
+        }
+    }
+
+    fn write_status<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        slot: StatusSlot,
+        st: u8,
+    ) -> std::result::Result<(), Unusable> {
+        let addr = match slot {
+            StatusSlot::Mapped(b) => {
+                let wrote = self.dma.write(mem, &b, 0, &[st]);
+                let unmapped = self.dma.unmap(mem, b, self.worker);
+                match wrote.and(unmapped) {
+                    Ok(()) => return Ok(()),
+                    Err(e) => {
+                        self.metrics.count_error(&BlockError::from(e));
+                        self.metrics.status_direct.inc();
+                        b.guest_addr()
+                    }
+                }
+            }
+            StatusSlot::Direct(a) => a,
+        };
+        self.dma.write_direct(mem, addr, &[st]).map_err(|e| {
+            let e = BlockError::from(e);
+            self.metrics.count_error(&e);
+            self.metrics.no_status.inc();
+            Unusable(e)
         })
     }
 
@@ -474,45 +281,33 @@ impl<D: Disk> RequestCtx<'_, D> {
         let dma = self.dma;
         let worker = self.worker;
         let mapped = &mut *self.mapped;
-        let max_map = &mut *self.max_map;
-        let r = for_each_piece(segs, start, len, *max_map as u64, |addr, n| {
-            match dma.map(mem, addr, n, dir, worker) {
-                Ok(b) => {
-                    mapped.push(b);
-                    Ok(())
-                }
-                // The pool cannot map pieces this large (a device alignment mask shrinks the
-                // largest mapping): remember the real limit and map this piece in parts. The
-                // limit only shrinks, so this happens at most once per worker and mask.
-                Err(bounce::Error::TooLarge { max, .. }) if max > 0 && max < n => {
-                    *max_map = max;
-                    let mut off = 0usize;
-                    while off < n {
-                        let k = (n - off).min(max);
-                        // off < n and addr + n did not overflow when the range was checked.
-                        let b = dma.map(mem, addr + off as u64, k, dir, worker)?;
-                        mapped.push(b);
-                        off += k;
-                    }
-                    Ok(())
-                }
-                Err(e) => Err(e.into()),
-            }
+        let r = for_each_piece(segs, start, len, self.max_map as u64, |addr, n| {
+            mapped.push(dma.map(mem, addr, n, dir, worker)?);
+            Ok::<(), BlockError>(())
         });
         if r.is_err() {
             // The map error is what the request reports; a failing unmap is counted too.
-            if let Err(e) = self.unmap_all(mem) {
+            // Nothing was transferred: nothing may be copied back.
+            if let Err(e) = self.unmap_all(mem, false) {
                 self.metrics.count_error(&e);
             }
         }
         r
     }
 
-    /// Unmaps every buffer in `self.mapped`; the first error is returned.
-    fn unmap_all<M: GuestMemory + ?Sized>(&mut self, mem: &M) -> Result<()> {
+    /// Unmaps every buffer in `self.mapped`; the first error is returned. Unless
+    /// `transferred` (the whole I/O succeeded), nothing is copied back to the guest: after a
+    /// failed or short read only the guest's own bytes stay in its buffers, never stale pool
+    /// contents (issue 11 item 4).
+    fn unmap_all<M: GuestMemory + ?Sized>(&mut self, mem: &M, transferred: bool) -> Result<()> {
         let mut first = Ok(());
         for b in self.mapped.drain(..) {
-            if let Err(e) = self.dma.unmap(mem, b, self.worker) {
+            let r = if transferred {
+                self.dma.unmap(mem, b, self.worker)
+            } else {
+                self.dma.unmap_written(mem, b, 0, self.worker)
+            };
+            if let Err(e) = r {
                 if first.is_ok() {
                     first = Err(e.into());
                 }
@@ -546,12 +341,12 @@ impl<D: Disk> RequestCtx<'_, D> {
     }
 
     /// Parses and runs a request; returns the data bytes written to the guest.
-    fn run<M: GuestMemory + ?Sized>(&mut self, mem: &M, chain: &ChainBufs) -> Result<u64> {
+    fn run<M: GuestMemory + ?Sized>(&mut self, mem: &M, chain: &Chain) -> Result<u64> {
         if chain.readable_len < REQ_HEADER_LEN as u64 {
             return Err(BlockError::BadChain("request header shorter than 16 bytes"));
         }
         let mut hdr = [0u8; REQ_HEADER_LEN];
-        self.read_stream(mem, &chain.readable, 0, &mut hdr)?;
+        chain::copy_from(self.dma, mem, self.worker, &chain.readable, 0, &mut hdr)?;
         let hdr = RequestHeader::parse(&hdr);
         // Bytes after the header (device-readable) and before the status (device-writable).
         let out_len = chain.readable_len - REQ_HEADER_LEN as u64;
@@ -601,8 +396,7 @@ impl<D: Disk> RequestCtx<'_, D> {
                 }
                 let n = usize::try_from(in_len.min(ID_BYTES as u64)).unwrap_or(ID_BYTES);
                 let serial = self.params.serial;
-                check_stream(mem, &chain.writable, 0, n as u64, Permissions::Write)?;
-                self.write_stream(mem, &chain.writable, 0, &serial[..n])?;
+                chain::copy_to(self.dma, mem, self.worker, &chain.writable, 0, &serial[..n])?;
                 Ok(n as u64)
             }
             RequestType::Discard | RequestType::WriteZeroes => {
@@ -645,7 +439,7 @@ impl<D: Disk> RequestCtx<'_, D> {
     fn data_io<M: GuestMemory + ?Sized>(
         &mut self,
         mem: &M,
-        chain: &ChainBufs,
+        chain: &Chain,
         sector: u64,
         len: u64,
         dir: Direction,
@@ -658,12 +452,12 @@ impl<D: Disk> RequestCtx<'_, D> {
         if len == 0 {
             return Ok(());
         }
-        let (segs, start, perm) = match dir {
-            Direction::FromDevice => (&chain.writable, 0, Permissions::Write),
-            _ => (&chain.readable, REQ_HEADER_LEN as u64, Permissions::Read),
+        let (segs, start) = match dir {
+            Direction::FromDevice => (&chain.writable, 0),
+            _ => (&chain.readable, REQ_HEADER_LEN as u64),
         };
-        // The whole range is validated before the first byte moves.
-        check_stream(mem, segs, start, len, perm)?;
+        // Every buffer was checked against guest memory, with the permission its direction
+        // needs, by the chain walker; and every piece is mapped before the first byte moves.
         self.map_stream(mem, segs, start, len, dir)?;
         let mut io = DiskIo::new(self.disk, offset);
         let mut result = Ok(());
@@ -689,7 +483,7 @@ impl<D: Disk> RequestCtx<'_, D> {
                 }
             }
         }
-        let unmapped = self.unmap_all(mem);
+        let unmapped = self.unmap_all(mem, result.is_ok());
         result.and(unmapped)
     }
 
@@ -698,7 +492,7 @@ impl<D: Disk> RequestCtx<'_, D> {
     fn discard<M: GuestMemory + ?Sized>(
         &mut self,
         mem: &M,
-        chain: &ChainBufs,
+        chain: &Chain,
         payload: u64,
         zeroes: bool,
     ) -> Result<()> {
@@ -721,8 +515,10 @@ impl<D: Disk> RequestCtx<'_, D> {
         // nseg <= MAX_DISCARD_SEGS, so this fits the stack buffer.
         let bytes = nseg as usize * DISCARD_SEG_LEN;
         let mut raw = [0u8; MAX_DISCARD_SEGS * DISCARD_SEG_LEN];
-        self.read_stream(
+        chain::copy_from(
+            self.dma,
             mem,
+            self.worker,
             &chain.readable,
             REQ_HEADER_LEN as u64,
             &mut raw[..bytes],
@@ -779,6 +575,3 @@ impl<D: Disk> RequestCtx<'_, D> {
         Ok(())
     }
 }
-
-/// Size of a split descriptor, checked against the type virtio-queue reads.
-const _: () = assert!(size_of::<Descriptor>() == DESC_SIZE as usize);

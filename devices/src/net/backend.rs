@@ -140,7 +140,7 @@ impl MemBackend {
     /// The shared state.
     pub fn state(&self) -> MutexGuard<'_, MemState> {
         // A poisoned lock means a test thread panicked; the data is still what it was.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        crate::metrics::lock(&self.state)
     }
 
     /// Queues a frame for the device to receive (header first) and signals the eventfd.

@@ -11,17 +11,18 @@
 //!
 //! Command bytes and the ack go through the [`Dma`] handle like any data buffer.
 
-use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 
-use bounce::{Direction, Dma};
-use virtio_queue::{Queue, QueueT};
-use vm_memory::{GuestMemory, Permissions};
+use bounce::Dma;
+use virtio_queue::Queue;
+use vm_memory::GuestMemory;
 
 use super::features;
 use super::metrics::NetMetrics;
-use super::worker::{lock, queue_depth, SharedBackend};
+use super::worker::{lock, walk_rules, SharedBackend};
+use crate::virtio::chain::{self, Chain, ChainHead, WalkRules};
+use crate::virtio::queue::{self, Step};
 use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
 
 /// Class: receive filtering.
@@ -51,8 +52,8 @@ pub struct CtrlWorker<M> {
     active_pairs: Arc<AtomicU16>,
     dma: Dma,
     metrics: Arc<NetMetrics>,
-    descs: Vec<(u64, u32)>,
-    wdescs: Vec<(u64, u32)>,
+    rules: WalkRules,
+    chain: Chain,
     cmd: Vec<u8>,
     _mem: std::marker::PhantomData<fn(&M)>,
 }
@@ -75,8 +76,8 @@ impl<M: GuestMemory> CtrlWorker<M> {
             active_pairs,
             dma,
             metrics,
-            descs: Vec::new(),
-            wdescs: Vec::new(),
+            rules: walk_rules(acked),
+            chain: Chain::default(),
             cmd: Vec::new(),
             _mem: std::marker::PhantomData,
         }
@@ -115,93 +116,28 @@ impl<M: GuestMemory> CtrlWorker<M> {
         }
     }
 
-    /// Walks a command chain: device-readable descriptors (the command, at most
-    /// `MAX_CMD` bytes) then device-writable ones (the ack), all inside guest memory, not
-    /// truncated (see [`super::worker::collect_chain`]). Zero-length descriptors are skipped.
-    fn walk<I>(mem: &M, chain: I, r: &mut Vec<(u64, u32)>, w: &mut Vec<(u64, u32)>) -> Option<usize>
-    where
-        I: Iterator<Item = virtio_queue::desc::split::Descriptor>,
-    {
-        r.clear();
-        w.clear();
-        let mut total = 0usize;
-        let mut last_has_next = false;
-        for d in chain {
-            last_has_next = d.has_next();
-            let len = usize::try_from(d.len()).ok()?;
-            if len == 0 {
-                continue;
-            }
-            let perm = if d.is_write_only() {
-                Permissions::Write
-            } else {
-                Permissions::Read
-            };
-            if !mem.check_range(d.addr(), len, perm) {
-                return None;
-            }
-            if d.is_write_only() {
-                w.push((d.addr().0, d.len()));
-            } else {
-                if !w.is_empty() {
-                    // Readable after writable (virtio 1.2 2.7.4.2 forbids it).
-                    return None;
-                }
-                total = total.checked_add(len).filter(|t| *t <= MAX_CMD)?;
-                r.push((d.addr().0, d.len()));
-            }
-        }
-        (!last_has_next).then_some(total)
-    }
-
-    /// Reads, executes and acks one command chain. Returns the used length (1 when the ack
-    /// was written, 0 for a chain the guest got wrong).
-    fn one<I>(&mut self, mem: &M, chain: I) -> u32
-    where
-        I: Iterator<Item = virtio_queue::desc::split::Descriptor>,
-    {
+    /// Reads, executes and acks one command chain: device-readable buffers (the command,
+    /// at most `MAX_CMD` bytes) then device-writable ones (the ack). Returns the used length
+    /// (1 when the ack was written, 0 for a chain the guest got wrong).
+    fn one(&mut self, mem: &M, at: &ChainHead) -> u32 {
         let wid = self.worker_id();
-        let mut wdescs = std::mem::take(&mut self.wdescs);
-        let walked = Self::walk(mem, chain, &mut self.descs, &mut wdescs);
-        let res = self.run(mem, walked, &wdescs, wid);
-        self.wdescs = wdescs;
-        res
-    }
-
-    fn run(&mut self, mem: &M, walked: Option<usize>, wdescs: &[(u64, u32)], wid: usize) -> u32 {
-        let Some(total) = walked else {
+        if let Err(e) = at.walk(mem, &self.rules, &mut self.chain) {
+            tracing::debug!("control chain refused: {e}");
             return self.bad();
-        };
-        if total < 2 || wdescs.is_empty() {
+        }
+        let c = &self.chain;
+        let total = c.readable_len;
+        if !(2..=MAX_CMD as u64).contains(&total) || c.writable.is_empty() {
             return self.bad();
         }
         self.cmd.clear();
-        self.cmd.resize(total, 0);
-        let mut off = 0;
-        for &(addr, len) in &self.descs {
-            let len = len as usize;
-            let r = self
-                .dma
-                .map(mem, addr, len, Direction::ToDevice, wid)
-                .and_then(|b| {
-                    let r = self.dma.read(mem, &b, 0, &mut self.cmd[off..off + len]);
-                    r.and(self.dma.unmap(mem, b, wid))
-                });
-            if r.is_err() {
-                return self.bad();
-            }
-            off += len;
+        // total <= MAX_CMD.
+        self.cmd.resize(total as usize, 0);
+        if chain::copy_from(&self.dma, mem, wid, &c.readable, 0, &mut self.cmd).is_err() {
+            return self.bad();
         }
         let ack = self.execute(self.cmd[0], self.cmd[1], &self.cmd[2..]);
-        let (addr, _) = wdescs[0];
-        let r = self
-            .dma
-            .map(mem, addr, 1, Direction::FromDevice, wid)
-            .and_then(|b| {
-                let w = self.dma.write(mem, &b, 0, &[ack]);
-                w.and(self.dma.unmap(mem, b, wid))
-            });
-        if r.is_err() {
+        if chain::copy_to(&self.dma, mem, wid, &c.writable, 0, &[ack]).is_err() {
             return self.bad();
         }
         if ack == OK {
@@ -223,10 +159,6 @@ impl<M: GuestMemory> QueueWorker<M> for CtrlWorker<M> {
         vec![self.index]
     }
 
-    fn extra_fds(&self) -> Vec<(RawFd, u32)> {
-        Vec::new()
-    }
-
     fn handle(
         &mut self,
         event: WorkerEvent,
@@ -236,33 +168,10 @@ impl<M: GuestMemory> QueueWorker<M> for CtrlWorker<M> {
         let (WorkerEvent::Kick(0), [q]) = (event, queues) else {
             return Err(WorkerError::UnexpectedEvent(event));
         };
-        let mut used = false;
-        loop {
-            if queue_depth(q, mem)? == 0 {
-                if q.enable_notification(mem)
-                    .map_err(|e| WorkerError::Broken(format!("ctrl notification: {e}")))?
-                {
-                    continue;
-                }
-                break;
-            }
-            q.disable_notification(mem)
-                .map_err(|e| WorkerError::Broken(format!("ctrl notification: {e}")))?;
-            let Some(chain) = q.pop_descriptor_chain(mem) else {
-                break;
-            };
-            let head = chain.head_index();
-            let len = self.one(mem, chain);
-            q.add_used(mem, head, len)
-                .map_err(|e| WorkerError::Broken(format!("used ring: {e}")))?;
-            used = true;
-        }
+        let drained = queue::drain(q, mem, |at| Ok(Step::Used(self.one(mem, &at))))?;
         let mut sig = Signal::NONE;
-        if used
-            && q.needs_notification(mem)
-                .map_err(|e| WorkerError::Broken(format!("used event: {e}")))?
-        {
-            sig.add(0);
+        if drained.used > 0 {
+            queue::notify(q, mem, 0, &mut sig)?;
         }
         Ok(sig)
     }

@@ -65,6 +65,7 @@ pub struct Net {
     dma: Dma,
     metrics: Arc<NetMetrics>,
     config_space: [u8; off::SIZE],
+    config_write_logged: crate::metrics::LogOnce,
 }
 
 impl Net {
@@ -136,6 +137,7 @@ impl Net {
             dma,
             metrics: Arc::new(NetMetrics::default()),
             config_space: cs,
+            config_write_logged: crate::metrics::LogOnce::default(),
         })
     }
 
@@ -211,6 +213,17 @@ impl<M: GuestMemory + 'static> VirtioDevice<M> for Net {
         self.config.queue_size
     }
 
+    /// One group per rx/tx pair (`2i`, `2i + 1`) and, when offered, the control queue alone
+    /// (queue `2 * max_pairs`). Without MQ the control queue is queue 2, which is in pair 1's
+    /// group: still one group.
+    fn queue_groups(&self) -> Vec<Vec<u16>> {
+        // queue_pairs <= MAX_QUEUE_PAIRS = 256: 2 * pairs + 1 fits a u16.
+        let pairs = self.config.queue_pairs;
+        let mut groups: Vec<Vec<u16>> = (0..pairs).map(|p| vec![2 * p, 2 * p + 1]).collect();
+        groups.push(vec![2 * pairs]);
+        groups
+    }
+
     fn avail_features(&self) -> u64 {
         self.avail_features
     }
@@ -230,12 +243,15 @@ impl<M: GuestMemory + 'static> VirtioDevice<M> for Net {
     fn write_config(&mut self, offset: u64, data: &[u8]) {
         // Every field is read-only for a modern driver (the MAC may only be set through the
         // control queue with CTRL_MAC_ADDR, which is not offered).
-        tracing::warn!(
-            offset,
-            len = data.len(),
-            "ignored write to net config space"
-        );
+        // A driver can do this in a loop: counted always, logged once.
         self.metrics.config_writes_ignored.inc();
+        if self.config_write_logged.first() {
+            tracing::warn!(
+                offset,
+                len = data.len(),
+                "ignored write to net config space (logged once)"
+            );
+        }
     }
 
     fn activate(

@@ -10,41 +10,7 @@
 //!  "acked_features": 12345, "active_pairs": 1}
 //! ```
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use serde::ser::{Serialize, Serializer};
-
-/// A relaxed atomic counter that serialises as its value.
-#[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
-
-impl Counter {
-    /// Adds `n`.
-    pub fn add(&self, n: u64) {
-        self.0.fetch_add(n, Ordering::Relaxed);
-    }
-
-    /// Adds 1.
-    pub fn inc(&self) {
-        self.add(1);
-    }
-
-    /// Raises the value to at least `v` (high-water marks).
-    pub fn max(&self, v: u64) {
-        self.0.fetch_max(v, Ordering::Relaxed);
-    }
-
-    /// The value.
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-impl Serialize for Counter {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(self.get())
-    }
-}
+pub use crate::metrics::Counter;
 
 /// The counters of one net device (all queue pairs together).
 #[derive(Debug, Default, serde::Serialize)]

@@ -1,13 +1,12 @@
 //! Helpers for the net unit tests: guest memory with split rings laid out through
-//! `virtio-queue`'s mock driver, DMA handles (direct, forced swiotlb, forced iova), and a
-//! stand-in slot allocator used only while the bounce crate's allocators are not built.
+//! `virtio-queue`'s mock driver, and DMA handles (direct, forced swiotlb, forced iova, always
+//! full) built on [`crate::testing`]'s test allocator.
 
 #![allow(missing_docs)]
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use bounce::alloc::LockSnapshot;
-use bounce::{AllocatorKind, BouncePool, Dma, Policy, PoolConfig, SlotAllocator, SlotRequest};
+use bounce::{BouncePool, Dma, Policy, PoolConfig};
 use virtio_queue::desc::{split::Descriptor, RawDescriptor};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueT};
@@ -26,77 +25,16 @@ pub const RING_STRIDE: u64 = 0x1_0000;
 /// Data buffers are carved from here up.
 pub const DATA_BASE: u64 = 0x10_0000;
 
-/// First-fit allocator honouring [`SlotRequest::fits`]; a stand-in for the real ones, or a
-/// failing one to test bounce failures.
-#[derive(Debug)]
-pub struct TestAlloc {
-    used: Mutex<Vec<bool>>,
-    fail: bool,
-    geom: bounce::Geometry,
-}
-
-impl TestAlloc {
-    pub fn new(geom: bounce::Geometry, fail: bool) -> Self {
-        Self {
-            used: Mutex::new(vec![false; geom.nslabs]),
-            fail,
-            geom,
-        }
-    }
-}
-
-impl SlotAllocator for TestAlloc {
-    fn kind(&self) -> AllocatorKind {
-        AllocatorKind::Legacy
-    }
-    fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        if self.fail {
-            return None;
-        }
-        let mut used = self.used.lock().unwrap();
-        let n = used.len();
-        for i in 0..n {
-            if i + req.nslots <= n
-                && req.fits(&self.geom, i)
-                && used[i..i + req.nslots].iter().all(|u| !u)
-            {
-                used[i..i + req.nslots].iter_mut().for_each(|u| *u = true);
-                return Some(i);
-            }
-        }
-        None
-    }
-    fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        let mut used = self.used.lock().unwrap();
-        used[index..index + nslots]
-            .iter_mut()
-            .for_each(|u| *u = false);
-    }
-    fn area_used(&self) -> Vec<usize> {
-        vec![self.used.lock().unwrap().iter().filter(|u| **u).count()]
-    }
-    fn lock_stats(&self) -> Vec<LockSnapshot> {
-        Vec::new()
-    }
-    fn reset_lock_stats(&self) {}
-}
-
-/// A pool for `cfg`: the real allocator when the bounce crate has it, else [`TestAlloc`].
+/// A pool for `cfg`: its real allocator, or the crate's test allocator when that one does
+/// not build for `cfg`.
 pub fn pool(cfg: &PoolConfig) -> Arc<BouncePool> {
-    match BouncePool::new(cfg) {
-        Ok(p) => Arc::new(p),
-        Err(_) => {
-            let geom = cfg.geometry().unwrap();
-            let alloc = Arc::new(TestAlloc::new(geom, false));
-            Arc::new(BouncePool::with_allocator(geom, alloc, cfg.copy_on_map).unwrap())
-        }
-    }
+    BouncePool::new(cfg).map_or_else(|_| crate::testing::first_fit_pool(cfg), Arc::new)
 }
 
 /// A forced-bounce handle whose every map fails ("buffer is full").
 pub fn failing_dma() -> Dma {
     let geom = PoolConfig::swiotlb(1024).geometry().unwrap();
-    let alloc = Arc::new(TestAlloc::new(geom, true));
+    let alloc = Arc::new(crate::testing::FirstFitAllocator::always_full(geom));
     Dma::bounced(
         Policy::Force,
         Arc::new(BouncePool::with_allocator(geom, alloc, None).unwrap()),

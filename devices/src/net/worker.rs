@@ -22,20 +22,21 @@
 //! timer resumes reading.
 
 use std::marker::PhantomData;
-use std::num::Wrapping;
 use std::os::fd::RawFd;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use bounce::{Direction, Dma};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{GuestMemory, Permissions};
+use bounce::error::ErrorClass;
+use bounce::Dma;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemory;
 
 use super::backend::NetBackend;
 use super::header::VnetHeader;
 use super::metrics::NetMetrics;
 use super::rate_limiter::{Dir, RateLimiter};
-use super::{features, MAX_BUFFER_LEN, MIN_FRAME_LEN, VNET_HDR_LEN};
+use super::{features, MAX_BUFFER_LEN, MIN_FRAME_LEN, QUEUE_MAX_SIZE, VNET_HDR_LEN};
+use crate::virtio::chain::{Chain, ChainHead, Seg, WalkRules};
+use crate::virtio::queue::{self, Step};
 use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
 
 /// Token of the backend's fd in [`QueueWorker::extra_fds`].
@@ -51,136 +52,22 @@ const TX: usize = 1;
 /// A backend shared between the device (which configures it) and its worker.
 pub type SharedBackend = Arc<Mutex<Box<dyn NetBackend>>>;
 
-/// Locks a backend; a poisoned lock (a panicking thread) still holds a usable backend.
-pub(crate) fn lock(b: &SharedBackend) -> std::sync::MutexGuard<'_, Box<dyn NetBackend>> {
-    b.lock().unwrap_or_else(|e| e.into_inner())
-}
+pub(crate) use crate::metrics::lock;
 
-/// Why a chain was refused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ChainError {
-    /// A descriptor of the wrong direction.
-    Direction,
-    /// A descriptor outside guest memory.
-    Address,
-    /// The chain was cut short (a loop, a broken `next`, a bad indirect table).
-    Truncated,
-    /// More bytes than the caller allows.
-    TooLong,
-}
-
-/// Walks a chain and records its descriptors as `(addr, len)` in `out`, skipping zero-length
-/// ones. Every descriptor must be device-writable if `writable`, else device-readable, and
-/// lie inside guest memory; the total must not exceed `max_len` (when it does, walking stops
-/// and [`ChainError::TooLong`] is returned). Returns the total length.
-///
-/// `virtio-queue` ends a chain silently after queue-size descriptors (a loop) or at a bad
-/// indirect table; the last descriptor returned then still has NEXT set, which is how a
-/// truncated chain is told apart from a complete one.
-pub(crate) fn collect_chain<I>(
-    chain: I,
-    mem: &impl GuestMemory,
-    writable: bool,
-    max_len: usize,
-    out: &mut Vec<(u64, u32)>,
-) -> Result<usize, ChainError>
-where
-    I: Iterator<Item = virtio_queue::desc::split::Descriptor>,
-{
-    out.clear();
-    let mut total = 0usize;
-    let mut last_has_next = false;
-    let perm = if writable {
-        Permissions::Write
-    } else {
-        Permissions::Read
-    };
-    for desc in chain {
-        last_has_next = desc.has_next();
-        if desc.is_write_only() != writable {
-            return Err(ChainError::Direction);
-        }
-        let len = desc.len();
-        if len == 0 {
-            continue;
-        }
-        // u32 always fits usize on the 64-bit hosts this runs on; saturate otherwise.
-        let ulen = usize::try_from(len).unwrap_or(usize::MAX);
-        if !mem.check_range(desc.addr(), ulen, perm) {
-            return Err(ChainError::Address);
-        }
-        total = total.checked_add(ulen).ok_or(ChainError::TooLong)?;
-        if total > max_len {
-            return Err(ChainError::TooLong);
-        }
-        out.push((desc.addr().0, len));
+/// The chain rules of a net worker: indirect tables when negotiated, up to the device's
+/// largest queue size.
+pub(crate) fn walk_rules(acked: u64) -> WalkRules {
+    WalkRules {
+        indirect: acked & crate::virtio::features::RING_INDIRECT_DESC != 0,
+        max_indirect: QUEUE_MAX_SIZE,
     }
-    if last_has_next {
-        return Err(ChainError::Truncated);
-    }
-    Ok(total)
-}
-
-/// Chains the guest has waiting in a queue (avail index minus next to pop).
-///
-/// # Errors
-/// [`WorkerError::Broken`] when the ring cannot be read or the avail index runs more than a
-/// queue ahead (virtio 1.2 2.7.6: the driver broke the ring).
-pub(crate) fn queue_depth<M: GuestMemory>(q: &Queue, mem: &M) -> Result<u16, WorkerError> {
-    let avail = q
-        .avail_idx(mem, Ordering::Acquire)
-        .map_err(|e| WorkerError::Broken(format!("avail ring: {e}")))?;
-    let depth = (avail - Wrapping(q.next_avail())).0;
-    if depth > q.size() {
-        return Err(WorkerError::Broken(format!(
-            "avail index {} is {depth} ahead of {} in a queue of {}",
-            avail.0,
-            q.next_avail(),
-            q.size()
-        )));
-    }
-    Ok(depth)
-}
-
-fn add_used<M: GuestMemory>(
-    q: &mut Queue,
-    mem: &M,
-    head: u16,
-    len: u32,
-) -> Result<(), WorkerError> {
-    q.add_used(mem, head, len)
-        .map_err(|e| WorkerError::Broken(format!("used ring: {e}")))
-}
-
-fn notify<M: GuestMemory>(
-    q: &mut Queue,
-    mem: &M,
-    pos: usize,
-    sig: &mut Signal,
-) -> Result<(), WorkerError> {
-    if q.needs_notification(mem)
-        .map_err(|e| WorkerError::Broken(format!("used event: {e}")))?
-    {
-        sig.add(pos);
-    }
-    Ok(())
-}
-
-/// A bounce error is either the guest's fault (a bad address) or the pool's (full, too large).
-fn is_guest_fault(e: &bounce::Error) -> bool {
-    matches!(
-        e,
-        bounce::Error::OrigAccess { .. }
-            | bounce::Error::Overflow { .. }
-            | bounce::Error::ZeroLength
-    )
 }
 
 /// An RX chain popped, checked and held until a frame fills it.
 #[derive(Debug)]
 struct HeldChain {
     head: u16,
-    descs: Vec<(u64, u32)>,
+    descs: Vec<Seg>,
     capacity: usize,
 }
 
@@ -209,8 +96,10 @@ pub struct PairWorker<M> {
     dma: Dma,
     metrics: Arc<NetMetrics>,
     shaper: Option<RateLimiter>,
+    rules: WalkRules,
     tx_buf: Vec<u8>,
-    tx_descs: Vec<(u64, u32)>,
+    tx_chain: Chain,
+    rx_chain: Chain,
     rx_buf: Vec<u8>,
     /// Length of the frame in `rx_buf` waiting for delivery, and whether the shaper was
     /// already paid for it.
@@ -240,8 +129,10 @@ impl<M: GuestMemory> PairWorker<M> {
             dma,
             metrics,
             shaper,
+            rules: walk_rules(acked),
             tx_buf: vec![0; MAX_BUFFER_LEN],
-            tx_descs: Vec::with_capacity(16),
+            tx_chain: Chain::default(),
+            rx_chain: Chain::default(),
             rx_buf: vec![0; MAX_BUFFER_LEN],
             rx_pending: None,
             rx_held: Vec::new(),
@@ -257,63 +148,49 @@ impl<M: GuestMemory> PairWorker<M> {
     fn process_tx(&mut self, mem: &M, q: &mut Queue, sig: &mut Signal) -> Result<(), WorkerError> {
         let backend = self.backend.clone();
         let mut backend = lock(&backend);
-        let mut used = false;
-        loop {
-            let depth = queue_depth(q, mem)?;
-            self.metrics.tx_queue_depth_hiwater.max(u64::from(depth));
-            if depth == 0 {
-                if q.enable_notification(mem)
-                    .map_err(|e| WorkerError::Broken(format!("tx notification: {e}")))?
-                {
-                    // The driver added chains while notifications were off (EVENT_IDX).
-                    continue;
-                }
-                break;
-            }
+        let drained = queue::drain(q, mem, |at| {
             if self.shaper.as_ref().is_some_and(|s| s.is_blocked(Dir::Tx)) {
-                break;
+                return Ok(Step::Defer);
             }
-            q.disable_notification(mem)
-                .map_err(|e| WorkerError::Broken(format!("tx notification: {e}")))?;
-            let Some(chain) = q.pop_descriptor_chain(mem) else {
-                break;
-            };
-            let head = chain.head_index();
-            match self.tx_one(mem, chain, backend.as_mut()) {
+            Ok(match self.tx_one(mem, &at, backend.as_mut()) {
                 TxOutcome::Throttled => {
-                    q.go_to_previous_position();
                     self.metrics.tx_throttled.inc();
-                    break;
+                    Step::Defer
                 }
-                TxOutcome::Sent | TxOutcome::Dropped => {
-                    add_used(q, mem, head, 0)?;
-                    used = true;
-                }
-            }
-        }
-        if used {
-            notify(q, mem, TX, sig)?;
+                TxOutcome::Sent | TxOutcome::Dropped => Step::Used(0),
+            })
+        })?;
+        self.metrics
+            .tx_queue_depth_hiwater
+            .max(u64::from(drained.deepest));
+        if drained.used > 0 {
+            queue::notify(q, mem, TX, sig)?;
         }
         Ok(())
     }
 
-    fn tx_one<I>(&mut self, mem: &M, chain: I, backend: &mut dyn NetBackend) -> TxOutcome
-    where
-        I: Iterator<Item = virtio_queue::desc::split::Descriptor>,
-    {
+    fn tx_one(&mut self, mem: &M, at: &ChainHead, backend: &mut dyn NetBackend) -> TxOutcome {
         let m = &self.metrics;
-        let total = match collect_chain(chain, mem, false, MAX_BUFFER_LEN, &mut self.tx_descs) {
-            Ok(t) => t,
-            Err(ChainError::TooLong) => {
-                m.tx_dropped_oversized.inc();
-                return TxOutcome::Dropped;
-            }
-            Err(e) => {
-                tracing::debug!(pair = self.pair, "tx chain refused: {e:?}");
-                m.tx_dropped_malformed.inc();
-                return TxOutcome::Dropped;
-            }
-        };
+        let c = &mut self.tx_chain;
+        if let Err(e) = at.walk(mem, &self.rules, c) {
+            tracing::debug!(pair = self.pair, "tx chain refused: {e}");
+            m.tx_dropped_malformed.inc();
+            return TxOutcome::Dropped;
+        }
+        if !c.writable.is_empty() {
+            tracing::debug!(
+                pair = self.pair,
+                "tx chain refused: device-writable buffers"
+            );
+            m.tx_dropped_malformed.inc();
+            return TxOutcome::Dropped;
+        }
+        if c.readable_len > MAX_BUFFER_LEN as u64 {
+            m.tx_dropped_oversized.inc();
+            return TxOutcome::Dropped;
+        }
+        // readable_len <= MAX_BUFFER_LEN: fits a usize.
+        let total = c.readable_len as usize;
         if total < VNET_HDR_LEN + MIN_FRAME_LEN {
             m.tx_dropped_malformed.inc();
             return TxOutcome::Dropped;
@@ -327,18 +204,16 @@ impl<M: GuestMemory> PairWorker<M> {
         // Gather through the DMA handle. `total` <= MAX_BUFFER_LEN = tx_buf.len(), so every
         // slice below is in bounds.
         let mut off = 0usize;
-        for &(addr, len) in &self.tx_descs {
-            let len = len as usize;
-            let r = self
-                .dma
-                .map(mem, addr, len, Direction::ToDevice, usize::from(self.pair))
-                .and_then(|b| {
-                    let read = self.dma.read(mem, &b, 0, &mut self.tx_buf[off..off + len]);
-                    let unmap = self.dma.unmap(mem, b, usize::from(self.pair));
-                    read.and(unmap)
-                });
+        for seg in &c.readable {
+            let len = seg.len as usize;
+            let r = self.dma.read_guest(
+                mem,
+                seg.addr,
+                &mut self.tx_buf[off..off + len],
+                usize::from(self.pair),
+            );
             if let Err(e) = r {
-                if is_guest_fault(&e) {
+                if e.class() == ErrorClass::GuestFault {
                     m.tx_dropped_malformed.inc();
                 } else {
                     m.tx_bounce_failures.inc();
@@ -372,9 +247,18 @@ impl<M: GuestMemory> PairWorker<M> {
         }
     }
 
+    fn rx_enough(&self, need: usize) -> bool {
+        if self.mrg {
+            self.rx_held.iter().map(|c| c.capacity).sum::<usize>() >= need
+        } else {
+            !self.rx_held.is_empty()
+        }
+    }
+
     /// Pops RX chains into `rx_held` until they hold `need` bytes (or, without MRG_RXBUF,
     /// until one chain is held). Bad chains are completed with length 0. Returns false when
-    /// the ring ran dry first.
+    /// the ring ran dry first (notifications are then re-enabled, so the guest kicks when it
+    /// posts more).
     fn hold_rx_chains(
         &mut self,
         mem: &M,
@@ -382,40 +266,44 @@ impl<M: GuestMemory> PairWorker<M> {
         need: usize,
         used: &mut bool,
     ) -> Result<bool, WorkerError> {
-        loop {
-            let held: usize = self.rx_held.iter().map(|c| c.capacity).sum();
-            let enough = if self.mrg {
-                held >= need
-            } else {
-                !self.rx_held.is_empty()
-            };
-            if enough {
-                return Ok(true);
-            }
-            let depth = queue_depth(q, mem)?;
-            self.metrics.rx_queue_depth_hiwater.max(u64::from(depth));
-            if depth == 0 {
-                return Ok(false);
-            }
-            let Some(chain) = q.pop_descriptor_chain(mem) else {
-                return Ok(false);
-            };
-            let head = chain.head_index();
-            let mut descs = Vec::new();
-            match collect_chain(chain, mem, true, usize::MAX, &mut descs) {
-                Ok(capacity) if capacity >= VNET_HDR_LEN => self.rx_held.push(HeldChain {
-                    head,
-                    descs,
-                    capacity,
-                }),
-                r => {
-                    tracing::debug!(pair = self.pair, "rx chain refused: {r:?}");
-                    self.metrics.rx_bad_chains.inc();
-                    add_used(q, mem, head, 0)?;
-                    *used = true;
-                }
-            }
+        if self.rx_enough(need) {
+            return Ok(true);
         }
+        let drained = queue::drain(q, mem, |at| {
+            let c = &mut self.rx_chain;
+            let walked = at.walk(mem, &self.rules, c);
+            let refused = match walked {
+                Err(e) => Some(e.to_string()),
+                Ok(()) if !c.readable.is_empty() => Some("device-readable buffers".into()),
+                Ok(()) if c.writable_len < VNET_HDR_LEN as u64 => {
+                    Some("shorter than a vnet header".into())
+                }
+                Ok(()) => None,
+            };
+            if let Some(why) = refused {
+                tracing::debug!(pair = self.pair, "rx chain refused: {why}");
+                self.metrics.rx_bad_chains.inc();
+                return Ok(Step::Used(0));
+            }
+            self.rx_held.push(HeldChain {
+                head: at.head,
+                descs: c.writable.clone(),
+                // A chain holds at most 2^16 buffers of < 2^32 bytes: fits a 64-bit usize.
+                capacity: usize::try_from(c.writable_len).unwrap_or(usize::MAX),
+            });
+            Ok(if self.rx_enough(need) {
+                Step::Enough
+            } else {
+                Step::Held
+            })
+        })?;
+        self.metrics
+            .rx_queue_depth_hiwater
+            .max(u64::from(drained.deepest));
+        if drained.used > 0 {
+            *used = true;
+        }
+        Ok(self.rx_enough(need))
     }
 
     /// Delivers the pending frame of `len` bytes (header included).
@@ -470,19 +358,17 @@ impl<M: GuestMemory> PairWorker<M> {
         let mut written = Vec::with_capacity(count);
         for c in &self.rx_held[..count] {
             let start = off;
-            for &(addr, dlen) in &c.descs {
+            for seg in &c.descs {
                 if off == len {
                     break;
                 }
-                let n = (dlen as usize).min(len - off);
-                let r = self
-                    .dma
-                    .map(mem, addr, n, Direction::FromDevice, self.worker_id())
-                    .and_then(|b| {
-                        let w = self.dma.write(mem, &b, 0, &self.rx_buf[off..off + n]);
-                        let unmap = self.dma.unmap(mem, b, self.worker_id());
-                        w.and(unmap)
-                    });
+                let n = (seg.len as usize).min(len - off);
+                let r = self.dma.write_guest(
+                    mem,
+                    seg.addr,
+                    &self.rx_buf[off..off + n],
+                    self.worker_id(),
+                );
                 if let Err(e) = r {
                     tracing::debug!(pair = self.pair, "rx scatter: {e}");
                     m.rx_bounce_failures.inc();
@@ -494,7 +380,7 @@ impl<M: GuestMemory> PairWorker<M> {
             written.push((c.head, (off - start) as u32));
         }
         for (head, n) in written {
-            add_used(q, mem, head, n)?;
+            queue::add_used(q, mem, head, n)?;
         }
         self.rx_held.drain(..count);
         *used = true;
@@ -545,19 +431,15 @@ impl<M: GuestMemory> PairWorker<M> {
             match self.deliver(mem, q, len, &mut used)? {
                 RxOutcome::Delivered | RxOutcome::Dropped => self.rx_pending = None,
                 RxOutcome::NoBuffers => {
+                    // The ring ran dry with notifications re-enabled (and re-checked): the
+                    // guest's next RX kick resumes delivery.
                     self.metrics.rx_no_buffers.inc();
-                    // Ask for a kick when buffers come; re-check in case they just did.
-                    if q.enable_notification(mem)
-                        .map_err(|e| WorkerError::Broken(format!("rx notification: {e}")))?
-                    {
-                        continue;
-                    }
                     break;
                 }
             }
         }
         if used {
-            notify(q, mem, RX, sig)?;
+            queue::notify(q, mem, RX, sig)?;
         }
         Ok(())
     }

@@ -72,6 +72,11 @@ impl<D: Disk> Blk<D> {
     /// device's maximum if smaller).
     pub fn new(disk: D, cfg: BlockConfig, dma: Dma, drop: u64) -> Self {
         let qsize = cfg.queue_size.min(64);
+        Self::with_ring(disk, cfg, dma, drop, qsize)
+    }
+
+    /// As [`Blk::new`], with rings of `qsize` entries.
+    pub fn with_ring(disk: D, cfg: BlockConfig, dma: Dma, drop: u64, qsize: u16) -> Self {
         let dev = Block::new(disk, cfg, dma).expect("device");
         let mut drv = TestDriver::new(dev, RAM);
         drv.negotiate(!drop);

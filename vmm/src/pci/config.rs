@@ -234,13 +234,6 @@ impl PciConfiguration {
         self.regs.get(reg).copied().unwrap_or(0xffff_ffff)
     }
 
-    /// Sets register `reg` regardless of the write mask (device-side update).
-    pub fn set_reg(&mut self, reg: usize, value: u32) {
-        if let Some(r) = self.regs.get_mut(reg) {
-            *r = value;
-        }
-    }
-
     /// Applies a guest write of `data` at byte `offset` of register `reg`, honouring the
     /// write mask. Returns the BAR move it causes, if any.
     ///

@@ -11,10 +11,11 @@
 //! * [`PciConfigIo`] (configuration mechanism #1, ports 0xCF8-0xCFF) and [`PciConfigMmio`]
 //!   (ECAM window for bus 0) give the guest access to configuration space.
 //!
-//! Not yet: the command register's memory-space bit does not gate BAR decoding (a BAR is
-//! decoded wherever it is programmed, except at address 0), I/O BARs, multi-function devices, bridges, MSI/MSI-X routing (the virtio-pci
-//! engineer adds MSI-X as a capability plus KVM GSI routing), and an ACPI MCFG table (Linux
-//! without ACPI uses mechanism #1, which is enough).
+//! MSI-X is a capability of the virtio-pci function (`crate::virtio_pci::msix`, with KVM GSI
+//! routing), not of this bus. Not implemented: the command register's memory-space bit does
+//! not gate BAR decoding (a BAR is decoded wherever it is programmed, except at address 0), I/O
+//! BARs, multi-function devices, bridges, and an ACPI MCFG table (Linux without ACPI uses
+//! mechanism #1, which is enough).
 
 mod config;
 mod host_bridge;

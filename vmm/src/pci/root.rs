@@ -1,5 +1,6 @@
 //! Bus 0: its functions, BAR allocation and the two configuration access methods.
 
+use devices::metrics::lock;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -28,6 +29,10 @@ pub struct PciRoot {
     mmio: Arc<Bus>,
     devices: Mutex<BTreeMap<u8, SharedPciDevice>>,
     mmio32: Mutex<Allocator>,
+    /// Moved BARs that could not be mapped (a guest misprogramming its window can do this
+    /// at will: logged once, counted always).
+    bar_map_failures: devices::metrics::Counter,
+    bar_map_logged: devices::metrics::LogOnce,
 }
 
 impl std::fmt::Debug for PciRoot {
@@ -35,10 +40,6 @@ impl std::fmt::Debug for PciRoot {
         let slots: Vec<u8> = self.lock_devices().keys().copied().collect();
         f.debug_struct("PciRoot").field("slots", &slots).finish()
     }
-}
-
-fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl PciRoot {
@@ -53,6 +54,8 @@ impl PciRoot {
                 next: PCI_MMIO32_START,
                 end: PCI_MMIO32_START + PCI_MMIO32_SIZE,
             }),
+            bar_map_failures: devices::metrics::Counter::default(),
+            bar_map_logged: devices::metrics::LogOnce::default(),
         })
     }
 
@@ -142,6 +145,11 @@ impl PciRoot {
         }
     }
 
+    /// Moved BARs that could not be mapped so far.
+    pub fn bar_map_failures(&self) -> u64 {
+        self.bar_map_failures.get()
+    }
+
     fn move_bar(&self, device: &SharedPciDevice, m: BarReprogram) {
         let region = match self.mmio.remove(m.old) {
             Ok(r) => r,
@@ -158,7 +166,10 @@ impl PciRoot {
         if let Err(e) = self.mmio.insert(region, m.new, m.size) {
             // The function still answers config reads with the new address; accesses to it
             // just hit nothing. Guests only do this when they misprogram the window.
-            tracing::warn!(error = %e, ?m, "cannot map moved BAR");
+            self.bar_map_failures.inc();
+            if self.bar_map_logged.first() {
+                tracing::warn!(error = %e, ?m, "cannot map moved BAR (logged once, counted)");
+            }
         } else {
             tracing::debug!(?m, "BAR moved");
         }

@@ -1,6 +1,7 @@
 //! The virtio-pci function: configuration space, BAR decoding, the common-config state
 //! machine and activation.
 
+use devices::metrics::lock;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -69,6 +70,8 @@ pub struct VirtioPciDevice {
     needs_reset: Arc<AtomicBool>,
     /// Kinds of bad driver writes already logged (each is logged once).
     logged: HashSet<&'static str>,
+    /// Bad driver writes (every one, logged or not), FEATURES_OK refusals among them.
+    bad_writes: devices::metrics::Counter,
     activations: u64,
 }
 
@@ -81,10 +84,6 @@ impl std::fmt::Debug for VirtioPciDevice {
             .field("workers", &self.workers.len())
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn vendor_cap(cfg_type: u8, offset: u64, length: u64, extra: Option<u32>) -> Vec<u8> {
@@ -234,6 +233,7 @@ impl VirtioPciDevice {
             workers: Vec::new(),
             needs_reset: Arc::new(AtomicBool::new(false)),
             logged: HashSet::new(),
+            bad_writes: devices::metrics::Counter::default(),
             activations: 0,
         })
     }
@@ -280,12 +280,6 @@ impl VirtioPciDevice {
             .map_or(0, |b| b.addr)
     }
 
-    /// Signals a configuration change: bumps the generation and raises the config vector.
-    pub fn notify_config_change(&mut self) {
-        self.config_generation = self.config_generation.wrapping_add(1);
-        self.irq.signal_config();
-    }
-
     /// Stops the workers (used when the VMM shuts down; the device keeps its state).
     pub fn stop_workers(&mut self) {
         for w in self.workers.drain(..) {
@@ -293,7 +287,13 @@ impl VirtioPciDevice {
         }
     }
 
+    /// Bad driver writes counted so far (each kind is logged once).
+    pub fn bad_writes(&self) -> u64 {
+        self.bad_writes.get()
+    }
+
     fn bad_write(&mut self, kind: &'static str, detail: std::fmt::Arguments<'_>) {
+        self.bad_writes.inc();
         if self.logged.insert(kind) {
             tracing::warn!(device = %self.id, "driver {kind}: {detail} (ignored; logged once)");
         }
@@ -521,8 +521,12 @@ impl VirtioPciDevice {
         let mut new = new & !status::DEVICE_NEEDS_RESET;
         let added = new & !old;
         if added & status::FEATURES_OK != 0 && self.driver_features & vf::VERSION_1 == 0 {
-            // The device refuses: the driver re-reads status and sees FEATURES_OK clear.
-            tracing::warn!(device = %self.id, "driver did not accept VERSION_1: FEATURES_OK refused");
+            // The device refuses: the driver re-reads status and sees FEATURES_OK clear. A
+            // driver may retry forever: logged once, counted always.
+            self.bad_write(
+                "features",
+                format_args!("VERSION_1 not accepted: FEATURES_OK refused"),
+            );
             new &= !status::FEATURES_OK;
         }
         self.status = new;

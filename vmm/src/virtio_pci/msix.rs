@@ -116,7 +116,7 @@ impl MsixInterrupts {
     }
 
     fn lock_table(&self) -> std::sync::MutexGuard<'_, Vec<Row>> {
-        self.table.lock().unwrap_or_else(|e| e.into_inner())
+        devices::metrics::lock(&self.table)
     }
 
     /// Signals `vector` (used-buffer notification): sets ISR bit 0 and fires or pends the

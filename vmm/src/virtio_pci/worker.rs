@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use devices::virtio::{QueueWorker, WorkerError, WorkerEvent};
+use devices::virtio::dispatch::{Dispatcher, Outcome};
+use devices::virtio::{QueueWorker, WorkerEvent};
 use virtio_queue::Queue;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -37,6 +38,33 @@ pub(crate) struct WorkerSetup {
     pub needs_reset: Arc<AtomicBool>,
 }
 
+impl WorkerSetup {
+    fn into_thread(self) -> ThreadState {
+        ThreadState {
+            name: self.name,
+            worker: Dispatcher::new(self.worker),
+            queues: self.queues,
+            kicks: self.kicks,
+            vectors: self.vectors,
+            irq: self.irq,
+            mem: self.mem,
+            needs_reset: self.needs_reset,
+        }
+    }
+}
+
+/// What the thread owns: the setup, with the worker behind the shared dispatcher.
+struct ThreadState {
+    name: String,
+    worker: Dispatcher<GuestMemoryMmap>,
+    queues: Vec<Queue>,
+    kicks: Vec<Arc<EventFd>>,
+    vectors: Vec<u16>,
+    irq: Arc<MsixInterrupts>,
+    mem: GuestMemoryMmap,
+    needs_reset: Arc<AtomicBool>,
+}
+
 /// A running worker thread.
 #[derive(Debug)]
 pub(crate) struct WorkerThread {
@@ -52,19 +80,20 @@ impl WorkerThread {
     pub fn spawn(setup: WorkerSetup) -> std::io::Result<Self> {
         let stop = EventFd::new(EFD_NONBLOCK)?;
         let epoll = Epoll::new()?;
+        let state = setup.into_thread();
         epoll.ctl(
             ControlOperation::Add,
             stop.as_raw_fd(),
             EpollEvent::new(EventSet::IN, STOP_TOKEN),
         )?;
-        for (i, k) in setup.kicks.iter().enumerate() {
+        for (i, k) in state.kicks.iter().enumerate() {
             epoll.ctl(
                 ControlOperation::Add,
                 k.as_raw_fd(),
                 EpollEvent::new(EventSet::IN, i as u64),
             )?;
         }
-        for (fd, token) in setup.worker.extra_fds() {
+        for (fd, token) in state.worker.extra_fds() {
             epoll.ctl(
                 ControlOperation::Add,
                 fd,
@@ -75,8 +104,8 @@ impl WorkerThread {
             )?;
         }
         let handle = std::thread::Builder::new()
-            .name(format!("vq-{}", setup.name))
-            .spawn(move || run(setup, epoll))?;
+            .name(format!("vq-{}", state.name))
+            .spawn(move || run(state, epoll))?;
         Ok(WorkerThread {
             stop,
             handle: Some(handle),
@@ -104,7 +133,7 @@ impl Drop for WorkerThread {
     }
 }
 
-fn run(mut s: WorkerSetup, epoll: Epoll) {
+fn run(mut s: ThreadState, epoll: Epoll) {
     let mut events = vec![EpollEvent::default(); 16];
     tracing::debug!(device = %s.name, queues = ?s.worker.queue_indexes(), "worker started");
     loop {
@@ -134,22 +163,23 @@ fn run(mut s: WorkerSetup, epoll: Epoll) {
                 WorkerEvent::Kick(pos)
             };
             let mut queues: Vec<&mut Queue> = s.queues.iter_mut().collect();
-            match s.worker.handle(event, &s.mem, &mut queues) {
-                Ok(signal) => {
+            // Workers run for enabled queues only (see the device's activation).
+            match s.worker.dispatch(event, &s.mem, &mut queues, true) {
+                Outcome::Served(signal) => {
                     for (pos, vector) in s.vectors.iter().enumerate() {
                         if signal.has(pos) {
                             s.irq.signal_queue(*vector);
                         }
                     }
                 }
-                Err(WorkerError::Broken(why)) => {
+                Outcome::Broken(why) => {
                     tracing::error!(device = %s.name, %why, "device broken: DEVICE_NEEDS_RESET");
                     s.needs_reset.store(true, Ordering::SeqCst);
                     s.irq.signal_config();
                     return;
                 }
-                Err(e @ WorkerError::UnexpectedEvent(_)) => {
-                    tracing::debug!(device = %s.name, error = %e, "worker ignored an event");
+                Outcome::NotReady | Outcome::Parked | Outcome::Refused(_) => {
+                    tracing::debug!(device = %s.name, ?event, "worker ignored an event");
                 }
             }
         }

@@ -17,6 +17,10 @@
 //! [`WorkerError::Broken`]; the transport then sets DEVICE_NEEDS_RESET and stops the worker,
 //! but keeps the VMM running.
 
+pub mod chain;
+pub mod dispatch;
+pub mod queue;
+
 use std::os::fd::RawFd;
 
 use virtio_queue::Queue;
@@ -116,6 +120,18 @@ pub trait VirtioDevice<M: GuestMemory>: Send {
 
     /// Largest queue size the device accepts.
     fn queue_max_size(&self) -> u16;
+
+    /// The queues that must be served by one thread, known before activation and whatever
+    /// features the driver acknowledges: every worker [`VirtioDevice::activate`] returns
+    /// serves queues of one group only. The groups cover `0..num_queues()` once each. A
+    /// transport that fixes its threads up front (vhost-user) lays them out from this, and
+    /// never from the device type. The default: every queue on its own.
+    fn queue_groups(&self) -> Vec<Vec<u16>> {
+        // num_queues is at most u16::MAX + 1 queues for any device here; saturate anyway.
+        (0..self.num_queues())
+            .map(|q| vec![u16::try_from(q).unwrap_or(u16::MAX)])
+            .collect()
+    }
 
     /// Feature bits the device offers.
     fn avail_features(&self) -> u64;

@@ -1,0 +1,244 @@
+//! The one transport-side dispatcher: event → worker → its queues → [`QueueWorker::handle`] →
+//! interrupts → broken worker. virtio-pci, vhost-user and the test driver all call workers
+//! through it, so the worker contract is enforced in one place:
+//!
+//! **`handle` only sees queues that are set up (`Queue::ready`), valid (`Queue::is_valid`:
+//! every ring inside guest memory) and enabled.** An event for a worker whose queues are not
+//! all ready and enabled yet is dropped ([`Outcome::NotReady`]: a tap can become readable
+//! before the vhost-user front end has configured the rings; nothing is lost, worker fds are
+//! edge-triggered and a kick follows); a queue that is ready and enabled but whose rings are
+//! not in guest memory breaks the worker ([`Outcome::Broken`]), as does a worker's own
+//! [`WorkerError::Broken`]. A broken worker is parked: it is never called again
+//! ([`Outcome::Parked`]) until the transport drops it at reset.
+//!
+//! The dispatcher holds no transport types: the caller maps its own event source (an eventfd
+//! position, a vring index, a test kick) to a [`WorkerEvent`], lends the worker's queues in
+//! [`QueueWorker::queue_indexes`] order, and acts on the [`Outcome`] (raise the interrupts of
+//! [`Outcome::Served`]; set DEVICE_NEEDS_RESET and signal a configuration change, or the
+//! vhost-user vring error fd, on [`Outcome::Broken`]).
+
+use std::os::fd::RawFd;
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemory;
+
+use super::{QueueWorker, Signal, WorkerError, WorkerEvent};
+
+/// What became of one event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The worker ran; raise the interrupt of every queue position in the signal.
+    Served(Signal),
+    /// Not every queue of the worker is ready and enabled: the event was dropped.
+    NotReady,
+    /// The worker was broken before this event and is parked: dropped.
+    Parked,
+    /// The worker just broke (it said so, or one of its rings is not in guest memory): set
+    /// DEVICE_NEEDS_RESET. Reported once; the worker is parked from now on.
+    Broken(String),
+    /// The worker did not expect this event (logged once, counted by the caller).
+    Refused(WorkerEvent),
+}
+
+/// A worker as a transport holds it.
+pub struct Dispatcher<M: GuestMemory> {
+    worker: Box<dyn QueueWorker<M>>,
+    indexes: Vec<u16>,
+    broken: Option<String>,
+    refused_logged: bool,
+}
+
+impl<M: GuestMemory> std::fmt::Debug for Dispatcher<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatcher")
+            .field("queues", &self.indexes)
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: GuestMemory> Dispatcher<M> {
+    /// Wraps `worker`.
+    pub fn new(worker: Box<dyn QueueWorker<M>>) -> Self {
+        let indexes = worker.queue_indexes();
+        Self {
+            worker,
+            indexes,
+            broken: None,
+            refused_logged: false,
+        }
+    }
+
+    /// The device queue indexes the worker serves, in the order [`Dispatcher::dispatch`]
+    /// wants them.
+    pub fn queue_indexes(&self) -> &[u16] {
+        &self.indexes
+    }
+
+    /// The worker's extra file descriptors ([`QueueWorker::extra_fds`]).
+    pub fn extra_fds(&self) -> Vec<(RawFd, u32)> {
+        self.worker.extra_fds()
+    }
+
+    /// The worker's statistics.
+    pub fn stats(&self) -> serde_json::Value {
+        self.worker.stats()
+    }
+
+    /// Why the worker broke, once it has.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.as_deref()
+    }
+
+    /// Runs the worker for `event`. `queues[i]` is device queue `queue_indexes()[i]`;
+    /// `enabled` says whether the transport has every one of them enabled (virtio-pci starts
+    /// workers for enabled queues only and passes `true`; vhost-user passes the vrings'
+    /// enable state).
+    pub fn dispatch(
+        &mut self,
+        event: WorkerEvent,
+        mem: &M,
+        queues: &mut [&mut Queue],
+        enabled: bool,
+    ) -> Outcome {
+        if self.broken.is_some() {
+            return Outcome::Parked;
+        }
+        if queues.len() != self.indexes.len() {
+            return self.break_with(format!(
+                "the transport lent {} queues to a worker of {}",
+                queues.len(),
+                self.indexes.len()
+            ));
+        }
+        if !enabled || queues.iter().any(|q| !q.ready()) {
+            return Outcome::NotReady;
+        }
+        if let Some(pos) = queues.iter().position(|q| !q.is_valid(mem)) {
+            return self.break_with(format!(
+                "queue {} has rings outside guest memory or misaligned",
+                self.indexes[pos]
+            ));
+        }
+        match self.worker.handle(event, mem, queues) {
+            Ok(sig) => Outcome::Served(sig),
+            Err(WorkerError::Broken(why)) => self.break_with(why),
+            Err(WorkerError::UnexpectedEvent(ev)) => {
+                if !self.refused_logged {
+                    self.refused_logged = true;
+                    tracing::warn!(queues = ?self.indexes, "worker refused event {ev:?} (logged once)");
+                }
+                Outcome::Refused(ev)
+            }
+        }
+    }
+
+    fn break_with(&mut self, why: String) -> Outcome {
+        tracing::error!(queues = ?self.indexes, "device worker broken, parked until reset: {why}");
+        self.broken = Some(why.clone());
+        Outcome::Broken(why)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{GuestRam, TestQueue};
+    use vm_memory::GuestMemoryMmap;
+
+    /// Counts calls; breaks on `Fd(9)`.
+    struct Probe(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl QueueWorker<GuestMemoryMmap> for Probe {
+        fn queue_indexes(&self) -> Vec<u16> {
+            vec![0]
+        }
+        fn handle(
+            &mut self,
+            event: WorkerEvent,
+            _mem: &GuestMemoryMmap,
+            _queues: &mut [&mut Queue],
+        ) -> Result<Signal, WorkerError> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match event {
+                WorkerEvent::Fd(9) => Err(WorkerError::Broken("asked to".into())),
+                WorkerEvent::Fd(_) => Err(WorkerError::UnexpectedEvent(event)),
+                WorkerEvent::Kick(_) => Ok(Signal(1)),
+            }
+        }
+    }
+
+    fn setup() -> (
+        GuestRam,
+        Queue,
+        Dispatcher<GuestMemoryMmap>,
+        std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        let mut ram = GuestRam::new(1 << 20);
+        let q = TestQueue::new(&mut ram, 8).to_queue(8, false);
+        let calls = std::sync::Arc::default();
+        let d = Dispatcher::new(Box::new(Probe(std::sync::Arc::clone(&calls))));
+        (ram, q, d, calls)
+    }
+
+    fn calls(c: &std::sync::atomic::AtomicUsize) -> usize {
+        c.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    #[test]
+    fn the_worker_only_sees_ready_valid_enabled_queues() {
+        let (ram, mut q, mut d, c) = setup();
+        let ev = WorkerEvent::Kick(0);
+        assert_eq!(
+            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
+            Outcome::Served(Signal(1))
+        );
+        assert_eq!(
+            d.dispatch(ev, ram.mem(), &mut [&mut q], false),
+            Outcome::NotReady
+        );
+        q.set_ready(false);
+        assert_eq!(
+            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
+            Outcome::NotReady
+        );
+        assert_eq!(calls(&c), 1);
+        // Ready and enabled, but the used ring is outside guest memory: broken, parked.
+        q.set_ready(true);
+        q.set_used_ring_address(Some(0xfff0_0000), Some(0));
+        assert!(matches!(
+            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
+            Outcome::Broken(_)
+        ));
+        assert_eq!(
+            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
+            Outcome::Parked
+        );
+        assert_eq!(calls(&c), 1, "never called with an invalid queue");
+        assert!(d.broken().is_some());
+    }
+
+    #[test]
+    fn a_broken_worker_is_parked_and_refusals_are_reported() {
+        let (ram, mut q, mut d, c) = setup();
+        assert_eq!(
+            d.dispatch(WorkerEvent::Fd(1), ram.mem(), &mut [&mut q], true),
+            Outcome::Refused(WorkerEvent::Fd(1))
+        );
+        assert!(matches!(
+            d.dispatch(WorkerEvent::Fd(9), ram.mem(), &mut [&mut q], true),
+            Outcome::Broken(w) if w == "asked to"
+        ));
+        assert_eq!(
+            d.dispatch(WorkerEvent::Kick(0), ram.mem(), &mut [&mut q], true),
+            Outcome::Parked
+        );
+        assert_eq!(calls(&c), 2);
+        // A transport that lends the wrong number of queues breaks the worker, not the VMM.
+        let (ram, _q, mut d, _) = setup();
+        assert!(matches!(
+            d.dispatch(WorkerEvent::Kick(0), ram.mem(), &mut [], true),
+            Outcome::Broken(_)
+        ));
+    }
+}
