@@ -186,17 +186,24 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
-    /// Wraps `device`, with its queues grouped onto threads by [`QueueLayout::for_device`].
+    /// Wraps `device`, with its queues grouped onto threads by the device's [`VirtioDevice::queue_groups`].
     pub fn new(device: D) -> Self {
         Self::shared(Arc::new(Mutex::new(device)))
     }
 
     /// Wraps a device shared with others (the server makes one adapter per connection around
-    /// the same device), with the layout of [`QueueLayout::for_device`].
+    /// the same device), with the layout of its [`VirtioDevice::queue_groups`].
     pub fn shared(device: Arc<Mutex<D>>) -> Self {
+        // The device declares which queues one worker serves together, before activation.
         let layout = {
             let d = lock(&device);
-            QueueLayout::for_device(d.device_type(), d.num_queues())
+            let groups = d.queue_groups();
+            QueueLayout::new(d.num_queues(), &groups).unwrap_or_else(|e| {
+                tracing::error!(
+                    "the device's queue groups {groups:?} are not a layout ({e}); one thread per queue"
+                );
+                QueueLayout::one_per_queue(d.num_queues())
+            })
         };
         Self::with_layout(device, layout)
     }

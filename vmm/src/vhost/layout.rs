@@ -5,8 +5,6 @@
 //! layout must therefore be known up front: a [`QueueWorker`](devices::virtio::QueueWorker)
 //! that serves several queues needs them all on one thread.
 
-use devices::virtio::device_type;
-
 /// Most queues a layout can describe (`vhost-user-backend` uses 64-bit masks).
 pub const MAX_QUEUES: usize = 64;
 
@@ -98,28 +96,12 @@ impl QueueLayout {
         Ok(Self { masks })
     }
 
-    /// The layout a device type needs: block, one thread per queue; net, one thread per
-    /// rx/tx pair (queues `2i`, `2i + 1`) and one for a trailing control queue; any other
-    /// type, every queue on one thread.
-    pub fn for_device(device_type: u32, num_queues: usize) -> Self {
-        let n = num_queues.min(MAX_QUEUES);
-        let masks = match device_type {
-            device_type::BLOCK => (0..n).map(|q| 1u64 << q).collect(),
-            device_type::NET => {
-                let mut masks: Vec<u64> = (0..n / 2).map(|p| 0b11u64 << (2 * p)).collect();
-                if n % 2 == 1 {
-                    masks.push(1u64 << (n - 1));
-                }
-                masks
-            }
-            _ => vec![if n == MAX_QUEUES {
-                u64::MAX
-            } else {
-                (1u64 << n) - 1
-            }],
-        };
-        let masks = if masks.is_empty() { vec![0] } else { masks };
-        Self { masks }
+    /// One thread per queue (the layout of a device whose declared groups are unusable).
+    pub fn one_per_queue(num_queues: usize) -> Self {
+        let n = num_queues.clamp(1, MAX_QUEUES);
+        Self {
+            masks: (0..n).map(|q| 1u64 << q).collect(),
+        }
     }
 
     /// Number of threads.
@@ -159,15 +141,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn block_layout_is_one_thread_per_queue() {
-        let l = QueueLayout::for_device(device_type::BLOCK, 3);
-        assert_eq!(l.masks(), vec![1, 2, 4]);
-        assert_eq!(l.place(&[2]), Some((2, vec![0])));
-    }
-
-    #[test]
-    fn net_layout_pairs_rx_tx_and_isolates_the_control_queue() {
-        let l = QueueLayout::for_device(device_type::NET, 5);
+    fn net_groups_pair_rx_tx_and_isolate_the_control_queue() {
+        let l = QueueLayout::new(5, &[vec![0, 1], vec![2, 3], vec![4]]).unwrap();
         assert_eq!(l.masks(), vec![0b11, 0b1100, 0b10000]);
         assert_eq!(l.place(&[2, 3]), Some((1, vec![0, 1])));
         assert_eq!(l.place(&[3, 2]), Some((1, vec![1, 0])));
@@ -175,6 +150,7 @@ mod tests {
         assert_eq!(l.place(&[1, 2]), None);
         assert_eq!(l.place(&[]), None);
         assert_eq!(l.place(&[200]), None);
+        assert_eq!(QueueLayout::one_per_queue(3).masks(), vec![1, 2, 4]);
     }
 
     #[test]

@@ -73,6 +73,10 @@ impl VirtioDevice<Memory> for EchoDevice {
     fn queue_max_size(&self) -> u16 {
         256
     }
+    fn queue_groups(&self) -> Vec<Vec<u16>> {
+        // One worker serves every queue.
+        vec![(0..self.queues as u16).collect()]
+    }
     fn avail_features(&self) -> u64 {
         features::VERSION_1 | features::RING_EVENT_IDX | features::ACCESS_PLATFORM
     }
