@@ -11,6 +11,7 @@ harness's timeout; the backend is killed with its process group on exit).
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -108,6 +109,15 @@ def _guest_hiwater(run) -> float:
     return h
 
 
+# A line QEMU prints on its stderr (merged into the serial log): "qemu-system-x86_64: ...".
+_QEMU_MSG = re.compile(r"^qemu-system[^:\s]*: .*$", re.MULTILINE)
+
+
+def _qemu_messages(run) -> list[str]:
+    """What QEMU printed on stderr during the run (warnings, protocol errors)."""
+    return _QEMU_MSG.findall(run.log.replace("\r", ""))
+
+
 @skip_if_missing
 def test_bvm_vhost_blk_fio_verify_bounce_forced():
     binary = _prereqs()
@@ -120,6 +130,7 @@ def test_bvm_vhost_blk_fio_verify_bounce_forced():
         st = _final_stats(stats)
     v = _check_fio_verify(run)
     rr = run.ok("fio-randread")
+    assert _qemu_messages(run) == [], run.describe()
     b = _check_host_bounce(st, "bounce forced")
     assert st["device"]["metrics"]["reqs_in"] > 0 and st["device"]["metrics"]["reqs_out"] > 0, st
     record_figures("bvm_vhost_blk_forced", boot_s=run.boot_s, wall_s=run.wall_s,
@@ -181,6 +192,30 @@ def test_bvm_vhost_blk_qcow2_written_by_guest():
     subprocess.run([qemu_img, "convert", "-O", "raw", str(img), str(raw)], check=True, timeout=120)
     assert rig1.check_pattern(raw, offs, seed="qcow2") == [], "guest data differs on the host"
     raw.unlink(missing_ok=True)
+
+
+@skip_if_missing
+def test_bvm_vhost_blk_qemu_stderr_stays_clean():
+    """Issue 11 item 11: every QEMU 7.2 run with bouncevm-vhost blk printed "Unexpected
+    end-of-file before all data were read". The backend dropped the backend-request channel
+    (SET_BACKEND_REQ_FD, negotiated because ACCESS_PLATFORM is offered) as soon as it arrived,
+    and QEMU read EOF on it. A boot with I/O and a guest power-off must leave QEMU silent, and
+    the session must end with the guest's writes on the disk."""
+    binary = _prereqs()
+    img = make_raw_image(out_path("bvm_quiet", ".img"), "64M")
+    offs = [0, 1 << 20, (64 << 20) - 4096]
+    backend, sock, stats = _blk_backend("bvm_quiet", binary, img, bounce=None)
+    with backend:
+        run = run_guest("bvm_quiet", "write-pattern",
+                        params=rig1.pattern_params(offs, seed="quiet"),
+                        devices=blk_vhost_user(sock))
+        assert backend.alive(), backend.log()[-2000:]
+        st = _final_stats(stats)
+    assert run.ok("write-pattern")["blocks"] == str(len(offs)), run.describe()
+    assert run.done and not run.timed_out and run.returncode == 0, run.describe()
+    assert _qemu_messages(run) == [], run.describe()
+    assert st["server"]["connections"] == 1 and not st["server"]["connected"], st
+    assert rig1.check_pattern(img, offs, seed="quiet") == [], "guest data not on the disk"
 
 
 # swiotlb allocators run a swiotlb pool; the IOVA ones an IOVA domain (VDUSE-style).

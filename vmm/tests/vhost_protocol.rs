@@ -2,21 +2,26 @@
 
 mod vhost_support;
 
-use std::path::PathBuf;
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use devices::virtio::features;
-use vhost::vhost_user::message::{VhostUserConfigFlags, VhostUserVirtioFeatures};
+use devices::virtio::{features, VirtioDevice};
+use vhost::vhost_user::message::{
+    VhostUserConfigFlags, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
+};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
 use vhost::VhostUserMemoryRegionInfo;
-use vhost_support::{Driver, EchoDevice, CONFIG, EXTRA_TOKEN};
+use vhost_support::{poll_now, wait_fd, Driver, EchoDevice, CONFIG, EXTRA_TOKEN, MEM_SIZE, QSIZE};
 use vhost_user_backend::VhostUserDaemon;
-use vm_memory::{GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
-use vmm::vhost::{Server, VhostUserDevice};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
+use vmm::vhost::{Memory, Server, VhostUserDevice};
 
 fn socket_path(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("bouncevm-vhost-test-{}", std::process::id()));
@@ -46,7 +51,67 @@ fn start_server(
     (path, t, stop)
 }
 
+/// As [`start_server`] for any device, with a statistics socket (returned second).
+fn start_server_with_stats<D: VirtioDevice<Memory> + 'static>(
+    name: &str,
+    device: D,
+) -> (
+    PathBuf,
+    PathBuf,
+    thread::JoinHandle<Server<D>>,
+    vmm::vhost::StopHandle,
+) {
+    let path = socket_path(name);
+    let stats_path = socket_path(&format!("{name}.stats"));
+    let mut server = Server::bind("test", device, &path)
+        .unwrap()
+        .with_stats_socket(&stats_path)
+        .unwrap();
+    let stop = server.stop_handle().unwrap();
+    let t = thread::spawn(move || {
+        server.run().unwrap();
+        server
+    });
+    (path, stats_path, t, stop)
+}
+
+/// One JSON line from a statistics socket.
+fn stats(path: &Path) -> serde_json::Value {
+    let mut s = UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut line = String::new();
+    s.read_to_string(&mut line).unwrap();
+    serde_json::from_str(line.trim()).unwrap()
+}
+
+/// Polls the statistics until `pred` holds (at most 10 s).
+fn wait_stats(
+    path: &Path,
+    what: &str,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = stats(path);
+        if pred(&st) {
+            return st;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what}: {st}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
 const WANTED: u64 = features::VERSION_1 | features::RING_EVENT_IDX;
+const SET_VRING_ENABLE: u32 = 18;
+const FLAG_VERSION: u32 = 0x1;
+const FLAG_NEED_REPLY: u32 = 0x8;
+const NEEDS_RESET: u8 = 0x40;
+
+fn vring_state(index: u32, num: u32) -> Vec<u8> {
+    let mut b = index.to_le_bytes().to_vec();
+    b.extend_from_slice(&num.to_le_bytes());
+    b
+}
 
 /// QEMU 7.2's vhost-user-net start: SET_VRING_ENABLE before SET_FEATURES, never again.
 fn qemu_net_order(d: &mut Driver) -> vhost::Result<()> {
@@ -94,7 +159,7 @@ fn worker_events_before_the_rings_are_ready_are_not_delivered() {
     let device = EchoDevice::new(1);
     let counters = device.counters.clone();
     let extra = device.extra.clone();
-    let (path, server, stop) = start_server("notready.sock", device);
+    let (path, stats_path, server, stop) = start_server_with_stats("notready.sock", device);
     let mut d = Driver::connect(&path, 1);
     let offered = d.handshake().unwrap();
     d.frontend.get_queue_num().unwrap();
@@ -108,7 +173,10 @@ fn worker_events_before_the_rings_are_ready_are_not_delivered() {
     // the ring is not set up yet.
     d.frontend.get_features().unwrap();
     extra.write(1).unwrap();
-    thread::sleep(Duration::from_millis(300));
+    // The event reached the adapter, which dropped it (counted) instead of handing it over.
+    wait_stats(&stats_path, "the early event was never seen", |st| {
+        st["transport"]["not_ready_events"] == 1
+    });
     assert_eq!(
         counters.extra_events.load(Ordering::Relaxed),
         0,
@@ -259,4 +327,328 @@ fn a_live_socket_is_refused_and_a_stale_one_replaced() {
     std::fs::write(&file, b"x").unwrap();
     let e = Server::bind("echo", EchoDevice::new(1), &file).unwrap_err();
     assert!(e.to_string().contains("not a socket"), "{e}");
+}
+
+#[test]
+fn rings_at_a_region_edge_break_the_worker_and_the_backend_keeps_answering() {
+    // Regression (issue 11 items 5 and 8): the adapter never checked `Queue::is_valid`. With
+    // the avail index in the last 4 bytes of guest memory the worker read the index but no
+    // entry and spun (notifications re-armed, "more buffers" forever) holding the vring lock:
+    // GET_VRING_BASE, the statistics socket and the signals hung, and nothing was reported.
+    let end = MEM_SIZE as u64;
+    let qs = u64::from(QSIZE);
+    // (what, desc, avail, used): one ring at a time reaches past the end of guest memory.
+    let cases = [
+        ("avail ring", 0, end - 4, 0x2000),
+        ("descriptor table", end - 16 * qs + 16, 0x1000, 0x2000),
+        ("used ring", 0, 0x1000, end - 8),
+    ];
+    for (what, desc, avail, used) in cases {
+        let device = EchoDevice::new(1);
+        let counters = device.counters.clone();
+        let (path, stats_path, server, stop) = start_server_with_stats("edge.sock", device);
+        let mut d = Driver::connect(&path, 1);
+        d.handshake_with(VhostUserProtocolFeatures::STATUS).unwrap();
+        // Without EVENT_IDX: re-arming notifications writes only the used flags, inside memory.
+        d.set_features(features::VERSION_1).unwrap();
+        d.set_mem_table().unwrap();
+        d.configure_ring(0, desc, avail, used).unwrap();
+        d.frontend.set_vring_enable(0, true).unwrap();
+        // One buffer published: avail idx = 1, head 0.
+        d.mem.write_obj(1u16, GuestAddress(avail + 2)).unwrap();
+        if avail + 6 <= end {
+            d.mem.write_obj(0u16, GuestAddress(avail + 4)).unwrap();
+        }
+        d.kicks[0].write(1).unwrap();
+        assert!(
+            d.wait_err(0, Duration::from_secs(10)),
+            "{what}: the vring error fd was not signalled"
+        );
+        assert_eq!(d.get_status() & NEEDS_RESET, NEEDS_RESET, "{what}");
+        let st = stats(&stats_path);
+        assert_eq!(st["transport"]["broken_workers"], 1, "{what}: {st}");
+        assert_eq!(st["report"]["needs_reset"], true, "{what}: {st}");
+        assert_eq!(counters.chains.load(Ordering::Relaxed), 0, "{what}");
+        // The frontend stops the device: GET_VRING_BASE answers (nothing was consumed).
+        assert_eq!(d.frontend.get_vring_base(0).unwrap(), 0, "{what}");
+        // Restarted with good rings, the device serves again and the flag clears.
+        d.set_features(features::VERSION_1).unwrap();
+        d.setup_rings(1).unwrap();
+        d.frontend.set_vring_enable(0, true).unwrap();
+        assert_eq!(
+            d.echo(0, b"after").as_deref(),
+            Some(&b"after"[..]),
+            "{what}"
+        );
+        assert_eq!(d.get_status() & NEEDS_RESET, 0, "{what}");
+        drop(d);
+        stop.stop();
+        server.join().unwrap();
+    }
+}
+
+#[test]
+fn early_enables_the_backend_would_refuse_are_refused() {
+    // Regression (issue 11 item 7): SET_VRING_ENABLE for vring 4000 before SET_FEATURES was
+    // held (no bound) and acknowledged as a success.
+    let device = EchoDevice::new(1);
+    let (path, stats_path, server, stop) = start_server_with_stats("refuse.sock", device);
+    let mut d = Driver::connect(&path, 1);
+    let offered = d.handshake().unwrap();
+    for (index, num) in [(4000, 1), (1, 1), (0, 2)] {
+        let r = d
+            .raw_request(
+                SET_VRING_ENABLE,
+                FLAG_VERSION | FLAG_NEED_REPLY,
+                &vring_state(index, num),
+                true,
+            )
+            .unwrap();
+        assert_eq!(
+            r.body,
+            1u64.to_le_bytes(),
+            "SET_VRING_ENABLE({index}, {num}) must fail"
+        );
+    }
+    let ok = d
+        .raw_request(
+            SET_VRING_ENABLE,
+            FLAG_VERSION | FLAG_NEED_REPLY,
+            &vring_state(0, 1),
+            true,
+        )
+        .unwrap();
+    assert_eq!(ok.body, 0u64.to_le_bytes());
+    // The connection goes on and the valid early enable was applied.
+    d.set_features(offered & WANTED).unwrap();
+    d.setup_rings(1).unwrap();
+    assert_eq!(d.echo(0, b"on").as_deref(), Some(&b"on"[..]));
+    drop(d);
+    let st = wait_stats(&stats_path, "session end", |st| {
+        st["server"]["connected"] == false
+    });
+    let relay = &st["server"]["relay"];
+    assert_eq!(relay["early_enables_refused"], 3, "{st}");
+    assert_eq!(relay["early_enables_held"], 1, "{st}");
+    assert_eq!(relay["early_enables_replayed"], 1, "{st}");
+    stop.stop();
+    server.join().unwrap();
+}
+
+#[test]
+fn the_backend_request_channel_stays_open_for_the_session() {
+    // Regression (issue 11 item 11): the adapter dropped the SET_BACKEND_REQ_FD channel on
+    // arrival; QEMU 7.2 then read EOF on it and printed "Unexpected end-of-file before all
+    // data were read" on every run with ACCESS_PLATFORM offered.
+    let (path, server, stop) = start_server("backreq.sock", EchoDevice::new(1));
+    let mut d = Driver::connect(&path, 1);
+    d.handshake_with(VhostUserProtocolFeatures::BACKEND_REQ)
+        .unwrap();
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    d.frontend.set_backend_request_fd(&theirs).unwrap();
+    drop(theirs);
+    // Requests are handled in order: once this is answered, SET_BACKEND_REQ_FD was handled
+    // (and the relay has dropped its copy of the fd).
+    d.frontend.get_features().unwrap();
+    let revents = poll_now(ours.as_raw_fd());
+    assert_eq!(
+        revents & (libc::POLLHUP | libc::POLLIN),
+        0,
+        "the backend closed its request channel (revents {revents:#x})"
+    );
+    // It closes with the session.
+    drop(d);
+    assert!(
+        wait_fd(ours.as_raw_fd(), Duration::from_secs(10)),
+        "request channel still open after the session ended"
+    );
+    let mut buf = [0u8; 1];
+    assert_eq!((&ours).read(&mut buf).unwrap(), 0);
+    stop.stop();
+    server.join().unwrap();
+}
+
+#[test]
+fn a_device_with_more_queues_than_vhost_user_serves_is_refused_up_front() {
+    // Regression (issue 11 item 10): 65 queues (net with 32 pairs) were silently cut to the
+    // 64-bit thread masks; queue 64 could never be served and activation failed later.
+    let path = socket_path("toomany.sock");
+    let e = Server::bind("echo", EchoDevice::new(65), &path).unwrap_err();
+    assert!(e.to_string().contains("65 queues"), "{e}");
+    assert!(!path.exists(), "the socket must not be created");
+    assert!(Server::bind("echo", EchoDevice::new(64), &path).is_ok());
+}
+
+/// Guest memory used by the block requests of the disconnect test (above the rings and the
+/// echo buffers): 16-byte headers, status bytes, 4 KiB data buffers.
+const BLK_HDRS: u64 = 0x30_0000;
+const BLK_STATUS: u64 = 0x30_8000;
+const BLK_DATA: u64 = 0x31_0000;
+const BLK_IN: u32 = 0;
+const BLK_OUT: u32 = 1;
+/// Requests per batch: 3 descriptors each in a 16-entry table.
+const BATCH: u16 = 5;
+
+/// The 4 KiB written at `sector` in generation `generation`.
+fn block_pattern(sector: u64, generation: u8) -> Vec<u8> {
+    (0..4096u64)
+        .map(|i| (sector.wrapping_mul(31).wrapping_add(i) as u8) ^ generation)
+        .collect()
+}
+
+/// Posts a 4 KiB IN or OUT request in request slot `slot` (descriptors 3 slot..3 slot + 2);
+/// its status byte starts as 0xff (untouched).
+fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Option<&[u8]>) -> u16 {
+    let hdr = BLK_HDRS + u64::from(slot) * 16;
+    let status = BLK_STATUS + u64::from(slot);
+    let buf = BLK_DATA + u64::from(slot) * 4096;
+    d.mem.write_obj(kind, GuestAddress(hdr)).unwrap();
+    d.mem.write_obj(0u32, GuestAddress(hdr + 4)).unwrap();
+    d.mem.write_obj(sector, GuestAddress(hdr + 8)).unwrap();
+    d.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
+    match data {
+        Some(bytes) => d.mem.write_slice(bytes, GuestAddress(buf)).unwrap(),
+        None => d.mem.write_slice(&[0u8; 4096], GuestAddress(buf)).unwrap(),
+    }
+    d.post_descs(
+        0,
+        3 * slot,
+        &[
+            (hdr, 16, false),
+            (buf, 4096, kind == BLK_IN),
+            (status, 1, true),
+        ],
+    )
+}
+
+fn blk_status(d: &Driver, slot: u16) -> u8 {
+    d.mem
+        .read_obj(GuestAddress(BLK_STATUS + u64::from(slot)))
+        .unwrap()
+}
+
+/// Waits for `n` used entries on queue 0; returns their heads.
+fn wait_used(d: &mut Driver, n: usize) -> Vec<u16> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut heads = Vec::new();
+    while heads.len() < n {
+        match d.next_used(0) {
+            Some((id, _)) => heads.push(u16::try_from(id).unwrap()),
+            None => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "only {heads:?} completed"
+                );
+                d.wait_call(0, Duration::from_millis(50));
+            }
+        }
+    }
+    heads
+}
+
+/// Connects and starts a block device the way QEMU's vhost-user-blk does.
+fn blk_session(path: &Path) -> Driver {
+    let mut d = Driver::connect(path, 1);
+    let offered = d.handshake().unwrap();
+    d.set_features(offered & WANTED).unwrap();
+    d.setup_rings(1).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d
+}
+
+#[test]
+fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_slot() {
+    // Issue 11 item 16, issue 14 item 10: the real block device with bounce forced; the
+    // frontend vanishes with writes in flight, then a new one connects.
+    use devices::block::io::ImageFormat;
+    use devices::block::{Block, BlockConfig, DiskImage};
+    let dir = socket_path("midio.img");
+    std::fs::File::create(&dir)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let disk = DiskImage::open(&dir, ImageFormat::Raw, false).unwrap();
+    let opts: vmm::options::BounceOptions = "policy=force,slots=1024".parse().unwrap();
+    let (dma, pool) = opts.build(1).unwrap();
+    let pool = pool.unwrap();
+    let device = Block::new(disk, BlockConfig::default(), dma).unwrap();
+    let (path, stats_path, server, stop) = start_server_with_stats("midio.sock", device);
+
+    // Session 1: a batch acknowledged, then a batch in flight when the frontend vanishes.
+    let mut d = blk_session(&path);
+    let sector = |batch: u16, slot: u16| u64::from(batch * BATCH + slot) * 8;
+    for slot in 0..BATCH {
+        let data = block_pattern(sector(0, slot), 1);
+        blk_request(&mut d, slot, BLK_OUT, sector(0, slot), Some(&data));
+    }
+    wait_used(&mut d, usize::from(BATCH));
+    for slot in 0..BATCH {
+        assert_eq!(
+            blk_status(&d, slot),
+            0,
+            "write {slot} of the first batch failed"
+        );
+    }
+    for slot in 0..BATCH {
+        let data = block_pattern(sector(1, slot), 2);
+        blk_request(&mut d, slot, BLK_OUT, sector(1, slot), Some(&data));
+    }
+    d.raw.shutdown(std::net::Shutdown::Both).unwrap();
+    let st = wait_stats(&stats_path, "session end", |st| {
+        st["server"]["connected"] == false && st["server"]["connections"] == 1
+    });
+    assert_eq!(
+        pool.stats().used,
+        0,
+        "bounce slots leaked by the dead session: {st}"
+    );
+    // What the device completed before it noticed is acknowledged: status 0. The rest was
+    // never claimed (status untouched) - nothing in between.
+    let mut acknowledged = vec![0u16; 0];
+    while let Some((id, _)) = d.next_used(0) {
+        let slot = u16::try_from(id).unwrap() / 3;
+        assert_eq!(blk_status(&d, slot), 0, "completed write {slot} failed");
+        acknowledged.push(slot);
+    }
+    for slot in (0..BATCH).filter(|s| !acknowledged.contains(s)) {
+        assert_eq!(
+            blk_status(&d, slot),
+            0xff,
+            "unacknowledged write {slot} got a status"
+        );
+    }
+    drop(d);
+
+    // Session 2: everything acknowledged reads back intact; the backend serves on.
+    let mut d = blk_session(&path);
+    let mut expect: Vec<(u64, Vec<u8>)> = (0..BATCH)
+        .map(|slot| (sector(0, slot), block_pattern(sector(0, slot), 1)))
+        .collect();
+    expect.extend(
+        acknowledged
+            .iter()
+            .map(|&slot| (sector(1, slot), block_pattern(sector(1, slot), 2))),
+    );
+    for chunk in expect.chunks(usize::from(BATCH)) {
+        for (slot, (sec, _)) in (0u16..).zip(chunk) {
+            blk_request(&mut d, slot, BLK_IN, *sec, None);
+        }
+        wait_used(&mut d, chunk.len());
+        for (slot, (sec, want)) in (0u16..).zip(chunk) {
+            assert_eq!(blk_status(&d, slot), 0, "read of sector {sec} failed");
+            let mut got = vec![0u8; 4096];
+            d.mem
+                .read_slice(&mut got, GuestAddress(BLK_DATA + u64::from(slot) * 4096))
+                .unwrap();
+            assert!(got == *want, "sector {sec}: acknowledged data lost");
+        }
+    }
+    drop(d);
+    wait_stats(&stats_path, "second session end", |st| {
+        st["server"]["connected"] == false && st["server"]["connections"] == 2
+    });
+    assert_eq!(pool.stats().used, 0);
+    stop.stop();
+    server.join().unwrap();
+    let _ = std::fs::remove_file(&dir);
 }

@@ -289,15 +289,30 @@ impl Timer {
     }
 }
 
-/// The shaper of one queue pair: a bucket per direction and a refill timer.
+/// The shaper of one queue pair: a bucket per direction and one refill timer.
+///
+/// The directions are independent: each has its own budget and its own wait. A direction
+/// that ran dry waits until its own deadline; the other keeps passing traffic while it has
+/// tokens (an RX flood must not hold TX back, nor the other way round). The one timer is
+/// armed for the earlier of the two deadlines.
 #[derive(Debug)]
 pub struct RateLimiter {
     tx: TokenBucket,
     rx: TokenBucket,
     clock: Box<dyn Clock>,
     timer: Timer,
-    /// True while a refill is awaited: both directions hold back until the timer fires.
-    armed: bool,
+    /// Per direction ([`Dir::index`]): the clock time at which its bucket will hold what the
+    /// refused frame needs, while that direction waits for the timer.
+    wait_until: [Option<u64>; 2],
+}
+
+impl Dir {
+    fn index(self) -> usize {
+        match self {
+            Dir::Tx => 0,
+            Dir::Rx => 1,
+        }
+    }
 }
 
 impl RateLimiter {
@@ -321,7 +336,7 @@ impl RateLimiter {
             rx: TokenBucket::new(cap, rate, now),
             clock,
             timer: Timer::new()?,
-            armed: false,
+            wait_until: [None; 2],
         })
     }
 
@@ -330,20 +345,41 @@ impl RateLimiter {
         self.timer.0.as_raw_fd()
     }
 
-    /// True while the shaper waits for its timer.
-    pub fn is_blocked(&self) -> bool {
-        self.armed
+    /// True while direction `dir` waits for the timer (the other direction may still pass).
+    pub fn is_blocked(&self, dir: Dir) -> bool {
+        self.wait_until[dir.index()].is_some()
     }
 
-    /// The timer fired: clears it and lets traffic be tried again.
+    /// The timer fired: clears it and releases every direction whose deadline has passed;
+    /// re-arms it for a direction still waiting (a refill of the other direction may have
+    /// fired first).
     pub fn on_timer(&mut self) {
         self.timer.clear();
-        self.armed = false;
+        let now = self.clock.now_ns();
+        for w in &mut self.wait_until {
+            if w.is_some_and(|t| t <= now) {
+                *w = None;
+            }
+        }
+        if let Err(e) = self.arm_earliest(now) {
+            // Without a timer the waiting direction would never wake: release it.
+            tracing::warn!("shaper timer: {e}; not shaping until the next refusal");
+            self.wait_until = [None; 2];
+        }
+    }
+
+    /// Arms the timer for the earliest deadline still pending (relative to `now`).
+    fn arm_earliest(&self, now: u64) -> io::Result<()> {
+        match self.wait_until.iter().flatten().min() {
+            Some(&t) => self.timer.arm(t.saturating_sub(now)),
+            None => Ok(()),
+        }
     }
 
     /// Takes `bytes` tokens in direction `dir`. Returns false when the frame must wait; the
-    /// timer is then armed for when a useful amount (the frame, or a quarter of the burst if
-    /// more, so that wake-ups stay coarse) will be there.
+    /// direction then waits until a useful amount (the frame, or a quarter of the burst if
+    /// more, so that wake-ups stay coarse) will be there, and the timer is armed for the
+    /// earlier of both directions' deadlines.
     pub fn consume(&mut self, dir: Dir, bytes: u64) -> bool {
         let now = self.clock.now_ns();
         let bucket = match dir {
@@ -354,13 +390,15 @@ impl RateLimiter {
             BucketReduction::Success | BucketReduction::OverConsumption => true,
             BucketReduction::Failure => {
                 let want = bytes.max(bucket.capacity() / 4);
-                let ns = bucket.time_until(want);
-                if let Err(e) = self.timer.arm(ns) {
+                // At least 1 ns ahead, so the deadline is in the future when the timer fires.
+                let deadline = now.saturating_add(bucket.time_until(want).max(1));
+                self.wait_until[dir.index()] = Some(deadline);
+                if let Err(e) = self.arm_earliest(now) {
                     // Without a timer the worker would never wake: let the frame pass.
                     tracing::warn!("shaper timer: {e}; not shaping this frame");
+                    self.wait_until[dir.index()] = None;
                     return true;
                 }
-                self.armed = true;
                 false
             }
         }
@@ -452,24 +490,93 @@ mod tests {
         };
         let mut l = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
         let mut sent = 0u64;
-        let mut throttles = 0;
+        let mut refusals = 0u32;
+        let mut passes_while_blocked = 0u32;
         // One simulated second in 1 ms steps, offering 1500-byte frames as fast as allowed.
         for _ in 0..1000 {
             clock.advance(1_000_000);
-            if l.is_blocked() {
+            if l.is_blocked(Dir::Tx) {
                 l.on_timer();
+            }
+            if l.is_blocked(Dir::Tx) {
+                // Still waiting for its deadline: the worker would not offer a frame.
+                passes_while_blocked += 1;
+                continue;
             }
             while l.consume(Dir::Tx, 1500) {
                 sent += 1500;
             }
-            throttles += 1;
+            // The loop ended on a refusal, and the direction now waits.
+            assert!(l.is_blocked(Dir::Tx));
+            refusals += 1;
         }
-        assert!(throttles > 0);
+        // 1 MB/s of 1500-byte frames with a quarter-burst (2500 B) wake-up: the shaper refuses
+        // at least every 3 ms, so it must have refused hundreds of times; and some passes
+        // found the direction still waiting.
+        assert!(refusals >= 300, "{refusals}");
+        assert!(passes_while_blocked > 0, "{passes_while_blocked}");
         // At most burst + rate * 1 s.
         assert!(sent <= 10_000 + 1_000_000, "{sent}");
         assert!(sent >= 1_000_000 - 1500, "{sent}");
         // RX has its own bucket, still full.
         assert_eq!(l.bucket(Dir::Rx).tokens(), 10_000);
+    }
+
+    #[test]
+    fn an_rx_flood_does_not_hold_tx_back() {
+        // Regression (issue 11 item 14): one `armed` flag for both directions, so a throttled
+        // RX direction made TX wait for the RX refill.
+        let clock = ManualClock::default();
+        let cfg = ShaperConfig {
+            rate_bps: 8_000_000, // 1 byte per microsecond
+            burst_bytes: 3000,
+        };
+        let mut l = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
+        assert!(l.consume(Dir::Rx, 3000));
+        assert!(!l.consume(Dir::Rx, 1500), "RX is out of tokens");
+        // RX waits for 1500 B: until t = 1.5 ms.
+        assert!(l.is_blocked(Dir::Rx));
+        assert!(!l.is_blocked(Dir::Tx), "RX's wait leaked into TX");
+        clock.advance(500_000);
+        assert!(l.consume(Dir::Tx, 1500), "TX has its own budget");
+        assert!(l.consume(Dir::Tx, 1500));
+        assert!(!l.consume(Dir::Tx, 1500));
+        // TX waits until t = 0.5 + 1.5 ms.
+        assert!(l.is_blocked(Dir::Tx));
+        clock.advance(1_000_000);
+        l.on_timer();
+        assert!(!l.is_blocked(Dir::Rx), "RX's deadline passed");
+        assert!(l.is_blocked(Dir::Tx), "TX's deadline has not");
+        assert!(l.consume(Dir::Rx, 1500));
+        clock.advance(500_000);
+        l.on_timer();
+        assert!(!l.is_blocked(Dir::Tx));
+        assert!(l.consume(Dir::Tx, 1500));
+    }
+
+    #[test]
+    fn a_direction_is_released_only_at_its_own_deadline() {
+        let clock = ManualClock::default();
+        let cfg = ShaperConfig {
+            rate_bps: 8_000_000,
+            burst_bytes: 4000,
+        };
+        let mut l = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
+        assert!(l.consume(Dir::Tx, 4000));
+        assert!(!l.consume(Dir::Tx, 1000)); // waits for 1000 B: 1 ms
+        assert!(l.consume(Dir::Rx, 4000));
+        clock.advance(100_000);
+        assert!(!l.consume(Dir::Rx, 4000)); // waits for 4000 B: 4 ms
+        clock.advance(900_000);
+        l.on_timer();
+        assert!(!l.is_blocked(Dir::Tx));
+        assert!(l.is_blocked(Dir::Rx), "RX's deadline has not passed");
+        clock.advance(2_900_000);
+        l.on_timer();
+        assert!(l.is_blocked(Dir::Rx));
+        clock.advance(100_000);
+        l.on_timer();
+        assert!(!l.is_blocked(Dir::Rx));
     }
 
     #[test]

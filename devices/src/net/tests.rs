@@ -487,6 +487,32 @@ fn shaper_holds_rx_frame_pending() {
     assert_eq!(p.g.used(RXQ).len(), 2);
 }
 
+#[test]
+fn shaper_rx_flood_does_not_throttle_tx() {
+    // Regression (issue 11 item 14): one `armed` flag for both directions, so a throttled RX
+    // frame made the TX path stop too, until RX's refill.
+    let clock = ManualClock::default();
+    let cfg = ShaperConfig {
+        rate_bps: 8_000_000,
+        burst_bytes: 2000,
+    };
+    let shaper = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
+    let mut p = Pair::with_shaper(BASE, Dma::direct(), Some(shaper));
+    for _ in 0..3 {
+        p.g.post_writable(RXQ, &[2048]);
+    }
+    for _ in 0..3 {
+        p.be.inject(frame(&plain(), 1500, 0));
+    }
+    p.tap_readable();
+    assert_eq!(p.g.used(RXQ).len(), 1);
+    assert_eq!(p.m.rx_throttled.get(), 1, "RX must be throttled");
+    p.g.post_readable(TXQ, &[&frame(&plain(), 1000, 1)]);
+    p.kick_tx();
+    assert_eq!(p.be.take_sent().len(), 1, "TX waited for RX's budget");
+    assert_eq!(p.m.tx_throttled.get(), 0);
+}
+
 // ---------------------------------------------------------------- control queue
 
 fn ctrl_worker(

@@ -149,7 +149,7 @@ impl<M: GuestMemory> PairWorker<M> {
         let backend = self.backend.clone();
         let mut backend = lock(&backend);
         let drained = queue::drain(q, mem, |at| {
-            if self.shaper.as_ref().is_some_and(|s| s.is_blocked()) {
+            if self.shaper.as_ref().is_some_and(|s| s.is_blocked(Dir::Tx)) {
                 return Ok(Step::Defer);
             }
             Ok(match self.tx_one(mem, &at, backend.as_mut()) {
@@ -399,7 +399,7 @@ impl<M: GuestMemory> PairWorker<M> {
             let (len, paid) = match self.rx_pending {
                 Some(p) => p,
                 None => {
-                    if self.shaper.as_ref().is_some_and(|s| s.is_blocked()) {
+                    if self.shaper.as_ref().is_some_and(|s| s.is_blocked(Dir::Rx)) {
                         break;
                     }
                     match lock(&backend).recv(&mut self.rx_buf) {

@@ -27,6 +27,7 @@ use devices::block::BlockConfig;
 use devices::net::{NetConfig, ShaperConfig};
 use devices::virtio::VirtioDevice;
 use vmm::options::BounceOptions;
+use vmm::vhost::layout::{MAX_NET_QUEUE_PAIRS, MAX_QUEUES};
 use vmm::vhost::{Memory, Server, SignalFd};
 use vmm::{builder, cli, sock};
 
@@ -235,6 +236,13 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
         }
         Command::Net(a) => {
             let c = &a.common;
+            if a.queues == 0 || a.queues > MAX_NET_QUEUE_PAIRS {
+                // Checked before the tap is opened (or created).
+                return Err(format!(
+                    "--queues {}: net serves 1..={MAX_NET_QUEUE_PAIRS} queue pairs over vhost-user (2 vrings per pair and the control queue must fit in {MAX_QUEUES})",
+                    a.queues
+                ));
+            }
             let shaper = match a.rate {
                 None => None,
                 Some(g) if g.is_finite() && g > 0.0 => Some(ShaperConfig {

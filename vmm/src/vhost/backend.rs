@@ -13,9 +13,12 @@
 //!   drops the workers and resets the device; the next `SET_FEATURES` or kick re-activates it.
 //!
 //! Nothing the guest or the frontend controls may stop the epoll threads: a worker that
-//! reports [`WorkerError::Broken`] is logged once and parked (its kicks are consumed and
-//! ignored) until the device is reset; [`VhostUserBackend::handle_event`] never returns an
-//! error.
+//! reports [`WorkerError::Broken`], or whose rings are not inside guest memory
+//! (`Queue::is_valid`, checked before every event: a ring at a region's edge made workers
+//! spin), is logged once and parked (its kicks are consumed and ignored) until the device is
+//! reset, and reported to the frontend through the [`Report`] (vring error eventfds,
+//! DEVICE_NEEDS_RESET in `GET_STATUS`); [`VhostUserBackend::handle_event`] never returns an
+//! error. The statistics never wait for a worker (a busy one is reported as such).
 
 use std::io;
 use std::os::fd::RawFd;
@@ -25,6 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use devices::virtio::{QueueWorker, VirtioDevice, WorkerError, WorkerEvent};
 use serde_json::json;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::Backend;
 use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
@@ -34,6 +38,7 @@ use vmm_sys_util::event::{
 };
 
 use super::layout::QueueLayout;
+use super::report::Report;
 
 /// Guest memory as the vhost-user backend maps it (no dirty-page bitmap).
 pub type Memory = GuestMemoryMmap<()>;
@@ -155,6 +160,12 @@ pub struct VhostUserDevice<D> {
     handlers: Mutex<Vec<Arc<dyn Listeners>>>,
     mem: RwLock<Option<AtomicMemory>>,
     event_idx: AtomicBool,
+    /// The backend request channel (`SET_BACKEND_REQ_FD`), kept open for the session: QEMU
+    /// watches it, and reads a closed one as "Unexpected end-of-file before all data were
+    /// read" (it printed that for every session when the channel was dropped on arrival).
+    backend_req: Mutex<Option<Backend>>,
+    /// Broken workers reported to the frontend (shared with the relay).
+    report: Arc<Report>,
     counters: Counters,
 }
 
@@ -175,17 +186,24 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
-    /// Wraps `device`, with its queues grouped onto threads by [`QueueLayout::for_device`].
+    /// Wraps `device`, with its queues grouped onto threads by the device's [`VirtioDevice::queue_groups`].
     pub fn new(device: D) -> Self {
         Self::shared(Arc::new(Mutex::new(device)))
     }
 
     /// Wraps a device shared with others (the server makes one adapter per connection around
-    /// the same device), with the layout of [`QueueLayout::for_device`].
+    /// the same device), with the layout of its [`VirtioDevice::queue_groups`].
     pub fn shared(device: Arc<Mutex<D>>) -> Self {
+        // The device declares which queues one worker serves together, before activation.
         let layout = {
             let d = lock(&device);
-            QueueLayout::for_device(d.device_type(), d.num_queues())
+            let groups = d.queue_groups();
+            QueueLayout::new(d.num_queues(), &groups).unwrap_or_else(|e| {
+                tracing::error!(
+                    "the device's queue groups {groups:?} are not a layout ({e}); one thread per queue"
+                );
+                QueueLayout::one_per_queue(d.num_queues())
+            })
         };
         Self::with_layout(device, layout)
     }
@@ -203,10 +221,12 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         };
         // MQ is offered whatever the queue count: it is what lets the frontend ask for it
         // (GET_QUEUE_NUM), and QEMU checks its own queue count against the answer.
+        // STATUS: SET_STATUS/GET_STATUS are answered by the relay (see `report`).
         let mut protocol_features = VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
-            | VhostUserProtocolFeatures::RESET_DEVICE;
+            | VhostUserProtocolFeatures::RESET_DEVICE
+            | VhostUserProtocolFeatures::STATUS;
         if features & devices::virtio::features::ACCESS_PLATFORM != 0 {
             // QEMU refuses a backend that offers ACCESS_PLATFORM without the backend request
             // channel ("IOMMU support requires reply-ack and slave-req protocol features"):
@@ -227,8 +247,20 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             handlers: Mutex::default(),
             mem: RwLock::default(),
             event_idx: AtomicBool::new(false),
+            backend_req: Mutex::default(),
+            report: Arc::new(Report::new(num_queues)),
             counters: Counters::default(),
         }
+    }
+
+    /// Error reporting of this connection (give it to the relay).
+    pub fn report(&self) -> Arc<Report> {
+        self.report.clone()
+    }
+
+    /// The number of queues offered to the frontend (`GET_QUEUE_NUM`).
+    pub fn num_queues_offered(&self) -> usize {
+        self.num_queues
     }
 
     /// The thread layout.
@@ -253,6 +285,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         *neg = NegState::default();
         drop(neg);
         lock(&self.handlers).clear();
+        *lock(&self.backend_req) = None;
         if let Ok(mut mem) = self.mem.write() {
             *mem = None;
         }
@@ -261,23 +294,42 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
 
     /// Statistics: the device's own (with its bounce pool's), its workers', and the
     /// transport's counters.
+    ///
+    /// Never waits for a worker or the negotiation: a thread busy in a worker (or a stop
+    /// waiting for one) shows as `"busy"`, so the statistics socket and SIGUSR1 always answer.
     pub fn stats(&self) -> serde_json::Value {
-        let device = lock(&self.device).stats();
+        let device = match self.device.try_lock() {
+            Ok(d) => d.stats(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().stats(),
+            Err(std::sync::TryLockError::WouldBlock) => json!("busy"),
+        };
         let mut workers = Vec::new();
         for t in &self.threads {
-            for w in &lock(t).workers {
-                workers.push(w.worker.stats());
+            match t.try_lock() {
+                Ok(t) => workers.extend(t.workers.iter().map(|w| w.worker.stats())),
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    workers.extend(p.into_inner().workers.iter().map(|w| w.worker.stats()))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => workers.push(json!("busy")),
             }
         }
         let c = &self.counters;
-        let neg = lock(&self.neg);
+        let (active, acked) = match self.neg.try_lock() {
+            Ok(n) => (json!(n.active), json!(n.acked.map(|f| format!("{f:#x}")))),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                let n = p.into_inner();
+                (json!(n.active), json!(n.acked.map(|f| format!("{f:#x}"))))
+            }
+            Err(std::sync::TryLockError::WouldBlock) => (json!("busy"), json!("busy")),
+        };
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         json!({
             "device": device,
             "workers": workers,
+            "report": self.report.stats(),
             "transport": {
-                "active": neg.active,
-                "acked_features": neg.acked.map(|f| format!("{f:#x}")),
+                "active": active,
+                "acked_features": acked,
                 "event_idx": self.event_idx.load(Ordering::Relaxed),
                 "kicks": get(&c.kicks),
                 "fd_events": get(&c.fd_events),
@@ -360,6 +412,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         }
         neg.active = true;
         neg.failed = false;
+        self.report.clear();
         Counters::inc(&self.counters.activations);
     }
 }
@@ -385,6 +438,18 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         lock(&self.device).reset();
         neg.active = false;
         Counters::inc(&self.counters.resets);
+    }
+
+    /// Parks a worker until the device is reset, and reports it: DEVICE_NEEDS_RESET and the
+    /// error eventfds of its queues (so the guest's I/O fails instead of hanging).
+    fn mark_broken(&self, w: &mut WorkerSlot, thread_id: usize, reason: &str) {
+        w.broken = true;
+        Counters::inc(&self.counters.broken_workers);
+        let queues = w.worker.queue_indexes();
+        self.report.broken(&queues);
+        tracing::error!(
+            "device worker for queues {queues:?} (thread {thread_id}) is broken and parked until reset: {reason}"
+        );
     }
 
     /// Activates the device if features were acknowledged and it is not running (after a
@@ -492,6 +557,18 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             Counters::inc(&self.counters.not_ready_events);
             return;
         }
+        // Every ring must lie inside guest memory (checked on each event: the memory table
+        // may have changed since the last one). A ring at a region's edge let workers read
+        // the avail index but never an entry, and spin on it holding the vring lock.
+        if let Some(k) = states.iter().position(|s| !s.get_queue().is_valid(&*guard)) {
+            let q = w.worker.queue_indexes().get(k).copied().unwrap_or(0);
+            self.mark_broken(
+                w,
+                thread_id,
+                &format!("the rings of queue {q} are not inside guest memory"),
+            );
+            return;
+        }
         let mut queues: Vec<&mut Queue> = states.iter_mut().map(|s| s.get_queue_mut()).collect();
         let result = w.worker.handle(event, &*guard, &mut queues);
         drop(queues);
@@ -508,14 +585,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                     }
                 }
             }
-            Err(WorkerError::Broken(reason)) => {
-                w.broken = true;
-                Counters::inc(&self.counters.broken_workers);
-                tracing::error!(
-                    "device worker for queues at positions {:?} of thread {thread_id} is broken and parked until reset: {reason}",
-                    w.positions
-                );
-            }
+            Err(WorkerError::Broken(reason)) => self.mark_broken(w, thread_id, &reason),
             Err(WorkerError::UnexpectedEvent(ev)) => {
                 Counters::inc(&self.counters.ignored_events);
                 if !w.warned {
@@ -588,6 +658,11 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
             .map_err(|_| io::Error::other("memory lock poisoned"))?;
         *slot = Some(mem);
         Ok(())
+    }
+
+    fn set_backend_req_fd(&self, backend: Backend) {
+        // Nothing is sent on it yet (no IOTLB misses without a vIOMMU), but it must stay open.
+        *lock(&self.backend_req) = Some(backend);
     }
 
     fn queues_per_thread(&self) -> Vec<u64> {

@@ -5,8 +5,6 @@
 //! layout must therefore be known up front: a [`QueueWorker`](devices::virtio::QueueWorker)
 //! that serves several queues needs them all on one thread.
 
-use devices::virtio::device_type;
-
 /// Most queues a layout can describe (`vhost-user-backend` uses 64-bit masks).
 pub const MAX_QUEUES: usize = 64;
 
@@ -32,6 +30,25 @@ pub enum LayoutError {
     /// A group is empty.
     #[error("group {0} is empty")]
     EmptyGroup(usize),
+    /// The device has more queues than vhost-user-backend can serve.
+    #[error("the device has {0} queues; vhost-user serves at most {MAX_QUEUES}")]
+    TooManyQueues(usize),
+}
+
+/// Most net queue pairs over vhost-user: 2 queues per pair plus the control queue must fit in
+/// [`MAX_QUEUES`] vrings.
+pub const MAX_NET_QUEUE_PAIRS: u16 = ((MAX_QUEUES - 1) / 2) as u16;
+
+/// Refuses a device whose queues do not all fit in a layout (`vhost-user-backend` describes
+/// threads by 64-bit queue masks: queue 64 and above could never be served).
+///
+/// # Errors
+/// [`LayoutError::TooManyQueues`].
+pub fn check_queue_count(num_queues: usize) -> Result<(), LayoutError> {
+    if num_queues > MAX_QUEUES {
+        return Err(LayoutError::TooManyQueues(num_queues));
+    }
+    Ok(())
 }
 
 /// Queues grouped onto threads: thread `i` serves the queues whose bits are set in mask `i`.
@@ -79,28 +96,12 @@ impl QueueLayout {
         Ok(Self { masks })
     }
 
-    /// The layout a device type needs: block, one thread per queue; net, one thread per
-    /// rx/tx pair (queues `2i`, `2i + 1`) and one for a trailing control queue; any other
-    /// type, every queue on one thread.
-    pub fn for_device(device_type: u32, num_queues: usize) -> Self {
-        let n = num_queues.min(MAX_QUEUES);
-        let masks = match device_type {
-            device_type::BLOCK => (0..n).map(|q| 1u64 << q).collect(),
-            device_type::NET => {
-                let mut masks: Vec<u64> = (0..n / 2).map(|p| 0b11u64 << (2 * p)).collect();
-                if n % 2 == 1 {
-                    masks.push(1u64 << (n - 1));
-                }
-                masks
-            }
-            _ => vec![if n == MAX_QUEUES {
-                u64::MAX
-            } else {
-                (1u64 << n) - 1
-            }],
-        };
-        let masks = if masks.is_empty() { vec![0] } else { masks };
-        Self { masks }
+    /// One thread per queue (the layout of a device whose declared groups are unusable).
+    pub fn one_per_queue(num_queues: usize) -> Self {
+        let n = num_queues.clamp(1, MAX_QUEUES);
+        Self {
+            masks: (0..n).map(|q| 1u64 << q).collect(),
+        }
     }
 
     /// Number of threads.
@@ -140,15 +141,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn block_layout_is_one_thread_per_queue() {
-        let l = QueueLayout::for_device(device_type::BLOCK, 3);
-        assert_eq!(l.masks(), vec![1, 2, 4]);
-        assert_eq!(l.place(&[2]), Some((2, vec![0])));
-    }
-
-    #[test]
-    fn net_layout_pairs_rx_tx_and_isolates_the_control_queue() {
-        let l = QueueLayout::for_device(device_type::NET, 5);
+    fn net_groups_pair_rx_tx_and_isolate_the_control_queue() {
+        let l = QueueLayout::new(5, &[vec![0, 1], vec![2, 3], vec![4]]).unwrap();
         assert_eq!(l.masks(), vec![0b11, 0b1100, 0b10000]);
         assert_eq!(l.place(&[2, 3]), Some((1, vec![0, 1])));
         assert_eq!(l.place(&[3, 2]), Some((1, vec![1, 0])));
@@ -156,6 +150,20 @@ mod tests {
         assert_eq!(l.place(&[1, 2]), None);
         assert_eq!(l.place(&[]), None);
         assert_eq!(l.place(&[200]), None);
+        assert_eq!(QueueLayout::one_per_queue(3).masks(), vec![1, 2, 4]);
+    }
+
+    #[test]
+    fn queue_counts_beyond_the_masks_are_refused() {
+        // Regression (issue 11 item 10): net with 32 pairs has 65 queues; the layout silently
+        // dropped queue 64 (the control queue) and activation failed later.
+        assert_eq!(check_queue_count(64), Ok(()));
+        assert_eq!(
+            check_queue_count(2 * 32 + 1),
+            Err(LayoutError::TooManyQueues(65))
+        );
+        assert_eq!(2 * usize::from(MAX_NET_QUEUE_PAIRS) + 1, 63);
+        assert!(check_queue_count(2 * usize::from(MAX_NET_QUEUE_PAIRS) + 1).is_ok());
     }
 
     #[test]

@@ -7,11 +7,13 @@
 //! - [`layout`]: which queues share a thread;
 //! - [`relay`]: passes the control messages between the frontend and `vhost-user-backend`,
 //!   accepting QEMU 7.2's `SET_VRING_ENABLE` before `SET_FEATURES`;
+//! - [`report`]: a broken worker reported to the frontend (vring error fds, DEVICE_NEEDS_RESET);
 //! - [`server`]: the listening socket, one connection after another, signals, statistics.
 
 pub mod backend;
 pub mod layout;
 pub mod relay;
+pub mod report;
 pub mod server;
 
 pub use backend::{Memory, VhostUserDevice};

@@ -10,11 +10,18 @@
 //! The relay sits between the frontend's socket and the backend's request handler and passes
 //! every message through unchanged (header, body and attached file descriptors), except:
 //! - a `SET_VRING_ENABLE` that arrives before `SET_FEATURES` is held (the last value per
-//!   queue) and acknowledged by the relay itself if the frontend asked for a reply;
+//!   queue) and acknowledged by the relay itself if the frontend asked for a reply; one the
+//!   backend would refuse (a queue index the device does not have, a value other than 0 or 1)
+//!   is refused (a failure reply if one was asked for) and never held, so what is held is
+//!   bounded by the device's queue count;
 //! - right after forwarding a `SET_FEATURES` that acknowledges `PROTOCOL_FEATURES`, the held
 //!   requests are forwarded (without the need-reply flag, as their reply was already given),
 //!   so the rings end up enabled exactly as the frontend asked. Without `PROTOCOL_FEATURES`
 //!   the spec says rings start enabled, and the held requests are dropped;
+//! - `SET_VRING_ERR` is forwarded, and a duplicate of its eventfd kept in the [`Report`],
+//!   so a broken worker can signal it (`vhost-user-backend` keeps its copy private);
+//! - `SET_STATUS` and `GET_STATUS` (`VHOST_USER_PROTOCOL_F_STATUS`) are answered by the relay
+//!   from the [`Report`], which adds DEVICE_NEEDS_RESET while a worker is broken;
 //! - `RESET_OWNER` and `RESET_DEVICE` return the relay to its initial state.
 //!
 //! Only the control path goes through the relay: the rings, kicks and calls are shared memory
@@ -30,6 +37,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 
 use serde::Serialize;
+
+use super::report::Report;
 use vhost::vhost_user::message::{FrontendReq, VhostUserVirtioFeatures, MAX_ATTACHED_FD_ENTRIES};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
@@ -198,6 +207,8 @@ pub struct RelayStats {
     pub early_enables_replayed: u64,
     /// Held requests dropped (features without `PROTOCOL_FEATURES`, or a reset).
     pub early_enables_dropped: u64,
+    /// Early requests refused (queue index out of range, or a value other than 0/1).
+    pub early_enables_refused: u64,
 }
 
 #[derive(Debug, Default)]
@@ -207,6 +218,7 @@ struct AtomicStats {
     held: AtomicU64,
     replayed: AtomicU64,
     dropped: AtomicU64,
+    refused: AtomicU64,
 }
 
 impl AtomicStats {
@@ -218,6 +230,7 @@ impl AtomicStats {
             early_enables_held: g(&self.held),
             early_enables_replayed: g(&self.replayed),
             early_enables_dropped: g(&self.dropped),
+            early_enables_refused: g(&self.refused),
         }
     }
 }
@@ -227,12 +240,26 @@ fn add(a: &AtomicU64, n: u64) {
 }
 
 /// The frontend-to-backend direction's state.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Sequencer {
+    /// Error fds and the device status, shared with the adapter.
+    report: Arc<Report>,
+    /// The device's queue count: early enables for queues at or above it are refused.
+    num_queues: u32,
     /// True once `SET_FEATURES` went through (until a reset).
     features_set: bool,
-    /// Early `SET_VRING_ENABLE` values by queue index.
+    /// Early `SET_VRING_ENABLE` values by queue index (indexes below `num_queues`, values 0
+    /// or 1: at most `num_queues` entries).
     held: BTreeMap<u32, u32>,
+}
+
+/// A reply to `request` carrying the u64 `value` (REPLY_ACK: 0 success, else failure).
+fn u64_reply(request: u32, value: u64) -> Message {
+    Message::new(
+        request,
+        FLAG_VERSION | FLAG_REPLY,
+        value.to_le_bytes().to_vec(),
+    )
 }
 
 /// What to do with a message from the frontend.
@@ -250,8 +277,24 @@ const SET_FEATURES: u32 = FrontendReq::SET_FEATURES as u32;
 const SET_VRING_ENABLE: u32 = FrontendReq::SET_VRING_ENABLE as u32;
 const RESET_OWNER: u32 = FrontendReq::RESET_OWNER as u32;
 const RESET_DEVICE: u32 = FrontendReq::RESET_DEVICE as u32;
+const SET_VRING_ERR: u32 = FrontendReq::SET_VRING_ERR as u32;
+const SET_STATUS: u32 = FrontendReq::SET_STATUS as u32;
+const GET_STATUS: u32 = FrontendReq::GET_STATUS as u32;
+/// SET_VRING_ERR/KICK/CALL body: the queue index's bits.
+const VRING_INDEX_MASK: u64 = 0xff;
+/// SET_VRING_ERR/KICK/CALL body: no fd attached.
+const VRING_NOFD_MASK: u64 = 0x100;
 
 impl Sequencer {
+    fn new(num_queues: usize, report: Arc<Report>) -> Self {
+        Self {
+            report,
+            num_queues: u32::try_from(num_queues).unwrap_or(u32::MAX),
+            features_set: false,
+            held: BTreeMap::new(),
+        }
+    }
+
     fn on_message(&mut self, msg: Message, stats: &AtomicStats) -> Action {
         match msg.request {
             SET_VRING_ENABLE if !self.features_set => {
@@ -259,17 +302,28 @@ impl Sequencer {
                     // Malformed: let the backend's dispatcher reject it.
                     return Action::Forward(vec![msg]);
                 };
+                let need_reply = msg.flags & FLAG_NEED_REPLY != 0;
+                if index >= self.num_queues || num > 1 {
+                    // What the backend refuses once features are set: refused now too, and
+                    // never held.
+                    tracing::warn!(
+                        "refusing early SET_VRING_ENABLE({index}, {num}): the device has {} queues and the value must be 0 or 1",
+                        self.num_queues
+                    );
+                    add(&stats.refused, 1);
+                    return if need_reply {
+                        Action::Reply(u64_reply(msg.request, 1))
+                    } else {
+                        Action::Nothing
+                    };
+                }
                 tracing::debug!(
                     "holding SET_VRING_ENABLE({index}, {num}) received before SET_FEATURES"
                 );
                 self.held.insert(index, num);
                 add(&stats.held, 1);
-                if msg.flags & FLAG_NEED_REPLY != 0 {
-                    Action::Reply(Message::new(
-                        msg.request,
-                        FLAG_VERSION | FLAG_REPLY,
-                        0u64.to_le_bytes().to_vec(),
-                    ))
+                if need_reply {
+                    Action::Reply(u64_reply(msg.request, 0))
                 } else {
                     Action::Nothing
                 }
@@ -297,7 +351,39 @@ impl Sequencer {
                 }
                 Action::Forward(out)
             }
+            SET_VRING_ERR => {
+                if let Some(v) = msg.body_u64() {
+                    // The index is 8 bits: it fits usize.
+                    let index = (v & VRING_INDEX_MASK) as usize;
+                    let fd = match msg.fds.first() {
+                        Some(fd) if v & VRING_NOFD_MASK == 0 => match fd.try_clone() {
+                            Ok(dup) => Some(dup),
+                            Err(e) => {
+                                tracing::warn!("keeping the error fd of vring {index}: {e}");
+                                None
+                            }
+                        },
+                        _ => None,
+                    };
+                    self.report.set_err_fd(index, fd);
+                }
+                Action::Forward(vec![msg])
+            }
+            SET_STATUS => {
+                match msg.body_u64() {
+                    // virtio status is one byte; higher bits mean nothing.
+                    Some(v) => self.report.set_status((v & 0xff) as u8),
+                    None => tracing::warn!("SET_STATUS without a status: ignored"),
+                }
+                if msg.flags & FLAG_NEED_REPLY != 0 {
+                    Action::Reply(u64_reply(msg.request, 0))
+                } else {
+                    Action::Nothing
+                }
+            }
+            GET_STATUS => Action::Reply(u64_reply(msg.request, u64::from(self.report.status()))),
             RESET_OWNER | RESET_DEVICE => {
+                self.report.reset();
                 self.features_set = false;
                 add(&stats.dropped, self.held.len() as u64);
                 self.held.clear();
@@ -319,11 +405,17 @@ pub struct Relay {
 
 impl Relay {
     /// Starts relaying between `frontend` (the VMM's connection) and `backend` (the request
-    /// handler's connection).
+    /// handler's connection) for a device of `num_queues` queues, keeping error fds and the
+    /// status in `report`.
     ///
     /// # Errors
     /// Socket cloning or thread creation failed.
-    pub fn start(frontend: UnixStream, backend: UnixStream) -> io::Result<Self> {
+    pub fn start(
+        frontend: UnixStream,
+        backend: UnixStream,
+        num_queues: usize,
+        report: Arc<Report>,
+    ) -> io::Result<Self> {
         let stats = Arc::new(AtomicStats::default());
         let fe_writer = Arc::new(Mutex::new(frontend.try_clone()?));
 
@@ -336,7 +428,7 @@ impl Relay {
         let down = thread::Builder::new()
             .name("vu-relay-req".into())
             .spawn(move || {
-                let mut seq = Sequencer::default();
+                let mut seq = Sequencer::new(num_queues, report);
                 loop {
                     let msg = match recv_message(&fe_in) {
                         Ok(Some(m)) => m,
@@ -452,7 +544,7 @@ mod tests {
     #[test]
     fn early_enable_is_held_and_replayed_after_features() {
         let st = AtomicStats::default();
-        let mut seq = Sequencer::default();
+        let mut seq = Sequencer::new(4, Arc::new(Report::new(4)));
         assert!(matches!(
             seq.on_message(enable(0, 1, FLAG_VERSION), &st),
             Action::Nothing
@@ -495,7 +587,7 @@ mod tests {
     #[test]
     fn early_enable_needing_a_reply_is_acknowledged_by_the_relay() {
         let st = AtomicStats::default();
-        let mut seq = Sequencer::default();
+        let mut seq = Sequencer::new(4, Arc::new(Report::new(4)));
         let Action::Reply(r) = seq.on_message(enable(0, 1, FLAG_VERSION | FLAG_NEED_REPLY), &st)
         else {
             panic!("a reply was requested");
@@ -508,7 +600,7 @@ mod tests {
     #[test]
     fn held_enables_are_dropped_without_protocol_features_or_on_reset() {
         let st = AtomicStats::default();
-        let mut seq = Sequencer::default();
+        let mut seq = Sequencer::new(4, Arc::new(Report::new(4)));
         seq.on_message(enable(0, 1, FLAG_VERSION), &st);
         let Action::Forward(out) = seq.on_message(features(1 << 32), &st) else {
             panic!();
@@ -518,6 +610,67 @@ mod tests {
         seq.on_message(enable(0, 1, FLAG_VERSION), &st);
         seq.on_message(Message::new(RESET_OWNER, FLAG_VERSION, vec![]), &st);
         assert_eq!(st.snapshot().early_enables_dropped, 2);
+    }
+
+    #[test]
+    fn early_enables_the_backend_would_refuse_are_refused_and_not_held() {
+        // Regression (issue 11 item 7): vring 4000 before SET_FEATURES was held (without bound)
+        // and acknowledged as a success.
+        let st = AtomicStats::default();
+        let mut seq = Sequencer::new(2, Arc::new(Report::new(2)));
+        let need = FLAG_VERSION | FLAG_NEED_REPLY;
+        for (index, num) in [(2, 1), (4000, 1), (u32::MAX, 0), (0, 2), (1, u32::MAX)] {
+            let Action::Reply(r) = seq.on_message(enable(index, num, need), &st) else {
+                panic!("({index}, {num}): a reply was requested");
+            };
+            assert_eq!(r.body_u64(), Some(1), "({index}, {num}) must be refused");
+            assert!(matches!(
+                seq.on_message(enable(index, num, FLAG_VERSION), &st),
+                Action::Nothing
+            ));
+        }
+        assert!(seq.held.is_empty());
+        // Valid ones are still held, one entry per queue however many arrive.
+        for i in 0..1000u32 {
+            seq.on_message(enable(i % 2, i & 1, FLAG_VERSION), &st);
+        }
+        assert_eq!(seq.held.len(), 2);
+        let s = st.snapshot();
+        assert_eq!((s.early_enables_refused, s.early_enables_held), (10, 1000));
+    }
+
+    #[test]
+    fn status_is_answered_with_needs_reset_and_error_fds_are_kept() {
+        use std::io::Read;
+        let report = Arc::new(Report::new(2));
+        let st = AtomicStats::default();
+        let mut seq = Sequencer::new(2, report.clone());
+        // A socket stands in for the eventfd: the 8 bytes written come out of the other end.
+        let (ev, theirs) = UnixStream::pair().unwrap();
+        let mut m = Message::new(SET_VRING_ERR, FLAG_VERSION, 1u64.to_le_bytes().to_vec());
+        m.fds.push(OwnedFd::from(theirs));
+        assert!(matches!(seq.on_message(m, &st), Action::Forward(v) if v.len() == 1));
+        assert!(report.has_err_fd(1));
+        let set = Message::new(
+            SET_STATUS,
+            FLAG_VERSION | FLAG_NEED_REPLY,
+            0x0fu64.to_le_bytes().to_vec(),
+        );
+        assert!(matches!(seq.on_message(set, &st), Action::Reply(r) if r.body_u64() == Some(0)));
+        let get = || Message::new(GET_STATUS, FLAG_VERSION, vec![]);
+        assert!(
+            matches!(seq.on_message(get(), &st), Action::Reply(r) if r.body_u64() == Some(0x0f))
+        );
+        report.broken(&[1]);
+        let mut b = [0u8; 8];
+        (&ev).read_exact(&mut b).unwrap();
+        assert_eq!(u64::from_ne_bytes(b), 1);
+        assert!(
+            matches!(seq.on_message(get(), &st), Action::Reply(r) if r.body_u64() == Some(0x4f))
+        );
+        seq.on_message(Message::new(RESET_DEVICE, FLAG_VERSION, vec![]), &st);
+        assert!(!report.has_err_fd(1));
+        assert!(matches!(seq.on_message(get(), &st), Action::Reply(r) if r.body_u64() == Some(0)));
     }
 
     #[test]

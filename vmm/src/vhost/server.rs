@@ -28,6 +28,7 @@ use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::backend::{Memory, VhostUserDevice};
+use super::layout::{check_queue_count, LayoutError};
 use super::relay::{Relay, RelayStats};
 
 /// Errors of the server.
@@ -39,6 +40,9 @@ pub enum ServerError {
     /// The socket path exists and is not a socket.
     #[error("{0} exists and is not a socket")]
     NotASocket(PathBuf),
+    /// The device cannot be served over vhost-user (too many queues).
+    #[error("{0}")]
+    Layout(#[from] LayoutError),
     /// Binding or preparing a socket failed.
     #[error("cannot listen on {path}: {source}")]
     Bind {
@@ -223,7 +227,9 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
     /// Listens on `socket` for `device`.
     ///
     /// # Errors
-    /// As [`bind_socket`]; [`ServerError::Os`] when the stop event cannot be created.
+    /// [`ServerError::Layout`] for a device with more queues than vhost-user can serve (before
+    /// the socket is touched); as [`bind_socket`]; [`ServerError::Os`] when the stop event
+    /// cannot be created.
     pub fn bind(name: &str, device: D, socket: &Path) -> Result<Self> {
         Self::bind_mode(name, device, socket, crate::sock::DEFAULT_SOCKET_MODE)
     }
@@ -233,6 +239,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
     /// # Errors
     /// As [`Server::bind`].
     pub fn bind_mode(name: &str, device: D, socket: &Path, mode: u32) -> Result<Self> {
+        check_queue_count(device.num_queues())?;
         let listener = bind_socket_mode(socket, mode)?;
         let stop = EventFd::new(EFD_NONBLOCK).map_err(os("creating the stop event"))?;
         Ok(Self {
@@ -454,7 +461,12 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
                 return Err(e);
             }
         };
-        let relay = match Relay::start(frontend, backend) {
+        let relay = match Relay::start(
+            frontend,
+            backend,
+            adapter.num_queues_offered(),
+            adapter.report(),
+        ) {
             Ok(r) => r,
             Err(e) => {
                 exit_daemon(&daemon, &adapter);
@@ -487,6 +499,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
                 total.early_enables_held += stats.early_enables_held;
                 total.early_enables_replayed += stats.early_enables_replayed;
                 total.early_enables_dropped += stats.early_enables_dropped;
+                total.early_enables_refused += stats.early_enables_refused;
                 drop(total);
                 let _ = done2.write(1);
             })?;

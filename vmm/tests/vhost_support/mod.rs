@@ -73,6 +73,10 @@ impl VirtioDevice<Memory> for EchoDevice {
     fn queue_max_size(&self) -> u16 {
         256
     }
+    fn queue_groups(&self) -> Vec<Vec<u16>> {
+        // One worker serves every queue.
+        vec![(0..self.queues as u16).collect()]
+    }
     fn avail_features(&self) -> u64 {
         features::VERSION_1 | features::RING_EVENT_IDX | features::ACCESS_PLATFORM
     }
@@ -218,6 +222,8 @@ pub struct Driver {
     pub mem: GuestMemoryMmap,
     pub kicks: Vec<EventFd>,
     pub calls: Vec<EventFd>,
+    /// Vring error eventfds (SET_VRING_ERR), one per queue.
+    pub errs: Vec<EventFd>,
     avail_idx: Vec<u16>,
     used_seen: Vec<u16>,
 }
@@ -268,6 +274,9 @@ impl Driver {
             calls: (0..queues)
                 .map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap())
                 .collect(),
+            errs: (0..queues)
+                .map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap())
+                .collect(),
             avail_idx: vec![0; queues],
             used_seen: vec![0; queues],
         }
@@ -284,6 +293,11 @@ impl Driver {
 
     /// SET_OWNER, GET_FEATURES, protocol features; returns the backend's virtio features.
     pub fn handshake(&mut self) -> vhost::Result<u64> {
+        self.handshake_with(VhostUserProtocolFeatures::empty())
+    }
+
+    /// As [`Driver::handshake`], also acknowledging `extra` protocol features if offered.
+    pub fn handshake_with(&mut self, extra: VhostUserProtocolFeatures) -> vhost::Result<u64> {
         self.frontend.set_owner()?;
         let features = self.frontend.get_features()?;
         let proto = self.frontend.get_protocol_features()?;
@@ -291,9 +305,39 @@ impl Driver {
             proto
                 & (VhostUserProtocolFeatures::CONFIG
                     | VhostUserProtocolFeatures::REPLY_ACK
-                    | VhostUserProtocolFeatures::MQ),
+                    | VhostUserProtocolFeatures::MQ
+                    | extra),
         )?;
         Ok(features)
+    }
+
+    /// Sends one request on the raw socket and, when `reply` is set, reads its reply (for
+    /// requests the `vhost` frontend does not send: GET_STATUS, out-of-range indexes, QEMU's
+    /// early enables with NEED_REPLY).
+    pub fn raw_request(
+        &mut self,
+        request: u32,
+        flags: u32,
+        body: &[u8],
+        reply: bool,
+    ) -> Option<vmm::vhost::relay::Message> {
+        let msg = vmm::vhost::relay::Message::new(request, flags, body.to_vec());
+        vmm::vhost::relay::send_message(&self.raw, &msg).unwrap();
+        if !reply {
+            return None;
+        }
+        let r = vmm::vhost::relay::recv_message(&self.raw)
+            .expect("reply")
+            .expect("the backend closed the connection instead of replying");
+        assert_eq!(r.request, request, "reply to another request");
+        Some(r)
+    }
+
+    /// GET_STATUS (needs VHOST_USER_PROTOCOL_F_STATUS).
+    pub fn get_status(&mut self) -> u8 {
+        let r = self.raw_request(40, 0x1, &[], true).unwrap();
+        let v = u64::from_le_bytes(r.body[..8].try_into().unwrap());
+        u8::try_from(v).unwrap()
     }
 
     /// SET_FEATURES with `features | PROTOCOL_FEATURES`.
@@ -302,16 +346,16 @@ impl Driver {
             .set_features(features | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
     }
 
-    /// SET_MEM_TABLE and the rings of queues `0..n` (num, base, addr, kick, call).
-    pub fn setup_rings(&mut self, n: usize) -> vhost::Result<()> {
+    /// SET_MEM_TABLE with the driver's one region.
+    pub fn set_mem_table(&mut self) -> vhost::Result<()> {
         let region = self.mem.find_region(GuestAddress(0)).unwrap();
         let info = VhostUserMemoryRegionInfo::from_guest_region(region)?;
-        self.frontend.set_mem_table(&[info])?;
-        let host = |gpa: u64| {
-            region
-                .get_host_address(vm_memory::MemoryRegionAddress(gpa))
-                .unwrap() as u64
-        };
+        self.frontend.set_mem_table(&[info]).map(drop)
+    }
+
+    /// SET_MEM_TABLE and the rings of queues `0..n` (num, base, addr, kick, call, err).
+    pub fn setup_rings(&mut self, n: usize) -> vhost::Result<()> {
+        self.set_mem_table()?;
         for q in 0..n {
             // Zero the rings (a previous session may have left indexes behind).
             self.mem
@@ -319,24 +363,48 @@ impl Driver {
                 .unwrap();
             self.avail_idx[q] = 0;
             self.used_seen[q] = 0;
-            self.frontend.set_vring_num(q, QSIZE)?;
-            self.frontend.set_vring_base(q, 0)?;
-            self.frontend.set_vring_addr(
-                q,
-                &VringConfigData {
-                    queue_max_size: QSIZE,
-                    queue_size: QSIZE,
-                    flags: 0,
-                    desc_table_addr: host(desc_addr(q)),
-                    used_ring_addr: host(used_addr(q)),
-                    avail_ring_addr: host(avail_addr(q)),
-                    log_addr: None,
-                },
-            )?;
-            self.frontend.set_vring_kick(q, &self.kicks[q])?;
-            self.frontend.set_vring_call(q, &self.calls[q])?;
+            self.configure_ring(q, desc_addr(q), avail_addr(q), used_addr(q))?;
         }
         Ok(())
+    }
+
+    /// SET_VRING_NUM/BASE/ADDR/KICK/CALL/ERR of queue `q` with its rings at the given guest
+    /// addresses (inside the one region; the rings themselves may reach past its end).
+    pub fn configure_ring(
+        &mut self,
+        q: usize,
+        desc: u64,
+        avail: u64,
+        used: u64,
+    ) -> vhost::Result<()> {
+        // Host addresses as the frontend sees them: the region's mapping plus the offset
+        // (plain arithmetic: a ring may reach past the region's end on purpose).
+        let region = self.mem.find_region(GuestAddress(0)).unwrap();
+        let base = region
+            .get_host_address(vm_memory::MemoryRegionAddress(0))
+            .unwrap() as u64;
+        self.frontend.set_vring_num(q, QSIZE)?;
+        self.frontend.set_vring_base(q, 0)?;
+        self.frontend.set_vring_addr(
+            q,
+            &VringConfigData {
+                queue_max_size: QSIZE,
+                queue_size: QSIZE,
+                flags: 0,
+                desc_table_addr: base + desc,
+                used_ring_addr: base + used,
+                avail_ring_addr: base + avail,
+                log_addr: None,
+            },
+        )?;
+        self.frontend.set_vring_kick(q, &self.kicks[q])?;
+        self.frontend.set_vring_call(q, &self.calls[q])?;
+        self.frontend.set_vring_err(q, &self.errs[q])
+    }
+
+    /// Waits up to `timeout` for the error eventfd of queue `q`.
+    pub fn wait_err(&self, q: usize, timeout: Duration) -> bool {
+        wait_fd(self.errs[q].as_raw_fd(), timeout) && self.errs[q].read().is_ok()
     }
 
     /// Posts a chain (one readable buffer with `data`, one writable of `out_len`) on queue
@@ -362,11 +430,40 @@ impl Driver {
             .unwrap();
         self.mem.write_obj(2u16, d(next).unchecked_add(12)).unwrap();
         self.mem.write_obj(0u16, d(next).unchecked_add(14)).unwrap();
+        self.publish(q, head);
+        head
+    }
+
+    /// Posts one chain made of descriptors `first..first + bufs.len()` of queue `q` (each
+    /// `(guest address, length, device-writable)`), publishes it and kicks. Returns the head.
+    pub fn post_descs(&mut self, q: usize, first: u16, bufs: &[(u64, u32, bool)]) -> u16 {
+        let n = u16::try_from(bufs.len()).unwrap();
+        assert!(
+            n > 0 && first + n <= QSIZE,
+            "descriptors {first}+{n} out of the table"
+        );
+        for (i, &(addr, len, write)) in (first..).zip(bufs) {
+            let d = GuestAddress(desc_addr(q) + u64::from(i) * 16);
+            let last = i + 1 == first + n;
+            let flags = u16::from(!last) | if write { 2 } else { 0 };
+            self.mem.write_obj(addr, d).unwrap();
+            self.mem.write_obj(len, d.unchecked_add(8)).unwrap();
+            self.mem.write_obj(flags, d.unchecked_add(12)).unwrap();
+            self.mem
+                .write_obj(if last { 0 } else { i + 1 }, d.unchecked_add(14))
+                .unwrap();
+        }
+        self.publish(q, first);
+        first
+    }
+
+    /// Adds `head` to the avail ring of queue `q` and kicks.
+    fn publish(&mut self, q: usize, head: u16) {
+        let slot = self.avail_idx[q] % QSIZE;
         let avail = GuestAddress(avail_addr(q));
         self.mem
             .write_obj(head, avail.unchecked_add(4 + 2 * u64::from(slot)))
             .unwrap();
-        // used_event (EVENT_IDX): notify as soon as anything new is used.
         self.mem
             .write_obj(
                 self.used_seen[q],
@@ -380,19 +477,11 @@ impl Driver {
             .unwrap();
         std::sync::atomic::fence(Ordering::SeqCst);
         self.kicks[q].write(1).unwrap();
-        head
     }
 
     /// Waits up to `timeout` for the call eventfd of queue `q`.
     pub fn wait_call(&self, q: usize, timeout: Duration) -> bool {
-        let mut p = libc::pollfd {
-            fd: self.calls[q].as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
-        let n = unsafe { libc::poll(&mut p, 1, ms) };
-        if n == 1 {
+        if wait_fd(self.calls[q].as_raw_fd(), timeout) {
             let _ = self.calls[q].read();
             true
         } else {
@@ -435,5 +524,32 @@ impl Driver {
             self.wait_call(q, Duration::from_millis(100));
         }
         None
+    }
+}
+
+/// Polls `fd` for input for up to `timeout`.
+pub fn wait_fd(fd: RawFd, timeout: Duration) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    n == 1
+}
+
+/// Polls `fd` without waiting: its `revents` (POLLIN, POLLHUP, ...).
+pub fn poll_now(fd: RawFd) -> i16 {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    if n == 1 {
+        p.revents
+    } else {
+        0
     }
 }
