@@ -524,7 +524,9 @@ fn get_id_returns_the_serial() {
 #[test]
 fn flush_reaches_the_file() {
     let dir = tempfile::tempdir().unwrap();
-    for drop in [0, bf::FLUSH] {
+    // Writethrough: a driver that negotiates neither FLUSH nor CONFIG_WCE gets no write cache
+    // (QEMU's rule; with CONFIG_WCE the driver would read and set `writeback` itself).
+    for drop in [0, bf::FLUSH | bf::CONFIG_WCE] {
         let path = raw_file(dir.path(), "f.raw", DISK, 4);
         let mut blk = Blk::new(
             ProbeDisk::new(RawDisk::open(&path, false).unwrap()),
