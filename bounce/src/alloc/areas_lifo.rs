@@ -159,15 +159,10 @@ impl SlotAllocator for AreasLifoAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::geometry::PoolConfig;
     use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
     fn geom(slots: usize, areas: usize, base: u64) -> Geometry {
-        let mut c = PoolConfig::swiotlb(slots);
-        c.areas = Some(areas);
-        c.workers = areas;
-        c.base = base;
-        c.geometry().unwrap()
+        crate::alloc::test_geometry(slots, areas, areas, base)
     }
 
     fn req(g: &Geometry, orig: u64, size: u64, min_align: u64) -> SlotRequest {

@@ -267,14 +267,10 @@ impl SlotAllocator for BitmapAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::geometry::PoolConfig;
     use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
     fn geom(slots: usize, base: u64) -> Geometry {
-        let mut c = PoolConfig::swiotlb(slots);
-        c.areas = Some(1);
-        c.base = base;
-        c.geometry().unwrap()
+        crate::alloc::test_geometry(slots, 1, 1, base)
     }
 
     fn req(g: &Geometry, orig: u64, size: u64, min_align: u64) -> SlotRequest {

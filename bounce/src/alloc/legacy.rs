@@ -83,10 +83,7 @@ mod tests {
     use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
     fn geom(slots: usize, areas: usize) -> Geometry {
-        let mut c = PoolConfig::swiotlb(slots);
-        c.areas = Some(areas);
-        c.workers = areas;
-        c.geometry().unwrap()
+        crate::alloc::test_geometry(slots, areas, areas, PoolConfig::DEFAULT_SWIOTLB_BASE)
     }
 
     fn req(g: &Geometry, orig: u64, size: u64, min_align: u64, worker: usize) -> SlotRequest {

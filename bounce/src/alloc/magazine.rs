@@ -327,10 +327,7 @@ mod tests {
     use std::sync::Arc;
 
     fn geom(slots: usize, areas: usize, workers: usize) -> Geometry {
-        let mut c = PoolConfig::swiotlb(slots);
-        c.areas = Some(areas);
-        c.workers = workers;
-        c.geometry().unwrap()
+        crate::alloc::test_geometry(slots, areas, workers, PoolConfig::DEFAULT_SWIOTLB_BASE)
     }
 
     fn req(g: &Geometry, size: u64, worker: usize) -> SlotRequest {

@@ -322,6 +322,17 @@ pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocat
     }
 }
 
+/// A swiotlb-mode geometry for the allocators' unit tests: `slots` slots in `areas` areas,
+/// served by `workers` workers, the pool at `base`.
+#[cfg(test)]
+pub(crate) fn test_geometry(slots: usize, areas: usize, workers: usize, base: u64) -> Geometry {
+    let mut c = crate::geometry::PoolConfig::swiotlb(slots);
+    c.areas = Some(areas);
+    c.workers = workers;
+    c.base = base;
+    c.geometry().expect("a test geometry")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
