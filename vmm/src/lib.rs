@@ -67,5 +67,18 @@ pub fn init_logging(default: &str) {
         )
         .init();
 }
+/// A clap error as the one line the binaries print after `NAME: error: `: clap's message up
+/// to its usage section, joined, without clap's own `error: ` prefix.
+pub fn clap_error_line(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let msg: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.is_empty() && !l.starts_with("Usage:"))
+        .collect();
+    let msg = msg.join(" ");
+    msg.strip_prefix("error: ").unwrap_or(&msg).to_string()
+}
+
 pub use exit::{ExitHandle, ExitReason};
 pub use machine::{Machine, MachineConfig, RunningMachine};

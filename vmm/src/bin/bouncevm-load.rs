@@ -114,26 +114,11 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            // One line: clap's message up to its usage section.
-            let text = e.to_string();
-            let msg: Vec<&str> = text
-                .lines()
-                .map(str::trim)
-                .take_while(|l| !l.is_empty() && !l.starts_with("Usage:"))
-                .collect();
-            let msg = msg.join(" ");
-            let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
-            eprintln!("bouncevm-load: error: {msg}");
+            eprintln!("bouncevm-load: error: {}", vmm::clap_error_line(&e));
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    vmm::init_logging("warn");
     let (cfg, json) = match config(cli) {
         Ok(c) => c,
         Err(e) => {

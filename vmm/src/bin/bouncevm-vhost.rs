@@ -284,16 +284,10 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            // One line: clap's message up to its usage section, without its "error: ".
-            let text = e.to_string();
-            let msg: Vec<&str> = text
-                .lines()
-                .map(str::trim)
-                .take_while(|l| !l.is_empty() && !l.starts_with("Usage:"))
-                .collect();
-            let msg = msg.join(" ");
-            let msg = msg.strip_prefix("error: ").unwrap_or(&msg);
-            eprintln!("bouncevm-vhost: error: {msg} (see --help)");
+            eprintln!(
+                "bouncevm-vhost: error: {} (see --help)",
+                vmm::clap_error_line(&e)
+            );
             return ExitCode::from(2);
         }
     };
