@@ -169,6 +169,20 @@ impl FreeRuns {
         true
     }
 
+    /// True when claiming `slot..slot + nslots` (absolute) splits no free extent more than the
+    /// rolling-index search would: the run starts a free extent (a used slot or a segment edge
+    /// before it) and either is that whole extent (an exact hole), or the extent holds the
+    /// rolling index, so the search would carve this same extent anyway, further in.
+    pub fn reuse_keeps_extents(&self, geom: &Geometry, slot: usize, nslots: usize) -> bool {
+        let Some(r) = slot.checked_sub(self.base).filter(|&r| r < self.len()) else {
+            return false;
+        };
+        let extent = self.list[r] as usize;
+        let starts_extent = self.seg_start(geom, r) == r || self.list[r - 1] == 0;
+        starts_extent
+            && (extent == nslots || (extent > nslots && (r..r + extent).contains(&self.index)))
+    }
+
     /// True when absolute slot `slot` of this range is free.
     pub fn is_free(&self, slot: usize) -> bool {
         slot.checked_sub(self.base)

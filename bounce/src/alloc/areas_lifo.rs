@@ -10,14 +10,18 @@
 //! Each area keeps, under its lock, a short list of the runs most recently released into it
 //! (at most [`RECENT_RUNS`], the oldest dropped first). A request first probes the newest
 //! [`RECENT_PROBE`] of them, newest first, and takes a run of exactly its slot count whose first
-//! slot satisfies [`SlotRequest::fits`] and is still free. When none does, the area's Linux
-//! search from the rolling index runs unchanged; the reuse path never moves the rolling index.
+//! slot satisfies [`SlotRequest::fits`], is still free, and whose reuse splits no free extent
+//! (`FreeRuns::reuse_keeps_extents`): the run is a whole free extent (an exact hole between used
+//! slots or segment edges), or it starts the extent the rolling index is in, which the search
+//! would carve anyway. When none does, the area's Linux search from the rolling index runs
+//! unchanged; the reuse path never moves the rolling index.
 //!
-//! Reuse is exact-size and the list is short on purpose. Splitting larger released runs, or
-//! remembering many, scatters small mappings over every segment: replaying the Linux 6.12 trace
-//! (4096 slots, whole-segment maps at ~80 % occupancy) that raised "buffer full" from the
-//! kernel's 67 to 172 (splitting, 64 runs) or 121 (exact, 64 runs); exact reuse of the last 8
-//! gives 71. A queue of in-flight requests, the case this serves, needs no more than its depth.
+//! Reuse is exact-size, non-splitting, and the list is short on purpose. Replaying the Linux
+//! 6.12 trace (4096 slots, whole-segment maps at ~80 % occupancy) gives 20 "buffer full" against
+//! the kernel's (and `areas`') 67; reusing any fitting exact-size run gave 71, splitting larger
+//! runs 172. A queue of in-flight requests, the case this serves, frees its oldest run between
+//! two used ones (a hole) and a depth-1 loop frees the run just behind the rolling index: both
+//! are reused.
 //!
 //! # Invariants
 //! - Every run handed out satisfies [`SlotRequest::fits`] (the reuse path checks it explicitly,
@@ -61,7 +65,10 @@ impl LifoArea {
                 self.recent.remove(k);
                 continue;
             }
-            if len == req.nslots && self.runs.claim_at(geom, req, start) {
+            if len == req.nslots
+                && self.runs.reuse_keeps_extents(geom, start, len)
+                && self.runs.claim_at(geom, req, start)
+            {
                 self.recent.remove(k);
                 return Some(start);
             }
@@ -192,25 +199,56 @@ mod tests {
         let g = geom(256, 1, 0x4000_0000);
         let a = AreasLifoAllocator::new(&g).unwrap();
         let one = |orig, min_align| req(&g, orig, 512, min_align);
-        for i in 0..8 {
+        for i in 0..16 {
             assert_eq!(a.alloc(&one(0, 0)), Some(i));
         }
-        a.free(4, 1, 0);
         a.free(5, 1, 0);
-        // Original bit 11 set with a 4 KiB min_align_mask: the slot must be odd. The newest
-        // run (5) fits.
-        assert_eq!(a.alloc(&one(0x1000_0800, 0xfff)), Some(5));
-        // An even one is needed now: 4 is the only free recent run, and fits.
         a.free(3, 1, 0);
-        assert_eq!(a.alloc(&one(0x1000_1000, 0xfff)), Some(4));
-        // A page-aligned page does not take the 1-slot run at 3 but comes from the index.
-        assert_eq!(a.alloc(&req(&g, 0, 4096, 0)), Some(8));
-        a.free(8, 2, 0);
-        // A 64 KiB boundary (32 slots): the released 2-slot run at 8..10 does not cross it.
+        // Original bit 11 set with a 4 KiB min_align_mask: the slot must be odd. The newest
+        // run (3) fits.
+        assert_eq!(a.alloc(&one(0x1000_0800, 0xfff)), Some(3));
+        // An even one: the recent run 5 does not fit, the rolling index gives 16.
+        assert_eq!(a.alloc(&one(0x1000_1000, 0xfff)), Some(16));
+        // 5 and 6 free make a 2-slot extent: neither 1-slot run is reused (that would split
+        // it), the rolling index serves the request.
+        a.free(6, 1, 0);
+        assert_eq!(a.alloc(&one(0, 0)), Some(17));
+        // A page-aligned page does not take a 1-slot run.
+        assert_eq!(a.alloc(&req(&g, 0, 4096, 0)), Some(18));
+        assert_eq!(a.area_used(), vec![18]);
+
+        // A 64 KiB boundary (32 slots): a released 2-slot run at 31..33 crosses it.
+        let a = AreasLifoAllocator::new(&g).unwrap();
+        let two = req(&g, 0, 3000, 0);
+        for i in 0..31 {
+            assert_eq!(a.alloc(&one(0, 0)), Some(i));
+        }
+        assert_eq!(a.alloc(&two), Some(31));
+        assert_eq!(a.alloc(&one(0, 0)), Some(33));
+        a.free(31, 2, 0);
         let b = SlotRequest::new(&g, 0, 3000, 0, 0, 0xffff, 0);
-        assert_eq!(a.alloc(&b), Some(8));
-        assert_eq!(a.alloc(&one(0, 0)), Some(3));
-        assert_eq!(a.area_used(), vec![10]);
+        assert_eq!(a.alloc(&b), Some(34));
+        // Without the boundary the hole is reused.
+        assert_eq!(a.alloc(&two), Some(31));
+        assert_eq!(a.area_used(), vec![36]);
+    }
+
+    #[test]
+    fn reuse_never_splits_a_free_extent() {
+        let g = geom(256, 1, 0x4000_0000);
+        let a = AreasLifoAllocator::new(&g).unwrap();
+        let page = req(&g, 0, 4096, 0);
+        let runs: Vec<_> = (0..8).map(|_| a.alloc(&page).unwrap()).collect();
+        // 4..6 and 6..8 freed: one 4-slot extent. A page must not take either half, as a
+        // rolling index far from it would not.
+        a.free(runs[2], 2, 0);
+        a.free(runs[3], 2, 0);
+        assert_eq!(a.alloc(&page), Some(16));
+        // A run freed at the frontier (its extent holds the rolling index) is reused.
+        let four = req(&g, 0, 8192, 0);
+        assert_eq!(a.alloc(&four), Some(18));
+        a.free(18, 4, 0);
+        assert_eq!(a.alloc(&four), Some(18));
     }
 
     #[test]
