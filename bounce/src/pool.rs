@@ -16,7 +16,7 @@ use crate::alloc::{self, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, PoolConfig, PoolMode, SizeLimit};
 use crate::orig::OrigMemory;
-use crate::stats::{Counters, PoolStats, TimedOp, Timing};
+use crate::stats::{Counters, PoolStats, Stat, TimedOp, Timing};
 use crate::types::{Direction, DmaAttrs, MapRequest};
 
 /// What map copies into the pool.
@@ -292,7 +292,7 @@ impl BouncePool {
                 return Err(e);
             }
         }
-        Counters::add(&self.counters.maps, 1);
+        self.counters.add(Stat::Maps, 1);
         Ok(Mapping {
             dev_addr,
             orig: req.orig,
@@ -343,9 +343,10 @@ impl BouncePool {
         let max = self.max_mapping_size(req.min_align_mask);
         // swiotlb_align_offset(dev, alloc_align_mask, orig)
         let offset = req.orig & req.min_align_mask & (req.alloc_align_mask | (slot - 1));
+        // Rounded up to alloc_align_mask + 1 (a power of two, checked above) with a mask.
         let alloc_size = (size as u64 + offset)
-            .checked_next_multiple_of(req.alloc_align_mask.saturating_add(1))
-            .unwrap_or(u64::MAX);
+            .checked_add(req.alloc_align_mask)
+            .map_or(u64::MAX, |x| x & !req.alloc_align_mask);
         let seg_bytes = (self.geom.segsize as u64) << self.geom.slot_shift;
         let over_max = self.size_limit == SizeLimit::MaxMappingSize && size > max;
         if over_max || alloc_size > seg_bytes {
@@ -357,11 +358,11 @@ impl BouncePool {
     /// Asks the allocator for a run and checks its answer; counts and reports a full pool.
     fn claim(&self, sreq: &SlotRequest, alloc_size: u64, no_warn: bool) -> Result<usize> {
         let Some(index) = self.alloc.alloc(sreq) else {
-            Counters::add(&self.counters.map_failures, 1);
+            self.counters.add(Stat::MapFailures, 1);
             let err = Error::PoolFull {
                 size: usize::try_from(alloc_size).unwrap_or(usize::MAX),
                 total: self.geom.nslabs,
-                used: self.counters.used.load(Ordering::Relaxed) as usize,
+                used: self.counters.used() as usize,
             };
             if !no_warn {
                 self.warn_full(&err);
@@ -480,7 +481,7 @@ impl BouncePool {
                     "bounce copy runs past the end of its mapping; clamped"
                 );
             }
-            Counters::add(&self.counters.clamped, 1);
+            self.counters.add(Stat::Clamped, 1);
             size = avail as usize;
         }
         if size == 0 {
@@ -489,10 +490,10 @@ impl BouncePool {
         let slice = self.device_slice(addr, size)?;
         if dir == Direction::ToDevice {
             mem.read_orig(orig, &slice)?;
-            Counters::add(&self.counters.bytes_to_device, size as u64);
+            self.counters.add(Stat::BytesToDevice, size as u64);
         } else {
             mem.write_orig(orig, &slice)?;
-            Counters::add(&self.counters.bytes_from_device, size as u64);
+            self.counters.add(Stat::BytesFromDevice, size as u64);
         }
         Ok(())
     }
@@ -551,7 +552,7 @@ impl BouncePool {
         worker: usize,
     ) -> Result<()> {
         if !self.contains(addr, 1) {
-            Counters::add(&self.counters.bad_unmaps, 1);
+            self.counters.add(Stat::BadUnmaps, 1);
             return Err(Error::NotMapped { addr });
         }
         let slot = ((addr - self.geom.base) >> self.geom.slot_shift) as usize;
@@ -561,7 +562,7 @@ impl BouncePool {
             .compare_exchange(in_slot + 1, 0, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
         {
-            Counters::add(&self.counters.bad_unmaps, 1);
+            self.counters.add(Stat::BadUnmaps, 1);
             return Err(Error::NotMapped { addr });
         }
         let copied = if !attrs.skip_cpu_sync && dir.device_writes() {
@@ -577,7 +578,7 @@ impl BouncePool {
             .nr_slots(self.meta[index].alloc_size.load(Ordering::Relaxed) + offset)
             as usize;
         self.release(index, nslots, worker);
-        Counters::add(&self.counters.unmaps, 1);
+        self.counters.add(Stat::Unmaps, 1);
         copied
     }
 
@@ -595,7 +596,7 @@ impl BouncePool {
         size: usize,
         dir: Direction,
     ) -> Result<()> {
-        Counters::add(&self.counters.syncs_for_device, 1);
+        self.counters.add(Stat::SyncsForDevice, 1);
         if dir.device_reads() {
             self.bounce(mem, addr, size, Direction::ToDevice)
         } else {
@@ -616,7 +617,7 @@ impl BouncePool {
         size: usize,
         dir: Direction,
     ) -> Result<()> {
-        Counters::add(&self.counters.syncs_for_cpu, 1);
+        self.counters.add(Stat::SyncsForCpu, 1);
         if dir.device_writes() {
             self.bounce(mem, addr, size, Direction::FromDevice)
         } else {
@@ -626,13 +627,13 @@ impl BouncePool {
 
     /// Slots in use.
     pub fn used(&self) -> usize {
-        self.counters.used.load(Ordering::Relaxed) as usize
+        self.counters.used() as usize
     }
 
     /// Resets the high-water mark to zero (Linux only allows writing 0 to
     /// `io_tlb_used_hiwater`), the lock counters and the time histograms.
     pub fn reset_hiwater(&self) {
-        self.counters.hiwater.store(0, Ordering::Relaxed);
+        self.counters.reset_hiwater();
         self.alloc.reset_lock_stats();
         self.timing.reset();
     }
@@ -652,23 +653,23 @@ impl BouncePool {
             nslabs: self.geom.nslabs as u64,
             slot_size: self.geom.slot_size(),
             nareas: self.geom.nareas as u64,
-            used: c.used.load(Ordering::Relaxed),
-            used_hiwater: c.hiwater.load(Ordering::Relaxed),
+            used: c.used(),
+            used_hiwater: c.hiwater(),
             area_used: self
                 .alloc
                 .area_used()
                 .into_iter()
                 .map(|u| u as u64)
                 .collect(),
-            maps: c.maps.load(Ordering::Relaxed),
-            unmaps: c.unmaps.load(Ordering::Relaxed),
-            map_failures: c.map_failures.load(Ordering::Relaxed),
-            bad_unmaps: c.bad_unmaps.load(Ordering::Relaxed),
-            bytes_to_device: c.bytes_to_device.load(Ordering::Relaxed),
-            bytes_from_device: c.bytes_from_device.load(Ordering::Relaxed),
-            syncs_for_device: c.syncs_for_device.load(Ordering::Relaxed),
-            syncs_for_cpu: c.syncs_for_cpu.load(Ordering::Relaxed),
-            clamped: c.clamped.load(Ordering::Relaxed),
+            maps: c.get(Stat::Maps),
+            unmaps: c.get(Stat::Unmaps),
+            map_failures: c.get(Stat::MapFailures),
+            bad_unmaps: c.get(Stat::BadUnmaps),
+            bytes_to_device: c.get(Stat::BytesToDevice),
+            bytes_from_device: c.get(Stat::BytesFromDevice),
+            syncs_for_device: c.get(Stat::SyncsForDevice),
+            syncs_for_cpu: c.get(Stat::SyncsForCpu),
+            clamped: c.get(Stat::Clamped),
             lock_wait_ns: locks.iter().map(|l| l.wait_ns).sum(),
             locks,
             timing: self.timing.stats(),

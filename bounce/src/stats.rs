@@ -1,41 +1,170 @@
 //! Pool statistics, like Linux's `/sys/kernel/debug/swiotlb` and more.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use serde::{Deserialize, Serialize};
 
 use crate::alloc::{AllocatorKind, LockSnapshot};
 use crate::geometry::PoolMode;
 
-/// Live counters of a pool. All relaxed: they are statistics, not synchronisation.
+/// One event counter of a pool (an index into a [`Counters`] shard).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stat {
+    Maps,
+    Unmaps,
+    MapFailures,
+    BadUnmaps,
+    BytesToDevice,
+    BytesFromDevice,
+    SyncsForDevice,
+    SyncsForCpu,
+    Clamped,
+}
+
+const STATS: usize = Stat::Clamped as usize + 1;
+
+/// One thread group's event counters, alone on its cache lines (128 bytes: the adjacent-line
+/// prefetcher pairs 64-byte lines).
 #[derive(Debug, Default)]
+#[repr(align(128))]
+struct Shard([AtomicU64; STATS]);
+
+/// The occupancy count and its high-water mark, on their own cache lines.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct Occupancy {
+    used: AtomicU64,
+    hiwater: AtomicU64,
+}
+
+/// Live counters of a pool. All relaxed: they are statistics, not synchronisation.
+///
+/// Event counters (maps, bytes, syncs, ...) are sharded per thread: each live thread holds a
+/// process-wide number of its own ([`thread_number`], recycled when the thread exits), and the
+/// first [`EXCLUSIVE_SHARDS`] numbers each own a shard of every pool, alone on its cache lines.
+/// A thread is the only writer of its shard, so it adds with a plain load and store (no atomic
+/// read-modify-write, no cache line shared with another core); threads beyond those numbers add
+/// atomically to one shared overflow shard. A read sums the shards. The sum is exact: every add
+/// lands in exactly one shard and no two writers race on a plain add (a shard changes hands only
+/// through the number's release and reuse, which a mutex orders), so it counts every event that
+/// completed before the read, as a single counter would.
+///
+/// `used` and `hiwater` are not sharded: a high-water mark is only exact when every change of
+/// `used` is ordered against every other, which shards cannot give without reading all of them
+/// on every map. They are kept as Linux keeps `total_used` and `used_hiwater`
+/// (`inc_used_and_hiwater`): an atomic add whose result is the exact occupancy after this map,
+/// then a compare with the mark (a load of the same cache line), and an atomic max only when the
+/// mark rises. So the mark is the largest value `used` ever took, exactly; a pool at a steady
+/// occupancy pays one shared add per map and one per unmap, nothing more.
+#[derive(Debug)]
 pub(crate) struct Counters {
-    pub used: AtomicU64,
-    pub hiwater: AtomicU64,
-    pub maps: AtomicU64,
-    pub unmaps: AtomicU64,
-    pub map_failures: AtomicU64,
-    pub bad_unmaps: AtomicU64,
-    pub bytes_to_device: AtomicU64,
-    pub bytes_from_device: AtomicU64,
-    pub syncs_for_device: AtomicU64,
-    pub syncs_for_cpu: AtomicU64,
-    pub clamped: AtomicU64,
+    occupancy: Occupancy,
+    /// `EXCLUSIVE_SHARDS` single-writer shards, then the shared overflow shard.
+    shards: Box<[Shard]>,
+}
+
+/// Threads that get a single-writer shard in every pool.
+pub(crate) const EXCLUSIVE_SHARDS: usize = 64;
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self {
+            occupancy: Occupancy::default(),
+            shards: (0..=EXCLUSIVE_SHARDS).map(|_| Shard::default()).collect(),
+        }
+    }
+}
+
+/// Numbers of threads that exited, for reuse (lowest first keeps numbers small).
+static FREE_NUMBERS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+static NEXT_NUMBER: AtomicUsize = AtomicUsize::new(0);
+
+/// A thread's number, returned to [`FREE_NUMBERS`] when the thread exits.
+struct ThreadNumber(usize);
+
+impl ThreadNumber {
+    fn take() -> Self {
+        let mut free = FREE_NUMBERS.lock().unwrap_or_else(|p| p.into_inner());
+        // The smallest free number, so short-lived threads keep reusing exclusive shards.
+        match free.iter().enumerate().min_by_key(|(_, n)| **n) {
+            Some((i, _)) => Self(free.swap_remove(i)),
+            None => Self(NEXT_NUMBER.fetch_add(1, Ordering::Relaxed)),
+        }
+    }
+}
+
+impl Drop for ThreadNumber {
+    fn drop(&mut self) {
+        FREE_NUMBERS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.0);
+    }
+}
+
+/// This thread's number: unique among live threads.
+fn thread_number() -> usize {
+    thread_local! {
+        static NUMBER: ThreadNumber = ThreadNumber::take();
+    }
+    // During thread teardown (after NUMBER was dropped) count on the overflow shard.
+    NUMBER.try_with(|n| n.0).unwrap_or(usize::MAX)
 }
 
 impl Counters {
+    /// Adds `n` to `stat` on this thread's shard.
+    #[inline]
+    pub fn add(&self, stat: Stat, n: u64) {
+        let t = thread_number();
+        match self.shards.get(t).filter(|_| t < EXCLUSIVE_SHARDS) {
+            Some(own) => {
+                // Single writer (see the type's docs): a plain add.
+                let c = &own.0[stat as usize];
+                c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+            }
+            None => {
+                self.shards[EXCLUSIVE_SHARDS].0[stat as usize].fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The sum of `stat` over the shards.
+    pub fn get(&self, stat: Stat) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.0[stat as usize].load(Ordering::Relaxed))
+            .fold(0u64, u64::wrapping_add)
+    }
+
     /// Linux `inc_used_and_hiwater`.
+    #[inline]
     pub fn inc_used(&self, n: usize) {
-        let new = self.used.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
-        self.hiwater.fetch_max(new, Ordering::Relaxed);
+        let o = &self.occupancy;
+        let new = o.used.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
+        if new > o.hiwater.load(Ordering::Relaxed) {
+            o.hiwater.fetch_max(new, Ordering::Relaxed);
+        }
     }
 
+    /// Linux `dec_used`.
+    #[inline]
     pub fn dec_used(&self, n: usize) {
-        self.used.fetch_sub(n as u64, Ordering::Relaxed);
+        self.occupancy.used.fetch_sub(n as u64, Ordering::Relaxed);
     }
 
-    pub fn add(counter: &AtomicU64, n: u64) {
-        counter.fetch_add(n, Ordering::Relaxed);
+    /// Slots in use.
+    pub fn used(&self) -> u64 {
+        self.occupancy.used.load(Ordering::Relaxed)
+    }
+
+    /// The high-water mark of [`Counters::used`].
+    pub fn hiwater(&self) -> u64 {
+        self.occupancy.hiwater.load(Ordering::Relaxed)
+    }
+
+    /// Zeroes the high-water mark (Linux accepts only 0 for `io_tlb_used_hiwater`).
+    pub fn reset_hiwater(&self) {
+        self.occupancy.hiwater.store(0, Ordering::Relaxed);
     }
 }
 
@@ -225,6 +354,44 @@ pub struct LatencySummary {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sharded_counters_are_exact_with_more_threads_than_shards() {
+        let c = Counters::default();
+        let threads = EXCLUSIVE_SHARDS + 6;
+        // All live at once: some share the overflow shard.
+        let barrier = std::sync::Barrier::new(threads);
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let (c, barrier) = (&c, &barrier);
+                s.spawn(move || {
+                    barrier.wait();
+                    for _ in 0..1000 {
+                        c.add(Stat::Maps, 1);
+                        c.add(Stat::BytesToDevice, t as u64);
+                        c.inc_used(2);
+                        c.dec_used(2);
+                    }
+                });
+            }
+        });
+        // Then short-lived threads one after another: numbers are reused, counts kept.
+        for _ in 0..200 {
+            std::thread::scope(|s| {
+                s.spawn(|| c.add(Stat::Maps, 1));
+            });
+        }
+        assert_eq!(c.get(Stat::Maps), threads as u64 * 1000 + 200);
+        let bytes: u64 = (0..threads as u64).sum::<u64>() * 1000;
+        assert_eq!(c.get(Stat::BytesToDevice), bytes);
+        assert_eq!(c.used(), 0);
+        assert!((2..=2 * threads as u64).contains(&c.hiwater()));
+        c.inc_used(5);
+        c.reset_hiwater();
+        c.inc_used(1);
+        assert_eq!((c.used(), c.hiwater()), (6, 6));
+        assert!(thread_number() < EXCLUSIVE_SHARDS, "numbers are recycled");
+    }
 
     #[test]
     fn histogram_quantiles_are_within_the_bucket_resolution() {

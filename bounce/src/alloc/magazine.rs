@@ -41,9 +41,13 @@
 //! # Sizes
 //! Caches are small on purpose ([`MAG_CLASS_SLOTS`] slots per class, at least 2 runs): cached
 //! runs reused LIFO scatter small mappings over the pool. Replaying the Linux 6.12 trace (4096
-//! slots, whole-segment maps at ~80 % occupancy) gives 93 "buffer full" against the kernel's 67
-//! with 16 slots per class, 114 with 64; rounding odd sizes up to a class (the slack cached)
-//! gave 106.
+//! slots, whole-segment maps at ~80 % occupancy) gives 8 "buffer full" against the kernel's (and
+//! `areas`') 67: the depot search is complete and the caches are flushed before a map fails.
+//!
+//! # Hot path
+//! A map or unmap served by the magazine touches only the worker's own [`Magazine`] (inline
+//! arrays, aligned to 128 bytes, so no two workers share a cache line) through an uncontended
+//! `try_lock`, and the run's own `live` entry. No depot lock, no shared counter.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
@@ -68,18 +72,76 @@ fn class_of(nslots: usize) -> usize {
     nslots.next_power_of_two().trailing_zeros() as usize
 }
 
-/// One worker's cached runs: `runs[c]` holds first slots of free `2^c`-slot runs, newest last.
+/// Most runs one class of a magazine may hold (`class_capacity(0)`).
+const MAX_RUNS: usize = if MAG_CLASS_SLOTS > 2 {
+    MAG_CLASS_SLOTS
+} else {
+    2
+};
+
+/// One class of a magazine: first slots of free runs, newest last, inline (no heap buffer that
+/// could share a cache line with another worker's).
+#[derive(Debug, Clone, Copy, Default)]
+struct ClassRuns {
+    len: usize,
+    runs: [u32; MAX_RUNS],
+}
+
+impl ClassRuns {
+    fn as_slice(&self) -> &[u32] {
+        &self.runs[..self.len]
+    }
+
+    fn push(&mut self, slot: usize) {
+        // Callers keep len < class_capacity <= MAX_RUNS; slots fit u32 (checked in `new`).
+        self.runs[self.len] = slot as u32;
+        self.len += 1;
+    }
+
+    fn remove(&mut self, k: usize) -> usize {
+        let slot = self.runs[k] as usize;
+        self.runs.copy_within(k + 1..self.len, k);
+        self.len -= 1;
+        slot
+    }
+
+    /// Removes the oldest `n` runs and returns them.
+    fn drain_oldest(&mut self, n: usize) -> impl Iterator<Item = usize> {
+        let n = n.min(self.len);
+        let old = self.runs;
+        self.runs.copy_within(n..self.len, 0);
+        self.len -= n;
+        old.into_iter().take(n).map(|s| s as usize)
+    }
+}
+
+/// One worker's cached runs: `runs[c]` holds first slots of free `2^c`-slot runs. Alone on its
+/// cache lines (128 bytes: the adjacent-line prefetcher pairs 64-byte lines), so workers on
+/// different cores never touch the same line on the hot path.
 #[derive(Debug, Default)]
+#[repr(align(128))]
 struct Magazine {
-    runs: [Vec<usize>; MAX_CLASS + 1],
+    runs: [ClassRuns; MAX_CLASS + 1],
 }
 
 impl Magazine {
     /// Takes the newest cached run of `class` whose first slot fits `req`.
     fn take(&mut self, geom: &Geometry, class: usize, req: &SlotRequest) -> Option<usize> {
         let list = &mut self.runs[class];
-        let k = list.iter().rposition(|&s| req.fits(geom, s))?;
+        let k = list
+            .as_slice()
+            .iter()
+            .rposition(|&s| req.fits(geom, s as usize))?;
         Some(list.remove(k))
+    }
+
+    /// Empties every class.
+    fn drain(&mut self) -> Vec<(usize, usize)> {
+        self.runs
+            .iter_mut()
+            .enumerate()
+            .flat_map(|(c, list)| list.drain_oldest(MAX_RUNS).map(move |s| (s, 1 << c)))
+            .collect()
     }
 }
 
@@ -152,12 +214,13 @@ impl MagazineAllocator {
     fn load(&self, mag: &mut Magazine, req: &SlotRequest, class: usize) {
         let cap = class_capacity(class);
         let batch = (cap / 2).max(1);
-        if mag.runs[class].len() + batch > cap {
-            let keep = cap - batch;
-            let old: Vec<usize> = mag.runs[class]
-                .drain(..mag.runs[class].len() - keep)
-                .collect();
-            self.flush_runs(old.into_iter().map(|s| (s, 1 << class)));
+        if mag.runs[class].len + batch > cap {
+            let excess = mag.runs[class].len + batch - cap;
+            self.flush_runs(
+                mag.runs[class]
+                    .drain_oldest(excess)
+                    .map(|s| (s, 1 << class)),
+            );
         }
         let big = SlotRequest {
             nslots: 1 << class,
@@ -167,16 +230,17 @@ impl MagazineAllocator {
         let start = self.geom.start_area(req.worker);
         for k in 0..n {
             let mut area = self.depot[(start + k) % n].lock();
-            let before = mag.runs[class].len();
-            while mag.runs[class].len() - before < batch {
+            let before = mag.runs[class].len;
+            while mag.runs[class].len - before < batch {
                 match area.alloc(&self.geom, &big) {
                     Some(s) => mag.runs[class].push(s),
                     None => break,
                 }
             }
-            if mag.runs[class].len() > before {
+            let after = mag.runs[class].len;
+            if after > before {
                 // Newest on top is the lowest address of the batch: hand them out in order.
-                mag.runs[class][before..].reverse();
+                mag.runs[class].runs[before..after].reverse();
                 return;
             }
         }
@@ -186,10 +250,9 @@ impl MagazineAllocator {
     /// class first.
     fn cache(&self, mag: &mut Magazine, start: usize, class: usize) {
         let list = &mut mag.runs[class];
-        if list.len() >= class_capacity(class) {
-            let half = list.len() / 2;
-            let old: Vec<usize> = list.drain(..half).collect();
-            self.flush_runs(old.into_iter().map(|r| (r, 1 << class)));
+        if list.len >= class_capacity(class) {
+            let half = list.len / 2;
+            self.flush_runs(list.drain_oldest(half).map(|r| (r, 1 << class)));
         }
         mag.runs[class].push(start);
     }
@@ -214,12 +277,7 @@ impl MagazineAllocator {
             let Ok(mut mag) = mag.try_lock() else {
                 continue;
             };
-            let runs: Vec<(usize, usize)> = mag
-                .runs
-                .iter_mut()
-                .enumerate()
-                .flat_map(|(c, list)| list.drain(..).map(move |s| (s, 1 << c)))
-                .collect();
+            let runs = mag.drain();
             drop(mag);
             self.flush_runs(runs.into_iter());
         }
@@ -311,7 +369,7 @@ impl MagazineAllocator {
                 m.runs
                     .iter()
                     .enumerate()
-                    .map(|(c, l)| l.len() << c)
+                    .map(|(c, l)| l.len << c)
                     .sum::<usize>()
             })
             .sum()
@@ -455,7 +513,7 @@ mod tests {
                 .unwrap()
                 .runs
                 .iter()
-                .any(|l| l.contains(&slot))
+                .any(|l| l.as_slice().contains(&(slot as u32)))
         }
     }
 }

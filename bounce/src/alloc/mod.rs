@@ -230,10 +230,15 @@ impl SlotRequest {
 
     /// True when a run starting at `index` lies inside the pool and inside one segment.
     pub fn in_segment(&self, geom: &Geometry, index: usize) -> bool {
+        let in_seg = if geom.segsize.is_power_of_two() {
+            index & (geom.segsize - 1)
+        } else {
+            index % geom.segsize
+        };
         index
             .checked_add(self.nslots)
             .is_some_and(|end| end <= geom.nslabs)
-            && (index % geom.segsize) + self.nslots <= geom.segsize
+            && in_seg + self.nslots <= geom.segsize
     }
 
     /// Every placement rule at once: what any allocator's answer must satisfy.
