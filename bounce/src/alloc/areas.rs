@@ -27,8 +27,9 @@
 //! (including its blind spots: after a wrap with a stride > 1 some aligned candidates are never
 //! visited in that search), which the trace replay test checks against a real kernel.
 
-use crate::alloc::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
-use crate::error::{Error, Result};
+use crate::alloc::locked::{check_geometry, report_ranges, Locked, SlotRange};
+use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::error::Result;
 use crate::geometry::Geometry;
 
 /// Free-run counts of a contiguous range of slots that starts on a segment boundary, with a used
@@ -232,48 +233,38 @@ impl FreeRuns {
     }
 }
 
-/// Checks the geometry invariants the free-run allocators rely on.
-pub(crate) fn check_geometry(geom: &Geometry) -> Result<()> {
-    if geom.nareas == 0
-        || !geom.nareas.is_power_of_two()
-        || geom.segsize == 0
-        || geom.area_nslabs == 0
-        || geom.area_nslabs % geom.segsize != 0
-        || geom.area_nslabs.checked_mul(geom.nareas) != Some(geom.nslabs)
-    {
-        return Err(Error::Config(format!(
-            "geometry {} slots / {} areas / segments of {} cannot be served by areas of whole \
-             segments",
-            geom.nslabs, geom.nareas, geom.segsize
-        )));
+impl SlotRange for FreeRuns {
+    fn used(&self) -> usize {
+        self.used
     }
-    Ok(())
+
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn release(&mut self, geom: &Geometry, index: usize, nslots: usize) -> bool {
+        self.free(geom, index, nslots)
+    }
 }
 
 /// Linux 6.x swiotlb: per-area locks with free-run counts.
 #[derive(Debug)]
 pub struct AreasAllocator {
-    geom: Geometry,
-    areas: Box<[TimedMutex<FreeRuns>]>,
+    areas: Locked<FreeRuns>,
 }
 
 impl AreasAllocator {
     /// Builds the allocator, all slots free, every area's index at 0.
     ///
     /// # Errors
-    /// [`Error::Config`] when areas are not whole segments.
+    /// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
     pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom)?;
-        let areas = (0..geom.nareas)
-            .map(|a| {
-                TimedMutex::new(FreeRuns::new(
-                    a * geom.area_nslabs,
-                    geom.area_nslabs,
-                    geom.segsize,
-                ))
-            })
-            .collect();
-        Ok(Self { geom: *geom, areas })
+        check_geometry(geom, true)?;
+        Ok(Self {
+            areas: Locked::per_area(geom, "areas", |base, len| {
+                FreeRuns::new(base, len, geom.segsize)
+            }),
+        })
     }
 }
 
@@ -283,45 +274,16 @@ impl SlotAllocator for AreasAllocator {
     }
 
     fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        let n = self.areas.len();
-        let start = self.geom.start_area(req.worker);
-        (0..n).find_map(|k| {
-            let a = (start + k) % n;
-            self.areas[a]
-                .lock()
-                .alloc(&self.geom, req, SearchStart::Index)
-        })
+        let geom = &self.areas.geom;
+        self.areas
+            .find_map(req.worker, |a| a.alloc(geom, req, SearchStart::Index))
     }
 
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        let Some(area) = self.areas.get(index / self.geom.area_nslabs) else {
-            tracing::error!(
-                index,
-                nslots,
-                "areas: free of a slot outside the pool ignored"
-            );
-            return;
-        };
-        if !area.lock().free(&self.geom, index, nslots) {
-            tracing::error!(index, nslots, "areas: free of a run not in use ignored");
-        }
+        self.areas.free(index, nslots);
     }
 
-    fn area_used(&self) -> Vec<usize> {
-        self.areas.iter().map(|a| a.lock().used).collect()
-    }
-
-    fn area_index(&self) -> Vec<usize> {
-        self.areas.iter().map(|a| a.lock().index).collect()
-    }
-
-    fn lock_stats(&self) -> Vec<LockSnapshot> {
-        self.areas.iter().map(TimedMutex::snapshot).collect()
-    }
-
-    fn reset_lock_stats(&self) {
-        self.areas.iter().for_each(TimedMutex::reset_stats);
-    }
+    report_ranges!(areas);
 }
 
 #[cfg(test)]
@@ -346,7 +308,7 @@ mod tests {
     }
 
     fn list(a: &AreasAllocator, area: usize) -> Vec<u32> {
-        a.areas[area].lock().list.to_vec()
+        a.areas.ranges[area].lock().list.to_vec()
     }
 
     #[test]

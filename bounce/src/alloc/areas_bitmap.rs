@@ -6,16 +6,16 @@
 //! fails only when all fail. Inside an area the search is the bitmap search of
 //! [`bitmap`](super::bitmap), restricted to the area and starting at the area's rolling index.
 
-use crate::alloc::bitmap::{check_geometry, FreeBitmap};
-use crate::alloc::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
+use crate::alloc::bitmap::FreeBitmap;
+use crate::alloc::locked::{check_geometry, report_ranges, Locked};
+use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
 use crate::error::Result;
 use crate::geometry::Geometry;
 
 /// Per-area locks, each protecting the area's bitmap, used count and rolling index.
 #[derive(Debug)]
 pub struct AreasBitmapAllocator {
-    geom: Geometry,
-    areas: Box<[TimedMutex<FreeBitmap>]>,
+    areas: Locked<FreeBitmap>,
 }
 
 impl AreasBitmapAllocator {
@@ -24,11 +24,10 @@ impl AreasBitmapAllocator {
     /// # Errors
     /// [`Error::Config`](crate::Error::Config) for an inconsistent geometry.
     pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom)?;
-        let areas = (0..geom.nareas)
-            .map(|a| TimedMutex::new(FreeBitmap::new(a * geom.area_nslabs, geom.area_nslabs)))
-            .collect();
-        Ok(Self { geom: *geom, areas })
+        check_geometry(geom, false)?;
+        Ok(Self {
+            areas: Locked::per_area(geom, "areas-bitmap", FreeBitmap::new),
+        })
     }
 }
 
@@ -38,40 +37,15 @@ impl SlotAllocator for AreasBitmapAllocator {
     }
 
     fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        let n = self.areas.len();
-        let start = self.geom.start_area(req.worker);
-        (0..n).find_map(|k| self.areas[(start + k) % n].lock().alloc(&self.geom, req))
+        let geom = &self.areas.geom;
+        self.areas.find_map(req.worker, |a| a.alloc(geom, req))
     }
 
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        let Some(area) = self.areas.get(index / self.geom.area_nslabs) else {
-            tracing::error!(index, nslots, "areas-bitmap: free outside the pool ignored");
-            return;
-        };
-        if !area.lock().free(index, nslots) {
-            tracing::error!(
-                index,
-                nslots,
-                "areas-bitmap: free of a run not in use ignored"
-            );
-        }
+        self.areas.free(index, nslots);
     }
 
-    fn area_used(&self) -> Vec<usize> {
-        self.areas.iter().map(|a| a.lock().used).collect()
-    }
-
-    fn area_index(&self) -> Vec<usize> {
-        self.areas.iter().map(|a| a.lock().index).collect()
-    }
-
-    fn lock_stats(&self) -> Vec<LockSnapshot> {
-        self.areas.iter().map(TimedMutex::snapshot).collect()
-    }
-
-    fn reset_lock_stats(&self) {
-        self.areas.iter().for_each(TimedMutex::reset_stats);
-    }
+    report_ranges!(areas);
 }
 
 #[cfg(test)]

@@ -33,8 +33,9 @@
 
 use std::collections::VecDeque;
 
-use crate::alloc::areas::{check_geometry, FreeRuns, SearchStart};
-use crate::alloc::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
+use crate::alloc::areas::{FreeRuns, SearchStart};
+use crate::alloc::locked::{check_geometry, report_ranges, Locked, SlotRange};
+use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
 use crate::error::Result;
 use crate::geometry::Geometry;
 
@@ -85,11 +86,28 @@ impl LifoArea {
     }
 }
 
+impl SlotRange for LifoArea {
+    fn used(&self) -> usize {
+        self.runs.used
+    }
+
+    fn index(&self) -> usize {
+        self.runs.index
+    }
+
+    fn release(&mut self, geom: &Geometry, index: usize, nslots: usize) -> bool {
+        let ok = self.runs.free(geom, index, nslots);
+        if ok {
+            self.remember(index, nslots);
+        }
+        ok
+    }
+}
+
 /// Per-area locks, free-run counts, freed runs reused first.
 #[derive(Debug)]
 pub struct AreasLifoAllocator {
-    geom: Geometry,
-    areas: Box<[TimedMutex<LifoArea>]>,
+    areas: Locked<LifoArea>,
 }
 
 impl AreasLifoAllocator {
@@ -98,16 +116,13 @@ impl AreasLifoAllocator {
     /// # Errors
     /// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
     pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom)?;
-        let areas = (0..geom.nareas)
-            .map(|a| {
-                TimedMutex::new(LifoArea {
-                    runs: FreeRuns::new(a * geom.area_nslabs, geom.area_nslabs, geom.segsize),
-                    recent: VecDeque::with_capacity(RECENT_RUNS),
-                })
-            })
-            .collect();
-        Ok(Self { geom: *geom, areas })
+        check_geometry(geom, true)?;
+        Ok(Self {
+            areas: Locked::per_area(geom, "areas-lifo", |base, len| LifoArea {
+                runs: FreeRuns::new(base, len, geom.segsize),
+                recent: VecDeque::with_capacity(RECENT_RUNS),
+            }),
+        })
     }
 }
 
@@ -117,50 +132,21 @@ impl SlotAllocator for AreasLifoAllocator {
     }
 
     fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        let n = self.areas.len();
-        let start = self.geom.start_area(req.worker);
-        (0..n).find_map(|k| {
-            let mut area = self.areas[(start + k) % n].lock();
+        let geom = &self.areas.geom;
+        self.areas.find_map(req.worker, |area| {
             if req.nslots == 0 || req.nslots > area.runs.list.len() - area.runs.used {
                 return None;
             }
-            area.reuse(&self.geom, req)
-                .or_else(|| area.runs.alloc(&self.geom, req, SearchStart::Index))
+            area.reuse(geom, req)
+                .or_else(|| area.runs.alloc(geom, req, SearchStart::Index))
         })
     }
 
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        let Some(area) = self.areas.get(index / self.geom.area_nslabs) else {
-            tracing::error!(index, nslots, "areas-lifo: free outside the pool ignored");
-            return;
-        };
-        let mut area = area.lock();
-        if area.runs.free(&self.geom, index, nslots) {
-            area.remember(index, nslots);
-        } else {
-            tracing::error!(
-                index,
-                nslots,
-                "areas-lifo: free of a run not in use ignored"
-            );
-        }
+        self.areas.free(index, nslots);
     }
 
-    fn area_used(&self) -> Vec<usize> {
-        self.areas.iter().map(|a| a.lock().runs.used).collect()
-    }
-
-    fn area_index(&self) -> Vec<usize> {
-        self.areas.iter().map(|a| a.lock().runs.index).collect()
-    }
-
-    fn lock_stats(&self) -> Vec<LockSnapshot> {
-        self.areas.iter().map(TimedMutex::snapshot).collect()
-    }
-
-    fn reset_lock_stats(&self) {
-        self.areas.iter().for_each(TimedMutex::reset_stats);
-    }
+    report_ranges!(areas);
 }
 
 #[cfg(test)]
@@ -268,7 +254,14 @@ mod tests {
         a.free(30, 1, 0);
         a.free(30, 1, 0); // refused: already free, not remembered twice
         a.free(40, 1, 0);
-        let recent = || a.areas[0].lock().recent.iter().copied().collect::<Vec<_>>();
+        let recent = || {
+            a.areas.ranges[0]
+                .lock()
+                .recent
+                .iter()
+                .copied()
+                .collect::<Vec<_>>()
+        };
         assert_eq!(recent(), vec![(8, 1), (7, 1), (30, 1), (40, 1)]);
         // Two slots fit nowhere: 40 and 30 are too short, 7 and 8 are in use and forgotten.
         assert_eq!(a.alloc(&two), None);

@@ -19,8 +19,9 @@
 //! Unlike the free-run search, this one is complete: it fails only when no run anywhere in the
 //! range satisfies [`SlotRequest::fits`].
 
-use crate::alloc::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
-use crate::error::{Error, Result};
+use crate::alloc::locked::{check_geometry, report_ranges, Locked, SlotRange};
+use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::error::Result;
 use crate::geometry::Geometry;
 
 const WORD_BITS: usize = u64::BITS as usize;
@@ -194,27 +195,24 @@ impl FreeBitmap {
     }
 }
 
-/// Checks what the bitmap allocators need of a geometry.
-pub(crate) fn check_geometry(geom: &Geometry) -> Result<()> {
-    if geom.nareas == 0
-        || !geom.nareas.is_power_of_two()
-        || geom.segsize == 0
-        || geom.area_nslabs == 0
-        || geom.area_nslabs.checked_mul(geom.nareas) != Some(geom.nslabs)
-    {
-        return Err(Error::Config(format!(
-            "geometry {} slots / {} areas / segments of {} cannot be served by a bitmap",
-            geom.nslabs, geom.nareas, geom.segsize
-        )));
+impl SlotRange for FreeBitmap {
+    fn used(&self) -> usize {
+        self.used
     }
-    Ok(())
+
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn release(&mut self, _geom: &Geometry, index: usize, nslots: usize) -> bool {
+        self.free(index, nslots)
+    }
 }
 
 /// One lock, one bitmap over the whole pool, one rolling index.
 #[derive(Debug)]
 pub struct BitmapAllocator {
-    geom: Geometry,
-    state: TimedMutex<FreeBitmap>,
+    state: Locked<FreeBitmap>,
 }
 
 impl BitmapAllocator {
@@ -222,12 +220,11 @@ impl BitmapAllocator {
     /// ignored.
     ///
     /// # Errors
-    /// [`Error::Config`] for an inconsistent geometry.
+    /// [`Error::Config`](crate::Error::Config) for an inconsistent geometry.
     pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom)?;
+        check_geometry(geom, false)?;
         Ok(Self {
-            geom: *geom,
-            state: TimedMutex::new(FreeBitmap::new(0, geom.nslabs)),
+            state: Locked::whole(geom, "bitmap", FreeBitmap::new),
         })
     }
 }
@@ -238,30 +235,15 @@ impl SlotAllocator for BitmapAllocator {
     }
 
     fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        self.state.lock().alloc(&self.geom, req)
+        let geom = &self.state.geom;
+        self.state.find_map(req.worker, |s| s.alloc(geom, req))
     }
 
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        if !self.state.lock().free(index, nslots) {
-            tracing::error!(index, nslots, "bitmap: free of a run not in use ignored");
-        }
+        self.state.free(index, nslots);
     }
 
-    fn area_used(&self) -> Vec<usize> {
-        vec![self.state.lock().used]
-    }
-
-    fn area_index(&self) -> Vec<usize> {
-        vec![self.state.lock().index]
-    }
-
-    fn lock_stats(&self) -> Vec<LockSnapshot> {
-        vec![self.state.snapshot()]
-    }
-
-    fn reset_lock_stats(&self) {
-        self.state.reset_stats();
-    }
+    report_ranges!(state);
 }
 
 #[cfg(test)]

@@ -15,16 +15,16 @@
 //! and the search stops after it has accounted for every slot once (the old `index != wrap` test
 //! could spin forever under the lock when the phase never came back to the start).
 
-use crate::alloc::areas::{check_geometry, FreeRuns, SearchStart};
-use crate::alloc::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
+use crate::alloc::areas::{FreeRuns, SearchStart};
+use crate::alloc::locked::{check_geometry, report_ranges, Locked};
+use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
 use crate::error::Result;
 use crate::geometry::Geometry;
 
 /// One lock, one free-run list over the whole pool, one rolling index.
 #[derive(Debug)]
 pub struct LegacyAllocator {
-    geom: Geometry,
-    state: TimedMutex<FreeRuns>,
+    state: Locked<FreeRuns>,
 }
 
 impl LegacyAllocator {
@@ -34,10 +34,11 @@ impl LegacyAllocator {
     /// # Errors
     /// [`Error::Config`](crate::Error::Config) for a geometry that is not whole segments.
     pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom)?;
+        check_geometry(geom, true)?;
         Ok(Self {
-            geom: *geom,
-            state: TimedMutex::new(FreeRuns::new(0, geom.nslabs, geom.segsize)),
+            state: Locked::whole(geom, "legacy", |base, len| {
+                FreeRuns::new(base, len, geom.segsize)
+            }),
         })
     }
 }
@@ -48,32 +49,17 @@ impl SlotAllocator for LegacyAllocator {
     }
 
     fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        self.state
-            .lock()
-            .alloc(&self.geom, req, SearchStart::AlignedIndex)
+        let geom = &self.state.geom;
+        self.state.find_map(req.worker, |s| {
+            s.alloc(geom, req, SearchStart::AlignedIndex)
+        })
     }
 
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        if !self.state.lock().free(&self.geom, index, nslots) {
-            tracing::error!(index, nslots, "legacy: free of a run not in use ignored");
-        }
+        self.state.free(index, nslots);
     }
 
-    fn area_used(&self) -> Vec<usize> {
-        vec![self.state.lock().used]
-    }
-
-    fn area_index(&self) -> Vec<usize> {
-        vec![self.state.lock().index]
-    }
-
-    fn lock_stats(&self) -> Vec<LockSnapshot> {
-        vec![self.state.snapshot()]
-    }
-
-    fn reset_lock_stats(&self) {
-        self.state.reset_stats();
-    }
+    report_ranges!(state);
 }
 
 #[cfg(test)]

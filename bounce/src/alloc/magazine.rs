@@ -52,8 +52,9 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 
-use crate::alloc::bitmap::{check_geometry, FreeBitmap};
-use crate::alloc::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
+use crate::alloc::bitmap::FreeBitmap;
+use crate::alloc::locked::{check_geometry, report_ranges, Locked};
+use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
 
@@ -149,7 +150,7 @@ impl Magazine {
 #[derive(Debug)]
 pub struct MagazineAllocator {
     geom: Geometry,
-    depot: Box<[TimedMutex<FreeBitmap>]>,
+    depot: Locked<FreeBitmap>,
     mags: Box<[Mutex<Magazine>]>,
     /// Per slot: the length of the live run starting there, 0 when none does.
     live: Box<[AtomicU32]>,
@@ -163,16 +164,14 @@ impl MagazineAllocator {
     /// # Errors
     /// [`Error::Config`] for an inconsistent geometry, or runs longer than `u32::MAX` slots.
     pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom)?;
+        check_geometry(geom, false)?;
         if u32::try_from(geom.nslabs).is_err() {
             return Err(Error::Config(format!(
                 "magazine: {} slots is more than it can track",
                 geom.nslabs
             )));
         }
-        let depot = (0..geom.nareas)
-            .map(|a| TimedMutex::new(FreeBitmap::new(a * geom.area_nslabs, geom.area_nslabs)))
-            .collect();
+        let depot = Locked::per_area(geom, "magazine", FreeBitmap::new);
         let limit = geom.segsize.min(geom.area_nslabs);
         let max_class = (0..=MAX_CLASS)
             .take_while(|&c| 1usize << c <= limit)
@@ -187,10 +186,6 @@ impl MagazineAllocator {
             live: (0..geom.nslabs).map(|_| AtomicU32::new(0)).collect(),
             max_class,
         })
-    }
-
-    fn area_of(&self, slot: usize) -> usize {
-        slot / self.geom.area_nslabs
     }
 
     /// Marks `index..index + nslots` live.
@@ -226,24 +221,20 @@ impl MagazineAllocator {
             nslots: 1 << class,
             ..*req
         };
-        let n = self.depot.len();
-        let start = self.geom.start_area(req.worker);
-        for k in 0..n {
-            let mut area = self.depot[(start + k) % n].lock();
-            let before = mag.runs[class].len;
-            while mag.runs[class].len - before < batch {
+        let list = &mut mag.runs[class];
+        let before = list.len;
+        // The first area that has any fitting run fills the batch.
+        self.depot.find_map(req.worker, |area| {
+            while list.len - before < batch {
                 match area.alloc(&self.geom, &big) {
-                    Some(s) => mag.runs[class].push(s),
+                    Some(s) => list.push(s),
                     None => break,
                 }
             }
-            let after = mag.runs[class].len;
-            if after > before {
-                // Newest on top is the lowest address of the batch: hand them out in order.
-                mag.runs[class].runs[before..after].reverse();
-                return;
-            }
-        }
+            (list.len > before).then_some(0)
+        });
+        // Newest on top is the lowest address of the batch: hand them out in order.
+        list.runs[before..list.len].reverse();
     }
 
     /// Caches the free run of `2^class` slots at `start`, flushing the older half of a full
@@ -261,8 +252,9 @@ impl MagazineAllocator {
     fn flush_runs(&self, runs: impl Iterator<Item = (usize, usize)>) {
         let mut runs: Vec<(usize, usize)> = runs.collect();
         runs.sort_unstable();
-        for group in runs.chunk_by(|a, b| self.area_of(a.0) == self.area_of(b.0)) {
-            let mut area = self.depot[self.area_of(group[0].0)].lock();
+        let area_of = |s: usize| self.depot.range_of(s);
+        for group in runs.chunk_by(|a, b| area_of(a.0) == area_of(b.0)) {
+            let mut area = self.depot.ranges[area_of(group[0].0)].lock();
             for &(s, n) in group {
                 if !area.free(s, n) {
                     tracing::error!(s, n, "magazine: a cached run was not in use in its depot");
@@ -285,9 +277,8 @@ impl MagazineAllocator {
 
     /// The complete depot search over every area, from the worker's.
     fn search_depots(&self, req: &SlotRequest) -> Option<usize> {
-        let n = self.depot.len();
-        let start = self.geom.start_area(req.worker);
-        (0..n).find_map(|k| self.depot[(start + k) % n].lock().alloc(&self.geom, req))
+        self.depot
+            .find_map(req.worker, |area| area.alloc(&self.geom, req))
     }
 }
 
@@ -342,21 +333,7 @@ impl SlotAllocator for MagazineAllocator {
         self.flush_all();
     }
 
-    fn area_used(&self) -> Vec<usize> {
-        self.depot.iter().map(|a| a.lock().used).collect()
-    }
-
-    fn area_index(&self) -> Vec<usize> {
-        self.depot.iter().map(|a| a.lock().index).collect()
-    }
-
-    fn lock_stats(&self) -> Vec<LockSnapshot> {
-        self.depot.iter().map(TimedMutex::snapshot).collect()
-    }
-
-    fn reset_lock_stats(&self) {
-        self.depot.iter().for_each(TimedMutex::reset_stats);
-    }
+    report_ranges!(depot);
 }
 
 impl MagazineAllocator {

@@ -33,6 +33,7 @@ mod iova_rbtree;
 mod iova_rcache;
 mod legacy;
 mod lock;
+mod locked;
 mod magazine;
 
 use std::fmt;
