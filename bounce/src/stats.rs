@@ -230,10 +230,12 @@ const BUCKETS: usize = SUB + (64 - SUB_BITS as usize) * SUB;
 
 /// A log-linear histogram of durations in nanoseconds, updated with relaxed atomics from any
 /// thread (no lock on the hot path), with count, sum and maximum.
+///
+/// A record is two atomic adds (its bucket and the sum) and a load of the maximum (an atomic max
+/// only when it rises); the count is the sum of the buckets, computed on read.
 #[derive(Debug)]
 pub struct Histogram {
     buckets: Box<[AtomicU64]>,
-    count: AtomicU64,
     sum_ns: AtomicU64,
     max_ns: AtomicU64,
 }
@@ -242,7 +244,6 @@ impl Default for Histogram {
     fn default() -> Self {
         Self {
             buckets: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
-            count: AtomicU64::new(0),
             sum_ns: AtomicU64::new(0),
             max_ns: AtomicU64::new(0),
         }
@@ -273,9 +274,10 @@ impl Histogram {
     /// Records one duration.
     pub fn record(&self, ns: u64) {
         self.buckets[bucket_of(ns)].fetch_add(1, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_ns.fetch_add(ns, Ordering::Relaxed);
-        self.max_ns.fetch_max(ns, Ordering::Relaxed);
+        if ns > self.max_ns.load(Ordering::Relaxed) {
+            self.max_ns.fetch_max(ns, Ordering::Relaxed);
+        }
     }
 
     /// Adds everything `other` recorded.
@@ -283,8 +285,6 @@ impl Histogram {
         for (a, b) in self.buckets.iter().zip(other.buckets.iter()) {
             a.fetch_add(b.load(Ordering::Relaxed), Ordering::Relaxed);
         }
-        self.count
-            .fetch_add(other.count.load(Ordering::Relaxed), Ordering::Relaxed);
         self.sum_ns
             .fetch_add(other.sum_ns.load(Ordering::Relaxed), Ordering::Relaxed);
         self.max_ns
@@ -297,14 +297,21 @@ impl Histogram {
         for b in self.buckets.iter() {
             b.store(0, Ordering::Relaxed);
         }
-        self.count.store(0, Ordering::Relaxed);
         self.sum_ns.store(0, Ordering::Relaxed);
         self.max_ns.store(0, Ordering::Relaxed);
     }
 
+    /// Durations recorded: the sum of the buckets.
+    pub fn count(&self) -> u64 {
+        self.buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
+    }
+
     /// The `q` quantile (0..=1) in ns, from the bucket it falls in; 0 when empty.
     pub fn quantile(&self, q: f64) -> u64 {
-        let n = self.count.load(Ordering::Relaxed);
+        let n = self.count();
         if n == 0 {
             return 0;
         }
@@ -321,7 +328,7 @@ impl Histogram {
 
     /// A snapshot: count, total, mean, p50, p99, max.
     pub fn summary(&self) -> LatencySummary {
-        let count = self.count.load(Ordering::Relaxed);
+        let count = self.count();
         let total_ns = self.sum_ns.load(Ordering::Relaxed);
         LatencySummary {
             count,
@@ -453,6 +460,7 @@ pub struct Ticks(
 );
 
 #[cfg(target_arch = "x86_64")]
+#[inline]
 fn rdtsc() -> u64 {
     // SAFETY: rdtsc reads the time-stamp counter; it touches no memory and every x86-64 CPU
     // has it.
