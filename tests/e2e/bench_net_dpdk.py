@@ -79,6 +79,12 @@ def tap_counter(ns, name):
     return int(r.stdout.strip())
 
 
+def cpu_seconds(pid):
+    """User + system CPU time of a process so far, all its threads included."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pps_lines(text, key):
     return [int(x) for x in re.findall(rf"{key}:\s+(\d+)", text)]
 
@@ -120,9 +126,20 @@ def sample(variant, size, direction, args, work):
                 ns_exec(ns, sys.executable, "-c", INJECT, str(size), str(args.seconds), MAC),
                 stdout=subprocess.PIPE, text=True)
             time.sleep(0.5)
+        window = args.seconds - (1.0 if inj else 0)
+        rec = None
+        if args.perf_dir:
+            out_file = Path(args.perf_dir) / f"{variant}-{direction}-{size}-{os.getpid()}-{time.monotonic_ns()}.data"
+            rec = subprocess.Popen(["perf", "record", "-g", "-o", str(out_file), "-p", str(backend.pid),
+                                    "--", "sleep", str(window)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         before, t0 = tap_counter(ns, "rx_packets"), time.monotonic()
-        time.sleep(args.seconds - (1.0 if inj else 0))
+        cpu0 = cpu_seconds(backend.pid)
+        time.sleep(window)
         after, t1 = tap_counter(ns, "rx_packets"), time.monotonic()
+        cpu1 = cpu_seconds(backend.pid)
+        if rec:
+            rec.wait(timeout=60)
         if inj:
             inj.wait(timeout=args.seconds + 10)
         testpmd.send_signal(signal.SIGINT)
@@ -135,9 +152,10 @@ def sample(variant, size, direction, args, work):
         # Per-second rates of the measured window (skip the warm-up lines).
         rates = pps_lines(out, key)[int(args.warmup):]
         testpmd_pps = statistics.median(rates) if rates else 0.0
-        if direction == "tx":
-            return {"fps": (after - before) / (t1 - t0), "testpmd_pps": testpmd_pps}
-        return {"fps": testpmd_pps, "testpmd_pps": testpmd_pps}
+        fps = (after - before) / (t1 - t0) if direction == "tx" else testpmd_pps
+        # Backend CPU per frame: steadier than frames/s on a loaded machine.
+        cpu_us = (cpu1 - cpu0) * 1e6 / (fps * (t1 - t0)) if fps > 0 else float("nan")
+        return {"fps": fps, "testpmd_pps": testpmd_pps, "cpu_us": cpu_us}
     finally:
         for p in (testpmd, backend):
             if p and p.poll() is None:
@@ -158,6 +176,8 @@ def main():
     ap.add_argument("--variants", default="off,swiotlb,iova")
     ap.add_argument("--no-rx", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--perf-dir", help="also `perf record -g` the backend over each measured window, "
+                                       "one file per sample in this directory")
     args = ap.parse_args()
     if os.geteuid() != 0:
         die("needs root (network namespaces, tap)")
@@ -182,24 +202,33 @@ def main():
                         m = sample(v, size, d, args, work)
                         samples.setdefault((d, size, v), []).append(m)
                         print(f"round {r + 1}/{args.rounds} {d} {size} B {v}: {m['fps']:,.0f} frames/s "
-                              f"(testpmd {m['testpmd_pps']:,.0f})", file=sys.stderr)
+                              f"(testpmd {m['testpmd_pps']:,.0f}), backend {m['cpu_us']:.2f} us CPU/frame",
+                              file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()
     print(f"\nDPDK virtio_user -> bouncevm-vhost net, {args.seconds:g} s per sample after "
           f"{args.warmup:g} s warm-up, {args.rounds} interleaved rounds; load average at the end "
           f"{load[0]:.1f} ({os.cpu_count()} CPUs)")
-    print("| direction | frame | variant | median frames/s | min-max | vs off |")
-    print("|---|---|---|---|---|---|")
+    print("| direction | frame | variant | median frames/s | min-max | vs off "
+          "| backend CPU us/frame | min-max | vs off |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d in dirs:
         for size in sizes:
             off = statistics.median(s["fps"] for s in samples[(d, size, "off")]) \
+                if (d, size, "off") in samples else None
+            off_cpu = statistics.median(s["cpu_us"] for s in samples[(d, size, "off")]) \
                 if (d, size, "off") in samples else None
             for v in variants:
                 xs = [s["fps"] for s in samples[(d, size, v)]]
                 med = statistics.median(xs)
                 ratio = f"{med / off:.2f}x" if off else "-"
-                print(f"| {d} | {size} B | {v} | {med:,.0f} | {min(xs):,.0f}-{max(xs):,.0f} | {ratio} |")
+                cs = [s["cpu_us"] for s in samples[(d, size, v)]]
+                cmed = statistics.median(cs)
+                # CPU per frame: lower is better, so the ratio is off / this (>1 = cheaper).
+                cratio = f"{off_cpu / cmed:.2f}x" if off_cpu and cmed else "-"
+                print(f"| {d} | {size} B | {v} | {med:,.0f} | {min(xs):,.0f}-{max(xs):,.0f} | {ratio} "
+                      f"| {cmed:.2f} | {min(cs):.2f}-{max(cs):.2f} | {cratio} |")
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"dir": d, "size": s, "variant": v, **m}
