@@ -3,16 +3,19 @@
 and bouncevm-vhost blk (bounce off / forced swiotlb / forced iova), interleaved rounds, medians.
 
     python3 tests/e2e/bench_host.py [--rounds 3] [--runtime 5] [--jobs 1,2] [--disks file,mem]
+                                    [--variants qsd,off,swiotlb,iova,swiotlb-untimed,iova-untimed]
                                     [--size 1G] [--file-dir /var/tmp] [--json OUT]
 
 Same client, same image, same cache mode for every variant: qemu-storage-daemon runs with
-cache.direct=on,aio=io_uring (O_DIRECT); bouncevm-vhost gets `--cache none` (and
-`--aio io_uring`) when its --help offers them. Until then ours goes through the page cache,
-and the table says so. "file" is a fully written raw image on a real filesystem (--file-dir,
+cache.direct=on,aio=io_uring (O_DIRECT), bouncevm-vhost with `--cache none --aio io_uring`
+(a binary without those flags would read through the page cache: the table says so). "file" is a fully written raw image on a real filesystem (--file-dir,
 default /var/tmp); "mem" is the same on tmpfs (/dev/shm). Workload: 4 KiB randread, iodepth
 32 per job, 1 and 2 jobs (one queue each). Each round runs every variant once, in a rotated
-order; the table gives median [min-max] IOPS over the rounds and ratios of medians vs qsd
-and vs bounce off. A benchmark, not a test: run it on a quiet machine and report the spread.
+order; the table gives median [min-max] IOPS over the rounds, ratios of medians vs qsd and
+vs bounce off, and the back end's CPU time per I/O (user + system of the whole process,
+io_uring workers included: steadier than IOPS on a loaded machine). Variants: qsd, off,
+swiotlb, iova, and swiotlb-untimed / iova-untimed (the pool's time accounting off,
+bounce option timing=off). A benchmark, not a test: run it on a quiet machine and report the spread.
 Build first: cargo build --release -p vmm.
 """
 
@@ -35,6 +38,10 @@ VARIANTS = {
     "off": "policy=off",
     "swiotlb": "policy=force,mode=swiotlb,alloc=areas",
     "iova": "policy=force,mode=iova,alloc=iova-rcache",
+    # The same with the pool's time accounting off (bounce option timing=off): two TSC reads
+    # per timed map/copy/unmap, which on a PVM host is a visible part of a small request.
+    "swiotlb-untimed": "policy=force,mode=swiotlb,alloc=areas,timing=off",
+    "iova-untimed": "policy=force,mode=iova,alloc=iova-rcache,timing=off",
 }
 
 
@@ -94,19 +101,31 @@ def stop(p):
         p.wait()
 
 
+def cpu_seconds(pid):
+    """User + system CPU time of a process so far, all its threads (io_uring workers too)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(variant, img, sock, jobs, args, ours_extra):
     p = start(variant, img, sock, max(args.jobs), ours_extra)
     try:
         argv = [str(BIN / "bouncevm-load"), "--socket", str(sock), "--json", "--rw", "randread",
                 "--bs", "4k", "--iodepth", "32", "--numjobs", str(jobs),
                 "--runtime", str(args.runtime), "--size", args.size]
+        cpu0 = cpu_seconds(p.pid)
         r = subprocess.run(argv, capture_output=True, text=True, timeout=args.runtime + 60)
+        cpu1 = cpu_seconds(p.pid)
         if r.returncode != 0:
             die(f"{variant}: {r.stderr.strip()}")
         rep = json.loads(r.stdout)
         t = rep["total"]["read"]
+        ios = t["iops"] * args.runtime
+        # Backend CPU per I/O (connection set-up included, a few ms): on a loaded machine it
+        # varies far less than IOPS, which follow the scheduler.
         return {"iops": t["iops"], "p50_us": t["lat_ns"]["p50"] / 1000,
-                "p99_us": t["lat_ns"]["p99"] / 1000}
+                "p99_us": t["lat_ns"]["p99"] / 1000,
+                "cpu_us": (cpu1 - cpu0) * 1e6 / ios if ios else float("nan")}
     finally:
         stop(p)
 
@@ -182,7 +201,8 @@ def main():
                         m = measure(v, imgs[d], work / "vu.sock", j, args, ours_extra)
                         samples.setdefault((d, j, v), []).append(m)
                         print(f"round {r + 1}/{args.rounds} {d} jobs={j} {v}: "
-                              f"{m['iops']:,.0f} IOPS p50 {m['p50_us']:.0f} us p99 {m['p99_us']:.0f} us",
+                              f"{m['iops']:,.0f} IOPS p50 {m['p50_us']:.0f} us p99 {m['p99_us']:.0f} us, "
+                              f"backend {m['cpu_us']:.2f} us CPU/IO",
                               file=sys.stderr)
     finally:
         for p in imgs.values():
@@ -194,14 +214,17 @@ def main():
           f"interleaved rounds, image {args.size}; load average at the end {load[0]:.1f} "
           f"({os.cpu_count()} CPUs)")
     print(f"qsd: cache.direct=on,aio=io_uring; bouncevm-vhost: {ours_mode}")
-    print("| disk | jobs | variant | median IOPS | min-max | vs qsd | vs off |")
-    print("|---|---|---|---|---|---|---|")
+    print("| disk | jobs | variant | median IOPS | min-max | vs qsd | vs off "
+          "| backend CPU us/IO | min-max |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d in disks:
         for j in args.jobs:
             med = {v: statistics.median(s["iops"] for s in samples[(d, j, v)]) for v in variants}
             for v in variants:
                 xs = [s["iops"] for s in samples[(d, j, v)]]
                 cells = fmt_row(v, xs, med.get("qsd"), med.get("off"))
+                cs = [s["cpu_us"] for s in samples[(d, j, v)]]
+                cells += [f"{statistics.median(cs):.2f}", f"{min(cs):.2f}-{max(cs):.2f}"]
                 print(f"| {d} | {j} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(

@@ -3,6 +3,7 @@
 
     python3 tests/e2e/bench_net_dpdk.py [--rounds 3] [--seconds 10] [--sizes 64,1500]
                                         [--variants off,swiotlb,iova] [--no-rx] [--json OUT]
+                                        [--perf-dir DIR]
 
 Needs root, /dev/net/tun and `apt-get install --no-install-recommends dpdk-dev
 librte-net-virtio23` (the script says so and exits if dpdk-testpmd is missing). Per sample:
@@ -14,9 +15,14 @@ and dpdk-testpmd (--no-huge --no-pci, one forwarding core) connects to its socke
 - RX (tap -> guest): `--forward-mode=rxonly`; an AF_PACKET sender inside the namespace
   injects SIZE-byte frames for the device's MAC into the tap; frames/s = testpmd's Rx-pps
   (the sender is a Python loop on a 2-core machine, so RX is bounded by it: compare ratios).
-Variants: bounce off, forced swiotlb (areas), forced iova (iova-rcache). Rounds are
-interleaved (every variant once per round, rotated); the table gives median [min-max] and
-the ratio of medians vs off. testpmd busy-polls one core: absolute figures depend on the
+Variants: bounce off, forced swiotlb (areas), forced iova (iova-rcache), and the forced ones
+with the pool's time accounting off (`swiotlb-untimed`, `iova-untimed`: bounce option
+timing=off). Rounds are interleaved (every variant once per round, rotated, after one
+discarded warm-up sample); the table gives median [min-max] and the ratio of medians vs off,
+for frames/s and for the back end's CPU time per frame (user + system of the process over the
+window, from /proc/PID/stat: on a loaded machine each process gets about its fair share of a
+CPU, so frames/s follow the scheduler while CPU per frame says what a frame costs).
+--perf-dir records `perf record -g` of the back end over every measured window. testpmd busy-polls one core: absolute figures depend on the
 machine's load; state it with the figures. Build first: cargo build --release -p vmm.
 """
 
@@ -30,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +47,10 @@ VARIANTS = {
     "off": "policy=off",
     "swiotlb": "policy=force,mode=swiotlb,alloc=areas",
     "iova": "policy=force,mode=iova,alloc=iova-rcache",
+    # The same with the pool's time accounting off (bounce option timing=off): two TSC reads
+    # per timed map/copy/unmap, which on a PVM host is a visible part of a small request.
+    "swiotlb-untimed": "policy=force,mode=swiotlb,alloc=areas,timing=off",
+    "iova-untimed": "policy=force,mode=iova,alloc=iova-rcache,timing=off",
 }
 
 INJECT = r"""
@@ -79,6 +90,12 @@ def tap_counter(ns, name):
     return int(r.stdout.strip())
 
 
+def cpu_seconds(pid):
+    """User + system CPU time of a process so far, all its threads included."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pps_lines(text, key):
     return [int(x) for x in re.findall(rf"{key}:\s+(\d+)", text)]
 
@@ -111,33 +128,59 @@ def sample(variant, size, direction, args, work):
                 "--total-num-mbufs=16384"]
         testpmd = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(testpmd.stdout), daemon=True)
+        reader.start()
+        # On a loaded machine testpmd can take seconds to start forwarding: the warm-up
+        # counts from its first statistics line, not from its start.
+        deadline = time.monotonic() + 60
+        while not any("-pps" in ln for ln in list(lines)):
+            if testpmd.poll() is not None:
+                reader.join(timeout=5)
+                die(f"dpdk-testpmd exited: {''.join(lines)[-2000:]}")
+            if time.monotonic() > deadline:
+                die("dpdk-testpmd printed no statistics within 60 s")
+            time.sleep(0.1)
         time.sleep(args.warmup)
-        if testpmd.poll() is not None:
-            die(f"dpdk-testpmd exited: {testpmd.stdout.read()[-2000:]}")
         inj = None
         if direction == "rx":
             inj = subprocess.Popen(
                 ns_exec(ns, sys.executable, "-c", INJECT, str(size), str(args.seconds), MAC),
                 stdout=subprocess.PIPE, text=True)
             time.sleep(0.5)
+        window = args.seconds - (1.0 if inj else 0)
+        rec = None
+        if args.perf_dir:
+            out_file = Path(args.perf_dir) / f"{variant}-{direction}-{size}-{os.getpid()}-{time.monotonic_ns()}.data"
+            rec = subprocess.Popen(["perf", "record", "-g", "-o", str(out_file), "-p", str(backend.pid),
+                                    "--", "sleep", str(window)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         before, t0 = tap_counter(ns, "rx_packets"), time.monotonic()
-        time.sleep(args.seconds - (1.0 if inj else 0))
+        cpu0 = cpu_seconds(backend.pid)
+        first_line = len(lines)
+        time.sleep(window)
         after, t1 = tap_counter(ns, "rx_packets"), time.monotonic()
+        cpu1 = cpu_seconds(backend.pid)
+        last_line = len(lines)
+        if rec:
+            rec.wait(timeout=60)
         if inj:
             inj.wait(timeout=args.seconds + 10)
         testpmd.send_signal(signal.SIGINT)
         try:
-            out, _ = testpmd.communicate(timeout=20)
+            testpmd.wait(timeout=20)
         except subprocess.TimeoutExpired:
             testpmd.kill()
-            out, _ = testpmd.communicate()
+            testpmd.wait()
+        reader.join(timeout=5)
         key = "Tx-pps" if direction == "tx" else "Rx-pps"
-        # Per-second rates of the measured window (skip the warm-up lines).
-        rates = pps_lines(out, key)[int(args.warmup):]
+        # Per-second rates printed during the measured window.
+        rates = pps_lines("".join(lines[first_line:last_line]), key)
         testpmd_pps = statistics.median(rates) if rates else 0.0
-        if direction == "tx":
-            return {"fps": (after - before) / (t1 - t0), "testpmd_pps": testpmd_pps}
-        return {"fps": testpmd_pps, "testpmd_pps": testpmd_pps}
+        fps = (after - before) / (t1 - t0) if direction == "tx" else testpmd_pps
+        # Backend CPU per frame: steadier than frames/s on a loaded machine.
+        cpu_us = (cpu1 - cpu0) * 1e6 / (fps * (t1 - t0)) if fps > 0 else float("nan")
+        return {"fps": fps, "testpmd_pps": testpmd_pps, "cpu_us": cpu_us}
     finally:
         for p in (testpmd, backend):
             if p and p.poll() is None:
@@ -158,6 +201,8 @@ def main():
     ap.add_argument("--variants", default="off,swiotlb,iova")
     ap.add_argument("--no-rx", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--perf-dir", help="also `perf record -g` the backend over each measured window, "
+                                       "one file per sample in this directory")
     args = ap.parse_args()
     if os.geteuid() != 0:
         die("needs root (network namespaces, tap)")
@@ -174,6 +219,10 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="bench-net-dpdk-"))
     samples = {}
     try:
+        # The first testpmd start of a run is slow (it maps and touches its 1 GiB of memory
+        # for the first time): one sample that is thrown away, so round 1 starts like the others.
+        m = sample(variants[0], sizes[0], "tx", args, work)
+        print(f"warm-up sample (discarded): {m['fps']:,.0f} frames/s", file=sys.stderr)
         for r in range(args.rounds):
             for d in dirs:
                 for size in sizes:
@@ -182,24 +231,33 @@ def main():
                         m = sample(v, size, d, args, work)
                         samples.setdefault((d, size, v), []).append(m)
                         print(f"round {r + 1}/{args.rounds} {d} {size} B {v}: {m['fps']:,.0f} frames/s "
-                              f"(testpmd {m['testpmd_pps']:,.0f})", file=sys.stderr)
+                              f"(testpmd {m['testpmd_pps']:,.0f}), backend {m['cpu_us']:.2f} us CPU/frame",
+                              file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()
     print(f"\nDPDK virtio_user -> bouncevm-vhost net, {args.seconds:g} s per sample after "
           f"{args.warmup:g} s warm-up, {args.rounds} interleaved rounds; load average at the end "
           f"{load[0]:.1f} ({os.cpu_count()} CPUs)")
-    print("| direction | frame | variant | median frames/s | min-max | vs off |")
-    print("|---|---|---|---|---|---|")
+    print("| direction | frame | variant | median frames/s | min-max | vs off "
+          "| backend CPU us/frame | min-max | vs off |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d in dirs:
         for size in sizes:
             off = statistics.median(s["fps"] for s in samples[(d, size, "off")]) \
+                if (d, size, "off") in samples else None
+            off_cpu = statistics.median(s["cpu_us"] for s in samples[(d, size, "off")]) \
                 if (d, size, "off") in samples else None
             for v in variants:
                 xs = [s["fps"] for s in samples[(d, size, v)]]
                 med = statistics.median(xs)
                 ratio = f"{med / off:.2f}x" if off else "-"
-                print(f"| {d} | {size} B | {v} | {med:,.0f} | {min(xs):,.0f}-{max(xs):,.0f} | {ratio} |")
+                cs = [s["cpu_us"] for s in samples[(d, size, v)]]
+                cmed = statistics.median(cs)
+                # CPU per frame: lower is better, so the ratio is off / this (>1 = cheaper).
+                cratio = f"{off_cpu / cmed:.2f}x" if off_cpu and cmed else "-"
+                print(f"| {d} | {size} B | {v} | {med:,.0f} | {min(xs):,.0f}-{max(xs):,.0f} | {ratio} "
+                      f"| {cmed:.2f} | {min(cs):.2f}-{max(cs):.2f} | {cratio} |")
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"dir": d, "size": s, "variant": v, **m}

@@ -26,7 +26,7 @@
 use bounce::{Direction, Dma, DmaBuffer};
 use vm_memory::GuestMemory;
 
-use super::io::{IoBufCollector, IoOp, Range};
+use super::io::{IoBufCollector, IoBufs, IoOp, Range};
 use super::metrics::BlockMetrics;
 use super::{
     req_type, status, BlockError, Result, DISCARD_SEG_LEN, ID_BYTES, REQ_HEADER_LEN, SECTOR_SHIFT,
@@ -183,7 +183,8 @@ pub struct RequestCtx<'a> {
 #[derive(Debug)]
 pub struct Pending {
     slot: StatusSlot,
-    mapped: Vec<DmaBuffer>,
+    /// Inline for the usual one data piece: a request in flight allocates nothing.
+    mapped: smallvec::SmallVec<[DmaBuffer; 1]>,
     /// Bytes the host I/O must move.
     expected: u64,
     /// Data bytes written to the guest on success (a read's length).
@@ -199,6 +200,9 @@ impl Pending {
 }
 
 /// What [`RequestCtx::start`] did with a chain.
+// Moved once per request into the in-flight table: boxing the large variant would bring back
+// the allocation per request that the inline mappings and pieces avoid.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Started {
     /// Finished at once (refused, GET_ID, a FLUSH that syncs nothing): its status is written.
@@ -283,7 +287,7 @@ impl RequestCtx<'_> {
                 written,
                 kind,
             }) => {
-                let mapped = std::mem::take(self.mapped);
+                let mapped = self.mapped.drain(..).collect();
                 return Ok(Started::Submit(
                     Pending {
                         slot,
@@ -339,7 +343,8 @@ impl RequestCtx<'_> {
             }),
             Err(e) => Err(BlockError::Io(e.to_string())),
         };
-        *self.mapped = p.mapped;
+        self.mapped.clear();
+        self.mapped.extend(p.mapped);
         // Only a complete transfer is copied back to the guest (issue 11 item 4).
         let unmapped = self.unmap_all(mem, io.is_ok());
         let (st, written) = match io.and(unmapped) {
@@ -363,7 +368,8 @@ impl RequestCtx<'_> {
     /// Drops a request without completing it (device reset): its mappings are released and
     /// nothing is written to the guest.
     pub fn release<M: GuestMemory + ?Sized>(&mut self, mem: &M, p: Pending) {
-        *self.mapped = p.mapped;
+        self.mapped.clear();
+        self.mapped.extend(p.mapped);
         if let Err(e) = self.unmap_all(mem, false) {
             self.metrics.count_error(&e);
         }
@@ -661,7 +667,7 @@ impl RequestCtx<'_> {
         self.map_stream(mem, segs, start, len, dir)?;
         // Where the device-visible bytes are: the engine moves them later, while the
         // mappings stay in `self.mapped` (then in the pending request).
-        let mut bufs = Vec::with_capacity(self.mapped.len());
+        let mut bufs = IoBufs::new();
         let mut collected = Ok(());
         for b in self.mapped.iter() {
             let n = b.len();

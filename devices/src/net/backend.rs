@@ -9,9 +9,23 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use vm_memory::VolatileSlice;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::tap::{offload_flags, Tap};
+
+/// `head` followed by the bytes of `body`, in one buffer.
+pub(crate) fn gather_frame(head: &[u8], body: &[VolatileSlice<'_>]) -> Vec<u8> {
+    let len = head.len() + body.iter().map(|s| s.len()).sum::<usize>();
+    let mut frame = Vec::with_capacity(len);
+    frame.extend_from_slice(head);
+    for s in body {
+        let at = frame.len();
+        frame.resize(at + s.len(), 0);
+        s.copy_to(&mut frame[at..]);
+    }
+    frame
+}
 
 /// One queue pair's network backend.
 pub trait NetBackend: Send + fmt::Debug {
@@ -20,6 +34,17 @@ pub trait NetBackend: Send + fmt::Debug {
     /// # Errors
     /// The backend's I/O error; the frame is then dropped and counted by the caller.
     fn send(&mut self, frame: &[u8]) -> io::Result<()>;
+
+    /// Sends one frame given as its vnet header `head` and the pieces of the rest, in order:
+    /// a TX frame straight from where the device sees it (guest memory or the bounce pool),
+    /// with no copy into a host buffer first. By default the pieces are gathered into one
+    /// buffer for [`NetBackend::send`]; a tap writes them with one `writev`.
+    ///
+    /// # Errors
+    /// As [`NetBackend::send`].
+    fn send_slices(&mut self, head: &[u8], body: &[VolatileSlice<'_>]) -> io::Result<()> {
+        self.send(&gather_frame(head, body))
+    }
 
     /// Receives one frame (vnet header first) into `buf`, returning its length;
     /// `WouldBlock` when there is none.
@@ -51,6 +76,10 @@ pub trait NetBackend: Send + fmt::Debug {
 impl NetBackend for Tap {
     fn send(&mut self, frame: &[u8]) -> io::Result<()> {
         self.write_frame(frame)
+    }
+
+    fn send_slices(&mut self, head: &[u8], body: &[VolatileSlice<'_>]) -> io::Result<()> {
+        self.write_frame_slices(head, body)
     }
 
     fn recv(&mut self, buf: &mut [u8]) -> io::Result<usize> {

@@ -118,6 +118,24 @@ fn tx_frame_split_over_descriptors_reaches_backend_byte_for_byte() {
 }
 
 #[test]
+fn tx_header_split_mid_field_is_checked_and_num_buffers_cleared() {
+    for (name, dma) in dmas() {
+        let mut p = Pair::new(BASE, dma.clone());
+        let mut f = frame(&plain(), 200, 3);
+        // num_buffers means nothing on transmit: the device clears it on the way out.
+        f[10..12].copy_from_slice(&7u16.to_le_bytes());
+        let head =
+            p.g.post_readable(TXQ, &[&f[..3], &f[3..11], &f[11..14], &f[14..]]);
+        p.kick_tx();
+        let mut want = f.clone();
+        want[10..12].fill(0);
+        assert_eq!(p.be.take_sent(), vec![want], "{name}");
+        assert_eq!(p.g.used(TXQ), vec![(u32::from(head), 0)], "{name}");
+        assert_pool_covers(name, &dma, f.len(), 0);
+    }
+}
+
+#[test]
 fn tx_64k_tso_and_csum_partial_frames_pass_with_features_acked() {
     let acked = BASE | features::HOST_TSO4 | features::HOST_TSO6;
     for (name, dma) in dmas() {

@@ -1,11 +1,14 @@
 //! One worker per rx/tx queue pair: the TX and RX paths.
 //!
 //! **TX** (guest to backend): pop a chain, check its shape (device-readable descriptors only,
-//! guest-memory addresses, no loop, at most 65562 bytes), ask the shaper, then gather it
-//! through the [`Dma`] handle (map to-device, read, unmap) into the worker's 64 KiB + header
-//! host buffer, check the vnet header against the acked features and hand the frame to the
-//! backend with one write. Every popped head gets exactly one `add_used` (length 0: the
-//! device writes nothing); a throttled chain is put back (`go_to_previous_position`) instead.
+//! guest-memory addresses, no loop, at most 65562 bytes), ask the shaper, then map its
+//! buffers through the [`Dma`] handle (to-device: copied into the pool when bouncing, as a
+//! guest's `dma_map` would), check a copy of the vnet header against the acked features and
+//! hand the frame to the backend as the header plus the device-visible pieces of the rest
+//! (one `writev` on a tap, straight from guest memory or the pool: no copy into a host
+//! buffer, no allocation per frame), then unmap. Every popped head gets exactly one
+//! `add_used` (length 0: the device writes nothing); a throttled chain is put back
+//! (`go_to_previous_position`) instead. A kick drains the whole ring before one notification.
 //!
 //! **RX** (backend to guest): read one frame from the backend into the worker's host buffer,
 //! take enough guest chains for it (one; or, with MRG_RXBUF, as many as it needs), and scatter
@@ -26,15 +29,17 @@ use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex};
 
 use bounce::error::ErrorClass;
-use bounce::Dma;
+use bounce::{Direction, Dma, DmaBuffer};
+use smallvec::SmallVec;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::GuestMemory;
+use vm_memory::{GuestMemory, VolatileSlice};
 
 use super::backend::NetBackend;
 use super::header::VnetHeader;
 use super::metrics::NetMetrics;
 use super::rate_limiter::{Dir, RateLimiter};
 use super::{features, MAX_BUFFER_LEN, MIN_FRAME_LEN, QUEUE_MAX_SIZE, VNET_HDR_LEN};
+use crate::block::io::{IoBufCollector, IoBufs};
 use crate::virtio::chain::{Chain, ChainHead, Seg, WalkRules};
 use crate::virtio::queue::{self, Step};
 use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
@@ -97,7 +102,10 @@ pub struct PairWorker<M> {
     metrics: Arc<NetMetrics>,
     shaper: Option<RateLimiter>,
     rules: WalkRules,
-    tx_buf: Vec<u8>,
+    /// The mappings of the TX frame being sent (kept to reuse their storage).
+    tx_mapped: Vec<DmaBuffer>,
+    /// Where the device sees the bytes of those mappings.
+    tx_pieces: IoBufs,
     tx_chain: Chain,
     rx_chain: Chain,
     rx_buf: Vec<u8>,
@@ -130,7 +138,8 @@ impl<M: GuestMemory> PairWorker<M> {
             metrics,
             shaper,
             rules: walk_rules(acked),
-            tx_buf: vec![0; MAX_BUFFER_LEN],
+            tx_mapped: Vec::new(),
+            tx_pieces: IoBufs::new(),
             tx_chain: Chain::default(),
             rx_chain: Chain::default(),
             rx_buf: vec![0; MAX_BUFFER_LEN],
@@ -201,30 +210,83 @@ impl<M: GuestMemory> PairWorker<M> {
                 return TxOutcome::Throttled;
             }
         }
-        // Gather through the DMA handle. `total` <= MAX_BUFFER_LEN = tx_buf.len(), so every
-        // slice below is in bounds.
-        let mut off = 0usize;
+        // Map every buffer (to-device), then find where the device sees the bytes.
+        let worker = usize::from(self.pair);
+        self.tx_mapped.clear();
+        self.tx_pieces.clear();
+        let mut mapped = Ok(());
         for seg in &c.readable {
-            let len = seg.len as usize;
-            let r = self.dma.read_guest(
-                mem,
-                seg.addr,
-                &mut self.tx_buf[off..off + len],
-                usize::from(self.pair),
-            );
-            if let Err(e) = r {
+            match self
+                .dma
+                .map(mem, seg.addr, seg.len as usize, Direction::ToDevice, worker)
+            {
+                Ok(b) => self.tx_mapped.push(b),
+                Err(e) => {
+                    mapped = Err(e);
+                    break;
+                }
+            }
+        }
+        if mapped.is_ok() {
+            for b in &self.tx_mapped {
+                let mut sink = IoBufCollector(&mut self.tx_pieces);
+                if let Err(e) = self.dma.read_to(mem, b, 0, b.len(), &mut sink) {
+                    mapped = Err(e);
+                    break;
+                }
+            }
+        }
+        let outcome = match mapped {
+            Ok(()) => self.tx_send(frame_len, backend),
+            Err(e) => {
                 if e.class() == ErrorClass::GuestFault {
                     m.tx_dropped_malformed.inc();
                 } else {
                     m.tx_bounce_failures.inc();
                 }
-                tracing::debug!(pair = self.pair, "tx gather: {e}");
-                return TxOutcome::Dropped;
+                tracing::debug!(pair = self.pair, "tx map: {e}");
+                TxOutcome::Dropped
             }
-            off += len;
+        };
+        // To-device mappings: unmapping copies nothing back, it only frees the slots.
+        for b in self.tx_mapped.drain(..) {
+            if let Err(e) = self.dma.unmap(mem, b, worker) {
+                tracing::debug!(pair = self.pair, "tx unmap: {e}");
+                m.tx_bounce_failures.inc();
+            }
         }
+        self.tx_pieces.clear();
+        outcome
+    }
+
+    /// Checks the vnet header of the mapped frame in `tx_pieces` and sends it.
+    fn tx_send(&self, frame_len: usize, backend: &mut dyn NetBackend) -> TxOutcome {
+        let m = &self.metrics;
+        // SAFETY: the pieces are the device-visible bytes of the mappings in `tx_mapped`,
+        // which stay mapped (and their memory valid) until `tx_one` unmaps them after this
+        // returns; the slices do not outlive this call.
+        let slices: SmallVec<[VolatileSlice<'_>; 8]> = self
+            .tx_pieces
+            .iter()
+            .map(|p| unsafe { p.as_volatile() })
+            .collect();
+        // A copy of the header (it may span pieces); the body is the rest of the pieces.
         let mut hdr_bytes = [0u8; VNET_HDR_LEN];
-        hdr_bytes.copy_from_slice(&self.tx_buf[..VNET_HDR_LEN]);
+        let mut got = 0usize;
+        let mut body: SmallVec<[VolatileSlice<'_>; 8]> = SmallVec::new();
+        for s in &slices {
+            let take = (VNET_HDR_LEN - got).min(s.len());
+            if take > 0 {
+                s.copy_to(&mut hdr_bytes[got..got + take]);
+                got += take;
+            }
+            if take < s.len() {
+                match s.subslice(take, s.len() - take) {
+                    Ok(rest) => body.push(rest),
+                    Err(_) => return TxOutcome::Dropped,
+                }
+            }
+        }
         let hdr = VnetHeader::from_bytes(&hdr_bytes);
         if let Err(e) = hdr.check_tx(self.acked, frame_len) {
             tracing::debug!(pair = self.pair, "tx header: {e}");
@@ -232,8 +294,8 @@ impl<M: GuestMemory> PairWorker<M> {
             return TxOutcome::Dropped;
         }
         // num_buffers means nothing on transmit; the tap ignores it, clear it anyway.
-        self.tx_buf[10..12].fill(0);
-        match backend.send(&self.tx_buf[..total]) {
+        hdr_bytes[10..12].fill(0);
+        match backend.send_slices(&hdr_bytes, &body) {
             Ok(()) => {
                 m.tx_frames.inc();
                 m.tx_bytes.add(frame_len as u64);

@@ -96,12 +96,16 @@ impl IoBuf {
     }
 }
 
+/// The pieces of one read or write: inline up to four (a 4 KiB request is one piece, or one
+/// per guest memory region it spans), so a request allocates nothing on the way to the host.
+pub type IoBufs = smallvec::SmallVec<[IoBuf; 4]>;
+
 /// A sink and source that records where the bytes of a device-visible buffer are instead of
 /// moving them: passed to [`bounce::Dma::read_to`] / [`bounce::Dma::write_from`], it collects
 /// the buffer's pieces (one for a bounced buffer, one per guest memory region otherwise) so an
 /// asynchronous engine can transfer them later.
 #[derive(Debug)]
-pub struct IoBufCollector<'a>(pub &'a mut Vec<IoBuf>);
+pub struct IoBufCollector<'a>(pub &'a mut IoBufs);
 
 impl WriteVolatile for IoBufCollector<'_> {
     fn write_volatile<B: BitmapSlice>(
@@ -144,7 +148,7 @@ pub enum IoOp {
         /// Byte offset on the disk.
         offset: u64,
         /// Destination pieces.
-        bufs: Vec<IoBuf>,
+        bufs: IoBufs,
     },
     /// Write the buffers at `offset..`; with `fua`, complete only once the data is on stable
     /// storage (write cache off: a flush follows the write, as QEMU emulates FUA).
@@ -152,7 +156,7 @@ pub enum IoOp {
         /// Byte offset on the disk.
         offset: u64,
         /// Source pieces.
-        bufs: Vec<IoBuf>,
+        bufs: IoBufs,
         /// Sync before completing.
         fua: bool,
     },
@@ -486,7 +490,7 @@ pub struct DirectAlign {
 
 struct Bounced {
     flat: AlignedBuf,
-    orig: Vec<IoBuf>,
+    orig: IoBufs,
     read: bool,
 }
 
@@ -541,7 +545,7 @@ impl AlignedEngine {
             // long.
             unsafe { copy_pieces(bufs, window, true, len) };
         }
-        let orig = std::mem::replace(bufs, vec![window]);
+        let orig = std::mem::replace(bufs, smallvec::smallvec![window]);
         self.pending.insert(tag, Bounced { flat, orig, read });
         self.inner
             .stats()

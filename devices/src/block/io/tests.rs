@@ -107,7 +107,7 @@ fn depth_write_then_read_verifies_for_every_engine_and_cache_mode() {
                     i,
                     IoOp::Write {
                         offset: ((i * 37) % 256) * 4096,
-                        bufs: vec![arena.buf(i as usize * 4096, 4096)],
+                        bufs: smallvec::smallvec![arena.buf(i as usize * 4096, 4096)],
                         fua: !cache.write_cache(),
                     },
                 ));
@@ -123,7 +123,7 @@ fn depth_write_then_read_verifies_for_every_engine_and_cache_mode() {
                         100 + i,
                         IoOp::Read {
                             offset: ((i * 37) % 256) * 4096,
-                            bufs: vec![arena.buf(base + i as usize * 4096, 4096)],
+                            bufs: smallvec::smallvec![arena.buf(base + i as usize * 4096, 4096)],
                         },
                     )
                 })
@@ -170,7 +170,7 @@ fn unaligned_buffers_are_bounced_only_with_o_direct() {
                     1,
                     IoOp::Write {
                         offset: 8192,
-                        bufs: bufs.clone(),
+                        bufs: bufs.iter().copied().collect(),
                         fua: false,
                     },
                 )],
@@ -185,7 +185,7 @@ fn unaligned_buffers_are_bounced_only_with_o_direct() {
                     2,
                     IoOp::Read {
                         offset: 8192,
-                        bufs: rbufs,
+                        bufs: rbufs.iter().copied().collect(),
                     },
                 )],
             );
@@ -218,7 +218,7 @@ fn flush_discard_and_write_zeroes_for_every_engine() {
                 1,
                 IoOp::Write {
                     offset: 0,
-                    bufs: vec![arena.buf(0, 3 * 65536)],
+                    bufs: smallvec::smallvec![arena.buf(0, 3 * 65536)],
                     fua: true,
                 },
             )],
@@ -285,7 +285,7 @@ fn errors_are_completions() {
                     1,
                     IoOp::Write {
                         offset: 0,
-                        bufs: vec![arena.buf(0, 4096)],
+                        bufs: smallvec::smallvec![arena.buf(0, 4096)],
                         fua: false,
                     },
                 ),
@@ -293,7 +293,7 @@ fn errors_are_completions() {
                     2,
                     IoOp::Read {
                         offset: 4096,
-                        bufs: vec![arena.buf(4096, 4096), arena.buf(8192, 4096)],
+                        bufs: smallvec::smallvec![arena.buf(4096, 4096), arena.buf(8192, 4096)],
                     },
                 ),
             ],
@@ -408,7 +408,7 @@ fn thread_pool_completes_out_of_order() {
                 i,
                 IoOp::Read {
                     offset: i * 4096,
-                    bufs: vec![arena.buf(i as usize * 4096, 4096)],
+                    bufs: smallvec::smallvec![arena.buf(i as usize * 4096, 4096)],
                 },
             )
         };
@@ -477,14 +477,14 @@ fn io_uring_completes_out_of_order_and_raises_its_eventfd() {
             1,
             IoOp::Read {
                 offset: 0,
-                bufs: vec![arena.buf(0, 512)],
+                bufs: smallvec::smallvec![arena.buf(0, 512)],
             },
         );
         e.submit(
             2,
             IoOp::Write {
                 offset: 0,
-                bufs: vec![arena.buf(4096, 512)],
+                bufs: smallvec::smallvec![arena.buf(4096, 512)],
                 fua: false,
             },
         );

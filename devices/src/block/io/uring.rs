@@ -59,6 +59,13 @@ struct Inflight {
 // is only touched by the thread that owns the engine.
 unsafe impl Send for Inflight {}
 
+/// An empty iovec array kept for reuse.
+#[derive(Debug, Default)]
+struct SpareIovecs(Vec<libc::iovec>);
+
+// SAFETY: the array is empty (it only keeps its capacity): it names no memory.
+unsafe impl Send for SpareIovecs {}
+
 /// An io_uring engine on a raw file.
 pub struct UringEngine<D: Disk> {
     ring: IoUring,
@@ -67,6 +74,10 @@ pub struct UringEngine<D: Disk> {
     fd: RawFd,
     eventfd: EventFd,
     slots: Vec<Option<Inflight>>,
+    /// Iovec arrays of finished ops, reused by the next ones (no allocation per request).
+    spare_iovecs: Vec<SpareIovecs>,
+    /// Completions of one reap pass (kept to reuse its storage).
+    cqes: Vec<(usize, i32)>,
     free: Vec<usize>,
     /// SQEs prepared but not yet in the submission ring.
     backlog: VecDeque<squeue::Entry>,
@@ -126,6 +137,8 @@ impl<D: Disk> UringEngine<D> {
             fd,
             eventfd,
             slots: Vec::new(),
+            spare_iovecs: Vec::new(),
+            cqes: Vec::new(),
             free: Vec::new(),
             backlog: VecDeque::new(),
             in_kernel: 0,
@@ -191,10 +204,16 @@ impl<D: Disk> UringEngine<D> {
     }
 
     fn finish(&mut self, slot: usize, result: io::Result<u64>) {
-        if let Some(e) = self.slots[slot].take() {
+        if let Some(mut e) = self.slots[slot].take() {
             self.free.push(slot);
             self.ops -= 1;
             self.ready.push(IoDone { tag: e.tag, result });
+            e.iovecs.clear();
+            if e.iovecs.capacity() > 0 && self.spare_iovecs.len() < self.cq_cap {
+                // The kernel is done with this array: its op completed.
+                self.spare_iovecs
+                    .push(SpareIovecs(std::mem::take(&mut e.iovecs)));
+            }
         }
     }
 
@@ -339,16 +358,14 @@ impl<D: Disk> IoEngine for UringEngine<D> {
 
     unsafe fn submit(&mut self, tag: Tag, op: IoOp) {
         let (iovecs, stage, empty) = match &op {
-            IoOp::Read { bufs, .. } | IoOp::Write { bufs, .. } => (
-                bufs.iter()
-                    .map(|b: &IoBuf| libc::iovec {
-                        iov_base: b.ptr().cast(),
-                        iov_len: b.len(),
-                    })
-                    .collect::<Vec<_>>(),
-                Stage::Data,
-                bufs.is_empty(),
-            ),
+            IoOp::Read { bufs, .. } | IoOp::Write { bufs, .. } => {
+                let mut v = self.spare_iovecs.pop().unwrap_or_default().0;
+                v.extend(bufs.iter().map(|b: &IoBuf| libc::iovec {
+                    iov_base: b.ptr().cast(),
+                    iov_len: b.len(),
+                }));
+                (v, Stage::Data, bufs.is_empty())
+            }
             IoOp::Flush => (Vec::new(), Stage::Sync, false),
             IoOp::Discard { ranges, .. } | IoOp::WriteZeroes { ranges, .. } => {
                 (Vec::new(), Stage::Range(0), ranges.is_empty())
@@ -412,7 +429,7 @@ impl<D: Disk> IoEngine for UringEngine<D> {
         // Reset the eventfd before looking at the ring: a completion posted after this read
         // raises it again, so an edge-triggered poller misses nothing.
         let _ = self.eventfd.read();
-        let mut cqes: Vec<(usize, i32)> = Vec::new();
+        let mut cqes = std::mem::take(&mut self.cqes);
         loop {
             cqes.clear();
             cqes.extend(
@@ -428,6 +445,7 @@ impl<D: Disk> IoEngine for UringEngine<D> {
                 self.complete(slot, res);
             }
         }
+        self.cqes = cqes;
         if !self.backlog.is_empty() {
             self.kick();
         }
