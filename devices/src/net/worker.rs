@@ -125,6 +125,9 @@ pub struct PairWorker<M> {
     pair_tx_chains: u64,
     /// Set once the worker handled an event.
     served: bool,
+    /// A backend I/O error was logged (a tap deleted under the device fails every read and
+    /// write from then on: logged once, counted always).
+    backend_error_logged: crate::metrics::LogOnce,
     _mem: PhantomData<fn(&M)>,
 }
 
@@ -162,6 +165,7 @@ impl<M: GuestMemory> PairWorker<M> {
             pair_rx_frames: 0,
             pair_tx_chains: 0,
             served: false,
+            backend_error_logged: crate::metrics::LogOnce::default(),
             _mem: PhantomData,
         }
     }
@@ -188,6 +192,20 @@ impl<M: GuestMemory> PairWorker<M> {
         }
         self.receiving = on;
         self.metrics.steering_changes.inc();
+    }
+
+    /// Logs a backend I/O error the first time (a tap that disappeared fails every read
+    /// and write: the frames are dropped and counted, the device keeps serving); later ones
+    /// at debug level.
+    fn log_backend_error(&self, dir: &str, e: &std::io::Error) {
+        if self.backend_error_logged.first() {
+            tracing::warn!(
+                pair = self.pair,
+                "{dir} backend: {e}; frames are dropped and counted from now on (logged once)"
+            );
+        } else {
+            tracing::debug!(pair = self.pair, "{dir} backend: {e}");
+        }
     }
 
     fn worker_id(&self) -> usize {
@@ -291,7 +309,7 @@ impl<M: GuestMemory> PairWorker<M> {
                 TxOutcome::Sent
             }
             Err(e) => {
-                tracing::debug!(pair = self.pair, "tx backend: {e}");
+                self.log_backend_error("tx", &e);
                 m.tx_dropped_backend.inc();
                 TxOutcome::Dropped
             }
@@ -467,7 +485,7 @@ impl<M: GuestMemory> PairWorker<M> {
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                         Err(e) => {
-                            tracing::debug!(pair = self.pair, "rx backend: {e}");
+                            self.log_backend_error("rx", &e);
                             self.metrics.rx_backend_errors.inc();
                             break;
                         }
