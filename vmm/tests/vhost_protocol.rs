@@ -836,3 +836,116 @@ fn mq_net_is_served_as_qemu_negotiates_it_pairs_follow_vring_enable() {
     stop.stop();
     server.join().unwrap();
 }
+
+/// Runs `ip args`, panicking with its stderr on failure.
+fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
+    // Issue 11 item 16: the tap of `bouncevm-vhost net` deleted under it (`ip link del`, or
+    // its namespace removed). Its fd polls as EPOLLERR: the adapter must stop polling it (no
+    // busy loop), the guest's frames are dropped and counted, and the control path, the
+    // statistics and the shutdown keep working.
+    use bounce::testing::{missing, Resource};
+    if unsafe { libc::geteuid() } != 0 {
+        return missing(Resource::Root, "not root");
+    }
+    if !Path::new("/dev/net/tun").exists() {
+        return missing(Resource::Tun, "/dev/net/tun is missing");
+    }
+    if std::process::Command::new("ip").arg("-V").output().is_err() {
+        return missing(Resource::Root, "the `ip` command is missing");
+    }
+    let ns = format!("bvm-vhtap-{}", std::process::id());
+    let _ = std::process::Command::new("ip")
+        .args(["netns", "del", &ns])
+        .output();
+    ip(&["netns", "add", &ns]);
+    /// Deletes the namespace (and the tap if still there) whatever happens.
+    struct Gone(String);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &self.0])
+                .output();
+        }
+    }
+    let _gone = Gone(ns.clone());
+    let nspath = format!("/var/run/netns/{ns}");
+    // The tap is created inside the namespace (by a thread that entered it); its fds work
+    // from anywhere.
+    let net = thread::spawn(move || {
+        let f = std::fs::File::open(nspath).unwrap();
+        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+        let cfg = NetConfig {
+            frontend_steering: true,
+            ..NetConfig::default()
+        };
+        Net::with_tap(cfg, "bvmvh0", Dma::direct())
+    })
+    .join()
+    .unwrap();
+    {
+        let net = net.expect("tap in the namespace");
+        ip(&["-n", &ns, "link", "set", "bvmvh0", "up"]);
+        let (path, stats_path, server, stop) = start_server_with_stats("nettapgone.sock", net);
+        let mut d = Driver::connect(&path, 3);
+        d.handshake().unwrap();
+        net_start(&mut d, &[(0, true), (1, true)], features::VERSION_1);
+        d.setup_rings(2).unwrap();
+        sync(&mut d);
+        let tx = |d: &mut Driver, i: u16| {
+            let f = net_frame(100, 5);
+            let a = data_addr(1) + u64::from(i) * 0x200;
+            d.mem.write_slice(&f, GuestAddress(a)).unwrap();
+            d.post_descs(1, i, &[(a, f.len() as u32, false)]);
+            assert_eq!(wait_next_used(d, 1), (u32::from(i), 0), "TX chain {i}");
+        };
+        tx(&mut d, 0);
+        let net_stat = |st: &serde_json::Value, k: &str| st["device"]["net"][k].as_u64().unwrap();
+        assert_eq!(net_stat(&stats(&stats_path), "tx_frames"), 1);
+
+        ip(&["-n", &ns, "link", "del", "bvmvh0"]);
+        // TX keeps completing the guest's chains, counted as dropped.
+        tx(&mut d, 1);
+        tx(&mut d, 2);
+        // RX: a buffer and a kick; the read error is counted, the buffer stays the guest's.
+        d.post_descs(0, 0, &[(data_addr(0), 2048, true)]);
+        let st = wait_stats(&stats_path, "rx error counted", |st| {
+            net_stat(st, "rx_backend_errors") >= 1
+        });
+        assert_eq!(net_stat(&st, "tx_frames"), 1, "{st}");
+        assert_eq!(net_stat(&st, "tx_dropped_backend"), 2, "{st}");
+        assert_eq!(st["transport"]["broken_workers"], 0, "{st}");
+        // No busy loop on the dead fd: the event counters stand still.
+        let events = |st: &serde_json::Value| {
+            (
+                st["transport"]["fd_events"].clone(),
+                st["transport"]["kicks"].clone(),
+            )
+        };
+        let before = events(&stats(&stats_path));
+        thread::sleep(Duration::from_millis(300));
+        let after = events(&stats(&stats_path));
+        assert_eq!(before, after, "events keep coming from the dead tap");
+        // The control path answers: the stop counts the 3 TX chains, and on RX only a buffer
+        // the guest got back (a frame the tap sent before it went, e.g. IPv6 neighbour
+        // discovery, or none).
+        let rx_used = std::iter::from_fn(|| d.next_used(0)).count();
+        assert_eq!(d.frontend.get_vring_base(0).unwrap() as usize, rx_used);
+        assert_eq!(d.frontend.get_vring_base(1).unwrap(), 3);
+        drop(d);
+        stop.stop();
+        server.join().expect("clean shutdown");
+    }
+}
