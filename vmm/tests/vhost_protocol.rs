@@ -857,6 +857,7 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
     // busy loop), the guest's frames are dropped and counted, and the control path, the
     // statistics and the shutdown keep working.
     use bounce::testing::{missing, Resource};
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return missing(Resource::Root, "not root");
     }
@@ -886,7 +887,9 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
     // from anywhere.
     let net = thread::spawn(move || {
         let f = std::fs::File::open(nspath).unwrap();
-        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+        // SAFETY: `f` is an open namespace file; setns only moves this thread.
+        let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
         let cfg = NetConfig {
             frontend_steering: true,
             ..NetConfig::default()
