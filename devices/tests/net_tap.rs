@@ -476,3 +476,87 @@ fn a_kernel_named_tap_reports_its_name_and_every_queue_joins_it() {
         std::panic::resume_unwind(e);
     }
 }
+
+/// Issue 11 item 16: the tap is deleted under a running device (`ip link del`, or its
+/// namespace removed). Its fd then reports an error on poll (a transport stops polling it: no
+/// busy loop on EPOLLERR), every read and write fails: the guest's frames are dropped and
+/// counted, RX buffers stay the guest's, and the device keeps answering every event.
+#[test]
+fn a_tap_deleted_under_the_device_drops_and_counts_and_keeps_serving() {
+    if let Some((resource, why)) = skip_reason() {
+        bounce::testing::missing(resource, why);
+        return;
+    }
+    let name = format!("bvm-tapgone-{}", std::process::id());
+    let _ = Command::new("ip").args(["netns", "del", &name]).output();
+    ip(&["netns", "add", &name]);
+    let ns = Netns(name);
+    let r = std::thread::spawn(move || {
+        ns.enter();
+        let dev = Net::with_tap(NetConfig::default(), TAP, Dma::direct()).unwrap();
+        ip(&["-n", &ns.0, "link", "set", TAP, "up"]);
+        let mut drv = TestDriver::new(dev, 8 << 20);
+        let want = vf::VERSION_1 | nf::MRG_RXBUF;
+        assert_eq!(drv.negotiate(want), want);
+        drv.activate(64).unwrap();
+        let tap_fd = drv
+            .worker_fds(0)
+            .iter()
+            .find(|(_, t)| *t == TOKEN_BACKEND)
+            .map(|(fd, _)| *fd)
+            .expect("the tap is a worker fd");
+        let send = |drv: &mut TestDriver<Net>, marker: u16| {
+            let mut f = VnetHeader::default().to_bytes().to_vec();
+            f.extend(ip_frame(OTHER_MAC, GUEST_MAC, false, 200, marker));
+            let a = drv.ram.alloc_bytes(&f);
+            drv.post(TXQ, &[Buf::ro(a, f.len() as u32)]).unwrap();
+            drv.kick(TXQ).expect("TX kick served");
+            drv.reap(TXQ)
+        };
+        let counters = |drv: &TestDriver<Net>| {
+            let s = devices::virtio::VirtioDevice::<vm_memory::GuestMemoryMmap>::stats(&drv.device);
+            (
+                s["net"]["tx_frames"].as_u64().unwrap(),
+                s["net"]["tx_dropped_backend"].as_u64().unwrap(),
+                s["net"]["rx_backend_errors"].as_u64().unwrap(),
+            )
+        };
+        assert_eq!(send(&mut drv, 1).len(), 1);
+        assert_eq!(counters(&drv), (1, 0, 0));
+
+        ip(&["-n", &ns.0, "link", "del", TAP]);
+        // The fd says it is dead (and not readable): what the vhost-user adapter unregisters on.
+        let mut p = libc::pollfd {
+            fd: tap_fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        assert_eq!(unsafe { libc::poll(&mut p, 1, 1000) }, 1, "no poll event");
+        assert_ne!(p.revents & libc::POLLERR, 0, "revents {:#x}", p.revents);
+        assert_eq!(p.revents & libc::POLLIN, 0, "revents {:#x}", p.revents);
+        // RX: a buffer posted, a kick and a backend event: each returns (no retry loop on
+        // the error), counts the error, and leaves the buffer with the guest.
+        let b = drv.ram.alloc(4096, 8);
+        drv.post(RXQ, &[Buf::wo(b, 4096)]).unwrap();
+        drv.kick(RXQ).expect("RX kick served");
+        drv.fd_event(0, TOKEN_BACKEND).expect("tap event served");
+        assert!(drv.reap(RXQ).is_empty(), "no frame, no used RX buffer");
+        let (_, _, rx_errors) = counters(&drv);
+        assert!(rx_errors >= 2, "rx_backend_errors {rx_errors}");
+        // TX: every chain completed (the guest gets its buffers back), the frame counted.
+        for marker in 2..5 {
+            let used = send(&mut drv, marker);
+            assert_eq!(used.len(), 1, "TX chain {marker} not completed");
+        }
+        assert_eq!(counters(&drv).0, 1, "no frame reached a deleted tap");
+        assert_eq!(counters(&drv).1, 3, "tx_dropped_backend");
+        // A reset (the driver gives up on the device) and the end are clean.
+        drv.reset();
+        drop(drv);
+        drop(ns);
+    })
+    .join();
+    if let Err(e) = r {
+        std::panic::resume_unwind(e);
+    }
+}

@@ -281,13 +281,15 @@ def blk_vhost_user(socket, id: str = "vu0", num_queues: int = 1, iommu: bool = F
 
 
 def net_vhost_user(socket, id: str = "vun0", mac: str = "52:54:00:12:34:57", iommu: bool = False,
-                   extra: str = "") -> list[str]:
+                   extra: str = "", queues: int = 1) -> list[str]:
     """virtio-net-pci backed by a vhost-user net backend (QEMU has no 'vhost-user-net-pci' device:
     it is -netdev vhost-user + -device virtio-net-pci). vectors=0 (INTx): QEMU 7.2 under TCG
-    segfaults when the guest starts a vhost-user-net device with MSI-X (ENVIRONMENT.md)."""
+    segfaults when the guest starts a vhost-user-net device with MSI-X (ENVIRONMENT.md).
+    queues > 1: that many queue pairs (netdev queues=N, device mq=on)."""
+    nq, mq = (f",queues={queues}", ",mq=on") if queues > 1 else ("", "")
     return ["-chardev", f"socket,id={id},path={socket}",
-            "-netdev", f"vhost-user,id=net_{id},chardev={id}",
-            "-device", f"virtio-net-pci,netdev=net_{id},mac={mac},vectors=0{_iommu(iommu)}{extra}"]
+            "-netdev", f"vhost-user,id=net_{id},chardev={id}{nq}",
+            "-device", f"virtio-net-pci,netdev=net_{id},mac={mac},vectors=0{mq}{_iommu(iommu)}{extra}"]
 
 
 def net_tap(ifname: str, id: str = "n0", mac: str = "52:54:00:12:34:56", iommu: bool = False,
@@ -645,9 +647,11 @@ class NetNS:
 
     _n = itertools.count()
 
-    def __init__(self, prefix: str = "bvm", subnet: str = "10.213.0", tap: str = "bvmtap0"):
+    def __init__(self, prefix: str = "bvm", subnet: str = "10.213.0", tap: str = "bvmtap0",
+                 multi_queue: bool = False):
         self.name = f"{prefix}{os.getpid()}x{next(self._n)}"
         self.tap = tap
+        self.multi_queue = multi_queue  # a tap a multi-queue backend can open (one fd per queue)
         self.host_ip = f"{subnet}.1"
         self.guest_ip = f"{subnet}.2"
         self.guest_cidr = f"{self.guest_ip}/24"
@@ -666,7 +670,8 @@ class NetNS:
         try:
             ex = self.exec_prefix()
             _run(ex + ["ip", "link", "set", "lo", "up"])
-            _run(ex + ["ip", "tuntap", "add", "dev", self.tap, "mode", "tap"])
+            mq = ["multi_queue"] if self.multi_queue else []
+            _run(ex + ["ip", "tuntap", "add", "dev", self.tap, "mode", "tap", *mq])
             _run(ex + ["ip", "addr", "add", f"{self.host_ip}/24", "dev", self.tap])
             _run(ex + ["ip", "link", "set", self.tap, "up"])
         except Exception:

@@ -11,6 +11,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
+use bounce::Dma;
+use devices::net::{MemBackend, Net, NetBackend, NetConfig};
 use devices::virtio::{features, VirtioDevice};
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
@@ -18,7 +20,9 @@ use vhost::vhost_user::message::{
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
 use vhost::VhostUserMemoryRegionInfo;
-use vhost_support::{poll_now, wait_fd, Driver, EchoDevice, CONFIG, EXTRA_TOKEN, MEM_SIZE, QSIZE};
+use vhost_support::{
+    data_addr, poll_now, wait_fd, Driver, EchoDevice, CONFIG, EXTRA_TOKEN, MEM_SIZE, QSIZE,
+};
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
 use vmm::vhost::{Memory, Server, VhostUserDevice};
@@ -651,4 +655,300 @@ fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_sl
     stop.stop();
     server.join().unwrap();
     let _ = std::fs::remove_file(&dir);
+}
+
+// ---------------------------------------------------------------- net over vhost-user
+
+/// A net device over in-memory backends, configured as `bouncevm-vhost net` configures it
+/// (the frontend steers the queue pairs).
+fn net_device(pairs: u16) -> (Net, Vec<MemBackend>) {
+    let bes: Vec<MemBackend> = (0..pairs).map(|_| MemBackend::new().unwrap()).collect();
+    let boxed = bes
+        .iter()
+        .map(|b| Box::new(b.clone()) as Box<dyn NetBackend>)
+        .collect();
+    let cfg = NetConfig {
+        queue_pairs: pairs,
+        frontend_steering: true,
+        ..NetConfig::default()
+    };
+    (Net::new(cfg, boxed, Dma::direct()).unwrap(), bes)
+}
+
+/// A frame as the tap hands it over: a zeroed vnet header, then `len` bytes from `seed`.
+fn net_frame(len: usize, seed: u8) -> Vec<u8> {
+    let mut f = vec![0u8; 12];
+    f.extend((0..len).map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed)));
+    f
+}
+
+/// Waits for the next used element of queue `q`.
+fn wait_next_used(d: &mut Driver, q: usize) -> (u32, u32) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(u) = d.next_used(q) {
+            return u;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "queue {q}: no used entry"
+        );
+        d.wait_call(q, Duration::from_millis(50));
+    }
+}
+
+/// Waits until the backend has handled every request sent so far (they are not answered:
+/// one that is answered comes back after them).
+fn sync(d: &mut Driver) {
+    d.frontend.get_features().unwrap();
+}
+
+/// QEMU 7.2's start of a vhost-user-net device: the enables it keeps, then SET_FEATURES.
+fn net_start(d: &mut Driver, enables: &[(u32, bool)], acked: u64) {
+    for &(q, on) in enables {
+        d.raw_vring_enable(q, on);
+    }
+    d.set_features(acked).unwrap();
+}
+
+#[test]
+fn rx_buffers_a_waiting_frame_holds_survive_a_stop_and_are_served_after_it() {
+    // Regression (issue 11 item 6): the RX chains the worker held for a frame waiting for
+    // more buffers (MRG_RXBUF) were counted in the base GET_VRING_BASE reported, so the
+    // frontend resumed after them and the guest lost them on every stop/cont or migration.
+    let (net, bes) = net_device(1);
+    let (path, stats_path, server, stop) = start_server_with_stats("netstop.sock", net);
+    let mut d = Driver::connect(&path, 3);
+    let offered = d.handshake().unwrap();
+    let acked = offered & (features::VERSION_1 | devices::net::features::MRG_RXBUF);
+    net_start(&mut d, &[(0, true), (1, true)], acked);
+    d.setup_rings(2).unwrap();
+    // One 600-byte buffer for a 3000-byte frame: the worker holds it and waits for more.
+    d.post_descs(0, 0, &[(data_addr(0), 600, true)]);
+    bes[0].inject(net_frame(3000, 1));
+    wait_stats(&stats_path, "the frame waits for buffers", |st| {
+        st["device"]["net"]["rx_no_buffers"].as_u64() >= Some(1)
+    });
+    // The frontend stops the device (`stop`, or a migration).
+    let rx_base = d.frontend.get_vring_base(0).unwrap();
+    assert_eq!(
+        rx_base, 0,
+        "the base counts a buffer the guest never got back"
+    );
+    assert_eq!(d.frontend.get_vring_base(1).unwrap(), 0);
+    assert!(d.next_used(0).is_none());
+    // `cont`: the same rings, resumed from the reported bases. The waiting frame went with
+    // the stopped device; the next one fills the guest's first buffer, then the new one.
+    net_start(&mut d, &[(0, true), (1, true)], acked);
+    d.resume_ring(0, u16::try_from(rx_base).unwrap()).unwrap();
+    d.resume_ring(1, 0).unwrap();
+    sync(&mut d);
+    let second = data_addr(0) + 0x1000;
+    d.post_descs(0, 1, &[(second, 2048, true)]);
+    let f = net_frame(2000, 2);
+    bes[0].inject(f.clone());
+    assert_eq!(
+        wait_next_used(&mut d, 0),
+        (0, 600),
+        "the first buffer is used first"
+    );
+    assert_eq!(wait_next_used(&mut d, 0), (1, (f.len() - 600) as u32));
+    let mut got = vec![0u8; f.len()];
+    d.mem
+        .read_slice(&mut got[..600], GuestAddress(data_addr(0)))
+        .unwrap();
+    d.mem
+        .read_slice(&mut got[600..], GuestAddress(second))
+        .unwrap();
+    assert_eq!(u16::from_le_bytes([got[10], got[11]]), 2, "num_buffers");
+    assert!(got[12..] == f[12..], "payload");
+    drop(d);
+    stop.stop();
+    server.join().unwrap();
+}
+
+#[test]
+fn mq_net_is_served_as_qemu_negotiates_it_pairs_follow_vring_enable() {
+    // Regression (issue 11 item 9): QEMU acks MQ but not CTRL_VQ to a vhost-user-net
+    // backend (it answers the guest's VQ_PAIRS_SET itself and enables the pairs' rings);
+    // the device refused to activate. Pair 1 starts disabled, as QEMU starts it.
+    let (net, bes) = net_device(2);
+    let (path, stats_path, server, stop) = start_server_with_stats("netmq.sock", net);
+    let mut d = Driver::connect(&path, 5);
+    let offered = d.handshake().unwrap();
+    assert_eq!(d.frontend.get_queue_num().unwrap(), 5);
+    let mq = devices::net::features::MQ;
+    assert_ne!(offered & mq, 0);
+    let acked = offered & (features::VERSION_1 | mq);
+    net_start(
+        &mut d,
+        &[(0, true), (1, true), (2, false), (3, false)],
+        acked,
+    );
+    d.setup_rings(4).unwrap();
+    let st = stats(&stats_path);
+    assert_eq!(st["transport"]["activation_failures"], 0, "{st}");
+    assert_eq!(st["transport"]["active"], true, "{st}");
+    // Pair 0 receives; pair 1's tap queue stays detached while its rings are disabled.
+    d.post_descs(0, 0, &[(data_addr(0), 2048, true)]);
+    bes[0].inject(net_frame(100, 1));
+    assert_eq!(wait_next_used(&mut d, 0), (0, 112));
+    assert!(!bes[1].state().enabled);
+    // The guest asks for two pairs: QEMU enables pair 1's rings.
+    d.frontend.set_vring_enable(2, true).unwrap();
+    d.frontend.set_vring_enable(3, true).unwrap();
+    sync(&mut d);
+    d.post_descs(2, 0, &[(data_addr(2), 2048, true)]);
+    let f = net_frame(200, 2);
+    bes[1].inject(f.clone());
+    assert_eq!(wait_next_used(&mut d, 2), (0, f.len() as u32));
+    assert!(bes[1].state().enabled, "pair 1 attached its tap queue");
+    // Pair 1 transmits too.
+    let tx = net_frame(300, 3);
+    d.mem.write_slice(&tx, GuestAddress(data_addr(3))).unwrap();
+    d.post_descs(3, 0, &[(data_addr(3), tx.len() as u32, false)]);
+    assert_eq!(wait_next_used(&mut d, 3), (0, 0));
+    assert_eq!(bes[1].take_sent(), vec![tx]);
+    let st = stats(&stats_path);
+    let per_pair: Vec<_> = st["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["rx_frames"].clone(), w["tx_chains"].clone()))
+        .collect();
+    assert_eq!(
+        per_pair,
+        vec![(1.into(), 0.into()), (1.into(), 1.into())],
+        "{st}"
+    );
+    // Back to one pair: the next frame on pair 1's tap queue detaches it (the tap then
+    // steers to pair 0); the frontend keeps answering.
+    d.frontend.set_vring_enable(2, false).unwrap();
+    d.frontend.set_vring_enable(3, false).unwrap();
+    sync(&mut d);
+    bes[1].inject(net_frame(100, 4));
+    wait_stats(&stats_path, "pair 1 detached", |st| {
+        st["workers"][1]["receiving"] == false
+    });
+    assert!(!bes[1].state().enabled);
+    assert!(bes[0].state().enabled);
+    drop(d);
+    stop.stop();
+    server.join().unwrap();
+}
+
+/// Runs `ip args`, panicking with its stderr on failure.
+fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
+    // Issue 11 item 16: the tap of `bouncevm-vhost net` deleted under it (`ip link del`, or
+    // its namespace removed). Its fd polls as EPOLLERR: the adapter must stop polling it (no
+    // busy loop), the guest's frames are dropped and counted, and the control path, the
+    // statistics and the shutdown keep working.
+    use bounce::testing::{missing, Resource};
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return missing(Resource::Root, "not root");
+    }
+    if !Path::new("/dev/net/tun").exists() {
+        return missing(Resource::Tun, "/dev/net/tun is missing");
+    }
+    if std::process::Command::new("ip").arg("-V").output().is_err() {
+        return missing(Resource::Root, "the `ip` command is missing");
+    }
+    let ns = format!("bvm-vhtap-{}", std::process::id());
+    let _ = std::process::Command::new("ip")
+        .args(["netns", "del", &ns])
+        .output();
+    ip(&["netns", "add", &ns]);
+    /// Deletes the namespace (and the tap if still there) whatever happens.
+    struct Gone(String);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &self.0])
+                .output();
+        }
+    }
+    let _gone = Gone(ns.clone());
+    let nspath = format!("/var/run/netns/{ns}");
+    // The tap is created inside the namespace (by a thread that entered it); its fds work
+    // from anywhere.
+    let net = thread::spawn(move || {
+        let f = std::fs::File::open(nspath).unwrap();
+        // SAFETY: `f` is an open namespace file; setns only moves this thread.
+        let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+        let cfg = NetConfig {
+            frontend_steering: true,
+            ..NetConfig::default()
+        };
+        Net::with_tap(cfg, "bvmvh0", Dma::direct())
+    })
+    .join()
+    .unwrap();
+    {
+        let net = net.expect("tap in the namespace");
+        ip(&["-n", &ns, "link", "set", "bvmvh0", "up"]);
+        let (path, stats_path, server, stop) = start_server_with_stats("nettapgone.sock", net);
+        let mut d = Driver::connect(&path, 3);
+        d.handshake().unwrap();
+        net_start(&mut d, &[(0, true), (1, true)], features::VERSION_1);
+        d.setup_rings(2).unwrap();
+        sync(&mut d);
+        let tx = |d: &mut Driver, i: u16| {
+            let f = net_frame(100, 5);
+            let a = data_addr(1) + u64::from(i) * 0x200;
+            d.mem.write_slice(&f, GuestAddress(a)).unwrap();
+            d.post_descs(1, i, &[(a, f.len() as u32, false)]);
+            assert_eq!(wait_next_used(d, 1), (u32::from(i), 0), "TX chain {i}");
+        };
+        tx(&mut d, 0);
+        let net_stat = |st: &serde_json::Value, k: &str| st["device"]["net"][k].as_u64().unwrap();
+        assert_eq!(net_stat(&stats(&stats_path), "tx_frames"), 1);
+
+        ip(&["-n", &ns, "link", "del", "bvmvh0"]);
+        // TX keeps completing the guest's chains, counted as dropped.
+        tx(&mut d, 1);
+        tx(&mut d, 2);
+        // RX: a buffer and a kick; the read error is counted, the buffer stays the guest's.
+        d.post_descs(0, 0, &[(data_addr(0), 2048, true)]);
+        let st = wait_stats(&stats_path, "rx error counted", |st| {
+            net_stat(st, "rx_backend_errors") >= 1
+        });
+        assert_eq!(net_stat(&st, "tx_frames"), 1, "{st}");
+        assert_eq!(net_stat(&st, "tx_dropped_backend"), 2, "{st}");
+        assert_eq!(st["transport"]["broken_workers"], 0, "{st}");
+        // No busy loop on the dead fd: the event counters stand still.
+        let events = |st: &serde_json::Value| {
+            (
+                st["transport"]["fd_events"].clone(),
+                st["transport"]["kicks"].clone(),
+            )
+        };
+        let before = events(&stats(&stats_path));
+        thread::sleep(Duration::from_millis(300));
+        let after = events(&stats(&stats_path));
+        assert_eq!(before, after, "events keep coming from the dead tap");
+        // The control path answers: the stop counts the 3 TX chains, and on RX only a buffer
+        // the guest got back (a frame the tap sent before it went, e.g. IPv6 neighbour
+        // discovery, or none).
+        let rx_used = std::iter::from_fn(|| d.next_used(0)).count();
+        assert_eq!(d.frontend.get_vring_base(0).unwrap() as usize, rx_used);
+        assert_eq!(d.frontend.get_vring_base(1).unwrap(), 3);
+        drop(d);
+        stop.stop();
+        server.join().expect("clean shutdown");
+    }
 }

@@ -32,6 +32,15 @@ pub struct NetConfig {
     pub access_platform: bool,
     /// Shape each queue pair's traffic to a line rate.
     pub shaper: Option<ShaperConfig>,
+    /// The transport's frontend may keep the control queue to itself and steer the queue
+    /// pairs through the rings' enable state instead. A vhost-user frontend does: QEMU acks
+    /// MQ but not CTRL_VQ to its backend, answers the guest's `VQ_PAIRS_SET` itself, and
+    /// enables the pairs in use with `SET_VRING_ENABLE`. With this set, MQ without CTRL_VQ
+    /// is accepted and each pair receives from its backend queue while its rings are
+    /// enabled ([`crate::virtio::QueueWorker::queues_disabled`]); without it (virtio-pci,
+    /// where the driver itself must ack CTRL_VQ with MQ, virtio 1.2 5.1.3.1) it is refused.
+    #[serde(default)]
+    pub frontend_steering: bool,
 }
 
 impl Default for NetConfig {
@@ -42,6 +51,7 @@ impl Default for NetConfig {
             queue_size: QUEUE_MAX_SIZE,
             access_platform: true,
             shaper: None,
+            frontend_steering: false,
         }
     }
 }
@@ -169,8 +179,12 @@ impl Net {
         self.active_pairs.load(Ordering::Relaxed)
     }
 
-    /// Checks the dependencies of virtio 1.2 5.1.3.1 among the acked features.
-    fn check_features(acked: u64) -> std::result::Result<(), ActivateError> {
+    /// Checks the dependencies of virtio 1.2 5.1.3.1 among the acked features (MQ needs
+    /// CTRL_VQ unless the frontend steers, see [`NetConfig::frontend_steering`]).
+    fn check_features(
+        acked: u64,
+        frontend_steering: bool,
+    ) -> std::result::Result<(), ActivateError> {
         let deps = [
             (
                 features::GUEST_TSO4,
@@ -192,6 +206,9 @@ impl Net {
             ));
         }
         for (f, needs, what) in deps {
+            if f == features::MQ && frontend_steering {
+                continue;
+            }
             if acked & f != 0 && acked & needs == 0 {
                 return Err(ActivateError::Features(what.into()));
             }
@@ -262,8 +279,11 @@ impl<M: GuestMemory + 'static> VirtioDevice<M> for Net {
             return Err(ActivateError::AlreadyActive);
         }
         let acked = acked_features & self.avail_features;
-        Self::check_features(acked)?;
+        Self::check_features(acked, self.config.frontend_steering)?;
         let mq = acked & features::MQ != 0;
+        // MQ without a control queue of ours: the frontend steers through the rings' enable
+        // state (only accepted with `frontend_steering`).
+        let ring_steered = mq && acked & features::CTRL_VQ == 0;
         let pairs = if mq { self.config.queue_pairs } else { 1 };
         let multi = self.backends.len() > 1;
         for (i, b) in self.backends.iter().enumerate() {
@@ -286,14 +306,19 @@ impl<M: GuestMemory + 'static> VirtioDevice<M> for Net {
                 ),
                 None => None,
             };
-            workers.push(Box::new(PairWorker::<M>::new(
+            let worker = PairWorker::<M>::new(
                 i,
                 acked,
                 self.backends[usize::from(i)].clone(),
                 self.dma.clone(),
                 self.metrics.clone(),
                 shaper,
-            )));
+            );
+            workers.push(Box::new(if ring_steered {
+                worker.steered_by_rings()
+            } else {
+                worker
+            }));
         }
         if acked & features::CTRL_VQ != 0 {
             // The control queue follows the last pair's queues: 2N with MQ, else 2 (5.1.2).

@@ -54,12 +54,22 @@ pub struct NetMetrics {
     pub rx_bad_chains: Counter,
     /// Times a frame had to wait for the guest to post buffers (the tap is not read then).
     pub rx_no_buffers: Counter,
+    /// RX chains put back on the available ring at the end of a pass (held for a frame that
+    /// still waits, or left over by a dropped one): popped again by the next pass.
+    pub rx_chains_returned: Counter,
+    /// Held RX chains that could not go back on the ring (a refused chain was completed after
+    /// them): completed with length 0.
+    pub rx_chains_returned_empty: Counter,
     /// Backend read errors.
     pub rx_backend_errors: Counter,
     /// Times the shaper held RX back.
     pub rx_throttled: Counter,
     /// Highest number of RX chains seen available in the ring.
     pub rx_queue_depth_hiwater: Counter,
+    /// Times a ring-steered queue pair attached or detached its backend queue.
+    pub steering_changes: Counter,
+    /// Times the backend refused such a change.
+    pub steering_errors: Counter,
     /// Control commands answered OK.
     pub ctrl_ok: Counter,
     /// Control commands answered ERR.

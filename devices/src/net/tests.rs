@@ -410,7 +410,94 @@ fn rx_bounce_failure_drops_frame_and_keeps_buffers() {
     p.tap_readable();
     assert_eq!(p.m.rx_bounce_failures.get(), 1);
     assert!(p.g.used(RXQ).is_empty());
-    assert_eq!(p.w.rx_state(), (false, 1));
+    // The buffer went back on the ring, unused.
+    assert_eq!(p.w.rx_state(), (false, 0));
+    assert_eq!(p.g.next_avail(RXQ), 0);
+}
+
+#[test]
+fn rx_chains_held_for_a_waiting_frame_go_back_on_the_ring_between_passes() {
+    // Regression (issue 11 item 6): chains held for a frame that waits for more buffers were
+    // counted in `next_avail`, which is what a vhost-user stop (GET_VRING_BASE) reports: the
+    // frontend resumed after them and the guest lost those buffers.
+    for (name, dma) in dmas() {
+        let mut p = Pair::new(BASE | features::MRG_RXBUF, dma.clone());
+        let (h0, a0) = p.g.post_writable(RXQ, &[600]);
+        let (h1, a1) = p.g.post_writable(RXQ, &[600]);
+        let f = frame(&plain(), 3000, 9);
+        p.be.inject(f.clone());
+        p.tap_readable();
+        assert_eq!(p.m.rx_no_buffers.get(), 1, "{name}");
+        assert_eq!(
+            p.w.rx_state(),
+            (true, 0),
+            "{name}: nothing held between events"
+        );
+        assert_eq!(
+            p.g.next_avail(RXQ),
+            0,
+            "{name}: both chains back on the ring"
+        );
+        assert!(p.g.used(RXQ).is_empty(), "{name}");
+        assert_eq!(p.m.rx_chains_returned.get(), 2, "{name}");
+        // Another event with no new buffer: popped and put back again, still no used entry.
+        p.tap_readable();
+        assert_eq!(p.g.next_avail(RXQ), 0, "{name}");
+        // Enough buffers now: the frame fills the two first chains, in ring order.
+        let (h2, a2) = p.g.post_writable(RXQ, &[2048]);
+        let (_, _) = p.g.post_writable(RXQ, &[2048]);
+        let sig = p.kick_rx();
+        assert!(sig.has(0), "{name}");
+        assert_eq!(
+            p.g.used(RXQ),
+            vec![
+                (u32::from(h0), 600),
+                (u32::from(h1), 600),
+                (u32::from(h2), (f.len() - 1200) as u32)
+            ],
+            "{name}"
+        );
+        assert_eq!(
+            p.g.next_avail(RXQ),
+            3,
+            "{name}: the fourth chain stays on the ring"
+        );
+        let mut got = p.g.read(a0[0], 600);
+        got.extend(p.g.read(a1[0], 600));
+        got.extend(p.g.read(a2[0], f.len() - 1200));
+        // num_buffers = 3 in the delivered header.
+        assert_eq!(u16::from_le_bytes([got[10], got[11]]), 3, "{name}");
+        assert_eq!(got[12..], f[12..], "{name}");
+        assert_eq!(p.m.rx_chains_returned_empty.get(), 0, "{name}");
+        assert_pool_covers(name, &dma, 0, f.len());
+    }
+}
+
+#[test]
+fn rx_held_chains_before_a_refused_one_are_completed_empty() {
+    // A chain held before a refused one cannot go back on the ring (the refused one is on the
+    // used ring already): it is completed with length 0; the one after it goes back.
+    let mut p = Pair::new(BASE | features::MRG_RXBUF, Dma::direct());
+    let b = p.g.alloc(4096, &[]);
+    let heads = p.g.post_raw(
+        RXQ,
+        &[
+            (b, 100, F_WRITE, 0),
+            (b, 100, 0, 0), // device-readable: refused
+            (b, 100, F_WRITE, 0),
+        ],
+    );
+    p.be.inject(frame(&plain(), 1000, 0));
+    p.tap_readable();
+    assert_eq!(p.m.rx_bad_chains.get(), 1);
+    assert_eq!(
+        p.g.used(RXQ),
+        vec![(u32::from(heads[1]), 0), (u32::from(heads[0]), 0)]
+    );
+    assert_eq!(p.m.rx_chains_returned_empty.get(), 1);
+    assert_eq!(p.m.rx_chains_returned.get(), 1);
+    assert_eq!(p.g.next_avail(RXQ), 2, "the last chain is back on the ring");
+    assert_eq!(p.w.rx_state(), (true, 0));
 }
 
 #[test]
@@ -752,6 +839,71 @@ fn features_offered_and_negotiation() {
     let s = <Net as VirtioDevice<GuestMemoryMmap>>::stats(&d);
     assert_eq!(s["net"]["tx_frames"], 0);
     assert_eq!(s["policy"], "off");
+}
+
+#[test]
+fn mq_without_ctrl_vq_is_served_when_the_frontend_steers() {
+    // Regression (issue 11 item 9): QEMU acks MQ but not CTRL_VQ to a vhost-user-net
+    // backend (it keeps the control queue), and the device refused to activate.
+    let bes: Vec<MemBackend> = (0..2).map(|_| MemBackend::new().unwrap()).collect();
+    let boxed = || {
+        bes.iter()
+            .map(|b| Box::new(b.clone()) as Box<dyn NetBackend>)
+            .collect::<Vec<_>>()
+    };
+    let cfg = NetConfig {
+        queue_pairs: 2,
+        frontend_steering: true,
+        ..Default::default()
+    };
+    let mut d = Net::new(cfg, boxed(), Dma::direct()).unwrap();
+    let acked = BASE | features::MQ | features::MRG_RXBUF;
+    // Still refused whatever the steering: no VERSION_1, TSO without CSUM.
+    for bad in [
+        features::MQ,
+        vf::VERSION_1 | features::MQ | features::HOST_TSO4,
+    ] {
+        assert!(<Net as VirtioDevice<GuestMemoryMmap>>::activate(&mut d, bad).is_err());
+    }
+    let mut workers = <Net as VirtioDevice<GuestMemoryMmap>>::activate(&mut d, acked).unwrap();
+    let queues: Vec<_> = workers.iter().map(|w| w.queue_indexes()).collect();
+    assert_eq!(
+        queues,
+        vec![vec![0, 1], vec![2, 3]],
+        "both pairs, no control worker"
+    );
+    assert_eq!(d.acked_features(), acked);
+    let enabled = || bes.iter().map(|b| b.state().enabled).collect::<Vec<_>>();
+    assert_eq!(enabled(), vec![true, false], "pair 0 receives first");
+    // Pair 1's rings enabled: its first event attaches its backend queue, and it serves.
+    let mut g = Guest::new(2);
+    let (h, _) = g.post_writable(0, &[2048]);
+    bes[1].inject(frame(&plain(), 100, 3));
+    let (mem, mut qs) = g.split(&[0, 1]);
+    let sig = workers[1]
+        .handle(WorkerEvent::Kick(0), mem, &mut qs)
+        .unwrap();
+    assert!(sig.has(0));
+    assert_eq!(g.used(0), vec![(u32::from(h), 112)]);
+    assert_eq!(enabled(), vec![true, true]);
+    assert_eq!(workers[1].stats()["rx_frames"], 1);
+    assert_eq!(workers[0].stats()["rx_frames"], 0);
+    // Its rings disabled (the guest went back to one pair): detached, pair 0 untouched.
+    workers[1].queues_disabled();
+    assert_eq!(enabled(), vec![true, false]);
+    assert_eq!(d.metrics().steering_changes.get(), 2);
+    // A transport without a steering frontend (virtio-pci): the driver must ack CTRL_VQ.
+    drop(workers);
+    let mut pci = Net::new(
+        NetConfig {
+            queue_pairs: 2,
+            ..Default::default()
+        },
+        boxed(),
+        Dma::direct(),
+    )
+    .unwrap();
+    assert!(<Net as VirtioDevice<GuestMemoryMmap>>::activate(&mut pci, acked).is_err());
 }
 
 #[test]

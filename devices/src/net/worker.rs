@@ -19,6 +19,14 @@
 //! guest has no buffers the frame stays pending and the backend is not read until the guest
 //! posts some (an RX kick).
 //!
+//! Held chains never outlive an RX pass: at its end they go back to the available ring
+//! (`next_avail` is moved back over them, see [`PairWorker::return_rx_chains`]) and are popped
+//! again by the next pass. So the ring position a transport reports when it stops the device
+//! (vhost-user `GET_VRING_BASE`, read between two events) never counts a buffer the guest did
+//! not get back: a stop/cont or a migration loses none (with MRG_RXBUF a waiting frame may
+//! hold many). A held chain popped before a refused one cannot go back (the refused one is
+//! already on the used ring): it is completed with length 0 instead, as the refused one was.
+//!
 //! Polling contract: the backend fd is read until `WouldBlock`, except while a frame waits for
 //! guest buffers or for the shaper. A transport polling it level-triggered would then spin, so
 //! it must poll the worker's extra fds edge-triggered (`EPOLLET`); the RX kick or the shaper
@@ -113,6 +121,21 @@ pub struct PairWorker<M> {
     /// already paid for it.
     rx_pending: Option<(usize, bool)>,
     rx_held: Vec<HeldChain>,
+    /// How many of the last `rx_held` chains were popped after the last refused RX chain:
+    /// those sit right behind `next_avail` and can be put back on the ring.
+    rx_returnable: usize,
+    /// Receive steering follows the rings' enable state ([`PairWorker::steered_by_rings`]).
+    ring_steered: bool,
+    /// Whether this pair's backend queue takes traffic (its tap queue is attached).
+    receiving: bool,
+    /// Frames delivered and TX chains served by this pair (per-pair statistics).
+    pair_rx_frames: u64,
+    pair_tx_chains: u64,
+    /// Set once the worker handled an event.
+    served: bool,
+    /// A backend I/O error was logged (a tap deleted under the device fails every read and
+    /// write from then on: logged once, counted always).
+    backend_error_logged: crate::metrics::LogOnce,
     _mem: PhantomData<fn(&M)>,
 }
 
@@ -145,7 +168,52 @@ impl<M: GuestMemory> PairWorker<M> {
             rx_buf: vec![0; MAX_BUFFER_LEN],
             rx_pending: None,
             rx_held: Vec::new(),
+            rx_returnable: 0,
+            ring_steered: false,
+            receiving: pair == 0,
+            pair_rx_frames: 0,
+            pair_tx_chains: 0,
+            served: false,
+            backend_error_logged: crate::metrics::LogOnce::default(),
             _mem: PhantomData,
+        }
+    }
+
+    /// Receive steering follows the rings' enable state rather than a control queue (a
+    /// vhost-user frontend that keeps the control queue, see
+    /// [`super::NetConfig::frontend_steering`]): the pair's backend queue is attached on the
+    /// first event the transport delivers (its rings are enabled then) and detached when the
+    /// transport reports them disabled ([`QueueWorker::queues_disabled`]). The device
+    /// activates pair 0 attached and the others detached.
+    #[must_use]
+    pub fn steered_by_rings(mut self) -> Self {
+        self.ring_steered = true;
+        self
+    }
+
+    /// Attaches or detaches this pair's backend queue (ring-steered pairs).
+    fn set_receiving(&mut self, on: bool) {
+        if let Err(e) = lock(&self.backend).set_enabled(on) {
+            // The frontend can toggle this in a loop: counted, at debug level.
+            tracing::debug!(pair = self.pair, on, "steering: {e}");
+            self.metrics.steering_errors.inc();
+            return;
+        }
+        self.receiving = on;
+        self.metrics.steering_changes.inc();
+    }
+
+    /// Logs a backend I/O error the first time (a tap that disappeared fails every read
+    /// and write: the frames are dropped and counted, the device keeps serving); later ones
+    /// at debug level.
+    fn log_backend_error(&self, dir: &str, e: &std::io::Error) {
+        if self.backend_error_logged.first() {
+            tracing::warn!(
+                pair = self.pair,
+                "{dir} backend: {e}; frames are dropped and counted from now on (logged once)"
+            );
+        } else {
+            tracing::debug!(pair = self.pair, "{dir} backend: {e}");
         }
     }
 
@@ -172,6 +240,7 @@ impl<M: GuestMemory> PairWorker<M> {
         self.metrics
             .tx_queue_depth_hiwater
             .max(u64::from(drained.deepest));
+        self.pair_tx_chains += drained.used as u64;
         if drained.used > 0 {
             queue::notify(q, mem, TX, sig)?;
         }
@@ -302,7 +371,7 @@ impl<M: GuestMemory> PairWorker<M> {
                 TxOutcome::Sent
             }
             Err(e) => {
-                tracing::debug!(pair = self.pair, "tx backend: {e}");
+                self.log_backend_error("tx", &e);
                 m.tx_dropped_backend.inc();
                 TxOutcome::Dropped
             }
@@ -345,8 +414,11 @@ impl<M: GuestMemory> PairWorker<M> {
             if let Some(why) = refused {
                 tracing::debug!(pair = self.pair, "rx chain refused: {why}");
                 self.metrics.rx_bad_chains.inc();
+                // The chains held so far are now behind a used entry: they cannot go back.
+                self.rx_returnable = 0;
                 return Ok(Step::Used(0));
             }
+            self.rx_returnable += 1;
             self.rx_held.push(HeldChain {
                 head: at.head,
                 descs: c.writable.clone(),
@@ -445,8 +517,10 @@ impl<M: GuestMemory> PairWorker<M> {
             queue::add_used(q, mem, head, n)?;
         }
         self.rx_held.drain(..count);
+        self.rx_returnable = self.rx_returnable.min(self.rx_held.len());
         *used = true;
         m.rx_frames.inc();
+        self.pair_rx_frames += 1;
         m.rx_bytes.add((len - VNET_HDR_LEN) as u64);
         m.rx_buffers_used.add(count as u64);
         Ok(RxOutcome::Delivered)
@@ -473,7 +547,7 @@ impl<M: GuestMemory> PairWorker<M> {
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                         Err(e) => {
-                            tracing::debug!(pair = self.pair, "rx backend: {e}");
+                            self.log_backend_error("rx", &e);
                             self.metrics.rx_backend_errors.inc();
                             break;
                         }
@@ -500,9 +574,43 @@ impl<M: GuestMemory> PairWorker<M> {
                 }
             }
         }
+        self.return_rx_chains(mem, q, &mut used)?;
         if used {
             queue::notify(q, mem, RX, sig)?;
         }
+        Ok(())
+    }
+
+    /// Gives the held RX chains back at the end of a pass: those popped since the last refused
+    /// chain go back on the available ring (`next_avail` moves back over them; they are the
+    /// last entries popped), the others are completed with length 0 (a driver that posts
+    /// broken chains sees an empty buffer, as for the broken chain itself).
+    ///
+    /// The event index the driver reads (`avail_event`) is left where the pass put it, at the
+    /// ring's end: the driver still kicks for the next buffer it posts, and the next pass pops
+    /// the returned chains again first.
+    fn return_rx_chains(
+        &mut self,
+        mem: &M,
+        q: &mut Queue,
+        used: &mut bool,
+    ) -> Result<(), WorkerError> {
+        let n = self.rx_held.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let back = self.rx_returnable.min(n);
+        for c in self.rx_held.drain(..n - back) {
+            queue::add_used(q, mem, c.head, 0)?;
+            self.metrics.rx_chains_returned_empty.inc();
+            *used = true;
+        }
+        // back <= held chains <= queue size <= 32768: fits a u16.
+        let back16 = u16::try_from(back).unwrap_or(u16::MAX);
+        q.set_next_avail(q.next_avail().wrapping_sub(back16));
+        self.metrics.rx_chains_returned.add(back as u64);
+        self.rx_held.clear();
+        self.rx_returnable = 0;
         Ok(())
     }
 
@@ -541,6 +649,16 @@ impl<M: GuestMemory> QueueWorker<M> for PairWorker<M> {
                 queues.len()
             )));
         };
+        // The transport delivers events only once both rings are set up and enabled, and
+        // drops those that come earlier (an RX kick while the TX ring is not ready yet, or the
+        // backend's edge-triggered fd). So the first event of a worker, and the first after
+        // its rings were disabled, serves both directions whatever it was.
+        let resumed = self.ring_steered && !self.receiving;
+        if resumed {
+            self.set_receiving(true);
+        }
+        let catch_up = resumed || !self.served;
+        self.served = true;
         let mut sig = Signal::NONE;
         match event {
             WorkerEvent::Kick(RX) | WorkerEvent::Fd(TOKEN_BACKEND) => {
@@ -556,7 +674,22 @@ impl<M: GuestMemory> QueueWorker<M> for PairWorker<M> {
             }
             other => return Err(WorkerError::UnexpectedEvent(other)),
         }
+        if catch_up {
+            match event {
+                WorkerEvent::Kick(TX) => self.process_rx(mem, rx, &mut sig)?,
+                WorkerEvent::Kick(RX) | WorkerEvent::Fd(TOKEN_BACKEND) => {
+                    self.process_tx(mem, tx, &mut sig)?
+                }
+                _ => {}
+            }
+        }
         Ok(sig)
+    }
+
+    fn queues_disabled(&mut self) {
+        if self.ring_steered && self.receiving {
+            self.set_receiving(false);
+        }
     }
 
     fn stats(&self) -> serde_json::Value {
@@ -564,6 +697,10 @@ impl<M: GuestMemory> QueueWorker<M> for PairWorker<M> {
             "pair": self.pair,
             "rx_pending": self.rx_pending.is_some(),
             "rx_held_chains": self.rx_held.len(),
+            "rx_frames": self.pair_rx_frames,
+            "tx_chains": self.pair_tx_chains,
+            "ring_steered": self.ring_steered,
+            "receiving": if self.ring_steered { serde_json::json!(self.receiving) } else { serde_json::Value::Null },
         })
     }
 }

@@ -194,6 +194,14 @@ pub trait QueueWorker<M: GuestMemory>: Send {
         queues: &mut [&mut Queue],
     ) -> Result<Signal, WorkerError>;
 
+    /// The transport dropped an event for this worker because the driver has set up its
+    /// queues but disabled one of them (vhost-user `SET_VRING_ENABLE` 0: QEMU disables the
+    /// net queue pairs the guest does not use). A worker that shares a backend with others
+    /// stops taking traffic it cannot deliver (a net pair detaches its tap queue, so the tap
+    /// steers flows to the pairs in use); it is served again from its next event. The
+    /// default does nothing.
+    fn queues_disabled(&mut self) {}
+
     /// The worker's statistics as JSON (merged into the device's by the transport if it
     /// wants them).
     fn stats(&self) -> serde_json::Value {

@@ -258,6 +258,8 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 queue_size: c.queue_size,
                 access_platform: !c.no_access_platform,
                 shaper,
+                // QEMU keeps the control queue and steers the pairs with SET_VRING_ENABLE.
+                frontend_steering: true,
             };
             let bounce = c.bounce.clone().unwrap_or_default();
             let (built, _) = builder::net(Some(&a.tap), config, &bounce)

@@ -555,6 +555,10 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             .any(|s| !s.get_queue().ready() || !s.is_enabled())
         {
             Counters::inc(&self.counters.not_ready_events);
+            if states.iter().all(|s| s.get_queue().ready()) {
+                // Set up but disabled (SET_VRING_ENABLE 0): the worker may stop its backend.
+                w.worker.queues_disabled();
+            }
             return;
         }
         // Every ring must lie inside guest memory (checked on each event: the memory table

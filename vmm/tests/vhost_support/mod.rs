@@ -402,6 +402,13 @@ impl Driver {
         self.frontend.set_vring_err(q, &self.errs[q])
     }
 
+    /// Restarts queue `q` after a stop (GET_VRING_BASE) at ring position `base`, with its
+    /// rings where they were and their contents kept (what QEMU does on `cont`).
+    pub fn resume_ring(&mut self, q: usize, base: u16) -> vhost::Result<()> {
+        self.configure_ring(q, desc_addr(q), avail_addr(q), used_addr(q))?;
+        self.frontend.set_vring_base(q, base)
+    }
+
     /// Waits up to `timeout` for the error eventfd of queue `q`.
     pub fn wait_err(&self, q: usize, timeout: Duration) -> bool {
         wait_fd(self.errs[q].as_raw_fd(), timeout) && self.errs[q].read().is_ok()
