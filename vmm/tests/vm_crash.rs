@@ -20,7 +20,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::durable::{
-    assert_acknowledged, crash_offset, crash_pattern, create_image, qemu_img_available, read_back,
+    assert_acknowledged, assert_consistent, crash_offset, crash_pattern, create_image,
+    qemu_img_available, read_back,
 };
 use common::*;
 use devices::block::features as blk;
@@ -217,13 +218,11 @@ impl Drop for Vm {
 }
 
 impl Vm {
-    /// Boots the stand-in kernel on a fresh `format` image with `cache=`.
-    fn boot(format: &str, cache: &str, flush: bool) -> (Vm, PathBuf) {
+    /// Boots the stand-in kernel on a fresh `format` image with `cache=`; `test` names the
+    /// files (tests run in parallel).
+    fn boot(test: &str, format: &str, cache: &str, flush: bool) -> (Vm, PathBuf) {
         let dir = std::env::temp_dir();
-        let tag = format!(
-            "bvm-vmcrash-{}-{format}-{cache}-{flush}",
-            std::process::id()
-        );
+        let tag = format!("bvm-vmcrash-{}-{test}-{format}-{cache}", std::process::id());
         let elf = dir.join(format!("{tag}.elf"));
         std::fs::write(&elf, kernel(flush)).unwrap();
         let img = dir.join(format!("{tag}.{format}"));
@@ -312,7 +311,7 @@ fn crash_after_acknowledged_writes(format: &str, cache: &str) {
     let what = format!("bouncevm {format} cache={cache}");
     // writethrough: each write is durable when it completes; none: after the FLUSH.
     let flush = cache != "writethrough";
-    let (mut vm, img) = Vm::boot(format, cache, flush);
+    let (mut vm, img) = Vm::boot("crash", format, cache, flush);
     let n = usize::try_from(WRITES).unwrap() + usize::from(flush);
     let (acked, flushed) = vm.completions(n, &what);
     // SIGKILL: no destructor, no exit-time flush of ours runs.
@@ -370,7 +369,7 @@ fn sigterm_and_sigint_flush_unflushed_qcow2_writes() {
     }
     for (name, sig) in [("SIGTERM", libc::SIGTERM), ("SIGINT", libc::SIGINT)] {
         let what = format!("bouncevm qcow2 cache=writeback {name}");
-        let (mut vm, img) = Vm::boot("qcow2", "writeback", false);
+        let (mut vm, img) = Vm::boot(name, "qcow2", "writeback", false);
         let (acked, _) = vm.completions(usize::try_from(WRITES).unwrap(), &what);
         assert_eq!(acked.len() as u64, WRITES, "{what}");
         let st = vm.signal(sig);
@@ -378,4 +377,21 @@ fn sigterm_and_sigint_flush_unflushed_qcow2_writes() {
         let data = read_back(&img, "qcow2", &what);
         assert_acknowledged(&data, &acked, LEN, &what);
     }
+}
+
+/// cache=writeback, no FLUSH, SIGKILL: the unflushed writes may be lost, but the image must
+/// stay consistent (QEMU's guarantee: at most leaked clusters), or a later allocation could
+/// reuse a cluster the image still references and overwrite flushed data.
+#[test]
+fn sigkill_before_a_flush_leaves_qcow2_consistent() {
+    if !resources() {
+        return;
+    }
+    let what = "bouncevm qcow2 cache=writeback SIGKILL without FLUSH";
+    let (mut vm, img) = Vm::boot("noflush", "qcow2", "writeback", false);
+    let (acked, _) = vm.completions(usize::try_from(WRITES).unwrap(), what);
+    assert_eq!(acked.len() as u64, WRITES, "{what}");
+    let st = vm.signal(libc::SIGKILL);
+    assert!(!st.success(), "{what}: {st:?}");
+    assert_consistent(&img, what);
 }
