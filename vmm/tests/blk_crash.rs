@@ -11,9 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::durable::{
-    assert_acknowledged, crash_offset, crash_pattern, create_image, qemu_img_available, read_back,
-};
+use bounce::testing::qemu_img_available;
+use common::durable::{assert_acknowledged, crash_offset, crash_pattern, create_image, read_back};
 use devices::block::features as blk;
 use devices::virtio::features;
 use vhost::vhost_user::VhostUserFrontend;

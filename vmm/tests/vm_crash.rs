@@ -19,9 +19,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use bounce::testing::qemu_img_available;
 use common::durable::{
-    assert_acknowledged, assert_consistent, crash_offset, crash_pattern, create_image,
-    qemu_img_available, read_back,
+    assert_acknowledged, assert_consistent, crash_offset, crash_pattern, create_image, read_back,
 };
 use common::*;
 use devices::block::features as blk;
@@ -331,32 +331,25 @@ fn resources() -> bool {
     kvm_available() && qemu_img_available()
 }
 
-#[test]
-fn raw_writethrough_writes_survive_sigkill_of_bouncevm() {
-    if kvm_available() {
-        crash_after_acknowledged_writes("raw", "writethrough");
+/// Raw, then qcow2 (when qemu-img is there).
+fn each_format(cache: &str) {
+    if !kvm_available() {
+        return;
+    }
+    crash_after_acknowledged_writes("raw", cache);
+    if qemu_img_available() {
+        crash_after_acknowledged_writes("qcow2", cache);
     }
 }
 
 #[test]
-fn raw_cache_none_flushed_writes_survive_sigkill_of_bouncevm() {
-    if kvm_available() {
-        crash_after_acknowledged_writes("raw", "none");
-    }
+fn writethrough_writes_survive_sigkill_of_bouncevm() {
+    each_format("writethrough");
 }
 
 #[test]
-fn qcow2_writethrough_writes_survive_sigkill_of_bouncevm() {
-    if resources() {
-        crash_after_acknowledged_writes("qcow2", "writethrough");
-    }
-}
-
-#[test]
-fn qcow2_cache_none_flushed_writes_survive_sigkill_of_bouncevm() {
-    if resources() {
-        crash_after_acknowledged_writes("qcow2", "none");
-    }
+fn cache_none_flushed_writes_survive_sigkill_of_bouncevm() {
+    each_format("none");
 }
 
 /// cache=writeback, no FLUSH from the guest: the allocating writes' qcow2 metadata is only in

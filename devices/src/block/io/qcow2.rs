@@ -465,20 +465,6 @@ mod tests {
             .unwrap()
     }
 
-    fn qemu_img_available() -> bool {
-        let runs = Command::new("qemu-img")
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !runs {
-            bounce::testing::missing(
-                bounce::testing::Resource::QemuImg,
-                "qemu-img is not installed (apt-get install qemu-utils)",
-            );
-        }
-        runs
-    }
-
     /// `qemu-img check` of a copy of the file as it is now: what a SIGKILL of the process
     /// would leave (every write it made is in the file, nothing else).
     fn check_crash_image(path: &Path, what: &str) -> i32 {
@@ -500,7 +486,7 @@ mod tests {
     /// holding every write. Reads through the disk see the held-back L1 entries.
     #[test]
     fn a_crash_between_flushes_leaves_at_most_leaked_clusters() {
-        if !qemu_img_available() {
+        if !bounce::testing::qemu_img_available() {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
