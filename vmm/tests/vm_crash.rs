@@ -165,38 +165,28 @@ fn kernel(flush: bool) -> Vec<u8> {
         let status = STATUS + 16 * u64::from(h);
         put(&mut img, AVAIL + 4 + 2 * i, &h.to_le_bytes());
         put(&mut img, status, &[0xff]);
-        if i == WRITES {
+        let chain = if i == WRITES {
             put(&mut img, hdr, &header(4, 0)); // VIRTIO_BLK_T_FLUSH
+            vec![(hdr, 16, 0), (status, 1, write)]
+        } else {
+            let data = DATA + LEN as u64 * i;
+            put(&mut img, hdr, &header(1, crash_offset(i) / 512)); // VIRTIO_BLK_T_OUT
+            put(&mut img, data, &crash_pattern(i, LEN));
+            vec![(hdr, 16, 0), (data, LEN, 0), (status, 1, write)]
+        };
+        for (j, &(addr, len, flags)) in chain.iter().enumerate() {
+            let d = h + u16::try_from(j).unwrap();
+            let (flags, link) = if j + 1 < chain.len() {
+                (flags | next, d + 1)
+            } else {
+                (flags, 0)
+            };
             put(
                 &mut img,
-                DESC + 16 * u64::from(h),
-                &desc(hdr, 16, next, h + 1),
+                DESC + 16 * u64::from(d),
+                &desc(addr, len, flags, link),
             );
-            put(
-                &mut img,
-                DESC + 16 * u64::from(h + 1),
-                &desc(status, 1, write, 0),
-            );
-            continue;
         }
-        let data = DATA + LEN as u64 * i;
-        put(&mut img, hdr, &header(1, crash_offset(i) / 512)); // VIRTIO_BLK_T_OUT
-        put(&mut img, data, &crash_pattern(i, LEN));
-        put(
-            &mut img,
-            DESC + 16 * u64::from(h),
-            &desc(hdr, 16, next, h + 1),
-        );
-        put(
-            &mut img,
-            DESC + 16 * u64::from(h + 1),
-            &desc(data, LEN, next, h + 2),
-        );
-        put(
-            &mut img,
-            DESC + 16 * u64::from(h + 2),
-            &desc(status, 1, write, 0),
-        );
     }
     build_elf(&img, true)
 }
