@@ -85,6 +85,21 @@ pub fn missing(resource: Resource, why: &str) {
     }
 }
 
+/// `true` when `qemu-img` runs; otherwise records it [`missing`] and returns `false`.
+pub fn qemu_img_available() -> bool {
+    let runs = std::process::Command::new("qemu-img")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !runs {
+        missing(
+            Resource::QemuImg,
+            "qemu-img is not installed (apt-get install qemu-utils)",
+        );
+    }
+    runs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

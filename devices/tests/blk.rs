@@ -124,16 +124,7 @@ fn memory_disk_read_write_all_dma_policies() {
 }
 
 fn qemu_img() -> Option<&'static str> {
-    match Command::new("qemu-img").arg("--version").output() {
-        Ok(o) if o.status.success() => Some("qemu-img"),
-        _ => {
-            bounce::testing::missing(
-                bounce::testing::Resource::QemuImg,
-                "qemu-img is not installed (apt-get install qemu-utils)",
-            );
-            None
-        }
-    }
+    bounce::testing::qemu_img_available().then_some("qemu-img")
 }
 
 fn run(cmd: &mut Command) -> String {

@@ -1,21 +1,28 @@
 //! Acknowledged writes survive a SIGKILL of `bouncevm-vhost blk`: a vhost-user front end
 //! writes through the running binary, waits for each OK status, kills the server with
 //! SIGKILL the moment the last one (or the FLUSH after them) is acknowledged, and reads the
-//! image file.
+//! image: raw, and qcow2 made by `qemu-img create` whose writes allocate clusters and L2
+//! tables (the image must then pass `qemu-img check` and read back through `qemu-img`).
 
+mod common;
 mod vhost_support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use bounce::testing::qemu_img_available;
+use common::durable::{assert_acknowledged, crash_offset, crash_pattern, create_image, read_back};
+use devices::block::features as blk;
 use devices::virtio::features;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::Driver;
 
 const BIN: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
-/// VIRTIO_BLK_F_FLUSH.
-const F_FLUSH: u64 = 1 << 9;
+/// What Linux's virtio_blk negotiates for the cache: FLUSH, and CONFIG_WCE so the device's
+/// cache mode decides the write cache (without CONFIG_WCE, negotiating FLUSH would turn the
+/// write cache on even with cache=writethrough, as in QEMU).
+const CACHE_FEATURES: u64 = blk::FLUSH | blk::CONFIG_WCE;
 /// Writes in flight at once (the test driver's queue of 16 holds 8 two-descriptor chains).
 const WRITES: u64 = 8;
 
@@ -34,12 +41,6 @@ impl Drop for Running {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn pattern(i: u64) -> Vec<u8> {
-    (0..512u64)
-        .map(|b| ((b * 13 + i * 71 + 5) % 251) as u8)
-        .collect()
 }
 
 /// A virtio-blk request: the 16-byte header (type, reserved, sector) then the data.
@@ -72,13 +73,11 @@ fn wait_used(d: &mut Driver, n: usize) -> Vec<(u16, u8)> {
     out
 }
 
-fn crash_after_acknowledged_writes(cache: &str, aio: &str, flush: bool) {
-    let img = tmp(&format!("{cache}-{aio}.img"));
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(4 << 20)
-        .unwrap();
-    let sock = tmp(&format!("{cache}-{aio}.sock"));
+fn crash_after_acknowledged_writes(format: &str, cache: &str, aio: &str, flush: bool) {
+    let what = format!("{format} cache={cache} aio={aio}");
+    let img = tmp(&format!("{cache}-{aio}.{format}"));
+    create_image(&img, format);
+    let sock = tmp(&format!("{cache}-{aio}-{format}.sock"));
     let server = Running(
         Command::new(BIN)
             .args([
@@ -87,6 +86,8 @@ fn crash_after_acknowledged_writes(cache: &str, aio: &str, flush: bool) {
                 sock.to_str().unwrap(),
                 "--file",
                 img.to_str().unwrap(),
+                "--format",
+                format,
                 "--cache",
                 cache,
                 "--aio",
@@ -102,16 +103,20 @@ fn crash_after_acknowledged_writes(cache: &str, aio: &str, flush: bool) {
     );
     let mut d = Driver::connect(&sock, 1);
     let offered = d.handshake().unwrap();
-    assert_ne!(offered & F_FLUSH, 0);
-    d.set_features(offered & (features::VERSION_1 | features::RING_EVENT_IDX | F_FLUSH))
+    assert_eq!(offered & CACHE_FEATURES, CACHE_FEATURES);
+    d.set_features(offered & (features::VERSION_1 | features::RING_EVENT_IDX | CACHE_FEATURES))
         .unwrap();
     d.setup_rings(1).unwrap();
     d.frontend.set_vring_enable(0, true).unwrap();
     for i in 0..WRITES {
-        d.post(0, &request(1, i * 8 + 1, &pattern(i)), 1);
+        d.post(
+            0,
+            &request(1, crash_offset(i) / 512, &crash_pattern(i, 512)),
+            1,
+        );
     }
     let done = wait_used(&mut d, WRITES as usize);
-    assert!(done.iter().all(|&(_, st)| st == 0), "{cache}: {done:?}");
+    assert!(done.iter().all(|&(_, st)| st == 0), "{what}: {done:?}");
     if flush {
         d.post(0, &request(4, 0, &[]), 1);
         let f = wait_used(&mut d, 1);
@@ -122,15 +127,9 @@ fn crash_after_acknowledged_writes(cache: &str, aio: &str, flush: bool) {
     server.0.kill().unwrap();
     let status = server.0.wait().unwrap();
     assert!(!status.success());
-    let data = std::fs::read(&img).unwrap();
-    for i in 0..WRITES {
-        let at = usize::try_from((i * 8 + 1) * 512).unwrap();
-        assert_eq!(
-            &data[at..at + 512],
-            &pattern(i)[..],
-            "cache={cache} aio={aio}: acknowledged write {i} lost"
-        );
-    }
+    let data = read_back(&img, format, &what);
+    let all: Vec<u64> = (0..WRITES).collect();
+    assert_acknowledged(&data, &all, 512, &what);
     let _ = std::fs::remove_file(&img);
     let _ = std::fs::remove_file(&sock);
 }
@@ -142,14 +141,36 @@ fn exists(p: &Path) -> bool {
 #[test]
 fn writethrough_writes_survive_sigkill_without_a_flush() {
     for aio in ["io_uring", "threads"] {
-        crash_after_acknowledged_writes("writethrough", aio, false);
+        crash_after_acknowledged_writes("raw", "writethrough", aio, false);
     }
 }
 
 #[test]
 fn cache_none_writes_survive_sigkill_after_flush() {
     for aio in ["io_uring", "threads"] {
-        crash_after_acknowledged_writes("none", aio, true);
+        crash_after_acknowledged_writes("raw", "none", aio, true);
+    }
+}
+
+/// qcow2: every write allocates (a data cluster, an L2 table, refcounts), so the metadata
+/// must be durable too, and the image must pass `qemu-img check` after the kill.
+#[test]
+fn qcow2_writethrough_writes_survive_sigkill_without_a_flush() {
+    if !qemu_img_available() {
+        return;
+    }
+    for aio in ["threads", "sync"] {
+        crash_after_acknowledged_writes("qcow2", "writethrough", aio, false);
+    }
+}
+
+#[test]
+fn qcow2_cache_none_writes_survive_sigkill_after_flush() {
+    if !qemu_img_available() {
+        return;
+    }
+    for aio in ["threads", "sync"] {
+        crash_after_acknowledged_writes("qcow2", "none", aio, true);
     }
 }
 

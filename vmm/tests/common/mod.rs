@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod durable;
+
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
@@ -304,6 +306,36 @@ impl Asm {
             let rel = here as i64 - (s as i64 + 4);
             let rel = i32::try_from(rel).expect("rel32");
             self.code[s..s + 4].copy_from_slice(&rel.to_le_bytes());
+        }
+        self
+    }
+    /// `cmp eax, imm32` (any).
+    pub fn cmp_eax(&mut self, v: u32) -> &mut Self {
+        self.b(&[0x3d]).b(&v.to_le_bytes())
+    }
+    /// `jb label` (backward, rel8).
+    pub fn jb_to(&mut self, label: usize) -> &mut Self {
+        let rel = label as isize - (self.code.len() as isize + 2);
+        self.b(&[0x72, i8::try_from(rel).expect("rel8") as u8])
+    }
+    /// `jnz rel8` with a placeholder; returns the position to patch with [`Asm::patch_to_here`].
+    pub fn jnz_fwd(&mut self) -> usize {
+        self.b(&[0x75, 0]);
+        self.code.len() - 1
+    }
+    /// `shl ecx, imm8` (any).
+    pub fn shl_ecx(&mut self, n: u8) -> &mut Self {
+        self.b(&[0xc1, 0xe1, n])
+    }
+    /// `add al, imm8` (any).
+    pub fn add_al(&mut self, v: u8) -> &mut Self {
+        self.b(&[0x04, v])
+    }
+    /// Prints `text` on COM1 (clobbers al, dx).
+    pub fn print(&mut self, text: &[u8]) -> &mut Self {
+        self.mov_dx(0x3f8);
+        for &c in text {
+            self.mov_al(c).out_dx_al();
         }
         self
     }
