@@ -8,12 +8,11 @@
 //! the pool's lock wait per I/O and p50 map/unmap times.
 
 use std::collections::BTreeMap;
-use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::host::{self, Child, WorkDir};
+use super::host::{self, BackendPaths, WorkDir};
 use super::{pool_metrics, Error, Result, Sample, Workload};
 use crate::load::LoadConfig;
 
@@ -35,12 +34,7 @@ impl BlockDriver {
     /// # Errors
     /// [`Error::Missing`] without the binary, [`Error::Os`] when the image cannot be written.
     pub fn new(vhost: &Path, quick: bool) -> Result<Self> {
-        if !vhost.is_file() {
-            return Err(Error::Missing(format!(
-                "{} is missing: build it with `cargo build --release -p vmm`",
-                vhost.display()
-            )));
-        }
+        host::require_binary(vhost)?;
         let base = Path::new("/dev/shm");
         let base = if base.is_dir() {
             base.to_path_buf()
@@ -87,43 +81,25 @@ impl BlockDriver {
         else {
             return Err(Error::Run("not a block workload".into()));
         };
-        let sock = self.work.path("blk.sock");
-        let stats = self.work.path("blk.stats");
-        let pidfile = self.work.path("blk.pid");
-        for p in [&sock, &stats, &pidfile] {
-            let _ = std::fs::remove_file(p);
-        }
-        let argv: Vec<OsString> = vec![
-            self.vhost.clone().into(),
-            "blk".into(),
-            "--socket".into(),
-            sock.clone().into(),
-            "--file".into(),
-            self.image.clone().into(),
-            "--format".into(),
-            "raw".into(),
-            "--cache".into(),
-            "none".into(),
-            "--aio".into(),
-            "io_uring".into(),
-            "--queues".into(),
-            queues.to_string().into(),
-            "--queue-size".into(),
-            "1024".into(),
-            "--bounce".into(),
-            bounce.into(),
-            "--stats-socket".into(),
-            stats.clone().into(),
-            "--pidfile".into(),
-            pidfile.clone().into(),
+        let paths = BackendPaths::new(&self.work, "blk");
+        let q = queues.to_string();
+        let image = self.image.to_string_lossy();
+        let extra = [
+            "--file",
+            &image,
+            "--format",
+            "raw",
+            "--cache",
+            "none",
+            "--aio",
+            "io_uring",
+            "--queues",
+            &q,
+            "--queue-size",
+            "1024",
         ];
-        let mut backend = Child::spawn(
-            "bouncevm-vhost blk",
-            &argv,
-            &self.work.path("blk.log"),
-            Some(&pidfile),
-            Duration::from_secs(10),
-        )?;
+        let argv = paths.argv(&self.vhost, "blk", bounce, &extra);
+        let mut backend = paths.spawn("bouncevm-vhost blk", &argv)?;
         let cfg = LoadConfig {
             rw: *rw,
             bs: *bs,
@@ -131,7 +107,7 @@ impl BlockDriver {
             numjobs: *numjobs,
             runtime: Some(dur),
             timeout: Duration::from_secs(10),
-            ..LoadConfig::new(sock)
+            ..LoadConfig::new(paths.sock.clone())
         };
         let cpu0 = backend.cpu_ns();
         let report = crate::load::run(&cfg).map_err(|e| match backend.running() {
@@ -139,7 +115,7 @@ impl BlockDriver {
             false => Error::Run(format!("backend died: {e}: {}", backend.log_tail())),
         })?;
         let cpu1 = backend.cpu_ns();
-        let st = host::stats(&stats, false)?;
+        let st = host::stats(&paths.stats, false)?;
         backend.stop();
         let dir = report
             .total

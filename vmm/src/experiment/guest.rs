@@ -39,12 +39,7 @@ impl GuestDriver {
                 script.display()
             )));
         }
-        if !vhost.is_file() {
-            return Err(Error::Missing(format!(
-                "{} is missing: build it with `cargo build --release -p vmm`",
-                vhost.display()
-            )));
-        }
+        host::require_binary(vhost)?;
         Ok(Self {
             python,
             script,

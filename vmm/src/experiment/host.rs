@@ -298,6 +298,82 @@ impl Drop for NetNs {
     }
 }
 
+/// [`Error::Missing`] unless `binary` (a bouncevm binary) exists.
+///
+/// # Errors
+/// [`Error::Missing`] saying how to build it.
+pub fn require_binary(binary: &Path) -> Result<()> {
+    if binary.is_file() {
+        Ok(())
+    } else {
+        Err(Error::Missing(format!(
+            "{} is missing: build it with `cargo build --release -p vmm`",
+            binary.display()
+        )))
+    }
+}
+
+/// The vhost-user socket, statistics socket, pid file and log of one `bouncevm-vhost` run in a
+/// [`WorkDir`], stale copies removed.
+#[derive(Debug)]
+pub struct BackendPaths {
+    /// The vhost-user socket.
+    pub sock: PathBuf,
+    /// `--stats-socket`.
+    pub stats: PathBuf,
+    /// `--pidfile`: the backend is ready once it exists.
+    pub pidfile: PathBuf,
+    /// stdout and stderr.
+    pub log: PathBuf,
+}
+
+impl BackendPaths {
+    /// The paths for device `kind` (`blk`, `net`).
+    pub fn new(work: &WorkDir, kind: &str) -> Self {
+        let p = Self {
+            sock: work.path(&format!("{kind}.sock")),
+            stats: work.path(&format!("{kind}.stats")),
+            pidfile: work.path(&format!("{kind}.pid")),
+            log: work.path(&format!("{kind}.log")),
+        };
+        for f in [&p.sock, &p.stats, &p.pidfile] {
+            let _ = std::fs::remove_file(f);
+        }
+        p
+    }
+
+    /// `VHOST KIND --socket .. --stats-socket .. --pidfile .. --bounce BOUNCE EXTRA..`.
+    pub fn argv(&self, vhost: &Path, kind: &str, bounce: &str, extra: &[&str]) -> Vec<OsString> {
+        let mut v: Vec<OsString> = vec![vhost.into(), kind.into()];
+        for (flag, path) in [
+            ("--socket", &self.sock),
+            ("--stats-socket", &self.stats),
+            ("--pidfile", &self.pidfile),
+        ] {
+            v.push(flag.into());
+            v.push(path.into());
+        }
+        v.push("--bounce".into());
+        v.push(bounce.into());
+        v.extend(extra.iter().map(OsString::from));
+        v
+    }
+
+    /// Starts `argv` and waits (up to 10 s) for its pid file.
+    ///
+    /// # Errors
+    /// See [`Child::spawn`].
+    pub fn spawn(&self, name: &str, argv: &[OsString]) -> Result<Child> {
+        Child::spawn(
+            name,
+            argv,
+            &self.log,
+            Some(&self.pidfile),
+            Duration::from_secs(10),
+        )
+    }
+}
+
 /// A scratch directory for one run, removed when dropped.
 #[derive(Debug)]
 pub struct WorkDir(PathBuf);

@@ -9,7 +9,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::host::{self, Child, NetNs, WorkDir};
+use super::host::{self, BackendPaths, Child, NetNs, WorkDir};
 use super::{pool_metrics, Error, Result, Sample, Workload};
 
 /// What to install when testpmd is missing.
@@ -47,12 +47,7 @@ impl NetDriver {
                 "dpdk-testpmd is missing (DPDK's virtio_user drives the net presets): {DPDK_INSTALL}"
             ))
         })?;
-        if !vhost.is_file() {
-            return Err(Error::Missing(format!(
-                "{} is missing: build it with `cargo build --release -p vmm`",
-                vhost.display()
-            )));
-        }
+        host::require_binary(vhost)?;
         Ok(Self {
             vhost: vhost.to_path_buf(),
             testpmd,
@@ -78,37 +73,16 @@ impl NetDriver {
         self.count += 1;
         let tag = format!("bvmx{}n{}", std::process::id(), self.count);
         let ns = NetNs::new(&tag)?;
-        let sock = self.work.path("net.sock");
-        let stats = self.work.path("net.stats");
-        let pidfile = self.work.path("net.pid");
-        for p in [&sock, &stats, &pidfile] {
-            let _ = std::fs::remove_file(p);
-        }
-        let argv: Vec<OsString> = vec![
-            self.vhost.clone().into(),
-            "net".into(),
-            "--socket".into(),
-            sock.clone().into(),
-            "--tap".into(),
-            "tap0".into(),
-            "--queues".into(),
-            queues.to_string().into(),
-            "--bounce".into(),
-            bounce.into(),
-            "--stats-socket".into(),
-            stats.clone().into(),
-            "--pidfile".into(),
-            pidfile.clone().into(),
-        ];
-        let mut backend = Child::spawn(
-            "bouncevm-vhost net",
-            &ns.exec(&argv),
-            &self.work.path("net.log"),
-            Some(&pidfile),
-            Duration::from_secs(10),
-        )?;
-        host::run_cmd("ip", &["-n", ns.name(), "link", "set", "tap0", "up"])?;
+        let paths = BackendPaths::new(&self.work, "net");
         let q = queues.to_string();
+        let argv = paths.argv(
+            &self.vhost,
+            "net",
+            bounce,
+            &["--tap", "tap0", "--queues", &q],
+        );
+        let mut backend = paths.spawn("bouncevm-vhost net", &ns.exec(&argv))?;
+        host::run_cmd("ip", &["-n", ns.name(), "link", "set", "tap0", "up"])?;
         let tp: Vec<OsString> = [
             self.testpmd.to_string_lossy().as_ref(),
             "-l",
@@ -119,7 +93,10 @@ impl NetDriver {
             "--no-pci",
             "--file-prefix",
             &tag,
-            &format!("--vdev=net_virtio_user0,path={},queues={q}", sock.display()),
+            &format!(
+                "--vdev=net_virtio_user0,path={},queues={q}",
+                paths.sock.display()
+            ),
             "--",
             "--forward-mode=txonly",
             &format!("--txpkts={frame}"),
@@ -159,13 +136,13 @@ impl NetDriver {
         if !bounce::report::sleep_unless_stopped(self.warmup) {
             return Err(Error::Run("interrupted".into()));
         }
-        host::stats(&stats, true)?;
+        host::stats(&paths.stats, true)?;
         let cpu0 = backend.cpu_ns();
         let (before, t0) = (ns.counter("tap0", "rx_packets")?, Instant::now());
         bounce::report::sleep_unless_stopped(dur);
         let (after, t1) = (ns.counter("tap0", "rx_packets")?, Instant::now());
         let cpu1 = backend.cpu_ns();
-        let st = host::stats(&stats, false)?;
+        let st = host::stats(&paths.stats, false)?;
         testpmd.interrupt();
         if !testpmd.wait_exit(Duration::from_secs(10)) {
             testpmd.stop();

@@ -63,6 +63,9 @@ const PAIR_NS: Metric = Metric {
     decimals: 0,
 };
 
+/// What every guest-level table says about its rig.
+const GUEST_NOTE: &str = "Guest level: each sample boots a rig-1 guest (QEMU 7.2 TCG, 2 vCPUs) whose disk is served by bouncevm-vhost blk with the row's bounce setting (raw image under tests/out, the backend's default cache mode) and runs fio in it (libaio, direct); the TCG guest is the bottleneck, so this confirms the path end to end rather than ranking allocators.";
+
 /// The plan of `preset` at `level`; `quick` keeps fewer cells.
 pub fn plan(preset: PresetName, level: Level, quick: bool) -> Plan {
     match preset {
@@ -149,7 +152,10 @@ fn swiotlb_2022(level: Level, quick: bool) -> Plan {
         "Host CPU per I/O is the backend's user+system time over the sample (10 ms /proc resolution); lock wait is the pool's own count of time spent waiting for allocator locks.".into(),
     ];
     if level == Level::Guest {
-        notes.push("Guest level: the rig-1 image's fio job is a random read (no sequential mode), so this runs 4 KiB random reads under QEMU TCG: the guest is the bottleneck, use it to confirm function, not to rank.".into());
+        notes = vec![
+            GUEST_NOTE.into(),
+            "The rig-1 image's fio job is a random read (it has no sequential mode), so this preset runs 4 KiB random reads at guest level.".into(),
+        ];
     }
     Plan {
         preset: PresetName::Swiotlb2022,
@@ -214,9 +220,10 @@ fn vduse_2021(level: Level, quick: bool) -> Plan {
         primary: IOPS,
         metrics: vec![MBPS, CPU_IO, LOCK_IO, MAP_P50, UNMAP_P50],
         cells,
-        notes: vec![
-            "bouncevm-vhost blk in IOVA mode (map copies in only for writes, unmap copies back for reads) on a raw image in /dev/shm (cache=none, io_uring), 8 queues, 4 KiB random reads at iodepth 16 per job; ratios are to iova-rbtree in the same rounds.".into(),
-        ],
+        notes: vec![match level {
+            Level::Host => "bouncevm-vhost blk in IOVA mode (map copies in only for writes, unmap copies back for reads) on a raw image in /dev/shm (cache=none, io_uring), 8 queues, 4 KiB random reads at iodepth 16 per job; ratios are to iova-rbtree in the same rounds.".into(),
+            Level::Guest => GUEST_NOTE.into(),
+        }],
     }
 }
 
