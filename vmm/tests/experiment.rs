@@ -239,6 +239,16 @@ fn bad_usage_and_missing_prerequisites_are_one_line_and_distinct_statuses() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let o = Command::new(BIN)
+        .args(["seed-2021-vduse", "--alloc", "iova-rcache,nope"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("nope") && e.contains("iova-rbtree, iova-rcache, genpool"),
+        "{e}"
+    );
     // A net preset without dpdk-testpmd on PATH says what to install.
     let o = Command::new(BIN)
         .args(["seed-2012-phys", "--quick", "--vhost", VHOST])

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! bouncevm-experiment PRESET [--level host|guest] [--quick] [--rounds N] [--seconds S]
-//!                            [--out DIR] [--vhost PATH]
+//!                            [--alloc LIST] [--out DIR] [--vhost PATH]
 //! PRESET: seed-2022-swiotlb | seed-2021-vduse | seed-2015-iova | seed-2012-phys
 //! ```
 //!
@@ -42,6 +42,10 @@ struct Cli {
     /// Write table.md, results.json and chart.svg into this directory.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// Only these rows: allocators or variants, comma separated, as the table names them
+    /// (e.g. iova-rbtree,iova-rcache). Ratios need the first row of each group, the baseline.
+    #[arg(long, value_name = "LIST")]
+    alloc: Option<String>,
     /// The bouncevm-vhost binary [default: next to this one].
     #[arg(long, value_name = "PATH")]
     vhost: Option<PathBuf>,
@@ -113,7 +117,28 @@ fn main() -> ExitCode {
         }
     };
     bounce::report::install_ctrl_c();
-    let plan = preset::plan(s.preset, s.level, s.quick);
+    let mut plan = preset::plan(s.preset, s.level, s.quick);
+    if let Some(list) = &cli.alloc {
+        let want: Vec<&str> = list.split(',').map(str::trim).collect();
+        if let Some(bad) = want
+            .iter()
+            .find(|w| !plan.cells.iter().any(|c| c.series == **w))
+        {
+            let mut names: Vec<&str> = Vec::new();
+            for c in &plan.cells {
+                if !names.contains(&c.series.as_str()) {
+                    names.push(&c.series);
+                }
+            }
+            eprintln!(
+                "bouncevm-experiment: error: --alloc {bad}: {} has no such row (it has: {})",
+                s.preset.name(),
+                names.join(", ")
+            );
+            return ExitCode::from(2);
+        }
+        plan.cells.retain(|c| want.contains(&c.series.as_str()));
+    }
     let results = match experiment::run(&s, plan) {
         Ok(r) => r,
         Err(e @ Error::Missing(_)) => {

@@ -177,7 +177,7 @@ fn vduse_2021(level: Level, quick: bool) -> Plan {
         (AllocatorKind::Genpool, [143e3, 270e3, 458e3, 521e3]),
     ];
     let jobs: &[u16] = match (level, quick) {
-        (Level::Guest, true) => &[1, 2],
+        (Level::Guest, true) => &[1],
         (_, true) => &[1, 2, 4],
         _ => &[1, 2, 4, 8],
     };
