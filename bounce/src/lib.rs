@@ -34,6 +34,7 @@ pub mod error;
 pub mod geometry;
 pub mod orig;
 pub mod pool;
+pub mod report;
 pub mod stats;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;

@@ -8,7 +8,7 @@
 //!   `BVM_SKIP_LOG` when that is set: `./tests/run` sets it, counts the lines and prints them
 //!   after `cargo test`.
 //! - `BVM_REQUIRE_RESOURCES` makes the same call a failure: `all`, or a comma list of
-//!   [`Resource::name`]s (`kvm,root,tun,qemu-img,kernel-trace,python3`). `./tests/run` sets it
+//!   [`Resource::name`]s (`kvm,root,tun,qemu-img,kernel-trace,python3,dpdk`). `./tests/run` sets it
 //!   to `all` when `CI=true` (`.ci/run`), where every one of them is expected to exist.
 
 use std::io::Write;
@@ -29,6 +29,8 @@ pub enum Resource {
     KernelTrace,
     /// `python3` on PATH.
     Python3,
+    /// DPDK's `dpdk-testpmd` on PATH (`tests/setup.sh` installs it).
+    Dpdk,
 }
 
 impl Resource {
@@ -41,6 +43,7 @@ impl Resource {
             Resource::QemuImg => "qemu-img",
             Resource::KernelTrace => "kernel-trace",
             Resource::Python3 => "python3",
+            Resource::Dpdk => "dpdk",
         }
     }
 }

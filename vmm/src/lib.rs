@@ -34,6 +34,7 @@ pub mod builder;
 pub mod bus;
 pub mod cli;
 pub mod exit;
+pub mod experiment;
 pub mod irq;
 pub mod layout;
 pub mod legacy;

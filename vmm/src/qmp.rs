@@ -19,6 +19,7 @@
 //! | `x-exit-now` | `{}`; the VM ends from the host side at once (vCPUs stopped, disks flushed), status 0 |
 //! | `quit` | `{}`; the VM ends the same way, status 0 |
 //! | `x-query-bounce` | per device: `id`, `driver`, `stats` (`VirtioDevice::stats`: device counters and the bounce pool's statistics) |
+//! | `x-reset-bounce` | resets the bounce pools' high-water marks, lock counters and time histograms (`arguments: {"id": ID}` for one device); returns `{"reset": [ids of the pools reset]}`, or `DeviceNotFound` for an unknown id |
 //!
 //! Errors use QEMU's classes: `CommandNotFound` for unknown commands (and before
 //! negotiation), `GenericError` for bad input (unexpected arguments: "Parameter 'x' is
@@ -89,6 +90,8 @@ pub struct DeviceInfo {
     pub driver: String,
     /// The device core.
     pub device: SharedVirtioDevice,
+    /// The device's bounce pool, when it bounces (for `x-reset-bounce`).
+    pub pool: Option<Arc<bounce::BouncePool>>,
 }
 
 impl std::fmt::Debug for DeviceInfo {
@@ -543,6 +546,7 @@ pub const COMMANDS: &[&str] = &[
     "x-exit-now",
     "quit",
     "x-query-bounce",
+    "x-reset-bounce",
 ];
 
 /// The arguments `cmd` takes (all optional here).
@@ -551,6 +555,7 @@ fn arguments_of(cmd: &str) -> &'static [&'static str] {
         "qmp_capabilities" => &["enable"],
         // QEMU's query-blockstats takes `query-nodes`; bouncevm reports devices only.
         "query-blockstats" => &["query-nodes"],
+        "x-reset-bounce" => &["id"],
         _ => &[],
     }
 }
@@ -645,10 +650,47 @@ fn execute(msg: &Value, ctx: &QmpContext, negotiated: &mut bool) -> (Value, Afte
                 json!({"id": d.id, "driver": d.driver, "stats": stats})
             })
             .collect()),
+        "x-reset-bounce" => reset_bounce(&args, ctx),
         "system_powerdown" => (json!({"return": {}}), After::PowerDown),
         "quit" | "x-exit-now" => (json!({"return": {}}), After::Quit),
         _ => unreachable!("every name in COMMANDS is handled"),
     }
+}
+
+/// `x-reset-bounce [id]`: resets the pools' high-water marks, lock counters and time
+/// histograms (all devices, or the one named); answers the ids whose pool was reset.
+fn reset_bounce(args: &Map<String, Value>, ctx: &QmpContext) -> (Value, After) {
+    let want = match args.get("id") {
+        None => None,
+        Some(Value::String(id)) => Some(id.as_str()),
+        Some(_) => {
+            return (
+                generic("Invalid parameter type for 'id', expected: string"),
+                After::Nothing,
+            )
+        }
+    };
+    let chosen: Vec<&DeviceInfo> = ctx
+        .devices
+        .iter()
+        .filter(|d| want.is_none_or(|w| d.id == w))
+        .collect();
+    if let (Some(w), true) = (want, chosen.is_empty()) {
+        return (
+            error("DeviceNotFound", format!("Device '{w}' not found")),
+            After::Nothing,
+        );
+    }
+    let reset: Vec<&str> = chosen
+        .iter()
+        .filter_map(|d| {
+            d.pool.as_ref().map(|p| {
+                p.reset_hiwater();
+                d.id.as_str()
+            })
+        })
+        .collect();
+    (json!({ "return": { "reset": reset } }), After::Nothing)
 }
 
 /// `qmp_capabilities`: refused once negotiated, and with any capability in `enable` (none
@@ -764,6 +806,70 @@ mod tests {
             vcpu_tids: Arc::from(vec![AtomicI32::new(7)]),
             power_button: None,
         }
+    }
+
+    /// `x-reset-bounce` clears the high-water mark of the named pool (or all), answers the ids
+    /// reset, and refuses an unknown id or a non-string one.
+    #[test]
+    fn x_reset_bounce_resets_the_pools_high_water_marks() {
+        use bounce::{Direction, HostMemory, MapRequest};
+        let img = std::env::temp_dir().join(format!("bvm-qmp-reset-{}.img", std::process::id()));
+        std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+        let dev = |bounce: &str| {
+            let b = crate::builder::block(
+                &img,
+                Some(devices::block::io::ImageFormat::Raw),
+                true,
+                devices::block::BlockConfig::default(),
+                &bounce.parse().unwrap(),
+            )
+            .unwrap();
+            let device: SharedVirtioDevice = Arc::new(Mutex::new(b.device));
+            (device, b.pool)
+        };
+        let (d0, p0) = dev("policy=force,slots=256");
+        let (d1, p1) = dev("policy=off");
+        let pool = p0.clone().unwrap();
+        assert!(p1.is_none());
+        let mut c = ctx();
+        c.devices = vec![
+            DeviceInfo {
+                id: "blk0".into(),
+                driver: "virtio-blk-pci".into(),
+                device: d0,
+                pool: p0,
+            },
+            DeviceInfo {
+                id: "blk1".into(),
+                driver: "virtio-blk-pci".into(),
+                device: d1,
+                pool: p1,
+            },
+        ];
+        let mut buf = vec![0u8; 8192];
+        let mem = HostMemory::new(0x1000, &mut buf);
+        let m = pool
+            .map(&mem, &MapRequest::new(0x1000, 8192, Direction::ToDevice))
+            .unwrap();
+        pool.unmap(&mem, &m, 0).unwrap();
+        assert!(pool.stats().used_hiwater > 0);
+        let mut neg = true;
+        let mut ex = |v: Value| execute(&v, &c, &mut neg).0;
+        let e = ex(json!({"execute": "x-reset-bounce", "arguments": {"id": "nope"}}));
+        assert_eq!(e["error"]["class"], "DeviceNotFound");
+        let e = ex(json!({"execute": "x-reset-bounce", "arguments": {"id": 3}}));
+        assert_eq!(e["error"]["class"], "GenericError");
+        assert!(
+            pool.stats().used_hiwater > 0,
+            "refused requests reset nothing"
+        );
+        let r = ex(json!({"execute": "x-reset-bounce", "arguments": {"id": "blk1"}}));
+        assert_eq!(r["return"]["reset"], json!([]), "blk1 does not bounce");
+        assert!(pool.stats().used_hiwater > 0);
+        let r = ex(json!({"execute": "x-reset-bounce"}));
+        assert_eq!(r["return"]["reset"], json!(["blk0"]));
+        assert_eq!(pool.stats().used_hiwater, 0);
+        let _ = std::fs::remove_file(&img);
     }
 
     #[test]

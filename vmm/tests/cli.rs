@@ -507,8 +507,10 @@ if mode == "full":
 out["caps"] = cmd("qmp_capabilities")
 if mode == "full":
     for c in ["query-version", "query-commands", "query-name", "query-kvm", "query-cpus-fast",
-              "query-status", "query-block", "query-blockstats", "x-query-bounce"]:
+              "query-status", "query-block", "query-blockstats", "x-query-bounce",
+              "x-reset-bounce"]:
         out[c] = cmd(c)
+    out["reset-unknown"] = cmd("x-reset-bounce", id="nope")
     out["bogus"] = cmd("no-such-command")
     out["badarg"] = cmd("query-status", verbose=True)
     out["syntax"] = send('{"execute": "query-status"]\n')
@@ -671,6 +673,25 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
     assert!(
         b["stats"]["bounce"]["nslabs"].as_u64().unwrap() >= 256,
         "{b}"
+    );
+    assert_eq!(
+        v["x-reset-bounce"]["return"]["reset"],
+        serde_json::json!(["blk0"])
+    );
+    assert_eq!(v["reset-unknown"]["error"]["class"], "DeviceNotFound");
+    // The final statistics on exit: one JSON line, as x-query-bounce answers them.
+    let stderr = String::from_utf8_lossy(&vm_out.stderr);
+    let last: serde_json::Value = stderr
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no final statistics line on stderr: {stderr}"));
+    let d = &last["devices"][0];
+    assert_eq!(d["id"], "blk0", "{last}");
+    assert_eq!(d["driver"], "virtio-blk-pci");
+    assert!(
+        d["stats"]["bounce"]["nslabs"].as_u64().unwrap() >= 256,
+        "{last}"
     );
     assert_eq!(v["bogus"]["error"]["class"], "CommandNotFound");
     assert!(v["bogus"]["error"]["desc"]

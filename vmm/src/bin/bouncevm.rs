@@ -2,7 +2,9 @@
 //! bounce module. QEMU-compatible command line; see `vmm/README.md`.
 //!
 //! SIGTERM and SIGINT end the VM as QMP `quit` does, as in QEMU: the vCPUs and device
-//! workers stop, every disk is flushed, the terminal is restored, a `SHUTDOWN` event with
+//! workers stop, the devices' final statistics are printed to stderr as one JSON line
+//! (`{"devices": [{"id", "driver", "stats"}]}`, as `x-query-bounce` answers and as
+//! `bouncevm-vhost` prints its own; on every exit, not only a signal), every disk is flushed, the terminal is restored, a `SHUTDOWN` event with
 //! cause `host-signal` goes to the QMP client, and the exit status is 0.
 
 use std::io::{IsTerminal, Read, Write};
@@ -77,7 +79,10 @@ struct Built {
     qmp_blocks: Vec<BlockInfo>,
 }
 
-fn build_blk(cfg: &Config, b: &BlkSpec, built: &mut Built) -> Result<SharedVirtioDevice, String> {
+/// A device core and its bounce pool (none when it does not bounce).
+type BuiltDevice = (SharedVirtioDevice, Option<Arc<bounce::BouncePool>>);
+
+fn build_blk(cfg: &Config, b: &BlkSpec, built: &mut Built) -> Result<BuiltDevice, String> {
     let id = &b.common.id;
     let d = cfg
         .drive(&b.drive)
@@ -94,15 +99,15 @@ fn build_blk(cfg: &Config, b: &BlkSpec, built: &mut Built) -> Result<SharedVirti
     };
     let drive_err = |e: builder::BuildError| format!("-drive id={}: {e}", d.id);
     let format = builder::probe_format(&d.file, d.format).map_err(drive_err)?;
-    let blk = builder::block(
+    let b = builder::block(
         &d.file,
         Some(format),
         d.readonly,
         config,
         &cfg.bounce_for(id),
     )
-    .map_err(drive_err)?
-    .device;
+    .map_err(drive_err)?;
+    let (blk, pool) = (b.device, b.pool);
     built.disks.push(blk.disk().clone());
     let device: SharedVirtioDevice = Arc::new(Mutex::new(blk));
     built.qmp_blocks.push(BlockInfo {
@@ -113,10 +118,10 @@ fn build_blk(cfg: &Config, b: &BlkSpec, built: &mut Built) -> Result<SharedVirti
         readonly: d.readonly,
         device: Some(device.clone()),
     });
-    Ok(device)
+    Ok((device, pool))
 }
 
-fn build_net(cfg: &Config, n: &NetSpec) -> Result<SharedVirtioDevice, String> {
+fn build_net(cfg: &Config, n: &NetSpec) -> Result<BuiltDevice, String> {
     let nd = cfg
         .netdev(&n.netdev)
         .ok_or_else(|| format!("netdev '{}' is not defined", n.netdev))?;
@@ -129,7 +134,7 @@ fn build_net(cfg: &Config, n: &NetSpec) -> Result<SharedVirtioDevice, String> {
     let (net, tap) = builder::net(nd.ifname.as_deref(), config, &cfg.bounce_for(&n.common.id))
         .map_err(|e| format!("-netdev id={}: {e}", nd.id))?;
     tracing::info!(netdev = %nd.id, tap, "tap opened");
-    Ok(Arc::new(Mutex::new(net.device)))
+    Ok((Arc::new(Mutex::new(net.device)), net.pool))
 }
 
 fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
@@ -138,7 +143,7 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
     for spec in &cfg.devices {
         let id = spec.id().to_string();
         let driver = spec.driver();
-        let device = match spec {
+        let (device, pool) = match spec {
             DeviceSpec::Blk(b) => build_blk(cfg, b, &mut built)?,
             DeviceSpec::Net(n) => build_net(cfg, n)?,
         };
@@ -158,6 +163,7 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
             id,
             driver: driver.into(),
             device,
+            pool,
         });
     }
     Ok(built)
@@ -298,17 +304,35 @@ fn spawn_signal_thread(signals: SignalFd, exit: ExitHandle, monitor: Arc<Monitor
         });
 }
 
-/// Stops the device workers and flushes every disk.
+/// Stops the device workers, prints the devices' final statistics and flushes every disk.
 fn quiesce(built: &Built) {
     for f in &built.functions {
         f.lock().unwrap_or_else(|e| e.into_inner()).stop_workers();
     }
+    eprintln!("{}", final_stats(&built.qmp_devices));
     for d in &built.disks {
         if let Err(e) = d.flush() {
             eprintln!("bouncevm: flushing a disk failed: {e}");
         }
     }
     let _ = std::io::stdout().flush();
+}
+
+/// The devices' statistics as one JSON line (as `x-query-bounce` answers them, and as
+/// `bouncevm-vhost` prints its own on exit): `{"devices": [{"id", "driver", "stats"}]}`.
+fn final_stats(devices: &[DeviceInfo]) -> serde_json::Value {
+    let list: Vec<serde_json::Value> = devices
+        .iter()
+        .map(|d| {
+            let stats = d
+                .device
+                .lock()
+                .map(|g| g.stats())
+                .unwrap_or(serde_json::Value::Null);
+            serde_json::json!({"id": d.id, "driver": d.driver, "stats": stats})
+        })
+        .collect();
+    serde_json::json!({ "devices": list })
 }
 
 fn report(cfg: &Config, exit: &MachineExit) -> i32 {

@@ -33,9 +33,8 @@ use clap::{Parser, Subcommand};
 use serde::Serialize;
 
 mod map_bench;
-mod report;
 
-use report::{size_label, Meta, Panel, Summary};
+use bounce::report::{self, size_label, Meta, Panel, Summary};
 
 /// Allocator experiments: map+unmap throughput per allocator, threads, size.
 #[derive(Parser, Debug)]

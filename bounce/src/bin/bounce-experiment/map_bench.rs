@@ -27,7 +27,7 @@ use bounce::{
 };
 use serde::Serialize;
 
-use crate::report::{self, Meta};
+use bounce::report::{self, Meta};
 
 /// The kernel's limits (include/linux/map_benchmark.h).
 const MAX_THREADS: u32 = 1024;

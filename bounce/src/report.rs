@@ -1,4 +1,4 @@
-//! What every experiment prints and writes: machine metadata, sample summaries, a progress bar
+//! What every experiment (`bounce-experiment`, `bouncevm-experiment`) prints and writes: machine metadata, sample summaries, a progress bar
 //! with ETA on stderr, a Ctrl-C that stops cleanly, SVG line charts and size labels.
 
 use std::path::Path;

@@ -1,0 +1,138 @@
+//! Guest-level block samples: fio 4 KiB random reads in a rig-1 guest (QEMU TCG) whose disk is
+//! served by `bouncevm-vhost blk` with the cell's bounce setting, through
+//! `tests/e2e/experiment_guest.py` (the rig-1 harness boots the guest, runs fio and reads the
+//! backend's statistics socket). One guest at a time; each sample boots its own guest. The
+//! guest image's fio job is a random read, so sequential patterns run as random reads here
+//! (the table says so).
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::host::{self, Child, WorkDir};
+use super::{pool_metrics, Error, Result, Sample, Workload};
+
+/// Drives rig-1 guest samples.
+#[derive(Debug)]
+pub struct GuestDriver {
+    python: PathBuf,
+    script: PathBuf,
+    vhost: PathBuf,
+    work: WorkDir,
+}
+
+impl GuestDriver {
+    /// Checks python3, the driver script and the backend binary (the script checks QEMU, the
+    /// guest images and root itself).
+    ///
+    /// # Errors
+    /// [`Error::Missing`] naming what is missing.
+    pub fn new(repo: &Path, vhost: &Path, _quick: bool) -> Result<Self> {
+        let python = host::which("python3").ok_or_else(|| {
+            Error::Missing("--level guest needs python3 (apt-get install python3)".into())
+        })?;
+        let script = repo.join("tests/e2e/experiment_guest.py");
+        if !script.is_file() {
+            return Err(Error::Missing(format!(
+                "--level guest needs {} (run from the repository, or set BVM_REPO)",
+                script.display()
+            )));
+        }
+        host::require_binary(vhost)?;
+        Ok(Self {
+            python,
+            script,
+            vhost: vhost.to_path_buf(),
+            work: WorkDir::new(&std::env::temp_dir(), "guest")?,
+        })
+    }
+
+    /// One guest boot running fio for `dur` (at least 2 s).
+    ///
+    /// # Errors
+    /// [`Error::Missing`] when the rig cannot run here, [`Error::Run`] when the guest fails.
+    pub fn measure(&mut self, w: &Workload, dur: Duration) -> Result<Sample> {
+        let Workload::Block {
+            bounce,
+            bs,
+            iodepth,
+            numjobs,
+            queues,
+            ..
+        } = w
+        else {
+            return Err(Error::Run("not a block workload".into()));
+        };
+        let runtime = dur.as_secs().max(2);
+        let out = self.work.path("guest.json");
+        let _ = std::fs::remove_file(&out);
+        let argv: Vec<OsString> = vec![
+            self.python.clone().into(),
+            self.script.clone().into(),
+            "--vhost".into(),
+            self.vhost.clone().into(),
+            "--bounce".into(),
+            bounce.into(),
+            "--bs".into(),
+            bs.to_string().into(),
+            "--iodepth".into(),
+            iodepth.to_string().into(),
+            "--numjobs".into(),
+            numjobs.to_string().into(),
+            "--queues".into(),
+            queues.to_string().into(),
+            "--runtime".into(),
+            runtime.to_string().into(),
+            "--out".into(),
+            out.clone().into(),
+        ];
+        let log = self.work.path("guest.log");
+        let mut p = Child::spawn("experiment_guest.py", &argv, &log, None, Duration::ZERO)?;
+        let limit = Duration::from_secs(120 + 2 * runtime);
+        if !p.wait_exit(limit) {
+            p.stop();
+            return Err(Error::Run(format!(
+                "the rig-1 guest did not finish in {limit:?}: {}",
+                p.log_tail()
+            )));
+        }
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        let v: serde_json::Value = match serde_json::from_str(&text) {
+            Ok(v) => v,
+            Err(_) => {
+                let tail = p.log_tail();
+                let log_text = std::fs::read_to_string(&log).unwrap_or_default();
+                return Err(if log_text.contains("MISSING:") {
+                    Error::Missing(format!("--level guest cannot run here: {tail}"))
+                } else {
+                    Error::Run(format!("the rig-1 guest gave no figures: {tail}"))
+                });
+            }
+        };
+        let iops = v
+            .get("iops")
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or(0.0);
+        if iops <= 0.0 {
+            return Err(Error::Run(format!("the rig-1 guest reported no IOPS: {v}")));
+        }
+        let mut m = BTreeMap::new();
+        m.insert("iops".into(), iops);
+        m.insert("mbps".into(), iops * f64::from(*bs) / 1e6);
+        let pool = v.get("bounce").cloned().filter(|p| !p.is_null());
+        if let Some(p) = &pool {
+            let ios = v
+                .get("ios")
+                .and_then(serde_json::Value::as_f64)
+                .unwrap_or(0.0);
+            pool_metrics(p, ios, &mut m);
+        }
+        Ok(Sample {
+            round: 0,
+            metrics: m,
+            pool,
+            detail: Some(v),
+        })
+    }
+}

@@ -1,0 +1,324 @@
+//! `bouncevm-experiment`: every preset runs with `--quick` at host level and writes what it
+//! promises — a table row per cell with the seed's columns, a results.json whose samples are
+//! real measurements (finite, > 0) with metadata and per-sample pool statistics, and a chart
+//! that parses as SVG. The figures themselves are not checked (benchmarks, not tests). Also:
+//! bad usage and missing prerequisites are one line and a distinct exit status, and Ctrl-C
+//! keeps what was measured.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bounce::testing::{missing, Resource};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_bouncevm-experiment");
+const VHOST: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
+
+struct TmpDir(PathBuf);
+
+impl TmpDir {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("bvm-exp-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        Self(p)
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn have(cmd: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(cmd).is_file()))
+}
+
+/// Net presets need root, a tun device and dpdk-testpmd; records the skip otherwise.
+fn net_prerequisites() -> bool {
+    if !is_root() {
+        missing(
+            Resource::Root,
+            "the net presets create a network namespace and a tap",
+        );
+        return false;
+    }
+    if !Path::new("/dev/net/tun").exists() {
+        missing(Resource::Tun, "/dev/net/tun is missing");
+        return false;
+    }
+    if !have("dpdk-testpmd") {
+        missing(
+            Resource::Dpdk,
+            "dpdk-testpmd is missing (tests/setup.sh installs it)",
+        );
+        return false;
+    }
+    true
+}
+
+fn run_quick(preset: &str, out: &Path) -> String {
+    let o = Command::new(BIN)
+        .args([preset, "--quick", "--vhost", VHOST, "--out"])
+        .arg(out)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "{preset}: {:?}\nstdout: {stdout}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    stdout
+}
+
+/// Checks table.md, results.json and chart.svg of a finished run; returns the JSON.
+fn check_outputs(preset: &str, out: &Path, stdout: &str) -> Value {
+    let table = std::fs::read_to_string(out.join("table.md")).unwrap();
+    assert_eq!(table, stdout, "the table printed is the table written");
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
+    assert_eq!(r["tool"], "bouncevm-experiment");
+    assert_eq!(r["preset"], preset);
+    assert_eq!(r["level"], "host");
+    assert_eq!(r["interrupted"], false);
+    let meta = &r["meta"];
+    assert!(meta["cpus"].as_u64().unwrap() >= 1, "{meta}");
+    assert!(meta["kernel"].is_string(), "{meta}");
+    assert!(meta.get("git_revision").is_some() && meta.get("cpu_model").is_some());
+    let rounds = r["rounds"].as_u64().unwrap();
+    assert!(rounds >= 2, "interleaved rounds: {rounds}");
+    assert_eq!(r["rounds_done"], rounds);
+    let primary = r["plan"]["primary"]["key"].as_str().unwrap();
+    let cells = r["cells"].as_array().unwrap();
+    assert!(!cells.is_empty());
+    // Table header carries the seed's columns beside ours.
+    assert!(
+        table.contains("| seed | seed ratio | our ratio |"),
+        "{table}"
+    );
+    for c in cells {
+        let key = c["primary"]["key"].as_str().unwrap_or(primary);
+        let samples = c["samples"].as_array().unwrap();
+        assert_eq!(samples.len() as u64, rounds, "every round measured {c}");
+        let rounds_seen: Vec<u64> = samples
+            .iter()
+            .map(|s| s["round"].as_u64().unwrap())
+            .collect();
+        assert_eq!(rounds_seen, (0..rounds).collect::<Vec<_>>());
+        for s in samples {
+            let v = s["metrics"][key].as_f64().unwrap_or(f64::NAN);
+            assert!(v.is_finite() && v > 0.0, "{key} = {v} in {s}");
+            for (k, x) in s["metrics"].as_object().unwrap() {
+                let x = x.as_f64().unwrap();
+                assert!(x.is_finite() && x >= 0.0, "{k} = {x}");
+            }
+            let bounced = c["workload"]["bounce"]
+                .as_str()
+                .is_none_or(|b| !b.contains("policy=off"));
+            if bounced {
+                let p = &s["pool"];
+                assert!(p["nslabs"].as_u64().unwrap() > 0, "pool geometry {s}");
+                assert!(p["allocator"].is_string() && p["nareas"].is_u64());
+                assert!(p["maps"].as_u64().unwrap() > 0, "the pool was used {p}");
+                assert!(p["timing"]["map"].is_object(), "time accounting {p}");
+            }
+        }
+        let sm = &c["summary"][key];
+        let (min, med, max) = (
+            sm["min"].as_f64().unwrap(),
+            sm["median"].as_f64().unwrap(),
+            sm["max"].as_f64().unwrap(),
+        );
+        assert!(min <= med && med <= max, "{sm}");
+        // Its row: x and series, with the median printed.
+        let x = c["x"].as_u64().unwrap();
+        let series = c["series"].as_str().unwrap();
+        let row = format!("| {x} | {series} | ");
+        assert!(table.contains(&row), "no row {row} in\n{table}");
+        if c["baseline"] == true && c["shape_note"].is_null() {
+            assert!((c["ratio"].as_f64().unwrap() - 1.0).abs() < 1e-9, "{c}");
+        }
+        if !c["shape_note"].is_null() {
+            let line = table.lines().find(|l| l.starts_with(&row)).unwrap();
+            assert!(
+                line.contains("n/a ["),
+                "the reason replaces the ratio: {line}"
+            );
+        }
+    }
+    let svg = std::fs::read_to_string(out.join("chart.svg")).unwrap();
+    let doc = roxmltree::Document::parse(&svg).expect("chart.svg parses");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    let texts: String = doc
+        .descendants()
+        .filter_map(|n| n.text())
+        .collect::<Vec<_>>()
+        .join(" ");
+    for c in cells {
+        let series = c["series"].as_str().unwrap();
+        assert!(texts.contains(series), "legend has {series}");
+    }
+    r
+}
+
+#[test]
+fn seed_2021_vduse_quick_writes_table_json_and_chart() {
+    let d = TmpDir::new("2021");
+    let out = run_quick("seed-2021-vduse", &d.0);
+    let r = check_outputs("seed-2021-vduse", &d.0, &out);
+    // The seed's own IOPS are beside ours.
+    assert!(out.contains("145,000") && out.contains("137,000"), "{out}");
+    assert!(r["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| c["workload"]["bounce"]
+            .as_str()
+            .unwrap()
+            .contains("mode=iova")));
+}
+
+#[test]
+fn seed_2022_swiotlb_quick_writes_table_json_and_chart() {
+    let d = TmpDir::new("2022");
+    let out = run_quick("seed-2022-swiotlb", &d.0);
+    check_outputs("seed-2022-swiotlb", &d.0, &out);
+    assert!(out.contains("| 885 |") && out.contains("| 2320 |"), "{out}");
+    for a in ["legacy", "areas", "areas-bitmap", "areas-lifo"] {
+        assert!(out.contains(&format!("| {a} |")), "{a}");
+    }
+}
+
+#[test]
+fn seed_2012_phys_quick_writes_table_json_and_chart() {
+    if !net_prerequisites() {
+        return;
+    }
+    let d = TmpDir::new("2012");
+    let out = run_quick("seed-2012-phys", &d.0);
+    check_outputs("seed-2012-phys", &d.0, &out);
+    assert!(
+        out.contains("map+unmap cost in the bounce library"),
+        "{out}"
+    );
+}
+
+#[test]
+fn seed_2015_iova_quick_writes_table_json_and_chart() {
+    if !net_prerequisites() {
+        return;
+    }
+    let d = TmpDir::new("2015");
+    let out = run_quick("seed-2015-iova", &d.0);
+    check_outputs("seed-2015-iova", &d.0, &out);
+    assert!(
+        out.contains("48 threads"),
+        "the 2-core limit is said: {out}"
+    );
+}
+
+#[test]
+fn bad_usage_and_missing_prerequisites_are_one_line_and_distinct_statuses() {
+    let o = Command::new(BIN).arg("seed-1999-nope").output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    assert!(e.contains("seed-2022-swiotlb"), "names the presets: {e}");
+    let o = Command::new(BIN)
+        .args(["seed-2021-vduse", "--seconds", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let o = Command::new(BIN)
+        .args(["seed-2021-vduse", "--alloc", "iova-rcache,nope"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{o:?}");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("nope") && e.contains("iova-rbtree, iova-rcache, genpool"),
+        "{e}"
+    );
+    // A net preset without dpdk-testpmd on PATH says what to install.
+    let o = Command::new(BIN)
+        .args(["seed-2012-phys", "--quick", "--vhost", VHOST])
+        .env("PATH", "/nonexistent")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{o:?}");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    if is_root() && Path::new("/dev/net/tun").exists() {
+        assert!(
+            e.contains("apt-get install --no-install-recommends dpdk-dev librte-net-virtio23"),
+            "{e}"
+        );
+    }
+    // Guest level has no net driver: said, not run.
+    let o = Command::new(BIN)
+        .args(["seed-2015-iova", "--level", "guest"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{o:?}");
+}
+
+#[test]
+fn ctrl_c_stops_cleanly_and_keeps_what_was_measured() {
+    let d = TmpDir::new("sigint");
+    let child = Command::new(BIN)
+        .args([
+            "seed-2021-vduse",
+            "--quick",
+            "--rounds",
+            "50",
+            "--vhost",
+            VHOST,
+            "--out",
+        ])
+        .arg(&d.0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Let a few samples finish (each is ~0.3 s plus a backend start).
+    std::thread::sleep(Duration::from_secs(4));
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: kill sends a signal to the child we started and still own.
+    let rc = unsafe { libc::kill(pid, libc::SIGINT) };
+    assert_eq!(rc, 0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut child = child;
+    while child.try_wait().unwrap().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "did not stop within 30 s of Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(d.0.join("results.json")).unwrap()).unwrap();
+    assert_eq!(r["interrupted"], true);
+    let samples: usize = r["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["samples"].as_array().unwrap().len())
+        .sum();
+    assert!(samples > 0 && samples < 50 * 6, "kept {samples} samples");
+    let table = std::fs::read_to_string(d.0.join("table.md")).unwrap();
+    assert!(table.contains("Interrupted by Ctrl-C"), "{table}");
+    assert!(d.0.join("chart.svg").is_file());
+}
