@@ -165,6 +165,67 @@ enum Next {
     Done,
 }
 
+/// Where a running job is: its phase, the sequential cursor, and what it measured.
+struct Progress {
+    phase: Phase,
+    cursor: u64,
+    /// Requests issued in the measured phase.
+    issued: u64,
+    main_start: Instant,
+    deadline: Option<Instant>,
+    last_done: Instant,
+    /// The measured phase's duration (start to its last completion), once over.
+    elapsed: Duration,
+    report: VerifyReport,
+    read: DirStats,
+    write: DirStats,
+}
+
+impl Progress {
+    fn new(prefill: bool, runtime: Option<Duration>) -> Self {
+        let phase = if prefill { Phase::Prefill } else { Phase::Main };
+        let main_start = Instant::now();
+        Self {
+            phase,
+            cursor: 0,
+            issued: 0,
+            main_start,
+            deadline: match phase {
+                Phase::Main => runtime.map(|r| main_start + r),
+                _ => None,
+            },
+            last_done: main_start,
+            elapsed: Duration::ZERO,
+            report: VerifyReport::default(),
+            read: DirStats::default(),
+            write: DirStats::default(),
+        }
+    }
+
+    /// Moves on once a phase is over and drained; true when the job is finished.
+    fn next_phase(&mut self, verify: bool, runtime: Option<Duration>) -> bool {
+        match self.phase {
+            Phase::Prefill => {
+                self.phase = Phase::Main;
+                self.cursor = 0;
+                self.main_start = Instant::now();
+                self.deadline = runtime.map(|r| self.main_start + r);
+                false
+            }
+            Phase::Main => {
+                self.elapsed = self.last_done.saturating_duration_since(self.main_start);
+                if !verify {
+                    return true;
+                }
+                self.phase = Phase::ReadBack;
+                self.cursor = 0;
+                false
+            }
+            Phase::ReadBack => true,
+        }
+    }
+}
+
 /// One job, ready to run on its own thread.
 #[derive(Debug)]
 pub struct Job {
@@ -423,133 +484,13 @@ impl Job {
 
     fn run_inner(&mut self) -> Result<JobOutcome> {
         let verify = self.gens.is_some();
-        let mut report = VerifyReport::default();
-        let mut read = DirStats::default();
-        let mut write = DirStats::default();
-        let mut phase = if verify && self.rw.reads() {
-            Phase::Prefill
-        } else {
-            Phase::Main
-        };
-        let mut cursor = 0u64;
-        let mut issued = 0u64;
-        let mut main_start = Instant::now();
-        let mut deadline = match phase {
-            Phase::Main => self.runtime.map(|r| main_start + r),
-            _ => None,
-        };
-        let mut last_done = main_start;
-        let mut elapsed = Duration::ZERO;
+        let mut p = Progress::new(verify && self.rw.reads(), self.runtime);
         loop {
             if self.stop.load(Ordering::Relaxed) {
                 return Err(Error::Stopped);
             }
-            // Submit up to the depth.
-            let mut pushed = false;
-            let mut phase_done = false;
-            while let Some(&slot) = self.free.last() {
-                let next = match phase {
-                    Phase::Prefill | Phase::ReadBack => {
-                        // Sequential over the range; read-back skips unwritten blocks.
-                        while phase == Phase::ReadBack
-                            && cursor < self.blocks
-                            && self.gen_of(cursor) == 0
-                        {
-                            report.unwritten += 1;
-                            cursor += 1;
-                        }
-                        if cursor >= self.blocks {
-                            Next::Done
-                        } else {
-                            cursor += 1;
-                            let op = if phase == Phase::Prefill {
-                                Op::Write
-                            } else {
-                                Op::Read
-                            };
-                            Next::Io(op, cursor - 1)
-                        }
-                    }
-                    Phase::Main => self.next_main(&mut cursor, issued, deadline),
-                };
-                match next {
-                    Next::Io(op, block) => {
-                        let gen = match op {
-                            Op::Write if verify => match self.gen_of(block).wrapping_add(1) {
-                                0 => 1,
-                                g => g,
-                            },
-                            _ => self.gen_of(block),
-                        };
-                        self.free.pop();
-                        self.submit(slot, op, block, gen)?;
-                        if phase == Phase::Main {
-                            issued += 1;
-                        }
-                        pushed = true;
-                    }
-                    Next::Wait => break,
-                    Next::Done => {
-                        phase_done = true;
-                        break;
-                    }
-                }
-            }
-            if pushed
-                && self
-                    .ring
-                    .publish()
-                    .map_err(|e| Error::Memory(e.to_string()))?
-            {
-                self.kick.write(1).map_err(|source| Error::Os {
-                    what: "kicking the queue",
-                    source,
-                })?;
-            }
-            // Reap.
-            let mut reaped = 0;
-            while let Some(u) = self
-                .ring
-                .next_used()
-                .map_err(|e| Error::Misbehaved(e.to_string()))?
-            {
-                reaped += 1;
-                let slot = self.slot_of(u.id).ok_or_else(|| {
-                    Error::Misbehaved(format!(
-                        "job {}: used entry names head {}, not a request head",
-                        self.id, u.id
-                    ))
-                })?;
-                let f = self.inflight[usize::from(slot)].take().ok_or_else(|| {
-                    Error::Misbehaved(format!(
-                        "job {}: used entry for head {} which is not in flight",
-                        self.id, u.id
-                    ))
-                })?;
-                let now = Instant::now();
-                self.complete(slot, f)?;
-                self.free.push(slot);
-                self.in_flight -= 1;
-                last_done = now;
-                match phase {
-                    Phase::Prefill => report.prefilled += 1,
-                    Phase::ReadBack => report.checked += 1,
-                    Phase::Main => {
-                        let d = if f.op == Op::Read {
-                            if verify {
-                                report.verified_reads += 1;
-                            }
-                            &mut read
-                        } else {
-                            &mut write
-                        };
-                        d.ios += 1;
-                        d.bytes += u64::from(self.bs);
-                        d.lat.record(now.saturating_duration_since(f.submitted));
-                    }
-                }
-            }
-            if reaped > 0 {
+            let phase_done = self.submit_batch(&mut p, verify)?;
+            if self.reap(&mut p, verify)? > 0 {
                 continue;
             }
             if self.in_flight == 0 {
@@ -561,22 +502,8 @@ impl Job {
                         self.id
                     )));
                 }
-                match phase {
-                    Phase::Prefill => {
-                        phase = Phase::Main;
-                        cursor = 0;
-                        main_start = Instant::now();
-                        deadline = self.runtime.map(|r| main_start + r);
-                    }
-                    Phase::Main => {
-                        elapsed = last_done.saturating_duration_since(main_start);
-                        if !verify {
-                            break;
-                        }
-                        phase = Phase::ReadBack;
-                        cursor = 0;
-                    }
-                    Phase::ReadBack => break,
+                if p.next_phase(verify, self.runtime) {
+                    break;
                 }
                 continue;
             }
@@ -591,11 +518,124 @@ impl Job {
         }
         Ok(JobOutcome {
             job: self.id,
-            read,
-            write,
-            elapsed,
-            verify: verify.then_some(report),
+            read: p.read,
+            write: p.write,
+            elapsed: p.elapsed,
+            verify: verify.then_some(p.report),
         })
+    }
+
+    /// The next request of a sequential phase (prefill writes, read-back reads; read-back
+    /// skips blocks never written).
+    fn next_sequential(&self, p: &mut Progress) -> Next {
+        while p.phase == Phase::ReadBack && p.cursor < self.blocks && self.gen_of(p.cursor) == 0 {
+            p.report.unwritten += 1;
+            p.cursor += 1;
+        }
+        if p.cursor >= self.blocks {
+            return Next::Done;
+        }
+        p.cursor += 1;
+        let op = if p.phase == Phase::Prefill {
+            Op::Write
+        } else {
+            Op::Read
+        };
+        Next::Io(op, p.cursor - 1)
+    }
+
+    /// Submits requests up to the depth and kicks the queue if the device wants it. Returns
+    /// true when the phase has issued everything.
+    fn submit_batch(&mut self, p: &mut Progress, verify: bool) -> Result<bool> {
+        let mut pushed = false;
+        let mut phase_done = false;
+        while let Some(&slot) = self.free.last() {
+            let next = match p.phase {
+                Phase::Prefill | Phase::ReadBack => self.next_sequential(p),
+                Phase::Main => self.next_main(&mut p.cursor, p.issued, p.deadline),
+            };
+            match next {
+                Next::Io(op, block) => {
+                    let gen = match op {
+                        Op::Write if verify => match self.gen_of(block).wrapping_add(1) {
+                            0 => 1,
+                            g => g,
+                        },
+                        _ => self.gen_of(block),
+                    };
+                    self.free.pop();
+                    self.submit(slot, op, block, gen)?;
+                    if p.phase == Phase::Main {
+                        p.issued += 1;
+                    }
+                    pushed = true;
+                }
+                Next::Wait => break,
+                Next::Done => {
+                    phase_done = true;
+                    break;
+                }
+            }
+        }
+        if pushed
+            && self
+                .ring
+                .publish()
+                .map_err(|e| Error::Memory(e.to_string()))?
+        {
+            self.kick.write(1).map_err(|source| Error::Os {
+                what: "kicking the queue",
+                source,
+            })?;
+        }
+        Ok(phase_done)
+    }
+
+    /// Completes every used entry; returns how many.
+    fn reap(&mut self, p: &mut Progress, verify: bool) -> Result<usize> {
+        let mut reaped = 0;
+        while let Some(u) = self
+            .ring
+            .next_used()
+            .map_err(|e| Error::Misbehaved(e.to_string()))?
+        {
+            reaped += 1;
+            let slot = self.slot_of(u.id).ok_or_else(|| {
+                Error::Misbehaved(format!(
+                    "job {}: used entry names head {}, not a request head",
+                    self.id, u.id
+                ))
+            })?;
+            let f = self.inflight[usize::from(slot)].take().ok_or_else(|| {
+                Error::Misbehaved(format!(
+                    "job {}: used entry for head {} which is not in flight",
+                    self.id, u.id
+                ))
+            })?;
+            let now = Instant::now();
+            self.complete(slot, f)?;
+            self.free.push(slot);
+            self.in_flight -= 1;
+            p.last_done = now;
+            match p.phase {
+                Phase::Prefill => p.report.prefilled += 1,
+                Phase::ReadBack => p.report.checked += 1,
+                Phase::Main => {
+                    let d = if f.op == Op::Read {
+                        if verify {
+                            p.report.verified_reads += 1;
+                        }
+                        &mut p.read
+                    } else {
+                        &mut p.write
+                    };
+                    d.ios += 1;
+                    d.bytes += u64::from(self.bs);
+                    d.lat.record(now.saturating_duration_since(f.submitted));
+                }
+            }
+        }
+        Ok(reaped)
     }
 
     fn next_main(&mut self, cursor: &mut u64, issued: u64, deadline: Option<Instant>) -> Next {
