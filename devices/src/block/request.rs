@@ -258,20 +258,21 @@ impl RequestCtx<'_> {
         let waits = self.may_wait && walked.is_ok() && self.could_fit(chain);
         // Map the status byte before anything else, so that a later failure (a full pool
         // among them) can still be reported.
-        let slot = match self
-            .dma
-            .map(mem, status_addr, 1, Direction::FromDevice, self.worker)
-        {
-            Err(e)
-                if waits
-                    && e.class() == bounce::error::ErrorClass::Exhausted
-                    && self.others_hold_slots(0) =>
+        let slot =
+            match self
+                .dma
+                .map_checked(mem, status_addr, 1, Direction::FromDevice, self.worker)
             {
-                self.metrics.pool_full_waits.inc();
-                return Ok(Started::PoolFull);
-            }
-            r => self.status_slot(r, status_addr)?,
-        };
+                Err(e)
+                    if waits
+                        && e.class() == bounce::error::ErrorClass::Exhausted
+                        && self.others_hold_slots(0) =>
+                {
+                    self.metrics.pool_full_waits.inc();
+                    return Ok(Started::PoolFull);
+                }
+                r => self.status_slot(r, status_addr)?,
+            };
         let (st, written) = match walked
             .map_err(BlockError::from)
             .and_then(|()| self.plan(mem, chain))
@@ -482,7 +483,7 @@ impl RequestCtx<'_> {
         let worker = self.worker;
         let mapped = &mut *self.mapped;
         let r = for_each_piece(segs, start, len, self.max_map as u64, |addr, n| {
-            mapped.push(dma.map(mem, addr, n, dir, worker)?);
+            mapped.push(dma.map_checked(mem, addr, n, dir, worker)?);
             Ok::<(), BlockError>(())
         });
         if r.is_err() {
