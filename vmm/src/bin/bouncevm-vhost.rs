@@ -229,7 +229,7 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 cache: a.cache,
                 ..BlockConfig::default()
             };
-            let bounce = c.bounce.clone().unwrap_or_default();
+            let bounce = c.bounce.clone().unwrap_or_else(BounceOptions::off);
             let built = builder::block(&a.file, format, a.readonly, config, &bounce)
                 .map_err(|e| format!("--file: {e}"))?;
             serve("bouncevm-vhost-blk", built, c, signals)
@@ -259,7 +259,7 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 access_platform: !c.no_access_platform,
                 shaper,
             };
-            let bounce = c.bounce.clone().unwrap_or_default();
+            let bounce = c.bounce.clone().unwrap_or_else(BounceOptions::off);
             let (built, _) = builder::net(Some(&a.tap), config, &bounce)
                 .map_err(|e| format!("--tap {}: {e}", a.tap))?;
             serve("bouncevm-vhost-net", built, c, signals)
