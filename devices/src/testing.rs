@@ -347,8 +347,8 @@ impl TestQueue {
 
     /// Puts `head` on the available ring and publishes the new index.
     pub fn publish(&mut self, ram: &GuestRam, head: u16) {
-        let slot = u64::from(self.avail_idx % self.size);
-        ram.write(self.avail + 4 + 2 * slot, &head.to_le_bytes());
+        let pos = u64::from(self.avail_idx % self.size);
+        ram.write(self.avail + 4 + 2 * pos, &head.to_le_bytes());
         self.avail_idx = self.avail_idx.wrapping_add(1);
         self.set_avail_idx(ram, self.avail_idx);
     }
@@ -400,8 +400,8 @@ impl TestQueue {
         let idx = self.used_idx(ram);
         let mut out = Vec::new();
         while self.last_used != idx {
-            let slot = u64::from(self.last_used % self.size);
-            let b = ram.read(self.used + 4 + 8 * slot, 8);
+            let pos = u64::from(self.last_used % self.size);
+            let b = ram.read(self.used + 4 + 8 * pos, 8);
             let id = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             let len = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
             if let Ok(h) = u16::try_from(id) {
@@ -577,10 +577,10 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
             return Err(WorkerError::UnexpectedEvent(event));
         };
         let idxs = worker.queue_indexes().to_vec();
-        let mut slots: Vec<Option<&mut Queue>> = self.queues.iter_mut().map(Some).collect();
+        let mut lent: Vec<Option<&mut Queue>> = self.queues.iter_mut().map(Some).collect();
         let mut qs: Vec<&mut Queue> = Vec::with_capacity(idxs.len());
         for &qi in &idxs {
-            match slots.get_mut(usize::from(qi)).and_then(Option::take) {
+            match lent.get_mut(usize::from(qi)).and_then(Option::take) {
                 Some(q) => qs.push(q),
                 None => {
                     return Err(WorkerError::Broken(format!(

@@ -1,10 +1,10 @@
 //! One job: one virtqueue driven by one thread, up to `iodepth` requests in flight,
 //! completions taken in whatever order the back end produces them.
 //!
-//! Each in-flight request owns a *slot*: a header, a status byte, an indirect table (when
-//! INDIRECT_DESC is negotiated) and a data buffer of `bs` bytes (4 KiB aligned, so a back end
-//! with O_DIRECT can use it as is). The head index names the slot (`slot` with indirect
-//! tables, `slot * descriptors` without), so a used entry is checked against the slots in
+//! Each in-flight request owns a *request index* (`req`): a header, a status byte, an
+//! indirect table (when INDIRECT_DESC is negotiated) and a data buffer of `bs` bytes (4 KiB aligned, so a back end
+//! with O_DIRECT can use it as is). The head index names the request (`req` with indirect
+//! tables, `req * descriptors` without), so a used entry is checked against the requests in
 //! flight: a head that is not in flight is a misbehaving back end.
 //!
 //! # Verification (`--verify`)
@@ -41,14 +41,14 @@ const PAGE: u64 = 4096;
 /// completed a request without a status.
 const STATUS_UNSET: u8 = 0xff;
 
-/// Where one job's queue, slots and buffers are in guest memory.
+/// Where one job's queue, request metadata and buffers are in guest memory.
 #[derive(Clone, Copy, Debug)]
 pub struct JobArea {
     /// Start (page aligned): the rings.
     pub base: u64,
-    /// Slot metadata: header, status, indirect table.
-    slots: u64,
-    slot_stride: u64,
+    /// Request metadata (per request index): header, status, indirect table.
+    reqs: u64,
+    req_stride: u64,
     /// Data buffers.
     data: u64,
     data_stride: u64,
@@ -71,13 +71,13 @@ impl JobArea {
 
     /// The area starting at `base` (page aligned).
     pub fn at(base: u64, queue_size: u16, iodepth: u16, bs: u32, segments: u32) -> Self {
-        let slots = base + RingLayout::bytes(queue_size);
-        let slot_stride = Self::meta_stride(segments);
-        let data = slots + (u64::from(iodepth) * slot_stride).next_multiple_of(PAGE);
+        let reqs = base + RingLayout::bytes(queue_size);
+        let req_stride = Self::meta_stride(segments);
+        let data = reqs + (u64::from(iodepth) * req_stride).next_multiple_of(PAGE);
         Self {
             base,
-            slots,
-            slot_stride,
+            reqs,
+            req_stride,
             data,
             data_stride: u64::from(bs).next_multiple_of(PAGE),
             // segments <= seg_max checked by the plan; + 2 fits u16 for any sane device.
@@ -85,17 +85,17 @@ impl JobArea {
         }
     }
 
-    fn header(&self, slot: u16) -> u64 {
-        self.slots + u64::from(slot) * self.slot_stride
+    fn header(&self, req: u16) -> u64 {
+        self.reqs + u64::from(req) * self.req_stride
     }
-    fn status(&self, slot: u16) -> u64 {
-        self.header(slot) + 16
+    fn status(&self, req: u16) -> u64 {
+        self.header(req) + 16
     }
-    fn table(&self, slot: u16) -> u64 {
-        self.header(slot) + 32
+    fn table(&self, req: u16) -> u64 {
+        self.header(req) + 32
     }
-    fn data(&self, slot: u16) -> u64 {
-        self.data + u64::from(slot) * self.data_stride
+    fn data(&self, req: u16) -> u64 {
+        self.data + u64::from(req) * self.data_stride
     }
 }
 
@@ -346,17 +346,17 @@ impl Job {
         self.id
     }
 
-    fn head(&self, slot: u16) -> u16 {
+    fn head(&self, req: u16) -> u16 {
         if self.indirect {
-            slot
+            req
         } else {
-            slot * self.area.descs_per_req
+            req * self.area.descs_per_req
         }
     }
 
-    fn slot_of(&self, id: u32) -> Option<u16> {
+    fn req_of(&self, id: u32) -> Option<u16> {
         let id = u16::try_from(id).ok()?;
-        let slot = if self.indirect {
+        let req = if self.indirect {
             id
         } else {
             if id % self.area.descs_per_req != 0 {
@@ -364,15 +364,15 @@ impl Job {
             }
             id / self.area.descs_per_req
         };
-        (slot < self.iodepth).then_some(slot)
+        (req < self.iodepth).then_some(req)
     }
 
     fn mem_err(e: impl std::fmt::Display) -> Error {
         Error::Memory(e.to_string())
     }
 
-    /// Writes the request of `slot` and puts it on the available ring.
-    fn submit(&mut self, slot: u16, op: Op, block: u64, gen: u32) -> Result<()> {
+    /// Writes the request of `req` and puts it on the available ring.
+    fn submit(&mut self, req: u16, op: Op, block: u64, gen: u32) -> Result<()> {
         let offset = self.start + block * u64::from(self.bs);
         let mut hdr = [0u8; REQ_HEADER_LEN];
         let t = match op {
@@ -382,22 +382,22 @@ impl Job {
         hdr[0..4].copy_from_slice(&t.to_le_bytes());
         hdr[8..16].copy_from_slice(&(offset / SECTOR_SIZE).to_le_bytes());
         let mem = &self.mem;
-        mem.write_slice(&hdr, GuestAddress(self.area.header(slot)))
+        mem.write_slice(&hdr, GuestAddress(self.area.header(req)))
             .map_err(Self::mem_err)?;
-        mem.write_obj(STATUS_UNSET, GuestAddress(self.area.status(slot)))
+        mem.write_obj(STATUS_UNSET, GuestAddress(self.area.status(req)))
             .map_err(Self::mem_err)?;
         if op == Op::Write && self.gens.is_some() {
             self.pattern.fill(&mut self.scratch, offset, gen);
-            mem.write_slice(&self.scratch, GuestAddress(self.area.data(slot)))
+            mem.write_slice(&self.scratch, GuestAddress(self.area.data(req)))
                 .map_err(Self::mem_err)?;
         }
         // Descriptors: header, data segments, status.
         let data_flags = if op == Op::Read { DESC_F_WRITE } else { 0 };
         let n = self.area.descs_per_req;
         let (table, first) = if self.indirect {
-            (self.area.table(slot), 0)
+            (self.area.table(req), 0)
         } else {
-            (self.ring.layout().desc, self.head(slot))
+            (self.ring.layout().desc, self.head(req))
         };
         let put = |i: u16, addr: u64, len: u32, flags: u16| {
             let last = i + 1 == n;
@@ -413,17 +413,17 @@ impl Job {
             )
         };
         let map = |e: super::ring::RingError| Error::Memory(e.to_string());
-        put(0, self.area.header(slot), REQ_HEADER_LEN as u32, 0).map_err(map)?;
+        put(0, self.area.header(req), REQ_HEADER_LEN as u32, 0).map_err(map)?;
         let mut done = 0u32;
         let mut i = 1;
         while done < self.bs {
             let len = self.segment.min(self.bs - done);
-            put(i, self.area.data(slot) + u64::from(done), len, data_flags).map_err(map)?;
+            put(i, self.area.data(req) + u64::from(done), len, data_flags).map_err(map)?;
             done += len;
             i += 1;
         }
-        put(i, self.area.status(slot), 1, DESC_F_WRITE).map_err(map)?;
-        let head = self.head(slot);
+        put(i, self.area.status(req), 1, DESC_F_WRITE).map_err(map)?;
+        let head = self.head(req);
         if self.indirect {
             self.ring
                 .write_desc(
@@ -444,7 +444,7 @@ impl Job {
         {
             *b = true;
         }
-        self.inflight[usize::from(slot)] = Some(InFlight {
+        self.inflight[usize::from(req)] = Some(InFlight {
             op,
             block,
             gen,
@@ -495,7 +495,7 @@ impl Job {
             }
             if self.in_flight == 0 {
                 if !phase_done {
-                    // Nothing in flight means every slot is free and no block is busy, so
+                    // Nothing in flight means every request index is free and no block is busy, so
                     // the phase either issued something or is over: this cannot happen.
                     return Err(Error::Misbehaved(format!(
                         "job {}: internal error: idle with nothing to issue",
@@ -549,7 +549,7 @@ impl Job {
     fn submit_batch(&mut self, p: &mut Progress, verify: bool) -> Result<bool> {
         let mut pushed = false;
         let mut phase_done = false;
-        while let Some(&slot) = self.free.last() {
+        while let Some(&req) = self.free.last() {
             let next = match p.phase {
                 Phase::Prefill | Phase::ReadBack => self.next_sequential(p),
                 Phase::Main => self.next_main(&mut p.cursor, p.issued, p.deadline),
@@ -564,7 +564,7 @@ impl Job {
                         _ => self.gen_of(block),
                     };
                     self.free.pop();
-                    self.submit(slot, op, block, gen)?;
+                    self.submit(req, op, block, gen)?;
                     if p.phase == Phase::Main {
                         p.issued += 1;
                     }
@@ -600,21 +600,21 @@ impl Job {
             .map_err(|e| Error::Misbehaved(e.to_string()))?
         {
             reaped += 1;
-            let slot = self.slot_of(u.id).ok_or_else(|| {
+            let req = self.req_of(u.id).ok_or_else(|| {
                 Error::Misbehaved(format!(
                     "job {}: used entry names head {}, not a request head",
                     self.id, u.id
                 ))
             })?;
-            let f = self.inflight[usize::from(slot)].take().ok_or_else(|| {
+            let f = self.inflight[usize::from(req)].take().ok_or_else(|| {
                 Error::Misbehaved(format!(
                     "job {}: used entry for head {} which is not in flight",
                     self.id, u.id
                 ))
             })?;
             let now = Instant::now();
-            self.complete(slot, f)?;
-            self.free.push(slot);
+            self.complete(req, f)?;
+            self.free.push(req);
             self.in_flight -= 1;
             p.last_done = now;
             match p.phase {
@@ -674,11 +674,11 @@ impl Job {
     }
 
     /// Checks a completed request: status, data (reads, with verify), generation (writes).
-    fn complete(&mut self, slot: u16, f: InFlight) -> Result<()> {
+    fn complete(&mut self, req: u16, f: InFlight) -> Result<()> {
         let offset = self.start + f.block * u64::from(self.bs);
         let st: u8 = self
             .mem
-            .read_obj(GuestAddress(self.area.status(slot)))
+            .read_obj(GuestAddress(self.area.status(req)))
             .map_err(Self::mem_err)?;
         if let Some(b) = self
             .busy
@@ -715,7 +715,7 @@ impl Job {
             Op::Read => {
                 if f.gen != 0 {
                     self.mem
-                        .read_slice(&mut self.scratch, GuestAddress(self.area.data(slot)))
+                        .read_slice(&mut self.scratch, GuestAddress(self.area.data(req)))
                         .map_err(Self::mem_err)?;
                     self.pattern
                         .check(&self.scratch, offset, f.gen, &mut self.expect)

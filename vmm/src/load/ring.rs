@@ -190,8 +190,8 @@ impl SplitRing {
     /// # Errors
     /// On a memory error.
     pub fn push(&mut self, head: u16) -> Result<()> {
-        let slot = u64::from(self.avail_idx.0 % self.layout.size);
-        let at = self.layout.avail + 4 + 2 * slot;
+        let pos = u64::from(self.avail_idx.0 % self.layout.size);
+        let at = self.layout.avail + 4 + 2 * pos;
         self.mem
             .write_obj(head, GuestAddress(at))
             .map_err(Self::mem_err(at))?;
@@ -261,8 +261,8 @@ impl SplitRing {
         if self.used_idx()? == self.last_used {
             return Ok(None);
         }
-        let slot = u64::from(self.last_used.0 % self.layout.size);
-        let at = self.layout.used + 4 + 8 * slot;
+        let pos = u64::from(self.last_used.0 % self.layout.size);
+        let at = self.layout.used + 4 + 8 * pos;
         // The Acquire load of the index orders these reads after it.
         let id: u32 = self
             .mem
