@@ -14,7 +14,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm::boot::regs::EntryState;
 use vmm::exit::ExitReason;
 use vmm::layout::{PCI_ECAM_START, PCI_MMIO32_START};
-use vmm::pci::{BarKind, BarReprogram, PciBar, PciConfiguration, PciDevice, PciHeader};
+use vmm::pci::{BarKind, PciBar, PciConfiguration, PciDevice, PciHeader};
 use vmm::{Machine, MachineConfig};
 
 const MEM: u64 = 4 << 20;
@@ -128,19 +128,11 @@ struct BarFunction {
 }
 
 impl PciDevice for BarFunction {
-    fn read_config_register(&mut self, reg: usize) -> u32 {
-        self.config.read_reg(reg)
+    fn config(&self) -> &PciConfiguration {
+        &self.config
     }
-    fn write_config_register(
-        &mut self,
-        reg: usize,
-        offset: u64,
-        data: &[u8],
-    ) -> Option<BarReprogram> {
-        self.config.write_reg(reg, offset, data)
-    }
-    fn bars(&self) -> Vec<PciBar> {
-        self.config.bars()
+    fn config_mut(&mut self) -> &mut PciConfiguration {
+        &mut self.config
     }
     fn read_bar(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
         let v = (0xb000_0000 | offset as u32).to_le_bytes();

@@ -476,8 +476,12 @@ impl VirtioPciDevice {
 }
 
 impl PciDevice for VirtioPciDevice {
-    fn read_config_register(&mut self, reg: usize) -> u32 {
-        self.config.read_reg(reg)
+    fn config(&self) -> &PciConfiguration {
+        &self.config
+    }
+
+    fn config_mut(&mut self) -> &mut PciConfiguration {
+        &mut self.config
     }
 
     fn write_config_register(
@@ -494,10 +498,6 @@ impl PciDevice for VirtioPciDevice {
             self.bar_moved(m);
         }
         moved
-    }
-
-    fn bars(&self) -> Vec<PciBar> {
-        self.config.bars()
     }
 
     fn read_bar(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
