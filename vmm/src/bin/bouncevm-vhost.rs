@@ -276,20 +276,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match vmm::parse_args("bouncevm-vhost", " (see --help)") {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            // --help, --version
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!(
-                "bouncevm-vhost: error: {} (see --help)",
-                vmm::clap_error_line(&e)
-            );
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     vmm::init_logging("info");
     match run(cli, signals) {
