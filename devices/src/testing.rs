@@ -623,29 +623,45 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
                 "queue {q}: {} of {n} completions",
                 used.len()
             );
-            let fds = self.worker_fds(w);
-            let mut p: Vec<libc::pollfd> = fds
-                .iter()
-                .map(|&(fd, _)| libc::pollfd {
-                    fd,
-                    events: libc::POLLIN,
-                    revents: 0,
-                })
-                .collect();
             let ms = libc::c_int::try_from(left.as_millis().min(1000)).unwrap_or(1000);
-            // SAFETY: `p` is a valid, exclusively borrowed array of `p.len()` pollfds.
-            let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, ms) };
-            assert!(r >= 0, "poll: {}", std::io::Error::last_os_error());
-            for (i, pfd) in p.iter().enumerate() {
-                if pfd.revents & libc::POLLIN != 0 {
-                    if let Err(e) = self.fd_event(w, fds[i].1) {
-                        panic!("worker {w}: {e}");
-                    }
-                }
+            if let Err(e) = self.poll_worker(w, ms) {
+                panic!("worker {w}: {e}");
             }
             used.extend(self.reap(q));
         }
         used
+    }
+
+    /// Waits up to `timeout_ms` for worker `w`'s own fds (an I/O engine's completions,
+    /// timers) and runs the worker on each that became readable, as a transport's event loop
+    /// would. Returns how many did.
+    ///
+    /// # Errors
+    /// The worker's error for one of the events.
+    ///
+    /// # Panics
+    /// When `poll` itself fails.
+    pub fn poll_worker(&mut self, w: usize, timeout_ms: libc::c_int) -> Result<usize, WorkerError> {
+        let fds = self.worker_fds(w);
+        let mut p: Vec<libc::pollfd> = fds
+            .iter()
+            .map(|&(fd, _)| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `p` is a valid, exclusively borrowed array of `p.len()` pollfds.
+        let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
+        assert!(r >= 0, "poll: {}", std::io::Error::last_os_error());
+        let mut fired = 0;
+        for (i, pfd) in p.iter().enumerate() {
+            if pfd.revents & libc::POLLIN != 0 {
+                fired += 1;
+                self.fd_event(w, fds[i].1)?;
+            }
+        }
+        Ok(fired)
     }
 
     /// Reads `len` bytes of configuration space at `offset`.
