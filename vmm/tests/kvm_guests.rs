@@ -41,17 +41,7 @@ const HANDLER: u64 = 0x1800;
 /// Installs `handler` for `vector`: a 32-bit interrupt gate to [`HANDLER`] in the code
 /// segment (0x08) at its place in the IDT, the IDTR image at [`IDTR`], the code at [`HANDLER`].
 fn interrupt_handler(m: &Machine, vector: u64, handler: &Asm) {
-    let mut gate = Vec::new();
-    gate.extend((HANDLER as u16).to_le_bytes());
-    gate.extend(0x08u16.to_le_bytes());
-    gate.extend([0, 0x8e]);
-    gate.extend(((HANDLER >> 16) as u16).to_le_bytes());
-    m.memory()
-        .write_slice(&gate, GuestAddress(IDT + 8 * vector))
-        .unwrap();
-    let mut idtr = 0x7ffu16.to_le_bytes().to_vec();
-    idtr.extend((IDT as u32).to_le_bytes());
-    m.memory().write_slice(&idtr, GuestAddress(IDTR)).unwrap();
+    idt_gate(m, IDT, IDTR, HANDLER, vector);
     load(m, HANDLER, handler);
 }
 
