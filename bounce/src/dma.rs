@@ -154,6 +154,14 @@ pub struct Dma {
     params: DeviceDmaParams,
 }
 
+/// Who checks a guest range against guest memory on a map: [`Dma`] itself, or the caller
+/// already did (a chain walker).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RangeCheck {
+    Here,
+    Done,
+}
+
 impl Dma {
     /// Direct access, no pool.
     pub fn direct() -> Self {
@@ -210,7 +218,9 @@ impl Dma {
 
     /// Maps guest buffer `gpa..gpa + len` for a transfer in `dir` on behalf of `worker`.
     ///
-    /// The whole guest range is checked first (readable, and writable when the device writes).
+    /// The whole guest range is checked first (readable, and writable when the device writes):
+    /// the one check of the range on this path (a bounced map does not check it again in
+    /// [`BouncePool::map`]).
     ///
     /// # Errors
     /// [`Error::ZeroLength`], [`Error::OrigAccess`] (not guest memory), and every error of
@@ -223,6 +233,37 @@ impl Dma {
         dir: Direction,
         worker: usize,
     ) -> Result<DmaBuffer> {
+        self.map_range(mem, gpa, len, dir, worker, RangeCheck::Here)
+    }
+
+    /// As [`Dma::map`] for a range the caller has already checked against guest memory with
+    /// the direction's permission (the buffers of a walked descriptor chain: the walker's
+    /// check is the request's one check of each guest range). Nothing is checked again; a
+    /// range that is not guest memory after all still fails safely, with
+    /// [`Error::OrigAccess`] from the copy (bounced) or the transfer (direct).
+    ///
+    /// # Errors
+    /// As [`Dma::map`].
+    pub fn map_checked<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        len: usize,
+        dir: Direction,
+        worker: usize,
+    ) -> Result<DmaBuffer> {
+        self.map_range(mem, gpa, len, dir, worker, RangeCheck::Done)
+    }
+
+    fn map_range<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        len: usize,
+        dir: Direction,
+        worker: usize,
+        check: RangeCheck,
+    ) -> Result<DmaBuffer> {
         if len == 0 {
             return Err(Error::ZeroLength);
         }
@@ -231,7 +272,7 @@ impl Dma {
         } else {
             Permissions::Read
         };
-        if !mem.check_range(GuestAddress(gpa), len, perm) {
+        if check == RangeCheck::Here && !mem.check_range(GuestAddress(gpa), len, perm) {
             return Err(Error::OrigAccess { addr: gpa, len });
         }
         let bounce = match &self.pool {
@@ -246,7 +287,8 @@ impl Dma {
                     seg_boundary_mask: self.params.seg_boundary_mask,
                     worker,
                 };
-                Some(pool.map(mem, &req)?)
+                // The range was checked above or by the caller: the pool does not again.
+                Some(pool.map_checked(mem, &req)?)
             }
             _ => None,
         };
@@ -289,10 +331,21 @@ impl Dma {
         dst: &mut [u8],
         worker: usize,
     ) -> Result<()> {
-        let buf = self.map(mem, gpa, dst.len(), Direction::ToDevice, worker)?;
-        let read = self.read(mem, &buf, 0, dst);
-        let unmapped = self.unmap(mem, buf, worker);
-        read.and(unmapped)
+        self.small_read(mem, gpa, dst, worker, RangeCheck::Here)
+    }
+
+    /// As [`Dma::read_guest`] for a range the caller has checked ([`Dma::map_checked`]).
+    ///
+    /// # Errors
+    /// As [`Dma::read_guest`].
+    pub fn read_guest_checked<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        dst: &mut [u8],
+        worker: usize,
+    ) -> Result<()> {
+        self.small_read(mem, gpa, dst, worker, RangeCheck::Done)
     }
 
     /// A small device write of `src` to guest address `gpa` (a status byte, an ack, an id
@@ -307,7 +360,46 @@ impl Dma {
         src: &[u8],
         worker: usize,
     ) -> Result<()> {
-        let buf = self.map(mem, gpa, src.len(), Direction::FromDevice, worker)?;
+        self.small_write(mem, gpa, src, worker, RangeCheck::Here)
+    }
+
+    /// As [`Dma::write_guest`] for a range the caller has checked ([`Dma::map_checked`]).
+    ///
+    /// # Errors
+    /// As [`Dma::read_guest`].
+    pub fn write_guest_checked<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        src: &[u8],
+        worker: usize,
+    ) -> Result<()> {
+        self.small_write(mem, gpa, src, worker, RangeCheck::Done)
+    }
+
+    fn small_read<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        dst: &mut [u8],
+        worker: usize,
+        check: RangeCheck,
+    ) -> Result<()> {
+        let buf = self.map_range(mem, gpa, dst.len(), Direction::ToDevice, worker, check)?;
+        let read = self.read(mem, &buf, 0, dst);
+        let unmapped = self.unmap(mem, buf, worker);
+        read.and(unmapped)
+    }
+
+    fn small_write<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        gpa: u64,
+        src: &[u8],
+        worker: usize,
+        check: RangeCheck,
+    ) -> Result<()> {
+        let buf = self.map_range(mem, gpa, src.len(), Direction::FromDevice, worker, check)?;
         let wrote = self.write(mem, &buf, 0, src);
         let unmapped = self.unmap(mem, buf, worker);
         wrote.and(unmapped)
@@ -643,6 +735,45 @@ mod tests {
         assert!(m32.needs_bounce(0x1_0000_0000, 1));
         assert!(!Policy::Mask(64).needs_bounce(u64::MAX, 1));
         assert_eq!(Policy::Mask(40).to_string(), "mask=40");
+    }
+
+    #[test]
+    fn map_checks_the_range_once_and_map_checked_still_fails_safely() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(64)).unwrap());
+        let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
+        let outside = 0x10_0000 - 8;
+        // `map` refuses a range that leaves guest memory, before the pool is asked.
+        assert!(matches!(
+            dma.map(&mem, outside, 16, Direction::ToDevice, 0),
+            Err(Error::OrigAccess { addr, len: 16 }) if addr == outside
+        ));
+        assert_eq!(pool.stats().map_failures, 0);
+        // A caller that claims to have checked and did not: the copy-in fails, the slots are
+        // given back.
+        assert!(matches!(
+            dma.map_checked(&mem, outside, 16, Direction::ToDevice, 0),
+            Err(Error::OrigAccess { .. })
+        ));
+        assert!(matches!(
+            dma.read_guest_checked(&mem, outside, &mut [0u8; 16], 0),
+            Err(Error::OrigAccess { .. })
+        ));
+        // Direct (no pool): the transfer fails instead.
+        let direct = Dma::direct();
+        let b = direct
+            .map_checked(&mem, outside, 16, Direction::FromDevice, 0)
+            .unwrap();
+        assert!(matches!(
+            direct.write(&mem, &b, 0, &[1; 16]),
+            Err(Error::OrigAccess { .. })
+        ));
+        assert_eq!(pool.stats().used, 0, "no slot leaked");
+        // Checked ranges inside memory work as with `map`.
+        dma.write_guest_checked(&mem, 0x1000, &[7; 4], 0).unwrap();
+        let mut got = [0u8; 4];
+        dma.read_guest_checked(&mem, 0x1000, &mut got, 0).unwrap();
+        assert_eq!(got, [7; 4]);
     }
 
     #[test]

@@ -252,16 +252,43 @@ impl BouncePool {
     /// form `2^k - 1`), [`Error::TooLarge`], [`Error::OrigAccess`] (the original range is not
     /// accessible), [`Error::PoolFull`] (logged, rate-limited, unless `no_warn`).
     pub fn map<M: OrigMemory + ?Sized>(&self, mem: &M, req: &MapRequest) -> Result<Mapping> {
+        self.map_timed(mem, req, true)
+    }
+
+    /// As [`BouncePool::map`] for [`crate::Dma`], which has checked the original range
+    /// already (the path's one check): the range is not checked again. An original that is
+    /// not accessible after all still fails the copy with [`Error::OrigAccess`] and releases
+    /// the slots.
+    pub(crate) fn map_checked<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        req: &MapRequest,
+    ) -> Result<Mapping> {
+        self.map_timed(mem, req, false)
+    }
+
+    fn map_timed<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        req: &MapRequest,
+        check_orig: bool,
+    ) -> Result<Mapping> {
         let t0 = self.timing.start();
-        let r = self.map_untimed(mem, req);
+        let r = self.map_untimed(mem, req, check_orig);
         self.timing.record(TimedOp::Map, req.dir, t0);
         r
     }
 
-    fn map_untimed<M: OrigMemory + ?Sized>(&self, mem: &M, req: &MapRequest) -> Result<Mapping> {
+    fn map_untimed<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        req: &MapRequest,
+        check_orig: bool,
+    ) -> Result<Mapping> {
         let layout = self.layout(req)?;
-        // Validate the whole original range before anything is allocated or copied.
-        if !mem.check(req.orig, req.size, req.dir.device_writes()) {
+        // Validate the whole original range before anything is allocated or copied (unless
+        // the caller did).
+        if check_orig && !mem.check(req.orig, req.size, req.dir.device_writes()) {
             return Err(Error::OrigAccess {
                 addr: req.orig,
                 len: req.size,

@@ -84,7 +84,6 @@ impl Rig {
             self.post(s);
         }
         self.drv.kick(0).unwrap();
-        let fds = self.drv.worker_fds(0);
         let start = Instant::now();
         let until = start + Duration::from_secs_f64(secs);
         let mut done = 0u64;
@@ -114,23 +113,8 @@ impl Rig {
                 // Progress: look at the ring again before sleeping on the engine's fd.
                 continue;
             }
-            let mut p: Vec<libc::pollfd> = fds
-                .iter()
-                .map(|&(fd, _)| libc::pollfd {
-                    fd,
-                    events: libc::POLLIN,
-                    revents: 0,
-                })
-                .collect();
-            // SAFETY: a valid pollfd array for the call.
-            #[allow(clippy::undocumented_unsafe_blocks)]
-            let n = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, 5000) };
+            let n = self.drv.poll_worker(0, 5000).unwrap();
             assert!(n > 0, "no completion within 5 s");
-            for (i, pfd) in p.iter().enumerate() {
-                if pfd.revents & libc::POLLIN != 0 {
-                    self.drv.fd_event(0, fds[i].1).unwrap();
-                }
-            }
         }
         done as f64 / start.elapsed().as_secs_f64()
     }

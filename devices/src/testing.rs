@@ -57,6 +57,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::virtio::dispatch::{Dispatcher, Outcome};
+use crate::virtio::ring;
 use crate::virtio::{features, ActivateError, Signal, VirtioDevice, WorkerError, WorkerEvent};
 
 /// Descriptor flag: the chain continues at `next`.
@@ -176,39 +177,10 @@ impl Buf {
     }
 }
 
-/// A raw split-ring descriptor, written as is.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RawDesc {
-    /// Buffer address.
-    pub addr: u64,
-    /// Buffer length.
-    pub len: u32,
-    /// `VRING_DESC_F_*` flags.
-    pub flags: u16,
-    /// Next descriptor index.
-    pub next: u16,
-}
-
-impl RawDesc {
-    /// The 16 bytes of the descriptor as the ring holds them.
-    pub fn to_bytes(&self) -> [u8; 16] {
-        let mut b = [0u8; 16];
-        b[0..8].copy_from_slice(&self.addr.to_le_bytes());
-        b[8..12].copy_from_slice(&self.len.to_le_bytes());
-        b[12..14].copy_from_slice(&self.flags.to_le_bytes());
-        b[14..16].copy_from_slice(&self.next.to_le_bytes());
-        b
-    }
-}
-
+/// A raw split-ring descriptor, written as is (the layout is [`crate::virtio::ring`]'s).
+pub use crate::virtio::ring::Desc as RawDesc;
 /// A used-ring entry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Used {
-    /// The head of the completed chain.
-    pub id: u32,
-    /// Bytes the device wrote.
-    pub len: u32,
-}
+pub use crate::virtio::ring::Used;
 
 /// The driver side of one split virtqueue.
 #[derive(Debug)]
@@ -230,10 +202,9 @@ pub struct TestQueue {
 impl TestQueue {
     /// Lays out a queue of `size` (a power of two) in `ram`.
     pub fn new(ram: &mut GuestRam, size: u16) -> Self {
-        let n = u64::from(size);
-        let desc = ram.alloc(16 * n, 16);
-        let avail = ram.alloc(6 + 2 * n, 2);
-        let used = ram.alloc(6 + 8 * n, 4);
+        let desc = ram.alloc(ring::desc_table_bytes(size), 16);
+        let avail = ram.alloc(ring::avail_ring_bytes(size), 2);
+        let used = ram.alloc(ring::used_ring_bytes(size), 4);
         Self {
             size,
             desc,
@@ -347,8 +318,8 @@ impl TestQueue {
 
     /// Puts `head` on the available ring and publishes the new index.
     pub fn publish(&mut self, ram: &GuestRam, head: u16) {
-        let slot = u64::from(self.avail_idx % self.size);
-        ram.write(self.avail + 4 + 2 * slot, &head.to_le_bytes());
+        let at = self.avail + ring::avail_entry(self.size, self.avail_idx);
+        ram.write(at, &head.to_le_bytes());
         self.avail_idx = self.avail_idx.wrapping_add(1);
         self.set_avail_idx(ram, self.avail_idx);
     }
@@ -368,8 +339,7 @@ impl TestQueue {
     /// Sets `used_event` (the last word of the available ring): with EVENT_IDX the device
     /// notifies when its used index passes this value.
     pub fn set_used_event(&self, ram: &GuestRam, v: u16) {
-        let off = 4 + 2 * u64::from(self.size);
-        ram.write(self.avail + off, &v.to_le_bytes());
+        ram.write(self.avail + ring::used_event(self.size), &v.to_le_bytes());
     }
 
     /// Sets or clears VRING_AVAIL_F_NO_INTERRUPT.
@@ -381,8 +351,7 @@ impl TestQueue {
     /// `avail_event` (the last word of the used ring): with EVENT_IDX the driver kicks when
     /// its available index passes this value.
     pub fn avail_event(&self, ram: &GuestRam) -> u16 {
-        let off = 4 + 8 * u64::from(self.size);
-        let b = ram.read(self.used + off, 2);
+        let b = ram.read(self.used + ring::avail_event(self.size), 2);
         u16::from_le_bytes([b[0], b[1]])
     }
 
@@ -400,8 +369,7 @@ impl TestQueue {
         let idx = self.used_idx(ram);
         let mut out = Vec::new();
         while self.last_used != idx {
-            let slot = u64::from(self.last_used % self.size);
-            let b = ram.read(self.used + 4 + 8 * slot, 8);
+            let b = ram.read(self.used + ring::used_entry(self.size, self.last_used), 8);
             let id = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             let len = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
             if let Ok(h) = u16::try_from(id) {
@@ -577,10 +545,10 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
             return Err(WorkerError::UnexpectedEvent(event));
         };
         let idxs = worker.queue_indexes().to_vec();
-        let mut slots: Vec<Option<&mut Queue>> = self.queues.iter_mut().map(Some).collect();
+        let mut lent: Vec<Option<&mut Queue>> = self.queues.iter_mut().map(Some).collect();
         let mut qs: Vec<&mut Queue> = Vec::with_capacity(idxs.len());
         for &qi in &idxs {
-            match slots.get_mut(usize::from(qi)).and_then(Option::take) {
+            match lent.get_mut(usize::from(qi)).and_then(Option::take) {
                 Some(q) => qs.push(q),
                 None => {
                     return Err(WorkerError::Broken(format!(
@@ -655,29 +623,45 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
                 "queue {q}: {} of {n} completions",
                 used.len()
             );
-            let fds = self.worker_fds(w);
-            let mut p: Vec<libc::pollfd> = fds
-                .iter()
-                .map(|&(fd, _)| libc::pollfd {
-                    fd,
-                    events: libc::POLLIN,
-                    revents: 0,
-                })
-                .collect();
             let ms = libc::c_int::try_from(left.as_millis().min(1000)).unwrap_or(1000);
-            // SAFETY: `p` is a valid, exclusively borrowed array of `p.len()` pollfds.
-            let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, ms) };
-            assert!(r >= 0, "poll: {}", std::io::Error::last_os_error());
-            for (i, pfd) in p.iter().enumerate() {
-                if pfd.revents & libc::POLLIN != 0 {
-                    if let Err(e) = self.fd_event(w, fds[i].1) {
-                        panic!("worker {w}: {e}");
-                    }
-                }
+            if let Err(e) = self.poll_worker(w, ms) {
+                panic!("worker {w}: {e}");
             }
             used.extend(self.reap(q));
         }
         used
+    }
+
+    /// Waits up to `timeout_ms` for worker `w`'s own fds (an I/O engine's completions,
+    /// timers) and runs the worker on each that became readable, as a transport's event loop
+    /// would. Returns how many did.
+    ///
+    /// # Errors
+    /// The worker's error for one of the events.
+    ///
+    /// # Panics
+    /// When `poll` itself fails.
+    pub fn poll_worker(&mut self, w: usize, timeout_ms: libc::c_int) -> Result<usize, WorkerError> {
+        let fds = self.worker_fds(w);
+        let mut p: Vec<libc::pollfd> = fds
+            .iter()
+            .map(|&(fd, _)| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `p` is a valid, exclusively borrowed array of `p.len()` pollfds.
+        let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
+        assert!(r >= 0, "poll: {}", std::io::Error::last_os_error());
+        let mut fired = 0;
+        for (i, pfd) in p.iter().enumerate() {
+            if pfd.revents & libc::POLLIN != 0 {
+                fired += 1;
+                self.fd_event(w, fds[i].1)?;
+            }
+        }
+        Ok(fired)
     }
 
     /// Reads `len` bytes of configuration space at `offset`.

@@ -553,6 +553,11 @@ fn flush_reaches_the_file() {
     }
 }
 
+/// The status of a one-payload request of type `t` on queue 0 in the simple layout.
+fn simple_status<D: Disk>(blk: &mut Blk<D>, t: u32, payload: &[u8]) -> u8 {
+    blk.request(0, t, 0, payload, 0, Layout::Simple).status
+}
+
 #[test]
 fn discard_and_write_zeroes_raw() {
     let dir = tempfile::tempdir().unwrap();
@@ -607,69 +612,38 @@ fn discard_and_write_zeroes_raw() {
         assert_eq!(std::fs::metadata(&path).unwrap().len(), DISK, "size kept");
         // The unmap flag on a discard, or reserved flags, are UNSUPP.
         assert_eq!(
-            blk.request(
-                0,
-                req_type::DISCARD,
-                0,
-                &discard_seg(0, 1, 1),
-                0,
-                Layout::Simple
-            )
-            .status,
+            simple_status(&mut blk, req_type::DISCARD, &discard_seg(0, 1, 1)),
             status::UNSUPP
         );
         assert_eq!(
-            blk.request(
-                0,
-                req_type::WRITE_ZEROES,
-                0,
-                &discard_seg(0, 1, 2),
-                0,
-                Layout::Simple
-            )
-            .status,
+            simple_status(&mut blk, req_type::WRITE_ZEROES, &discard_seg(0, 1, 2)),
             status::UNSUPP
         );
         // Past the end, too many segments, a ragged payload: IOERR.
         let cap = DISK / 512;
         assert_eq!(
-            blk.request(
-                0,
-                req_type::DISCARD,
-                0,
-                &discard_seg(cap - 1, 2, 0),
-                0,
-                Layout::Simple
-            )
-            .status,
+            simple_status(&mut blk, req_type::DISCARD, &discard_seg(cap - 1, 2, 0)),
             status::IOERR
         );
         assert_eq!(
-            blk.request(
-                0,
+            simple_status(
+                &mut blk,
                 req_type::WRITE_ZEROES,
-                0,
-                &discard_seg(u64::MAX, 2, 0),
-                0,
-                Layout::Simple
-            )
-            .status,
+                &discard_seg(u64::MAX, 2, 0)
+            ),
             status::IOERR
         );
         let many: Vec<u8> = (0..17).flat_map(|i| discard_seg(i * 8, 8, 0)).collect();
         assert_eq!(
-            blk.request(0, req_type::DISCARD, 0, &many, 0, Layout::Simple)
-                .status,
+            simple_status(&mut blk, req_type::DISCARD, &many),
             status::IOERR
         );
         assert_eq!(
-            blk.request(0, req_type::DISCARD, 0, &[0u8; 10], 0, Layout::Simple)
-                .status,
+            simple_status(&mut blk, req_type::DISCARD, &[0u8; 10]),
             status::IOERR
         );
         assert_eq!(
-            blk.request(0, req_type::DISCARD, 0, &[], 0, Layout::Simple)
-                .status,
+            simple_status(&mut blk, req_type::DISCARD, &[]),
             status::IOERR
         );
         assert_eq!(blk.metric("reqs_discard"), 6);

@@ -568,23 +568,8 @@ fn waiting_with_nothing_in_flight_retries_on_the_timer() {
     assert_eq!(status_of(&drv, r), 0xee);
     // Timer rounds pass without progress while the pool stays full.
     for _ in 0..3 {
-        let fds = drv.worker_fds(0);
-        let mut p: Vec<libc::pollfd> = fds
-            .iter()
-            .map(|&(fd, _)| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
-        #[allow(clippy::undocumented_unsafe_blocks)]
-        let n = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, 5000) };
+        let n = drv.poll_worker(0, 5000).unwrap();
         assert!(n > 0, "the retry timer never fired");
-        for (i, pfd) in p.iter().enumerate() {
-            if pfd.revents & libc::POLLIN != 0 {
-                drv.fd_event(0, fds[i].1).unwrap();
-            }
-        }
         assert!(drv.reap(0).is_empty());
     }
     dma.unmap(drv.ram.mem(), held, 1).unwrap();

@@ -248,7 +248,7 @@ impl Config {
             .find(|(d, _)| d == id)
             .map(|(_, o)| o.clone())
             .or_else(|| self.bounce_default.clone())
-            .unwrap_or_default()
+            .unwrap_or_else(BounceOptions::off)
     }
 
     /// The drive a device refers to.

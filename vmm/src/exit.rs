@@ -103,8 +103,8 @@ impl ExitHandle {
 
     /// Asks the VM to end. Returns `true` if this was the first request.
     pub fn request(&self, reason: ExitReason) -> bool {
-        let mut slot = self.inner.reason.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(first) = slot.as_ref() {
+        let mut first_reason = self.inner.reason.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(first) = first_reason.as_ref() {
             tracing::debug!(?reason, ?first, "exit already requested");
             return false;
         }
@@ -113,9 +113,9 @@ impl ExitHandle {
             ExitReason::Error(e) => tracing::error!(error = %e, "ending the VM on error"),
             r => tracing::info!(reason = ?r, "VM exit requested"),
         }
-        *slot = Some(reason);
+        *first_reason = Some(reason);
         self.inner.requested.store(true, Ordering::SeqCst);
-        drop(slot);
+        drop(first_reason);
         if let Err(e) = self.inner.evt.write(1) {
             // The flag is set, so polling vCPUs still stop; only a blocked waiter could miss it.
             tracing::error!(error = %e, "cannot signal the exit eventfd");

@@ -81,5 +81,23 @@ pub fn clap_error_line(e: &clap::Error) -> String {
     msg.strip_prefix("error: ").unwrap_or(&msg).to_string()
 }
 
+/// Parses a binary's command line with clap, as every `bouncevm*` binary with clap flags does:
+/// `--help`/`--version` print and exit 0; an error prints `NAME: error: <one line><hint>` and
+/// exits 2. `Err` is the exit code to return from `main`.
+pub fn parse_args<C: clap::Parser>(name: &str, hint: &str) -> Result<C, std::process::ExitCode> {
+    match C::try_parse() {
+        Ok(c) => Ok(c),
+        Err(e) if !e.use_stderr() => {
+            // --help, --version
+            let _ = e.print();
+            Err(std::process::ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            eprintln!("{name}: error: {}{hint}", clap_error_line(&e));
+            Err(std::process::ExitCode::from(2))
+        }
+    }
+}
+
 pub use exit::{ExitHandle, ExitReason};
 pub use machine::{Machine, MachineConfig, RunningMachine};

@@ -79,10 +79,12 @@ pub struct BounceOptions {
 }
 
 impl Default for BounceOptions {
-    /// Bouncing off.
+    /// What an option string that does not say otherwise means (as parsing `""`): every
+    /// buffer bounced (`policy=force`) through a swiotlb pool of the default size. No option
+    /// at all means no bouncing: [`BounceOptions::off`].
     fn default() -> Self {
         Self {
-            policy: Policy::Off,
+            policy: Policy::Force,
             mode: PoolMode::Swiotlb,
             slots: PoolConfig::DEFAULT_SLOTS,
             areas: None,
@@ -110,10 +112,7 @@ impl FromStr for BounceOptions {
     type Err = OptionsError;
 
     fn from_str(s: &str) -> Result<Self, OptionsError> {
-        let mut o = Self {
-            policy: Policy::Force,
-            ..Self::default()
-        };
+        let mut o = Self::default();
         let mut seen: Vec<&str> = Vec::new();
         for item in s.split(',').filter(|i| !i.is_empty()) {
             let (key, value) = item
@@ -165,6 +164,14 @@ impl FromStr for BounceOptions {
 }
 
 impl BounceOptions {
+    /// No bouncing: what a device gets when no bounce option names it.
+    pub fn off() -> Self {
+        Self {
+            policy: Policy::Off,
+            ..Self::default()
+        }
+    }
+
     /// The pool configuration, with `default_workers` when `workers` was not given.
     pub fn pool_config(&self, default_workers: usize) -> PoolConfig {
         let mut c = match self.mode {
@@ -248,6 +255,23 @@ mod tests {
         assert!(matches!(e("mode=dma"), OptionsError::BadValue { .. }));
         assert!(matches!(e("policy=mask=99"), OptionsError::BadValue { .. }));
         assert!(e("alloc=best").to_string().contains("areas-bitmap"));
+    }
+
+    #[test]
+    fn the_default_is_what_an_empty_option_string_means_and_no_option_is_off() {
+        let empty: BounceOptions = "".parse().unwrap();
+        assert_eq!(empty, BounceOptions::default());
+        assert_eq!(empty.policy, Policy::Force);
+        let sized: BounceOptions = "slots=1024".parse().unwrap();
+        assert_eq!(sized.policy, Policy::Force);
+        assert_eq!(BounceOptions::off().policy, Policy::Off);
+        assert_eq!(
+            BounceOptions {
+                policy: Policy::Force,
+                ..BounceOptions::off()
+            },
+            BounceOptions::default()
+        );
     }
 
     #[test]

@@ -50,9 +50,7 @@ fn one_line_error(args: &[&str], needle: &str) {
 #[test]
 fn unsupported_flags_and_properties_are_rejected_by_name() {
     let k = tmp("k", b"x");
-    let d = tmp("d.img", &[0u8; 4096]);
     let k = k.0.to_str().unwrap();
-    let file = format!("file={}", d.0.display());
     one_line_error(&["-foo"], "unsupported option -foo");
     // Usual QEMU flags with a meaning bouncevm does not have: refused naming the one
     // flag or property that differs.
@@ -76,6 +74,31 @@ fn unsupported_flags_and_properties_are_rejected_by_name() {
         &["-kernel", k, "-accel", "kvm,dirty-ring-size=4096"],
         "'dirty-ring-size' of -accel kvm",
     );
+    one_line_error(&["-kernel", k, "-serial", "pty"], "-serial");
+    one_line_error(&["-kernel", k, "-accel", "tcg"], "-accel");
+    one_line_error(&["-kernel", k, "-qmp", "tcp:localhost:4444,server"], "-qmp");
+    one_line_error(
+        &["-kernel", k, "-qmp", "unix:/tmp/x,server,telnet"],
+        "'telnet' of -qmp",
+    );
+    one_line_error(&["-kernel", k, "--socket-mode", "0999"], "-socket-mode");
+    one_line_error(&["-kernel", k, "-bounce", "policy=sometimes"], "-bounce");
+    one_line_error(
+        &["-kernel", k, "-bounce", "id=nodev,policy=force"],
+        "id=nodev",
+    );
+    one_line_error(&["-kernel", k, "-m", "lots"], "-m");
+    one_line_error(&["-kernel", k, "-smp", "0"], "-smp");
+    one_line_error(&["-kernel"], "option -kernel requires an argument");
+    one_line_error(&["-m", "64M"], "-kernel");
+}
+
+#[test]
+fn unsupported_drive_device_and_netdev_properties_are_rejected_by_name() {
+    let k = tmp("k-dev", b"x");
+    let d = tmp("d-dev.img", &[0u8; 4096]);
+    let k = k.0.to_str().unwrap();
+    let file = format!("file={}", d.0.display());
     one_line_error(
         &["-kernel", k, "-drive", &format!("{file},snapshot=on")],
         "unsupported property 'snapshot' of -drive",
@@ -157,23 +180,6 @@ fn unsupported_flags_and_properties_are_rejected_by_name() {
         &["-kernel", k, "-device", "virtio-blk-pci,drive=missing"],
         "drive 'missing'",
     );
-    one_line_error(&["-kernel", k, "-serial", "pty"], "-serial");
-    one_line_error(&["-kernel", k, "-accel", "tcg"], "-accel");
-    one_line_error(&["-kernel", k, "-qmp", "tcp:localhost:4444,server"], "-qmp");
-    one_line_error(
-        &["-kernel", k, "-qmp", "unix:/tmp/x,server,telnet"],
-        "'telnet' of -qmp",
-    );
-    one_line_error(&["-kernel", k, "--socket-mode", "0999"], "-socket-mode");
-    one_line_error(&["-kernel", k, "-bounce", "policy=sometimes"], "-bounce");
-    one_line_error(
-        &["-kernel", k, "-bounce", "id=nodev,policy=force"],
-        "id=nodev",
-    );
-    one_line_error(&["-kernel", k, "-m", "lots"], "-m");
-    one_line_error(&["-kernel", k, "-smp", "0"], "-smp");
-    one_line_error(&["-kernel"], "option -kernel requires an argument");
-    one_line_error(&["-m", "64M"], "-kernel");
 }
 
 #[test]

@@ -14,7 +14,7 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm::boot::regs::EntryState;
 use vmm::exit::ExitReason;
 use vmm::layout::{PCI_ECAM_START, PCI_MMIO32_START};
-use vmm::pci::{BarKind, BarReprogram, PciBar, PciConfiguration, PciDevice, PciHeader};
+use vmm::pci::{BarKind, PciBar, PciConfiguration, PciDevice, PciHeader};
 use vmm::{Machine, MachineConfig};
 
 const MEM: u64 = 4 << 20;
@@ -31,6 +31,18 @@ fn load(m: &Machine, addr: u64, code: &Asm) {
     m.memory()
         .write_slice(&code.code, GuestAddress(addr))
         .expect("load code");
+}
+
+/// Where the interrupt tests put their IDT, the IDTR image `lidt` loads, and the handler.
+const IDT: u64 = 0x3000;
+const IDTR: u64 = 0x2ff0;
+const HANDLER: u64 = 0x1800;
+
+/// Installs `handler` for `vector`: a 32-bit interrupt gate to [`HANDLER`] in the code
+/// segment (0x08) at its place in the IDT, the IDTR image at [`IDTR`], the code at [`HANDLER`].
+fn interrupt_handler(m: &Machine, vector: u64, handler: &Asm) {
+    idt_gate(m, IDT, IDTR, HANDLER, vector);
+    load(m, HANDLER, handler);
 }
 
 fn flat32(m: &Machine, vcpu: usize, eip: u64) {
@@ -128,19 +140,11 @@ struct BarFunction {
 }
 
 impl PciDevice for BarFunction {
-    fn read_config_register(&mut self, reg: usize) -> u32 {
-        self.config.read_reg(reg)
+    fn config(&self) -> &PciConfiguration {
+        &self.config
     }
-    fn write_config_register(
-        &mut self,
-        reg: usize,
-        offset: u64,
-        data: &[u8],
-    ) -> Option<BarReprogram> {
-        self.config.write_reg(reg, offset, data)
-    }
-    fn bars(&self) -> Vec<PciBar> {
-        self.config.bars()
+    fn config_mut(&mut self) -> &mut PciConfiguration {
+        &mut self.config
     }
     fn read_bar(&mut self, _bar: usize, offset: u64, data: &mut [u8]) {
         let v = (0xb000_0000 | offset as u32).to_le_bytes();
@@ -242,9 +246,6 @@ fn serial_interrupt_reaches_the_guest_through_irqfd() {
     if !kvm_available() {
         return;
     }
-    const IDT: u64 = 0x3000;
-    const IDTR: u64 = 0x2ff0;
-    const HANDLER: u64 = 0x1800;
     const VECTOR: u64 = 0x24;
     let mut m = machine(1);
     m.add_serial(SharedBuf::default()).unwrap();
@@ -254,24 +255,12 @@ fn serial_interrupt_reaches_the_guest_through_irqfd() {
     // Committing an MSI route replaces KVM's routing table: GSI 4 must still reach the PIC.
     let gsi = m.vm().allocate_msi_gsi().unwrap();
     m.vm().set_msi_route(gsi, 0xfee0_0000, 0x50).unwrap();
-    // IDT gate for VECTOR: 32-bit interrupt gate to HANDLER in the code segment (0x08).
-    let mut gate = Vec::new();
-    gate.extend((HANDLER as u16).to_le_bytes());
-    gate.extend(0x08u16.to_le_bytes());
-    gate.extend([0, 0x8e]);
-    gate.extend(((HANDLER >> 16) as u16).to_le_bytes());
-    m.memory()
-        .write_slice(&gate, GuestAddress(IDT + 8 * VECTOR))
-        .unwrap();
-    let mut idtr = 0x7ffu16.to_le_bytes().to_vec();
-    idtr.extend((IDT as u32).to_le_bytes());
-    m.memory().write_slice(&idtr, GuestAddress(IDTR)).unwrap();
     let mut handler = Asm::new();
     handler
         .mov_eax(VECTOR as u32)
         .report_eax(REPORT_PORT)
         .debug_exit(0);
-    load(&m, HANDLER, &handler);
+    interrupt_handler(&m, VECTOR, &handler);
 
     let mut a = Asm::new();
     // Master PIC: ICW1 edge/cascade/ICW4, ICW2 base 0x20, ICW3 slave on IR2, ICW4 8086 mode,
@@ -543,9 +532,6 @@ fn msi_route_delivers_an_irqfd_as_a_vector() {
     if !kvm_available() {
         return;
     }
-    const IDT: u64 = 0x3000;
-    const IDTR: u64 = 0x2ff0;
-    const HANDLER: u64 = 0x1800;
     const VECTOR: u32 = 0x41;
     let mut m = machine(1);
     m.add_debug_exit(EXIT_PORT).unwrap();
@@ -559,23 +545,12 @@ fn msi_route_delivers_an_irqfd_as_a_vector() {
         lapic.regs[0xf0 + i] = *b as _;
     }
     fd.set_lapic(&lapic).unwrap();
-    let mut gate = Vec::new();
-    gate.extend((HANDLER as u16).to_le_bytes());
-    gate.extend(0x08u16.to_le_bytes());
-    gate.extend([0, 0x8e]);
-    gate.extend(((HANDLER >> 16) as u16).to_le_bytes());
-    m.memory()
-        .write_slice(&gate, GuestAddress(IDT + 8 * u64::from(VECTOR)))
-        .unwrap();
-    let mut idtr = 0x7ffu16.to_le_bytes().to_vec();
-    idtr.extend((IDT as u32).to_le_bytes());
-    m.memory().write_slice(&idtr, GuestAddress(IDTR)).unwrap();
     let mut handler = Asm::new();
     handler
         .mov_eax(VECTOR)
         .report_eax(REPORT_PORT)
         .debug_exit(0);
-    load(&m, HANDLER, &handler);
+    interrupt_handler(&m, u64::from(VECTOR), &handler);
     let mut a = Asm::new();
     a.raw(&[0x0f, 0x01, 0x1d])
         .raw(&(IDTR as u32).to_le_bytes()) // lidt [IDTR]
@@ -683,9 +658,6 @@ fn acpi_power_button_sets_pwrbtn_sts_and_raises_the_sci() {
     if !kvm_available() {
         return;
     }
-    const IDT: u64 = 0x3000;
-    const IDTR: u64 = 0x2ff0;
-    const HANDLER: u64 = 0x1800;
     const VECTOR: u64 = 0x29; // slave PIC base 0x28 + IRQ 9 - 8
     const READY: u32 = 0x11;
     let mut m = machine(1);
@@ -694,24 +666,13 @@ fn acpi_power_button_sets_pwrbtn_sts_and_raises_the_sci() {
     let (dev, log) = Recorder::new(0);
     m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
     vmm::boot::msr::setup_lapic(&m.vcpus()[0]).unwrap();
-    let mut gate = Vec::new();
-    gate.extend((HANDLER as u16).to_le_bytes());
-    gate.extend(0x08u16.to_le_bytes());
-    gate.extend([0, 0x8e]);
-    gate.extend(((HANDLER >> 16) as u16).to_le_bytes());
-    m.memory()
-        .write_slice(&gate, GuestAddress(IDT + 8 * VECTOR))
-        .unwrap();
-    let mut idtr = 0x7ffu16.to_le_bytes().to_vec();
-    idtr.extend((IDT as u32).to_le_bytes());
-    m.memory().write_slice(&idtr, GuestAddress(IDTR)).unwrap();
     let mut handler = Asm::new();
     handler
         .mov_dx(0x600)
         .in_eax_dx() // PM1a_STS | PM1a_EN << 16
         .report_eax(REPORT_PORT)
         .debug_exit(0);
-    load(&m, HANDLER, &handler);
+    interrupt_handler(&m, VECTOR, &handler);
 
     let mut a = Asm::new();
     // Both PICs: ICW1..ICW4 (bases 0x20/0x28, slave on IR2), then mask all but the cascade

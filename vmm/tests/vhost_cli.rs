@@ -49,6 +49,13 @@ impl Drop for Running {
     }
 }
 
+/// `blk --socket SOCK --file FILE` followed by `extra`.
+fn blk_args<'a>(sock: &'a str, file: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec!["blk", "--socket", sock, "--file", file];
+    a.extend_from_slice(extra);
+    a
+}
+
 fn spawn(args: &[&str]) -> Running {
     Running(
         Command::new(BIN)
@@ -125,13 +132,11 @@ fn bad_flags_are_one_line() {
 #[test]
 fn a_missing_image_is_one_line() {
     let sock = tmp("missing.sock");
-    let out = run(&[
-        "blk",
-        "--socket",
+    let out = run(&blk_args(
         sock.to_str().unwrap(),
-        "--file",
         "/nonexistent/disk.img",
-    ]);
+        &[],
+    ));
     assert_one_line_error(&out, "cannot open image '/nonexistent/disk.img'");
     assert!(!sock.exists());
 }
@@ -167,17 +172,16 @@ fn stats_socket_sigusr1_reconnect_and_sigterm() {
     let img = image("stats.img");
     let sock = tmp("stats.sock");
     let stats_sock = tmp("stats.stats");
-    let mut server = spawn(&[
-        "blk",
-        "--socket",
+    let mut server = spawn(&blk_args(
         sock.to_str().unwrap(),
-        "--file",
         img.to_str().unwrap(),
-        "--bounce",
-        "policy=force,slots=1024,alloc=bitmap",
-        "--stats-socket",
-        stats_sock.to_str().unwrap(),
-    ]);
+        &[
+            "--bounce",
+            "policy=force,slots=1024,alloc=bitmap",
+            "--stats-socket",
+            stats_sock.to_str().unwrap(),
+        ],
+    ));
     wait_for(&stats_sock);
     let s = stats(&stats_sock);
     assert_eq!(s["bounce"]["allocator"], "bitmap");
@@ -246,14 +250,11 @@ fn stats_socket_sigusr1_reconnect_and_sigterm() {
 fn no_access_platform_is_honoured() {
     let img = image("noap.img");
     let sock = tmp("noap.sock");
-    let _server = spawn(&[
-        "blk",
-        "--socket",
+    let _server = spawn(&blk_args(
         sock.to_str().unwrap(),
-        "--file",
         img.to_str().unwrap(),
-        "--no-access-platform",
-    ]);
+        &["--no-access-platform"],
+    ));
     let mut d = vhost_support::Driver::connect(&sock, 1);
     let offered = d.handshake().unwrap();
     assert_eq!(offered & devices::virtio::features::ACCESS_PLATFORM, 0);
@@ -272,17 +273,16 @@ fn pidfile_and_socket_modes() {
         let _ = std::fs::remove_file(p);
     }
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-    let mut server = spawn(&[
-        "blk",
-        "--socket",
+    let mut server = spawn(&blk_args(
         sock.to_str().unwrap(),
-        "--file",
         img.to_str().unwrap(),
-        "--stats-socket",
-        stats_sock.to_str().unwrap(),
-        "--pidfile",
-        pidfile.to_str().unwrap(),
-    ]);
+        &[
+            "--stats-socket",
+            stats_sock.to_str().unwrap(),
+            "--pidfile",
+            pidfile.to_str().unwrap(),
+        ],
+    ));
     wait_for(&pidfile);
     // Written after the bind: the sockets are there and answer.
     assert!(UnixStream::connect(&sock).is_ok());
@@ -298,17 +298,16 @@ fn pidfile_and_socket_modes() {
     assert!(server.0.wait().unwrap().success());
     assert!(!pidfile.exists(), "pid file removed on exit");
 
-    let mut server = spawn(&[
-        "blk",
-        "--socket",
+    let mut server = spawn(&blk_args(
         sock.to_str().unwrap(),
-        "--file",
         img.to_str().unwrap(),
-        "--stats-socket",
-        stats_sock.to_str().unwrap(),
-        "--socket-mode",
-        "0660",
-    ]);
+        &[
+            "--stats-socket",
+            stats_sock.to_str().unwrap(),
+            "--socket-mode",
+            "0660",
+        ],
+    ));
     wait_for(&stats_sock);
     assert_eq!((mode(&sock), mode(&stats_sock)), (0o660, 0o660));
     signal(&server.0, libc::SIGTERM);
@@ -333,13 +332,11 @@ fn new_flags_are_checked_and_qcow2_needs_format() {
     q.resize(1 << 20, 0);
     let qcow = tmp("probe.qcow2");
     std::fs::write(&qcow, &q).unwrap();
-    let out = run(&[
-        "blk",
-        "--socket",
+    let out = run(&blk_args(
         tmp("probe.sock").to_str().unwrap(),
-        "--file",
         qcow.to_str().unwrap(),
-    ]);
+        &[],
+    ));
     assert_one_line_error(&out, "give format=qcow2");
     // The help names the QEMU devices that exist and documents --mac for what it is.
     let help = String::from_utf8(run(&["net", "--help"]).stdout).unwrap();

@@ -119,17 +119,7 @@ fn enable_lapic_and_idt(m: &Machine) {
         lapic.regs[0xf0 + i] = *b as _;
     }
     fd.set_lapic(&lapic).unwrap();
-    let mut gate = Vec::new();
-    gate.extend((HANDLER as u16).to_le_bytes());
-    gate.extend(0x08u16.to_le_bytes());
-    gate.extend([0, 0x8e]);
-    gate.extend(((HANDLER >> 16) as u16).to_le_bytes());
-    m.memory()
-        .write_slice(&gate, GuestAddress(IDT + 8 * u64::from(VECTOR)))
-        .unwrap();
-    let mut idtr = 0x7ffu16.to_le_bytes().to_vec();
-    idtr.extend((IDT as u32).to_le_bytes());
-    m.memory().write_slice(&idtr, GuestAddress(IDTR)).unwrap();
+    idt_gate(m, IDT, IDTR, HANDLER, u64::from(VECTOR));
 }
 
 /// The guest program: identify, walk capabilities, negotiate, set up queue 0 with MSI-X

@@ -11,7 +11,7 @@ use vmm_sys_util::timerfd::TimerFd;
 /// A table of in-flight entries indexed by small integers (the engine tags).
 #[derive(Debug)]
 pub struct Slab<T> {
-    slots: Vec<Option<T>>,
+    entries: Vec<Option<T>>,
     free: Vec<usize>,
     len: usize,
 }
@@ -19,7 +19,7 @@ pub struct Slab<T> {
 impl<T> Default for Slab<T> {
     fn default() -> Self {
         Self {
-            slots: Vec::new(),
+            entries: Vec::new(),
             free: Vec::new(),
             len: 0,
         }
@@ -32,19 +32,19 @@ impl<T> Slab<T> {
         self.len += 1;
         match self.free.pop() {
             Some(i) => {
-                self.slots[i] = Some(v);
+                self.entries[i] = Some(v);
                 i
             }
             None => {
-                self.slots.push(Some(v));
-                self.slots.len() - 1
+                self.entries.push(Some(v));
+                self.entries.len() - 1
             }
         }
     }
 
     /// Takes the entry at `i` out, if there is one.
     pub fn remove(&mut self, i: usize) -> Option<T> {
-        let v = self.slots.get_mut(i)?.take()?;
+        let v = self.entries.get_mut(i)?.take()?;
         self.free.push(i);
         self.len -= 1;
         Some(v)
@@ -64,7 +64,7 @@ impl<T> Slab<T> {
     pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
         self.free.clear();
         self.len = 0;
-        self.slots.drain(..).flatten()
+        self.entries.drain(..).flatten()
     }
 }
 

@@ -149,7 +149,7 @@ fn is_pool_full(e: &BlockError) -> bool {
 /// Where the status byte goes: through a mapping made before anything else, or, when the
 /// pool was full at that point, straight to guest memory.
 #[derive(Debug)]
-enum StatusSlot {
+enum StatusBuf {
     Mapped(DmaBuffer),
     Direct(u64),
 }
@@ -182,7 +182,7 @@ pub struct RequestCtx<'a> {
 /// [`RequestCtx::finish`] or [`RequestCtx::release`].
 #[derive(Debug)]
 pub struct Pending {
-    slot: StatusSlot,
+    status_buf: StatusBuf,
     /// Inline for the usual one data piece: a request in flight allocates nothing.
     mapped: smallvec::SmallVec<[DmaBuffer; 1]>,
     /// Bytes the host I/O must move.
@@ -195,7 +195,7 @@ pub struct Pending {
 impl Pending {
     /// Bounce mappings held (data pieces plus the status byte's).
     pub fn mappings(&self) -> usize {
-        self.mapped.len() + usize::from(matches!(self.slot, StatusSlot::Mapped(_)))
+        self.mapped.len() + usize::from(matches!(self.status_buf, StatusBuf::Mapped(_)))
     }
 }
 
@@ -262,20 +262,21 @@ impl RequestCtx<'_> {
         let waits = self.may_wait && walked.is_ok() && self.could_fit(chain);
         // Map the status byte before anything else, so that a later failure (a full pool
         // among them) can still be reported.
-        let slot = match self
-            .dma
-            .map(mem, status_addr, 1, Direction::FromDevice, self.worker)
-        {
-            Err(e)
-                if waits
-                    && e.class() == bounce::error::ErrorClass::Exhausted
-                    && self.others_hold_slots(0) =>
+        let status_buf =
+            match self
+                .dma
+                .map_checked(mem, status_addr, 1, Direction::FromDevice, self.worker)
             {
-                self.metrics.pool_full_waits.inc();
-                return Ok(Started::PoolFull);
-            }
-            r => self.status_slot(r, status_addr)?,
-        };
+                Err(e)
+                    if waits
+                        && e.class() == bounce::error::ErrorClass::Exhausted
+                        && self.others_hold_slots(0) =>
+                {
+                    self.metrics.pool_full_waits.inc();
+                    return Ok(Started::PoolFull);
+                }
+                r => self.status_buf(r, status_addr)?,
+            };
         let (st, written) = match walked
             .map_err(BlockError::from)
             .and_then(|()| self.plan(mem, chain))
@@ -290,7 +291,7 @@ impl RequestCtx<'_> {
                 let mapped = self.mapped.drain(..).collect();
                 return Ok(Started::Submit(
                     Pending {
-                        slot,
+                        status_buf,
                         mapped,
                         expected,
                         written,
@@ -302,12 +303,14 @@ impl RequestCtx<'_> {
             Err(e)
                 if waits
                     && is_pool_full(&e)
-                    && self
-                        .others_hold_slots(usize::from(matches!(slot, StatusSlot::Mapped(_)))) =>
+                    && self.others_hold_slots(usize::from(matches!(
+                        status_buf,
+                        StatusBuf::Mapped(_)
+                    ))) =>
             {
                 // Nothing but the status byte is still mapped (map_stream released the
                 // rest); the status mapping goes too, its byte untouched.
-                self.release_slot(mem, slot);
+                self.release_status(mem, status_buf);
                 self.metrics.pool_full_waits.inc();
                 return Ok(Started::PoolFull);
             }
@@ -320,7 +323,8 @@ impl RequestCtx<'_> {
                 (e.status(), 0)
             }
         };
-        self.complete(mem, slot, st, written).map(Started::Done)
+        self.complete(mem, status_buf, st, written)
+            .map(Started::Done)
     }
 
     /// Completes a request whose host I/O ended with `result` (bytes moved, or the host
@@ -362,7 +366,7 @@ impl RequestCtx<'_> {
                 (e.status(), 0)
             }
         };
-        self.complete(mem, p.slot, st, written)
+        self.complete(mem, p.status_buf, st, written)
     }
 
     /// Drops a request without completing it (device reset): its mappings are released and
@@ -373,11 +377,11 @@ impl RequestCtx<'_> {
         if let Err(e) = self.unmap_all(mem, false) {
             self.metrics.count_error(&e);
         }
-        self.release_slot(mem, p.slot);
+        self.release_status(mem, p.status_buf);
     }
 
-    fn release_slot<M: GuestMemory + ?Sized>(&self, mem: &M, slot: StatusSlot) {
-        if let StatusSlot::Mapped(b) = slot {
+    fn release_status<M: GuestMemory + ?Sized>(&self, mem: &M, status_buf: StatusBuf) {
+        if let StatusBuf::Mapped(b) = status_buf {
             if let Err(e) = self.dma.unmap(mem, b, self.worker) {
                 self.metrics.count_error(&BlockError::from(e));
             }
@@ -387,11 +391,11 @@ impl RequestCtx<'_> {
     fn complete<M: GuestMemory + ?Sized>(
         &self,
         mem: &M,
-        slot: StatusSlot,
+        status_buf: StatusBuf,
         st: u8,
         written: u64,
     ) -> std::result::Result<Completion, Unusable> {
-        self.write_status(mem, slot, st)?;
+        self.write_status(mem, status_buf, st)?;
         Ok(Completion {
             // written <= writable_len - 1 < u32::MAX (a chain holds at most 2^16 buffers of
             // at most 2^32 - 1 bytes; the saturation is a guard only).
@@ -424,16 +428,16 @@ impl RequestCtx<'_> {
 
     /// Where the status byte goes, given the result of mapping it: through the mapping, or,
     /// when the pool was full, straight to guest memory.
-    fn status_slot(
+    fn status_buf(
         &self,
         mapped: bounce::Result<DmaBuffer>,
         addr: u64,
-    ) -> std::result::Result<StatusSlot, Unusable> {
+    ) -> std::result::Result<StatusBuf, Unusable> {
         match mapped {
-            Ok(b) => Ok(StatusSlot::Mapped(b)),
+            Ok(b) => Ok(StatusBuf::Mapped(b)),
             Err(e) if e.class() == bounce::error::ErrorClass::Exhausted => {
                 self.metrics.status_direct.inc();
-                Ok(StatusSlot::Direct(addr))
+                Ok(StatusBuf::Direct(addr))
             }
             Err(e) => {
                 let e = BlockError::from(e);
@@ -447,11 +451,11 @@ impl RequestCtx<'_> {
     fn write_status<M: GuestMemory + ?Sized>(
         &self,
         mem: &M,
-        slot: StatusSlot,
+        status_buf: StatusBuf,
         st: u8,
     ) -> std::result::Result<(), Unusable> {
-        let addr = match slot {
-            StatusSlot::Mapped(b) => {
+        let addr = match status_buf {
+            StatusBuf::Mapped(b) => {
                 let wrote = self.dma.write(mem, &b, 0, &[st]);
                 let unmapped = self.dma.unmap(mem, b, self.worker);
                 match wrote.and(unmapped) {
@@ -463,7 +467,7 @@ impl RequestCtx<'_> {
                     }
                 }
             }
-            StatusSlot::Direct(a) => a,
+            StatusBuf::Direct(a) => a,
         };
         self.dma.write_direct(mem, addr, &[st]).map_err(|e| {
             let e = BlockError::from(e);
@@ -488,7 +492,7 @@ impl RequestCtx<'_> {
         let worker = self.worker;
         let mapped = &mut *self.mapped;
         let r = for_each_piece(segs, start, len, self.max_map as u64, |addr, n| {
-            mapped.push(dma.map(mem, addr, n, dir, worker)?);
+            mapped.push(dma.map_checked(mem, addr, n, dir, worker)?);
             Ok::<(), BlockError>(())
         });
         if r.is_err() {

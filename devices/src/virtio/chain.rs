@@ -29,8 +29,10 @@
 //! [`Chain`], so a device can still find where its status byte is and report the error there.
 //!
 //! [`copy_from`] and [`copy_to`] move a byte range of a buffer list through a [`bounce::Dma`]
-//! handle in pieces (one small map → copy → unmap per piece, [`bounce::Dma::read_guest`] and
-//! [`bounce::Dma::write_guest`]); [`for_each_piece`] is the stream arithmetic under them.
+//! handle in pieces (one small map → copy → unmap per piece,
+//! [`bounce::Dma::read_guest_checked`] and [`bounce::Dma::write_guest_checked`]: a buffer the
+//! walker pushed is in guest memory, the walk was its one check); [`for_each_piece`] is the
+//! stream arithmetic under them.
 
 use std::mem::size_of;
 
@@ -413,7 +415,9 @@ pub fn locate(segs: &[Seg], pos: u64) -> Option<u64> {
 }
 
 /// Reads `dst.len()` bytes at `start` of the stream `segs` form, through `dma` on behalf of
-/// bounce worker `worker` (headers, commands: small transfers).
+/// bounce worker `worker` (headers, commands: small transfers). `segs` are buffers of a
+/// walked chain: the walker checked them against guest memory, `dma` does not again
+/// ([`Dma::read_guest_checked`]).
 ///
 /// # Errors
 /// [`CopyError`].
@@ -427,14 +431,14 @@ pub fn copy_from<M: GuestMemory + ?Sized>(
 ) -> Result<(), CopyError> {
     let mut done = 0usize;
     for_each_piece(segs, start, dst.len() as u64, u64::MAX, |addr, n| {
-        dma.read_guest(mem, addr, &mut dst[done..done + n], worker)?;
+        dma.read_guest_checked(mem, addr, &mut dst[done..done + n], worker)?;
         done += n;
         Ok::<(), CopyError>(())
     })
 }
 
 /// Writes `src` at `start` of the stream `segs` form, through `dma` (status bytes, ids,
-/// acks: small transfers).
+/// acks: small transfers). As [`copy_from`], the walker's check of `segs` is the one.
 ///
 /// # Errors
 /// [`CopyError`].
@@ -448,7 +452,7 @@ pub fn copy_to<M: GuestMemory + ?Sized>(
 ) -> Result<(), CopyError> {
     let mut done = 0usize;
     for_each_piece(segs, start, src.len() as u64, u64::MAX, |addr, n| {
-        dma.write_guest(mem, addr, &src[done..done + n], worker)?;
+        dma.write_guest_checked(mem, addr, &src[done..done + n], worker)?;
         done += n;
         Ok::<(), CopyError>(())
     })

@@ -112,6 +112,11 @@ impl<M: GuestMemory> Dispatcher<M> {
             ));
         }
         if !enabled || queues.iter().any(|q| !q.ready()) {
+            if queues.iter().all(|q| q.ready()) {
+                // Set up but disabled (vhost-user SET_VRING_ENABLE 0): the worker may stop
+                // its backend (a net pair detaches its tap queue).
+                self.worker.queues_disabled();
+            }
             return Outcome::NotReady;
         }
         if let Some(pos) = queues.iter().position(|q| !q.is_valid(mem)) {

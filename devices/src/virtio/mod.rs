@@ -20,6 +20,7 @@
 pub mod chain;
 pub mod dispatch;
 pub mod queue;
+pub mod ring;
 
 use std::os::fd::RawFd;
 

@@ -106,17 +106,9 @@ fn config(cli: Cli) -> Result<(LoadConfig, bool), String> {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match vmm::parse_args("bouncevm-load", "") {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            // --help, --version
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("bouncevm-load: error: {}", vmm::clap_error_line(&e));
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     vmm::init_logging("warn");
     let (cfg, json) = match config(cli) {

@@ -229,7 +229,7 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 cache: a.cache,
                 ..BlockConfig::default()
             };
-            let bounce = c.bounce.clone().unwrap_or_default();
+            let bounce = c.bounce.clone().unwrap_or_else(BounceOptions::off);
             let built = builder::block(&a.file, format, a.readonly, config, &bounce)
                 .map_err(|e| format!("--file: {e}"))?;
             serve("bouncevm-vhost-blk", built, c, signals)
@@ -261,7 +261,7 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 // QEMU keeps the control queue and steers the pairs with SET_VRING_ENABLE.
                 frontend_steering: true,
             };
-            let bounce = c.bounce.clone().unwrap_or_default();
+            let bounce = c.bounce.clone().unwrap_or_else(BounceOptions::off);
             let (built, _) = builder::net(Some(&a.tap), config, &bounce)
                 .map_err(|e| format!("--tap {}: {e}", a.tap))?;
             serve("bouncevm-vhost-net", built, c, signals)
@@ -278,20 +278,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match vmm::parse_args("bouncevm-vhost", " (see --help)") {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            // --help, --version
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!(
-                "bouncevm-vhost: error: {} (see --help)",
-                vmm::clap_error_line(&e)
-            );
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     vmm::init_logging("info");
     match run(cli, signals) {

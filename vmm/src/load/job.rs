@@ -1,10 +1,10 @@
 //! One job: one virtqueue driven by one thread, up to `iodepth` requests in flight,
 //! completions taken in whatever order the back end produces them.
 //!
-//! Each in-flight request owns a *slot*: a header, a status byte, an indirect table (when
-//! INDIRECT_DESC is negotiated) and a data buffer of `bs` bytes (4 KiB aligned, so a back end
-//! with O_DIRECT can use it as is). The head index names the slot (`slot` with indirect
-//! tables, `slot * descriptors` without), so a used entry is checked against the slots in
+//! Each in-flight request owns a *request index* (`req`): a header, a status byte, an
+//! indirect table (when INDIRECT_DESC is negotiated) and a data buffer of `bs` bytes (4 KiB aligned, so a back end
+//! with O_DIRECT can use it as is). The head index names the request (`req` with indirect
+//! tables, `req * descriptors` without), so a used entry is checked against the requests in
 //! flight: a head that is not in flight is a misbehaving back end.
 //!
 //! # Verification (`--verify`)
@@ -41,14 +41,14 @@ const PAGE: u64 = 4096;
 /// completed a request without a status.
 const STATUS_UNSET: u8 = 0xff;
 
-/// Where one job's queue, slots and buffers are in guest memory.
+/// Where one job's queue, request metadata and buffers are in guest memory.
 #[derive(Clone, Copy, Debug)]
 pub struct JobArea {
     /// Start (page aligned): the rings.
     pub base: u64,
-    /// Slot metadata: header, status, indirect table.
-    slots: u64,
-    slot_stride: u64,
+    /// Request metadata (per request index): header, status, indirect table.
+    reqs: u64,
+    req_stride: u64,
     /// Data buffers.
     data: u64,
     data_stride: u64,
@@ -71,13 +71,13 @@ impl JobArea {
 
     /// The area starting at `base` (page aligned).
     pub fn at(base: u64, queue_size: u16, iodepth: u16, bs: u32, segments: u32) -> Self {
-        let slots = base + RingLayout::bytes(queue_size);
-        let slot_stride = Self::meta_stride(segments);
-        let data = slots + (u64::from(iodepth) * slot_stride).next_multiple_of(PAGE);
+        let reqs = base + RingLayout::bytes(queue_size);
+        let req_stride = Self::meta_stride(segments);
+        let data = reqs + (u64::from(iodepth) * req_stride).next_multiple_of(PAGE);
         Self {
             base,
-            slots,
-            slot_stride,
+            reqs,
+            req_stride,
             data,
             data_stride: u64::from(bs).next_multiple_of(PAGE),
             // segments <= seg_max checked by the plan; + 2 fits u16 for any sane device.
@@ -85,17 +85,17 @@ impl JobArea {
         }
     }
 
-    fn header(&self, slot: u16) -> u64 {
-        self.slots + u64::from(slot) * self.slot_stride
+    fn header(&self, req: u16) -> u64 {
+        self.reqs + u64::from(req) * self.req_stride
     }
-    fn status(&self, slot: u16) -> u64 {
-        self.header(slot) + 16
+    fn status(&self, req: u16) -> u64 {
+        self.header(req) + 16
     }
-    fn table(&self, slot: u16) -> u64 {
-        self.header(slot) + 32
+    fn table(&self, req: u16) -> u64 {
+        self.header(req) + 32
     }
-    fn data(&self, slot: u16) -> u64 {
-        self.data + u64::from(slot) * self.data_stride
+    fn data(&self, req: u16) -> u64 {
+        self.data + u64::from(req) * self.data_stride
     }
 }
 
@@ -163,6 +163,67 @@ enum Next {
     Wait,
     /// The phase has issued everything.
     Done,
+}
+
+/// Where a running job is: its phase, the sequential cursor, and what it measured.
+struct Progress {
+    phase: Phase,
+    cursor: u64,
+    /// Requests issued in the measured phase.
+    issued: u64,
+    main_start: Instant,
+    deadline: Option<Instant>,
+    last_done: Instant,
+    /// The measured phase's duration (start to its last completion), once over.
+    elapsed: Duration,
+    report: VerifyReport,
+    read: DirStats,
+    write: DirStats,
+}
+
+impl Progress {
+    fn new(prefill: bool, runtime: Option<Duration>) -> Self {
+        let phase = if prefill { Phase::Prefill } else { Phase::Main };
+        let main_start = Instant::now();
+        Self {
+            phase,
+            cursor: 0,
+            issued: 0,
+            main_start,
+            deadline: match phase {
+                Phase::Main => runtime.map(|r| main_start + r),
+                _ => None,
+            },
+            last_done: main_start,
+            elapsed: Duration::ZERO,
+            report: VerifyReport::default(),
+            read: DirStats::default(),
+            write: DirStats::default(),
+        }
+    }
+
+    /// Moves on once a phase is over and drained; true when the job is finished.
+    fn next_phase(&mut self, verify: bool, runtime: Option<Duration>) -> bool {
+        match self.phase {
+            Phase::Prefill => {
+                self.phase = Phase::Main;
+                self.cursor = 0;
+                self.main_start = Instant::now();
+                self.deadline = runtime.map(|r| self.main_start + r);
+                false
+            }
+            Phase::Main => {
+                self.elapsed = self.last_done.saturating_duration_since(self.main_start);
+                if !verify {
+                    return true;
+                }
+                self.phase = Phase::ReadBack;
+                self.cursor = 0;
+                false
+            }
+            Phase::ReadBack => true,
+        }
+    }
 }
 
 /// One job, ready to run on its own thread.
@@ -285,17 +346,17 @@ impl Job {
         self.id
     }
 
-    fn head(&self, slot: u16) -> u16 {
+    fn head(&self, req: u16) -> u16 {
         if self.indirect {
-            slot
+            req
         } else {
-            slot * self.area.descs_per_req
+            req * self.area.descs_per_req
         }
     }
 
-    fn slot_of(&self, id: u32) -> Option<u16> {
+    fn req_of(&self, id: u32) -> Option<u16> {
         let id = u16::try_from(id).ok()?;
-        let slot = if self.indirect {
+        let req = if self.indirect {
             id
         } else {
             if id % self.area.descs_per_req != 0 {
@@ -303,15 +364,15 @@ impl Job {
             }
             id / self.area.descs_per_req
         };
-        (slot < self.iodepth).then_some(slot)
+        (req < self.iodepth).then_some(req)
     }
 
     fn mem_err(e: impl std::fmt::Display) -> Error {
         Error::Memory(e.to_string())
     }
 
-    /// Writes the request of `slot` and puts it on the available ring.
-    fn submit(&mut self, slot: u16, op: Op, block: u64, gen: u32) -> Result<()> {
+    /// Writes the request of `req` and puts it on the available ring.
+    fn submit(&mut self, req: u16, op: Op, block: u64, gen: u32) -> Result<()> {
         let offset = self.start + block * u64::from(self.bs);
         let mut hdr = [0u8; REQ_HEADER_LEN];
         let t = match op {
@@ -321,22 +382,22 @@ impl Job {
         hdr[0..4].copy_from_slice(&t.to_le_bytes());
         hdr[8..16].copy_from_slice(&(offset / SECTOR_SIZE).to_le_bytes());
         let mem = &self.mem;
-        mem.write_slice(&hdr, GuestAddress(self.area.header(slot)))
+        mem.write_slice(&hdr, GuestAddress(self.area.header(req)))
             .map_err(Self::mem_err)?;
-        mem.write_obj(STATUS_UNSET, GuestAddress(self.area.status(slot)))
+        mem.write_obj(STATUS_UNSET, GuestAddress(self.area.status(req)))
             .map_err(Self::mem_err)?;
         if op == Op::Write && self.gens.is_some() {
             self.pattern.fill(&mut self.scratch, offset, gen);
-            mem.write_slice(&self.scratch, GuestAddress(self.area.data(slot)))
+            mem.write_slice(&self.scratch, GuestAddress(self.area.data(req)))
                 .map_err(Self::mem_err)?;
         }
         // Descriptors: header, data segments, status.
         let data_flags = if op == Op::Read { DESC_F_WRITE } else { 0 };
         let n = self.area.descs_per_req;
         let (table, first) = if self.indirect {
-            (self.area.table(slot), 0)
+            (self.area.table(req), 0)
         } else {
-            (self.ring.layout().desc, self.head(slot))
+            (self.ring.layout().desc, self.head(req))
         };
         let put = |i: u16, addr: u64, len: u32, flags: u16| {
             let last = i + 1 == n;
@@ -352,17 +413,17 @@ impl Job {
             )
         };
         let map = |e: super::ring::RingError| Error::Memory(e.to_string());
-        put(0, self.area.header(slot), REQ_HEADER_LEN as u32, 0).map_err(map)?;
+        put(0, self.area.header(req), REQ_HEADER_LEN as u32, 0).map_err(map)?;
         let mut done = 0u32;
         let mut i = 1;
         while done < self.bs {
             let len = self.segment.min(self.bs - done);
-            put(i, self.area.data(slot) + u64::from(done), len, data_flags).map_err(map)?;
+            put(i, self.area.data(req) + u64::from(done), len, data_flags).map_err(map)?;
             done += len;
             i += 1;
         }
-        put(i, self.area.status(slot), 1, DESC_F_WRITE).map_err(map)?;
-        let head = self.head(slot);
+        put(i, self.area.status(req), 1, DESC_F_WRITE).map_err(map)?;
+        let head = self.head(req);
         if self.indirect {
             self.ring
                 .write_desc(
@@ -383,7 +444,7 @@ impl Job {
         {
             *b = true;
         }
-        self.inflight[usize::from(slot)] = Some(InFlight {
+        self.inflight[usize::from(req)] = Some(InFlight {
             op,
             block,
             gen,
@@ -423,160 +484,26 @@ impl Job {
 
     fn run_inner(&mut self) -> Result<JobOutcome> {
         let verify = self.gens.is_some();
-        let mut report = VerifyReport::default();
-        let mut read = DirStats::default();
-        let mut write = DirStats::default();
-        let mut phase = if verify && self.rw.reads() {
-            Phase::Prefill
-        } else {
-            Phase::Main
-        };
-        let mut cursor = 0u64;
-        let mut issued = 0u64;
-        let mut main_start = Instant::now();
-        let mut deadline = match phase {
-            Phase::Main => self.runtime.map(|r| main_start + r),
-            _ => None,
-        };
-        let mut last_done = main_start;
-        let mut elapsed = Duration::ZERO;
+        let mut p = Progress::new(verify && self.rw.reads(), self.runtime);
         loop {
             if self.stop.load(Ordering::Relaxed) {
                 return Err(Error::Stopped);
             }
-            // Submit up to the depth.
-            let mut pushed = false;
-            let mut phase_done = false;
-            while let Some(&slot) = self.free.last() {
-                let next = match phase {
-                    Phase::Prefill | Phase::ReadBack => {
-                        // Sequential over the range; read-back skips unwritten blocks.
-                        while phase == Phase::ReadBack
-                            && cursor < self.blocks
-                            && self.gen_of(cursor) == 0
-                        {
-                            report.unwritten += 1;
-                            cursor += 1;
-                        }
-                        if cursor >= self.blocks {
-                            Next::Done
-                        } else {
-                            cursor += 1;
-                            let op = if phase == Phase::Prefill {
-                                Op::Write
-                            } else {
-                                Op::Read
-                            };
-                            Next::Io(op, cursor - 1)
-                        }
-                    }
-                    Phase::Main => self.next_main(&mut cursor, issued, deadline),
-                };
-                match next {
-                    Next::Io(op, block) => {
-                        let gen = match op {
-                            Op::Write if verify => match self.gen_of(block).wrapping_add(1) {
-                                0 => 1,
-                                g => g,
-                            },
-                            _ => self.gen_of(block),
-                        };
-                        self.free.pop();
-                        self.submit(slot, op, block, gen)?;
-                        if phase == Phase::Main {
-                            issued += 1;
-                        }
-                        pushed = true;
-                    }
-                    Next::Wait => break,
-                    Next::Done => {
-                        phase_done = true;
-                        break;
-                    }
-                }
-            }
-            if pushed
-                && self
-                    .ring
-                    .publish()
-                    .map_err(|e| Error::Memory(e.to_string()))?
-            {
-                self.kick.write(1).map_err(|source| Error::Os {
-                    what: "kicking the queue",
-                    source,
-                })?;
-            }
-            // Reap.
-            let mut reaped = 0;
-            while let Some(u) = self
-                .ring
-                .next_used()
-                .map_err(|e| Error::Misbehaved(e.to_string()))?
-            {
-                reaped += 1;
-                let slot = self.slot_of(u.id).ok_or_else(|| {
-                    Error::Misbehaved(format!(
-                        "job {}: used entry names head {}, not a request head",
-                        self.id, u.id
-                    ))
-                })?;
-                let f = self.inflight[usize::from(slot)].take().ok_or_else(|| {
-                    Error::Misbehaved(format!(
-                        "job {}: used entry for head {} which is not in flight",
-                        self.id, u.id
-                    ))
-                })?;
-                let now = Instant::now();
-                self.complete(slot, f)?;
-                self.free.push(slot);
-                self.in_flight -= 1;
-                last_done = now;
-                match phase {
-                    Phase::Prefill => report.prefilled += 1,
-                    Phase::ReadBack => report.checked += 1,
-                    Phase::Main => {
-                        let d = if f.op == Op::Read {
-                            if verify {
-                                report.verified_reads += 1;
-                            }
-                            &mut read
-                        } else {
-                            &mut write
-                        };
-                        d.ios += 1;
-                        d.bytes += u64::from(self.bs);
-                        d.lat.record(now.saturating_duration_since(f.submitted));
-                    }
-                }
-            }
-            if reaped > 0 {
+            let phase_done = self.submit_batch(&mut p, verify)?;
+            if self.reap(&mut p, verify)? > 0 {
                 continue;
             }
             if self.in_flight == 0 {
                 if !phase_done {
-                    // Nothing in flight means every slot is free and no block is busy, so
+                    // Nothing in flight means every request index is free and no block is busy, so
                     // the phase either issued something or is over: this cannot happen.
                     return Err(Error::Misbehaved(format!(
                         "job {}: internal error: idle with nothing to issue",
                         self.id
                     )));
                 }
-                match phase {
-                    Phase::Prefill => {
-                        phase = Phase::Main;
-                        cursor = 0;
-                        main_start = Instant::now();
-                        deadline = self.runtime.map(|r| main_start + r);
-                    }
-                    Phase::Main => {
-                        elapsed = last_done.saturating_duration_since(main_start);
-                        if !verify {
-                            break;
-                        }
-                        phase = Phase::ReadBack;
-                        cursor = 0;
-                    }
-                    Phase::ReadBack => break,
+                if p.next_phase(verify, self.runtime) {
+                    break;
                 }
                 continue;
             }
@@ -591,11 +518,124 @@ impl Job {
         }
         Ok(JobOutcome {
             job: self.id,
-            read,
-            write,
-            elapsed,
-            verify: verify.then_some(report),
+            read: p.read,
+            write: p.write,
+            elapsed: p.elapsed,
+            verify: verify.then_some(p.report),
         })
+    }
+
+    /// The next request of a sequential phase (prefill writes, read-back reads; read-back
+    /// skips blocks never written).
+    fn next_sequential(&self, p: &mut Progress) -> Next {
+        while p.phase == Phase::ReadBack && p.cursor < self.blocks && self.gen_of(p.cursor) == 0 {
+            p.report.unwritten += 1;
+            p.cursor += 1;
+        }
+        if p.cursor >= self.blocks {
+            return Next::Done;
+        }
+        p.cursor += 1;
+        let op = if p.phase == Phase::Prefill {
+            Op::Write
+        } else {
+            Op::Read
+        };
+        Next::Io(op, p.cursor - 1)
+    }
+
+    /// Submits requests up to the depth and kicks the queue if the device wants it. Returns
+    /// true when the phase has issued everything.
+    fn submit_batch(&mut self, p: &mut Progress, verify: bool) -> Result<bool> {
+        let mut pushed = false;
+        let mut phase_done = false;
+        while let Some(&req) = self.free.last() {
+            let next = match p.phase {
+                Phase::Prefill | Phase::ReadBack => self.next_sequential(p),
+                Phase::Main => self.next_main(&mut p.cursor, p.issued, p.deadline),
+            };
+            match next {
+                Next::Io(op, block) => {
+                    let gen = match op {
+                        Op::Write if verify => match self.gen_of(block).wrapping_add(1) {
+                            0 => 1,
+                            g => g,
+                        },
+                        _ => self.gen_of(block),
+                    };
+                    self.free.pop();
+                    self.submit(req, op, block, gen)?;
+                    if p.phase == Phase::Main {
+                        p.issued += 1;
+                    }
+                    pushed = true;
+                }
+                Next::Wait => break,
+                Next::Done => {
+                    phase_done = true;
+                    break;
+                }
+            }
+        }
+        if pushed
+            && self
+                .ring
+                .publish()
+                .map_err(|e| Error::Memory(e.to_string()))?
+        {
+            self.kick.write(1).map_err(|source| Error::Os {
+                what: "kicking the queue",
+                source,
+            })?;
+        }
+        Ok(phase_done)
+    }
+
+    /// Completes every used entry; returns how many.
+    fn reap(&mut self, p: &mut Progress, verify: bool) -> Result<usize> {
+        let mut reaped = 0;
+        while let Some(u) = self
+            .ring
+            .next_used()
+            .map_err(|e| Error::Misbehaved(e.to_string()))?
+        {
+            reaped += 1;
+            let req = self.req_of(u.id).ok_or_else(|| {
+                Error::Misbehaved(format!(
+                    "job {}: used entry names head {}, not a request head",
+                    self.id, u.id
+                ))
+            })?;
+            let f = self.inflight[usize::from(req)].take().ok_or_else(|| {
+                Error::Misbehaved(format!(
+                    "job {}: used entry for head {} which is not in flight",
+                    self.id, u.id
+                ))
+            })?;
+            let now = Instant::now();
+            self.complete(req, f)?;
+            self.free.push(req);
+            self.in_flight -= 1;
+            p.last_done = now;
+            match p.phase {
+                Phase::Prefill => p.report.prefilled += 1,
+                Phase::ReadBack => p.report.checked += 1,
+                Phase::Main => {
+                    let d = if f.op == Op::Read {
+                        if verify {
+                            p.report.verified_reads += 1;
+                        }
+                        &mut p.read
+                    } else {
+                        &mut p.write
+                    };
+                    d.ios += 1;
+                    d.bytes += u64::from(self.bs);
+                    d.lat.record(now.saturating_duration_since(f.submitted));
+                }
+            }
+        }
+        Ok(reaped)
     }
 
     fn next_main(&mut self, cursor: &mut u64, issued: u64, deadline: Option<Instant>) -> Next {
@@ -634,11 +674,11 @@ impl Job {
     }
 
     /// Checks a completed request: status, data (reads, with verify), generation (writes).
-    fn complete(&mut self, slot: u16, f: InFlight) -> Result<()> {
+    fn complete(&mut self, req: u16, f: InFlight) -> Result<()> {
         let offset = self.start + f.block * u64::from(self.bs);
         let st: u8 = self
             .mem
-            .read_obj(GuestAddress(self.area.status(slot)))
+            .read_obj(GuestAddress(self.area.status(req)))
             .map_err(Self::mem_err)?;
         if let Some(b) = self
             .busy
@@ -675,7 +715,7 @@ impl Job {
             Op::Read => {
                 if f.gen != 0 {
                     self.mem
-                        .read_slice(&mut self.scratch, GuestAddress(self.area.data(slot)))
+                        .read_slice(&mut self.scratch, GuestAddress(self.area.data(req)))
                         .map_err(Self::mem_err)?;
                     self.pattern
                         .check(&self.scratch, offset, f.gen, &mut self.expect)

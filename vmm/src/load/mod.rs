@@ -528,6 +528,15 @@ pub fn run(cfg: &LoadConfig) -> Result<Report> {
     }
     session.start(&mem, &setups)?;
 
+    let done = run_jobs(jobs)?;
+    session.stop()?;
+
+    Ok(report(cfg, &plan, info, &done))
+}
+
+/// Runs each job on its own thread; the outcomes of the jobs that ran to the end, or the
+/// first error (a job stopped because another failed is not an error of its own).
+fn run_jobs(jobs: Vec<Job>) -> Result<Vec<JobOutcome>> {
     let outcomes: Vec<Result<JobOutcome>> = std::thread::scope(|s| {
         let handles: Vec<_> = jobs
             .into_iter()
@@ -564,13 +573,16 @@ pub fn run(cfg: &LoadConfig) -> Result<Report> {
     if let Some(e) = first_err {
         return Err(e);
     }
-    session.stop()?;
+    Ok(done)
+}
 
+/// The report of a finished run.
+fn report(cfg: &LoadConfig, plan: &Plan, info: DeviceInfo, done: &[JobOutcome]) -> Report {
     let mut read = DirStats::default();
     let mut write = DirStats::default();
     let mut longest = Duration::ZERO;
     let mut job_reports = Vec::new();
-    for o in &done {
+    for o in done {
         read.merge(&o.read);
         write.merge(&o.write);
         longest = longest.max(o.elapsed);
@@ -582,7 +594,7 @@ pub fn run(cfg: &LoadConfig) -> Result<Report> {
             verify: o.verify,
         });
     }
-    Ok(Report {
+    Report {
         rw: cfg.rw,
         bs: cfg.bs,
         iodepth: cfg.iodepth,
@@ -598,7 +610,7 @@ pub fn run(cfg: &LoadConfig) -> Result<Report> {
             read: dir(&read, longest),
             write: dir(&write, longest),
         },
-    })
+    }
 }
 
 /// Parses a byte count the way fio does: a number with an optional `k`, `m`, `g` or `t`

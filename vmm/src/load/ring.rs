@@ -5,18 +5,13 @@
 //! trusted: a used index that runs more than a queue size ahead of what was seen, or a used
 //! entry naming a head the driver did not post, is a [`RingError`], never a panic or a loop.
 //!
-//! Layout of one queue (each part 4 KiB aligned, so a whole ring never shares a page with
-//! data buffers):
-//!
-//! ```text
-//! desc  : size * 16 bytes     { addr: u64, len: u32, flags: u16, next: u16 }
-//! avail : 4 + 2 * size + 2    { flags: u16, idx: u16, ring: [u16; size], used_event: u16 }
-//! used  : 4 + 8 * size + 2    { flags: u16, idx: u16, ring: [{ id: u32, len: u32 }; size], avail_event: u16 }
-//! ```
+//! The layout of a queue is [`devices::virtio::ring`]'s, each part 4 KiB aligned here, so a
+//! whole ring never shares a page with data buffers.
 
 use std::num::Wrapping;
 use std::sync::atomic::{fence, Ordering};
 
+use devices::virtio::ring;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 /// Descriptor flag: the chain continues at `next`.
@@ -28,7 +23,7 @@ pub const DESC_F_INDIRECT: u16 = 4;
 /// Used ring flag: the device does not want kicks (without EVENT_IDX).
 pub const USED_F_NO_NOTIFY: u16 = 1;
 /// Bytes of one descriptor.
-pub const DESC_LEN: u64 = 16;
+pub const DESC_LEN: u64 = devices::virtio::chain::DESC_SIZE;
 
 const PAGE: u64 = 4096;
 
@@ -74,18 +69,18 @@ pub struct RingLayout {
 impl RingLayout {
     /// Bytes a queue of `size` occupies (page aligned).
     pub fn bytes(size: u16) -> u64 {
-        let n = u64::from(size);
         let round = |b: u64| b.div_ceil(PAGE) * PAGE;
-        round(n * DESC_LEN) + round(6 + 2 * n) + round(6 + 8 * n)
+        round(ring::desc_table_bytes(size))
+            + round(ring::avail_ring_bytes(size))
+            + round(ring::used_ring_bytes(size))
     }
 
     /// The layout of a queue of `size` starting at `base` (page aligned).
     pub fn at(base: u64, size: u16) -> Self {
-        let n = u64::from(size);
         let round = |b: u64| b.div_ceil(PAGE) * PAGE;
         let desc = base;
-        let avail = desc + round(n * DESC_LEN);
-        let used = avail + round(6 + 2 * n);
+        let avail = desc + round(ring::desc_table_bytes(size));
+        let used = avail + round(ring::avail_ring_bytes(size));
         Self {
             size,
             desc,
@@ -95,38 +90,7 @@ impl RingLayout {
     }
 }
 
-/// One descriptor as written to a table.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Desc {
-    /// Buffer address (guest physical).
-    pub addr: u64,
-    /// Buffer length.
-    pub len: u32,
-    /// `DESC_F_*`.
-    pub flags: u16,
-    /// Next descriptor in the same table.
-    pub next: u16,
-}
-
-impl Desc {
-    fn bytes(&self) -> [u8; 16] {
-        let mut b = [0u8; 16];
-        b[0..8].copy_from_slice(&self.addr.to_le_bytes());
-        b[8..12].copy_from_slice(&self.len.to_le_bytes());
-        b[12..14].copy_from_slice(&self.flags.to_le_bytes());
-        b[14..16].copy_from_slice(&self.next.to_le_bytes());
-        b
-    }
-}
-
-/// One used ring entry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Used {
-    /// Head of the completed chain, as the backend wrote it (not validated here).
-    pub id: u32,
-    /// Bytes the backend says it wrote.
-    pub len: u32,
-}
+pub use devices::virtio::ring::{Desc, Used};
 
 /// The driver's view of one split virtqueue.
 #[derive(Debug)]
@@ -181,7 +145,7 @@ impl SplitRing {
     pub fn write_desc(&self, table: u64, index: u16, d: Desc) -> Result<()> {
         let at = table + u64::from(index) * DESC_LEN;
         self.mem
-            .write_slice(&d.bytes(), GuestAddress(at))
+            .write_slice(&d.to_bytes(), GuestAddress(at))
             .map_err(Self::mem_err(at))
     }
 
@@ -190,8 +154,7 @@ impl SplitRing {
     /// # Errors
     /// On a memory error.
     pub fn push(&mut self, head: u16) -> Result<()> {
-        let slot = u64::from(self.avail_idx.0 % self.layout.size);
-        let at = self.layout.avail + 4 + 2 * slot;
+        let at = self.layout.avail + ring::avail_entry(self.layout.size, self.avail_idx.0);
         self.mem
             .write_obj(head, GuestAddress(at))
             .map_err(Self::mem_err(at))?;
@@ -219,7 +182,7 @@ impl SplitRing {
         let old = self.published;
         self.published = self.avail_idx;
         if self.event_idx {
-            let at = self.layout.used + 4 + 8 * u64::from(self.layout.size);
+            let at = self.layout.used + ring::avail_event(self.layout.size);
             let event: u16 = self
                 .mem
                 .load(GuestAddress(at), Ordering::Acquire)
@@ -261,8 +224,7 @@ impl SplitRing {
         if self.used_idx()? == self.last_used {
             return Ok(None);
         }
-        let slot = u64::from(self.last_used.0 % self.layout.size);
-        let at = self.layout.used + 4 + 8 * slot;
+        let at = self.layout.used + ring::used_entry(self.layout.size, self.last_used.0);
         // The Acquire load of the index orders these reads after it.
         let id: u32 = self
             .mem
@@ -284,7 +246,7 @@ impl SplitRing {
     /// On a memory error or a runaway used index.
     pub fn arm(&mut self) -> Result<bool> {
         if self.event_idx {
-            let at = self.layout.avail + 4 + 2 * u64::from(self.layout.size);
+            let at = self.layout.avail + ring::used_event(self.layout.size);
             self.mem
                 .store(self.last_used.0, GuestAddress(at), Ordering::Release)
                 .map_err(Self::mem_err(at))?;

@@ -243,26 +243,7 @@ impl Session {
     /// # Errors
     /// A connection, protocol or feature error.
     pub fn connect(path: &Path, timeout: Duration, wanted: Wanted) -> Result<Self> {
-        let deadline = Instant::now() + timeout;
-        let stream = loop {
-            match UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-                    ) && Instant::now() < deadline =>
-                {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => {
-                    return Err(Error::Connect {
-                        path: path.display().to_string(),
-                        source: e,
-                    })
-                }
-            }
-        };
+        let stream = connect_retrying(path, Instant::now() + timeout)?;
         let io = |e| Error::Connect {
             path: path.display().to_string(),
             source: e,
@@ -273,113 +254,10 @@ impl Session {
 
         wd.call("SET_OWNER", || frontend.set_owner())?;
         let offered = wd.call("GET_FEATURES", || frontend.get_features())?;
-        let proto_bit = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
-        if offered & virtio::VERSION_1 == 0 {
-            return Err(Error::Feature(
-                "the backend does not offer VIRTIO_F_VERSION_1".into(),
-            ));
-        }
-        if offered & proto_bit == 0 {
-            return Err(Error::Feature(
-                "the backend does not offer VHOST_USER_F_PROTOCOL_FEATURES".into(),
-            ));
-        }
-        if wanted.access_platform && offered & virtio::ACCESS_PLATFORM == 0 {
-            return Err(Error::Feature(
-                "the backend does not offer VIRTIO_F_ACCESS_PLATFORM (--access-platform)".into(),
-            ));
-        }
-        if wanted.writes && offered & blk::RO != 0 {
-            return Err(Error::Feature(
-                "the device is read-only (VIRTIO_BLK_F_RO) and the job writes".into(),
-            ));
-        }
-        let proto_offered =
-            wd.call("GET_PROTOCOL_FEATURES", || frontend.get_protocol_features())?;
-        if !proto_offered.contains(VhostUserProtocolFeatures::CONFIG) {
-            return Err(Error::Feature(
-                "the backend does not offer VHOST_USER_PROTOCOL_F_CONFIG (the capacity cannot be read)"
-                    .into(),
-            ));
-        }
-        let proto = proto_offered
-            & (VhostUserProtocolFeatures::MQ
-                | VhostUserProtocolFeatures::CONFIG
-                | VhostUserProtocolFeatures::REPLY_ACK);
-        wd.call("SET_PROTOCOL_FEATURES", || {
-            frontend.set_protocol_features(proto)
-        })?;
-        if proto.contains(VhostUserProtocolFeatures::REPLY_ACK) {
-            // Every request is acknowledged: a backend that refuses a ring setting says so.
-            frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
-        }
-        let mut queues: u16 = 1;
-        if proto.contains(VhostUserProtocolFeatures::MQ) {
-            let n = wd.call("GET_QUEUE_NUM", || frontend.get_queue_num())?;
-            queues = u16::try_from(n.max(1)).unwrap_or(u16::MAX);
-        }
-
-        let mut acked = virtio::VERSION_1
-            | proto_bit
-            | blk::SIZE_MAX
-            | blk::SEG_MAX
-            | blk::BLK_SIZE
-            | blk::FLUSH
-            | blk::MQ
-            | blk::RO;
-        if !wanted.no_event_idx {
-            acked |= virtio::RING_EVENT_IDX;
-        }
-        if !wanted.no_indirect {
-            acked |= virtio::RING_INDIRECT_DESC;
-        }
-        if wanted.access_platform {
-            acked |= virtio::ACCESS_PLATFORM;
-        }
-        acked &= offered;
-
-        let (_, config) = wd.call("GET_CONFIG", || {
-            frontend.get_config(
-                0,
-                CONFIG_LEN,
-                VhostUserConfigFlags::empty(),
-                &[0u8; CONFIG_LEN as usize],
-            )
-        })?;
-        if config.len() < CONFIG_LEN as usize {
-            return Err(Error::Misbehaved(format!(
-                "GET_CONFIG answered {} bytes of {CONFIG_LEN}",
-                config.len()
-            )));
-        }
-        let mut cap = [0u8; 8];
-        cap.copy_from_slice(&config[0..8]);
-        let sectors = u64::from_le_bytes(cap);
-        let capacity = sectors
-            .checked_mul(devices::block::SECTOR_SIZE)
-            .ok_or_else(|| Error::Misbehaved(format!("capacity of {sectors} sectors")))?;
-        let limit = |f: u64, at: usize| (acked & f != 0).then(|| get_u32(&config, at));
-        let blk_size = limit(blk::BLK_SIZE, 20).unwrap_or(512);
-        if !blk_size.is_power_of_two() || blk_size < 512 {
-            return Err(Error::Misbehaved(format!("blk_size {blk_size}")));
-        }
-        if acked & blk::MQ != 0 {
-            let mut b = [0u8; 2];
-            b.copy_from_slice(&config[34..36]);
-            queues = queues.min(u16::from_le_bytes(b).max(1));
-        } else {
-            queues = 1;
-        }
-        let info = DeviceInfo {
-            offered,
-            acked,
-            protocol: proto.bits(),
-            capacity,
-            blk_size,
-            size_max: limit(blk::SIZE_MAX, 8).filter(|&s| s > 0),
-            seg_max: limit(blk::SEG_MAX, 12).filter(|&s| s > 0),
-            queues,
-        };
+        check_offered(offered, wanted)?;
+        let (proto, queues) = negotiate_protocol(&wd, &mut frontend)?;
+        let acked = acked_features(offered, wanted);
+        let info = read_config(&wd, &mut frontend, offered, acked, proto, queues)?;
         tracing::debug!(?info, "negotiated");
         Ok(Self {
             frontend,
@@ -466,4 +344,160 @@ impl Session {
             })
             .collect()
     }
+}
+
+/// Connects to `path`, retrying while the socket does not exist or refuses until `deadline`.
+fn connect_retrying(path: &Path, deadline: Instant) -> Result<UnixStream> {
+    loop {
+        match UnixStream::connect(path) {
+            Ok(s) => return Ok(s),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                return Err(Error::Connect {
+                    path: path.display().to_string(),
+                    source: e,
+                })
+            }
+        }
+    }
+}
+
+/// Refuses a backend that does not offer what the job needs.
+fn check_offered(offered: u64, wanted: Wanted) -> Result<()> {
+    let proto_bit = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+    if offered & virtio::VERSION_1 == 0 {
+        return Err(Error::Feature(
+            "the backend does not offer VIRTIO_F_VERSION_1".into(),
+        ));
+    }
+    if offered & proto_bit == 0 {
+        return Err(Error::Feature(
+            "the backend does not offer VHOST_USER_F_PROTOCOL_FEATURES".into(),
+        ));
+    }
+    if wanted.access_platform && offered & virtio::ACCESS_PLATFORM == 0 {
+        return Err(Error::Feature(
+            "the backend does not offer VIRTIO_F_ACCESS_PLATFORM (--access-platform)".into(),
+        ));
+    }
+    if wanted.writes && offered & blk::RO != 0 {
+        return Err(Error::Feature(
+            "the device is read-only (VIRTIO_BLK_F_RO) and the job writes".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Negotiates the protocol features (MQ, CONFIG, REPLY_ACK); returns them and the number of
+/// queues the backend serves.
+fn negotiate_protocol(
+    wd: &Watchdog,
+    frontend: &mut Frontend,
+) -> Result<(VhostUserProtocolFeatures, u16)> {
+    let proto_offered = wd.call("GET_PROTOCOL_FEATURES", || frontend.get_protocol_features())?;
+    if !proto_offered.contains(VhostUserProtocolFeatures::CONFIG) {
+        return Err(Error::Feature(
+            "the backend does not offer VHOST_USER_PROTOCOL_F_CONFIG (the capacity cannot be read)"
+                .into(),
+        ));
+    }
+    let proto = proto_offered
+        & (VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::REPLY_ACK);
+    wd.call("SET_PROTOCOL_FEATURES", || {
+        frontend.set_protocol_features(proto)
+    })?;
+    if proto.contains(VhostUserProtocolFeatures::REPLY_ACK) {
+        // Every request is acknowledged: a backend that refuses a ring setting says so.
+        frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    }
+    let mut queues: u16 = 1;
+    if proto.contains(VhostUserProtocolFeatures::MQ) {
+        let n = wd.call("GET_QUEUE_NUM", || frontend.get_queue_num())?;
+        queues = u16::try_from(n.max(1)).unwrap_or(u16::MAX);
+    }
+    Ok((proto, queues))
+}
+
+/// The features the load generator acknowledges of `offered`.
+fn acked_features(offered: u64, wanted: Wanted) -> u64 {
+    let mut acked = virtio::VERSION_1
+        | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+        | blk::SIZE_MAX
+        | blk::SEG_MAX
+        | blk::BLK_SIZE
+        | blk::FLUSH
+        | blk::MQ
+        | blk::RO;
+    if !wanted.no_event_idx {
+        acked |= virtio::RING_EVENT_IDX;
+    }
+    if !wanted.no_indirect {
+        acked |= virtio::RING_INDIRECT_DESC;
+    }
+    if wanted.access_platform {
+        acked |= virtio::ACCESS_PLATFORM;
+    }
+    acked & offered
+}
+
+/// Reads the configuration space and checks it: capacity, block size, limits, queues.
+fn read_config(
+    wd: &Watchdog,
+    frontend: &mut Frontend,
+    offered: u64,
+    acked: u64,
+    proto: VhostUserProtocolFeatures,
+    mut queues: u16,
+) -> Result<DeviceInfo> {
+    let (_, config) = wd.call("GET_CONFIG", || {
+        frontend.get_config(
+            0,
+            CONFIG_LEN,
+            VhostUserConfigFlags::empty(),
+            &[0u8; CONFIG_LEN as usize],
+        )
+    })?;
+    if config.len() < CONFIG_LEN as usize {
+        return Err(Error::Misbehaved(format!(
+            "GET_CONFIG answered {} bytes of {CONFIG_LEN}",
+            config.len()
+        )));
+    }
+    let mut cap = [0u8; 8];
+    cap.copy_from_slice(&config[0..8]);
+    let sectors = u64::from_le_bytes(cap);
+    let capacity = sectors
+        .checked_mul(devices::block::SECTOR_SIZE)
+        .ok_or_else(|| Error::Misbehaved(format!("capacity of {sectors} sectors")))?;
+    let limit = |f: u64, at: usize| (acked & f != 0).then(|| get_u32(&config, at));
+    let blk_size = limit(blk::BLK_SIZE, 20).unwrap_or(512);
+    if !blk_size.is_power_of_two() || blk_size < 512 {
+        return Err(Error::Misbehaved(format!("blk_size {blk_size}")));
+    }
+    if acked & blk::MQ != 0 {
+        let mut b = [0u8; 2];
+        b.copy_from_slice(&config[34..36]);
+        queues = queues.min(u16::from_le_bytes(b).max(1));
+    } else {
+        queues = 1;
+    }
+    Ok(DeviceInfo {
+        offered,
+        acked,
+        protocol: proto.bits(),
+        capacity,
+        blk_size,
+        size_max: limit(blk::SIZE_MAX, 8).filter(|&s| s > 0),
+        seg_max: limit(blk::SEG_MAX, 12).filter(|&s| s > 0),
+        queues,
+    })
 }

@@ -1,6 +1,6 @@
 //! The PCI host bridge at 00:00.0.
 
-use super::{BarReprogram, PciConfiguration, PciDevice, PciHeader};
+use super::{PciConfiguration, PciDevice, PciHeader};
 
 /// Vendor id of the host bridge (Intel).
 pub const HOST_BRIDGE_VENDOR_ID: u16 = 0x8086;
@@ -35,16 +35,11 @@ impl PciHostBridge {
 }
 
 impl PciDevice for PciHostBridge {
-    fn read_config_register(&mut self, reg: usize) -> u32 {
-        self.config.read_reg(reg)
+    fn config(&self) -> &PciConfiguration {
+        &self.config
     }
 
-    fn write_config_register(
-        &mut self,
-        reg: usize,
-        offset: u64,
-        data: &[u8],
-    ) -> Option<BarReprogram> {
-        self.config.write_reg(reg, offset, data)
+    fn config_mut(&mut self) -> &mut PciConfiguration {
+        &mut self.config
     }
 }

@@ -82,22 +82,33 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// caller guarantees `offset + data.len() <= 4`; implementations must still not panic on
 /// other values (guest-controlled).
 pub trait PciDevice: Send {
-    /// Reads configuration register `reg`.
-    fn read_config_register(&mut self, reg: usize) -> u32;
+    /// The function's configuration space (header, BARs, capabilities).
+    fn config(&self) -> &PciConfiguration;
+
+    /// The function's configuration space, for writes.
+    fn config_mut(&mut self) -> &mut PciConfiguration;
+
+    /// Reads configuration register `reg` (by default from [`PciDevice::config`]).
+    fn read_config_register(&mut self, reg: usize) -> u32 {
+        self.config().read_reg(reg)
+    }
 
     /// Writes `data` to configuration register `reg` at byte `offset`. Returns the BAR move
-    /// the write caused, if any; [`PciRoot`] then remaps the BAR on the MMIO bus.
+    /// the write caused, if any; [`PciRoot`] then remaps the BAR on the MMIO bus. By default
+    /// the write goes to [`PciDevice::config_mut`] and nothing else happens.
     fn write_config_register(
         &mut self,
         reg: usize,
         offset: u64,
         data: &[u8],
-    ) -> Option<BarReprogram>;
+    ) -> Option<BarReprogram> {
+        self.config_mut().write_reg(reg, offset, data)
+    }
 
     /// The memory BARs as currently programmed, mapped on the MMIO bus when the device is
     /// added to a [`PciRoot`].
     fn bars(&self) -> Vec<PciBar> {
-        Vec::new()
+        self.config().bars()
     }
 
     /// Reads `data.len()` bytes at `offset` within BAR `bar`.

@@ -353,19 +353,11 @@ mod tests {
     }
 
     impl PciDevice for BarDev {
-        fn read_config_register(&mut self, reg: usize) -> u32 {
-            self.config.read_reg(reg)
+        fn config(&self) -> &PciConfiguration {
+            &self.config
         }
-        fn write_config_register(
-            &mut self,
-            reg: usize,
-            offset: u64,
-            data: &[u8],
-        ) -> Option<BarReprogram> {
-            self.config.write_reg(reg, offset, data)
-        }
-        fn bars(&self) -> Vec<PciBar> {
-            self.config.bars()
+        fn config_mut(&mut self) -> &mut PciConfiguration {
+            &mut self.config
         }
         fn read_bar(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
             data.fill(bar as u8 + offset as u8);
@@ -375,15 +367,9 @@ mod tests {
         }
     }
 
-    fn setup() -> (Arc<Bus>, Arc<PciRoot>, Arc<Mutex<BarDev>>, u64) {
-        let mmio = Arc::new(Bus::new("mmio"));
-        let root = PciRoot::new(mmio.clone());
-        let addr = root.allocate_mmio32(0x1000).unwrap();
-        let mut config = PciConfiguration::new(&PciHeader {
-            vendor_id: 0x1af4,
-            device_id: 0x1041,
-            ..Default::default()
-        });
+    /// A function with `header` and one 4 KiB 32-bit BAR 0 at `addr`.
+    fn bar_dev(header: &PciHeader, addr: u64) -> Arc<Mutex<BarDev>> {
+        let mut config = PciConfiguration::new(header);
         config
             .add_bar(PciBar {
                 index: 0,
@@ -393,10 +379,24 @@ mod tests {
                 prefetchable: false,
             })
             .unwrap();
-        let dev = Arc::new(Mutex::new(BarDev {
+        Arc::new(Mutex::new(BarDev {
             config,
             last_write: None,
-        }));
+        }))
+    }
+
+    fn setup() -> (Arc<Bus>, Arc<PciRoot>, Arc<Mutex<BarDev>>, u64) {
+        let mmio = Arc::new(Bus::new("mmio"));
+        let root = PciRoot::new(mmio.clone());
+        let addr = root.allocate_mmio32(0x1000).unwrap();
+        let dev = bar_dev(
+            &PciHeader {
+                vendor_id: 0x1af4,
+                device_id: 0x1041,
+                ..Default::default()
+            },
+            addr,
+        );
         assert_eq!(root.add_device(dev.clone()).unwrap(), 1);
         (mmio, root, dev, addr)
     }
@@ -489,20 +489,7 @@ mod tests {
     #[test]
     fn overlapping_bar_is_rejected() {
         let (mmio, root, _dev, addr) = setup();
-        let mut config = PciConfiguration::new(&PciHeader::default());
-        config
-            .add_bar(PciBar {
-                index: 0,
-                addr,
-                size: 0x1000,
-                kind: BarKind::Memory32,
-                prefetchable: false,
-            })
-            .unwrap();
-        let dev = Arc::new(Mutex::new(BarDev {
-            config,
-            last_write: None,
-        }));
+        let dev = bar_dev(&PciHeader::default(), addr);
         assert!(matches!(root.add_device(dev), Err(Error::Bus(_))));
         assert_eq!(mmio.ranges().len(), 1);
         assert_eq!(root.config_read(0, 2, 0, 0), 0xffff_ffff);

@@ -12,25 +12,34 @@
 //! - `GET_VRING_BASE` on every queue (the frontend stopped the device, e.g. on a guest reset)
 //!   drops the workers and resets the device; the next `SET_FEATURES` or kick re-activates it.
 //!
-//! Nothing the guest or the frontend controls may stop the epoll threads: a worker that
-//! reports [`WorkerError::Broken`], or whose rings are not inside guest memory
-//! (`Queue::is_valid`, checked before every event: a ring at a region's edge made workers
-//! spin), is logged once and parked (its kicks are consumed and ignored) until the device is
+//! Every event reaches its worker through the shared [`Dispatcher`], which enforces the worker
+//! contract as for virtio-pci and the test driver: only ready, valid (`Queue::is_valid`,
+//! checked before every event: a ring at a region's edge made workers spin) and enabled
+//! queues; a worker that reports [`WorkerError::Broken`] or whose rings are not inside guest
+//! memory is logged once and parked (its kicks are consumed and ignored) until the device is
 //! reset, and reported to the frontend through the [`Report`] (vring error eventfds,
-//! DEVICE_NEEDS_RESET in `GET_STATUS`); [`VhostUserBackend::handle_event`] never returns an
-//! error. The statistics never wait for a worker (a busy one is reported as such).
+//! DEVICE_NEEDS_RESET in `GET_STATUS`). Nothing the guest or the frontend controls may stop the
+//! epoll threads: [`VhostUserBackend::handle_event`] never returns an error. The statistics
+//! never wait for a worker (a busy one is reported as such).
+//!
+//! Locks: an event on an active device takes its thread's own [`Group`] mutex (the workers,
+//! their fds and the guest memory, placed there at activation and by `SET_MEM_TABLE`) and the
+//! `vhost-user-backend` locks of its worker's vrings; nothing else. The negotiation mutex is
+//! taken only while the device is inactive (an [`AtomicBool`] mirrors its state), to activate
+//! it lazily after a stop.
 
 use std::io;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use devices::virtio::{QueueWorker, VirtioDevice, WorkerError, WorkerEvent};
+use devices::virtio::dispatch::{Dispatcher, Outcome};
+use devices::virtio::{VirtioDevice, WorkerEvent};
 use serde_json::json;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Backend;
 use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::Queue;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -102,15 +111,11 @@ impl Counters {
     }
 }
 
-/// One worker as the adapter keeps it.
-struct WorkerSlot {
-    worker: Box<dyn QueueWorker<Memory>>,
-    /// Positions in the owning thread's vring slice, in the worker's queue order.
+/// One worker as its thread holds it: behind the shared dispatcher (the worker contract),
+/// with the positions of its queues in the thread's vring slice, in the worker's queue order.
+struct Placed {
+    worker: Dispatcher<Memory>,
     positions: Vec<usize>,
-    /// Set when the worker reported [`WorkerError::Broken`]; its events are then ignored.
-    broken: bool,
-    /// Set once an unexpected event was logged for this worker (log once).
-    warned: bool,
 }
 
 /// A worker file descriptor registered on a thread's epoll handler.
@@ -119,17 +124,20 @@ struct ExtraFd {
     fd: RawFd,
     /// The epoll data value (above the range reserved by `vhost-user-backend`).
     data: u64,
-    /// Index of the worker in its thread's slot.
+    /// Index of the worker in its thread's group.
     worker: usize,
     /// The worker's own token.
     token: u32,
 }
 
-/// The workers of one epoll thread.
+/// Everything one epoll thread touches on an event, behind that thread's own mutex: its
+/// workers (set at activation, dropped at a stop), their file descriptors and the guest
+/// memory of the session (set by `SET_MEM_TABLE`).
 #[derive(Default)]
-struct ThreadSlot {
-    workers: Vec<WorkerSlot>,
+struct Group {
+    workers: Vec<Placed>,
     extra: Vec<ExtraFd>,
+    mem: Option<AtomicMemory>,
 }
 
 /// Negotiation state of the current connection.
@@ -156,9 +164,11 @@ pub struct VhostUserDevice<D> {
     features: u64,
     protocol_features: VhostUserProtocolFeatures,
     neg: Mutex<NegState>,
-    threads: Vec<Mutex<ThreadSlot>>,
+    /// Mirrors `NegState::active` (written under the negotiation lock), so that an event on an
+    /// active device does not take that lock.
+    active: AtomicBool,
+    groups: Vec<Mutex<Group>>,
     handlers: Mutex<Vec<Arc<dyn Listeners>>>,
-    mem: RwLock<Option<AtomicMemory>>,
     event_idx: AtomicBool,
     /// The backend request channel (`SET_BACKEND_REQ_FD`), kept open for the session: QEMU
     /// watches it, and reads a closed one as "Unexpected end-of-file before all data were
@@ -234,7 +244,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             // sends no IOTLB message and addresses stay guest-physical.
             protocol_features |= VhostUserProtocolFeatures::BACKEND_REQ;
         }
-        let threads = (0..layout.threads()).map(|_| Mutex::default()).collect();
+        let groups = (0..layout.threads()).map(|_| Mutex::default()).collect();
         Self {
             device,
             layout,
@@ -243,9 +253,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             features,
             protocol_features,
             neg: Mutex::default(),
-            threads,
+            active: AtomicBool::new(false),
+            groups,
             handlers: Mutex::default(),
-            mem: RwLock::default(),
             event_idx: AtomicBool::new(false),
             backend_req: Mutex::default(),
             report: Arc::new(Report::new(num_queues)),
@@ -286,8 +296,8 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         drop(neg);
         lock(&self.handlers).clear();
         *lock(&self.backend_req) = None;
-        if let Ok(mut mem) = self.mem.write() {
-            *mem = None;
+        for g in &self.groups {
+            lock(g).mem = None;
         }
         self.event_idx.store(false, Ordering::Relaxed);
     }
@@ -304,9 +314,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             Err(std::sync::TryLockError::WouldBlock) => json!("busy"),
         };
         let mut workers = Vec::new();
-        for t in &self.threads {
-            match t.try_lock() {
-                Ok(t) => workers.extend(t.workers.iter().map(|w| w.worker.stats())),
+        for g in &self.groups {
+            match g.try_lock() {
+                Ok(g) => workers.extend(g.workers.iter().map(|w| w.worker.stats())),
                 Err(std::sync::TryLockError::Poisoned(p)) => {
                     workers.extend(p.into_inner().workers.iter().map(|w| w.worker.stats()))
                 }
@@ -358,8 +368,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 return;
             }
         };
-        let mut placed: Vec<Vec<WorkerSlot>> =
-            (0..self.threads.len()).map(|_| Vec::new()).collect();
+        let mut placed: Vec<Vec<Placed>> = (0..self.groups.len()).map(|_| Vec::new()).collect();
         for worker in workers {
             let queues = worker.queue_indexes();
             let Some((thread, positions)) = self.layout.place(&queues) else {
@@ -372,11 +381,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 lock(&self.device).reset();
                 return;
             };
-            placed[thread].push(WorkerSlot {
-                worker,
+            placed[thread].push(Placed {
+                worker: Dispatcher::new(worker),
                 positions,
-                broken: false,
-                warned: false,
             });
         }
         let handlers = lock(&self.handlers).clone();
@@ -406,11 +413,12 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                     });
                 }
             }
-            let mut slot = lock(&self.threads[thread]);
-            slot.workers = workers;
-            slot.extra = extra;
+            let mut group = lock(&self.groups[thread]);
+            group.workers = workers;
+            group.extra = extra;
         }
         neg.active = true;
+        self.active.store(true, Ordering::Release);
         neg.failed = false;
         self.report.clear();
         Counters::inc(&self.counters.activations);
@@ -424,37 +432,30 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         if !neg.active {
             return;
         }
+        self.active.store(false, Ordering::Release);
         let handlers = lock(&self.handlers).clone();
-        for (thread, slot) in self.threads.iter().enumerate() {
-            let mut slot = lock(slot);
-            for extra in slot.extra.drain(..) {
+        for (thread, group) in self.groups.iter().enumerate() {
+            let mut group = lock(group);
+            for extra in group.extra.drain(..) {
                 if let Some(h) = handlers.get(thread) {
                     // The fd may already be gone from the set (a hang-up); nothing to do then.
                     let _ = h.unregister(extra.fd, extra.data);
                 }
             }
-            slot.workers.clear();
+            group.workers.clear();
         }
         lock(&self.device).reset();
         neg.active = false;
         Counters::inc(&self.counters.resets);
     }
 
-    /// Parks a worker until the device is reset, and reports it: DEVICE_NEEDS_RESET and the
-    /// error eventfds of its queues (so the guest's I/O fails instead of hanging).
-    fn mark_broken(&self, w: &mut WorkerSlot, thread_id: usize, reason: &str) {
-        w.broken = true;
-        Counters::inc(&self.counters.broken_workers);
-        let queues = w.worker.queue_indexes();
-        self.report.broken(&queues);
-        tracing::error!(
-            "device worker for queues {queues:?} (thread {thread_id}) is broken and parked until reset: {reason}"
-        );
-    }
-
     /// Activates the device if features were acknowledged and it is not running (after a
-    /// stop, a kick or a worker fd restarts it).
+    /// stop, a kick or a worker fd restarts it). Takes the negotiation lock only when the
+    /// device is inactive.
     fn ensure_active(&self) {
+        if self.active.load(Ordering::Acquire) {
+            return;
+        }
         let mut neg = lock(&self.neg);
         if !neg.active && !neg.failed {
             if let Some(acked) = neg.acked {
@@ -463,121 +464,49 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         }
     }
 
-    /// Handles one epoll event of thread `thread_id`: finds the worker, locks its vrings,
-    /// runs it and signals the queues it asks for.
+    /// Handles one epoll event of thread `thread_id`: finds the worker in the thread's group,
+    /// runs it through the dispatcher with its vrings and acts on the outcome.
     fn dispatch(&self, device_event: u16, evset: EventSet, vrings: &[Vring], thread_id: usize) {
-        let Some(slot) = self.threads.get(thread_id) else {
+        let Some(group) = self.groups.get(thread_id) else {
             Counters::inc(&self.counters.ignored_events);
             return;
         };
         self.ensure_active();
-        let mem = match self.mem.read() {
-            Ok(m) => m.clone(),
-            Err(_) => None,
+        let mut group = lock(group);
+        let Some((index, event)) =
+            self.find_worker(&mut group, device_event, evset, vrings, thread_id)
+        else {
+            return;
         };
-        let mut slot = lock(slot);
-        let (index, event) = if usize::from(device_event) < vrings.len() {
-            Counters::inc(&self.counters.kicks);
-            let pos = usize::from(device_event);
-            let found = slot.workers.iter().enumerate().find_map(|(i, w)| {
-                w.positions
-                    .iter()
-                    .position(|&p| p == pos)
-                    .map(|k| (i, WorkerEvent::Kick(k)))
-            });
-            match found {
-                Some(f) => f,
-                None => {
-                    Counters::inc(&self.counters.ignored_events);
-                    return;
-                }
-            }
-        } else {
-            Counters::inc(&self.counters.fd_events);
-            let Some(k) = slot
-                .extra
-                .iter()
-                .position(|e| e.data == u64::from(device_event))
-            else {
-                Counters::inc(&self.counters.ignored_events);
-                return;
-            };
-            let extra = slot.extra[k];
-            if !evset.contains(EventSet::IN)
-                && evset.intersects(EventSet::HANG_UP | EventSet::ERROR)
-            {
-                // The fd is dead (a tap whose device went away): stop polling it.
-                tracing::warn!(
-                    "worker fd {} (token {}) hung up; no longer polled",
-                    extra.fd,
-                    extra.token
-                );
-                if let Some(h) = lock(&self.handlers).get(thread_id) {
-                    let _ = h.unregister(extra.fd, extra.data);
-                }
-                slot.extra.remove(k);
-                return;
-            }
-            (extra.worker, WorkerEvent::Fd(extra.token))
-        };
-        let Some(mem) = mem else {
+        let Some(mem) = group.mem.as_ref().map(GuestAddressSpace::memory) else {
             // No memory table yet: nothing can be done; the frontend sends it before it
             // starts the rings.
             Counters::inc(&self.counters.ignored_events);
             return;
         };
-        let guard = mem.memory();
-        let Some(w) = slot.workers.get_mut(index) else {
+        let Some(w) = group.workers.get_mut(index) else {
             return;
         };
-        if w.broken {
+        let Some(mut states) = w
+            .positions
+            .iter()
+            .map(|&p| vrings.get(p).map(VringT::get_mut))
+            .collect::<Option<Vec<_>>>()
+        else {
             Counters::inc(&self.counters.ignored_events);
             return;
-        }
-        let mut states = Vec::with_capacity(w.positions.len());
-        for &p in &w.positions {
-            match vrings.get(p) {
-                Some(v) => states.push(v.get_mut()),
-                None => {
-                    Counters::inc(&self.counters.ignored_events);
-                    return;
-                }
-            }
-        }
-        // A worker only ever sees queues the frontend has finished setting up: addresses,
-        // base and kick fd (vhost-user-backend marks the queue ready then) and enabled. Events
-        // before that (a tap that became readable between SET_FEATURES and the rings being
-        // configured) are dropped: reading a ring at a stale address would see garbage and
-        // break the worker. Nothing is lost: the fds are edge-triggered and the workers go
-        // back to their fds on the first kick.
-        if states
-            .iter()
-            .any(|s| !s.get_queue().ready() || !s.is_enabled())
-        {
-            Counters::inc(&self.counters.not_ready_events);
-            if states.iter().all(|s| s.get_queue().ready()) {
-                // Set up but disabled (SET_VRING_ENABLE 0): the worker may stop its backend.
-                w.worker.queues_disabled();
-            }
-            return;
-        }
-        // Every ring must lie inside guest memory (checked on each event: the memory table
-        // may have changed since the last one). A ring at a region's edge let workers read
-        // the avail index but never an entry, and spin on it holding the vring lock.
-        if let Some(k) = states.iter().position(|s| !s.get_queue().is_valid(&*guard)) {
-            let q = w.worker.queue_indexes().get(k).copied().unwrap_or(0);
-            self.mark_broken(
-                w,
-                thread_id,
-                &format!("the rings of queue {q} are not inside guest memory"),
-            );
-            return;
-        }
+        };
+        // A worker only sees queues the frontend has finished setting up: addresses, base and
+        // kick fd (vhost-user-backend marks the queue ready then) and enabled. Events before
+        // that (a tap that became readable between SET_FEATURES and the rings being
+        // configured) are dropped by the dispatcher; nothing is lost: the fds are
+        // edge-triggered and the workers go back to their fds on the first kick.
+        let enabled = states.iter().all(|s| s.is_enabled());
         let mut queues: Vec<&mut Queue> = states.iter_mut().map(|s| s.get_queue_mut()).collect();
-        let result = w.worker.handle(event, &*guard, &mut queues);
+        let outcome = w.worker.dispatch(event, &*mem, &mut queues, enabled);
         drop(queues);
-        match result {
-            Ok(signal) => {
+        match outcome {
+            Outcome::Served(signal) => {
                 for (i, state) in states.iter().enumerate() {
                     if signal.has(i) {
                         Counters::inc(&self.counters.signals);
@@ -589,15 +518,69 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                     }
                 }
             }
-            Err(WorkerError::Broken(reason)) => self.mark_broken(w, thread_id, &reason),
-            Err(WorkerError::UnexpectedEvent(ev)) => {
+            Outcome::NotReady => Counters::inc(&self.counters.not_ready_events),
+            Outcome::Parked | Outcome::Refused(_) => {
                 Counters::inc(&self.counters.ignored_events);
-                if !w.warned {
-                    w.warned = true;
-                    tracing::warn!("device worker refused event {ev:?} (logged once)");
-                }
+            }
+            Outcome::Broken(_) => {
+                // The dispatcher logged why; report it to the frontend: DEVICE_NEEDS_RESET
+                // and the error eventfds of its queues (so the guest's I/O fails instead of
+                // hanging).
+                Counters::inc(&self.counters.broken_workers);
+                self.report.broken(w.worker.queue_indexes());
             }
         }
+    }
+
+    /// The worker of `device_event` in `group` and its event: a kick of the vring at that
+    /// position, or one of the worker's own file descriptors (dropped from the epoll set when
+    /// it hung up). `None` (counted) when nobody serves it.
+    fn find_worker(
+        &self,
+        group: &mut Group,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[Vring],
+        thread_id: usize,
+    ) -> Option<(usize, WorkerEvent)> {
+        if usize::from(device_event) < vrings.len() {
+            Counters::inc(&self.counters.kicks);
+            let pos = usize::from(device_event);
+            let found = group.workers.iter().enumerate().find_map(|(i, w)| {
+                w.positions
+                    .iter()
+                    .position(|&p| p == pos)
+                    .map(|k| (i, WorkerEvent::Kick(k)))
+            });
+            if found.is_none() {
+                Counters::inc(&self.counters.ignored_events);
+            }
+            return found;
+        }
+        Counters::inc(&self.counters.fd_events);
+        let Some(k) = group
+            .extra
+            .iter()
+            .position(|e| e.data == u64::from(device_event))
+        else {
+            Counters::inc(&self.counters.ignored_events);
+            return None;
+        };
+        let extra = group.extra[k];
+        if !evset.contains(EventSet::IN) && evset.intersects(EventSet::HANG_UP | EventSet::ERROR) {
+            // The fd is dead (a tap whose device went away): stop polling it.
+            tracing::warn!(
+                "worker fd {} (token {}) hung up; no longer polled",
+                extra.fd,
+                extra.token
+            );
+            if let Some(h) = lock(&self.handlers).get(thread_id) {
+                let _ = h.unregister(extra.fd, extra.data);
+            }
+            group.extra.remove(k);
+            return None;
+        }
+        Some((extra.worker, WorkerEvent::Fd(extra.token)))
     }
 }
 
@@ -656,11 +639,10 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
     }
 
     fn update_memory(&self, mem: AtomicMemory) -> io::Result<()> {
-        let mut slot = self
-            .mem
-            .write()
-            .map_err(|_| io::Error::other("memory lock poisoned"))?;
-        *slot = Some(mem);
+        // Each thread reads the memory from its own group (no shared lock on the kick path).
+        for g in &self.groups {
+            lock(g).mem = Some(mem.clone());
+        }
         Ok(())
     }
 
@@ -701,5 +683,83 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
     ) -> io::Result<()> {
         self.dispatch(device_event, evset, vrings, thread_id);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use devices::virtio::{features, ActivateError, QueueWorker, Signal, WorkerError};
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
+    use vm_memory::GuestAddress;
+
+    /// One queue, one worker that counts its kicks and asks for the interrupt.
+    struct Counting(Arc<AtomicUsize>);
+
+    impl VirtioDevice<Memory> for Counting {
+        fn device_type(&self) -> u32 {
+            0xfff0
+        }
+        fn num_queues(&self) -> usize {
+            1
+        }
+        fn queue_max_size(&self) -> u16 {
+            16
+        }
+        fn avail_features(&self) -> u64 {
+            features::VERSION_1
+        }
+        fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
+        fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+        fn activate(&mut self, _: u64) -> Result<Vec<Box<dyn QueueWorker<Memory>>>, ActivateError> {
+            Ok(vec![Box::new(Counting(Arc::clone(&self.0)))])
+        }
+        fn reset(&mut self) {}
+        fn stats(&self) -> serde_json::Value {
+            serde_json::Value::Null
+        }
+    }
+
+    impl QueueWorker<Memory> for Counting {
+        fn queue_indexes(&self) -> Vec<u16> {
+            vec![0]
+        }
+        fn handle(
+            &mut self,
+            _event: WorkerEvent,
+            _mem: &Memory,
+            _queues: &mut [&mut Queue],
+        ) -> Result<Signal, WorkerError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(Signal::default())
+        }
+    }
+
+    #[test]
+    fn a_kick_on_an_active_device_does_not_take_the_negotiation_lock() {
+        let kicks = Arc::new(AtomicUsize::new(0));
+        let dev = Arc::new(VhostUserDevice::new(Counting(Arc::clone(&kicks))));
+        let mem = AtomicMemory::new(Memory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap());
+        dev.update_memory(mem.clone()).unwrap();
+        dev.acked_features(features::VERSION_1);
+        let vring = <Vring as VringT<AtomicMemory>>::new(mem, 16).unwrap();
+        vring.set_queue_size(16);
+        vring.set_queue_info(0x1000, 0x2000, 0x3000).unwrap();
+        vring.set_queue_ready(true);
+        vring.set_enabled(true);
+        // The frontend's message thread holds the negotiation (a slow SET_FEATURES elsewhere).
+        let neg = lock(&dev.neg);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = Arc::clone(&dev);
+        std::thread::spawn(move || {
+            d.handle_event(0, EventSet::IN, std::slice::from_ref(&vring), 0)
+                .unwrap();
+            tx.send(()).unwrap();
+        });
+        let served = rx.recv_timeout(Duration::from_secs(10));
+        drop(neg);
+        assert!(served.is_ok(), "the kick waited for the negotiation lock");
+        assert_eq!(kicks.load(Ordering::SeqCst), 1);
     }
 }

@@ -59,8 +59,8 @@ impl Report {
     /// Records (or, with `None`, forgets) the error eventfd of queue `index`; an index the
     /// device does not have is ignored (the backend refuses that message anyway).
     pub fn set_err_fd(&self, index: usize, fd: Option<OwnedFd>) {
-        if let Some(slot) = self.fds().get_mut(index) {
-            *slot = fd.map(File::from);
+        if let Some(entry) = self.fds().get_mut(index) {
+            *entry = fd.map(File::from);
         }
     }
 

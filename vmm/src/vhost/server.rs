@@ -213,9 +213,9 @@ impl<D> std::fmt::Debug for Server<D> {
     }
 }
 
-/// Poll slots of the main loop.
+/// What the main loop polls.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Slot {
+enum Source {
     Stop,
     Signal,
     Stats,
@@ -346,24 +346,24 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         let mut conn: Option<Connection> = None;
         let mut stopping = false;
         while !stopping {
-            let mut slots = vec![(Slot::Stop, self.stop.as_raw_fd())];
+            let mut sources = vec![(Source::Stop, self.stop.as_raw_fd())];
             if let Some(s) = &self.signals {
-                slots.push((Slot::Signal, s.as_raw_fd()));
+                sources.push((Source::Signal, s.as_raw_fd()));
             }
             if let Some((_, l)) = &self.stats_socket {
-                slots.push((Slot::Stats, l.as_raw_fd()));
+                sources.push((Source::Stats, l.as_raw_fd()));
             }
             match &conn {
-                Some(c) => slots.push((Slot::Done, c.done.as_raw_fd())),
-                None => slots.push((Slot::Accept, self.listener.as_raw_fd())),
+                Some(c) => sources.push((Source::Done, c.done.as_raw_fd())),
+                None => sources.push((Source::Accept, self.listener.as_raw_fd())),
             }
-            for slot in poll(&slots, -1).map_err(os("polling"))? {
-                match slot {
-                    Slot::Stop => {
+            for source in poll(&sources, -1).map_err(os("polling"))? {
+                match source {
+                    Source::Stop => {
                         let _ = self.stop.read();
                         stopping = true;
                     }
-                    Slot::Signal => {
+                    Source::Signal => {
                         while let Some(sig) = self.signals.as_ref().and_then(SignalFd::read) {
                             match sig {
                                 libc::SIGUSR1 => eprintln!("{}", self.stats()),
@@ -375,8 +375,8 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
                             }
                         }
                     }
-                    Slot::Stats => self.answer_stats(),
-                    Slot::Accept => match self.listener.accept() {
+                    Source::Stats => self.answer_stats(),
+                    Source::Accept => match self.listener.accept() {
                         Ok((stream, _)) => match self.start_connection(stream) {
                             Ok(c) => {
                                 conn = Some(c);
@@ -392,7 +392,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                         Err(e) => return Err(os("accepting a connection")(e)),
                     },
-                    Slot::Done => {
+                    Source::Done => {
                         if let Some(c) = conn.take() {
                             let _ = c.thread.join();
                         }
@@ -568,9 +568,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Polls `slots` for input; returns the ready ones.
-fn poll(slots: &[(Slot, RawFd)], timeout_ms: i32) -> io::Result<Vec<Slot>> {
-    let mut fds: Vec<libc::pollfd> = slots
+/// Polls `sources` for input; returns the ready ones.
+fn poll(sources: &[(Source, RawFd)], timeout_ms: i32) -> io::Result<Vec<Source>> {
+    let mut fds: Vec<libc::pollfd> = sources
         .iter()
         .map(|&(_, fd)| libc::pollfd {
             fd,
@@ -591,7 +591,7 @@ fn poll(slots: &[(Slot, RawFd)], timeout_ms: i32) -> io::Result<Vec<Slot>> {
     }
     Ok(fds
         .iter()
-        .zip(slots)
+        .zip(sources)
         .filter(|(p, _)| p.revents != 0)
         .map(|(_, &(s, _))| s)
         .collect())

@@ -26,6 +26,7 @@
 //!
 //! [`VirtioDevice::activate`]: devices::virtio::VirtioDevice::activate
 
+mod common;
 mod device;
 pub mod msix;
 mod worker;

@@ -464,3 +464,20 @@ pub fn build_elf(code: &[u8], pvh: bool) -> Vec<u8> {
     f.extend_from_slice(code);
     f
 }
+
+/// Writes a 32-bit interrupt gate for `vector` to `handler` in the code segment (0x08) into the
+/// IDT at `idt`, and the IDTR image `lidt` loads (limit 0x7ff, base `idt`) at `idtr`.
+pub fn idt_gate(m: &vmm::Machine, idt: u64, idtr: u64, handler: u64, vector: u64) {
+    use vm_memory::{Bytes, GuestAddress};
+    let mut gate = Vec::new();
+    gate.extend((handler as u16).to_le_bytes());
+    gate.extend(0x08u16.to_le_bytes());
+    gate.extend([0, 0x8e]);
+    gate.extend(((handler >> 16) as u16).to_le_bytes());
+    m.memory()
+        .write_slice(&gate, GuestAddress(idt + 8 * vector))
+        .unwrap();
+    let mut image = 0x7ffu16.to_le_bytes().to_vec();
+    image.extend((idt as u32).to_le_bytes());
+    m.memory().write_slice(&image, GuestAddress(idtr)).unwrap();
+}
