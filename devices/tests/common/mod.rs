@@ -2,6 +2,8 @@
 //! test driver.
 #![allow(dead_code)]
 
+pub mod fuzz;
+
 use bounce::Dma;
 use devices::block::{req_type, status, Block, BlockConfig, Disk};
 use devices::testing::{Buf, TestDriver};
