@@ -123,30 +123,6 @@ fn memory_disk_read_write_all_dma_policies() {
     }
 }
 
-fn qemu_img() -> Option<&'static str> {
-    match Command::new("qemu-img").arg("--version").output() {
-        Ok(o) if o.status.success() => Some("qemu-img"),
-        _ => {
-            bounce::testing::missing(
-                bounce::testing::Resource::QemuImg,
-                "qemu-img is not installed (apt-get install qemu-utils)",
-            );
-            None
-        }
-    }
-}
-
-fn run(cmd: &mut Command) -> String {
-    let o = cmd.output().unwrap();
-    assert!(
-        o.status.success(),
-        "{cmd:?} failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
 /// `qemu-img check` passes on `path` and its guest-visible contents equal `model`.
 fn check_qcow2(qi: &str, path: &Path, model: &[u8], what: &str) {
     run(Command::new(qi).args(["check", "-q", "-U"]).arg(path));

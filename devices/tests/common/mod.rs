@@ -367,3 +367,32 @@ impl<D: Disk> Disk for ProbeDisk<D> {
         self.inner.kind()
     }
 }
+
+/// `qemu-img`, or `None` after reporting it missing.
+pub fn qemu_img() -> Option<&'static str> {
+    match std::process::Command::new("qemu-img")
+        .arg("--version")
+        .output()
+    {
+        Ok(o) if o.status.success() => Some("qemu-img"),
+        _ => {
+            bounce::testing::missing(
+                bounce::testing::Resource::QemuImg,
+                "qemu-img is not installed (apt-get install qemu-utils)",
+            );
+            None
+        }
+    }
+}
+
+/// Runs `cmd`, which must succeed; returns its stdout.
+pub fn run(cmd: &mut std::process::Command) -> String {
+    let o = cmd.output().unwrap();
+    assert!(
+        o.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
