@@ -763,8 +763,16 @@ fn run_case(c: &NetCase) {
         // Untouched well-formed commands get the documented ack (the last of a head
         // published twice wins; heads are distinct here).
         for (head, k) in &laid.intact {
-            let m = &c.cmds[k % c.cmds.len()];
-            let n = cmd_bytes[k % c.cmds.len()].len();
+            // The command as it is in guest RAM now: the RX stage may have written over it
+            // (a writable RX descriptor may point at it).
+            let i = k % c.cmds.len();
+            let n = cmd_bytes[i].len();
+            let now = drv.ram.read(tg.hdrs[tx_frames.len() + i], n);
+            let m = Cmd {
+                class: now[0],
+                cmd: now[1],
+                data: now[2..].to_vec(),
+            };
             let u = used.iter().find(|u| u.id == u32::from(*head));
             let u = u.unwrap_or_else(|| panic!("{tag}: head {head} did not complete"));
             if n > 2 + 2 * (4 + 6 * 4096) {
