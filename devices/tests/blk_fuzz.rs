@@ -20,11 +20,11 @@ mod common;
 
 use bounce::Dma;
 use common::fuzz::{
-    assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets,
+    assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets, Writable,
 };
 use common::*;
 use devices::block::{features as bf, req_type, status, BlockConfig, MemDisk};
-use devices::testing::{RawDesc, TestDriver, VRING_DESC_F_WRITE};
+use devices::testing::{RawDesc, TestDriver};
 use devices::virtio::features as vf;
 use proptest::prelude::*;
 
@@ -186,14 +186,7 @@ fn run_case(c: &Case) {
     }
     // What the device may write: every write-flagged descriptor of the table (direct, and the
     // indirect table's), and the used ring.
-    let mut allowed: Vec<(u64, u64)> = Vec::new();
-    let mut writable_bytes = 0u64;
-    let mut note = |d: &RawDesc| {
-        if d.flags & VRING_DESC_F_WRITE != 0 {
-            allowed.push((d.addr, d.addr.saturating_add(u64::from(d.len))));
-            writable_bytes += u64::from(d.len);
-        }
-    };
+    let mut w = Writable::default();
     for (i, f) in c.table.iter().take(usize::from(qsize)).enumerate() {
         let (addr, len) = resolve(f);
         let d = descs.get(i).copied().unwrap_or(RawDesc {
@@ -202,18 +195,22 @@ fn run_case(c: &Case) {
             flags: f.flags,
             next: f.next,
         });
-        note(&d);
+        w.note(&d);
         blk.drv.vqs[0].write_desc(&blk.drv.ram, i as u16, d);
     }
     for f in &c.indirect {
         let (addr, len) = resolve(f);
-        note(&RawDesc {
+        w.note(&RawDesc {
             addr,
             len,
             flags: f.flags,
             next: f.next,
         });
     }
+    let Writable {
+        mut allowed,
+        bytes: writable_bytes,
+    } = w;
     let vq = &blk.drv.vqs[0];
     allowed.push((vq.used, vq.used + 6 + 8 * u64::from(qsize)));
     // The avail ring: the test (the driver) publishes into it between kicks.

@@ -27,7 +27,7 @@
 mod common;
 
 use common::fuzz::{
-    assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets,
+    assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets, Writable,
 };
 use devices::net::ctrl::{CLASS_MAC, CLASS_MQ, CLASS_RX, ERR, OK};
 use devices::net::worker::TOKEN_BACKEND;
@@ -358,22 +358,19 @@ fn write_queue(
             heads.push(0);
         }
     }
-    let mut allowed = Vec::new();
-    let mut writable_bytes = 0u64;
-    let mut note = |d: &RawDesc| {
-        if d.flags & VRING_DESC_F_WRITE != 0 {
-            allowed.push((d.addr, d.addr.saturating_add(u64::from(d.len))));
-            writable_bytes += u64::from(d.len);
-        }
-    };
+    let mut w = Writable::default();
     for (i, f) in input.table.iter().take(usize::from(qsize)).enumerate() {
         let d = descs.get(i).copied().unwrap_or_else(|| tg.raw(f));
-        note(&d);
+        w.note(&d);
         drv.vqs[usize::from(q)].write_desc(&drv.ram, i as u16, d);
     }
     for f in indirect {
-        note(&tg.raw(f));
+        w.note(&tg.raw(f));
     }
+    let Writable {
+        mut allowed,
+        bytes: writable_bytes,
+    } = w;
     allowed.extend(rings(drv, q));
     heads.truncate(usize::from(qsize));
     Laid {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use bounce::{BouncePool, Dma, Policy, PoolConfig};
-use devices::testing::{first_fit_pool, GuestRam, RawDesc};
+use devices::testing::{first_fit_pool, GuestRam, RawDesc, VRING_DESC_F_WRITE};
 use proptest::prelude::*;
 
 /// The canary byte guest RAM is filled with where the device must not write.
@@ -43,6 +43,25 @@ pub fn assert_only_writable_changed(
                 "{what}: the device wrote guest RAM at {addr:#x} ({x:#04x} -> {y:#04x}), \
                  outside every device-writable buffer"
             );
+        }
+    }
+}
+
+/// What a table lets the device write: the write-flagged descriptors' ranges (half-open) and
+/// their total length.
+#[derive(Debug, Default)]
+pub struct Writable {
+    pub allowed: Vec<(u64, u64)>,
+    pub bytes: u64,
+}
+
+impl Writable {
+    /// Adds `d` if it is device-writable.
+    pub fn note(&mut self, d: &RawDesc) {
+        if d.flags & VRING_DESC_F_WRITE != 0 {
+            self.allowed
+                .push((d.addr, d.addr.saturating_add(u64::from(d.len))));
+            self.bytes += u64::from(d.len);
         }
     }
 }
