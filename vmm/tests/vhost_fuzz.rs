@@ -8,7 +8,10 @@
 //! SET_VRING_NUM/BASE/ADDR/KICK/CALL/ERR/ENABLE with indexes and sizes out of range and ring
 //! addresses at the edges of the regions it declared, GET_VRING_BASE, GET/SET_CONFIG,
 //! GET/SET_STATUS, requests with truncated or oversized bodies, unknown request codes, any
-//! flags (NEED_REPLY among them), kicks, and sometimes a header whose body never comes.
+//! flags (NEED_REPLY among them), kicks, and sometimes a header whose body never comes. Half
+//! the sessions first start the device as QEMU does (queue 0 running), so the random part
+//! reaches a running device; the shared memory may hold random bytes (rings and descriptors
+//! the device then reads).
 //!
 //! Oracle: every request that must be answered (the GET_* requests, and any request with
 //! NEED_REPLY once REPLY_ACK was negotiated) gets a reply for it, or the connection is
@@ -161,11 +164,50 @@ fn msg() -> impl Strategy<Value = Msg> {
 }
 
 /// A hostile session: messages, each with its flag bits (NEED_REPLY, odd version bits), and
-/// whether it ends with a header whose body never comes.
+/// whether it ends with a header whose body never comes. With `started`, a well-formed start
+/// comes first (features, REPLY_ACK, one region, queue 0 running), so the random part reaches
+/// a running device; `fill` seeds the bytes of the memory the front end shares (rings and
+/// descriptors the device then reads, garbage included).
 #[derive(Clone, Debug)]
 struct Session {
+    started: bool,
+    fill: Option<u64>,
     msgs: Vec<(Msg, u32)>,
     cut_short: Option<u32>,
+}
+
+/// A well-formed start: what QEMU's vhost-user-blk sends, queue 0 of 16 entries with its
+/// rings at offsets 0, 0x1000 and 0x2000 of the one region.
+fn start() -> Vec<(Msg, u32)> {
+    let good = Region {
+        gpa: 0,
+        size: 2,
+        uaddr: 0,
+        offset: 0,
+        raw: 0,
+    };
+    let at = |off: u64| Addr {
+        region: 0,
+        edge: 7,
+        raw: off,
+    };
+    [
+        Msg::SetOwner,
+        Msg::GetFeatures,
+        Msg::SetFeatures(PROTOCOL_FEATURES | features::VERSION_1 | features::RING_EVENT_IDX),
+        Msg::GetProtocol,
+        Msg::SetProtocol(REPLY_ACK | 0x200 | 0x1),
+        Msg::MemTable(vec![good], 0),
+        Msg::VringNum(0, 16),
+        Msg::VringBase(0, 0),
+        Msg::VringAddr(0, 0, [at(0), at(0x2000), at(0x1000)]),
+        Msg::VringFd(12, 0, false),
+        Msg::VringFd(13, 0, false),
+        Msg::VringEnable(0, 1),
+    ]
+    .into_iter()
+    .map(|m| (m, FLAG_VERSION | FLAG_NEED_REPLY))
+    .collect()
 }
 
 fn session() -> impl Strategy<Value = Session> {
@@ -175,13 +217,20 @@ fn session() -> impl Strategy<Value = Session> {
         1 => any::<u32>(),
     ];
     (
+        any::<bool>(),
+        prop::option::of(any::<u64>()),
         prop::collection::vec((msg(), flags), 1..24),
         prop::option::weighted(0.1, 1u32..5000),
     )
-        .prop_map(|(msgs, cut_short)| Session { msgs, cut_short })
+        .prop_map(|(started, fill, msgs, cut_short)| Session {
+            started,
+            fill,
+            msgs,
+            cut_short,
+        })
 }
 
-fn memfd() -> File {
+fn memfd(fill: Option<u64>) -> File {
     let name = std::ffi::CString::new("vhost-fuzz").unwrap();
     // SAFETY: memfd_create reads the NUL-terminated name; the fd it returns is ours.
     #[allow(clippy::undocumented_unsafe_blocks)]
@@ -191,6 +240,18 @@ fn memfd() -> File {
     #[allow(clippy::undocumented_unsafe_blocks)]
     let f = unsafe { File::from_raw_fd(fd) };
     f.set_len(MEMFD).unwrap();
+    if let Some(seed) = fill {
+        let mut x = seed | 1;
+        let bytes: Vec<u8> = (0..MEMFD)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect();
+        std::os::unix::fs::FileExt::write_all_at(&f, &bytes, 0).unwrap();
+    }
     f
 }
 
@@ -236,6 +297,7 @@ struct Hostile {
     got_features: bool,
     protocol: u64,
     kicks: Vec<EventFd>,
+    fill: Option<u64>,
     closed: bool,
     /// Requests sent whose answer the model does not require but the backend may give (e.g.
     /// request codes past those modelled): a reply to one of them may come first.
@@ -243,7 +305,7 @@ struct Hostile {
 }
 
 impl Hostile {
-    fn connect(path: &Path) -> Self {
+    fn connect(path: &Path, fill: Option<u64>) -> Self {
         let sock = UnixStream::connect(path).expect("the server accepts connections");
         sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         Self {
@@ -252,6 +314,7 @@ impl Hostile {
             got_features: false,
             protocol: 0,
             kicks: Vec::new(),
+            fill,
             closed: false,
             maybe: Vec::new(),
         }
@@ -272,7 +335,7 @@ impl Hostile {
             return a.raw;
         };
         let end = uaddr.wrapping_add(size);
-        match a.edge % 8 {
+        match a.edge % 9 {
             0 => uaddr,
             1 => end.wrapping_sub(1),
             2 => end.wrapping_sub(2),
@@ -280,6 +343,7 @@ impl Hostile {
             4 => end.wrapping_sub(16),
             5 => end,
             6 => end.wrapping_sub(0x1000),
+            7 => uaddr.wrapping_add(a.raw % size.max(1)),
             _ => a.raw,
         }
     }
@@ -303,7 +367,7 @@ impl Hostile {
             Msg::MemTable(rs, skew) => {
                 let mut b = le32(&[rs.len() as u32, 0]);
                 self.regions.clear();
-                let file = memfd();
+                let file = memfd(self.fill);
                 for (i, r) in rs.iter().enumerate() {
                     let reg = region(r, i, self.regions.last().copied());
                     self.regions.push(reg);
@@ -487,8 +551,12 @@ impl Server {
 fn run_case(server: &mut Server, s: &Session, case: u64) {
     let what = format!("case {case}");
     let connections = server.stats()["server"]["connections"].as_u64().unwrap();
-    let mut h = Hostile::connect(&server.sock);
-    for (i, (m, flags)) in s.msgs.iter().enumerate() {
+    let mut h = Hostile::connect(&server.sock, s.fill);
+    let prefix = if s.started { start() } else { Vec::new() };
+    for (i, (m, flags)) in prefix.iter().chain(&s.msgs).enumerate() {
+        if i == prefix.len() {
+            assert!(!h.closed, "{what}: the well-formed start was refused");
+        }
         if h.closed {
             break;
         }
