@@ -13,7 +13,9 @@
 //! 4 GiB address-space limit, so an allocation sized by a hostile field aborts the test
 //! instead of passing unnoticed.
 //!
-//! `BVM_FUZZ_CASES` (default 256) and `BVM_FUZZ_SEED` as for `blk_fuzz`
+//! A stack overflow aborts the process before proptest can record the case:
+//! `BVM_QCOW2_FUZZ_TRACE=1` prints each case (and keeps the last image as `last.qcow2` in the
+//! work directory) to find it. `BVM_FUZZ_CASES` (default 256) and `BVM_FUZZ_SEED` as for `blk_fuzz`
 //! ([`bounce::testing::fuzz_config`]); a longer run:
 //! `BVM_FUZZ_CASES=10000 BVM_FUZZ_SEED=random cargo test --release -p devices --test qcow2_fuzz`.
 
@@ -58,54 +60,70 @@ const FIELDS: [(usize, usize); 20] = [
 /// Base images: (name, bytes).
 type Bases = Vec<(String, Vec<u8>)>;
 
-/// The base images, made once (`None` without qemu-img).
+/// The base images, made once; `None` (reported as a skip for the calling test) without
+/// qemu-img.
 fn bases() -> Option<&'static [(String, Vec<u8>)]> {
     static BASES: OnceLock<Option<Bases>> = OnceLock::new();
-    BASES
-        .get_or_init(|| {
-            let qi = qemu_img()?;
-            let dir = workdir();
-            let raw = dir.join("data.raw");
-            let mut data = pattern(3, 1 << 20);
-            data[256 << 10..].fill(0);
-            std::fs::write(&raw, &data).unwrap();
-            let variants: [(&str, &[&str]); 6] = [
-                ("64k", &[]),
-                ("4k", &["-o", "cluster_size=4096"]),
-                ("512", &["-o", "cluster_size=512"]),
-                ("v2", &["-o", "compat=0.10"]),
-                (
-                    "rc1-lazy",
-                    &["-o", "refcount_bits=1,lazy_refcounts=on,cluster_size=4096"],
-                ),
-                (
-                    "backed",
-                    &["-b", "data.raw", "-F", "raw", "-o", "cluster_size=4096"],
-                ),
-            ];
-            let mut out = Vec::new();
-            for (name, opts) in variants {
-                let img = dir.join(format!("{name}.qcow2"));
-                let _ = std::fs::remove_file(&img);
-                if name == "backed" {
-                    run(Command::new(qi)
-                        .current_dir(&dir)
-                        .args(["create", "-q", "-f", "qcow2"])
-                        .args(opts)
-                        .arg(&img)
-                        .arg("1M"));
-                } else {
-                    run(Command::new(qi)
-                        .args(["convert", "-q", "-f", "raw", "-O", "qcow2"])
-                        .args(opts)
-                        .arg(&raw)
-                        .arg(&img));
-                }
-                out.push((name.to_string(), std::fs::read(&img).unwrap()));
-            }
-            Some(out)
-        })
-        .as_deref()
+    thread_local!(static REPORTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+    let b = BASES.get_or_init(make_bases).as_deref();
+    if b.is_none() && !REPORTED.replace(true) {
+        bounce::testing::missing(
+            bounce::testing::Resource::QemuImg,
+            "qemu-img is not installed (apt-get install qemu-utils)",
+        );
+    }
+    b
+}
+
+fn make_bases() -> Option<Bases> {
+    let qi = "qemu-img";
+    Command::new(qi)
+        .arg("--version")
+        .output()
+        .ok()?
+        .status
+        .success()
+        .then_some(())?;
+    let dir = workdir();
+    let raw = dir.join("data.raw");
+    let mut data = pattern(3, 1 << 20);
+    data[256 << 10..].fill(0);
+    std::fs::write(&raw, &data).unwrap();
+    let variants: [(&str, &[&str]); 6] = [
+        ("64k", &[]),
+        ("4k", &["-o", "cluster_size=4096"]),
+        ("512", &["-o", "cluster_size=512"]),
+        ("v2", &["-o", "compat=0.10"]),
+        (
+            "rc1-lazy",
+            &["-o", "refcount_bits=1,lazy_refcounts=on,cluster_size=4096"],
+        ),
+        (
+            "backed",
+            &["-b", "data.raw", "-F", "raw", "-o", "cluster_size=4096"],
+        ),
+    ];
+    let mut out = Vec::new();
+    for (name, opts) in variants {
+        let img = dir.join(format!("{name}.qcow2"));
+        let _ = std::fs::remove_file(&img);
+        if name == "backed" {
+            run(Command::new(qi)
+                .current_dir(&dir)
+                .args(["create", "-q", "-f", "qcow2"])
+                .args(opts)
+                .arg(&img)
+                .arg("1M"));
+        } else {
+            run(Command::new(qi)
+                .args(["convert", "-q", "-f", "raw", "-O", "qcow2"])
+                .args(opts)
+                .arg(&raw)
+                .arg(&img));
+        }
+        out.push((name.to_string(), std::fs::read(&img).unwrap()));
+    }
+    Some(out)
 }
 
 fn workdir() -> PathBuf {
