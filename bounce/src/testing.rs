@@ -10,6 +10,9 @@
 //! - `BVM_REQUIRE_RESOURCES` makes the same call a failure: `all`, or a comma list of
 //!   [`Resource::name`]s (`kvm,root,tun,qemu-img,kernel-trace,python3,dpdk`). `./tests/run` sets it
 //!   to `all` when `CI=true` (`.ci/run`), where every one of them is expected to exist.
+//!
+//! And the configuration every property-based fuzz target of the workspace runs with
+//! ([`fuzz_config`]): `BVM_FUZZ_CASES` and `BVM_FUZZ_SEED`.
 
 use std::io::Write;
 
@@ -101,6 +104,32 @@ pub fn qemu_img_available() -> bool {
         );
     }
     runs
+}
+
+/// The seed every fuzz target runs with unless `BVM_FUZZ_SEED` says otherwise.
+pub const FUZZ_SEED: u64 = 0x5eed_b10c;
+
+/// The proptest configuration of a fuzz target: `default_cases` cases (`BVM_FUZZ_CASES`
+/// overrides) from the fixed seed [`FUZZ_SEED`], so `./tests/run` runs the same cases every
+/// time; `BVM_FUZZ_SEED=N` picks another fixed seed, `BVM_FUZZ_SEED=random` a fresh one (long
+/// runs). Failures are written next to the test's source file
+/// (`<target>.proptest-regressions`) and replayed first on every later run.
+pub fn fuzz_config(default_cases: u32) -> proptest::test_runner::Config {
+    use proptest::test_runner::RngSeed;
+    let cases = std::env::var("BVM_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default_cases);
+    let rng_seed = match std::env::var("BVM_FUZZ_SEED").as_deref() {
+        Ok("random") => RngSeed::Random,
+        Ok(v) => RngSeed::Fixed(v.parse().unwrap_or(FUZZ_SEED)),
+        Err(_) => RngSeed::Fixed(FUZZ_SEED),
+    };
+    proptest::test_runner::Config {
+        cases,
+        rng_seed,
+        ..proptest::test_runner::Config::default()
+    }
 }
 
 #[cfg(test)]

@@ -123,21 +123,6 @@ fn memory_disk_read_write_all_dma_policies() {
     }
 }
 
-fn qemu_img() -> Option<&'static str> {
-    bounce::testing::qemu_img_available().then_some("qemu-img")
-}
-
-fn run(cmd: &mut Command) -> String {
-    let o = cmd.output().unwrap();
-    assert!(
-        o.status.success(),
-        "{cmd:?} failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
 /// `qemu-img check` passes on `path` and its guest-visible contents equal `model`.
 fn check_qcow2(qi: &str, path: &Path, model: &[u8], what: &str) {
     run(Command::new(qi).args(["check", "-q", "-U"]).arg(path));

@@ -18,67 +18,17 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use bounce::{BouncePool, Dma, Policy, PoolConfig};
+use bounce::Dma;
+use common::fuzz::{
+    assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets, Writable,
+};
 use common::*;
 use devices::block::{features as bf, req_type, status, BlockConfig, MemDisk};
-use devices::testing::{first_fit_pool, RawDesc, TestDriver, VRING_DESC_F_WRITE};
+use devices::testing::{RawDesc, TestDriver};
 use devices::virtio::features as vf;
 use proptest::prelude::*;
 
 const QSIZE: u16 = 16;
-
-/// Cases per property (BVM_FUZZ_CASES overrides).
-fn cases() -> u32 {
-    std::env::var("BVM_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(512)
-}
-
-/// The bounced configurations, built once per test thread (the two properties run in
-/// parallel; sharing pools would let one test's mappings show in the other's accounting):
-/// (name, pool). Index 0 of a case's `bounce` is `off`; 1.. pick these. A pool that does not
-/// build fails the test.
-fn pools() -> Vec<(&'static str, Arc<BouncePool>)> {
-    thread_local! {
-        static POOLS: Vec<(&'static str, Arc<BouncePool>)> = {
-            let mut areas = PoolConfig::swiotlb(4096);
-            areas.allocator = bounce::AllocatorKind::Areas;
-            let mut rcache = PoolConfig::iova(2048);
-            rcache.allocator = bounce::AllocatorKind::IovaRcache;
-            vec![
-                ("swiotlb/first-fit", first_fit_pool(&PoolConfig::swiotlb(4096))),
-                (
-                    "swiotlb/areas",
-                    Arc::new(BouncePool::new(&areas).expect("swiotlb areas pool")),
-                ),
-                (
-                    "iova/iova-rcache",
-                    Arc::new(BouncePool::new(&rcache).expect("iova rcache pool")),
-                ),
-            ]
-        };
-    }
-    POOLS.with(Clone::clone)
-}
-
-/// (name, DMA handle, pool) for `bounce` (0 = off).
-fn dma_for(bounce: u8) -> (&'static str, Dma, Option<Arc<BouncePool>>) {
-    let ps = pools();
-    match usize::from(bounce) % (ps.len() + 1) {
-        0 => ("off", Dma::direct(), None),
-        i => {
-            let (name, p) = &ps[i - 1];
-            (
-                *name,
-                Dma::bounced(Policy::Force, Arc::clone(p)),
-                Some(Arc::clone(p)),
-            )
-        }
-    }
-}
 
 /// A device with queue 0 of `qsize` entries, features offered minus `drop`.
 fn device(qsize: u16, drop: u64, dma: Dma) -> Blk<MemDisk> {
@@ -91,76 +41,6 @@ fn device(qsize: u16, drop: u64, dma: Dma) -> Blk<MemDisk> {
     drv.negotiate(!drop);
     drv.activate(qsize).expect("activate");
     Blk { drv }
-}
-
-/// Guest RAM from the first page to `hw` plus the last 64 KiB: what the canary check compares.
-fn snapshot(blk: &Blk<MemDisk>, hw: u64) -> (Vec<u8>, Vec<u8>) {
-    let end = blk.drv.ram.size();
-    (
-        blk.drv.ram.read(0x1000, (hw - 0x1000) as usize),
-        blk.drv.ram.read(end - 0x10000, 0x10000),
-    )
-}
-
-/// Asserts that every byte that changed between `before` and now lies in `allowed`
-/// (half-open guest ranges the device may write).
-fn assert_only_writable_changed(
-    blk: &Blk<MemDisk>,
-    hw: u64,
-    before: &(Vec<u8>, Vec<u8>),
-    allowed: &[(u64, u64)],
-    what: &str,
-) {
-    let after = snapshot(blk, hw);
-    let end = blk.drv.ram.size();
-    let ok = |a: u64| allowed.iter().any(|&(s, e)| s <= a && a < e);
-    for (base, b, a) in [
-        (0x1000, &before.0, &after.0),
-        (end - 0x10000, &before.1, &after.1),
-    ] {
-        for (i, (x, y)) in b.iter().zip(a.iter()).enumerate() {
-            let addr = base + i as u64;
-            assert!(
-                x == y || ok(addr),
-                "{what}: the device wrote guest RAM at {addr:#x} ({x:#04x} -> {y:#04x}), \
-                 outside every device-writable buffer"
-            );
-        }
-    }
-}
-
-/// Fills `addr..addr + len` with the canary byte.
-fn canary(blk: &Blk<MemDisk>, addr: u64, len: u64) {
-    blk.drv.ram.write(addr, &vec![0xa5; len as usize]);
-}
-
-#[derive(Clone, Debug)]
-struct FuzzDesc {
-    addr: u8,
-    off: u16,
-    len: u8,
-    raw_len: u32,
-    flags: u16,
-    next: u16,
-}
-
-fn fuzz_desc() -> impl Strategy<Value = FuzzDesc> {
-    (
-        any::<u8>(),
-        any::<u16>(),
-        any::<u8>(),
-        any::<u32>(),
-        0u16..8,
-        0u16..20,
-    )
-        .prop_map(|(addr, off, len, raw_len, flags, next)| FuzzDesc {
-            addr,
-            off,
-            len,
-            raw_len,
-            flags,
-            next,
-        })
 }
 
 #[derive(Clone, Debug)]
@@ -229,50 +109,17 @@ fn run_case(c: &Case) {
     let drop = [0, vf::RING_INDIRECT_DESC, vf::RING_EVENT_IDX][usize::from(c.features % 3)];
     let mut blk = device(qsize, drop, dma);
     let what = format!("{dname} qsize={qsize} drop={drop:#x}");
-    let end = blk.drv.ram.size();
-    // Areas the descriptors may point at: headers, a data area, the indirect table, the end of
-    // RAM, outside RAM, the top of the address space.
     let hdrs: Vec<u64> = c
         .headers
         .iter()
         .map(|&(t, s)| blk.drv.ram.alloc_bytes(&header(t, s)))
         .collect();
-    let data = blk.drv.ram.alloc(64 << 10, 4096);
-    canary(&blk, data, 64 << 10);
-    canary(&blk, end - 0x10000, 0x10000);
-    let table = blk.drv.ram.alloc(16 * c.indirect.len() as u64, 16);
-    let resolve = |f: &FuzzDesc| -> (u64, u32) {
-        let len = match f.len % 8 {
-            0 => 0,
-            1 => 1,
-            2 => 16,
-            3 => 512,
-            4 => 4096,
-            5 => 16 * c.indirect.len() as u32,
-            6 => u32::from(f.off),
-            _ => f.raw_len,
-        };
-        let addr = match f.addr % 8 {
-            0 | 1 => hdrs[usize::from(f.addr / 8) % hdrs.len()],
-            2 | 3 => data + u64::from(f.off % 0x8000),
-            4 => table,
-            5 => end - u64::from(f.off % 4096),
-            6 => end + u64::from(f.off),
-            _ => u64::MAX - u64::from(f.off),
-        };
-        (addr, len)
-    };
-    for (i, f) in c.indirect.iter().enumerate() {
-        let (addr, len) = resolve(f);
-        let mut e = [0u8; 16];
-        e[0..8].copy_from_slice(&addr.to_le_bytes());
-        e[8..12].copy_from_slice(&len.to_le_bytes());
-        e[12..14].copy_from_slice(&f.flags.to_le_bytes());
-        e[14..16].copy_from_slice(&f.next.to_le_bytes());
-        blk.drv.ram.write(table + 16 * i as u64, &e);
-    }
+    let tg = Targets::new(&mut blk.drv.ram, hdrs, c.indirect.len());
+    tg.write_table(&blk.drv.ram, &c.indirect);
+    let (hdrs, data) = (&tg.hdrs, tg.data);
+    let resolve = |f: &FuzzDesc| tg.resolve(f);
     let status_area = blk.drv.ram.alloc(64, 1);
-    canary(&blk, status_area, 64);
+    canary(&blk.drv.ram, status_area, 64);
     let mut descs: Vec<RawDesc> = Vec::new();
     let mut heads: Vec<u16> = c.heads.iter().map(|h| h % qsize).collect();
     if let Some(chains) = &c.structured {
@@ -339,14 +186,7 @@ fn run_case(c: &Case) {
     }
     // What the device may write: every write-flagged descriptor of the table (direct, and the
     // indirect table's), and the used ring.
-    let mut allowed: Vec<(u64, u64)> = Vec::new();
-    let mut writable_bytes = 0u64;
-    let mut note = |d: &RawDesc| {
-        if d.flags & VRING_DESC_F_WRITE != 0 {
-            allowed.push((d.addr, d.addr.saturating_add(u64::from(d.len))));
-            writable_bytes += u64::from(d.len);
-        }
-    };
+    let mut w = Writable::default();
     for (i, f) in c.table.iter().take(usize::from(qsize)).enumerate() {
         let (addr, len) = resolve(f);
         let d = descs.get(i).copied().unwrap_or(RawDesc {
@@ -355,24 +195,28 @@ fn run_case(c: &Case) {
             flags: f.flags,
             next: f.next,
         });
-        note(&d);
+        w.note(&d);
         blk.drv.vqs[0].write_desc(&blk.drv.ram, i as u16, d);
     }
     for f in &c.indirect {
         let (addr, len) = resolve(f);
-        note(&RawDesc {
+        w.note(&RawDesc {
             addr,
             len,
             flags: f.flags,
             next: f.next,
         });
     }
+    let Writable {
+        mut allowed,
+        bytes: writable_bytes,
+    } = w;
     let vq = &blk.drv.vqs[0];
     allowed.push((vq.used, vq.used + 6 + 8 * u64::from(qsize)));
     // The avail ring: the test (the driver) publishes into it between kicks.
     allowed.push((vq.avail, vq.avail + 6 + 2 * u64::from(qsize)));
     let hw = blk.drv.ram.alloc(1, 1);
-    let before = snapshot(&blk, hw);
+    let before = snapshot(&blk.drv.ram, hw);
     // The pools are shared by every case: count this case's slots only (a failed case, e.g.
     // while proptest shrinks, leaves its own behind).
     let used_before = pool.as_ref().map_or(0, |p| p.used());
@@ -425,7 +269,7 @@ fn run_case(c: &Case) {
             u.id
         );
     }
-    assert_only_writable_changed(&blk, hw, &before, &allowed, &what);
+    assert_only_writable_changed(&blk.drv.ram, hw, &before, &allowed, &what);
     if broken {
         blk.drv.reset();
         blk.drv
@@ -679,7 +523,7 @@ fn run_oracle(c: &OracleCase) {
                 break; // the ring is full: the rest of this batch goes to the next one
             }
             let p = blk.post(0, t, sector, &out, in_len, layout);
-            canary(&blk, p.din, u64::from(in_len));
+            canary(&blk.drv.ram, p.din, u64::from(in_len));
             if t == req_type::OUT && status_ == status::OK {
                 writes.push((sector as usize * 512, out.clone()));
             }
@@ -705,7 +549,7 @@ fn run_oracle(c: &OracleCase) {
         let vq = &blk.drv.vqs[0];
         allowed.push((vq.used, vq.used + 6 + 8 * u64::from(qsize)));
         let hw = blk.drv.ram.alloc(1, 1);
-        let before = snapshot(&blk, hw);
+        let before = snapshot(&blk.drv.ram, hw);
         blk.drv
             .kick(0)
             .expect("well-formed requests never break the device");
@@ -731,7 +575,7 @@ fn run_oracle(c: &OracleCase) {
                 e.head
             );
         }
-        assert_only_writable_changed(&blk, hw, &before, &allowed, &tag);
+        assert_only_writable_changed(&blk.drv.ram, hw, &before, &allowed, &tag);
         if c.spurious_kicks {
             blk.drv.kick(0).expect("spurious kick");
             assert!(
@@ -751,25 +595,8 @@ fn run_oracle(c: &OracleCase) {
     assert!(disk == model, "{what}: the disk differs from the model");
 }
 
-/// The suite runs a fixed seed (the same cases every time: ./tests/run is not a lottery);
-/// `BVM_FUZZ_SEED=N` picks another, `BVM_FUZZ_SEED=random` a fresh one (longer runs).
-fn seed() -> proptest::test_runner::RngSeed {
-    use proptest::test_runner::RngSeed;
-    match std::env::var("BVM_FUZZ_SEED").as_deref() {
-        Ok("random") => RngSeed::Random,
-        Ok(v) => v
-            .parse()
-            .map_or(RngSeed::Fixed(0x5eed_b10c), RngSeed::Fixed),
-        Err(_) => RngSeed::Fixed(0x5eed_b10c),
-    }
-}
-
 proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: cases(),
-        rng_seed: seed(),
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(bounce::testing::fuzz_config(512))]
     #[test]
     fn random_chains_never_panic_and_complete_once(c in case()) {
         run_case(&c);

@@ -21,7 +21,8 @@ use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
 use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::{
-    data_addr, poll_now, wait_fd, Driver, EchoDevice, CONFIG, EXTRA_TOKEN, MEM_SIZE, QSIZE,
+    blk_request, blk_session, blk_status, block_pattern, data_addr, poll_now, wait_fd, wait_used,
+    Driver, EchoDevice, BATCH, BLK_DATA, BLK_IN, BLK_OUT, CONFIG, EXTRA_TOKEN, MEM_SIZE, QSIZE,
 };
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
@@ -483,83 +484,6 @@ fn a_device_with_more_queues_than_vhost_user_serves_is_refused_up_front() {
     assert!(Server::bind("echo", EchoDevice::new(64), &path).is_ok());
 }
 
-/// Guest memory used by the block requests of the disconnect test (above the rings and the
-/// echo buffers): 16-byte headers, status bytes, 4 KiB data buffers.
-const BLK_HDRS: u64 = 0x30_0000;
-const BLK_STATUS: u64 = 0x30_8000;
-const BLK_DATA: u64 = 0x31_0000;
-const BLK_IN: u32 = 0;
-const BLK_OUT: u32 = 1;
-/// Requests per batch: 3 descriptors each in a 16-entry table.
-const BATCH: u16 = 5;
-
-/// The 4 KiB written at `sector` in generation `generation`.
-fn block_pattern(sector: u64, generation: u8) -> Vec<u8> {
-    (0..4096u64)
-        .map(|i| (sector.wrapping_mul(31).wrapping_add(i) as u8) ^ generation)
-        .collect()
-}
-
-/// Posts a 4 KiB IN or OUT request in request slot `slot` (descriptors 3 slot..3 slot + 2);
-/// its status byte starts as 0xff (untouched).
-fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Option<&[u8]>) -> u16 {
-    let hdr = BLK_HDRS + u64::from(slot) * 16;
-    let status = BLK_STATUS + u64::from(slot);
-    let buf = BLK_DATA + u64::from(slot) * 4096;
-    d.mem.write_obj(kind, GuestAddress(hdr)).unwrap();
-    d.mem.write_obj(0u32, GuestAddress(hdr + 4)).unwrap();
-    d.mem.write_obj(sector, GuestAddress(hdr + 8)).unwrap();
-    d.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
-    match data {
-        Some(bytes) => d.mem.write_slice(bytes, GuestAddress(buf)).unwrap(),
-        None => d.mem.write_slice(&[0u8; 4096], GuestAddress(buf)).unwrap(),
-    }
-    d.post_descs(
-        0,
-        3 * slot,
-        &[
-            (hdr, 16, false),
-            (buf, 4096, kind == BLK_IN),
-            (status, 1, true),
-        ],
-    )
-}
-
-fn blk_status(d: &Driver, slot: u16) -> u8 {
-    d.mem
-        .read_obj(GuestAddress(BLK_STATUS + u64::from(slot)))
-        .unwrap()
-}
-
-/// Waits for `n` used entries on queue 0; returns their heads.
-fn wait_used(d: &mut Driver, n: usize) -> Vec<u16> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let mut heads = Vec::new();
-    while heads.len() < n {
-        match d.next_used(0) {
-            Some((id, _)) => heads.push(u16::try_from(id).unwrap()),
-            None => {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "only {heads:?} completed"
-                );
-                d.wait_call(0, Duration::from_millis(50));
-            }
-        }
-    }
-    heads
-}
-
-/// Connects and starts a block device the way QEMU's vhost-user-blk does.
-fn blk_session(path: &Path) -> Driver {
-    let mut d = Driver::connect(path, 1);
-    let offered = d.handshake().unwrap();
-    d.set_features(offered & WANTED).unwrap();
-    d.setup_rings(1).unwrap();
-    d.frontend.set_vring_enable(0, true).unwrap();
-    d
-}
-
 #[test]
 fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_slot() {
     // Issue 11 item 16, issue 14 item 10: the real block device with bounce forced; the
@@ -579,7 +503,7 @@ fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_sl
     let (path, stats_path, server, stop) = start_server_with_stats("midio.sock", device);
 
     // Session 1: a batch acknowledged, then a batch in flight when the frontend vanishes.
-    let mut d = blk_session(&path);
+    let mut d = blk_session(&path, WANTED);
     let sector = |batch: u16, slot: u16| u64::from(batch * BATCH + slot) * 8;
     for slot in 0..BATCH {
         let data = block_pattern(sector(0, slot), 1);
@@ -624,7 +548,7 @@ fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_sl
     drop(d);
 
     // Session 2: everything acknowledged reads back intact; the backend serves on.
-    let mut d = blk_session(&path);
+    let mut d = blk_session(&path, WANTED);
     let mut expect: Vec<(u64, Vec<u8>)> = (0..BATCH)
         .map(|slot| (sector(0, slot), block_pattern(sector(0, slot), 1)))
         .collect();

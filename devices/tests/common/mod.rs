@@ -2,6 +2,8 @@
 //! test driver.
 #![allow(dead_code)]
 
+pub mod fuzz;
+
 use bounce::Dma;
 use devices::block::{req_type, status, Block, BlockConfig, Disk};
 use devices::testing::{Buf, TestDriver};
@@ -364,4 +366,21 @@ impl<D: Disk> Disk for ProbeDisk<D> {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
+}
+
+/// `qemu-img`, or `None` after reporting it missing.
+pub fn qemu_img() -> Option<&'static str> {
+    bounce::testing::qemu_img_available().then_some("qemu-img")
+}
+
+/// Runs `cmd`, which must succeed; returns its stdout.
+pub fn run(cmd: &mut std::process::Command) -> String {
+    let o = cmd.output().unwrap();
+    assert!(
+        o.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
 }

@@ -39,7 +39,9 @@ use std::thread::{self, JoinHandle};
 use serde::Serialize;
 
 use super::report::Report;
-use vhost::vhost_user::message::{FrontendReq, VhostUserVirtioFeatures, MAX_ATTACHED_FD_ENTRIES};
+use vhost::vhost_user::message::{
+    FrontendReq, VhostUserProtocolFeatures, VhostUserVirtioFeatures, MAX_ATTACHED_FD_ENTRIES,
+};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 /// Size of a vhost-user message header (request, flags, size; little-endian u32s).
@@ -248,6 +250,13 @@ struct Sequencer {
     num_queues: u32,
     /// True once `SET_FEATURES` went through (until a reset).
     features_set: bool,
+    /// REPLY_ACK was acknowledged (`SET_PROTOCOL_FEATURES`) and the features asked for
+    /// (`GET_FEATURES`; the backend always offers PROTOCOL_FEATURES): only then does a request
+    /// with NEED_REPLY get an ack, as the `vhost` crate decides for the backend's own replies.
+    /// An unasked-for reply would be taken by the frontend as the answer to its next request
+    /// (found by `tests/vhost_fuzz.rs`).
+    reply_ack: bool,
+    features_asked: bool,
     /// Early `SET_VRING_ENABLE` values by queue index (indexes below `num_queues`, values 0
     /// or 1: at most `num_queues` entries).
     held: BTreeMap<u32, u32>,
@@ -274,6 +283,8 @@ enum Action {
 }
 
 const SET_FEATURES: u32 = FrontendReq::SET_FEATURES as u32;
+const SET_PROTOCOL_FEATURES: u32 = FrontendReq::SET_PROTOCOL_FEATURES as u32;
+const GET_FEATURES: u32 = FrontendReq::GET_FEATURES as u32;
 const SET_VRING_ENABLE: u32 = FrontendReq::SET_VRING_ENABLE as u32;
 const RESET_OWNER: u32 = FrontendReq::RESET_OWNER as u32;
 const RESET_DEVICE: u32 = FrontendReq::RESET_DEVICE as u32;
@@ -291,8 +302,15 @@ impl Sequencer {
             report,
             num_queues: u32::try_from(num_queues).unwrap_or(u32::MAX),
             features_set: false,
+            reply_ack: false,
+            features_asked: false,
             held: BTreeMap::new(),
         }
+    }
+
+    /// Whether NEED_REPLY gets an ack.
+    fn acks(&self) -> bool {
+        self.reply_ack && self.features_asked
     }
 
     fn on_message(&mut self, msg: Message, stats: &AtomicStats) -> Action {
@@ -302,7 +320,7 @@ impl Sequencer {
                     // Malformed: let the backend's dispatcher reject it.
                     return Action::Forward(vec![msg]);
                 };
-                let need_reply = msg.flags & FLAG_NEED_REPLY != 0;
+                let need_reply = msg.flags & FLAG_NEED_REPLY != 0 && self.acks();
                 if index >= self.num_queues || num > 1 {
                     // What the backend refuses once features are set: refused now too, and
                     // never held.
@@ -375,11 +393,21 @@ impl Sequencer {
                     Some(v) => self.report.set_status((v & 0xff) as u8),
                     None => tracing::warn!("SET_STATUS without a status: ignored"),
                 }
-                if msg.flags & FLAG_NEED_REPLY != 0 {
+                if msg.flags & FLAG_NEED_REPLY != 0 && self.acks() {
                     Action::Reply(u64_reply(msg.request, 0))
                 } else {
                     Action::Nothing
                 }
+            }
+            GET_FEATURES => {
+                self.features_asked = true;
+                Action::Forward(vec![msg])
+            }
+            SET_PROTOCOL_FEATURES => {
+                self.reply_ack = msg
+                    .body_u64()
+                    .is_some_and(|f| f & VhostUserProtocolFeatures::REPLY_ACK.bits() != 0);
+                Action::Forward(vec![msg])
             }
             GET_STATUS => Action::Reply(u64_reply(msg.request, u64::from(self.report.status()))),
             RESET_OWNER | RESET_DEVICE => {
@@ -584,10 +612,30 @@ mod tests {
         assert_eq!((s.early_enables_held, s.early_enables_replayed), (3, 2));
     }
 
+    /// GET_FEATURES, then SET_PROTOCOL_FEATURES acknowledging REPLY_ACK.
+    fn ack_reply_ack(seq: &mut Sequencer, st: &AtomicStats) {
+        let get = Message::new(GET_FEATURES, FLAG_VERSION, vec![]);
+        assert!(matches!(seq.on_message(get, st), Action::Forward(v) if v.len() == 1));
+        let bits = VhostUserProtocolFeatures::REPLY_ACK.bits();
+        let m = Message::new(
+            SET_PROTOCOL_FEATURES,
+            FLAG_VERSION,
+            bits.to_le_bytes().to_vec(),
+        );
+        assert!(matches!(seq.on_message(m, st), Action::Forward(v) if v.len() == 1));
+    }
+
     #[test]
     fn early_enable_needing_a_reply_is_acknowledged_by_the_relay() {
         let st = AtomicStats::default();
         let mut seq = Sequencer::new(4, Arc::new(Report::new(4)));
+        // Without REPLY_ACK acknowledged, NEED_REPLY asks for nothing (found by vhost_fuzz:
+        // the frontend took the unasked-for ack as the answer to its next request).
+        assert!(matches!(
+            seq.on_message(enable(0, 1, FLAG_VERSION | FLAG_NEED_REPLY), &st),
+            Action::Nothing
+        ));
+        ack_reply_ack(&mut seq, &st);
         let Action::Reply(r) = seq.on_message(enable(0, 1, FLAG_VERSION | FLAG_NEED_REPLY), &st)
         else {
             panic!("a reply was requested");
@@ -618,6 +666,7 @@ mod tests {
         // and acknowledged as a success.
         let st = AtomicStats::default();
         let mut seq = Sequencer::new(2, Arc::new(Report::new(2)));
+        ack_reply_ack(&mut seq, &st);
         let need = FLAG_VERSION | FLAG_NEED_REPLY;
         for (index, num) in [(2, 1), (4000, 1), (u32::MAX, 0), (0, 2), (1, u32::MAX)] {
             let Action::Reply(r) = seq.on_message(enable(index, num, need), &st) else {
@@ -645,6 +694,7 @@ mod tests {
         let report = Arc::new(Report::new(2));
         let st = AtomicStats::default();
         let mut seq = Sequencer::new(2, report.clone());
+        ack_reply_ack(&mut seq, &st);
         // A socket stands in for the eventfd: the 8 bytes written come out of the other end.
         let (ev, theirs) = UnixStream::pair().unwrap();
         let mut m = Message::new(SET_VRING_ERR, FLAG_VERSION, 1u64.to_le_bytes().to_vec());

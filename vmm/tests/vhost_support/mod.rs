@@ -560,3 +560,79 @@ pub fn poll_now(fd: RawFd) -> i16 {
         0
     }
 }
+
+/// Guest memory used by block requests (above the rings and the echo buffers): 16-byte headers, status bytes, 4 KiB data buffers.
+pub const BLK_HDRS: u64 = 0x30_0000;
+pub const BLK_STATUS: u64 = 0x30_8000;
+pub const BLK_DATA: u64 = 0x31_0000;
+pub const BLK_IN: u32 = 0;
+pub const BLK_OUT: u32 = 1;
+/// Requests per batch: 3 descriptors each in a 16-entry table.
+pub const BATCH: u16 = 5;
+
+/// The 4 KiB written at `sector` in generation `generation`.
+pub fn block_pattern(sector: u64, generation: u8) -> Vec<u8> {
+    (0..4096u64)
+        .map(|i| (sector.wrapping_mul(31).wrapping_add(i) as u8) ^ generation)
+        .collect()
+}
+
+/// Posts a 4 KiB IN or OUT request in request slot `slot` (descriptors 3 slot..3 slot + 2);
+/// its status byte starts as 0xff (untouched).
+pub fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Option<&[u8]>) -> u16 {
+    let hdr = BLK_HDRS + u64::from(slot) * 16;
+    let status = BLK_STATUS + u64::from(slot);
+    let buf = BLK_DATA + u64::from(slot) * 4096;
+    d.mem.write_obj(kind, GuestAddress(hdr)).unwrap();
+    d.mem.write_obj(0u32, GuestAddress(hdr + 4)).unwrap();
+    d.mem.write_obj(sector, GuestAddress(hdr + 8)).unwrap();
+    d.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
+    match data {
+        Some(bytes) => d.mem.write_slice(bytes, GuestAddress(buf)).unwrap(),
+        None => d.mem.write_slice(&[0u8; 4096], GuestAddress(buf)).unwrap(),
+    }
+    d.post_descs(
+        0,
+        3 * slot,
+        &[
+            (hdr, 16, false),
+            (buf, 4096, kind == BLK_IN),
+            (status, 1, true),
+        ],
+    )
+}
+
+pub fn blk_status(d: &Driver, slot: u16) -> u8 {
+    d.mem
+        .read_obj(GuestAddress(BLK_STATUS + u64::from(slot)))
+        .unwrap()
+}
+
+/// Waits for `n` used entries on queue 0; returns their heads.
+pub fn wait_used(d: &mut Driver, n: usize) -> Vec<u16> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut heads = Vec::new();
+    while heads.len() < n {
+        match d.next_used(0) {
+            Some((id, _)) => heads.push(u16::try_from(id).unwrap()),
+            None => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "only {heads:?} completed"
+                );
+                d.wait_call(0, Duration::from_millis(50));
+            }
+        }
+    }
+    heads
+}
+
+/// Connects and starts a block device the way QEMU's vhost-user-blk does.
+pub fn blk_session(path: &Path, wanted: u64) -> Driver {
+    let mut d = Driver::connect(path, 1);
+    let offered = d.handshake().unwrap();
+    d.set_features(offered & wanted).unwrap();
+    d.setup_rings(1).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d
+}
