@@ -264,12 +264,16 @@ fn bad_usage_and_missing_prerequisites_are_one_line_and_distinct_statuses() {
             "{e}"
         );
     }
-    // Guest level has no net driver: said, not run.
+    // A guest-level net preset without python3 on PATH (the rig-1 driver): said, not run.
     let o = Command::new(BIN)
-        .args(["seed-2015-iova", "--level", "guest"])
+        .args(["seed-2015-iova", "--level", "guest", "--vhost", VHOST])
+        .env("PATH", "/nonexistent")
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(3), "{o:?}");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    assert!(e.contains("python3"), "{e}");
 }
 
 #[test]

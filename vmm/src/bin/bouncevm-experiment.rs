@@ -27,7 +27,7 @@ struct Cli {
     /// The seed table to rerun.
     #[arg(value_enum)]
     preset: PresetName,
-    /// host: device paths at host speed (load generator, DPDK); guest: fio in a rig-1 guest.
+    /// host: device paths at host speed (load generator, DPDK); guest: fio or iperf3 in a rig-1 guest.
     #[arg(long, value_enum, default_value = "host")]
     level: Level,
     /// Fewer cells and short samples (for CI: checks that everything runs, not the figures).

@@ -1,9 +1,13 @@
-//! Guest-level block samples: fio 4 KiB random reads in a rig-1 guest (QEMU TCG) whose disk is
-//! served by `bouncevm-vhost blk` with the cell's bounce setting, through
-//! `tests/e2e/experiment_guest.py` (the rig-1 harness boots the guest, runs fio and reads the
-//! backend's statistics socket). One guest at a time; each sample boots its own guest. The
-//! guest image's fio job is a random read, so sequential patterns run as random reads here
-//! (the table says so).
+//! Guest-level samples through `tests/e2e/experiment_guest.py` (the rig-1 harness boots the
+//! guest, runs the workload and reads the backend's statistics socket). One guest at a time;
+//! each sample boots its own guest (QEMU TCG: the guest is the bottleneck, so these confirm
+//! the path end to end, they do not rank allocators).
+//! - Block: fio random reads on a disk served by `bouncevm-vhost blk` with the cell's bounce
+//!   setting. The guest image's fio job is a random read, so sequential patterns run as random
+//!   reads here (the table says so).
+//! - Net ([`Workload::Iperf3`]): iperf3 from the guest to a server in a network namespace
+//!   created for the sample, through `bouncevm-vhost net` on a tap in that namespace; the
+//!   image's iperf3 test then runs host -> guest too, so the pool's statistics cover both.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -48,48 +52,69 @@ impl GuestDriver {
         })
     }
 
-    /// One guest boot running fio for `dur` (at least 2 s).
+    /// One guest boot running `w` (fio or iperf3) for `dur` (at least 2 s).
     ///
     /// # Errors
     /// [`Error::Missing`] when the rig cannot run here, [`Error::Run`] when the guest fails.
     pub fn measure(&mut self, w: &Workload, dur: Duration) -> Result<Sample> {
-        let Workload::Block {
-            bounce,
-            bs,
-            iodepth,
-            numjobs,
-            queues,
-            ..
-        } = w
-        else {
-            return Err(Error::Run("not a block workload".into()));
-        };
         let runtime = dur.as_secs().max(2);
+        let mode_args: Vec<String> = match w {
+            Workload::Block {
+                bounce,
+                bs,
+                iodepth,
+                numjobs,
+                queues,
+                ..
+            } => vec![
+                "--mode".into(),
+                "blk".into(),
+                "--bounce".into(),
+                bounce.clone(),
+                "--bs".into(),
+                bs.to_string(),
+                "--iodepth".into(),
+                iodepth.to_string(),
+                "--numjobs".into(),
+                numjobs.to_string(),
+                "--queues".into(),
+                queues.to_string(),
+            ],
+            Workload::Iperf3 {
+                bounce,
+                queues,
+                parallel,
+            } => vec![
+                "--mode".into(),
+                "net".into(),
+                "--bounce".into(),
+                bounce.clone(),
+                "--queues".into(),
+                queues.to_string(),
+                "--parallel".into(),
+                parallel.to_string(),
+            ],
+            _ => return Err(Error::Run("not a guest-level workload".into())),
+        };
         let out = self.work.path("guest.json");
         let _ = std::fs::remove_file(&out);
-        let argv: Vec<OsString> = vec![
+        let mut argv: Vec<OsString> = vec![
             self.python.clone().into(),
             self.script.clone().into(),
             "--vhost".into(),
             self.vhost.clone().into(),
-            "--bounce".into(),
-            bounce.into(),
-            "--bs".into(),
-            bs.to_string().into(),
-            "--iodepth".into(),
-            iodepth.to_string().into(),
-            "--numjobs".into(),
-            numjobs.to_string().into(),
-            "--queues".into(),
-            queues.to_string().into(),
+        ];
+        argv.extend(mode_args.into_iter().map(OsString::from));
+        argv.extend([
             "--runtime".into(),
             runtime.to_string().into(),
             "--out".into(),
             out.clone().into(),
-        ];
+        ]);
         let log = self.work.path("guest.log");
         let mut p = Child::spawn("experiment_guest.py", &argv, &log, None, Duration::ZERO)?;
-        let limit = Duration::from_secs(120 + 2 * runtime);
+        // iperf3 runs both ways, one after the other.
+        let limit = Duration::from_secs(120 + 4 * runtime);
         if !p.wait_exit(limit) {
             p.stop();
             return Err(Error::Run(format!(
@@ -110,22 +135,38 @@ impl GuestDriver {
                 });
             }
         };
-        let iops = v
-            .get("iops")
-            .and_then(serde_json::Value::as_f64)
-            .unwrap_or(0.0);
-        if iops <= 0.0 {
-            return Err(Error::Run(format!("the rig-1 guest reported no IOPS: {v}")));
-        }
+        let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
         let mut m = BTreeMap::new();
-        m.insert("iops".into(), iops);
-        m.insert("mbps".into(), iops * f64::from(*bs) / 1e6);
+        // The I/Os the pool's lock wait is divided by: requests, or frames both ways.
+        let ios = match w {
+            Workload::Block { bs, .. } => {
+                let iops = f("iops").unwrap_or(0.0);
+                if iops <= 0.0 {
+                    return Err(Error::Run(format!("the rig-1 guest reported no IOPS: {v}")));
+                }
+                m.insert("iops".into(), iops);
+                m.insert("mbps".into(), iops * f64::from(*bs) / 1e6);
+                f("ios").unwrap_or(0.0)
+            }
+            _ => {
+                let gbps = f("gbps").unwrap_or(0.0);
+                if gbps <= 0.0 {
+                    return Err(Error::Run(format!(
+                        "the rig-1 guest reported no iperf3 throughput: {v}"
+                    )));
+                }
+                m.insert("gbps".into(), gbps);
+                if let Some(rx) = f("rx_gbps") {
+                    m.insert("rx_gbps".into(), rx);
+                }
+                ["tx_frames", "rx_frames"]
+                    .iter()
+                    .filter_map(|k| v.pointer(&format!("/device/net/{k}"))?.as_f64())
+                    .sum()
+            }
+        };
         let pool = v.get("bounce").cloned().filter(|p| !p.is_null());
         if let Some(p) = &pool {
-            let ios = v
-                .get("ios")
-                .and_then(serde_json::Value::as_f64)
-                .unwrap_or(0.0);
             pool_metrics(p, ios, &mut m);
         }
         Ok(Sample {

@@ -15,8 +15,8 @@
 //! - [`net`]: `bouncevm-vhost net` on a tap inside a network namespace created for the sample,
 //!   driven by DPDK's `virtio_user` front end (`dpdk-testpmd`, txonly).
 //! - [`mapcost`]: the bounce library's own map/unmap cost per frame size.
-//! - [`guest`]: fio in a rig-1 guest (QEMU TCG + `bouncevm-vhost blk`) through
-//!   `tests/e2e/experiment_guest.py`.
+//! - [`guest`]: fio (block presets) or iperf3 (net presets) in a rig-1 guest (QEMU TCG +
+//!   `bouncevm-vhost blk` or `net`) through `tests/e2e/experiment_guest.py`.
 //!
 //! [`output`] writes the Markdown table, the JSON (machine metadata, every sample, the pool's
 //! statistics per sample) and the SVG chart. Progress, Ctrl-C and metadata come from
@@ -110,7 +110,8 @@ impl PresetName {
 pub enum Level {
     /// Device paths at host speed: the load generator or DPDK drives the backend directly.
     Host,
-    /// fio in a rig-1 guest (QEMU TCG) on the backend: end-to-end confirmation, slower.
+    /// fio or iperf3 in a rig-1 guest (QEMU TCG) on the backend: end-to-end confirmation,
+    /// slower.
     Guest,
 }
 
@@ -143,6 +144,16 @@ pub enum Workload {
         /// Frame size in bytes.
         frame: u32,
     },
+    /// `bouncevm-vhost net` with `bounce` on `queues` queue pairs, iperf3 with `parallel`
+    /// flows from a rig-1 guest to the host (guest level only).
+    Iperf3 {
+        /// The backend's `--bounce` options.
+        bounce: String,
+        /// Queue pairs.
+        queues: u16,
+        /// iperf3 -P.
+        parallel: u16,
+    },
     /// map + unmap of `size` bytes to the device through a pool of the bounce library.
     MapCost {
         /// Pool semantics ("swiotlb" or "iova").
@@ -161,6 +172,8 @@ impl Workload {
             Self::Block { numjobs, .. } => usize::from(*numjobs),
             // testpmd busy-polls one core on top of the backend's queue threads.
             Self::Net { queues, .. } => usize::from(*queues) + 1,
+            // The backend's queue-pair workers are the pool's concurrent users.
+            Self::Iperf3 { queues, .. } => usize::from(*queues),
             Self::MapCost { .. } => 1,
         }
     }
@@ -462,6 +475,7 @@ impl Drivers {
         let has = |f: fn(&Workload) -> bool| plan.cells.iter().any(|c| f(&c.workload));
         let blk = has(|w| matches!(w, Workload::Block { .. }));
         let net = has(|w| matches!(w, Workload::Net { .. }));
+        let iperf3 = has(|w| matches!(w, Workload::Iperf3 { .. }));
         let mut d = Self {
             level: settings.level,
             seconds: settings.seconds,
@@ -480,12 +494,12 @@ impl Drivers {
             }
             Level::Guest => {
                 if net {
-                    return Err(Error::Missing(format!(
-                        "{}: --level guest runs the block presets (fio in a rig-1 guest); the net presets run at --level host (DPDK virtio_user), or through tests/e2e/bench.py for iperf3 in a guest",
+                    return Err(Error::Run(format!(
+                        "{}: the plan has DPDK rows at guest level",
                         plan.preset.name()
                     )));
                 }
-                if blk {
+                if blk || iperf3 {
                     d.guest = Some(guest::GuestDriver::new(
                         &settings.repo,
                         &settings.vhost,
@@ -508,7 +522,7 @@ impl Drivers {
                 .as_mut()
                 .ok_or_else(|| Error::Run("no block driver".into()))?
                 .measure(w, dur),
-            (Workload::Block { .. }, Level::Guest) => self
+            (Workload::Block { .. }, Level::Guest) | (Workload::Iperf3 { .. }, _) => self
                 .guest
                 .as_mut()
                 .ok_or_else(|| Error::Run("no guest driver".into()))?
