@@ -73,7 +73,7 @@ pub struct UringEngine<D: Disk> {
     disk: Arc<D>,
     fd: RawFd,
     eventfd: EventFd,
-    slots: Vec<Option<Inflight>>,
+    entries: Vec<Option<Inflight>>,
     /// Iovec arrays of finished ops, reused by the next ones (no allocation per request).
     spare_iovecs: Vec<SpareIovecs>,
     /// Completions of one reap pass (kept to reuse its storage).
@@ -136,7 +136,7 @@ impl<D: Disk> UringEngine<D> {
             disk,
             fd,
             eventfd,
-            slots: Vec::new(),
+            entries: Vec::new(),
             spare_iovecs: Vec::new(),
             cqes: Vec::new(),
             free: Vec::new(),
@@ -150,9 +150,9 @@ impl<D: Disk> UringEngine<D> {
         })
     }
 
-    /// Builds the next SQE of the op in `slot` for its current stage.
-    fn prepare(&mut self, slot: usize) {
-        let Some(e) = self.slots[slot].as_ref() else {
+    /// Builds the next SQE of the op in `entry` for its current stage.
+    fn prepare(&mut self, entry: usize) {
+        let Some(e) = self.entries[entry].as_ref() else {
             return;
         };
         let fd = types::Fd(self.fd);
@@ -200,12 +200,12 @@ impl<D: Disk> UringEngine<D> {
                     .build()
             }
         };
-        self.backlog.push_back(sqe.user_data(slot as u64));
+        self.backlog.push_back(sqe.user_data(entry as u64));
     }
 
-    fn finish(&mut self, slot: usize, result: io::Result<u64>) {
-        if let Some(mut e) = self.slots[slot].take() {
-            self.free.push(slot);
+    fn finish(&mut self, entry: usize, result: io::Result<u64>) {
+        if let Some(mut e) = self.entries[entry].take() {
+            self.free.push(entry);
             self.ops -= 1;
             self.ready.push(IoDone { tag: e.tag, result });
             e.iovecs.clear();
@@ -218,33 +218,33 @@ impl<D: Disk> UringEngine<D> {
     }
 
     /// After the data or range stages: sync when asked, else done.
-    fn after_data(&mut self, slot: usize, fua: bool, done: u64) {
+    fn after_data(&mut self, entry: usize, fua: bool, done: u64) {
         if fua {
-            if let Some(e) = self.slots[slot].as_mut() {
+            if let Some(e) = self.entries[entry].as_mut() {
                 e.stage = Stage::Sync;
             }
-            self.prepare(slot);
+            self.prepare(entry);
         } else {
-            self.finish(slot, Ok(done));
+            self.finish(entry, Ok(done));
         }
     }
 
-    /// Moves the op in `slot` on by one completion with result `res`.
-    fn complete(&mut self, slot: usize, res: i32) {
-        let Some(e) = self.slots.get_mut(slot).and_then(Option::as_mut) else {
-            tracing::warn!("io_uring: completion for unknown slot {slot}");
+    /// Moves the op in `entry` on by one completion with result `res`.
+    fn complete(&mut self, entry: usize, res: i32) {
+        let Some(e) = self.entries.get_mut(entry).and_then(Option::as_mut) else {
+            tracing::warn!("io_uring: completion for unknown entry {entry}");
             return;
         };
         if res == -libc::EINTR || res == -libc::EAGAIN {
             self.stats.resubmitted.fetch_add(1, Ordering::Relaxed);
-            self.prepare(slot);
+            self.prepare(entry);
             return;
         }
         let stage = e.stage;
         match stage {
             Stage::Data => {
                 if res < 0 {
-                    return self.finish(slot, Err(io::Error::from_raw_os_error(-res)));
+                    return self.finish(entry, Err(io::Error::from_raw_os_error(-res)));
                 }
                 // res >= 0 here.
                 let mut n = res as usize;
@@ -270,10 +270,10 @@ impl<D: Disk> UringEngine<D> {
                     if res == 0 {
                         // End of file: a read returns what it got, a write cannot go on.
                         return if read {
-                            self.finish(slot, Ok(done))
+                            self.finish(entry, Ok(done))
                         } else {
                             self.finish(
-                                slot,
+                                entry,
                                 Err(io::Error::new(
                                     io::ErrorKind::WriteZero,
                                     "write took no bytes",
@@ -282,48 +282,48 @@ impl<D: Disk> UringEngine<D> {
                         };
                     }
                     self.stats.resubmitted.fetch_add(1, Ordering::Relaxed);
-                    return self.prepare(slot);
+                    return self.prepare(entry);
                 }
-                self.after_data(slot, fua, done);
+                self.after_data(entry, fua, done);
             }
             Stage::Sync => {
                 let done = e.done;
                 if res < 0 {
-                    self.finish(slot, Err(io::Error::from_raw_os_error(-res)))
+                    self.finish(entry, Err(io::Error::from_raw_os_error(-res)))
                 } else {
-                    self.finish(slot, Ok(done))
+                    self.finish(entry, Ok(done))
                 }
             }
             Stage::Range(i) => {
                 let (ranges, fua, zeroes) = match &e.op {
                     IoOp::Discard { ranges, fua } => (ranges, *fua, false),
                     IoOp::WriteZeroes { ranges, fua } => (ranges, *fua, true),
-                    _ => return self.finish(slot, Ok(0)),
+                    _ => return self.finish(entry, Ok(0)),
                 };
                 let r = ranges[i];
                 let nranges = ranges.len();
                 if res < 0 {
                     let unsupported = res == -libc::EOPNOTSUPP || res == -libc::ENOSYS;
                     if !unsupported {
-                        return self.finish(slot, Err(io::Error::from_raw_os_error(-res)));
+                        return self.finish(entry, Err(io::Error::from_raw_os_error(-res)));
                     }
                     if zeroes {
                         // No fallocate mode for it: write the zeros the blocking way (rare:
                         // every Linux file system with O_DIRECT has ZERO_RANGE or holes).
                         if let Err(err) = self.disk.write_zeroes(r.offset, r.len, r.unmap) {
-                            return self.finish(slot, Err(err));
+                            return self.finish(entry, Err(err));
                         }
                     }
                     // A discard is a hint: a file system that cannot punch holes keeps the
                     // blocks, and the request still succeeds.
                 }
-                if let Some(e) = self.slots[slot].as_mut() {
+                if let Some(e) = self.entries[entry].as_mut() {
                     if i + 1 < nranges {
                         e.stage = Stage::Range(i + 1);
-                        return self.prepare(slot);
+                        return self.prepare(entry);
                     }
                 }
-                self.after_data(slot, fua, 0);
+                self.after_data(entry, fua, 0);
             }
         }
     }
@@ -337,8 +337,8 @@ impl<D: Disk> UringEngine<D> {
                 break;
             };
             // SAFETY: every pointer in the SQE (iovec arrays, buffers) stays valid until its
-            // completion: iovec arrays live in `self.slots` (their heap storage does not move
-            // when the slot vector grows), buffers by the submit contract.
+            // completion: iovec arrays live in `self.entries` (their heap storage does not move
+            // when the entry vector grows), buffers by the submit contract.
             if unsafe { sq.push(sqe) }.is_err() {
                 break;
             }
@@ -377,11 +377,11 @@ impl<D: Disk> IoEngine for UringEngine<D> {
                 | IoOp::Discard { fua: true, .. }
                 | IoOp::WriteZeroes { fua: true, .. }
         );
-        let slot = self.free.pop().unwrap_or_else(|| {
-            self.slots.push(None);
-            self.slots.len() - 1
+        let entry = self.free.pop().unwrap_or_else(|| {
+            self.entries.push(None);
+            self.entries.len() - 1
         });
-        self.slots[slot] = Some(Inflight {
+        self.entries[entry] = Some(Inflight {
             tag,
             op,
             iovecs,
@@ -392,9 +392,9 @@ impl<D: Disk> IoEngine for UringEngine<D> {
         self.ops += 1;
         self.stats.note_submit(self.ops);
         if empty {
-            self.after_data(slot, fua, 0);
+            self.after_data(entry, fua, 0);
         } else {
-            self.prepare(slot);
+            self.prepare(entry);
         }
     }
 
@@ -441,8 +441,8 @@ impl<D: Disk> IoEngine for UringEngine<D> {
                 break;
             }
             self.in_kernel = self.in_kernel.saturating_sub(cqes.len());
-            for &(slot, res) in &cqes {
-                self.complete(slot, res);
+            for &(entry, res) in &cqes {
+                self.complete(entry, res);
             }
         }
         self.cqes = cqes;
