@@ -16,8 +16,9 @@
 //! Oracle: every request that must be answered (the GET_* requests, and any request with
 //! NEED_REPLY once REPLY_ACK was negotiated) gets a reply for it, or the connection is
 //! closed, within 5 s; a GET_FEATURES sent at the end is answered or the connection closed
-//! within 5 s; the server process is still alive; and a well-formed front end connecting next
-//! writes and reads back 4 KiB.
+//! within 5 s; the server process is still alive; a well-formed front end connecting next
+//! writes and reads back 4 KiB; and the server's open descriptors (`/proc/PID/fd`, checked
+//! every 32 cases and at the end) stay within 16 of their count after the first case.
 //!
 //! `BVM_FUZZ_CASES` (default 48) and `BVM_FUZZ_SEED` as for the other fuzz targets
 //! ([`bounce::testing::fuzz_config`]); a longer run:
