@@ -29,7 +29,7 @@
 //! it lazily after a stop.
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -176,6 +176,11 @@ pub struct VhostUserDevice<D> {
     backend_req: Mutex<Option<Backend>>,
     /// Broken workers reported to the frontend (shared with the relay).
     report: Arc<Report>,
+    /// The exit-event consumers handed to `vhost-user-backend` ([`VhostUserBackend::exit_event`]):
+    /// it registers each on its epoll fd through `into_raw_fd` and never closes it, one
+    /// eventfd per epoll thread per daemon. [`VhostUserDevice::take_exit_consumers`] gives them
+    /// to whoever drops the daemon (the server closes them).
+    exit_consumers: Mutex<Vec<RawFd>>,
     counters: Counters,
 }
 
@@ -259,6 +264,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             event_idx: AtomicBool::new(false),
             backend_req: Mutex::default(),
             report: Arc::new(Report::new(num_queues)),
+            exit_consumers: Mutex::default(),
             counters: Counters::default(),
         }
     }
@@ -266,6 +272,13 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
     /// Error reporting of this connection (give it to the relay).
     pub fn report(&self) -> Arc<Report> {
         self.report.clone()
+    }
+
+    /// The exit-event consumer fds given to the daemon so far, forgotten here: the daemon
+    /// leaves them open. Close them once the daemon has been dropped (its epoll threads
+    /// joined), never before: an epoll thread waits on them to exit.
+    pub fn take_exit_consumers(&self) -> Vec<RawFd> {
+        std::mem::take(&mut *lock(&self.exit_consumers))
     }
 
     /// The number of queues offered to the frontend (`GET_QUEUE_NUM`).
@@ -657,7 +670,10 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         match new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC) {
-            Ok(pair) => Some(pair),
+            Ok(pair) => {
+                lock(&self.exit_consumers).push(pair.0.as_raw_fd());
+                Some(pair)
+            }
             Err(e) => {
                 tracing::error!("creating an exit event: {e}");
                 None

@@ -451,13 +451,18 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         tracing::info!("frontend connected (connection {n})");
         let adapter = Arc::new(VhostUserDevice::shared(self.device.clone()));
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
-        let mut daemon = VhostUserDaemon::new(self.name.clone(), adapter.clone(), mem)
-            .map_err(|e| io::Error::other(format!("creating the daemon: {e}")))?;
+        let mut daemon = match VhostUserDaemon::new(self.name.clone(), adapter.clone(), mem) {
+            Ok(d) => d,
+            Err(e) => {
+                close_exit_consumers(&adapter);
+                return Err(io::Error::other(format!("creating the daemon: {e}")));
+            }
+        };
         adapter.attach(daemon.get_epoll_handlers());
         let backend = match connect_daemon(&mut daemon, n) {
             Ok(b) => b,
             Err(e) => {
-                exit_daemon(&daemon, &adapter);
+                end_daemon(daemon, &adapter);
                 return Err(e);
             }
         };
@@ -469,7 +474,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         ) {
             Ok(r) => r,
             Err(e) => {
-                exit_daemon(&daemon, &adapter);
+                end_daemon(daemon, &adapter);
                 return Err(e);
             }
         };
@@ -483,7 +488,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
             .spawn(move || {
                 let result = daemon.wait();
                 let stats = relay.join();
-                exit_daemon(&daemon, &session_adapter);
+                end_daemon(daemon, &session_adapter);
                 match result {
                     Ok(())
                     | Err(DaemonError::HandleRequest(
@@ -521,15 +526,35 @@ impl<D> Drop for Server<D> {
     }
 }
 
-/// Tells the daemon's epoll threads to exit and resets the adapter's device.
-fn exit_daemon<D: VirtioDevice<Memory> + 'static>(
-    daemon: &VhostUserDaemon<Arc<VhostUserDevice<D>>>,
+/// Ends a session's daemon: tells its epoll threads to exit, resets the adapter's device
+/// (which drops the adapter's references to the epoll handlers), drops the daemon (its drop
+/// joins the epoll threads) and closes the exit events `vhost-user-backend` leaves open.
+fn end_daemon<D: VirtioDevice<Memory> + 'static>(
+    daemon: VhostUserDaemon<Arc<VhostUserDevice<D>>>,
     adapter: &VhostUserDevice<D>,
 ) {
     for h in daemon.get_epoll_handlers() {
         h.send_exit_event();
     }
     adapter.detach();
+    drop(daemon);
+    close_exit_consumers(adapter);
+}
+
+/// Closes the exit-event consumers the adapter gave its (dropped) daemon.
+///
+/// `vhost-user-backend` 0.24 registers each on its epoll fd with `into_raw_fd` and never
+/// closes it: one eventfd per epoll thread per connection stayed open, and after some
+/// thousands of connections (a front end reconnecting, or a hostile one) the server had no
+/// descriptors left and refused every new one (found by `tests/vhost_fuzz.rs`).
+fn close_exit_consumers<D: VirtioDevice<Memory> + 'static>(adapter: &VhostUserDevice<D>) {
+    for fd in adapter.take_exit_consumers() {
+        // SAFETY: `fd` is an eventfd vhost-user-backend took with `into_raw_fd` and keeps no
+        // copy of (it only passed the number to `epoll_ctl`); it is taken from the adapter once,
+        // so nothing else owns or closes it. Should an epoll thread still be waiting, its
+        // handler's notifier (a duplicate of the same eventfd) keeps the registration alive.
+        drop(unsafe { OwnedFd::from_raw_fd(fd) });
+    }
 }
 
 /// Connects the daemon's request handler to a private socket and returns our end.
