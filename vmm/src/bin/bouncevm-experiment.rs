@@ -94,19 +94,9 @@ fn settings(cli: &Cli) -> Result<Settings, String> {
 }
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli: Cli = match vmm::parse_args("bouncevm-experiment", " (see --help)") {
         Ok(c) => c,
-        Err(e) if !e.use_stderr() => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!(
-                "bouncevm-experiment: error: {} (see --help)",
-                vmm::clap_error_line(&e)
-            );
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     vmm::init_logging("warn");
     let s = match settings(&cli) {
