@@ -26,6 +26,7 @@
 
 mod common;
 
+use bounce::BouncePool;
 use common::fuzz::{
     assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets, Writable,
 };
@@ -446,6 +447,62 @@ fn delta(before: &serde_json::Value, after: &serde_json::Value, names: &[&str]) 
         .sum()
 }
 
+/// After a reset (and the same features again), a good frame goes out and one comes in on the
+/// first pair; no bounce slot is held beyond the `used_before` the case started with.
+fn check_after_reset(
+    drv: &mut TestDriver<Net>,
+    backends: &[MemBackend],
+    pool: Option<&BouncePool>,
+    acked: u64,
+    qsize: u16,
+    used_before: usize,
+    what: &str,
+) {
+    let (rxq, txq) = (0u16, 1u16);
+    drv.reset();
+    drv.negotiate(acked);
+    drv.activate(qsize).expect("reactivate");
+    if let Some(p) = pool {
+        assert_eq!(p.used(), used_before, "{what}: bounce slots leaked");
+    }
+    backends[0].state().rx.clear();
+    let _ = backends[0].take_sent();
+    let good = {
+        let mut v = VnetHeader::default().to_bytes().to_vec();
+        v.extend(payload(7, 100));
+        v
+    };
+    let a = drv.ram.alloc_bytes(&good);
+    drv.post(txq, &[Buf::ro(a, good.len() as u32)]).unwrap();
+    drv.kick(txq).unwrap();
+    assert_eq!(drv.reap(txq).len(), 1, "{what}: good TX");
+    assert_eq!(backends[0].take_sent(), vec![good.clone()], "{what}");
+    let b = drv.ram.alloc(4096, 64);
+    let head = drv.post(rxq, &[Buf::wo(b, 4096)]).unwrap();
+    drv.kick(rxq).unwrap();
+    backends[0].inject(good.clone());
+    let w = drv.owner(rxq).unwrap();
+    drv.fd_event(w, TOKEN_BACKEND).unwrap();
+    let used = drv.reap(rxq);
+    assert_eq!(
+        used,
+        vec![Used {
+            id: u32::from(head),
+            len: good.len() as u32
+        }],
+        "{what}: good RX"
+    );
+    assert_eq!(
+        drv.ram.read(b + VNET_HDR_LEN as u64, 100),
+        good[VNET_HDR_LEN..],
+        "{what}"
+    );
+    drv.reset();
+    if let Some(p) = pool {
+        assert_eq!(p.used(), used_before, "{what}: bounce slots leaked");
+    }
+}
+
 fn run_case(c: &NetCase) {
     let (dname, dma, pool) = dma_for(c.bounce);
     let qsize = 1u16 << (1 + c.qsize_log2 % 4); // 2..16
@@ -808,49 +865,15 @@ fn run_case(c: &NetCase) {
         }
     }
 
-    // ---- After a reset, a good frame goes out and one comes in; every slot came back.
-    drv.reset();
-    drv.negotiate(acked);
-    drv.activate(qsize).expect("reactivate");
-    if let Some(p) = &pool {
-        assert_eq!(p.used(), used_before, "{what}: bounce slots leaked");
-    }
-    backends[0].state().rx.clear();
-    let _ = backends[0].take_sent();
-    let good = {
-        let mut v = VnetHeader::default().to_bytes().to_vec();
-        v.extend(payload(7, 100));
-        v
-    };
-    let a = drv.ram.alloc_bytes(&good);
-    drv.post(txq, &[Buf::ro(a, good.len() as u32)]).unwrap();
-    drv.kick(txq).unwrap();
-    assert_eq!(drv.reap(txq).len(), 1, "{what}: good TX");
-    assert_eq!(backends[0].take_sent(), vec![good.clone()], "{what}");
-    let b = drv.ram.alloc(4096, 64);
-    let head = drv.post(rxq, &[Buf::wo(b, 4096)]).unwrap();
-    drv.kick(rxq).unwrap();
-    backends[0].inject(good.clone());
-    let w = drv.owner(rxq).unwrap();
-    drv.fd_event(w, TOKEN_BACKEND).unwrap();
-    let used = drv.reap(rxq);
-    assert_eq!(
-        used,
-        vec![Used {
-            id: u32::from(head),
-            len: good.len() as u32
-        }],
-        "{what}: good RX"
+    check_after_reset(
+        &mut drv,
+        &backends,
+        pool.as_deref(),
+        acked,
+        qsize,
+        used_before,
+        &what,
     );
-    assert_eq!(
-        drv.ram.read(b + VNET_HDR_LEN as u64, 100),
-        good[VNET_HDR_LEN..],
-        "{what}"
-    );
-    drv.reset();
-    if let Some(p) = &pool {
-        assert_eq!(p.used(), used_before, "{what}: bounce slots leaked");
-    }
 }
 
 proptest! {
