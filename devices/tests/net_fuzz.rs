@@ -503,6 +503,128 @@ fn check_after_reset(
     }
 }
 
+/// Where the control stage's commands are: `cmd_bytes[i]` at `tg.hdrs[first + i]`, and a
+/// 64-byte ack area at `acks`.
+struct CtrlTargets<'a> {
+    tg: &'a Targets,
+    first: usize,
+    cmd_bytes: &'a [Vec<u8>],
+    acks: u64,
+}
+
+/// The control stage's chains: each a command cut in `pieces` readable descriptors followed
+/// by its one-byte writable ack.
+fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<RawDesc>> {
+    c.ctrl
+        .structured
+        .iter()
+        .flat_map(|s| s.chains.iter())
+        .enumerate()
+        .map(|(k, &(pieces, _))| {
+            let i = k % t.cmd_bytes.len();
+            let (a, len) = (t.tg.hdrs[t.first + i], t.cmd_bytes[i].len() as u32);
+            let n = u32::from(pieces).min(len).max(1);
+            let mut v: Vec<RawDesc> = (0..n)
+                .map(|j| {
+                    let (s, e) = (len * j / n, len * (j + 1) / n);
+                    RawDesc {
+                        addr: a + u64::from(s),
+                        len: e - s,
+                        flags: 0,
+                        next: 0,
+                    }
+                })
+                .collect();
+            v.push(RawDesc {
+                addr: t.acks + (k as u64 % 64),
+                len: 1,
+                flags: VRING_DESC_F_WRITE,
+                next: 0,
+            });
+            v
+        })
+        .collect()
+}
+
+/// Control queue: hostile chains of commands (in pieces, each with a one-byte ack); every
+/// completion is counted, the pairs in use stay in range, and untouched well-formed commands
+/// get the documented ack.
+fn check_ctrl(
+    drv: &mut TestDriver<Net>,
+    c: &NetCase,
+    t: &CtrlTargets,
+    ctrlq: u16,
+    qsize: u16,
+    kicks: usize,
+    what: &str,
+) {
+    let pairs = u16::from(c.pairs);
+    let acked = drv.acked();
+    let ctrl_chains = ctrl_chains(c, t);
+    let laid = write_queue(drv, ctrlq, qsize, &c.ctrl, &ctrl_chains, t.tg, &c.indirect);
+    let mut allowed = laid.allowed.clone();
+    allowed.push((t.acks, t.acks + 64));
+    let hw = drv.ram.alloc(1, 1);
+    let before = snapshot(&drv.ram, hw);
+    let m0 = counters(&drv.device);
+    let used = publish_and_run(drv, ctrlq, &laid.heads, kicks, what, |_| {});
+    let tag = format!("{what} CTRL");
+    check_heads(&used, &laid.heads, true, &tag);
+    assert_only_writable_changed(&drv.ram, hw, &before, &allowed, &tag);
+    let m1 = counters(&drv.device);
+    assert_eq!(
+        delta(&m0, &m1, &["ctrl_ok", "ctrl_err", "ctrl_bad_chains"]),
+        used.len() as u64,
+        "{tag}: every completion is counted: {m1}"
+    );
+    assert!(used.iter().all(|u| u.len <= 1), "{tag}: {used:?}");
+    let active = drv.device.active_pairs();
+    assert!(
+        (1..=pairs).contains(&active),
+        "{tag}: {active} pairs active"
+    );
+    // Untouched well-formed commands get the documented ack (the last of a head
+    // published twice wins; heads are distinct here).
+    for (head, k) in &laid.intact {
+        // The command as it is in guest RAM now: the RX stage may have written over it
+        // (a writable RX descriptor may point at it).
+        let i = k % c.cmds.len();
+        let n = t.cmd_bytes[i].len();
+        let now = drv.ram.read(t.tg.hdrs[t.first + i], n);
+        let m = Cmd {
+            class: now[0],
+            cmd: now[1],
+            data: now[2..].to_vec(),
+        };
+        let u = used.iter().find(|u| u.id == u32::from(*head));
+        let u = u.unwrap_or_else(|| panic!("{tag}: head {head} did not complete"));
+        if n > 2 + 2 * (4 + 6 * 4096) {
+            // Over the command limit: refused as a bad chain, no ack.
+            assert_eq!(u.len, 0, "{tag}: head {head} ({} bytes)", n);
+            continue;
+        }
+        let want = match (m.class, m.cmd) {
+            (CLASS_RX, 0..=5) if m.data.len() == 1 => OK,
+            (CLASS_MAC, 0) => OK,
+            (CLASS_MQ, 0) if acked & nf::MQ != 0 && m.data.len() == 2 => {
+                let p = u16::from_le_bytes([m.data[0], m.data[1]]);
+                if (1..=pairs).contains(&p) {
+                    OK
+                } else {
+                    ERR
+                }
+            }
+            _ => ERR,
+        };
+        assert_eq!(u.len, 1, "{tag}: head {head} ({m:?})");
+        assert_eq!(
+            drv.ram.read(t.acks + (*k as u64 % 64), 1)[0],
+            want,
+            "{tag}: ack of {m:?}"
+        );
+    }
+}
+
 fn run_case(c: &NetCase) {
     let (dname, dma, pool) = dma_for(c.bounce);
     let qsize = 1u16 << (1 + c.qsize_log2 % 4); // 2..16
@@ -769,100 +891,14 @@ fn run_case(c: &NetCase) {
         }
     }
 
-    // ---- Control queue.
     if ctrl {
-        let ctrl_chains: Vec<Vec<RawDesc>> = c
-            .ctrl
-            .structured
-            .iter()
-            .flat_map(|s| s.chains.iter())
-            .enumerate()
-            .map(|(k, &(pieces, _))| {
-                let i = k % cmd_bytes.len();
-                let (a, len) = (tg.hdrs[tx_frames.len() + i], cmd_bytes[i].len() as u32);
-                let n = u32::from(pieces).min(len).max(1);
-                let mut v: Vec<RawDesc> = (0..n)
-                    .map(|j| {
-                        let (s, e) = (len * j / n, len * (j + 1) / n);
-                        RawDesc {
-                            addr: a + u64::from(s),
-                            len: e - s,
-                            flags: 0,
-                            next: 0,
-                        }
-                    })
-                    .collect();
-                v.push(RawDesc {
-                    addr: acks + (k as u64 % 64),
-                    len: 1,
-                    flags: VRING_DESC_F_WRITE,
-                    next: 0,
-                });
-                v
-            })
-            .collect();
-        let laid = write_queue(&drv, ctrlq, qsize, &c.ctrl, &ctrl_chains, &tg, &c.indirect);
-        let mut allowed = laid.allowed.clone();
-        allowed.push((acks, acks + 64));
-        let hw = drv.ram.alloc(1, 1);
-        let before = snapshot(&drv.ram, hw);
-        let m0 = counters(&drv.device);
-        let used = publish_and_run(&mut drv, ctrlq, &laid.heads, kicks, &what, |_| {});
-        let tag = format!("{what} CTRL");
-        check_heads(&used, &laid.heads, true, &tag);
-        assert_only_writable_changed(&drv.ram, hw, &before, &allowed, &tag);
-        let m1 = counters(&drv.device);
-        assert_eq!(
-            delta(&m0, &m1, &["ctrl_ok", "ctrl_err", "ctrl_bad_chains"]),
-            used.len() as u64,
-            "{tag}: every completion is counted: {m1}"
-        );
-        assert!(used.iter().all(|u| u.len <= 1), "{tag}: {used:?}");
-        let active = drv.device.active_pairs();
-        assert!(
-            (1..=pairs).contains(&active),
-            "{tag}: {active} pairs active"
-        );
-        // Untouched well-formed commands get the documented ack (the last of a head
-        // published twice wins; heads are distinct here).
-        for (head, k) in &laid.intact {
-            // The command as it is in guest RAM now: the RX stage may have written over it
-            // (a writable RX descriptor may point at it).
-            let i = k % c.cmds.len();
-            let n = cmd_bytes[i].len();
-            let now = drv.ram.read(tg.hdrs[tx_frames.len() + i], n);
-            let m = Cmd {
-                class: now[0],
-                cmd: now[1],
-                data: now[2..].to_vec(),
-            };
-            let u = used.iter().find(|u| u.id == u32::from(*head));
-            let u = u.unwrap_or_else(|| panic!("{tag}: head {head} did not complete"));
-            if n > 2 + 2 * (4 + 6 * 4096) {
-                // Over the command limit: refused as a bad chain, no ack.
-                assert_eq!(u.len, 0, "{tag}: head {head} ({} bytes)", n);
-                continue;
-            }
-            let want = match (m.class, m.cmd) {
-                (CLASS_RX, 0..=5) if m.data.len() == 1 => OK,
-                (CLASS_MAC, 0) => OK,
-                (CLASS_MQ, 0) if acked & nf::MQ != 0 && m.data.len() == 2 => {
-                    let p = u16::from_le_bytes([m.data[0], m.data[1]]);
-                    if (1..=pairs).contains(&p) {
-                        OK
-                    } else {
-                        ERR
-                    }
-                }
-                _ => ERR,
-            };
-            assert_eq!(u.len, 1, "{tag}: head {head} ({m:?})");
-            assert_eq!(
-                drv.ram.read(acks + (*k as u64 % 64), 1)[0],
-                want,
-                "{tag}: ack of {m:?}"
-            );
-        }
+        let t = CtrlTargets {
+            tg: &tg,
+            first: tx_frames.len(),
+            cmd_bytes: &cmd_bytes,
+            acks,
+        };
+        check_ctrl(&mut drv, c, &t, ctrlq, qsize, kicks, &what);
     }
 
     check_after_reset(
