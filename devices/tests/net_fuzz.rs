@@ -625,75 +625,26 @@ fn check_ctrl(
     }
 }
 
-fn run_case(c: &NetCase) {
-    let (dname, dma, pool) = dma_for(c.bounce);
-    let qsize = 1u16 << (1 + c.qsize_log2 % 4); // 2..16
-    let pairs = u16::from(c.pairs);
-    let backends: Vec<MemBackend> = (0..pairs).map(|_| MemBackend::new().unwrap()).collect();
-    let config = NetConfig {
-        queue_pairs: pairs,
-        ..NetConfig::default()
-    };
-    let dev = Net::new(
-        config,
-        backends
-            .iter()
-            .map(|b| Box::new(b.clone()) as Box<dyn NetBackend>)
-            .collect(),
-        dma,
-    )
-    .expect("device");
-    let mut drv = TestDriver::new(dev, RAM);
-    let drop: u64 = DROPPABLE
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| c.drop & (1 << i) != 0)
-        .map(|(_, &f)| f)
-        .sum();
-    drv.negotiate(!drop);
-    if drv.activate(qsize).is_err() {
-        // A feature set the device refuses (e.g. GUEST_TSO4 without GUEST_CSUM): a driver
-        // would fail FEATURES_OK; carry on with every feature.
-        drv.reset();
-        drv.negotiate(u64::MAX);
-        drv.activate(qsize).expect("activate with every feature");
-    }
+/// How many times each stage kicks its queue (1 to 3).
+fn kicks(c: &NetCase) -> usize {
+    1 + usize::from(c.kicks % 3)
+}
+
+/// TX: hostile chains of header + frame in pieces; every completion is a frame sent or a
+/// counted drop, only frames with an acceptable header reach `backend`, and untouched
+/// well-formed chains are sent.
+fn check_tx(
+    drv: &mut TestDriver<Net>,
+    c: &NetCase,
+    tg: &Targets,
+    tx_frames: &[Vec<u8>],
+    backend: &MemBackend,
+    qsize: u16,
+    what: &str,
+) {
+    let txq = 1u16;
     let acked = drv.acked();
-    let what = format!("{dname} qsize={qsize} pairs={pairs} acked={acked:#x}");
-    let used_before = pool.as_ref().map_or(0, |p| p.used());
-    // The control queue follows the pairs in use: queue 2 without MQ (virtio 1.2 5.1.2).
-    let ctrlq = if acked & nf::MQ != 0 { 2 * pairs } else { 2 };
-    let (rxq, txq) = (0u16, 1u16);
-    let ctrl = acked & nf::CTRL_VQ != 0;
-
-    // Targets: TX headers (each followed by its frame), control commands, then the rest.
-    let tx_frames: Vec<Vec<u8>> = c
-        .tx_hdrs
-        .iter()
-        .map(|(h, n)| {
-            let mut v = h.vnet().to_bytes().to_vec();
-            v.extend(payload(*n, usize::from(*n % 2048)));
-            v
-        })
-        .collect();
-    let cmd_bytes: Vec<Vec<u8>> = c
-        .cmds
-        .iter()
-        .map(|m| {
-            let mut v = vec![m.class, m.cmd];
-            v.extend_from_slice(&m.data);
-            v
-        })
-        .collect();
-    let mut hdrs: Vec<u64> = tx_frames.iter().map(|f| drv.ram.alloc_bytes(f)).collect();
-    hdrs.extend(cmd_bytes.iter().map(|b| drv.ram.alloc_bytes(b)));
-    let tg = Targets::new(&mut drv.ram, hdrs, c.indirect.len());
-    tg.write_table(&drv.ram, &c.indirect);
-    let acks = drv.ram.alloc(64, 1);
-    canary(&drv.ram, acks, 64);
-    let kicks = 1 + usize::from(c.kicks % 3);
-
-    // ---- TX: header + frame in pieces.
+    let kicks = kicks(c);
     let tx_chains: Vec<Vec<RawDesc>> =
         c.tx.structured
             .iter()
@@ -716,18 +667,18 @@ fn run_case(c: &NetCase) {
                     .collect()
             })
             .collect();
-    let laid = write_queue(&drv, txq, qsize, &c.tx, &tx_chains, &tg, &c.indirect);
-    let tx_allowed = rings(&drv, txq);
+    let laid = write_queue(drv, txq, qsize, &c.tx, &tx_chains, tg, &c.indirect);
+    let tx_allowed = rings(drv, txq);
     let hw = drv.ram.alloc(1, 1);
     let before = snapshot(&drv.ram, hw);
     let m0 = counters(&drv.device);
-    let used = publish_and_run(&mut drv, txq, &laid.heads, kicks, &what, |_| {});
+    let used = publish_and_run(drv, txq, &laid.heads, kicks, what, |_| {});
     let tag = format!("{what} TX");
     check_heads(&used, &laid.heads, true, &tag);
     assert!(used.iter().all(|u| u.len == 0), "{tag}: {used:?}");
     assert_only_writable_changed(&drv.ram, hw, &before, &tx_allowed, &tag);
     let m1 = counters(&drv.device);
-    let sent = backends[0].take_sent();
+    let sent = backend.take_sent();
     assert_eq!(delta(&m0, &m1, &["tx_frames"]), sent.len() as u64, "{tag}");
     assert_eq!(
         delta(
@@ -768,6 +719,77 @@ fn run_case(c: &NetCase) {
             "{tag}: the well-formed frame of head {head} was not sent"
         );
     }
+}
+
+fn run_case(c: &NetCase) {
+    let (dname, dma, pool) = dma_for(c.bounce);
+    let qsize = 1u16 << (1 + c.qsize_log2 % 4); // 2..16
+    let pairs = u16::from(c.pairs);
+    let backends: Vec<MemBackend> = (0..pairs).map(|_| MemBackend::new().unwrap()).collect();
+    let config = NetConfig {
+        queue_pairs: pairs,
+        ..NetConfig::default()
+    };
+    let dev = Net::new(
+        config,
+        backends
+            .iter()
+            .map(|b| Box::new(b.clone()) as Box<dyn NetBackend>)
+            .collect(),
+        dma,
+    )
+    .expect("device");
+    let mut drv = TestDriver::new(dev, RAM);
+    let drop: u64 = DROPPABLE
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| c.drop & (1 << i) != 0)
+        .map(|(_, &f)| f)
+        .sum();
+    drv.negotiate(!drop);
+    if drv.activate(qsize).is_err() {
+        // A feature set the device refuses (e.g. GUEST_TSO4 without GUEST_CSUM): a driver
+        // would fail FEATURES_OK; carry on with every feature.
+        drv.reset();
+        drv.negotiate(u64::MAX);
+        drv.activate(qsize).expect("activate with every feature");
+    }
+    let acked = drv.acked();
+    let what = format!("{dname} qsize={qsize} pairs={pairs} acked={acked:#x}");
+    let used_before = pool.as_ref().map_or(0, |p| p.used());
+    // The control queue follows the pairs in use: queue 2 without MQ (virtio 1.2 5.1.2).
+    let ctrlq = if acked & nf::MQ != 0 { 2 * pairs } else { 2 };
+    let rxq = 0u16;
+    let ctrl = acked & nf::CTRL_VQ != 0;
+
+    // Targets: TX headers (each followed by its frame), control commands, then the rest.
+    let tx_frames: Vec<Vec<u8>> = c
+        .tx_hdrs
+        .iter()
+        .map(|(h, n)| {
+            let mut v = h.vnet().to_bytes().to_vec();
+            v.extend(payload(*n, usize::from(*n % 2048)));
+            v
+        })
+        .collect();
+    let cmd_bytes: Vec<Vec<u8>> = c
+        .cmds
+        .iter()
+        .map(|m| {
+            let mut v = vec![m.class, m.cmd];
+            v.extend_from_slice(&m.data);
+            v
+        })
+        .collect();
+    let mut hdrs: Vec<u64> = tx_frames.iter().map(|f| drv.ram.alloc_bytes(f)).collect();
+    hdrs.extend(cmd_bytes.iter().map(|b| drv.ram.alloc_bytes(b)));
+    let tg = Targets::new(&mut drv.ram, hdrs, c.indirect.len());
+    tg.write_table(&drv.ram, &c.indirect);
+    let acks = drv.ram.alloc(64, 1);
+    canary(&drv.ram, acks, 64);
+    let kicks = kicks(c);
+
+    check_tx(&mut drv, c, &tg, &tx_frames, &backends[0], qsize, &what);
 
     // ---- RX: writable buffers of awkward sizes; frames injected.
     let sizes = [1u32, 11, 12, 13, 64, 1526, 4096, 65_562];
