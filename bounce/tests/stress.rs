@@ -21,6 +21,80 @@ fn iterations() -> usize {
         .unwrap_or(4000)
 }
 
+/// One stress thread `t`: random maps (claiming their slots in `occupied` and filling their
+/// device buffers), checked unmaps (the device buffer kept, the copy back delivered) and, at the
+/// end, unmaps of what is still live. Returns how many maps found the pool full.
+fn hammer(
+    kind: AllocatorKind,
+    pool: &BouncePool,
+    occupied: &Arc<Vec<AtomicBool>>,
+    t: usize,
+) -> usize {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed + t as u64);
+    // Each thread owns a private original buffer.
+    let base = 0x1_0000_0000u64 * (t as u64 + 1);
+    let mut orig = vec![0u8; 1 << 20];
+    let mut live = Vec::new();
+    let mut full = 0usize;
+    for i in 0..iterations() {
+        let mem = HostMemory::new(base, &mut orig);
+        if live.len() < 6 && rng.gen_bool(0.6) {
+            let size = match rng.gen_range(0..4) {
+                0 => rng.gen_range(1..2048),
+                1 => 4096,
+                2 => rng.gen_range(4096..40_000),
+                _ => rng.gen_range(40_000..200_000),
+            };
+            let off = rng.gen_range(0..(1 << 20) - size) as u64;
+            let req = MapRequest::new(base + off, size, Direction::FromDevice).worker(t);
+            match pool.map(&mem, &req) {
+                Ok(m) => {
+                    for s in m.slot..m.slot + m.nslots {
+                        assert!(
+                            !occupied[s].swap(true, Ordering::AcqRel),
+                            "{kind}: slot {s} handed out twice"
+                        );
+                    }
+                    let fill = (t * 31 + i) as u8;
+                    pool.device_slice(m.dev_addr, size)
+                        .unwrap()
+                        .copy_from(&vec![fill; size][..]);
+                    live.push((m, fill));
+                }
+                Err(Error::PoolFull { .. }) => full += 1,
+                Err(e) => panic!("{kind}: {e}"),
+            }
+        } else if !live.is_empty() {
+            let (m, fill) = live.swap_remove(rng.gen_range(0..live.len()));
+            let mut got = vec![0u8; m.size];
+            pool.device_slice(m.dev_addr, m.size)
+                .unwrap()
+                .copy_to(&mut got[..]);
+            assert!(
+                got.iter().all(|b| *b == fill),
+                "{kind}: device buffer was overwritten"
+            );
+            for s in m.slot..m.slot + m.nslots {
+                occupied[s].store(false, Ordering::Release);
+            }
+            pool.unmap(&mem, &m, t).unwrap();
+            let off = (m.orig - base) as usize;
+            assert!(
+                orig[off..off + m.size].iter().all(|b| *b == fill),
+                "{kind}: copy back"
+            );
+        }
+    }
+    let mem = HostMemory::new(base, &mut orig);
+    for (m, _) in live {
+        for s in m.slot..m.slot + m.nslots {
+            occupied[s].store(false, Ordering::Release);
+        }
+        pool.unmap(&mem, &m, t).unwrap();
+    }
+    full
+}
+
 fn stress(kind: AllocatorKind, mode: PoolMode) {
     let mut cfg = match mode {
         PoolMode::Swiotlb => PoolConfig::swiotlb(2048),
@@ -38,72 +112,7 @@ fn stress(kind: AllocatorKind, mode: PoolMode) {
         .map(|t| {
             let pool = Arc::clone(&pool);
             let occupied = Arc::clone(&occupied);
-            std::thread::spawn(move || {
-                let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed + t as u64);
-                // Each thread owns a private original buffer.
-                let base = 0x1_0000_0000u64 * (t as u64 + 1);
-                let mut orig = vec![0u8; 1 << 20];
-                let mut live = Vec::new();
-                let mut full = 0usize;
-                for i in 0..iterations() {
-                    let mem = HostMemory::new(base, &mut orig);
-                    if live.len() < 6 && rng.gen_bool(0.6) {
-                        let size = match rng.gen_range(0..4) {
-                            0 => rng.gen_range(1..2048),
-                            1 => 4096,
-                            2 => rng.gen_range(4096..40_000),
-                            _ => rng.gen_range(40_000..200_000),
-                        };
-                        let off = rng.gen_range(0..(1 << 20) - size) as u64;
-                        let req =
-                            MapRequest::new(base + off, size, Direction::FromDevice).worker(t);
-                        match pool.map(&mem, &req) {
-                            Ok(m) => {
-                                for s in m.slot..m.slot + m.nslots {
-                                    assert!(
-                                        !occupied[s].swap(true, Ordering::AcqRel),
-                                        "{kind}: slot {s} handed out twice"
-                                    );
-                                }
-                                let fill = (t * 31 + i) as u8;
-                                pool.device_slice(m.dev_addr, size)
-                                    .unwrap()
-                                    .copy_from(&vec![fill; size][..]);
-                                live.push((m, fill));
-                            }
-                            Err(Error::PoolFull { .. }) => full += 1,
-                            Err(e) => panic!("{kind}: {e}"),
-                        }
-                    } else if !live.is_empty() {
-                        let (m, fill) = live.swap_remove(rng.gen_range(0..live.len()));
-                        let mut got = vec![0u8; m.size];
-                        pool.device_slice(m.dev_addr, m.size)
-                            .unwrap()
-                            .copy_to(&mut got[..]);
-                        assert!(
-                            got.iter().all(|b| *b == fill),
-                            "{kind}: device buffer was overwritten"
-                        );
-                        for s in m.slot..m.slot + m.nslots {
-                            occupied[s].store(false, Ordering::Release);
-                        }
-                        pool.unmap(&mem, &m, t).unwrap();
-                        let off = (m.orig - base) as usize;
-                        assert!(
-                            orig[off..off + m.size].iter().all(|b| *b == fill),
-                            "{kind}: copy back"
-                        );
-                    }
-                }
-                let mem = HostMemory::new(base, &mut orig);
-                for (m, _) in live {
-                    for s in m.slot..m.slot + m.nslots {
-                        occupied[s].store(false, Ordering::Release);
-                    }
-                    pool.unmap(&mem, &m, t).unwrap();
-                }
-                full
-            })
+            std::thread::spawn(move || hammer(kind, &pool, &occupied, t))
         })
         .collect();
     let mut fulls = 0;

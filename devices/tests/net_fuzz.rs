@@ -26,6 +26,7 @@
 
 mod common;
 
+use bounce::BouncePool;
 use common::fuzz::{
     assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets, Writable,
 };
@@ -446,75 +447,204 @@ fn delta(before: &serde_json::Value, after: &serde_json::Value, names: &[&str]) 
         .sum()
 }
 
-fn run_case(c: &NetCase) {
-    let (dname, dma, pool) = dma_for(c.bounce);
-    let qsize = 1u16 << (1 + c.qsize_log2 % 4); // 2..16
-    let pairs = u16::from(c.pairs);
-    let backends: Vec<MemBackend> = (0..pairs).map(|_| MemBackend::new().unwrap()).collect();
-    let config = NetConfig {
-        queue_pairs: pairs,
-        ..NetConfig::default()
-    };
-    let dev = Net::new(
-        config,
-        backends
-            .iter()
-            .map(|b| Box::new(b.clone()) as Box<dyn NetBackend>)
-            .collect(),
-        dma,
-    )
-    .expect("device");
-    let mut drv = TestDriver::new(dev, RAM);
-    let drop: u64 = DROPPABLE
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| c.drop & (1 << i) != 0)
-        .map(|(_, &f)| f)
-        .sum();
-    drv.negotiate(!drop);
-    if drv.activate(qsize).is_err() {
-        // A feature set the device refuses (e.g. GUEST_TSO4 without GUEST_CSUM): a driver
-        // would fail FEATURES_OK; carry on with every feature.
-        drv.reset();
-        drv.negotiate(u64::MAX);
-        drv.activate(qsize).expect("activate with every feature");
-    }
-    let acked = drv.acked();
-    let what = format!("{dname} qsize={qsize} pairs={pairs} acked={acked:#x}");
-    let used_before = pool.as_ref().map_or(0, |p| p.used());
-    // The control queue follows the pairs in use: queue 2 without MQ (virtio 1.2 5.1.2).
-    let ctrlq = if acked & nf::MQ != 0 { 2 * pairs } else { 2 };
+/// After a reset (and the same features again), a good frame goes out and one comes in on the
+/// first pair; no bounce slot is held beyond the `used_before` the case started with.
+fn check_after_reset(
+    drv: &mut TestDriver<Net>,
+    backends: &[MemBackend],
+    pool: Option<&BouncePool>,
+    acked: u64,
+    qsize: u16,
+    used_before: usize,
+    what: &str,
+) {
     let (rxq, txq) = (0u16, 1u16);
-    let ctrl = acked & nf::CTRL_VQ != 0;
+    drv.reset();
+    drv.negotiate(acked);
+    drv.activate(qsize).expect("reactivate");
+    if let Some(p) = pool {
+        assert_eq!(p.used(), used_before, "{what}: bounce slots leaked");
+    }
+    backends[0].state().rx.clear();
+    let _ = backends[0].take_sent();
+    let good = {
+        let mut v = VnetHeader::default().to_bytes().to_vec();
+        v.extend(payload(7, 100));
+        v
+    };
+    let a = drv.ram.alloc_bytes(&good);
+    drv.post(txq, &[Buf::ro(a, good.len() as u32)]).unwrap();
+    drv.kick(txq).unwrap();
+    assert_eq!(drv.reap(txq).len(), 1, "{what}: good TX");
+    assert_eq!(backends[0].take_sent(), vec![good.clone()], "{what}");
+    let b = drv.ram.alloc(4096, 64);
+    let head = drv.post(rxq, &[Buf::wo(b, 4096)]).unwrap();
+    drv.kick(rxq).unwrap();
+    backends[0].inject(good.clone());
+    let w = drv.owner(rxq).unwrap();
+    drv.fd_event(w, TOKEN_BACKEND).unwrap();
+    let used = drv.reap(rxq);
+    assert_eq!(
+        used,
+        vec![Used {
+            id: u32::from(head),
+            len: good.len() as u32
+        }],
+        "{what}: good RX"
+    );
+    assert_eq!(
+        drv.ram.read(b + VNET_HDR_LEN as u64, 100),
+        good[VNET_HDR_LEN..],
+        "{what}"
+    );
+    drv.reset();
+    if let Some(p) = pool {
+        assert_eq!(p.used(), used_before, "{what}: bounce slots leaked");
+    }
+}
 
-    // Targets: TX headers (each followed by its frame), control commands, then the rest.
-    let tx_frames: Vec<Vec<u8>> = c
-        .tx_hdrs
+/// Where the control stage's commands are: `cmd_bytes[i]` at `tg.hdrs[first + i]`, and a
+/// 64-byte ack area at `acks`.
+struct CtrlTargets<'a> {
+    tg: &'a Targets,
+    first: usize,
+    cmd_bytes: &'a [Vec<u8>],
+    acks: u64,
+}
+
+/// The control stage's chains: each a command cut in `pieces` readable descriptors followed
+/// by its one-byte writable ack.
+fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<RawDesc>> {
+    c.ctrl
+        .structured
         .iter()
-        .map(|(h, n)| {
-            let mut v = h.vnet().to_bytes().to_vec();
-            v.extend(payload(*n, usize::from(*n % 2048)));
+        .flat_map(|s| s.chains.iter())
+        .enumerate()
+        .map(|(k, &(pieces, _))| {
+            let i = k % t.cmd_bytes.len();
+            let (a, len) = (t.tg.hdrs[t.first + i], t.cmd_bytes[i].len() as u32);
+            let n = u32::from(pieces).min(len).max(1);
+            let mut v: Vec<RawDesc> = (0..n)
+                .map(|j| {
+                    let (s, e) = (len * j / n, len * (j + 1) / n);
+                    RawDesc {
+                        addr: a + u64::from(s),
+                        len: e - s,
+                        flags: 0,
+                        next: 0,
+                    }
+                })
+                .collect();
+            v.push(RawDesc {
+                addr: t.acks + (k as u64 % 64),
+                len: 1,
+                flags: VRING_DESC_F_WRITE,
+                next: 0,
+            });
             v
         })
-        .collect();
-    let cmd_bytes: Vec<Vec<u8>> = c
-        .cmds
-        .iter()
-        .map(|m| {
-            let mut v = vec![m.class, m.cmd];
-            v.extend_from_slice(&m.data);
-            v
-        })
-        .collect();
-    let mut hdrs: Vec<u64> = tx_frames.iter().map(|f| drv.ram.alloc_bytes(f)).collect();
-    hdrs.extend(cmd_bytes.iter().map(|b| drv.ram.alloc_bytes(b)));
-    let tg = Targets::new(&mut drv.ram, hdrs, c.indirect.len());
-    tg.write_table(&drv.ram, &c.indirect);
-    let acks = drv.ram.alloc(64, 1);
-    canary(&drv.ram, acks, 64);
-    let kicks = 1 + usize::from(c.kicks % 3);
+        .collect()
+}
 
-    // ---- TX: header + frame in pieces.
+/// Control queue: hostile chains of commands (in pieces, each with a one-byte ack); every
+/// completion is counted, the pairs in use stay in range, and untouched well-formed commands
+/// get the documented ack.
+fn check_ctrl(
+    drv: &mut TestDriver<Net>,
+    c: &NetCase,
+    t: &CtrlTargets,
+    ctrlq: u16,
+    qsize: u16,
+    kicks: usize,
+    what: &str,
+) {
+    let pairs = u16::from(c.pairs);
+    let acked = drv.acked();
+    let ctrl_chains = ctrl_chains(c, t);
+    let laid = write_queue(drv, ctrlq, qsize, &c.ctrl, &ctrl_chains, t.tg, &c.indirect);
+    let mut allowed = laid.allowed.clone();
+    allowed.push((t.acks, t.acks + 64));
+    let hw = drv.ram.alloc(1, 1);
+    let before = snapshot(&drv.ram, hw);
+    let m0 = counters(&drv.device);
+    let used = publish_and_run(drv, ctrlq, &laid.heads, kicks, what, |_| {});
+    let tag = format!("{what} CTRL");
+    check_heads(&used, &laid.heads, true, &tag);
+    assert_only_writable_changed(&drv.ram, hw, &before, &allowed, &tag);
+    let m1 = counters(&drv.device);
+    assert_eq!(
+        delta(&m0, &m1, &["ctrl_ok", "ctrl_err", "ctrl_bad_chains"]),
+        used.len() as u64,
+        "{tag}: every completion is counted: {m1}"
+    );
+    assert!(used.iter().all(|u| u.len <= 1), "{tag}: {used:?}");
+    let active = drv.device.active_pairs();
+    assert!(
+        (1..=pairs).contains(&active),
+        "{tag}: {active} pairs active"
+    );
+    // Untouched well-formed commands get the documented ack (the last of a head
+    // published twice wins; heads are distinct here).
+    for (head, k) in &laid.intact {
+        // The command as it is in guest RAM now: the RX stage may have written over it
+        // (a writable RX descriptor may point at it).
+        let i = k % c.cmds.len();
+        let n = t.cmd_bytes[i].len();
+        let now = drv.ram.read(t.tg.hdrs[t.first + i], n);
+        let m = Cmd {
+            class: now[0],
+            cmd: now[1],
+            data: now[2..].to_vec(),
+        };
+        let u = used.iter().find(|u| u.id == u32::from(*head));
+        let u = u.unwrap_or_else(|| panic!("{tag}: head {head} did not complete"));
+        if n > 2 + 2 * (4 + 6 * 4096) {
+            // Over the command limit: refused as a bad chain, no ack.
+            assert_eq!(u.len, 0, "{tag}: head {head} ({} bytes)", n);
+            continue;
+        }
+        let want = match (m.class, m.cmd) {
+            (CLASS_RX, 0..=5) if m.data.len() == 1 => OK,
+            (CLASS_MAC, 0) => OK,
+            (CLASS_MQ, 0) if acked & nf::MQ != 0 && m.data.len() == 2 => {
+                let p = u16::from_le_bytes([m.data[0], m.data[1]]);
+                if (1..=pairs).contains(&p) {
+                    OK
+                } else {
+                    ERR
+                }
+            }
+            _ => ERR,
+        };
+        assert_eq!(u.len, 1, "{tag}: head {head} ({m:?})");
+        assert_eq!(
+            drv.ram.read(t.acks + (*k as u64 % 64), 1)[0],
+            want,
+            "{tag}: ack of {m:?}"
+        );
+    }
+}
+
+/// How many times each stage kicks its queue (1 to 3).
+fn kicks(c: &NetCase) -> usize {
+    1 + usize::from(c.kicks % 3)
+}
+
+/// TX: hostile chains of header + frame in pieces; every completion is a frame sent or a
+/// counted drop, only frames with an acceptable header reach `backend`, and untouched
+/// well-formed chains are sent.
+fn check_tx(
+    drv: &mut TestDriver<Net>,
+    c: &NetCase,
+    tg: &Targets,
+    tx_frames: &[Vec<u8>],
+    backend: &MemBackend,
+    qsize: u16,
+    what: &str,
+) {
+    let txq = 1u16;
+    let acked = drv.acked();
+    let kicks = kicks(c);
     let tx_chains: Vec<Vec<RawDesc>> =
         c.tx.structured
             .iter()
@@ -537,18 +667,18 @@ fn run_case(c: &NetCase) {
                     .collect()
             })
             .collect();
-    let laid = write_queue(&drv, txq, qsize, &c.tx, &tx_chains, &tg, &c.indirect);
-    let tx_allowed = rings(&drv, txq);
+    let laid = write_queue(drv, txq, qsize, &c.tx, &tx_chains, tg, &c.indirect);
+    let tx_allowed = rings(drv, txq);
     let hw = drv.ram.alloc(1, 1);
     let before = snapshot(&drv.ram, hw);
     let m0 = counters(&drv.device);
-    let used = publish_and_run(&mut drv, txq, &laid.heads, kicks, &what, |_| {});
+    let used = publish_and_run(drv, txq, &laid.heads, kicks, what, |_| {});
     let tag = format!("{what} TX");
     check_heads(&used, &laid.heads, true, &tag);
     assert!(used.iter().all(|u| u.len == 0), "{tag}: {used:?}");
     assert_only_writable_changed(&drv.ram, hw, &before, &tx_allowed, &tag);
     let m1 = counters(&drv.device);
-    let sent = backends[0].take_sent();
+    let sent = backend.take_sent();
     assert_eq!(delta(&m0, &m1, &["tx_frames"]), sent.len() as u64, "{tag}");
     assert_eq!(
         delta(
@@ -589,6 +719,77 @@ fn run_case(c: &NetCase) {
             "{tag}: the well-formed frame of head {head} was not sent"
         );
     }
+}
+
+fn run_case(c: &NetCase) {
+    let (dname, dma, pool) = dma_for(c.bounce);
+    let qsize = 1u16 << (1 + c.qsize_log2 % 4); // 2..16
+    let pairs = u16::from(c.pairs);
+    let backends: Vec<MemBackend> = (0..pairs).map(|_| MemBackend::new().unwrap()).collect();
+    let config = NetConfig {
+        queue_pairs: pairs,
+        ..NetConfig::default()
+    };
+    let dev = Net::new(
+        config,
+        backends
+            .iter()
+            .map(|b| Box::new(b.clone()) as Box<dyn NetBackend>)
+            .collect(),
+        dma,
+    )
+    .expect("device");
+    let mut drv = TestDriver::new(dev, RAM);
+    let drop: u64 = DROPPABLE
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| c.drop & (1 << i) != 0)
+        .map(|(_, &f)| f)
+        .sum();
+    drv.negotiate(!drop);
+    if drv.activate(qsize).is_err() {
+        // A feature set the device refuses (e.g. GUEST_TSO4 without GUEST_CSUM): a driver
+        // would fail FEATURES_OK; carry on with every feature.
+        drv.reset();
+        drv.negotiate(u64::MAX);
+        drv.activate(qsize).expect("activate with every feature");
+    }
+    let acked = drv.acked();
+    let what = format!("{dname} qsize={qsize} pairs={pairs} acked={acked:#x}");
+    let used_before = pool.as_ref().map_or(0, |p| p.used());
+    // The control queue follows the pairs in use: queue 2 without MQ (virtio 1.2 5.1.2).
+    let ctrlq = if acked & nf::MQ != 0 { 2 * pairs } else { 2 };
+    let rxq = 0u16;
+    let ctrl = acked & nf::CTRL_VQ != 0;
+
+    // Targets: TX headers (each followed by its frame), control commands, then the rest.
+    let tx_frames: Vec<Vec<u8>> = c
+        .tx_hdrs
+        .iter()
+        .map(|(h, n)| {
+            let mut v = h.vnet().to_bytes().to_vec();
+            v.extend(payload(*n, usize::from(*n % 2048)));
+            v
+        })
+        .collect();
+    let cmd_bytes: Vec<Vec<u8>> = c
+        .cmds
+        .iter()
+        .map(|m| {
+            let mut v = vec![m.class, m.cmd];
+            v.extend_from_slice(&m.data);
+            v
+        })
+        .collect();
+    let mut hdrs: Vec<u64> = tx_frames.iter().map(|f| drv.ram.alloc_bytes(f)).collect();
+    hdrs.extend(cmd_bytes.iter().map(|b| drv.ram.alloc_bytes(b)));
+    let tg = Targets::new(&mut drv.ram, hdrs, c.indirect.len());
+    tg.write_table(&drv.ram, &c.indirect);
+    let acks = drv.ram.alloc(64, 1);
+    canary(&drv.ram, acks, 64);
+    let kicks = kicks(c);
+
+    check_tx(&mut drv, c, &tg, &tx_frames, &backends[0], qsize, &what);
 
     // ---- RX: writable buffers of awkward sizes; frames injected.
     let sizes = [1u32, 11, 12, 13, 64, 1526, 4096, 65_562];
@@ -712,145 +913,25 @@ fn run_case(c: &NetCase) {
         }
     }
 
-    // ---- Control queue.
     if ctrl {
-        let ctrl_chains: Vec<Vec<RawDesc>> = c
-            .ctrl
-            .structured
-            .iter()
-            .flat_map(|s| s.chains.iter())
-            .enumerate()
-            .map(|(k, &(pieces, _))| {
-                let i = k % cmd_bytes.len();
-                let (a, len) = (tg.hdrs[tx_frames.len() + i], cmd_bytes[i].len() as u32);
-                let n = u32::from(pieces).min(len).max(1);
-                let mut v: Vec<RawDesc> = (0..n)
-                    .map(|j| {
-                        let (s, e) = (len * j / n, len * (j + 1) / n);
-                        RawDesc {
-                            addr: a + u64::from(s),
-                            len: e - s,
-                            flags: 0,
-                            next: 0,
-                        }
-                    })
-                    .collect();
-                v.push(RawDesc {
-                    addr: acks + (k as u64 % 64),
-                    len: 1,
-                    flags: VRING_DESC_F_WRITE,
-                    next: 0,
-                });
-                v
-            })
-            .collect();
-        let laid = write_queue(&drv, ctrlq, qsize, &c.ctrl, &ctrl_chains, &tg, &c.indirect);
-        let mut allowed = laid.allowed.clone();
-        allowed.push((acks, acks + 64));
-        let hw = drv.ram.alloc(1, 1);
-        let before = snapshot(&drv.ram, hw);
-        let m0 = counters(&drv.device);
-        let used = publish_and_run(&mut drv, ctrlq, &laid.heads, kicks, &what, |_| {});
-        let tag = format!("{what} CTRL");
-        check_heads(&used, &laid.heads, true, &tag);
-        assert_only_writable_changed(&drv.ram, hw, &before, &allowed, &tag);
-        let m1 = counters(&drv.device);
-        assert_eq!(
-            delta(&m0, &m1, &["ctrl_ok", "ctrl_err", "ctrl_bad_chains"]),
-            used.len() as u64,
-            "{tag}: every completion is counted: {m1}"
-        );
-        assert!(used.iter().all(|u| u.len <= 1), "{tag}: {used:?}");
-        let active = drv.device.active_pairs();
-        assert!(
-            (1..=pairs).contains(&active),
-            "{tag}: {active} pairs active"
-        );
-        // Untouched well-formed commands get the documented ack (the last of a head
-        // published twice wins; heads are distinct here).
-        for (head, k) in &laid.intact {
-            // The command as it is in guest RAM now: the RX stage may have written over it
-            // (a writable RX descriptor may point at it).
-            let i = k % c.cmds.len();
-            let n = cmd_bytes[i].len();
-            let now = drv.ram.read(tg.hdrs[tx_frames.len() + i], n);
-            let m = Cmd {
-                class: now[0],
-                cmd: now[1],
-                data: now[2..].to_vec(),
-            };
-            let u = used.iter().find(|u| u.id == u32::from(*head));
-            let u = u.unwrap_or_else(|| panic!("{tag}: head {head} did not complete"));
-            if n > 2 + 2 * (4 + 6 * 4096) {
-                // Over the command limit: refused as a bad chain, no ack.
-                assert_eq!(u.len, 0, "{tag}: head {head} ({} bytes)", n);
-                continue;
-            }
-            let want = match (m.class, m.cmd) {
-                (CLASS_RX, 0..=5) if m.data.len() == 1 => OK,
-                (CLASS_MAC, 0) => OK,
-                (CLASS_MQ, 0) if acked & nf::MQ != 0 && m.data.len() == 2 => {
-                    let p = u16::from_le_bytes([m.data[0], m.data[1]]);
-                    if (1..=pairs).contains(&p) {
-                        OK
-                    } else {
-                        ERR
-                    }
-                }
-                _ => ERR,
-            };
-            assert_eq!(u.len, 1, "{tag}: head {head} ({m:?})");
-            assert_eq!(
-                drv.ram.read(acks + (*k as u64 % 64), 1)[0],
-                want,
-                "{tag}: ack of {m:?}"
-            );
-        }
+        let t = CtrlTargets {
+            tg: &tg,
+            first: tx_frames.len(),
+            cmd_bytes: &cmd_bytes,
+            acks,
+        };
+        check_ctrl(&mut drv, c, &t, ctrlq, qsize, kicks, &what);
     }
 
-    // ---- After a reset, a good frame goes out and one comes in; every slot came back.
-    drv.reset();
-    drv.negotiate(acked);
-    drv.activate(qsize).expect("reactivate");
-    if let Some(p) = &pool {
-        assert_eq!(p.used(), used_before, "{what}: bounce slots leaked");
-    }
-    backends[0].state().rx.clear();
-    let _ = backends[0].take_sent();
-    let good = {
-        let mut v = VnetHeader::default().to_bytes().to_vec();
-        v.extend(payload(7, 100));
-        v
-    };
-    let a = drv.ram.alloc_bytes(&good);
-    drv.post(txq, &[Buf::ro(a, good.len() as u32)]).unwrap();
-    drv.kick(txq).unwrap();
-    assert_eq!(drv.reap(txq).len(), 1, "{what}: good TX");
-    assert_eq!(backends[0].take_sent(), vec![good.clone()], "{what}");
-    let b = drv.ram.alloc(4096, 64);
-    let head = drv.post(rxq, &[Buf::wo(b, 4096)]).unwrap();
-    drv.kick(rxq).unwrap();
-    backends[0].inject(good.clone());
-    let w = drv.owner(rxq).unwrap();
-    drv.fd_event(w, TOKEN_BACKEND).unwrap();
-    let used = drv.reap(rxq);
-    assert_eq!(
-        used,
-        vec![Used {
-            id: u32::from(head),
-            len: good.len() as u32
-        }],
-        "{what}: good RX"
+    check_after_reset(
+        &mut drv,
+        &backends,
+        pool.as_deref(),
+        acked,
+        qsize,
+        used_before,
+        &what,
     );
-    assert_eq!(
-        drv.ram.read(b + VNET_HDR_LEN as u64, 100),
-        good[VNET_HDR_LEN..],
-        "{what}"
-    );
-    drv.reset();
-    if let Some(p) = &pool {
-        assert_eq!(p.used(), used_before, "{what}: bounce slots leaked");
-    }
 }
 
 proptest! {

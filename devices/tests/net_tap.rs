@@ -227,42 +227,18 @@ fn dmas() -> Vec<(&'static str, Dma)> {
     ]
 }
 
-fn run(ns: &Netns, name: &str, dma: Dma) {
-    let dev = Net::with_tap(NetConfig::default(), TAP, dma.clone()).expect("open tap in namespace");
-    ip(&["-n", &ns.0, "link", "set", TAP, "up"]);
-    ip(&["-n", &ns.0, "addr", "add", "10.99.0.1/24", "dev", TAP]);
-    let sock = PacketSock::open(TAP);
-    let mut drv = TestDriver::new(dev, 32 << 20);
-    let want = vf::VERSION_1
-        | vf::ACCESS_PLATFORM
-        | vf::RING_EVENT_IDX
-        | nf::MRG_RXBUF
-        | nf::CSUM
-        | nf::GUEST_CSUM
-        | nf::HOST_TSO4
-        | nf::GUEST_TSO4
-        | nf::CTRL_VQ;
-    assert_eq!(drv.negotiate(want), want);
-    drv.activate(256).unwrap();
-
-    // ---- TX: plain, CSUM-partial, TSO.
+/// TX phase: a plain, a CSUM-partial and a TSO frame, each split over three descriptors
+/// (header and two pieces), must come out of the tap unchanged with their vnet headers kept.
+/// Returns the bytes the driver sent (headers included).
+fn check_tx(
+    drv: &mut TestDriver<Net>,
+    sock: &PacketSock,
+    name: &str,
+    csum_hdr: VnetHeader,
+    tso_hdr: VnetHeader,
+) -> usize {
     let plain = ip_frame(OTHER_MAC, GUEST_MAC, false, 1400, 0x1001);
-    let csum_hdr = VnetHeader {
-        flags: header::F_NEEDS_CSUM,
-        csum_start: 34,
-        csum_offset: 6,
-        ..Default::default()
-    };
     let csum = ip_frame(OTHER_MAC, GUEST_MAC, false, 300, 0x1002);
-    let tso_hdr = VnetHeader {
-        flags: header::F_NEEDS_CSUM,
-        gso_type: header::GSO_TCPV4,
-        hdr_len: 54,
-        gso_size: 1448,
-        csum_start: 34,
-        csum_offset: 16,
-        num_buffers: 0,
-    };
     let tso = ip_frame(OTHER_MAC, GUEST_MAC, true, 20_000, 0x1003);
     for (h, f) in [
         (VnetHeader::default(), &plain),
@@ -303,28 +279,17 @@ fn run(ns: &Netns, name: &str, dma: Dma) {
         1448,
         "{name}: gso size kept"
     );
+    plain.len() + csum.len() + tso.len() + 3 * VNET_HDR_LEN
+}
 
-    // ---- RX: buffers of 4 KiB, then plain, CSUM-partial and 64 KiB TSO frames in the tap.
-    let mut bufs = std::collections::HashMap::new();
-    for _ in 0..64 {
-        let a = drv.ram.alloc(4096, 64);
-        let h = drv.post(RXQ, &[Buf::wo(a, 4096)]).unwrap();
-        bufs.insert(u32::from(h), a);
-    }
-    drv.kick(RXQ).unwrap();
-    let rx_plain = ip_frame(GUEST_MAC, OTHER_MAC, false, 1000, 0x2001);
-    let rx_csum = ip_frame(GUEST_MAC, OTHER_MAC, false, 500, 0x2002);
-    let rx_tso = ip_frame(GUEST_MAC, OTHER_MAC, true, MAX_FRAME_LEN - 54 - 200, 0x2003);
-    let h10 = |h: &VnetHeader, f: &[u8]| {
-        let mut v = h.to_bytes()[..10].to_vec();
-        v.extend_from_slice(f);
-        sock.send(&v);
-    };
-    h10(&VnetHeader::default(), &rx_plain);
-    h10(&csum_hdr, &rx_csum);
-    h10(&tso_hdr, &rx_tso);
-
-    // Reassemble the frames the driver receives (num_buffers from the first buffer).
+/// RX phase: reassembles the frames the driver receives (`num_buffers` from the first buffer;
+/// `bufs` maps a posted head to its buffer's address) until the three test frames are in, for
+/// at most 3 s.
+fn receive_frames(
+    drv: &mut TestDriver<Net>,
+    bufs: &std::collections::HashMap<u32, u64>,
+    name: &str,
+) -> Vec<(VnetHeader, Vec<u8>)> {
     let mut frames: Vec<(VnetHeader, Vec<u8>)> = Vec::new();
     let mut pending: Vec<(u32, u32)> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(3);
@@ -356,6 +321,86 @@ fn run(ns: &Netns, name: &str, dma: Dma) {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
+    frames
+}
+
+/// Through the bounce path (when `dma` bounces): every payload matched byte for byte; the pool
+/// holds no slot after the traffic and copied at least what moved each way (`tx` and `rx`
+/// bytes).
+fn check_bounced(dma: &Dma, name: &str, tx: usize, rx: usize) {
+    let Some(b) = dma.stats() else { return };
+    assert_eq!(
+        b.used, 0,
+        "{name}: bounce slots held after the traffic: {b:?}"
+    );
+    assert_eq!(b.maps, b.unmaps, "{name}: {b:?}");
+    assert!(
+        b.bytes_to_device >= tx as u64,
+        "{name}: TX {tx} bytes, bounced {b:?}"
+    );
+    assert!(
+        b.bytes_from_device >= rx as u64,
+        "{name}: RX {rx} bytes, bounced {b:?}"
+    );
+}
+
+fn run(ns: &Netns, name: &str, dma: Dma) {
+    let dev = Net::with_tap(NetConfig::default(), TAP, dma.clone()).expect("open tap in namespace");
+    ip(&["-n", &ns.0, "link", "set", TAP, "up"]);
+    ip(&["-n", &ns.0, "addr", "add", "10.99.0.1/24", "dev", TAP]);
+    let sock = PacketSock::open(TAP);
+    let mut drv = TestDriver::new(dev, 32 << 20);
+    let want = vf::VERSION_1
+        | vf::ACCESS_PLATFORM
+        | vf::RING_EVENT_IDX
+        | nf::MRG_RXBUF
+        | nf::CSUM
+        | nf::GUEST_CSUM
+        | nf::HOST_TSO4
+        | nf::GUEST_TSO4
+        | nf::CTRL_VQ;
+    assert_eq!(drv.negotiate(want), want);
+    drv.activate(256).unwrap();
+
+    // ---- TX: plain, CSUM-partial, TSO.
+    let csum_hdr = VnetHeader {
+        flags: header::F_NEEDS_CSUM,
+        csum_start: 34,
+        csum_offset: 6,
+        ..Default::default()
+    };
+    let tso_hdr = VnetHeader {
+        flags: header::F_NEEDS_CSUM,
+        gso_type: header::GSO_TCPV4,
+        hdr_len: 54,
+        gso_size: 1448,
+        csum_start: 34,
+        csum_offset: 16,
+        num_buffers: 0,
+    };
+    let tx = check_tx(&mut drv, &sock, name, csum_hdr, tso_hdr);
+
+    // ---- RX: buffers of 4 KiB, then plain, CSUM-partial and 64 KiB TSO frames in the tap.
+    let mut bufs = std::collections::HashMap::new();
+    for _ in 0..64 {
+        let a = drv.ram.alloc(4096, 64);
+        let h = drv.post(RXQ, &[Buf::wo(a, 4096)]).unwrap();
+        bufs.insert(u32::from(h), a);
+    }
+    drv.kick(RXQ).unwrap();
+    let rx_plain = ip_frame(GUEST_MAC, OTHER_MAC, false, 1000, 0x2001);
+    let rx_csum = ip_frame(GUEST_MAC, OTHER_MAC, false, 500, 0x2002);
+    let rx_tso = ip_frame(GUEST_MAC, OTHER_MAC, true, MAX_FRAME_LEN - 54 - 200, 0x2003);
+    let h10 = |h: &VnetHeader, f: &[u8]| {
+        let mut v = h.to_bytes()[..10].to_vec();
+        v.extend_from_slice(f);
+        sock.send(&v);
+    };
+    h10(&VnetHeader::default(), &rx_plain);
+    h10(&csum_hdr, &rx_csum);
+    h10(&tso_hdr, &rx_tso);
+
+    let frames = receive_frames(&mut drv, &bufs, name);
     let find = |id: u16| {
         frames
             .iter()
@@ -386,25 +431,8 @@ fn run(ns: &Netns, name: &str, dma: Dma) {
     );
     let stats = devices::virtio::VirtioDevice::<vm_memory::GuestMemoryMmap>::stats(&drv.device);
     assert_eq!(stats["net"]["tx_frames"], 3, "{name}: {stats}");
-    // Through the bounce path: every payload above matched byte for byte; the pool holds no
-    // slot after the traffic and copied at least what moved each way.
-    if let Some(b) = dma.stats() {
-        let tx = plain.len() + csum.len() + tso.len() + 3 * VNET_HDR_LEN;
-        let rx = rx_plain.len() + rx_csum.len() + rx_tso.len();
-        assert_eq!(
-            b.used, 0,
-            "{name}: bounce slots held after the traffic: {b:?}"
-        );
-        assert_eq!(b.maps, b.unmaps, "{name}: {b:?}");
-        assert!(
-            b.bytes_to_device >= tx as u64,
-            "{name}: TX {tx} bytes, bounced {b:?}"
-        );
-        assert!(
-            b.bytes_from_device >= rx as u64,
-            "{name}: RX {rx} bytes, bounced {b:?}"
-        );
-    }
+    let rx = rx_plain.len() + rx_csum.len() + rx_tso.len();
+    check_bounced(&dma, name, tx, rx);
     println!("{name}: ok, stats {}", stats["net"]);
 }
 

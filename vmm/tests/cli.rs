@@ -622,21 +622,9 @@ fn shutdown_of(v: &serde_json::Value) -> serde_json::Value {
         .unwrap_or_default()
 }
 
-#[test]
-fn qmp_monitor_answers_a_python_client_and_powers_down() {
-    if !kvm_available() || !python3_available() {
-        return;
-    }
-    let k = tmp("btn.elf", &power_button_kernel());
-    let d = tmp("qmp.img", &vec![0u8; 1 << 20]);
-    let sock = qmp_sock("full");
-    let vm = spawn_vm(&k, &d, &sock, &[]);
-    let v = python_client(&sock, &["full"]);
-    let vm_out = wait_exit(vm, 30, "bouncevm after system_powerdown");
-    let _ = std::io::stderr().write_all(&vm_out.stderr);
-    assert_eq!(vm_out.status.code(), Some(0));
-    // The guest saw the power button and powered itself off.
-    assert_eq!(String::from_utf8_lossy(&vm_out.stdout), "up\nbutton\n");
+/// The python client's session `v`: the greeting, capabilities negotiation and the answers
+/// to the query commands and `x-reset-bounce`.
+fn assert_query_answers(v: &serde_json::Value) {
     assert!(v["greeting"]["QMP"]["version"]["qemu"].is_object(), "{v}");
     assert_eq!(v["greeting"]["QMP"]["capabilities"], serde_json::json!([]));
     assert_eq!(v["early"]["error"]["class"], "CommandNotFound");
@@ -685,20 +673,11 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
         serde_json::json!(["blk0"])
     );
     assert_eq!(v["reset-unknown"]["error"]["class"], "DeviceNotFound");
-    // The final statistics on exit: one JSON line, as x-query-bounce answers them.
-    let stderr = String::from_utf8_lossy(&vm_out.stderr);
-    let last: serde_json::Value = stderr
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str(l).ok())
-        .unwrap_or_else(|| panic!("no final statistics line on stderr: {stderr}"));
-    let d = &last["devices"][0];
-    assert_eq!(d["id"], "blk0", "{last}");
-    assert_eq!(d["driver"], "virtio-blk-pci");
-    assert!(
-        d["stats"]["bounce"]["nslabs"].as_u64().unwrap() >= 256,
-        "{last}"
-    );
+}
+
+/// The python client's session `v`: unknown commands, bad arguments, a syntax error and an
+/// oversized command are answered with errors, and the session goes on.
+fn assert_error_answers(v: &serde_json::Value) {
     assert_eq!(v["bogus"]["error"]["class"], "CommandNotFound");
     assert!(v["bogus"]["error"]["desc"]
         .as_str()
@@ -714,6 +693,39 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
     assert_eq!(v["after-syntax"]["return"]["enabled"], true);
     assert_eq!(v["big"]["error"]["class"], "GenericError");
     assert_eq!(v["after-big"]["return"]["enabled"], true);
+}
+
+#[test]
+fn qmp_monitor_answers_a_python_client_and_powers_down() {
+    if !kvm_available() || !python3_available() {
+        return;
+    }
+    let k = tmp("btn.elf", &power_button_kernel());
+    let d = tmp("qmp.img", &vec![0u8; 1 << 20]);
+    let sock = qmp_sock("full");
+    let vm = spawn_vm(&k, &d, &sock, &[]);
+    let v = python_client(&sock, &["full"]);
+    let vm_out = wait_exit(vm, 30, "bouncevm after system_powerdown");
+    let _ = std::io::stderr().write_all(&vm_out.stderr);
+    assert_eq!(vm_out.status.code(), Some(0));
+    // The guest saw the power button and powered itself off.
+    assert_eq!(String::from_utf8_lossy(&vm_out.stdout), "up\nbutton\n");
+    assert_query_answers(&v);
+    // The final statistics on exit: one JSON line, as x-query-bounce answers them.
+    let stderr = String::from_utf8_lossy(&vm_out.stderr);
+    let last: serde_json::Value = stderr
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no final statistics line on stderr: {stderr}"));
+    let d = &last["devices"][0];
+    assert_eq!(d["id"], "blk0", "{last}");
+    assert_eq!(d["driver"], "virtio-blk-pci");
+    assert!(
+        d["stats"]["bounce"]["nslabs"].as_u64().unwrap() >= 256,
+        "{last}"
+    );
+    assert_error_answers(&v);
     assert_eq!(v["powerdown"]["return"], serde_json::json!({}));
     let names: Vec<&str> = v["events"]
         .as_array()

@@ -384,6 +384,58 @@ fn check_cmd(reply: &Value, c: &Cmd, want: Result<(), &str>, what: &str) {
     }
 }
 
+/// Sends command `c` in pieces cut at `cuts` (per mille of its line), with pauses between
+/// them, and checks the one reply against the model.
+fn send_partial(s: &mut Session, c: &Cmd, cuts: &[u16], what: &str) {
+    let want = c.expect(&mut s.negotiated);
+    let mut b = bytes_of(c);
+    b.push(b'\n');
+    let mut at: Vec<usize> = cuts
+        .iter()
+        .map(|&p| b.len() * usize::from(p) / 1000)
+        .collect();
+    at.sort_unstable();
+    let mut from = 0;
+    for cut in at.into_iter().chain([b.len()]) {
+        s.send(&b[from..cut]);
+        from = cut;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let r = s.sync(what);
+    assert_eq!(r.len(), 1, "{what}: {c:?} -> {r:?}");
+    check_cmd(&r[0], c, want, what);
+}
+
+/// Sends a command whose argument nests `d` arrays (or objects) and checks it is refused as too
+/// deep exactly when it exceeds `MAX_NESTING`, otherwise answered as the model says.
+fn send_deep(s: &mut Session, d: usize, objects: bool, what: &str) {
+    let (open, shut) = if objects {
+        ("{\"a\":".repeat(d), "}".repeat(d))
+    } else {
+        ("[".repeat(d), "]".repeat(d))
+    };
+    let inner = if objects { "1" } else { "" };
+    let b =
+        format!("{{\"execute\": \"query-kvm\", \"arguments\": {{\"x\": {open}{inner}{shut}}}}}\n");
+    s.send(b.as_bytes());
+    let r = s.sync(what);
+    assert_eq!(r.len(), 1, "{what}: depth {d} -> {r:?}");
+    // The command's own object and `arguments` are two more levels.
+    let too_deep = d + 2 > MAX_NESTING;
+    let (class, desc) = (&r[0]["error"]["class"], &r[0]["error"]["desc"]);
+    if too_deep {
+        assert_eq!(class, "GenericError", "{what}: depth {d} -> {r:?}");
+        assert!(
+            desc.as_str().unwrap().contains("levels of nesting"),
+            "{what}: depth {d}: {desc}"
+        );
+    } else if s.negotiated {
+        assert_eq!(desc, "Parameter 'x' is unexpected", "{what}: depth {d}");
+    } else {
+        assert_eq!(class, "CommandNotFound", "{what}: depth {d}");
+    }
+}
+
 fn run_session(negotiate: bool, inputs: &[Input]) {
     let mut s = Session::open();
     if negotiate {
@@ -403,25 +455,7 @@ fn run_session(negotiate: bool, inputs: &[Input]) {
                 assert_eq!(r.len(), 1, "{what}: {c:?} -> {r:?}");
                 check_cmd(&r[0], c, want, &what);
             }
-            Input::Partial(c, cuts) => {
-                let want = c.expect(&mut s.negotiated);
-                let mut b = bytes_of(c);
-                b.push(b'\n');
-                let mut at: Vec<usize> = cuts
-                    .iter()
-                    .map(|&p| b.len() * usize::from(p) / 1000)
-                    .collect();
-                at.sort_unstable();
-                let mut from = 0;
-                for cut in at.into_iter().chain([b.len()]) {
-                    s.send(&b[from..cut]);
-                    from = cut;
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                let r = s.sync(&what);
-                assert_eq!(r.len(), 1, "{what}: {c:?} -> {r:?}");
-                check_cmd(&r[0], c, want, &what);
-            }
+            Input::Partial(c, cuts) => send_partial(&mut s, c, cuts, &what),
             Input::Line(cs) => {
                 let mut b = Vec::new();
                 let wants: Vec<_> = cs.iter().map(|c| c.expect(&mut s.negotiated)).collect();
@@ -453,35 +487,7 @@ fn run_session(negotiate: bool, inputs: &[Input]) {
                 s.send(&close(b));
                 s.sync_with(&what, false);
             }
-            Input::Deep(depth, objects) => {
-                let d = usize::from(*depth);
-                let (open, shut) = if *objects {
-                    ("{\"a\":".repeat(d), "}".repeat(d))
-                } else {
-                    ("[".repeat(d), "]".repeat(d))
-                };
-                let inner = if *objects { "1" } else { "" };
-                let b = format!(
-                    "{{\"execute\": \"query-kvm\", \"arguments\": {{\"x\": {open}{inner}{shut}}}}}\n"
-                );
-                s.send(b.as_bytes());
-                let r = s.sync(&what);
-                assert_eq!(r.len(), 1, "{what}: depth {d} -> {r:?}");
-                // The command's own object and `arguments` are two more levels.
-                let too_deep = d + 2 > MAX_NESTING;
-                let (class, desc) = (&r[0]["error"]["class"], &r[0]["error"]["desc"]);
-                if too_deep {
-                    assert_eq!(class, "GenericError", "{what}: depth {d} -> {r:?}");
-                    assert!(
-                        desc.as_str().unwrap().contains("levels of nesting"),
-                        "{what}: depth {d}: {desc}"
-                    );
-                } else if s.negotiated {
-                    assert_eq!(desc, "Parameter 'x' is unexpected", "{what}: depth {d}");
-                } else {
-                    assert_eq!(class, "CommandNotFound", "{what}: depth {d}");
-                }
-            }
+            Input::Deep(depth, objects) => send_deep(&mut s, usize::from(*depth), *objects, &what),
             Input::Huge(len) => {
                 let body = "x".repeat(*len as usize);
                 let b = format!("{{\"execute\": \"query-kvm\", \"id\": \"{body}\"}}\n");

@@ -774,6 +774,26 @@ fn ip(args: &[&str]) {
     );
 }
 
+/// A net device (front-end steering) on a new tap `bvmvh0` in the namespace `ns`: the tap is
+/// created inside the namespace (by a thread that entered it); its fds work from anywhere.
+fn net_with_tap_in(ns: &str) -> Net {
+    let nspath = format!("/var/run/netns/{ns}");
+    thread::spawn(move || {
+        let f = std::fs::File::open(nspath).unwrap();
+        // SAFETY: `f` is an open namespace file; setns only moves this thread.
+        let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+        let cfg = NetConfig {
+            frontend_steering: true,
+            ..NetConfig::default()
+        };
+        Net::with_tap(cfg, "bvmvh0", Dma::direct())
+    })
+    .join()
+    .unwrap()
+    .expect("tap in the namespace")
+}
+
 #[test]
 fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
     // Issue 11 item 16: the tap of `bouncevm-vhost net` deleted under it (`ip link del`, or
@@ -806,24 +826,8 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
         }
     }
     let _gone = Gone(ns.clone());
-    let nspath = format!("/var/run/netns/{ns}");
-    // The tap is created inside the namespace (by a thread that entered it); its fds work
-    // from anywhere.
-    let net = thread::spawn(move || {
-        let f = std::fs::File::open(nspath).unwrap();
-        // SAFETY: `f` is an open namespace file; setns only moves this thread.
-        let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
-        let cfg = NetConfig {
-            frontend_steering: true,
-            ..NetConfig::default()
-        };
-        Net::with_tap(cfg, "bvmvh0", Dma::direct())
-    })
-    .join()
-    .unwrap();
+    let net = net_with_tap_in(&ns);
     {
-        let net = net.expect("tap in the namespace");
         ip(&["-n", &ns, "link", "set", "bvmvh0", "up"]);
         let (path, stats_path, server, stop) = start_server_with_stats("nettapgone.sock", net);
         let mut d = Driver::connect(&path, 3);

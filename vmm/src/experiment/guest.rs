@@ -58,44 +58,13 @@ impl GuestDriver {
     /// [`Error::Missing`] when the rig cannot run here, [`Error::Run`] when the guest fails.
     pub fn measure(&mut self, w: &Workload, dur: Duration) -> Result<Sample> {
         let runtime = dur.as_secs().max(2);
-        let mode_args: Vec<String> = match w {
-            Workload::Block {
-                bounce,
-                bs,
-                iodepth,
-                numjobs,
-                queues,
-                ..
-            } => vec![
-                "--mode".into(),
-                "blk".into(),
-                "--bounce".into(),
-                bounce.clone(),
-                "--bs".into(),
-                bs.to_string(),
-                "--iodepth".into(),
-                iodepth.to_string(),
-                "--numjobs".into(),
-                numjobs.to_string(),
-                "--queues".into(),
-                queues.to_string(),
-            ],
-            Workload::Iperf3 {
-                bounce,
-                queues,
-                parallel,
-            } => vec![
-                "--mode".into(),
-                "net".into(),
-                "--bounce".into(),
-                bounce.clone(),
-                "--queues".into(),
-                queues.to_string(),
-                "--parallel".into(),
-                parallel.to_string(),
-            ],
-            _ => return Err(Error::Run("not a guest-level workload".into())),
-        };
+        let v = self.run_script(mode_args(w)?, runtime)?;
+        figures(w, v)
+    }
+
+    /// Runs the rig-1 script with `mode_args` for `runtime` seconds and returns the figures it
+    /// wrote (or why it could not run: [`Error::Missing`] when it printed `MISSING:`).
+    fn run_script(&self, mode_args: Vec<String>, runtime: u64) -> Result<serde_json::Value> {
         let out = self.work.path("guest.json");
         let _ = std::fs::remove_file(&out);
         let mut argv: Vec<OsString> = vec![
@@ -123,57 +92,104 @@ impl GuestDriver {
             )));
         }
         let text = std::fs::read_to_string(&out).unwrap_or_default();
-        let v: serde_json::Value = match serde_json::from_str(&text) {
-            Ok(v) => v,
+        match serde_json::from_str(&text) {
+            Ok(v) => Ok(v),
             Err(_) => {
                 let tail = p.log_tail();
                 let log_text = std::fs::read_to_string(&log).unwrap_or_default();
-                return Err(if log_text.contains("MISSING:") {
+                Err(if log_text.contains("MISSING:") {
                     Error::Missing(format!("--level guest cannot run here: {tail}"))
                 } else {
                     Error::Run(format!("the rig-1 guest gave no figures: {tail}"))
-                });
+                })
             }
-        };
-        let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
-        let mut m = BTreeMap::new();
-        // The I/Os the pool's lock wait is divided by: requests, or frames both ways.
-        let ios = match w {
-            Workload::Block { bs, .. } => {
-                let iops = f("iops").unwrap_or(0.0);
-                if iops <= 0.0 {
-                    return Err(Error::Run(format!("the rig-1 guest reported no IOPS: {v}")));
-                }
-                m.insert("iops".into(), iops);
-                m.insert("mbps".into(), iops * f64::from(*bs) / 1e6);
-                f("ios").unwrap_or(0.0)
-            }
-            _ => {
-                let gbps = f("gbps").unwrap_or(0.0);
-                if gbps <= 0.0 {
-                    return Err(Error::Run(format!(
-                        "the rig-1 guest reported no iperf3 throughput: {v}"
-                    )));
-                }
-                m.insert("gbps".into(), gbps);
-                if let Some(rx) = f("rx_gbps") {
-                    m.insert("rx_gbps".into(), rx);
-                }
-                ["tx_frames", "rx_frames"]
-                    .iter()
-                    .filter_map(|k| v.pointer(&format!("/device/net/{k}"))?.as_f64())
-                    .sum()
-            }
-        };
-        let pool = v.get("bounce").cloned().filter(|p| !p.is_null());
-        if let Some(p) = &pool {
-            pool_metrics(p, ios, &mut m);
         }
-        Ok(Sample {
-            round: 0,
-            metrics: m,
-            pool,
-            detail: Some(v),
-        })
     }
+}
+
+/// The script's arguments for `w`: its mode (blk or net) and the workload's parameters.
+fn mode_args(w: &Workload) -> Result<Vec<String>> {
+    Ok(match w {
+        Workload::Block {
+            bounce,
+            bs,
+            iodepth,
+            numjobs,
+            queues,
+            ..
+        } => vec![
+            "--mode".into(),
+            "blk".into(),
+            "--bounce".into(),
+            bounce.clone(),
+            "--bs".into(),
+            bs.to_string(),
+            "--iodepth".into(),
+            iodepth.to_string(),
+            "--numjobs".into(),
+            numjobs.to_string(),
+            "--queues".into(),
+            queues.to_string(),
+        ],
+        Workload::Iperf3 {
+            bounce,
+            queues,
+            parallel,
+        } => vec![
+            "--mode".into(),
+            "net".into(),
+            "--bounce".into(),
+            bounce.clone(),
+            "--queues".into(),
+            queues.to_string(),
+            "--parallel".into(),
+            parallel.to_string(),
+        ],
+        _ => return Err(Error::Run("not a guest-level workload".into())),
+    })
+}
+
+/// The sample from the figures `v` the script wrote for `w`: IOPS and MB/s (block) or Gbit/s
+/// (net), and the pool's metrics per I/O.
+fn figures(w: &Workload, v: serde_json::Value) -> Result<Sample> {
+    let f = |k: &str| v.get(k).and_then(serde_json::Value::as_f64);
+    let mut m = BTreeMap::new();
+    // The I/Os the pool's lock wait is divided by: requests, or frames both ways.
+    let ios = match w {
+        Workload::Block { bs, .. } => {
+            let iops = f("iops").unwrap_or(0.0);
+            if iops <= 0.0 {
+                return Err(Error::Run(format!("the rig-1 guest reported no IOPS: {v}")));
+            }
+            m.insert("iops".into(), iops);
+            m.insert("mbps".into(), iops * f64::from(*bs) / 1e6);
+            f("ios").unwrap_or(0.0)
+        }
+        _ => {
+            let gbps = f("gbps").unwrap_or(0.0);
+            if gbps <= 0.0 {
+                return Err(Error::Run(format!(
+                    "the rig-1 guest reported no iperf3 throughput: {v}"
+                )));
+            }
+            m.insert("gbps".into(), gbps);
+            if let Some(rx) = f("rx_gbps") {
+                m.insert("rx_gbps".into(), rx);
+            }
+            ["tx_frames", "rx_frames"]
+                .iter()
+                .filter_map(|k| v.pointer(&format!("/device/net/{k}"))?.as_f64())
+                .sum()
+        }
+    };
+    let pool = v.get("bounce").cloned().filter(|p| !p.is_null());
+    if let Some(p) = &pool {
+        pool_metrics(p, ios, &mut m);
+    }
+    Ok(Sample {
+        round: 0,
+        metrics: m,
+        pool,
+        detail: Some(v),
+    })
 }

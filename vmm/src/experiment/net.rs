@@ -83,56 +83,10 @@ impl NetDriver {
         );
         let mut backend = paths.spawn("bouncevm-vhost net", &ns.exec(&argv))?;
         host::run_cmd("ip", &["-n", ns.name(), "link", "set", "tap0", "up"])?;
-        let tp: Vec<OsString> = [
-            self.testpmd.to_string_lossy().as_ref(),
-            "-l",
-            "0,1",
-            "--no-huge",
-            "-m",
-            "1024",
-            "--no-pci",
-            "--file-prefix",
-            &tag,
-            &format!(
-                "--vdev=net_virtio_user0,path={},queues={q}",
-                paths.sock.display()
-            ),
-            "--",
-            "--forward-mode=txonly",
-            &format!("--txpkts={frame}"),
-            &format!("--txq={q}"),
-            &format!("--rxq={q}"),
-            "--stats-period",
-            "1",
-            "--auto-start",
-            "--nb-cores=1",
-            "--total-num-mbufs=16384",
-        ]
-        .iter()
-        .map(OsString::from)
-        .collect();
+        let tp = self.testpmd_argv(&tag, &paths.sock, *frame, &q);
         let tp_log = self.work.path("testpmd.log");
         let mut testpmd = Child::spawn("dpdk-testpmd", &tp, &tp_log, None, Duration::ZERO)?;
-        // testpmd's EAL start-up (1 GiB of --no-huge memory) takes seconds on a loaded
-        // machine: wait until frames flow, then warm up.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while ns.counter("tap0", "rx_packets")? == 0 {
-            if !testpmd.running() {
-                return Err(Error::Run(format!(
-                    "dpdk-testpmd exited before sending: {}",
-                    testpmd.log_tail()
-                )));
-            }
-            if Instant::now() > deadline {
-                return Err(Error::Run(format!(
-                    "no frame reached the tap in 30 s: {}",
-                    testpmd.log_tail()
-                )));
-            }
-            if !bounce::report::sleep_unless_stopped(Duration::from_millis(100)) {
-                return Err(Error::Run("interrupted".into()));
-            }
-        }
+        wait_for_frames(&ns, &mut testpmd)?;
         if !bounce::report::sleep_unless_stopped(self.warmup) {
             return Err(Error::Run("interrupted".into()));
         }
@@ -163,37 +117,106 @@ impl NetDriver {
                     .join(" | ")
             )));
         }
-        let fps = frames / secs;
-        let mut m = BTreeMap::new();
-        m.insert("kfps".into(), fps / 1e3);
-        m.insert("gbps".into(), fps * f64::from(*frame) * 8.0 / 1e9);
-        if let (Some(a), Some(b)) = (cpu0, cpu1) {
-            m.insert(
-                "cpu_ns_per_frame".into(),
-                b.saturating_sub(a) as f64 / frames,
-            );
+        Ok(sample(frames, secs, *frame, (cpu0, cpu1), &st))
+    }
+
+    /// testpmd's command line: `virtio_user` on the backend's socket `sock` with `q` queue
+    /// pairs, sending `frame`-byte frames (txonly) from one core; `tag` keeps its EAL files apart.
+    fn testpmd_argv(&self, tag: &str, sock: &Path, frame: u32, q: &str) -> Vec<OsString> {
+        [
+            self.testpmd.to_string_lossy().as_ref(),
+            "-l",
+            "0,1",
+            "--no-huge",
+            "-m",
+            "1024",
+            "--no-pci",
+            "--file-prefix",
+            tag,
+            &format!("--vdev=net_virtio_user0,path={},queues={q}", sock.display()),
+            "--",
+            "--forward-mode=txonly",
+            &format!("--txpkts={frame}"),
+            &format!("--txq={q}"),
+            &format!("--rxq={q}"),
+            "--stats-period",
+            "1",
+            "--auto-start",
+            "--nb-cores=1",
+            "--total-num-mbufs=16384",
+        ]
+        .iter()
+        .map(OsString::from)
+        .collect()
+    }
+}
+
+/// Waits until frames from `testpmd` reach the tap in `ns` (at most 30 s).
+///
+/// testpmd's EAL start-up (1 GiB of --no-huge memory) takes seconds on a loaded machine: wait
+/// until frames flow, then warm up.
+fn wait_for_frames(ns: &NetNs, testpmd: &mut Child) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ns.counter("tap0", "rx_packets")? == 0 {
+        if !testpmd.running() {
+            return Err(Error::Run(format!(
+                "dpdk-testpmd exited before sending: {}",
+                testpmd.log_tail()
+            )));
         }
-        let pool = st.get("bounce").cloned().filter(|p| !p.is_null());
-        if let Some(p) = &pool {
-            pool_metrics(p, frames, &mut m);
-            if let Some(w) = p.get("lock_wait_ns").and_then(serde_json::Value::as_f64) {
-                if let (Some(a), Some(b)) = (cpu0, cpu1) {
-                    let cpu = b.saturating_sub(a) as f64;
-                    if cpu > 0.0 {
-                        m.insert("lock_wait_pct".into(), 100.0 * w / cpu);
-                    }
+        if Instant::now() > deadline {
+            return Err(Error::Run(format!(
+                "no frame reached the tap in 30 s: {}",
+                testpmd.log_tail()
+            )));
+        }
+        if !bounce::report::sleep_unless_stopped(Duration::from_millis(100)) {
+            return Err(Error::Run("interrupted".into()));
+        }
+    }
+    Ok(())
+}
+
+/// The sample's metrics from `frames` of `frame` bytes in `secs`, the backend's CPU time
+/// before and after (`cpu`) and its stats `st` (pool and device).
+fn sample(
+    frames: f64,
+    secs: f64,
+    frame: u32,
+    cpu: (Option<u64>, Option<u64>),
+    st: &serde_json::Value,
+) -> Sample {
+    let (cpu0, cpu1) = cpu;
+    let fps = frames / secs;
+    let mut m = BTreeMap::new();
+    m.insert("kfps".into(), fps / 1e3);
+    m.insert("gbps".into(), fps * f64::from(frame) * 8.0 / 1e9);
+    if let (Some(a), Some(b)) = (cpu0, cpu1) {
+        m.insert(
+            "cpu_ns_per_frame".into(),
+            b.saturating_sub(a) as f64 / frames,
+        );
+    }
+    let pool = st.get("bounce").cloned().filter(|p| !p.is_null());
+    if let Some(p) = &pool {
+        pool_metrics(p, frames, &mut m);
+        if let Some(w) = p.get("lock_wait_ns").and_then(serde_json::Value::as_f64) {
+            if let (Some(a), Some(b)) = (cpu0, cpu1) {
+                let cpu = b.saturating_sub(a) as f64;
+                if cpu > 0.0 {
+                    m.insert("lock_wait_pct".into(), 100.0 * w / cpu);
                 }
             }
         }
-        Ok(Sample {
-            round: 0,
-            metrics: m,
-            pool,
-            detail: Some(serde_json::json!({
-                "frames": frames,
-                "seconds": secs,
-                "device": st.get("device"),
-            })),
-        })
+    }
+    Sample {
+        round: 0,
+        metrics: m,
+        pool,
+        detail: Some(serde_json::json!({
+            "frames": frames,
+            "seconds": secs,
+            "device": st.get("device"),
+        })),
     }
 }

@@ -41,6 +41,25 @@ fn panels(r: &Results) -> Vec<&str> {
 
 /// The Markdown report.
 pub fn table(r: &Results) -> String {
+    let mut s = header(r);
+    let mut notes: Vec<String> = Vec::new();
+    for panel in panels(r) {
+        panel_table(&mut s, r, panel, &mut notes);
+    }
+    for (i, n) in notes.iter().enumerate() {
+        let _ = writeln!(s, "[{}] {n}  ", i + 1);
+    }
+    if !notes.is_empty() {
+        s.push('\n');
+    }
+    for n in &r.plan.notes {
+        let _ = writeln!(s, "- {n}");
+    }
+    s
+}
+
+/// The report's title, seed and the paragraph saying how, where and when it was measured.
+fn header(r: &Results) -> String {
     let m = &r.meta;
     let mut s = String::new();
     let _ = writeln!(s, "## {}\n", r.plan.title);
@@ -66,132 +85,144 @@ pub fn table(r: &Results) -> String {
         if m.git_dirty == Some(true) { " (with local changes)" } else { "" },
         if r.interrupted { " **Interrupted by Ctrl-C: what was measured until then.**" } else { "" },
     );
-    let mut notes: Vec<String> = Vec::new();
-    for panel in panels(r) {
-        let rows: Vec<&CellResult> = r.cells.iter().filter(|c| c.cell.panel == panel).collect();
-        let Some(first) = rows.first() else { continue };
-        let primary = r.plan.primary_of(&first.cell);
-        let others: Vec<Metric> = r
-            .plan
-            .columns()
-            .into_iter()
-            .filter(|c| c.key != primary.key && rows.iter().any(|x| x.summary.contains_key(c.key)))
-            .collect();
-        let _ = writeln!(s, "### {panel}\n");
-        let mut head = format!(
-            "| {} | allocator | {} median [min-max] |",
-            r.plan.x_label, primary.label
-        );
-        for o in &others {
-            let _ = write!(head, " {} |", o.label);
-        }
-        head.push_str(" seed | seed ratio | our ratio |");
-        let _ = writeln!(s, "{head}");
-        let cols = 6 + others.len();
-        let _ = writeln!(s, "|{}", "---|".repeat(cols));
-        for c in rows {
-            let mut line = format!("| {} | {} | ", c.cell.x, c.cell.series);
-            match c.summary.get(primary.key) {
-                Some(x) => {
-                    let _ = write!(
-                        line,
-                        "{} [{}-{}] |",
-                        num(x.median, primary.decimals),
-                        num(x.min, primary.decimals),
-                        num(x.max, primary.decimals)
-                    );
-                }
-                None => line.push_str("— |"),
-            }
-            for o in &others {
-                match c.summary.get(o.key) {
-                    Some(x) => {
-                        let _ = write!(line, " {} |", num(x.median, o.decimals));
-                    }
-                    None => line.push_str(" — |"),
-                }
-            }
-            match c.cell.seed {
-                Some(v) => {
-                    let _ = write!(line, " {} |", num(v, primary.decimals));
-                }
-                None => line.push_str(" — |"),
-            }
-            match c.cell.seed_ratio {
-                Some(v) => {
-                    let _ = write!(line, " {v:.2}x |");
-                }
-                None => line.push_str(" — |"),
-            }
-            let mut refs = Vec::new();
-            // A footnote shared by rows with the same text is printed once.
-            let mut note = |text: String| {
-                let k = match notes.iter().position(|n| *n == text) {
-                    Some(k) => k + 1,
-                    None => {
-                        notes.push(text);
-                        notes.len()
-                    }
-                };
-                refs.push(format!("[{k}]"));
-            };
-            if let Some(why) = &c.cell.shape_note {
-                note(format!(
-                    "{panel}, {} {}: no ratio is printed (each row's measured ratio is in results.json): {why}.",
-                    r.plan.x_label, c.cell.x
-                ));
-            }
-            if let Some(n) = &c.cell.note {
-                note(format!("{} {} x={}: {n}.", panel, c.cell.series, c.cell.x));
-            }
-            if c.samples.is_empty() {
-                note(format!(
-                    "{} {} x={}: no sample: {}",
-                    panel,
-                    c.cell.series,
-                    c.cell.x,
-                    c.errors
-                        .first()
-                        .map_or("interrupted before it ran", String::as_str)
-                ));
-            } else if !c.errors.is_empty() {
-                note(format!(
-                    "{} {} x={}: {} sample(s) failed: {}",
-                    panel,
-                    c.cell.series,
-                    c.cell.x,
-                    c.errors.len(),
-                    c.errors[0]
-                ));
-            }
-            let ratio = match (c.cell.shape_note.is_some(), c.ratio) {
-                (true, _) => "n/a".to_string(),
-                (false, Some(v)) => format!("{v:.2}x"),
-                (false, None) => "—".to_string(),
-            };
-            let _ = writeln!(
-                line,
-                " {ratio}{} |",
-                if refs.is_empty() {
-                    String::new()
-                } else {
-                    format!(" {}", refs.join(" "))
-                }
-            );
-            s.push_str(&line);
-        }
-        s.push('\n');
-    }
-    for (i, n) in notes.iter().enumerate() {
-        let _ = writeln!(s, "[{}] {n}  ", i + 1);
-    }
-    if !notes.is_empty() {
-        s.push('\n');
-    }
-    for n in &r.plan.notes {
-        let _ = writeln!(s, "- {n}");
-    }
     s
+}
+
+/// One panel's table: its heading, the column header and one row per cell; footnotes are
+/// collected into `notes` (shared by all panels, printed once after the last).
+fn panel_table(s: &mut String, r: &Results, panel: &str, notes: &mut Vec<String>) {
+    let rows: Vec<&CellResult> = r.cells.iter().filter(|c| c.cell.panel == panel).collect();
+    let Some(first) = rows.first() else { return };
+    let primary = r.plan.primary_of(&first.cell);
+    let others: Vec<Metric> = r
+        .plan
+        .columns()
+        .into_iter()
+        .filter(|c| c.key != primary.key && rows.iter().any(|x| x.summary.contains_key(c.key)))
+        .collect();
+    let _ = writeln!(s, "### {panel}\n");
+    let mut head = format!(
+        "| {} | allocator | {} median [min-max] |",
+        r.plan.x_label, primary.label
+    );
+    for o in &others {
+        let _ = write!(head, " {} |", o.label);
+    }
+    head.push_str(" seed | seed ratio | our ratio |");
+    let _ = writeln!(s, "{head}");
+    let cols = 6 + others.len();
+    let _ = writeln!(s, "|{}", "---|".repeat(cols));
+    for c in rows {
+        s.push_str(&row(r, panel, c, &primary, &others, notes));
+    }
+    s.push('\n');
+}
+
+/// One cell's row: its figures, the seed's, both ratios and references to its footnotes.
+fn row(
+    r: &Results,
+    panel: &str,
+    c: &CellResult,
+    primary: &Metric,
+    others: &[Metric],
+    notes: &mut Vec<String>,
+) -> String {
+    let mut line = format!("| {} | {} | ", c.cell.x, c.cell.series);
+    match c.summary.get(primary.key) {
+        Some(x) => {
+            let _ = write!(
+                line,
+                "{} [{}-{}] |",
+                num(x.median, primary.decimals),
+                num(x.min, primary.decimals),
+                num(x.max, primary.decimals)
+            );
+        }
+        None => line.push_str("— |"),
+    }
+    for o in others {
+        match c.summary.get(o.key) {
+            Some(x) => {
+                let _ = write!(line, " {} |", num(x.median, o.decimals));
+            }
+            None => line.push_str(" — |"),
+        }
+    }
+    match c.cell.seed {
+        Some(v) => {
+            let _ = write!(line, " {} |", num(v, primary.decimals));
+        }
+        None => line.push_str(" — |"),
+    }
+    match c.cell.seed_ratio {
+        Some(v) => {
+            let _ = write!(line, " {v:.2}x |");
+        }
+        None => line.push_str(" — |"),
+    }
+    let refs = row_notes(r, panel, c, notes);
+    let ratio = match (c.cell.shape_note.is_some(), c.ratio) {
+        (true, _) => "n/a".to_string(),
+        (false, Some(v)) => format!("{v:.2}x"),
+        (false, None) => "—".to_string(),
+    };
+    let _ = writeln!(
+        line,
+        " {ratio}{} |",
+        if refs.is_empty() {
+            String::new()
+        } else {
+            format!(" {}", refs.join(" "))
+        }
+    );
+    line
+}
+
+/// The footnotes a row needs (why it has no ratio, its cell's note, failed samples), added to
+/// `notes` unless the same text is already there; returns the row's references (`[k]`).
+fn row_notes(r: &Results, panel: &str, c: &CellResult, notes: &mut Vec<String>) -> Vec<String> {
+    let mut refs = Vec::new();
+    // A footnote shared by rows with the same text is printed once.
+    let mut note = |text: String| {
+        let k = match notes.iter().position(|n| *n == text) {
+            Some(k) => k + 1,
+            None => {
+                notes.push(text);
+                notes.len()
+            }
+        };
+        refs.push(format!("[{k}]"));
+    };
+    if let Some(why) = &c.cell.shape_note {
+        note(format!(
+            "{panel}, {} {}: no ratio is printed (each row's measured ratio is in results.json): {why}.",
+            r.plan.x_label, c.cell.x
+        ));
+    }
+    if let Some(n) = &c.cell.note {
+        note(format!("{} {} x={}: {n}.", panel, c.cell.series, c.cell.x));
+    }
+    if c.samples.is_empty() {
+        note(format!(
+            "{} {} x={}: no sample: {}",
+            panel,
+            c.cell.series,
+            c.cell.x,
+            c.errors
+                .first()
+                .map_or("interrupted before it ran", String::as_str)
+        ));
+    } else if !c.errors.is_empty() {
+        note(format!(
+            "{} {} x={}: {} sample(s) failed: {}",
+            panel,
+            c.cell.series,
+            c.cell.x,
+            c.errors.len(),
+            c.errors[0]
+        ));
+    }
+    refs
 }
 
 /// The chart's panels: ours per table, and the seed's own figures beside them.

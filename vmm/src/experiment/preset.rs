@@ -334,8 +334,45 @@ fn iova_2015_guest(allocs: &[(AllocatorKind, f64); 2]) -> Plan {
 }
 
 fn phys_2012(level: Level, quick: bool) -> Plan {
-    let mut cells = Vec::new();
     let guest = level == Level::Guest;
+    let mut cells = phys_2012_frame_cells(guest);
+    cells.extend(phys_2012_map_cost_cells(quick));
+    let map_cost_note = "Map-cost rows: one thread maps and unmaps a buffer to the device through a fresh default pool; wall ns per pair untimed, p50 per call from the pool's own time accounting. Ratios are to swiotlb.";
+    if guest {
+        return Plan {
+            preset: PresetName::Phys2012,
+            title: "seed-2012-phys: bounce off vs forced through the net device (rig-1 guest), and the per-map cost".into(),
+            seed_source: "2012 swiotlb rework to physical addresses: 64 B frame routing 10.0 Mpps -> 10.6 Mpps once swiotlb stopped translating virtual to physical addresses on every map".into(),
+            x_label: "iperf3 flows / mapping bytes",
+            primary: GBPS,
+            metrics: vec![RX_GBPS, MAP_P50, UNMAP_P50, PAIR_NS],
+            cells,
+            notes: vec![
+                GUEST_NET_NOTE.into(),
+                "iperf3 rows: bouncevm-vhost net, one queue pair, bounce off vs forced (swiotlb with areas, iova with iova-rcache); iperf3 sends TCP segments, not the seed's 64 B frames, so the seed's Mpps has no figure here. Ratios are to bounce off in the same rounds.".into(),
+                map_cost_note.into(),
+            ],
+        };
+    }
+    Plan {
+        preset: PresetName::Phys2012,
+        title: "seed-2012-phys: small-frame rate, bounce off vs forced, and the per-map cost".into(),
+        seed_source: "2012 swiotlb rework to physical addresses: 64 B frame routing 10.0 Mpps -> 10.6 Mpps once swiotlb stopped translating virtual to physical addresses on every map".into(),
+        x_label: "frame / mapping bytes",
+        primary: KFPS,
+        metrics: vec![GBPS, CPU_FRAME, MAP_P50, UNMAP_P50, PAIR_NS],
+        cells,
+        notes: vec![
+            "Frame rows: dpdk-testpmd (virtio_user, txonly, 64 B) -> bouncevm-vhost net, one queue pair; frames/s reached the tap. Ratios are to bounce off in the same rounds.".into(),
+            map_cost_note.into(),
+        ],
+    }
+}
+
+/// seed-2012-phys's frame rows: bounce off, swiotlb and iova through the net device (64 B
+/// frames from DPDK at host level, one iperf3 flow from a rig-1 guest at guest level).
+fn phys_2012_frame_cells(guest: bool) -> Vec<Cell> {
+    let mut cells = Vec::new();
     let panel = if guest {
         "iperf3 guest -> host, 1 flow (rig-1 guest)"
     } else {
@@ -385,6 +422,13 @@ fn phys_2012(level: Level, quick: bool) -> Plan {
             }),
         });
     }
+    cells
+}
+
+/// seed-2012-phys's map-cost rows: one map+unmap pair in the bounce library per size, swiotlb
+/// against iova.
+fn phys_2012_map_cost_cells(quick: bool) -> Vec<Cell> {
+    let mut cells = Vec::new();
     let sizes: &[usize] = if quick {
         &[64, 1500]
     } else {
@@ -416,34 +460,5 @@ fn phys_2012(level: Level, quick: bool) -> Plan {
             });
         }
     }
-    let map_cost_note = "Map-cost rows: one thread maps and unmaps a buffer to the device through a fresh default pool; wall ns per pair untimed, p50 per call from the pool's own time accounting. Ratios are to swiotlb.";
-    if guest {
-        return Plan {
-            preset: PresetName::Phys2012,
-            title: "seed-2012-phys: bounce off vs forced through the net device (rig-1 guest), and the per-map cost".into(),
-            seed_source: "2012 swiotlb rework to physical addresses: 64 B frame routing 10.0 Mpps -> 10.6 Mpps once swiotlb stopped translating virtual to physical addresses on every map".into(),
-            x_label: "iperf3 flows / mapping bytes",
-            primary: GBPS,
-            metrics: vec![RX_GBPS, MAP_P50, UNMAP_P50, PAIR_NS],
-            cells,
-            notes: vec![
-                GUEST_NET_NOTE.into(),
-                "iperf3 rows: bouncevm-vhost net, one queue pair, bounce off vs forced (swiotlb with areas, iova with iova-rcache); iperf3 sends TCP segments, not the seed's 64 B frames, so the seed's Mpps has no figure here. Ratios are to bounce off in the same rounds.".into(),
-                map_cost_note.into(),
-            ],
-        };
-    }
-    Plan {
-        preset: PresetName::Phys2012,
-        title: "seed-2012-phys: small-frame rate, bounce off vs forced, and the per-map cost".into(),
-        seed_source: "2012 swiotlb rework to physical addresses: 64 B frame routing 10.0 Mpps -> 10.6 Mpps once swiotlb stopped translating virtual to physical addresses on every map".into(),
-        x_label: "frame / mapping bytes",
-        primary: KFPS,
-        metrics: vec![GBPS, CPU_FRAME, MAP_P50, UNMAP_P50, PAIR_NS],
-        cells,
-        notes: vec![
-            "Frame rows: dpdk-testpmd (virtio_user, txonly, 64 B) -> bouncevm-vhost net, one queue pair; frames/s reached the tap. Ratios are to bounce off in the same rounds.".into(),
-            map_cost_note.into(),
-        ],
-    }
+    cells
 }
