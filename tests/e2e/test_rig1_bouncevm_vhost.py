@@ -301,6 +301,10 @@ class _StatsPoller:
         import threading
         self.path, self.period = path, period
         self.last: dict | None = None
+        # The latest entry of each net queue pair: a snapshot reports a worker that is busy at
+        # that instant as "busy" (statistics never wait for a worker), so one snapshot may
+        # lack a pair; the counters only grow, so the latest entry seen is the one to check.
+        self.pairs: dict[int, dict] = {}
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -310,6 +314,9 @@ class _StatsPoller:
                 st = _stats(self.path)
                 if st["server"]["connected"] and st.get("workers"):
                     self.last = st
+                    for w in st["workers"]:
+                        if isinstance(w, dict) and "pair" in w:
+                            self.pairs[w["pair"]] = w
             except (OSError, ValueError):
                 pass
             self._stop.wait(self.period)
@@ -352,8 +359,8 @@ def test_bvm_vhost_net_two_queue_pairs_iperf3_parallel():
     assert t["activation_failures"] == 0 and t["broken_workers"] == 0, t
     seen = poll.last
     assert seen is not None, "no statistics taken during the session"
-    pairs = [w for w in seen["workers"] if isinstance(w, dict) and "pair" in w]
-    assert [w["pair"] for w in pairs] == [0, 1], seen["workers"]
+    pairs = [poll.pairs[k] for k in sorted(poll.pairs)]
+    assert [w["pair"] for w in pairs] == [0, 1], (pairs, seen["workers"])
     for w in pairs:
         assert w["ring_steered"], w
         assert w["rx_frames"] > 0 and w["tx_chains"] > 0, f"pair {w['pair']} idle: {pairs}"
