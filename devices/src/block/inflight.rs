@@ -90,35 +90,53 @@ impl<M> Default for MemPin<M> {
     }
 }
 
+/// One region's entry of a [`Layout`].
+fn region_entry<R: GuestMemoryRegion>(r: &R) -> (u64, u64, usize) {
+    (
+        r.start_addr().0,
+        r.len(),
+        r.get_host_address(MemoryRegionAddress(0))
+            .map_or(0, |p| p as usize),
+    )
+}
+
+/// True when `mem`'s regions are exactly `layout` (compared in place: no allocation on the
+/// submission path).
+fn same_layout<M: GuestMemory>(mem: &M, layout: &Layout) -> bool {
+    let Some(phys) = mem.physical_memory() else {
+        return false;
+    };
+    let mut n = 0;
+    for r in phys.iter() {
+        if layout.get(n) != Some(&region_entry(r)) {
+            return false;
+        }
+        n += 1;
+    }
+    n == layout.len()
+}
+
 fn fingerprint<M: GuestMemory>(mem: &M) -> Option<Layout> {
     let phys = mem.physical_memory()?;
-    Some(
-        phys.iter()
-            .map(|r| {
-                (
-                    r.start_addr().0,
-                    r.len(),
-                    r.get_host_address(MemoryRegionAddress(0))
-                        .map_or(0, |p| p as usize),
-                )
-            })
-            .collect(),
-    )
+    Some(phys.iter().map(region_entry).collect())
 }
 
 impl<M: GuestMemory + Clone> MemPin<M> {
     /// An `Arc` of `mem` to keep with a request submitted now.
     pub fn pin(&mut self, mem: &M) -> Arc<M> {
-        let fp = fingerprint(mem);
-        match (&self.current, fp) {
-            (Some((old, arc)), Some(fp)) if *old == fp => Arc::clone(arc),
-            (_, Some(fp)) => {
+        if let Some((old, arc)) = &self.current {
+            if same_layout(mem, old) {
+                return Arc::clone(arc);
+            }
+        }
+        match fingerprint(mem) {
+            Some(fp) => {
                 let arc = Arc::new(mem.clone());
                 self.current = Some((fp, Arc::clone(&arc)));
                 arc
             }
             // No physical view to compare: a clone per request.
-            (_, None) => Arc::new(mem.clone()),
+            None => Arc::new(mem.clone()),
         }
     }
 }
@@ -201,5 +219,39 @@ impl RetryTimer {
 impl Default for RetryTimer {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+    #[test]
+    fn mem_pin_reuses_its_arc_until_the_layout_changes() {
+        let a = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
+        let mut pin = MemPin::default();
+        let first = pin.pin(&a);
+        // The same memory (a clone shares the mappings): the same pin.
+        assert!(Arc::ptr_eq(&first, &pin.pin(&a.clone())));
+        // A new table (other mappings, other region count): a new pin, kept from then on.
+        let b = GuestMemoryMmap::<()>::from_ranges(&[
+            (GuestAddress(0), 0x10000),
+            (GuestAddress(0x20000), 0x10000),
+        ])
+        .unwrap();
+        let second = pin.pin(&b);
+        assert!(!Arc::ptr_eq(&first, &second));
+        assert_eq!(second.num_regions(), 2);
+        assert!(Arc::ptr_eq(&second, &pin.pin(&b)));
+        // Same layout but a different mapping (a new SET_MEM_TABLE of the same shape).
+        let c = GuestMemoryMmap::<()>::from_ranges(&[
+            (GuestAddress(0), 0x10000),
+            (GuestAddress(0x20000), 0x10000),
+        ])
+        .unwrap();
+        assert!(!Arc::ptr_eq(&second, &pin.pin(&c)));
+        // Fewer regions than pinned: not the same either.
+        assert!(!Arc::ptr_eq(&pin.pin(&c), &pin.pin(&a)));
     }
 }
