@@ -5,6 +5,7 @@ and bouncevm-vhost blk (bounce off / forced swiotlb / forced iova), interleaved 
     python3 tests/e2e/bench_host.py [--rounds 3] [--runtime 5] [--jobs 1,2] [--disks file,mem]
                                     [--variants qsd,off,swiotlb,iova,swiotlb-untimed,iova-untimed]
                                     [--size 1G] [--file-dir /var/tmp] [--json OUT]
+                                    [--backend-bin NAME=PATH ...]
 
 Same client, same image, same cache mode for every variant: qemu-storage-daemon runs with
 cache.direct=on,aio=io_uring (O_DIRECT), bouncevm-vhost with `--cache none --aio io_uring`
@@ -15,8 +16,12 @@ order; the table gives median [min-max] IOPS over the rounds, ratios of medians 
 vs bounce off, and the back end's CPU time per I/O (user + system of the whole process,
 io_uring workers included: steadier than IOPS on a loaded machine). Variants: qsd, off,
 swiotlb, iova, and swiotlb-untimed / iova-untimed (the pool's time accounting off,
-bounce option timing=off). A benchmark, not a test: run it on a quiet machine and report the spread.
-Build first: cargo build --release -p vmm.
+bounce option timing=off), and swiotlb with the reusing allocators of issue 10
+(swiotlb-magazine, swiotlb-areas-lifo, swiotlb-magazine-untimed). --backend-bin NAME=PATH
+(repeatable) runs every bouncevm-vhost variant with each of those binaries too, in the same
+rounds (rows "VARIANT@NAME", ratios against the same binary's "off"): two builds side by side
+with the same load generator (ours from target/release). A benchmark, not a test: run it on a
+quiet machine and report the spread. Build first: cargo build --release -p vmm.
 """
 
 import argparse
@@ -42,6 +47,10 @@ VARIANTS = {
     # per timed map/copy/unmap, which on a PVM host is a visible part of a small request.
     "swiotlb-untimed": "policy=force,mode=swiotlb,alloc=areas,timing=off",
     "iova-untimed": "policy=force,mode=iova,alloc=iova-rcache,timing=off",
+    # swiotlb with the allocators that reuse the most recently freed (cache-hot) slots.
+    "swiotlb-magazine": "policy=force,mode=swiotlb,alloc=magazine",
+    "swiotlb-areas-lifo": "policy=force,mode=swiotlb,alloc=areas-lifo",
+    "swiotlb-magazine-untimed": "policy=force,mode=swiotlb,alloc=magazine,timing=off",
 }
 
 
@@ -62,9 +71,9 @@ def wait_socket(path, proc, what, timeout=10.0):
     die(f"{what} did not create {path}")
 
 
-def ours_flags():
+def ours_flags(vhost):
     """The cache/aio flags bouncevm-vhost blk supports, and the cache mode that gives."""
-    out = subprocess.run([str(BIN / "bouncevm-vhost"), "blk", "--help"], capture_output=True,
+    out = subprocess.run([str(vhost), "blk", "--help"], capture_output=True,
                          text=True, check=True).stdout
     flags, mode = [], "page cache (bouncevm-vhost has no --cache yet)"
     if "--cache" in out:
@@ -75,7 +84,14 @@ def ours_flags():
     return flags, mode
 
 
-def start(variant, img, sock, queues, ours_extra):
+def split_variant(label):
+    """'swiotlb@main' -> ('swiotlb', 'main'); 'swiotlb' -> ('swiotlb', None)."""
+    v, _, b = label.partition("@")
+    return v, (b or None)
+
+
+def start(label, img, sock, queues, backends):
+    variant, bin_name = split_variant(label)
     if sock.exists():
         sock.unlink()
     if variant == "qsd":
@@ -85,10 +101,11 @@ def start(variant, img, sock, queues, ours_extra):
                 f"type=vhost-user-blk,id=e0,node-name=f0,addr.type=unix,addr.path={sock},"
                 f"writable=on,num-queues={queues}"]
     else:
-        argv = [str(BIN / "bouncevm-vhost"), "blk", "--socket", str(sock), "--file", str(img),
-                "--queues", str(queues), "--bounce", VARIANTS[variant]] + ours_extra
+        vhost, extra, _ = backends[bin_name]
+        argv = [str(vhost), "blk", "--socket", str(sock), "--file", str(img),
+                "--queues", str(queues), "--bounce", VARIANTS[variant]] + extra
     p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_socket(sock, p, variant)
+    wait_socket(sock, p, label)
     return p
 
 
@@ -107,8 +124,8 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(variant, img, sock, jobs, args, ours_extra):
-    p = start(variant, img, sock, max(args.jobs), ours_extra)
+def measure(variant, img, sock, jobs, args, backends):
+    p = start(variant, img, sock, max(args.jobs), backends)
     try:
         argv = [str(BIN / "bouncevm-load"), "--socket", str(sock), "--json", "--rw", "randread",
                 "--bs", "4k", "--iodepth", "32", "--numjobs", str(jobs),
@@ -156,6 +173,24 @@ def fmt_row(name, xs, ref_q, ref_off):
     return cells
 
 
+def parse_backend_bins(specs):
+    """--backend-bin NAME=PATH (a bouncevm-vhost binary, or a directory holding one)."""
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or "@" in name or "," in name:
+            die(f"bad --backend-bin '{spec}' (expected NAME=PATH)")
+        if name in out:
+            die(f"--backend-bin {name} given twice")
+        p = Path(path)
+        if p.is_dir():
+            p = p / "bouncevm-vhost"
+        if not (p.is_file() and os.access(p, os.X_OK)):
+            die(f"--backend-bin {name}: {p} is not an executable")
+        out[name] = p
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -166,6 +201,8 @@ def main():
     ap.add_argument("--size", default="1G", help="image size (and --size of the load)")
     ap.add_argument("--file-dir", default="/var/tmp", help="a directory on a real filesystem")
     ap.add_argument("--json", help="also write every sample to this file")
+    ap.add_argument("--backend-bin", action="append", default=[], metavar="NAME=PATH",
+                    help="also run every bouncevm-vhost variant with this binary (or directory)")
     args = ap.parse_args()
     args.jobs = [int(j) for j in args.jobs.split(",")]
     disks = args.disks.split(",")
@@ -181,7 +218,13 @@ def main():
             die(f"{BIN / b} is missing: cargo build --release -p vmm")
     if "qsd" in variants and not shutil.which("qemu-storage-daemon"):
         die("qemu-storage-daemon is not on PATH (apt-get install qemu-utils)")
-    ours_extra, ours_mode = ours_flags()
+    # bin name -> (bouncevm-vhost, its cache/aio flags, the cache mode they give)
+    backends = {None: (BIN / "bouncevm-vhost",) + ours_flags(BIN / "bouncevm-vhost")}
+    for name, path in parse_backend_bins(args.backend_bin).items():
+        backends[name] = (path,) + ours_flags(path)
+    variants = [v if v == "qsd" or b is None else f"{v}@{b}"
+                for v in variants for b in backends if not (v == "qsd" and b is not None)]
+    ours_mode = "; ".join(sorted({m for _, _, m in backends.values()}))
     size = parse_size(args.size)
 
     work = Path(tempfile.mkdtemp(prefix="bench-host-"))
@@ -198,7 +241,7 @@ def main():
                 for j in args.jobs:
                     order = variants[r % len(variants):] + variants[:r % len(variants)]
                     for v in order:
-                        m = measure(v, imgs[d], work / "vu.sock", j, args, ours_extra)
+                        m = measure(v, imgs[d], work / "vu.sock", j, args, backends)
                         samples.setdefault((d, j, v), []).append(m)
                         print(f"round {r + 1}/{args.rounds} {d} jobs={j} {v}: "
                               f"{m['iops']:,.0f} IOPS p50 {m['p50_us']:.0f} us p99 {m['p99_us']:.0f} us, "
@@ -222,13 +265,15 @@ def main():
             med = {v: statistics.median(s["iops"] for s in samples[(d, j, v)]) for v in variants}
             for v in variants:
                 xs = [s["iops"] for s in samples[(d, j, v)]]
-                cells = fmt_row(v, xs, med.get("qsd"), med.get("off"))
+                b = split_variant(v)[1]
+                cells = fmt_row(v, xs, med.get("qsd"), med.get("off" if b is None else f"off@{b}"))
                 cs = [s["cpu_us"] for s in samples[(d, j, v)]]
                 cells += [f"{statistics.median(cs):.2f}", f"{min(cs):.2f}-{max(cs):.2f}"]
                 print(f"| {d} | {j} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"cache_ours": ours_mode, "runtime": args.runtime, "rounds": args.rounds,
+             "backend_bins": {k: str(v[0]) for k, v in backends.items() if k},
              "samples": [{"disk": d, "jobs": j, "variant": v, **s}
                          for (d, j, v), ss in samples.items() for s in ss]}, indent=1))
 
