@@ -5,7 +5,8 @@
 //! `cargo bench -p devices --bench blk -- --warm-up-time 1 --measurement-time 3`
 //!
 //! Each iteration posts a batch of 32 requests (header, one 4 KiB data buffer, status), kicks
-//! once and reaps the 32 completions, as a guest with a queue depth of 32 would.
+//! once and reaps the 32 completions, as a guest with a queue depth of 32 would. Every row
+//! runs the same requests through the same device and driver; only the DMA handle differs.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -63,23 +64,41 @@ impl Rig {
     }
 }
 
+/// Bounce off, and forced bouncing through each pool: Linux's `areas`, the reusing allocators
+/// (`areas-lifo`, `magazine`) and `iova-rcache`, each with the pool's time accounting on (the
+/// default, as `bouncevm-vhost`) and off (`timing=off`), so the rows separate what the
+/// accounting costs from what the bounce itself costs.
 fn dmas() -> Vec<(String, Dma)> {
     let mut v = vec![("off".to_string(), Dma::direct())];
     v.push((
         "force/swiotlb/first-fit".into(),
         Dma::bounced(Policy::Force, first_fit_pool(&PoolConfig::swiotlb(32768))),
     ));
-    for (mode, mut cfg, kind) in [
-        ("swiotlb", PoolConfig::swiotlb(32768), AllocatorKind::Areas),
-        ("iova", PoolConfig::iova(16384), AllocatorKind::IovaRcache),
-    ] {
-        cfg.allocator = kind;
-        match BouncePool::new(&cfg) {
-            Ok(p) => v.push((
-                format!("force/{mode}/{kind}"),
-                Dma::bounced(Policy::Force, Arc::new(p)),
-            )),
-            Err(e) => eprintln!("skipping force/{mode}/{kind}: {e}"),
+    let pools = [
+        ("swiotlb", AllocatorKind::Areas),
+        ("swiotlb", AllocatorKind::AreasLifo),
+        ("swiotlb", AllocatorKind::Magazine),
+        ("iova", AllocatorKind::IovaRcache),
+    ];
+    for (mode, kind) in pools {
+        for timing in [true, false] {
+            let mut cfg = if mode == "iova" {
+                PoolConfig::iova(16384)
+            } else {
+                PoolConfig::swiotlb(32768)
+            };
+            cfg.allocator = kind;
+            let name = format!(
+                "force/{mode}/{kind}{}",
+                if timing { "" } else { "/untimed" }
+            );
+            match BouncePool::new(&cfg) {
+                Ok(p) => {
+                    p.set_timing(timing);
+                    v.push((name, Dma::bounced(Policy::Force, Arc::new(p))));
+                }
+                Err(e) => eprintln!("skipping {name}: {e}"),
+            }
         }
     }
     v
