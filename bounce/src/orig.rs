@@ -25,6 +25,21 @@ pub trait OrigMemory {
     fn write_orig(&self, addr: u64, src: &VolatileSlice<'_>) -> Result<()>;
 }
 
+/// The one slice of guest memory behind `addr..addr + len`, when the range lies in one
+/// region (the common case): a single translation serves both the check and the copy.
+fn whole_slice<M: GuestMemory + ?Sized>(
+    mem: &M,
+    addr: u64,
+    len: usize,
+    perm: Permissions,
+) -> Option<VolatileSlice<'_, vm_memory::bitmap::BS<'_, M::Bitmap>>> {
+    let mut slices = mem.get_slices(GuestAddress(addr), len, perm).ok()?;
+    match slices.next() {
+        Some(Ok(s)) if s.len() == len => Some(s),
+        _ => None,
+    }
+}
+
 impl<M: GuestMemory + ?Sized> OrigMemory for M {
     fn check(&self, addr: u64, len: usize, write: bool) -> bool {
         let perm = if write {
@@ -37,6 +52,11 @@ impl<M: GuestMemory + ?Sized> OrigMemory for M {
 
     fn read_orig(&self, addr: u64, dst: &VolatileSlice<'_>) -> Result<()> {
         let len = dst.len();
+        if let Some(s) = whole_slice(self, addr, len, Permissions::Read) {
+            s.copy_to_volatile_slice(*dst);
+            return Ok(());
+        }
+        // Across regions (or not guest memory): check the whole range, then copy piecewise.
         let err = || Error::OrigAccess { addr, len };
         if !self.check(addr, len, false) {
             return Err(err());
@@ -60,6 +80,11 @@ impl<M: GuestMemory + ?Sized> OrigMemory for M {
 
     fn write_orig(&self, addr: u64, src: &VolatileSlice<'_>) -> Result<()> {
         let len = src.len();
+        // ReadWrite: what `check` asks of a written range.
+        if let Some(s) = whole_slice(self, addr, len, Permissions::ReadWrite) {
+            src.copy_to_volatile_slice(s);
+            return Ok(());
+        }
         let err = || Error::OrigAccess { addr, len };
         if !self.check(addr, len, true) {
             return Err(err());
@@ -148,5 +173,63 @@ impl OrigMemory for NoCopyMemory {
 
     fn write_orig(&self, _addr: u64, _src: &VolatileSlice<'_>) -> Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vm_memory::{Bytes, GuestMemoryMmap};
+
+    use super::*;
+
+    /// Two adjacent regions (0..0x1000, 0x1000..0x2000), then a hole, then 0x3000..0x4000.
+    fn mem() -> GuestMemoryMmap<()> {
+        GuestMemoryMmap::from_ranges(&[
+            (GuestAddress(0), 0x1000),
+            (GuestAddress(0x1000), 0x1000),
+            (GuestAddress(0x3000), 0x1000),
+        ])
+        .unwrap()
+    }
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i * 7 + 3) as u8).collect()
+    }
+
+    #[test]
+    fn copies_inside_one_region_and_across_adjacent_regions() {
+        let m = mem();
+        // Inside one region, and across the 0x1000 boundary (two slices).
+        for (addr, len) in [(0x100u64, 76usize), (0xfc0, 0x80), (0x3ff0, 0x10)] {
+            let data = pattern(len);
+            m.write_orig(addr, &VolatileSlice::from(&mut data.clone()[..]))
+                .unwrap();
+            let mut back = vec![0u8; len];
+            m.read_slice(&mut back, GuestAddress(addr)).unwrap();
+            assert_eq!(back, data, "write_orig at {addr:#x}+{len:#x}");
+            let mut got = vec![0u8; len];
+            m.read_orig(addr, &VolatileSlice::from(&mut got[..]))
+                .unwrap();
+            assert_eq!(got, data, "read_orig at {addr:#x}+{len:#x}");
+        }
+    }
+
+    #[test]
+    fn a_range_into_a_hole_fails_and_copies_nothing() {
+        let m = mem();
+        m.write_slice(&[0xaa; 0x40], GuestAddress(0x1fc0)).unwrap();
+        // 0x1fc0..0x2040 runs into the hole at 0x2000, and 0x2800 is in it.
+        for addr in [0x1fc0u64, 0x2800] {
+            let mut src = [0x55u8; 0x80];
+            let e = m.write_orig(addr, &VolatileSlice::from(&mut src[..]));
+            assert!(matches!(e, Err(Error::OrigAccess { .. })), "{e:?}");
+            let mut dst = [0x11u8; 0x80];
+            let e = m.read_orig(addr, &VolatileSlice::from(&mut dst[..]));
+            assert!(matches!(e, Err(Error::OrigAccess { .. })), "{e:?}");
+            assert_eq!(dst, [0x11; 0x80], "read_orig at {addr:#x} copied");
+        }
+        let mut back = [0u8; 0x40];
+        m.read_slice(&mut back, GuestAddress(0x1fc0)).unwrap();
+        assert_eq!(back, [0xaa; 0x40], "a failed write_orig wrote guest memory");
     }
 }

@@ -3,7 +3,7 @@
 
     python3 tests/e2e/bench_net_dpdk.py [--rounds 3] [--seconds 10] [--sizes 64,1500]
                                         [--variants off,swiotlb,iova] [--no-rx] [--json OUT]
-                                        [--perf-dir DIR]
+                                        [--perf-dir DIR] [--backend-bin LABEL=PATH ...]
 
 Needs root, /dev/net/tun and `apt-get install --no-install-recommends dpdk-dev
 librte-net-virtio23` (the script says so and exits if dpdk-testpmd is missing). Per sample:
@@ -22,7 +22,10 @@ discarded warm-up sample); the table gives median [min-max] and the ratio of med
 for frames/s and for the back end's CPU time per frame (user + system of the process over the
 window, from /proc/PID/stat: on a loaded machine each process gets about its fair share of a
 CPU, so frames/s follow the scheduler while CPU per frame says what a frame costs).
---perf-dir records `perf record -g` of the back end over every measured window. testpmd busy-polls one core: absolute figures depend on the
+--backend-bin LABEL=PATH (repeatable) runs every variant on each of these back-end binaries
+instead of target/release's, interleaved in the same rounds (rows "LABEL:variant", "vs off"
+against the same binary's off): a change measured side by side against a copy of main's.
+--perf-dir records `perf record -e cpu-clock -F 5000 -g` of the back end over every measured window. testpmd busy-polls one core: absolute figures depend on the
 machine's load; state it with the figures. Build first: cargo build --release -p vmm.
 """
 
@@ -100,6 +103,15 @@ def pps_lines(text, key):
     return [int(x) for x in re.findall(rf"{key}:\s+(\d+)", text)]
 
 
+def split_variant(key):
+    """(binary, bounce options) of a variant key: "VARIANT" or "LABEL:VARIANT"."""
+    label, _, v = key.rpartition(":")
+    return (BINS[label] if label else VHOST), VARIANTS[v]
+
+
+BINS = {}
+
+
 def sample(variant, size, direction, args, work):
     ns = f"bvmdpdk{os.getpid()}"
     sock = work / "net.sock"
@@ -109,9 +121,10 @@ def sample(variant, size, direction, args, work):
     backend = testpmd = None
     try:
         sh(*ns_exec(ns, "ip", "link", "set", "lo", "up"))
+        binary, bounce = split_variant(variant)
         backend = subprocess.Popen(
-            ns_exec(ns, str(VHOST), "net", "--socket", str(sock), "--tap", "tap0",
-                    "--mac", MAC, "--bounce", VARIANTS[variant]),
+            ns_exec(ns, str(binary), "net", "--socket", str(sock), "--tap", "tap0",
+                    "--mac", MAC, "--bounce", bounce),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 10
         while not sock.exists():
@@ -151,8 +164,10 @@ def sample(variant, size, direction, args, work):
         window = args.seconds - (1.0 if inj else 0)
         rec = None
         if args.perf_dir:
-            out_file = Path(args.perf_dir) / f"{variant}-{direction}-{size}-{os.getpid()}-{time.monotonic_ns()}.data"
-            rec = subprocess.Popen(["perf", "record", "-g", "-o", str(out_file), "-p", str(backend.pid),
+            out_file = Path(args.perf_dir) / f"{variant.replace(':', '-')}-{direction}-{size}-{os.getpid()}-{time.monotonic_ns()}.data"
+            # cpu-clock: works without hardware counters (a VM's guest often has none).
+            rec = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "5000", "-g",
+                                    "-o", str(out_file), "-p", str(backend.pid),
                                     "--", "sleep", str(window)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         before, t0 = tap_counter(ns, "rx_packets"), time.monotonic()
@@ -201,6 +216,9 @@ def main():
     ap.add_argument("--variants", default="off,swiotlb,iova")
     ap.add_argument("--no-rx", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--backend-bin", action="append", default=[], metavar="LABEL=PATH",
+                    help="run the variants on this bouncevm-vhost binary (repeatable; replaces "
+                         "target/release's: label that one too to compare against it)")
     ap.add_argument("--perf-dir", help="also `perf record -g` the backend over each measured window, "
                                        "one file per sample in this directory")
     args = ap.parse_args()
@@ -208,13 +226,19 @@ def main():
         die("needs root (network namespaces, tap)")
     if not shutil.which("dpdk-testpmd"):
         die("dpdk-testpmd is missing: apt-get install --no-install-recommends dpdk-dev librte-net-virtio23")
-    if not VHOST.exists():
+    for spec in args.backend_bin:
+        label, eq, path = spec.partition("=")
+        if not eq or not label or ":" in label or not Path(path).is_file():
+            die(f"--backend-bin {spec!r}: expected LABEL=PATH of an existing binary")
+        BINS[label] = Path(path).resolve()
+    if not BINS and not VHOST.exists():
         die(f"{VHOST} is missing: cargo build --release -p vmm")
     sizes = [int(s) for s in args.sizes.split(",")]
-    variants = args.variants.split(",")
-    for v in variants:
+    base_variants = args.variants.split(",")
+    for v in base_variants:
         if v not in VARIANTS:
             die(f"unknown variant {v}")
+    variants = [f"{b}:{v}" for b in BINS for v in base_variants] if BINS else base_variants
     dirs = ["tx"] if args.no_rx else ["tx", "rx"]
     work = Path(tempfile.mkdtemp(prefix="bench-net-dpdk-"))
     samples = {}
@@ -244,11 +268,12 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for d in dirs:
         for size in sizes:
-            off = statistics.median(s["fps"] for s in samples[(d, size, "off")]) \
-                if (d, size, "off") in samples else None
-            off_cpu = statistics.median(s["cpu_us"] for s in samples[(d, size, "off")]) \
-                if (d, size, "off") in samples else None
             for v in variants:
+                off_key = (d, size, v.rpartition(":")[0] + (":" if ":" in v else "") + "off")
+                off = statistics.median(s["fps"] for s in samples[off_key]) \
+                    if off_key in samples else None
+                off_cpu = statistics.median(s["cpu_us"] for s in samples[off_key]) \
+                    if off_key in samples else None
                 xs = [s["fps"] for s in samples[(d, size, v)]]
                 med = statistics.median(xs)
                 ratio = f"{med / off:.2f}x" if off else "-"

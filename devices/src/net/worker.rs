@@ -279,7 +279,9 @@ impl<M: GuestMemory> PairWorker<M> {
                 return TxOutcome::Throttled;
             }
         }
-        // Map every buffer (to-device), then find where the device sees the bytes.
+        // Map every buffer (to-device), then find where the device sees the bytes. The walk
+        // checked each buffer against guest memory: that was the frame's one translation of
+        // its ranges, the mapping does not check again.
         let worker = usize::from(self.pair);
         self.tx_mapped.clear();
         self.tx_pieces.clear();
@@ -287,7 +289,7 @@ impl<M: GuestMemory> PairWorker<M> {
         for seg in &c.readable {
             match self
                 .dma
-                .map(mem, seg.addr, seg.len as usize, Direction::ToDevice, worker)
+                .map_checked(mem, seg.addr, seg.len as usize, Direction::ToDevice, worker)
             {
                 Ok(b) => self.tx_mapped.push(b),
                 Err(e) => {
@@ -497,7 +499,8 @@ impl<M: GuestMemory> PairWorker<M> {
                     break;
                 }
                 let n = (seg.len as usize).min(len - off);
-                let r = self.dma.write_guest(
+                // The walk checked the buffer (writable guest memory): no second check.
+                let r = self.dma.write_guest_checked(
                     mem,
                     seg.addr,
                     &self.rx_buf[off..off + n],
