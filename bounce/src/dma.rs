@@ -13,12 +13,10 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{
-    GuestAddress, GuestMemory, GuestMemoryBackend, Permissions, ReadVolatile, VolatileSlice,
-    WriteVolatile,
+    GuestAddress, GuestMemory, Permissions, ReadVolatile, VolatileSlice, WriteVolatile,
 };
 
 use crate::error::{Error, Result};
-use crate::orig::OrigMemory;
 use crate::pool::{BouncePool, Mapping};
 use crate::stats::PoolStats;
 use crate::types::{Direction, DmaAttrs, MapRequest};
@@ -289,9 +287,8 @@ impl Dma {
                     seg_boundary_mask: self.params.seg_boundary_mask,
                     worker,
                 };
-                // The range was checked above or by the caller: the pool does not again, and
-                // its copy in goes through the one translation of `Resolved`.
-                Some(pool.map_checked(&Resolved::new(mem, gpa, len), &req)?)
+                // The range was checked above or by the caller: the pool does not again.
+                Some(pool.map_checked(mem, &req)?)
             }
             _ => None,
         };
@@ -315,11 +312,6 @@ impl Dma {
         worker: usize,
     ) -> Result<()> {
         match (&buf.bounce, &self.pool) {
-            // Only a buffer the device may have written is copied back (translated once);
-            // the others release their slots without touching guest memory.
-            (Some(m), Some(pool)) if m.dir.device_writes() && !m.attrs.skip_cpu_sync => {
-                pool.unmap(&Resolved::new(mem, buf.gpa, buf.len), m, worker)
-            }
             (Some(m), Some(pool)) => pool.unmap(mem, m, worker),
             _ => Ok(()),
         }
@@ -469,7 +461,7 @@ impl Dma {
         };
         let n = written.min(buf.len);
         let copied = if n > 0 && buf.dir.device_writes() {
-            pool.sync_for_cpu(&Resolved::new(mem, buf.gpa, n), m.dev_addr, n, m.dir)
+            pool.sync_for_cpu(mem, m.dev_addr, n, m.dir)
         } else {
             Ok(())
         };
@@ -633,71 +625,6 @@ impl Dma {
             Ok(())
         })?;
         Ok(done)
-    }
-}
-
-/// The bitmap slice of `M`'s physical memory (vm-memory's private `MS`).
-type PhysSlice<'a, M> = vm_memory::bitmap::BS<
-    'a,
-    <<<M as GuestMemory>::PhysicalMemory as GuestMemoryBackend>::R as vm_memory::GuestMemoryRegion>::B,
->;
-
-/// The guest side of one bounced buffer, translated once: what the pool copies from at map and
-/// to at unmap.
-///
-/// A pool copy through plain guest memory checks the range and then walks it region by region
-/// (two translations per copy). A buffer of a chain lies in one guest memory region in
-/// practice, so it is looked up once here (`GuestMemoryBackend::get_slice`, which fails for a
-/// range that leaves its region): that one lookup validates the whole range and gives the host
-/// slice every copy of the mapping then uses. Anything else (an IOMMU-translated memory, a
-/// range across regions, an address outside the buffer) goes through `mem` as before, with the
-/// same checks and errors.
-struct Resolved<'a, M: GuestMemory + ?Sized> {
-    mem: &'a M,
-    gpa: u64,
-    slice: Option<VolatileSlice<'a, PhysSlice<'a, M>>>,
-}
-
-impl<'a, M: GuestMemory + ?Sized> Resolved<'a, M> {
-    fn new(mem: &'a M, gpa: u64, len: usize) -> Self {
-        let slice = mem
-            .physical_memory()
-            .and_then(|p| p.get_slice(GuestAddress(gpa), len).ok());
-        Self { mem, gpa, slice }
-    }
-
-    /// The part of the translated buffer for `addr..addr + len`, if it is inside it.
-    fn part(&self, addr: u64, len: usize) -> Option<VolatileSlice<'a, PhysSlice<'a, M>>> {
-        let s = self.slice.as_ref()?;
-        let off = usize::try_from(addr.checked_sub(self.gpa)?).ok()?;
-        s.subslice(off, len).ok()
-    }
-}
-
-impl<M: GuestMemory + ?Sized> OrigMemory for Resolved<'_, M> {
-    fn check(&self, addr: u64, len: usize, write: bool) -> bool {
-        self.part(addr, len).is_some() || self.mem.check(addr, len, write)
-    }
-
-    fn read_orig(&self, addr: u64, dst: &VolatileSlice<'_>) -> Result<()> {
-        match self.part(addr, dst.len()) {
-            Some(src) => {
-                src.copy_to_volatile_slice(*dst);
-                Ok(())
-            }
-            None => self.mem.read_orig(addr, dst),
-        }
-    }
-
-    fn write_orig(&self, addr: u64, src: &VolatileSlice<'_>) -> Result<()> {
-        match self.part(addr, src.len()) {
-            Some(dst) => {
-                // Marks the guest pages dirty in `dst`'s bitmap, as the region walk does.
-                src.copy_to_volatile_slice(dst);
-                Ok(())
-            }
-            None => self.mem.write_orig(addr, src),
-        }
     }
 }
 
@@ -891,8 +818,8 @@ mod tests {
     fn bounced_copies_translate_once_and_fall_back_across_regions() {
         use vm_memory::bitmap::{AtomicBitmap, Bitmap};
         use vm_memory::GuestMemoryRegion;
-        // Two adjacent regions: a buffer inside one is translated once (`Resolved`), a buffer
-        // across the boundary goes through the region walk; both copy the same bytes and mark
+        // Two adjacent regions: a buffer inside one is translated once (`OrigMemory` for guest
+        // memory), a buffer across the boundary goes through the region walk; both copy the same bytes and mark
         // the same pages dirty.
         let new_mem = || {
             GuestMemoryMmap::<AtomicBitmap>::from_ranges(&[
