@@ -286,6 +286,7 @@ impl BouncePool {
     /// [`Error::ZeroLength`], [`Error::Overflow`], [`Error::BadAlignment`] (masks not of the
     /// form `2^k - 1`), [`Error::TooLarge`], [`Error::OrigAccess`] (the original range is not
     /// accessible), [`Error::PoolFull`] (logged, rate-limited, unless `no_warn`).
+    #[inline]
     pub fn map<M: OrigMemory + ?Sized>(&self, mem: &M, req: &MapRequest) -> Result<Mapping> {
         self.map_timed(mem, req, true).map_err(|e| *e)
     }
@@ -599,6 +600,7 @@ impl BouncePool {
     ///
     /// # Errors
     /// As [`BouncePool::unmap_single`].
+    #[inline]
     pub fn unmap<M: OrigMemory + ?Sized>(&self, mem: &M, m: &Mapping, worker: usize) -> Result<()> {
         self.unmap_single(mem, m.dev_addr, m.size, m.dir, m.attrs, worker)
     }
@@ -612,6 +614,7 @@ impl BouncePool {
     /// [`Error::NotMapped`] when `addr` is not the device address of a live mapping (never
     /// mapped, already unmapped, or not what map returned): nothing changes then.
     /// [`Error::OrigAccess`] when the copy back failed.
+    #[inline]
     pub fn unmap_single<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,

@@ -1,7 +1,7 @@
 //! Pool statistics, like Linux's `/sys/kernel/debug/swiotlb` and more.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -35,15 +35,30 @@ fn call_entry(op: TimedOp, dir: crate::Direction) -> usize {
 /// prefetcher pairs 64-byte lines).
 #[derive(Debug, Default)]
 #[repr(align(128))]
-struct Shard([AtomicU64; ENTRIES]);
+struct Shard {
+    counts: [AtomicU64; ENTRIES],
+    /// Occupancy quota this shard holds and does not use (see [`Counters`]): a map takes from
+    /// it, an unmap gives back to it. Negative never at rest (a map that finds too little
+    /// takes the rest from the pool's free quota under [`Occupancy::lock`]).
+    slack: AtomicI64,
+}
 
-/// The occupancy count and its high-water mark, on their own cache lines.
+/// Occupancy quota not held by any shard, and the high-water mark, on their own cache lines.
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Occupancy {
-    used: AtomicU64,
+    /// Serialises quota transfers between shards and every rise of `hiwater`.
+    lock: std::sync::Mutex<()>,
+    /// The high-water mark, which is also the quota handed out in all: `hiwater = used + free +
+    /// the shards' slack`.
     hiwater: AtomicU64,
+    /// Quota no shard holds (changed only under `lock`).
+    free: AtomicI64,
 }
+
+/// Quota a map that had to take from the pool's free quota keeps beyond its own need, so that
+/// a worker settles at a steady occupancy without coming back for each map.
+const GRANT: i64 = 64;
 
 /// Live counters of a pool. All relaxed: they are statistics, not synchronisation.
 ///
@@ -57,13 +72,26 @@ struct Occupancy {
 /// through the number's release and reuse, which a mutex orders), so it counts every event that
 /// completed before the read, as a single counter would.
 ///
-/// `used` and `hiwater` are not sharded: a high-water mark is only exact when every change of
-/// `used` is ordered against every other, which shards cannot give without reading all of them
-/// on every map. They are kept as Linux keeps `total_used` and `used_hiwater`
-/// (`inc_used_and_hiwater`): an atomic add whose result is the exact occupancy after this map,
-/// then a compare with the mark (a load of the same cache line), and an atomic max only when the
-/// mark rises. So the mark is the largest value `used` ever took, exactly; a pool at a steady
-/// occupancy pays one shared add per map and one per unmap, nothing more.
+/// `used` and `hiwater` (Linux `total_used`, `used_hiwater`) are kept as a quota, so that a
+/// pool at a steady occupancy writes no shared cache line (one shared atomic `used` written by
+/// every map and unmap capped the two-thread throughput of every allocator). The mark `hiwater`
+/// is the quota handed out in all; each shard holds some as `slack`, the rest is `free`, and at
+/// every moment `used = hiwater - free - sum(slack)`:
+/// - a map of `n` slots takes `n` from its own shard's slack (one uncontended compare-exchange
+///   on the thread's own line) when the slack suffices;
+/// - otherwise, under the occupancy lock, it takes its shard's slack and the free quota, and if
+///   those are short, every shard's slack; only if all the quota there is cannot cover `n` does
+///   the mark rise, by exactly what is missing: to the occupancy after this map. So the mark
+///   rises exactly when `used` exceeds it, as Linux's `inc_used_and_hiwater` does, and it is
+///   the largest occupancy reached, with one reservation: an unmap that completes on another
+///   thread while the lock holder is collecting slack (after its shard was collected) is not
+///   seen, so the mark may then exceed the true maximum by the slots those unmaps released;
+/// - an unmap gives `n` back to its own shard's slack (one atomic add on its own line).
+///
+/// `used` is read as that difference (exact whenever no map or unmap is running, like the event
+/// counters). [`Counters::reset_hiwater`] restarts the mark at the current occupancy (Linux
+/// shows 0 until the next map, which sets it to the occupancy after that map: the same value
+/// unless unmaps ran in between).
 #[derive(Debug)]
 pub(crate) struct Counters {
     occupancy: Occupancy,
@@ -177,7 +205,7 @@ impl ShardRef<'_> {
 
     #[inline]
     fn add_entry(self, entry: usize, n: u64) {
-        let c = &self.shard.0[entry];
+        let c = &self.shard.counts[entry];
         if self.exclusive {
             // Single writer (see [`Counters`]): a plain add.
             c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
@@ -218,29 +246,77 @@ impl Counters {
     fn get_entry(&self, entry: usize) -> u64 {
         self.shards
             .iter()
-            .map(|s| s.0[entry].load(Ordering::Relaxed))
+            .map(|s| s.counts[entry].load(Ordering::Relaxed))
             .fold(0u64, u64::wrapping_add)
     }
 
-    /// Linux `inc_used_and_hiwater`.
+    /// Linux `inc_used_and_hiwater`: `n` more slots in use (see the type's docs).
     #[inline]
     pub fn inc_used(&self, n: usize) {
-        let o = &self.occupancy;
-        let new = o.used.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
-        if new > o.hiwater.load(Ordering::Relaxed) {
-            o.hiwater.fetch_max(new, Ordering::Relaxed);
+        let n = n as i64;
+        let slack = &self.shard().shard.slack;
+        let have = slack.load(Ordering::Relaxed);
+        if have >= n
+            && slack
+                .compare_exchange(have, have - n, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return;
         }
+        self.take_quota(slack, n);
     }
 
-    /// Linux `dec_used`.
+    /// The slow path of [`Counters::inc_used`]: `n` more slots in use, from the free quota,
+    /// from every shard's slack, or by raising the mark.
+    #[cold]
+    fn take_quota(&self, own: &AtomicI64, n: i64) {
+        let o = &self.occupancy;
+        let _g = o.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = o.free.load(Ordering::Relaxed) + own.swap(0, Ordering::Relaxed);
+        if free < n {
+            free += self.collect_slack();
+        }
+        if free >= n {
+            let keep = (free - n).min(GRANT);
+            own.fetch_add(keep, Ordering::Relaxed);
+            free -= n + keep;
+        } else {
+            // All the quota there is covers `free` of the `n` slots: the occupancy after this
+            // map is the old mark plus the rest.
+            o.hiwater.fetch_add((n - free) as u64, Ordering::Relaxed);
+            free = 0;
+        }
+        o.free.store(free, Ordering::Relaxed);
+    }
+
+    /// Takes every shard's slack (under the occupancy lock); returns the sum.
+    fn collect_slack(&self) -> i64 {
+        self.shards
+            .iter()
+            .map(|s| s.slack.swap(0, Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Linux `dec_used`: `n` fewer slots in use.
     #[inline]
     pub fn dec_used(&self, n: usize) {
-        self.occupancy.used.fetch_sub(n as u64, Ordering::Relaxed);
+        self.shard()
+            .shard
+            .slack
+            .fetch_add(n as i64, Ordering::Relaxed);
     }
 
     /// Slots in use.
     pub fn used(&self) -> u64 {
-        self.occupancy.used.load(Ordering::Relaxed)
+        let o = &self.occupancy;
+        let slack: i64 = self
+            .shards
+            .iter()
+            .map(|s| s.slack.load(Ordering::Relaxed))
+            .sum();
+        let used =
+            o.hiwater.load(Ordering::Relaxed) as i64 - o.free.load(Ordering::Relaxed) - slack;
+        used.max(0) as u64
     }
 
     /// The high-water mark of [`Counters::used`].
@@ -248,9 +324,15 @@ impl Counters {
         self.occupancy.hiwater.load(Ordering::Relaxed)
     }
 
-    /// Zeroes the high-water mark (Linux accepts only 0 for `io_tlb_used_hiwater`).
+    /// Restarts the high-water mark at the current occupancy (Linux accepts only 0 for
+    /// `io_tlb_used_hiwater`; see the type's docs).
     pub fn reset_hiwater(&self) {
-        self.occupancy.hiwater.store(0, Ordering::Relaxed);
+        let o = &self.occupancy;
+        let _g = o.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let unused = o.free.load(Ordering::Relaxed) + self.collect_slack();
+        let used = (o.hiwater.load(Ordering::Relaxed) as i64 - unused).max(0);
+        o.hiwater.store(used as u64, Ordering::Relaxed);
+        o.free.store(0, Ordering::Relaxed);
     }
 }
 
@@ -492,6 +574,61 @@ mod tests {
         c.inc_used(1);
         assert_eq!((c.used(), c.hiwater()), (6, 6));
         assert!(thread_number() < EXCLUSIVE_SHARDS, "numbers are recycled");
+    }
+
+    #[test]
+    fn hiwater_is_exact_when_one_thread_maps_and_another_unmaps() {
+        let c = Counters::default();
+        // Two live threads (so two shards), taking turns: in step k, the producer runs
+        // `produce[k]` and the consumer `consume[k]`, then the main thread checks.
+        let produce: [&(dyn Fn() + Sync); 4] = [
+            // 10 runs of 2 slots.
+            &|| (0..10).for_each(|_| c.inc_used(2)),
+            &|| {},
+            // Again: the quota is in the consumer's shard; the mark must not rise.
+            &|| (0..10).for_each(|_| c.inc_used(2)),
+            // Exactly past the mark.
+            &|| c.inc_used(3),
+        ];
+        let consume: [&(dyn Fn() + Sync); 4] = [
+            &|| {},
+            &|| (0..10).for_each(|_| c.dec_used(2)),
+            &|| {},
+            &|| {},
+        ];
+        let want = [(20, 20), (0, 20), (20, 20), (23, 23)];
+        let step = std::sync::Barrier::new(3);
+        std::thread::scope(|s| {
+            for side in [&produce, &consume] {
+                let step = &step;
+                s.spawn(move || {
+                    for f in side.iter() {
+                        f();
+                        step.wait();
+                        step.wait();
+                    }
+                });
+            }
+            // Asserted after the scope: a failure here must not leave the others waiting.
+            let seen: Vec<_> = want
+                .iter()
+                .map(|_| {
+                    step.wait();
+                    let now = (c.used(), c.hiwater());
+                    step.wait();
+                    now
+                })
+                .collect();
+            assert_eq!(seen, want);
+        });
+        // A reset restarts the mark at the occupancy.
+        c.reset_hiwater();
+        assert_eq!((c.used(), c.hiwater()), (23, 23));
+        c.dec_used(23);
+        c.reset_hiwater();
+        assert_eq!((c.used(), c.hiwater()), (0, 0));
+        c.inc_used(1);
+        assert_eq!((c.used(), c.hiwater()), (1, 1));
     }
 
     #[test]
