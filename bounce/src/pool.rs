@@ -226,6 +226,7 @@ impl BouncePool {
 
     /// The largest mapping this pool can ever satisfy for a device with `min_align_mask`
     /// (Linux `swiotlb_max_mapping_size`: a segment, less the mask rounded up to a slot).
+    #[inline]
     pub fn max_mapping_size(&self, min_align_mask: u64) -> usize {
         // The mask rounded up to a slot, with a shift (this is on every map).
         let min_align = self
@@ -303,7 +304,7 @@ impl BouncePool {
         self.map_timed(mem, req, false).map_err(|e| *e)
     }
 
-    #[inline]
+    #[inline(always)]
     fn map_timed<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
@@ -317,6 +318,7 @@ impl BouncePool {
         r
     }
 
+    #[inline(always)]
     fn map_untimed<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
@@ -379,6 +381,7 @@ impl BouncePool {
     /// Checks a request's size and masks and computes where its data sits in the allocation
     /// (Linux `swiotlb_align_offset` and the `ALIGN(mapping_size + offset, ...)` of
     /// `swiotlb_tbl_map_single`).
+    #[inline]
     fn layout(&self, req: &MapRequest) -> Fast<Layout> {
         let size = req.size;
         if size == 0 {
@@ -420,6 +423,7 @@ impl BouncePool {
     }
 
     /// Asks the allocator for a run and checks its answer; counts and reports a full pool.
+    #[inline]
     fn claim(&self, sreq: &SlotRequest, alloc_size: u64, no_warn: bool) -> Fast<usize> {
         let Some(index) = self.alloc.alloc(sreq) else {
             self.counters.add(Stat::MapFailures, 1);
@@ -452,6 +456,7 @@ impl BouncePool {
     /// Writes the metadata of a fresh allocation `index..index + nslots` (Linux: the
     /// `alloc_size` loop of `swiotlb_search_pool_area` and the `orig_addr` loop of
     /// `swiotlb_tbl_map_single`) and returns the head slot and the device address.
+    #[inline]
     fn record(&self, index: usize, nslots: usize, orig: u64, layout: &Layout) -> (usize, u64) {
         let shift = self.geom.slot_shift;
         let pad_slots = (layout.offset >> shift) as usize;
@@ -588,6 +593,7 @@ impl BouncePool {
     /// reader checks first (a copy or sync of a slot whose `orig` is `INVALID` is refused before
     /// anything else is read), and the next map of a slot writes all its other fields before it
     /// publishes the head.
+    #[inline]
     fn release(&self, index: usize, nslots: usize, worker: usize) {
         for m in &self.meta[index..index + nslots] {
             m.orig.store(INVALID, Ordering::Relaxed);
@@ -630,6 +636,7 @@ impl BouncePool {
         r.map_err(|e| *e)
     }
 
+    #[inline(always)]
     fn unmap_untimed<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,

@@ -32,8 +32,11 @@
 //! 2. Every run handed out satisfies [`SlotRequest::fits`] for its request (magazine runs are
 //!    checked one by one; depot runs come from the complete bitmap search).
 //! 3. A live run holds exactly the slots of its mapping (no rounding waste).
-//! 4. Free accepts only `(index, nslots)` equal to a live run (one compare-exchange on
-//!    `live[index]`): a double or partial free is refused and logged, never corrupts a depot.
+//! 4. Free accepts only `(index, nslots)` equal to a live run (`live[index]` checked and
+//!    cleared): a double or partial free is refused and logged, never corrupts a depot. The
+//!    check is a load and a store, not a compare-exchange: it relies on no two frees of one run
+//!    running at the same time, which the pool guarantees (an unmap releases slots only after
+//!    winning the compare-exchange on its mapping's head slot).
 //! 5. With no other thread inside the allocator, a request fails only when no run of free
 //!    slots fits it anywhere in the pool (after the flush every cached slot is back in a depot,
 //!    and the depot search is complete): it never fails a request that `areas` would place on
@@ -405,11 +408,16 @@ impl SlotAllocator for MagazineAllocator {
     }
 
     fn free(&self, index: usize, nslots: usize, worker: usize) {
+        // A load and a store, not a compare-exchange: two frees of one run never race (the
+        // pool releases a mapping only after winning the compare-exchange on its head slot),
+        // so this check only has to catch frees that do not match a live run (invariant 4).
         let claimed = self.live.get(index).is_some_and(|l| {
             u32::try_from(nslots).is_ok_and(|n| {
-                n != 0
-                    && l.compare_exchange(n, 0, Ordering::Relaxed, Ordering::Relaxed)
-                        .is_ok()
+                let ok = n != 0 && l.load(Ordering::Relaxed) == n;
+                if ok {
+                    l.store(0, Ordering::Relaxed);
+                }
+                ok
             })
         });
         if !claimed {

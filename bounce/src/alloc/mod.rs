@@ -162,6 +162,7 @@ impl SlotRequest {
     /// `alloc_size` is the allocation size in bytes, alignment padding included (what Linux
     /// passes to `swiotlb_find_slots`). The page-alignment rule (allocations of a page or more
     /// are page aligned when neither mask is set) applies in swiotlb mode only.
+    #[inline]
     pub fn new(
         geom: &Geometry,
         orig: u64,
