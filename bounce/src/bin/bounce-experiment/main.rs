@@ -97,9 +97,10 @@ struct Args {
     /// Print the JSON document (metadata, every cell with its samples) instead of the table.
     #[arg(long)]
     json: bool,
-    /// The pools' time accounting: "off" (the default: it costs ~170-230 ns per map+unmap pair
-    /// on this machine, see bounce/README.md), "on", or "both" (each allocator twice, with and
-    /// without, in the same rounds: what the accounting costs).
+    /// The pools' time accounting: "off" (the default: the pool's own cost alone), "on" (as
+    /// devices run it: one call in 16 timed, every call counted; see bounce/README.md), or
+    /// "both" (each allocator twice, with and without, in the same rounds: what the accounting
+    /// costs).
     #[arg(long, default_value = "off")]
     timing: String,
     /// Write table.md, results.json and chart.svg into this directory.
