@@ -16,7 +16,7 @@ use crate::alloc::{self, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, PoolConfig, PoolMode, SizeLimit};
 use crate::orig::OrigMemory;
-use crate::stats::{Counters, PoolStats, Stat, TimedOp, Timing};
+use crate::stats::{Counters, PoolStats, ShardRef, Stat, TimedOp, Timing};
 use crate::types::{Direction, DmaAttrs, MapRequest};
 
 /// What map copies into the pool.
@@ -345,7 +345,9 @@ impl BouncePool {
         );
         let index = self.claim(&sreq, layout.alloc_size, req.attrs.no_warn)?;
         let nslots = sreq.nslots;
-        self.counters.inc_used(nslots);
+        // The thread's counter shard, looked up once for the whole map.
+        let shard = self.counters.shard();
+        self.counters.inc_used_on(shard, nslots);
         let (head, dev_addr) = self.record(index, nslots, req.orig, &layout);
         let copy_in = match self.copy_on_map {
             CopyOnMap::Always => true,
@@ -358,15 +360,22 @@ impl BouncePool {
                 alloc_size: layout.alloc_size - layout.offset,
                 offset: (layout.offset & (self.geom.slot_size() - 1)) as u32,
             };
-            let copied = self.bounce(mem, dev_addr, req.size, Direction::ToDevice, Some(view));
+            let copied = self.bounce(
+                mem,
+                dev_addr,
+                req.size,
+                Direction::ToDevice,
+                Some(view),
+                shard,
+            );
             if let Err(e) = copied {
                 // The original vanished between the check and the copy: give the slots back.
                 self.meta[head].head.store(0, Ordering::Relaxed);
-                self.release(index, nslots, req.worker);
+                self.release(index, nslots, req.worker, shard);
                 return Err(e);
             }
         }
-        self.counters.add(Stat::Maps, 1);
+        shard.add(Stat::Maps, 1);
         Ok(Mapping {
             dev_addr,
             orig: req.orig,
@@ -516,9 +525,10 @@ impl BouncePool {
         size: usize,
         dir: Direction,
         view: Option<SlotView>,
+        shard: ShardRef<'_>,
     ) -> Fast<()> {
         let t0 = self.timing.start(TimedOp::Copy);
-        let r = self.bounce_untimed(mem, addr, size, dir, view);
+        let r = self.bounce_untimed(mem, addr, size, dir, view, shard);
         self.timing.record(TimedOp::Copy, dir, t0, &self.counters);
         r
     }
@@ -531,6 +541,7 @@ impl BouncePool {
         size: usize,
         dir: Direction,
         view: Option<SlotView>,
+        shard: ShardRef<'_>,
     ) -> Fast<()> {
         if !self.contains(addr, size) {
             return fail(Error::OutOfPool { addr, len: size });
@@ -566,7 +577,7 @@ impl BouncePool {
                     "bounce copy runs past the end of its mapping; clamped"
                 );
             }
-            self.counters.add(Stat::Clamped, 1);
+            shard.add(Stat::Clamped, 1);
             size = avail as usize;
         }
         if size == 0 {
@@ -579,10 +590,10 @@ impl BouncePool {
             .map_err(|_| Error::OutOfPool { addr, len: size })?;
         if dir == Direction::ToDevice {
             mem.read_orig(orig, &slice)?;
-            self.counters.add(Stat::BytesToDevice, size as u64);
+            shard.add(Stat::BytesToDevice, size as u64);
         } else {
             mem.write_orig(orig, &slice)?;
-            self.counters.add(Stat::BytesFromDevice, size as u64);
+            shard.add(Stat::BytesFromDevice, size as u64);
         }
         Ok(())
     }
@@ -594,12 +605,12 @@ impl BouncePool {
     /// anything else is read), and the next map of a slot writes all its other fields before it
     /// publishes the head.
     #[inline]
-    fn release(&self, index: usize, nslots: usize, worker: usize) {
+    fn release(&self, index: usize, nslots: usize, worker: usize, shard: ShardRef<'_>) {
         for m in &self.meta[index..index + nslots] {
             m.orig.store(INVALID, Ordering::Relaxed);
         }
         self.alloc.free(index, nslots, worker);
-        self.counters.dec_used(nslots);
+        self.counters.dec_used_on(shard, nslots);
     }
 
     /// Unmaps a mapping returned by [`BouncePool::map`].
@@ -660,6 +671,7 @@ impl BouncePool {
             self.counters.add(Stat::BadUnmaps, 1);
             return fail(Error::NotMapped { addr });
         }
+        let shard = self.counters.shard();
         // The head slot's metadata, read once for the copy back and the release.
         let view = SlotView {
             orig: m.orig.load(Ordering::Relaxed),
@@ -668,7 +680,7 @@ impl BouncePool {
         };
         let pad_slots = m.pad_slots.load(Ordering::Relaxed) as usize;
         let copied = if !attrs.skip_cpu_sync && dir.device_writes() {
-            self.bounce(mem, addr, size, Direction::FromDevice, Some(view))
+            self.bounce(mem, addr, size, Direction::FromDevice, Some(view), shard)
         } else {
             Ok(())
         };
@@ -678,8 +690,8 @@ impl BouncePool {
         let nslots = self.geom.nr_slots(
             view.alloc_size + ((pad_slots as u64) << self.geom.slot_shift) + u64::from(view.offset),
         ) as usize;
-        self.release(index, nslots, worker);
-        self.counters.add(Stat::Unmaps, 1);
+        self.release(index, nslots, worker, shard);
+        shard.add(Stat::Unmaps, 1);
         copied
     }
 
@@ -697,9 +709,10 @@ impl BouncePool {
         size: usize,
         dir: Direction,
     ) -> Result<()> {
-        self.counters.add(Stat::SyncsForDevice, 1);
+        let shard = self.counters.shard();
+        shard.add(Stat::SyncsForDevice, 1);
         if dir.device_reads() {
-            self.bounce(mem, addr, size, Direction::ToDevice, None)
+            self.bounce(mem, addr, size, Direction::ToDevice, None, shard)
                 .map_err(|e| *e)
         } else {
             Ok(())
@@ -719,9 +732,10 @@ impl BouncePool {
         size: usize,
         dir: Direction,
     ) -> Result<()> {
-        self.counters.add(Stat::SyncsForCpu, 1);
+        let shard = self.counters.shard();
+        shard.add(Stat::SyncsForCpu, 1);
         if dir.device_writes() {
-            self.bounce(mem, addr, size, Direction::FromDevice, None)
+            self.bounce(mem, addr, size, Direction::FromDevice, None, shard)
                 .map_err(|e| *e)
         } else {
             Ok(())

@@ -251,10 +251,17 @@ impl Counters {
     }
 
     /// Linux `inc_used_and_hiwater`: `n` more slots in use (see the type's docs).
-    #[inline]
+    #[cfg(test)]
     pub fn inc_used(&self, n: usize) {
+        self.inc_used_on(self.shard(), n);
+    }
+
+    /// `n` more slots in use (Linux `inc_used_and_hiwater`, see the type's docs), on this
+    /// thread's shard `shard`, looked up already.
+    #[inline]
+    pub fn inc_used_on(&self, shard: ShardRef<'_>, n: usize) {
         let n = n as i64;
-        let slack = &self.shard().shard.slack;
+        let slack = &shard.shard.slack;
         let have = slack.load(Ordering::Relaxed);
         if have >= n
             && slack
@@ -298,12 +305,16 @@ impl Counters {
     }
 
     /// Linux `dec_used`: `n` fewer slots in use.
-    #[inline]
+    #[cfg(test)]
     pub fn dec_used(&self, n: usize) {
-        self.shard()
-            .shard
-            .slack
-            .fetch_add(n as i64, Ordering::Relaxed);
+        self.dec_used_on(self.shard(), n);
+    }
+
+    /// `n` fewer slots in use (Linux `dec_used`), on this thread's shard `shard`, looked up
+    /// already.
+    #[inline]
+    pub fn dec_used_on(&self, shard: ShardRef<'_>, n: usize) {
+        shard.shard.slack.fetch_add(n as i64, Ordering::Relaxed);
     }
 
     /// Slots in use.
