@@ -16,7 +16,7 @@ use crate::alloc::{self, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, PoolConfig, PoolMode, SizeLimit};
 use crate::orig::OrigMemory;
-use crate::stats::{Counters, PoolStats, Stat, TimedOp, Timing};
+use crate::stats::{Counters, PoolStats, ShardRef, Stat, TimedOp, Timing};
 use crate::types::{Direction, DmaAttrs, MapRequest};
 
 /// What map copies into the pool.
@@ -30,6 +30,18 @@ pub enum CopyOnMap {
     /// Copy in only when the device reads the buffer (to-device, bidirectional) and the caller
     /// did not ask to skip the CPU sync (VDUSE's bounce map).
     WhenDeviceReads,
+}
+
+/// The pool's internal result: the error boxed, so a result fits in two registers and is never
+/// moved through the stack (a 40-byte `Result<(), Error>` copied between stack slots after
+/// partial stores stalled store forwarding on every unmap). Errors are rare; the public
+/// functions unbox them.
+type Fast<T> = std::result::Result<T, Box<Error>>;
+
+/// `Err(e)`, boxed.
+#[cold]
+fn fail<T>(e: Error) -> Fast<T> {
+    Err(Box::new(e))
 }
 
 /// Marks "no original address" in slot metadata (Linux `INVALID_PHYS_ADDR`).
@@ -87,6 +99,18 @@ pub struct Mapping {
     pub slot: usize,
     /// Slots of the allocation.
     pub nslots: usize,
+}
+
+/// What [`BouncePool::bounce`] needs of the slot a copy starts in, when the caller has read it
+/// already (map and unmap know their head slot).
+#[derive(Clone, Copy, Debug)]
+struct SlotView {
+    /// The slot's original address (`SlotMeta::orig`).
+    orig: u64,
+    /// `SlotMeta::alloc_size`.
+    alloc_size: u64,
+    /// `SlotMeta::offset`.
+    offset: u32,
 }
 
 /// Where a mapping's data sits in its allocation.
@@ -202,13 +226,13 @@ impl BouncePool {
 
     /// The largest mapping this pool can ever satisfy for a device with `min_align_mask`
     /// (Linux `swiotlb_max_mapping_size`: a segment, less the mask rounded up to a slot).
+    #[inline]
     pub fn max_mapping_size(&self, min_align_mask: u64) -> usize {
-        let slot = self.geom.slot_size();
-        let min_align = if min_align_mask == 0 {
-            0
-        } else {
-            min_align_mask.div_ceil(slot).saturating_mul(slot)
-        };
+        // The mask rounded up to a slot, with a shift (this is on every map).
+        let min_align = self
+            .geom
+            .nr_slots(min_align_mask)
+            .saturating_mul(self.geom.slot_size());
         let seg = (self.geom.segsize as u64) << self.geom.slot_shift;
         usize::try_from(seg.saturating_sub(min_align)).unwrap_or(usize::MAX)
     }
@@ -236,12 +260,24 @@ impl BouncePool {
             .map_err(|_| Error::OutOfPool { addr, len })
     }
 
-    fn check_mask(mask: u64, what: &'static str) -> Result<()> {
-        // Linux's masks are always 2^k - 1; a mask with holes has no meaning for placement.
-        if mask & mask.wrapping_add(1) != 0 {
-            return Err(Error::BadAlignment { reason: what });
-        }
-        Ok(())
+    /// Linux's masks are always 2^k - 1; a mask with holes has no meaning for placement. Zero
+    /// for such a mask.
+    #[inline]
+    fn holes(mask: u64) -> u64 {
+        mask & mask.wrapping_add(1)
+    }
+
+    /// The error for a request with a mask that has holes (the first one, in this order).
+    #[cold]
+    fn mask_error(req: &MapRequest) -> Error {
+        let reason = if Self::holes(req.min_align_mask) != 0 {
+            "min_align_mask is not of the form 2^k-1"
+        } else if Self::holes(req.alloc_align_mask) != 0 {
+            "alloc_align_mask is not of the form 2^k-1"
+        } else {
+            "segment boundary mask is not of the form 2^k-1"
+        };
+        Error::BadAlignment { reason }
     }
 
     /// Maps an original buffer: allocates slots, records the metadata, copies in as the rules
@@ -251,8 +287,9 @@ impl BouncePool {
     /// [`Error::ZeroLength`], [`Error::Overflow`], [`Error::BadAlignment`] (masks not of the
     /// form `2^k - 1`), [`Error::TooLarge`], [`Error::OrigAccess`] (the original range is not
     /// accessible), [`Error::PoolFull`] (logged, rate-limited, unless `no_warn`).
+    #[inline]
     pub fn map<M: OrigMemory + ?Sized>(&self, mem: &M, req: &MapRequest) -> Result<Mapping> {
-        self.map_timed(mem, req, true)
+        self.map_timed(mem, req, true).map_err(|e| *e)
     }
 
     /// As [`BouncePool::map`] for [`crate::Dma`], which has checked the original range
@@ -264,32 +301,35 @@ impl BouncePool {
         mem: &M,
         req: &MapRequest,
     ) -> Result<Mapping> {
-        self.map_timed(mem, req, false)
+        self.map_timed(mem, req, false).map_err(|e| *e)
     }
 
+    #[inline(always)]
     fn map_timed<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
         req: &MapRequest,
         check_orig: bool,
-    ) -> Result<Mapping> {
-        let t0 = self.timing.start();
+    ) -> Fast<Mapping> {
+        let t0 = self.timing.start(TimedOp::Map);
         let r = self.map_untimed(mem, req, check_orig);
-        self.timing.record(TimedOp::Map, req.dir, t0);
+        self.timing
+            .record(TimedOp::Map, req.dir, t0, &self.counters);
         r
     }
 
+    #[inline(always)]
     fn map_untimed<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
         req: &MapRequest,
         check_orig: bool,
-    ) -> Result<Mapping> {
+    ) -> Fast<Mapping> {
         let layout = self.layout(req)?;
         // Validate the whole original range before anything is allocated or copied (unless
         // the caller did).
         if check_orig && !mem.check(req.orig, req.size, req.dir.device_writes()) {
-            return Err(Error::OrigAccess {
+            return fail(Error::OrigAccess {
                 addr: req.orig,
                 len: req.size,
             });
@@ -305,21 +345,37 @@ impl BouncePool {
         );
         let index = self.claim(&sreq, layout.alloc_size, req.attrs.no_warn)?;
         let nslots = sreq.nslots;
-        self.counters.inc_used(nslots);
+        // The thread's counter shard, looked up once for the whole map.
+        let shard = self.counters.shard();
+        self.counters.inc_used_on(shard, nslots);
         let (head, dev_addr) = self.record(index, nslots, req.orig, &layout);
         let copy_in = match self.copy_on_map {
             CopyOnMap::Always => true,
             CopyOnMap::WhenDeviceReads => req.dir.device_reads() && !req.attrs.skip_cpu_sync,
         };
         if copy_in {
-            if let Err(e) = self.bounce(mem, dev_addr, req.size, Direction::ToDevice) {
+            // The head slot's metadata as `record` just wrote it: no need to read it back.
+            let view = SlotView {
+                orig: req.orig,
+                alloc_size: layout.alloc_size - layout.offset,
+                offset: (layout.offset & (self.geom.slot_size() - 1)) as u32,
+            };
+            let copied = self.bounce(
+                mem,
+                dev_addr,
+                req.size,
+                Direction::ToDevice,
+                Some(view),
+                shard,
+            );
+            if let Err(e) = copied {
                 // The original vanished between the check and the copy: give the slots back.
                 self.meta[head].head.store(0, Ordering::Relaxed);
-                self.release(index, nslots, req.worker);
+                self.release(index, nslots, req.worker, shard);
                 return Err(e);
             }
         }
-        self.counters.add(Stat::Maps, 1);
+        shard.add(Stat::Maps, 1);
         Ok(Mapping {
             dev_addr,
             orig: req.orig,
@@ -334,36 +390,29 @@ impl BouncePool {
     /// Checks a request's size and masks and computes where its data sits in the allocation
     /// (Linux `swiotlb_align_offset` and the `ALIGN(mapping_size + offset, ...)` of
     /// `swiotlb_tbl_map_single`).
-    fn layout(&self, req: &MapRequest) -> Result<Layout> {
+    #[inline]
+    fn layout(&self, req: &MapRequest) -> Fast<Layout> {
         let size = req.size;
         if size == 0 {
-            return Err(Error::ZeroLength);
+            return fail(Error::ZeroLength);
         }
         if req.orig.checked_add(size as u64).is_none() {
-            return Err(Error::Overflow {
+            return fail(Error::Overflow {
                 orig: req.orig,
                 size,
             });
         }
-        for (mask, reason) in [
-            (
-                req.min_align_mask,
-                "min_align_mask is not of the form 2^k-1",
-            ),
-            (
-                req.alloc_align_mask,
-                "alloc_align_mask is not of the form 2^k-1",
-            ),
-            (
-                req.seg_boundary_mask,
-                "segment boundary mask is not of the form 2^k-1",
-            ),
-        ] {
-            Self::check_mask(mask, reason)?;
+        // The three mask checks in one test; the error says which failed.
+        if Self::holes(req.min_align_mask)
+            | Self::holes(req.alloc_align_mask)
+            | Self::holes(req.seg_boundary_mask)
+            != 0
+        {
+            return fail(Self::mask_error(req));
         }
         let slot = self.geom.slot_size();
         if req.seg_boundary_mask < slot - 1 {
-            return Err(Error::BadAlignment {
+            return fail(Error::BadAlignment {
                 reason: "segment boundary is smaller than a slot",
             });
         }
@@ -377,13 +426,14 @@ impl BouncePool {
         let seg_bytes = (self.geom.segsize as u64) << self.geom.slot_shift;
         let over_max = self.size_limit == SizeLimit::MaxMappingSize && size > max;
         if over_max || alloc_size > seg_bytes {
-            return Err(Error::TooLarge { size, max });
+            return fail(Error::TooLarge { size, max });
         }
         Ok(Layout { offset, alloc_size })
     }
 
     /// Asks the allocator for a run and checks its answer; counts and reports a full pool.
-    fn claim(&self, sreq: &SlotRequest, alloc_size: u64, no_warn: bool) -> Result<usize> {
+    #[inline]
+    fn claim(&self, sreq: &SlotRequest, alloc_size: u64, no_warn: bool) -> Fast<usize> {
         let Some(index) = self.alloc.alloc(sreq) else {
             self.counters.add(Stat::MapFailures, 1);
             let err = Error::PoolFull {
@@ -394,7 +444,7 @@ impl BouncePool {
             if !no_warn {
                 self.warn_full(&err);
             }
-            return Err(err);
+            return fail(err);
         };
         if !sreq.fits(&self.geom, index) {
             // An allocator bug: never hand out a run that breaks the rules.
@@ -405,7 +455,7 @@ impl BouncePool {
                 "allocator returned a run that breaks the placement rules"
             );
             self.alloc.free(index, sreq.nslots, sreq.worker);
-            return Err(Error::BadAlignment {
+            return fail(Error::BadAlignment {
                 reason: "allocator returned a misplaced run",
             });
         }
@@ -415,6 +465,7 @@ impl BouncePool {
     /// Writes the metadata of a fresh allocation `index..index + nslots` (Linux: the
     /// `alloc_size` loop of `swiotlb_search_pool_area` and the `orig_addr` loop of
     /// `swiotlb_tbl_map_single`) and returns the head slot and the device address.
+    #[inline]
     fn record(&self, index: usize, nslots: usize, orig: u64, layout: &Layout) -> (usize, u64) {
         let shift = self.geom.slot_shift;
         let pad_slots = (layout.offset >> shift) as usize;
@@ -463,39 +514,57 @@ impl BouncePool {
     /// original. The source is found through the metadata of the slot `addr` falls in, so any
     /// sub-range of a mapping works; a copy running past the allocation is clamped (and logged
     /// once).
+    ///
+    /// `view` is the metadata of the slot `addr` falls in when the caller has it (map and unmap
+    /// pass their head slot's); `None` reads it.
+    #[inline(always)]
     fn bounce<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
         addr: u64,
         size: usize,
         dir: Direction,
-    ) -> Result<()> {
-        let t0 = self.timing.start();
-        let r = self.bounce_untimed(mem, addr, size, dir);
-        self.timing.record(TimedOp::Copy, dir, t0);
+        view: Option<SlotView>,
+        shard: ShardRef<'_>,
+    ) -> Fast<()> {
+        let t0 = self.timing.start(TimedOp::Copy);
+        let r = self.bounce_untimed(mem, addr, size, dir, view, shard);
+        self.timing.record(TimedOp::Copy, dir, t0, &self.counters);
         r
     }
 
+    #[inline(always)]
     fn bounce_untimed<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
         addr: u64,
         size: usize,
         dir: Direction,
-    ) -> Result<()> {
+        view: Option<SlotView>,
+        shard: ShardRef<'_>,
+    ) -> Fast<()> {
         if !self.contains(addr, size) {
-            return Err(Error::OutOfPool { addr, len: size });
+            return fail(Error::OutOfPool { addr, len: size });
         }
-        let index = ((addr - self.geom.base) >> self.geom.slot_shift) as usize;
-        let m = &self.meta[index];
-        let orig = m.orig.load(Ordering::Relaxed);
-        if orig == INVALID {
-            return Err(Error::NotMapped { addr });
-        }
-        let alloc_size = m.alloc_size.load(Ordering::Relaxed);
+        let v = match view {
+            Some(v) => v,
+            None => {
+                let index = ((addr - self.geom.base) >> self.geom.slot_shift) as usize;
+                let m = &self.meta[index];
+                let orig = m.orig.load(Ordering::Relaxed);
+                if orig == INVALID {
+                    return fail(Error::NotMapped { addr });
+                }
+                SlotView {
+                    orig,
+                    alloc_size: m.alloc_size.load(Ordering::Relaxed),
+                    offset: m.offset.load(Ordering::Relaxed),
+                }
+            }
+        };
+        let (orig, alloc_size) = (v.orig, v.alloc_size);
         // May be negative: addr can point into the first `offset` bytes of a later slot.
-        let tlb_offset = (addr & (self.geom.slot_size() - 1)) as i64
-            - i64::from(m.offset.load(Ordering::Relaxed));
+        let tlb_offset = (addr & (self.geom.slot_size() - 1)) as i64 - i64::from(v.offset);
         let orig = orig.wrapping_add(tlb_offset as u64);
         let avail = (alloc_size as i64).saturating_sub(tlb_offset).max(0) as u64;
         let mut size = size;
@@ -508,39 +577,47 @@ impl BouncePool {
                     "bounce copy runs past the end of its mapping; clamped"
                 );
             }
-            self.counters.add(Stat::Clamped, 1);
+            shard.add(Stat::Clamped, 1);
             size = avail as usize;
         }
         if size == 0 {
             return Ok(());
         }
-        let slice = self.device_slice(addr, size)?;
+        // Inside the pool: checked above for the larger unclamped size.
+        let slice = self
+            .memory
+            .get_slice((addr - self.geom.base) as usize, size)
+            .map_err(|_| Error::OutOfPool { addr, len: size })?;
         if dir == Direction::ToDevice {
             mem.read_orig(orig, &slice)?;
-            self.counters.add(Stat::BytesToDevice, size as u64);
+            shard.add(Stat::BytesToDevice, size as u64);
         } else {
             mem.write_orig(orig, &slice)?;
-            self.counters.add(Stat::BytesFromDevice, size as u64);
+            shard.add(Stat::BytesFromDevice, size as u64);
         }
         Ok(())
     }
 
-    /// Resets the metadata of `index..index + nslots` and returns the run to the allocator.
-    fn release(&self, index: usize, nslots: usize, worker: usize) {
+    /// Marks `index..index + nslots` unmapped and returns the run to the allocator.
+    ///
+    /// Only `orig` is reset (Linux also zeroes `alloc_size` and `pad_slots`): it is what every
+    /// reader checks first (a copy or sync of a slot whose `orig` is `INVALID` is refused before
+    /// anything else is read), and the next map of a slot writes all its other fields before it
+    /// publishes the head.
+    #[inline]
+    fn release(&self, index: usize, nslots: usize, worker: usize, shard: ShardRef<'_>) {
         for m in &self.meta[index..index + nslots] {
             m.orig.store(INVALID, Ordering::Relaxed);
-            m.alloc_size.store(0, Ordering::Relaxed);
-            m.pad_slots.store(0, Ordering::Relaxed);
-            m.offset.store(0, Ordering::Relaxed);
         }
         self.alloc.free(index, nslots, worker);
-        self.counters.dec_used(nslots);
+        self.counters.dec_used_on(shard, nslots);
     }
 
     /// Unmaps a mapping returned by [`BouncePool::map`].
     ///
     /// # Errors
     /// As [`BouncePool::unmap_single`].
+    #[inline]
     pub fn unmap<M: OrigMemory + ?Sized>(&self, mem: &M, m: &Mapping, worker: usize) -> Result<()> {
         self.unmap_single(mem, m.dev_addr, m.size, m.dir, m.attrs, worker)
     }
@@ -554,6 +631,7 @@ impl BouncePool {
     /// [`Error::NotMapped`] when `addr` is not the device address of a live mapping (never
     /// mapped, already unmapped, or not what map returned): nothing changes then.
     /// [`Error::OrigAccess`] when the copy back failed.
+    #[inline]
     pub fn unmap_single<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
@@ -563,12 +641,13 @@ impl BouncePool {
         attrs: DmaAttrs,
         worker: usize,
     ) -> Result<()> {
-        let t0 = self.timing.start();
+        let t0 = self.timing.start(TimedOp::Unmap);
         let r = self.unmap_untimed(mem, addr, size, dir, attrs, worker);
-        self.timing.record(TimedOp::Unmap, dir, t0);
-        r
+        self.timing.record(TimedOp::Unmap, dir, t0, &self.counters);
+        r.map_err(|e| *e)
     }
 
+    #[inline(always)]
     fn unmap_untimed<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
@@ -577,35 +656,42 @@ impl BouncePool {
         dir: Direction,
         attrs: DmaAttrs,
         worker: usize,
-    ) -> Result<()> {
+    ) -> Fast<()> {
         if !self.contains(addr, 1) {
             self.counters.add(Stat::BadUnmaps, 1);
-            return Err(Error::NotMapped { addr });
+            return fail(Error::NotMapped { addr });
         }
         let slot = ((addr - self.geom.base) >> self.geom.slot_shift) as usize;
         let in_slot = (addr & (self.geom.slot_size() - 1)) as u32;
-        if self.meta[slot]
-            .head
+        let m = &self.meta[slot];
+        if m.head
             .compare_exchange(in_slot + 1, 0, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
         {
             self.counters.add(Stat::BadUnmaps, 1);
-            return Err(Error::NotMapped { addr });
+            return fail(Error::NotMapped { addr });
         }
+        let shard = self.counters.shard();
+        // The head slot's metadata, read once for the copy back and the release.
+        let view = SlotView {
+            orig: m.orig.load(Ordering::Relaxed),
+            alloc_size: m.alloc_size.load(Ordering::Relaxed),
+            offset: m.offset.load(Ordering::Relaxed),
+        };
+        let pad_slots = m.pad_slots.load(Ordering::Relaxed) as usize;
         let copied = if !attrs.skip_cpu_sync && dir.device_writes() {
-            self.bounce(mem, addr, size, Direction::FromDevice)
+            self.bounce(mem, addr, size, Direction::FromDevice, Some(view), shard)
         } else {
             Ok(())
         };
-        // swiotlb_release_slots
-        let offset = u64::from(self.meta[slot].offset.load(Ordering::Relaxed));
-        let index = slot - self.meta[slot].pad_slots.load(Ordering::Relaxed) as usize;
-        let nslots = self
-            .geom
-            .nr_slots(self.meta[index].alloc_size.load(Ordering::Relaxed) + offset)
-            as usize;
-        self.release(index, nslots, worker);
-        self.counters.add(Stat::Unmaps, 1);
+        // swiotlb_release_slots: Linux reads `alloc_size` of the first (padding) slot, which
+        // `record` made the head's plus the padding: the same number without another line.
+        let index = slot - pad_slots;
+        let nslots = self.geom.nr_slots(
+            view.alloc_size + ((pad_slots as u64) << self.geom.slot_shift) + u64::from(view.offset),
+        ) as usize;
+        self.release(index, nslots, worker, shard);
+        shard.add(Stat::Unmaps, 1);
         copied
     }
 
@@ -623,9 +709,11 @@ impl BouncePool {
         size: usize,
         dir: Direction,
     ) -> Result<()> {
-        self.counters.add(Stat::SyncsForDevice, 1);
+        let shard = self.counters.shard();
+        shard.add(Stat::SyncsForDevice, 1);
         if dir.device_reads() {
-            self.bounce(mem, addr, size, Direction::ToDevice)
+            self.bounce(mem, addr, size, Direction::ToDevice, None, shard)
+                .map_err(|e| *e)
         } else {
             Ok(())
         }
@@ -644,9 +732,11 @@ impl BouncePool {
         size: usize,
         dir: Direction,
     ) -> Result<()> {
-        self.counters.add(Stat::SyncsForCpu, 1);
+        let shard = self.counters.shard();
+        shard.add(Stat::SyncsForCpu, 1);
         if dir.device_writes() {
-            self.bounce(mem, addr, size, Direction::FromDevice)
+            self.bounce(mem, addr, size, Direction::FromDevice, None, shard)
+                .map_err(|e| *e)
         } else {
             Ok(())
         }
@@ -662,12 +752,18 @@ impl BouncePool {
     pub fn reset_hiwater(&self) {
         self.counters.reset_hiwater();
         self.alloc.reset_lock_stats();
-        self.timing.reset();
+        self.timing.reset(&self.counters);
     }
 
     /// Turns the time accounting on (the default) or off.
     pub fn set_timing(&self, on: bool) {
         self.timing.set_enabled(on);
+    }
+
+    /// Times one call in `n` of each kind per thread, on average (the default is
+    /// [`crate::stats::DEFAULT_SAMPLE_EVERY`]; 1 times every call). Call counts stay exact.
+    pub fn set_timing_sample_every(&self, n: u32) {
+        self.timing.set_sample_every(n);
     }
 
     /// A snapshot of the statistics.
@@ -699,7 +795,7 @@ impl BouncePool {
             clamped: c.get(Stat::Clamped),
             lock_wait_ns: locks.iter().map(|l| l.wait_ns).sum(),
             locks,
-            timing: self.timing.stats(),
+            timing: self.timing.stats(&self.counters),
         }
     }
 

@@ -1,6 +1,7 @@
 //! Pool statistics, like Linux's `/sys/kernel/debug/swiotlb` and more.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -22,20 +23,42 @@ pub(crate) enum Stat {
 }
 
 const STATS: usize = Stat::Clamped as usize + 1;
+/// Shard entries: the `Stat`s, then the timed calls per [`TimedOp`] and direction.
+const ENTRIES: usize = STATS + 9;
+
+/// The shard entry counting calls of `op` in `dir` while timing is on.
+fn call_entry(op: TimedOp, dir: crate::Direction) -> usize {
+    STATS + op as usize * 3 + dir.to_linux() as usize
+}
 
 /// One thread group's event counters, alone on its cache lines (128 bytes: the adjacent-line
 /// prefetcher pairs 64-byte lines).
 #[derive(Debug, Default)]
 #[repr(align(128))]
-struct Shard([AtomicU64; STATS]);
+struct Shard {
+    counts: [AtomicU64; ENTRIES],
+    /// Occupancy quota this shard holds and does not use (see [`Counters`]): a map takes from
+    /// it, an unmap gives back to it. Negative never at rest (a map that finds too little
+    /// takes the rest from the pool's free quota under [`Occupancy::lock`]).
+    slack: AtomicI64,
+}
 
-/// The occupancy count and its high-water mark, on their own cache lines.
+/// Occupancy quota not held by any shard, and the high-water mark, on their own cache lines.
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Occupancy {
-    used: AtomicU64,
+    /// Serialises quota transfers between shards and every rise of `hiwater`.
+    lock: std::sync::Mutex<()>,
+    /// The high-water mark, which is also the quota handed out in all: `hiwater = used + free +
+    /// the shards' slack`.
     hiwater: AtomicU64,
+    /// Quota no shard holds (changed only under `lock`).
+    free: AtomicI64,
 }
+
+/// Quota a map that had to take from the pool's free quota keeps beyond its own need, so that
+/// a worker settles at a steady occupancy without coming back for each map.
+const GRANT: i64 = 64;
 
 /// Live counters of a pool. All relaxed: they are statistics, not synchronisation.
 ///
@@ -49,13 +72,26 @@ struct Occupancy {
 /// through the number's release and reuse, which a mutex orders), so it counts every event that
 /// completed before the read, as a single counter would.
 ///
-/// `used` and `hiwater` are not sharded: a high-water mark is only exact when every change of
-/// `used` is ordered against every other, which shards cannot give without reading all of them
-/// on every map. They are kept as Linux keeps `total_used` and `used_hiwater`
-/// (`inc_used_and_hiwater`): an atomic add whose result is the exact occupancy after this map,
-/// then a compare with the mark (a load of the same cache line), and an atomic max only when the
-/// mark rises. So the mark is the largest value `used` ever took, exactly; a pool at a steady
-/// occupancy pays one shared add per map and one per unmap, nothing more.
+/// `used` and `hiwater` (Linux `total_used`, `used_hiwater`) are kept as a quota, so that a
+/// pool at a steady occupancy writes no shared cache line (one shared atomic `used` written by
+/// every map and unmap capped the two-thread throughput of every allocator). The mark `hiwater`
+/// is the quota handed out in all; each shard holds some as `slack`, the rest is `free`, and at
+/// every moment `used = hiwater - free - sum(slack)`:
+/// - a map of `n` slots takes `n` from its own shard's slack (one uncontended compare-exchange
+///   on the thread's own line) when the slack suffices;
+/// - otherwise, under the occupancy lock, it takes its shard's slack and the free quota, and if
+///   those are short, every shard's slack; only if all the quota there is cannot cover `n` does
+///   the mark rise, by exactly what is missing: to the occupancy after this map. So the mark
+///   rises exactly when `used` exceeds it, as Linux's `inc_used_and_hiwater` does, and it is
+///   the largest occupancy reached, with one reservation: an unmap that completes on another
+///   thread while the lock holder is collecting slack (after its shard was collected) is not
+///   seen, so the mark may then exceed the true maximum by the slots those unmaps released;
+/// - an unmap gives `n` back to its own shard's slack (one atomic add on its own line).
+///
+/// `used` is read as that difference (exact whenever no map or unmap is running, like the event
+/// counters). [`Counters::reset_hiwater`] restarts the mark at the current occupancy (Linux
+/// shows 0 until the next map, which sets it to the occupancy after that map: the same value
+/// unless unmaps ran in between).
 #[derive(Debug)]
 pub(crate) struct Counters {
     occupancy: Occupancy,
@@ -79,6 +115,34 @@ impl Default for Counters {
 static FREE_NUMBERS: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
 static NEXT_NUMBER: AtomicUsize = AtomicUsize::new(0);
 
+/// `Local::number` before the thread took a number.
+const UNNUMBERED: usize = usize::MAX;
+/// `Local::number` once the thread's number went back (thread teardown): the overflow shard.
+const EXITED: usize = usize::MAX - 1;
+
+/// Per-thread state of the hot path, in one constant-initialised thread local without a
+/// destructor (an access is one thread-pointer-relative load, no lazy-init or teardown check):
+/// the thread's number, which picks its counter shard, and the timing countdowns.
+struct Local {
+    number: Cell<usize>,
+    /// Per [`TimedOp`]: calls left until the next timed one.
+    countdown: [Cell<u32>; 3],
+    /// xorshift32 state for the sampling intervals.
+    rng: Cell<u32>,
+}
+
+thread_local! {
+    static LOCAL: Local = const {
+        Local {
+            number: Cell::new(UNNUMBERED),
+            countdown: [Cell::new(0), Cell::new(0), Cell::new(0)],
+            rng: Cell::new(0),
+        }
+    };
+    /// Holds the number while the thread lives and gives it back when it exits.
+    static GUARD: ThreadNumber = ThreadNumber::take();
+}
+
 /// A thread's number, returned to [`FREE_NUMBERS`] when the thread exits.
 struct ThreadNumber(usize);
 
@@ -95,6 +159,8 @@ impl ThreadNumber {
 
 impl Drop for ThreadNumber {
     fn drop(&mut self) {
+        // From now on this thread counts on the overflow shard.
+        let _ = LOCAL.try_with(|l| l.number.set(EXITED));
         FREE_NUMBERS
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -102,59 +168,166 @@ impl Drop for ThreadNumber {
     }
 }
 
-/// This thread's number: unique among live threads.
+/// This thread's number: unique among live threads (`usize::MAX`, the overflow shard, during
+/// thread teardown).
+#[inline]
 fn thread_number() -> usize {
-    thread_local! {
-        static NUMBER: ThreadNumber = ThreadNumber::take();
+    match LOCAL.try_with(|l| l.number.get()) {
+        Ok(n) if n < EXITED => n,
+        Ok(UNNUMBERED) => first_number(),
+        _ => usize::MAX,
     }
-    // During thread teardown (after NUMBER was dropped) count on the overflow shard.
-    NUMBER.try_with(|n| n.0).unwrap_or(usize::MAX)
+}
+
+#[cold]
+fn first_number() -> usize {
+    let n = GUARD.try_with(|g| g.0).unwrap_or(usize::MAX);
+    let _ = LOCAL.try_with(|l| {
+        l.number.set(if n == usize::MAX { EXITED } else { n });
+    });
+    n
+}
+
+/// A thread's counter shard in one pool, looked up once per call: adds through it cost a plain
+/// load and store (or one atomic add on the shared overflow shard).
+#[derive(Clone, Copy)]
+pub(crate) struct ShardRef<'a> {
+    shard: &'a Shard,
+    exclusive: bool,
+}
+
+impl ShardRef<'_> {
+    /// Adds `n` to `stat`.
+    #[inline]
+    pub fn add(self, stat: Stat, n: u64) {
+        self.add_entry(stat as usize, n);
+    }
+
+    #[inline]
+    fn add_entry(self, entry: usize, n: u64) {
+        let c = &self.shard.counts[entry];
+        if self.exclusive {
+            // Single writer (see [`Counters`]): a plain add.
+            c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        } else {
+            c.fetch_add(n, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Counters {
+    /// This thread's shard.
+    #[inline]
+    pub fn shard(&self) -> ShardRef<'_> {
+        let t = thread_number();
+        match self.shards.get(t).filter(|_| t < EXCLUSIVE_SHARDS) {
+            Some(shard) => ShardRef {
+                shard,
+                exclusive: true,
+            },
+            None => ShardRef {
+                shard: &self.shards[EXCLUSIVE_SHARDS],
+                exclusive: false,
+            },
+        }
+    }
+
     /// Adds `n` to `stat` on this thread's shard.
     #[inline]
     pub fn add(&self, stat: Stat, n: u64) {
-        let t = thread_number();
-        match self.shards.get(t).filter(|_| t < EXCLUSIVE_SHARDS) {
-            Some(own) => {
-                // Single writer (see the type's docs): a plain add.
-                let c = &own.0[stat as usize];
-                c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
-            }
-            None => {
-                self.shards[EXCLUSIVE_SHARDS].0[stat as usize].fetch_add(n, Ordering::Relaxed);
-            }
-        }
+        self.shard().add(stat, n);
     }
 
     /// The sum of `stat` over the shards.
     pub fn get(&self, stat: Stat) -> u64 {
+        self.get_entry(stat as usize)
+    }
+
+    fn get_entry(&self, entry: usize) -> u64 {
         self.shards
             .iter()
-            .map(|s| s.0[stat as usize].load(Ordering::Relaxed))
+            .map(|s| s.counts[entry].load(Ordering::Relaxed))
             .fold(0u64, u64::wrapping_add)
     }
 
-    /// Linux `inc_used_and_hiwater`.
-    #[inline]
+    /// Linux `inc_used_and_hiwater`: `n` more slots in use (see the type's docs).
+    #[cfg(test)]
     pub fn inc_used(&self, n: usize) {
-        let o = &self.occupancy;
-        let new = o.used.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
-        if new > o.hiwater.load(Ordering::Relaxed) {
-            o.hiwater.fetch_max(new, Ordering::Relaxed);
-        }
+        self.inc_used_on(self.shard(), n);
     }
 
-    /// Linux `dec_used`.
+    /// `n` more slots in use (Linux `inc_used_and_hiwater`, see the type's docs), on this
+    /// thread's shard `shard`, looked up already.
     #[inline]
+    pub fn inc_used_on(&self, shard: ShardRef<'_>, n: usize) {
+        let n = n as i64;
+        let slack = &shard.shard.slack;
+        let have = slack.load(Ordering::Relaxed);
+        if have >= n
+            && slack
+                .compare_exchange(have, have - n, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return;
+        }
+        self.take_quota(slack, n);
+    }
+
+    /// The slow path of [`Counters::inc_used`]: `n` more slots in use, from the free quota,
+    /// from every shard's slack, or by raising the mark.
+    #[cold]
+    fn take_quota(&self, own: &AtomicI64, n: i64) {
+        let o = &self.occupancy;
+        let _g = o.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = o.free.load(Ordering::Relaxed) + own.swap(0, Ordering::Relaxed);
+        if free < n {
+            free += self.collect_slack();
+        }
+        if free >= n {
+            let keep = (free - n).min(GRANT);
+            own.fetch_add(keep, Ordering::Relaxed);
+            free -= n + keep;
+        } else {
+            // All the quota there is covers `free` of the `n` slots: the occupancy after this
+            // map is the old mark plus the rest.
+            o.hiwater.fetch_add((n - free) as u64, Ordering::Relaxed);
+            free = 0;
+        }
+        o.free.store(free, Ordering::Relaxed);
+    }
+
+    /// Takes every shard's slack (under the occupancy lock); returns the sum.
+    fn collect_slack(&self) -> i64 {
+        self.shards
+            .iter()
+            .map(|s| s.slack.swap(0, Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Linux `dec_used`: `n` fewer slots in use.
+    #[cfg(test)]
     pub fn dec_used(&self, n: usize) {
-        self.occupancy.used.fetch_sub(n as u64, Ordering::Relaxed);
+        self.dec_used_on(self.shard(), n);
+    }
+
+    /// `n` fewer slots in use (Linux `dec_used`), on this thread's shard `shard`, looked up
+    /// already.
+    #[inline]
+    pub fn dec_used_on(&self, shard: ShardRef<'_>, n: usize) {
+        shard.shard.slack.fetch_add(n as i64, Ordering::Relaxed);
     }
 
     /// Slots in use.
     pub fn used(&self) -> u64 {
-        self.occupancy.used.load(Ordering::Relaxed)
+        let o = &self.occupancy;
+        let slack: i64 = self
+            .shards
+            .iter()
+            .map(|s| s.slack.load(Ordering::Relaxed))
+            .sum();
+        let used =
+            o.hiwater.load(Ordering::Relaxed) as i64 - o.free.load(Ordering::Relaxed) - slack;
+        used.max(0) as u64
     }
 
     /// The high-water mark of [`Counters::used`].
@@ -162,9 +335,15 @@ impl Counters {
         self.occupancy.hiwater.load(Ordering::Relaxed)
     }
 
-    /// Zeroes the high-water mark (Linux accepts only 0 for `io_tlb_used_hiwater`).
+    /// Restarts the high-water mark at the current occupancy (Linux accepts only 0 for
+    /// `io_tlb_used_hiwater`; see the type's docs).
     pub fn reset_hiwater(&self) {
-        self.occupancy.hiwater.store(0, Ordering::Relaxed);
+        let o = &self.occupancy;
+        let _g = o.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let unused = o.free.load(Ordering::Relaxed) + self.collect_slack();
+        let used = (o.hiwater.load(Ordering::Relaxed) as i64 - unused).max(0);
+        o.hiwater.store(used as u64, Ordering::Relaxed);
+        o.free.store(0, Ordering::Relaxed);
     }
 }
 
@@ -332,6 +511,7 @@ impl Histogram {
         let total_ns = self.sum_ns.load(Ordering::Relaxed);
         LatencySummary {
             count,
+            sampled: count,
             total_ns,
             mean_ns: total_ns.checked_div(count).unwrap_or(0),
             p50_ns: self.quantile(0.5),
@@ -342,13 +522,20 @@ impl Histogram {
 }
 
 /// What a [`Histogram`] holds, summarised.
+///
+/// From a histogram, `count` and `sampled` are both the durations recorded. In a pool's
+/// [`TimingStats`], `count` is every call made while timing was on, `sampled` the calls that
+/// were timed, and `total_ns` the sum of the timed durations scaled by `count / sampled`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LatencySummary {
-    /// Durations recorded.
+    /// Calls (durations recorded, for a bare histogram).
     pub count: u64,
-    /// Their sum, ns.
+    /// Durations recorded (timed calls).
+    #[serde(default)]
+    pub sampled: u64,
+    /// Their sum, ns (estimated for every call in a sampled pool, see above).
     pub total_ns: u64,
-    /// `total_ns / count`.
+    /// Mean of the recorded durations, ns.
     pub mean_ns: u64,
     /// Median, ns (within ~3 %).
     pub p50_ns: u64,
@@ -401,6 +588,61 @@ mod tests {
     }
 
     #[test]
+    fn hiwater_is_exact_when_one_thread_maps_and_another_unmaps() {
+        let c = Counters::default();
+        // Two live threads (so two shards), taking turns: in step k, the producer runs
+        // `produce[k]` and the consumer `consume[k]`, then the main thread checks.
+        let produce: [&(dyn Fn() + Sync); 4] = [
+            // 10 runs of 2 slots.
+            &|| (0..10).for_each(|_| c.inc_used(2)),
+            &|| {},
+            // Again: the quota is in the consumer's shard; the mark must not rise.
+            &|| (0..10).for_each(|_| c.inc_used(2)),
+            // Exactly past the mark.
+            &|| c.inc_used(3),
+        ];
+        let consume: [&(dyn Fn() + Sync); 4] = [
+            &|| {},
+            &|| (0..10).for_each(|_| c.dec_used(2)),
+            &|| {},
+            &|| {},
+        ];
+        let want = [(20, 20), (0, 20), (20, 20), (23, 23)];
+        let step = std::sync::Barrier::new(3);
+        std::thread::scope(|s| {
+            for side in [&produce, &consume] {
+                let step = &step;
+                s.spawn(move || {
+                    for f in side.iter() {
+                        f();
+                        step.wait();
+                        step.wait();
+                    }
+                });
+            }
+            // Asserted after the scope: a failure here must not leave the others waiting.
+            let seen: Vec<_> = want
+                .iter()
+                .map(|_| {
+                    step.wait();
+                    let now = (c.used(), c.hiwater());
+                    step.wait();
+                    now
+                })
+                .collect();
+            assert_eq!(seen, want);
+        });
+        // A reset restarts the mark at the occupancy.
+        c.reset_hiwater();
+        assert_eq!((c.used(), c.hiwater()), (23, 23));
+        c.dec_used(23);
+        c.reset_hiwater();
+        assert_eq!((c.used(), c.hiwater()), (0, 0));
+        c.inc_used(1);
+        assert_eq!((c.used(), c.hiwater()), (1, 1));
+    }
+
+    #[test]
     fn histogram_quantiles_are_within_the_bucket_resolution() {
         let h = Histogram::default();
         for ns in 1..=100_000u64 {
@@ -431,15 +673,32 @@ mod tests {
 /// Map and unmap durations are whole calls (their copies included); copies are also counted on
 /// their own, by the direction the data flows (`to_device`: original -> pool, `from_device`:
 /// pool -> original). The clock is the TSC on x86-64 ([`Ticks`]: `rdtsc`, converted to ns with
-/// a rate measured once per process against `Instant`), `Instant` elsewhere; each timed call
-/// reads it twice and does four relaxed atomic updates. [`Timing::set_enabled`] turns it off (one relaxed load per call is then all that
-/// remains); `bounce-experiment --timing both` measures the difference side by side.
+/// a rate measured once per process against `Instant`), `Instant` elsewhere.
+///
+/// **Sampling.** Each thread times about one call in [`Timing::sample_every`] of each kind
+/// ([`DEFAULT_SAMPLE_EVERY`] by default; 1 times every call): the gap to the next timed call is
+/// drawn uniformly from `1..=2n-1` (mean `n`) per thread and kind, so a periodic pattern of
+/// calls (a queue's map, copy, unmap cycle) cannot alias with the sampling and every kind of
+/// call is timed in proportion. A timed call reads the clock twice and does two relaxed atomic
+/// adds on the histogram (and an atomic max when the maximum rises); an untimed call only
+/// counts itself, with a plain add on the calling thread's counter shard ([`Counters`]), so the
+/// call counts stay exact. Quantiles, mean and maximum come from the timed calls; `total_ns` is
+/// their sum scaled to every call (exact with `sample_every` 1). [`Timing::set_enabled`] turns
+/// it off (one relaxed load per call is then all that remains); `bounce-experiment --timing
+/// both` measures the difference side by side.
 #[derive(Debug)]
 pub struct Timing {
     enabled: std::sync::atomic::AtomicBool,
+    /// One call in this many is timed (per thread and kind, on average).
+    sample_every: std::sync::atomic::AtomicU32,
     /// [op][dir]: op 0 map, 1 copy, 2 unmap; dir as [`crate::Direction`]'s Linux number.
     hist: [[Histogram; 3]; 3],
+    /// [op][dir]: the call counts at the last reset (counts are shard sums, never zeroed).
+    base: [[AtomicU64; 3]; 3],
 }
+
+/// The default of [`Timing::sample_every`].
+pub const DEFAULT_SAMPLE_EVERY: u32 = 16;
 
 impl Default for Timing {
     fn default() -> Self {
@@ -447,7 +706,9 @@ impl Default for Timing {
         ns_per_tick();
         Self {
             enabled: std::sync::atomic::AtomicBool::new(true),
+            sample_every: std::sync::atomic::AtomicU32::new(DEFAULT_SAMPLE_EVERY),
             hist: Default::default(),
+            base: Default::default(),
         }
     }
 }
@@ -514,19 +775,87 @@ pub enum TimedOp {
     Unmap,
 }
 
+/// What [`Timing::start`] decided for one call.
+#[derive(Clone, Copy, Debug)]
+pub enum Timed {
+    /// Timing is off: nothing is recorded.
+    Off,
+    /// Counted, not timed.
+    Counted,
+    /// Counted and timed from this instant.
+    Sampled(Ticks),
+}
+
+/// True when this thread's next call of `op` is to be timed; draws the next gap when it is.
+#[inline]
+fn sample_now(op: TimedOp, every: u32) -> bool {
+    LOCAL
+        .try_with(|l| {
+            let c = &l.countdown[op as usize];
+            let left = c.get();
+            if left > 1 {
+                c.set(left - 1);
+                return false;
+            }
+            c.set(next_gap(l, every));
+            true
+        })
+        .unwrap_or(false)
+}
+
+/// A gap uniform in `1..=2 * every - 1` (mean `every`), from the thread's xorshift32.
+#[cold]
+fn next_gap(l: &Local, every: u32) -> u32 {
+    let mut x = l.rng.get();
+    if x == 0 {
+        // Seed from the thread's stack address: distinct per thread, never 0 after the or.
+        x = (&x as *const u32 as usize as u32) | 1;
+    }
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    l.rng.set(x);
+    let span = every.max(1).saturating_mul(2) - 1;
+    1 + x % span
+}
+
 impl Timing {
-    /// The start of a timed call, or `None` when timing is off.
-    #[inline]
-    pub fn start(&self) -> Option<Ticks> {
-        self.enabled.load(Ordering::Relaxed).then(Ticks::now)
+    /// Starts a call of `op`: off, counted only, or counted and timed (see the type's docs).
+    #[inline(always)]
+    pub fn start(&self, op: TimedOp) -> Timed {
+        if !self.enabled.load(Ordering::Relaxed) {
+            return Timed::Off;
+        }
+        let every = self.sample_every.load(Ordering::Relaxed);
+        if every <= 1 || sample_now(op, every) {
+            Timed::Sampled(Ticks::now())
+        } else {
+            Timed::Counted
+        }
     }
 
-    /// Records the call started at `start` (nothing when it is `None`).
-    #[inline]
-    pub fn record(&self, op: TimedOp, dir: crate::Direction, start: Option<Ticks>) {
-        if let Some(t0) = start {
-            self.hist[op as usize][dir.to_linux() as usize].record(t0.elapsed_ns());
+    /// Records the call of `op` in `dir` that `start` began: its count on this thread's shard
+    /// of `counters`, and its duration when it was timed.
+    #[inline(always)]
+    pub(crate) fn record(
+        &self,
+        op: TimedOp,
+        dir: crate::Direction,
+        start: Timed,
+        counters: &Counters,
+    ) {
+        match start {
+            Timed::Off => {}
+            Timed::Counted => counters.shard().add_entry(call_entry(op, dir), 1),
+            Timed::Sampled(t0) => self.record_sample(op, dir, t0, counters),
         }
+    }
+
+    #[inline(never)]
+    fn record_sample(&self, op: TimedOp, dir: crate::Direction, t0: Ticks, counters: &Counters) {
+        let ns = t0.elapsed_ns();
+        counters.shard().add_entry(call_entry(op, dir), 1);
+        self.hist[op as usize][dir.to_linux() as usize].record(ns);
     }
 
     /// Turns timing on or off.
@@ -534,26 +863,62 @@ impl Timing {
         self.enabled.store(on, Ordering::Relaxed);
     }
 
-    /// Forgets every duration.
-    pub fn reset(&self) {
-        self.hist.iter().flatten().for_each(Histogram::reset);
+    /// Times one call in `n` per thread and kind on average (1: every call; 0 counts as 1).
+    pub fn set_sample_every(&self, n: u32) {
+        self.sample_every.store(n.max(1), Ordering::Relaxed);
     }
 
-    /// A snapshot.
-    pub fn stats(&self) -> TimingStats {
+    /// One call in how many is timed.
+    pub fn sample_every(&self) -> u32 {
+        self.sample_every.load(Ordering::Relaxed)
+    }
+
+    /// Forgets every duration and count (`counters` holds the counts).
+    pub(crate) fn reset(&self, counters: &Counters) {
+        self.hist.iter().flatten().for_each(Histogram::reset);
+        for op in [TimedOp::Map, TimedOp::Copy, TimedOp::Unmap] {
+            for dir in DIRS {
+                self.base[op as usize][dir.to_linux() as usize]
+                    .store(counters.get_entry(call_entry(op, dir)), Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A snapshot (`counters` holds the counts).
+    pub(crate) fn stats(&self, counters: &Counters) -> TimingStats {
+        let one = |op: TimedOp, dir: crate::Direction| {
+            let d = dir.to_linux() as usize;
+            let calls = counters
+                .get_entry(call_entry(op, dir))
+                .wrapping_sub(self.base[op as usize][d].load(Ordering::Relaxed));
+            let mut s = self.hist[op as usize][d].summary();
+            s.sampled = s.count;
+            s.count = calls;
+            if s.sampled > 0 && s.sampled != calls {
+                s.total_ns = (s.total_ns as f64 * calls as f64 / s.sampled as f64) as u64;
+            }
+            s
+        };
         let per = |op: TimedOp| DirectionTimes {
-            bidirectional: self.hist[op as usize][0].summary(),
-            to_device: self.hist[op as usize][1].summary(),
-            from_device: self.hist[op as usize][2].summary(),
+            bidirectional: one(op, crate::Direction::Bidirectional),
+            to_device: one(op, crate::Direction::ToDevice),
+            from_device: one(op, crate::Direction::FromDevice),
         };
         TimingStats {
             enabled: self.enabled.load(Ordering::Relaxed),
+            sample_every: self.sample_every(),
             map: per(TimedOp::Map),
             copy: per(TimedOp::Copy),
             unmap: per(TimedOp::Unmap),
         }
     }
 }
+
+const DIRS: [crate::Direction; 3] = [
+    crate::Direction::Bidirectional,
+    crate::Direction::ToDevice,
+    crate::Direction::FromDevice,
+];
 
 /// Durations of one operation per direction.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -571,6 +936,10 @@ pub struct DirectionTimes {
 pub struct TimingStats {
     /// Whether durations are being recorded.
     pub enabled: bool,
+    /// One call in this many (per thread and kind, on average) is timed; counts are of every
+    /// call (0 in a snapshot from before sampling existed).
+    #[serde(default)]
+    pub sample_every: u32,
     /// Whole map calls.
     pub map: DirectionTimes,
     /// Copies, by data flow.
@@ -611,5 +980,57 @@ mod timing_tests {
         let t = pool.stats().timing;
         assert!(!t.enabled);
         assert_eq!(t.map.to_device.count, 0);
+    }
+
+    #[test]
+    fn sampled_timing_keeps_exact_counts_and_times_every_kind() {
+        use crate::{BouncePool, Direction, HostMemory, MapRequest, PoolConfig};
+        let pool = BouncePool::new(&PoolConfig::swiotlb(1024)).unwrap();
+        let mut buf = vec![7u8; 8192];
+        let mem = HostMemory::new(0x10000, &mut buf);
+        let pairs = 4000u64;
+        // A strictly periodic pattern (map, copy in, copy back, unmap): one countdown shared by
+        // every kind would time only some kinds; each kind has its own.
+        for _ in 0..pairs {
+            let m = pool
+                .map(
+                    &mem,
+                    &MapRequest::new(0x10000, 4096, Direction::Bidirectional),
+                )
+                .unwrap();
+            pool.unmap(&mem, &m, 0).unwrap();
+        }
+        let t = pool.stats().timing;
+        assert_eq!(t.sample_every, DEFAULT_SAMPLE_EVERY);
+        let every = u64::from(DEFAULT_SAMPLE_EVERY);
+        for (what, s) in [
+            ("map", t.map.bidirectional),
+            ("unmap", t.unmap.bidirectional),
+            ("copy in", t.copy.to_device),
+            ("copy back", t.copy.from_device),
+        ] {
+            assert_eq!(s.count, pairs, "{what}: every call counted");
+            // About one in `every` timed (mean gap `every`): well inside half to twice that.
+            let want = pairs / every;
+            assert!(
+                (want / 2..=want * 2).contains(&s.sampled),
+                "{what}: {} timed of {pairs}",
+                s.sampled
+            );
+            // The total is scaled to every call: the mean times the count, to rounding.
+            let scaled = s.mean_ns * s.count;
+            assert!(s.total_ns + s.count >= scaled && s.total_ns <= scaled + s.count);
+        }
+        // Every call timed on request; a reset forgets counts too.
+        pool.reset_hiwater();
+        pool.set_timing_sample_every(1);
+        let m = pool
+            .map(&mem, &MapRequest::new(0x10000, 100, Direction::ToDevice))
+            .unwrap();
+        pool.unmap(&mem, &m, 0).unwrap();
+        let t = pool.stats().timing;
+        assert_eq!(t.sample_every, 1);
+        assert_eq!((t.map.to_device.count, t.map.to_device.sampled), (1, 1));
+        assert_eq!(t.map.bidirectional.count, 0);
     }
 }

@@ -7,9 +7,10 @@
 //!   satisfies [`SlotRequest::fits`].
 //! - **Magazines**: one per worker, holding free runs of `2^c` slots for each size class
 //!   `c = 0..=MAX_CLASS` (1 to 128 slots, never more than a segment or an area), at most
-//!   `class_capacity(c)` runs per class. A worker only ever takes its own magazine, with a
-//!   `try_lock` (one uncontended atomic; it never waits): a magazine found busy (two threads
-//!   sharing a worker id) sends the request to the depot path instead.
+//!   `class_capacity(c)` runs per class. A worker only ever takes its own magazine, by its
+//!   `busy` flag (one uncontended compare-exchange to take it, a plain store to give it back;
+//!   it never waits): a magazine found busy (two threads sharing a worker id) sends the request
+//!   to the depot path instead.
 //! - **Map** of `n` slots, `n` a power of two up to 128 (1, 2, 4, ... slots: 2 KiB buffers,
 //!   pages, 64 KiB blocks): class `c = log2 n`. The magazine's class list is scanned from the
 //!   top (most recently freed, cache-hot, first) for a run whose first slot
@@ -31,8 +32,11 @@
 //! 2. Every run handed out satisfies [`SlotRequest::fits`] for its request (magazine runs are
 //!    checked one by one; depot runs come from the complete bitmap search).
 //! 3. A live run holds exactly the slots of its mapping (no rounding waste).
-//! 4. Free accepts only `(index, nslots)` equal to a live run (one compare-exchange on
-//!    `live[index]`): a double or partial free is refused and logged, never corrupts a depot.
+//! 4. Free accepts only `(index, nslots)` equal to a live run (`live[index]` checked and
+//!    cleared): a double or partial free is refused and logged, never corrupts a depot. The
+//!    check is a load and a store, not a compare-exchange: it relies on no two frees of one run
+//!    running at the same time, which the pool guarantees (an unmap releases slots only after
+//!    winning the compare-exchange on its mapping's head slot).
 //! 5. With no other thread inside the allocator, a request fails only when no run of free
 //!    slots fits it anywhere in the pool (after the flush every cached slot is back in a depot,
 //!    and the depot search is complete): it never fails a request that `areas` would place on
@@ -46,11 +50,10 @@
 //!
 //! # Hot path
 //! A map or unmap served by the magazine touches only the worker's own [`Magazine`] (inline
-//! arrays, aligned to 128 bytes, so no two workers share a cache line) through an uncontended
-//! `try_lock`, and the run's own `live` entry. No depot lock, no shared counter.
+//! arrays, aligned to 128 bytes, so no two workers share a cache line) through its uncontended
+//! `busy` flag, and the run's own `live` entry. No depot lock, no shared counter.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::alloc::bitmap::FreeBitmap;
 use crate::alloc::locked::{check_geometry, report_ranges, Locked};
@@ -82,37 +85,78 @@ const MAX_RUNS: usize = if MAG_CLASS_SLOTS > 2 {
 
 /// One class of a magazine: first slots of free runs, newest last, inline (no heap buffer that
 /// could share a cache line with another worker's).
-#[derive(Debug, Clone, Copy, Default)]
+///
+/// Atomics only so that a magazine needs no lock type: every access happens while its
+/// [`Magazine::busy`] flag is held (taken with Acquire, given back with Release), so the
+/// Relaxed loads and stores here are plain moves, ordered by the flag.
+#[derive(Debug, Default)]
 struct ClassRuns {
-    len: usize,
-    runs: [u32; MAX_RUNS],
+    len: AtomicU32,
+    runs: [AtomicU32; MAX_RUNS],
 }
 
 impl ClassRuns {
-    fn as_slice(&self) -> &[u32] {
-        &self.runs[..self.len]
+    fn len(&self) -> usize {
+        self.len.load(Ordering::Relaxed) as usize
     }
 
-    fn push(&mut self, slot: usize) {
-        // Callers keep len < class_capacity <= MAX_RUNS; slots fit u32 (checked in `new`).
-        self.runs[self.len] = slot as u32;
-        self.len += 1;
+    fn set_len(&self, n: usize) {
+        // n <= MAX_RUNS.
+        self.len.store(n as u32, Ordering::Relaxed);
     }
 
-    fn remove(&mut self, k: usize) -> usize {
-        let slot = self.runs[k] as usize;
-        self.runs.copy_within(k + 1..self.len, k);
-        self.len -= 1;
+    fn get(&self, k: usize) -> usize {
+        self.runs[k].load(Ordering::Relaxed) as usize
+    }
+
+    fn set(&self, k: usize, slot: usize) {
+        // Slots fit u32 (checked in `MagazineAllocator::new`).
+        self.runs[k].store(slot as u32, Ordering::Relaxed);
+    }
+
+    fn push(&self, slot: usize) {
+        // Callers keep len < class_capacity <= MAX_RUNS.
+        let n = self.len();
+        self.set(n, slot);
+        self.set_len(n + 1);
+    }
+
+    fn remove(&self, k: usize) -> usize {
+        let (slot, n) = (self.get(k), self.len());
+        for i in k + 1..n {
+            self.set(i - 1, self.get(i));
+        }
+        self.set_len(n - 1);
         slot
     }
 
     /// Removes the oldest `n` runs and returns them.
-    fn drain_oldest(&mut self, n: usize) -> impl Iterator<Item = usize> {
-        let n = n.min(self.len);
-        let old = self.runs;
-        self.runs.copy_within(n..self.len, 0);
-        self.len -= n;
-        old.into_iter().take(n).map(|s| s as usize)
+    fn drain_oldest(&self, n: usize) -> Vec<usize> {
+        let len = self.len();
+        let n = n.min(len);
+        let old: Vec<usize> = (0..n).map(|k| self.get(k)).collect();
+        for i in n..len {
+            self.set(i - n, self.get(i));
+        }
+        self.set_len(len - n);
+        old
+    }
+
+    /// Reverses the runs `from..len`.
+    fn reverse_from(&self, from: usize) {
+        let (mut a, mut b) = (from, self.len());
+        while a + 1 < b {
+            b -= 1;
+            let (x, y) = (self.get(a), self.get(b));
+            self.set(a, y);
+            self.set(b, x);
+            a += 1;
+        }
+    }
+
+    #[cfg(test)]
+    fn contains(&self, slot: usize) -> bool {
+        (0..self.len()).any(|k| self.get(k) == slot)
     }
 }
 
@@ -122,26 +166,71 @@ impl ClassRuns {
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Magazine {
+    /// Held by the one thread using the magazine: a compare-exchange to take it (it never
+    /// waits on the hot path) and a plain Release store to give it back, one atomic
+    /// read-modify-write per use where a mutex costs two.
+    busy: AtomicBool,
     runs: [ClassRuns; MAX_CLASS + 1],
 }
 
+/// A held [`Magazine`]; dropping it gives the magazine back.
+struct Held<'a>(&'a Magazine);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.busy.store(false, Ordering::Release);
+    }
+}
+
+impl std::ops::Deref for Held<'_> {
+    type Target = Magazine;
+    fn deref(&self) -> &Magazine {
+        self.0
+    }
+}
+
 impl Magazine {
+    /// Takes the magazine if no other thread holds it.
+    #[inline]
+    fn try_hold(&self) -> Option<Held<'_>> {
+        self.busy
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .ok()
+            .map(|_| Held(self))
+    }
+
+    /// Takes the magazine, yielding while another thread holds it (reports and tests only).
+    fn hold(&self) -> Held<'_> {
+        loop {
+            if let Some(h) = self.try_hold() {
+                return h;
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+impl Held<'_> {
     /// Takes the newest cached run of `class` whose first slot fits `req`.
-    fn take(&mut self, geom: &Geometry, class: usize, req: &SlotRequest) -> Option<usize> {
-        let list = &mut self.runs[class];
-        let k = list
-            .as_slice()
-            .iter()
-            .rposition(|&s| req.fits(geom, s as usize))?;
+    #[inline]
+    fn take(&self, geom: &Geometry, class: usize, req: &SlotRequest) -> Option<usize> {
+        let list = &self.runs[class];
+        let k = (0..list.len())
+            .rev()
+            .find(|&k| req.fits(geom, list.get(k)))?;
         Some(list.remove(k))
     }
 
     /// Empties every class.
-    fn drain(&mut self) -> Vec<(usize, usize)> {
+    fn drain(&self) -> Vec<(usize, usize)> {
         self.runs
-            .iter_mut()
+            .iter()
             .enumerate()
-            .flat_map(|(c, list)| list.drain_oldest(MAX_RUNS).map(move |s| (s, 1 << c)))
+            .flat_map(|(c, list)| {
+                list.drain_oldest(MAX_RUNS)
+                    .into_iter()
+                    .map(move |s| (s, 1 << c))
+            })
             .collect()
     }
 }
@@ -151,7 +240,7 @@ impl Magazine {
 pub struct MagazineAllocator {
     geom: Geometry,
     depot: Locked<FreeBitmap>,
-    mags: Box<[Mutex<Magazine>]>,
+    mags: Box<[Magazine]>,
     /// Per slot: the length of the live run starting there, 0 when none does.
     live: Box<[AtomicU32]>,
     /// Largest class this geometry allows (a class run must fit a segment and an area).
@@ -181,11 +270,21 @@ impl MagazineAllocator {
             geom: *geom,
             depot,
             mags: (0..geom.nworkers.max(1))
-                .map(|_| Mutex::default())
+                .map(|_| Magazine::default())
                 .collect(),
             live: (0..geom.nslabs).map(|_| AtomicU32::new(0)).collect(),
             max_class,
         })
+    }
+
+    /// The magazine of `worker` (workers beyond the geometry's share, modulo).
+    #[inline]
+    fn magazine(&self, worker: usize) -> &Magazine {
+        // No division on the hot path: a worker id is normally below the worker count.
+        match self.mags.get(worker) {
+            Some(m) => m,
+            None => &self.mags[worker % self.mags.len()],
+        }
     }
 
     /// Marks `index..index + nslots` live.
@@ -196,7 +295,7 @@ impl MagazineAllocator {
     }
 
     /// The magazine path: a cached run, else a bulk load from the depots.
-    fn take_cached(&self, mag: &mut Magazine, req: &SlotRequest, class: usize) -> Option<usize> {
+    fn take_cached(&self, mag: &Held<'_>, req: &SlotRequest, class: usize) -> Option<usize> {
         if let Some(i) = mag.take(&self.geom, class, req) {
             return Some(i);
         }
@@ -206,14 +305,15 @@ impl MagazineAllocator {
 
     /// Loads up to half a class worth of `2^class`-slot runs fitting `req`, under one depot
     /// lock, from the worker's area first.
-    fn load(&self, mag: &mut Magazine, req: &SlotRequest, class: usize) {
+    fn load(&self, mag: &Held<'_>, req: &SlotRequest, class: usize) {
         let cap = class_capacity(class);
         let batch = (cap / 2).max(1);
-        if mag.runs[class].len + batch > cap {
-            let excess = mag.runs[class].len + batch - cap;
+        if mag.runs[class].len() + batch > cap {
+            let excess = mag.runs[class].len() + batch - cap;
             self.flush_runs(
                 mag.runs[class]
                     .drain_oldest(excess)
+                    .into_iter()
                     .map(|s| (s, 1 << class)),
             );
         }
@@ -221,31 +321,31 @@ impl MagazineAllocator {
             nslots: 1 << class,
             ..*req
         };
-        let list = &mut mag.runs[class];
-        let before = list.len;
+        let list = &mag.runs[class];
+        let before = list.len();
         // The first area that has any fitting run fills the batch.
         self.depot.find_map(req.worker, |area| {
-            while list.len - before < batch {
+            while list.len() - before < batch {
                 match area.alloc(&self.geom, &big) {
                     Some(s) => list.push(s),
                     None => break,
                 }
             }
-            (list.len > before).then_some(0)
+            (list.len() > before).then_some(0)
         });
         // Newest on top is the lowest address of the batch: hand them out in order.
-        list.runs[before..list.len].reverse();
+        list.reverse_from(before);
     }
 
     /// Caches the free run of `2^class` slots at `start`, flushing the older half of a full
     /// class first.
-    fn cache(&self, mag: &mut Magazine, start: usize, class: usize) {
-        let list = &mut mag.runs[class];
-        if list.len >= class_capacity(class) {
-            let half = list.len / 2;
-            self.flush_runs(list.drain_oldest(half).map(|r| (r, 1 << class)));
+    fn cache(&self, mag: &Held<'_>, start: usize, class: usize) {
+        let list = &mag.runs[class];
+        if list.len() >= class_capacity(class) {
+            let half = list.len() / 2;
+            self.flush_runs(list.drain_oldest(half).into_iter().map(|r| (r, 1 << class)));
         }
-        mag.runs[class].push(start);
+        list.push(start);
     }
 
     /// Returns runs to their depots, sorted, one lock per area.
@@ -266,7 +366,7 @@ impl MagazineAllocator {
     /// Flushes every magazine no other thread holds right now.
     fn flush_all(&self) {
         for mag in self.mags.iter() {
-            let Ok(mut mag) = mag.try_lock() else {
+            let Some(mag) = mag.try_hold() else {
                 continue;
             };
             let runs = mag.drain();
@@ -294,9 +394,8 @@ impl SlotAllocator for MagazineAllocator {
         }
         let class = class_of(n);
         if n.is_power_of_two() && class <= self.max_class {
-            let w = req.worker % self.mags.len();
-            if let Ok(mut mag) = self.mags[w].try_lock() {
-                if let Some(i) = self.take_cached(&mut mag, req, class) {
+            if let Some(mag) = self.magazine(req.worker).try_hold() {
+                if let Some(i) = self.take_cached(&mag, req, class) {
                     return Some(self.hand_out(i, n));
                 }
             }
@@ -309,11 +408,16 @@ impl SlotAllocator for MagazineAllocator {
     }
 
     fn free(&self, index: usize, nslots: usize, worker: usize) {
+        // A load and a store, not a compare-exchange: two frees of one run never race (the
+        // pool releases a mapping only after winning the compare-exchange on its head slot),
+        // so this check only has to catch frees that do not match a live run (invariant 4).
         let claimed = self.live.get(index).is_some_and(|l| {
             u32::try_from(nslots).is_ok_and(|n| {
-                n != 0
-                    && l.compare_exchange(n, 0, Ordering::Relaxed, Ordering::Relaxed)
-                        .is_ok()
+                let ok = n != 0 && l.load(Ordering::Relaxed) == n;
+                if ok {
+                    l.store(0, Ordering::Relaxed);
+                }
+                ok
             })
         });
         if !claimed {
@@ -321,8 +425,8 @@ impl SlotAllocator for MagazineAllocator {
             return;
         }
         if nslots.is_power_of_two() && nslots <= 1 << self.max_class {
-            if let Ok(mut mag) = self.mags[worker % self.mags.len()].try_lock() {
-                self.cache(&mut mag, index, class_of(nslots));
+            if let Some(mag) = self.magazine(worker).try_hold() {
+                self.cache(&mag, index, class_of(nslots));
                 return;
             }
         }
@@ -342,11 +446,11 @@ impl MagazineAllocator {
         self.mags
             .iter()
             .map(|m| {
-                let m = m.lock().unwrap_or_else(|p| p.into_inner());
+                let m = m.hold();
                 m.runs
                     .iter()
                     .enumerate()
-                    .map(|(c, l)| l.len << c)
+                    .map(|(c, l)| l.len() << c)
                     .sum::<usize>()
             })
             .sum()
@@ -486,11 +590,10 @@ mod tests {
     impl MagazineAllocator {
         fn magazine_has(&self, worker: usize, slot: usize) -> bool {
             self.mags[worker]
-                .lock()
-                .unwrap()
+                .hold()
                 .runs
                 .iter()
-                .any(|l| l.as_slice().contains(&(slot as u32)))
+                .any(|l| l.contains(slot))
         }
     }
 }

@@ -162,6 +162,7 @@ impl SlotRequest {
     /// `alloc_size` is the allocation size in bytes, alignment padding included (what Linux
     /// passes to `swiotlb_find_slots`). The page-alignment rule (allocations of a page or more
     /// are page aligned when neither mask is set) applies in swiotlb mode only.
+    #[inline]
     pub fn new(
         geom: &Geometry,
         orig: u64,
@@ -194,6 +195,7 @@ impl SlotRequest {
 
     /// Device address used for alignment and boundary checks of slot 0 (Linux
     /// `tbl_dma_addr = start & boundary_mask`).
+    #[inline]
     pub fn tbl_base(&self, geom: &Geometry) -> u64 {
         geom.base & self.boundary_mask
     }
@@ -206,6 +208,7 @@ impl SlotRequest {
 
     /// True when a run starting at `index` has the required alignment and original-address
     /// bits (the first test of Linux's search loop).
+    #[inline]
     pub fn aligned(&self, geom: &Geometry, index: usize) -> bool {
         let tlb = self.tbl_base(geom) + ((index as u64) << geom.slot_shift);
         if tlb & self.alloc_align_mask != 0 {
@@ -216,6 +219,7 @@ impl SlotRequest {
 
     /// True when a run starting at `index` crosses the device segment boundary (Linux
     /// `iommu_is_span_boundary(index, nslots, nr_slots(tbl_dma_addr), max_slots)`).
+    #[inline]
     pub fn crosses_boundary(&self, geom: &Geometry, index: usize) -> bool {
         let max_slots = (self.boundary_mask >> geom.slot_shift).wrapping_add(1);
         if max_slots == 0 {
@@ -230,6 +234,7 @@ impl SlotRequest {
     }
 
     /// True when a run starting at `index` lies inside the pool and inside one segment.
+    #[inline]
     pub fn in_segment(&self, geom: &Geometry, index: usize) -> bool {
         let in_seg = if geom.segsize.is_power_of_two() {
             index & (geom.segsize - 1)
@@ -243,6 +248,7 @@ impl SlotRequest {
     }
 
     /// Every placement rule at once: what any allocator's answer must satisfy.
+    #[inline]
     pub fn fits(&self, geom: &Geometry, index: usize) -> bool {
         self.in_segment(geom, index)
             && self.aligned(geom, index)
