@@ -35,23 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from bounce_variants import VARIANTS as BOUNCE_VARIANTS
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "target" / "release"
 
-VARIANTS = {
-    "qsd": None,
-    "off": "policy=off",
-    "swiotlb": "policy=force,mode=swiotlb,alloc=areas",
-    "iova": "policy=force,mode=iova,alloc=iova-rcache",
-    # The same with the pool's time accounting off (bounce option timing=off): two TSC reads
-    # per timed map/copy/unmap, which on a PVM host is a visible part of a small request.
-    "swiotlb-untimed": "policy=force,mode=swiotlb,alloc=areas,timing=off",
-    "iova-untimed": "policy=force,mode=iova,alloc=iova-rcache,timing=off",
-    # swiotlb with the allocators that reuse the most recently freed (cache-hot) slots.
-    "swiotlb-magazine": "policy=force,mode=swiotlb,alloc=magazine",
-    "swiotlb-areas-lifo": "policy=force,mode=swiotlb,alloc=areas-lifo",
-    "swiotlb-magazine-untimed": "policy=force,mode=swiotlb,alloc=magazine,timing=off",
-}
+VARIANTS = {"qsd": None, **BOUNCE_VARIANTS}
 
 
 def die(msg):

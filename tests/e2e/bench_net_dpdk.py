@@ -15,9 +15,10 @@ and dpdk-testpmd (--no-huge --no-pci, one forwarding core) connects to its socke
 - RX (tap -> guest): `--forward-mode=rxonly`; an AF_PACKET sender inside the namespace
   injects SIZE-byte frames for the device's MAC into the tap; frames/s = testpmd's Rx-pps
   (the sender is a Python loop on a 2-core machine, so RX is bounded by it: compare ratios).
-Variants: bounce off, forced swiotlb (areas), forced iova (iova-rcache), and the forced ones
-with the pool's time accounting off (`swiotlb-untimed`, `iova-untimed`: bounce option
-timing=off). Rounds are interleaved (every variant once per round, rotated, after one
+Variants (tests/e2e/bounce_variants.py): bounce off, forced swiotlb (areas), forced iova
+(iova-rcache), the forced ones with the pool's time accounting off (`swiotlb-untimed`,
+`iova-untimed`: bounce option timing=off), and forced swiotlb with the allocators that reuse
+cache-hot slots (`swiotlb-magazine`, `swiotlb-areas-lifo`, `swiotlb-magazine-untimed`). Rounds are interleaved (every variant once per round, rotated, after one
 discarded warm-up sample); the table gives median [min-max] and the ratio of medians vs off,
 for frames/s and for the back end's CPU time per frame (user + system of the process over the
 window, from /proc/PID/stat: on a loaded machine each process gets about its fair share of a
@@ -43,18 +44,12 @@ import threading
 import time
 from pathlib import Path
 
+from bounce_variants import VARIANTS as BOUNCE_VARIANTS
+
 ROOT = Path(__file__).resolve().parents[2]
 VHOST = ROOT / "target" / "release" / "bouncevm-vhost"
 MAC = "52:54:00:12:34:56"
-VARIANTS = {
-    "off": "policy=off",
-    "swiotlb": "policy=force,mode=swiotlb,alloc=areas",
-    "iova": "policy=force,mode=iova,alloc=iova-rcache",
-    # The same with the pool's time accounting off (bounce option timing=off): two TSC reads
-    # per timed map/copy/unmap, which on a PVM host is a visible part of a small request.
-    "swiotlb-untimed": "policy=force,mode=swiotlb,alloc=areas,timing=off",
-    "iova-untimed": "policy=force,mode=iova,alloc=iova-rcache,timing=off",
-}
+VARIANTS = BOUNCE_VARIANTS
 
 INJECT = r"""
 import socket, sys, time
