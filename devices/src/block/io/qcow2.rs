@@ -784,6 +784,29 @@ mod tests {
             .unwrap()
     }
 
+    /// A new qcow2 image `d.qcow2` of `size` with `cluster_size`-byte clusters in a temporary
+    /// directory, or `None` when qemu-img is missing.
+    fn new_image(cluster_size: u32, size: &str) -> Option<(tempfile::TempDir, PathBuf)> {
+        if !bounce::testing::qemu_img_available() {
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.qcow2");
+        let created = qemu_img(
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-o",
+                &format!("cluster_size={cluster_size}"),
+            ],
+            &[&path, Path::new(size)],
+        );
+        assert!(created.status.success());
+        Some((dir, path))
+    }
+
     /// `qemu-img check` of a copy of the file as it is now: what a SIGKILL of the process
     /// would leave (every write it made is in the file, nothing else).
     fn check_crash_image(path: &Path, what: &str) -> i32 {
@@ -811,16 +834,9 @@ mod tests {
     /// holding every write. Reads through the disk see the held-back L1 entries.
     #[test]
     fn a_crash_between_flushes_leaves_at_most_leaked_clusters() {
-        if !bounce::testing::qemu_img_available() {
+        let Some((dir, path)) = new_image(4096, "16M") else {
             return;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("d.qcow2");
-        let created = qemu_img(
-            &["create", "-q", "-f", "qcow2", "-o", "cluster_size=4096"],
-            &[&path, Path::new("16M")],
-        );
-        assert!(created.status.success());
+        };
         let disk = Qcow2Disk::open_with(&path, false, CacheMode::Writeback).unwrap();
         let offset = |i: u64| i * (1 << 20) + 512;
         let pattern =
@@ -859,16 +875,9 @@ mod tests {
     /// each flush, a clean image holding every write.
     #[test]
     fn a_crash_while_refcount_blocks_are_added_leaves_at_most_leaked_clusters() {
-        if !bounce::testing::qemu_img_available() {
+        let Some((dir, path)) = new_image(512, "32M") else {
             return;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("d.qcow2");
-        let created = qemu_img(
-            &["create", "-q", "-f", "qcow2", "-o", "cluster_size=512"],
-            &[&path, Path::new("32M")],
-        );
-        assert!(created.status.success());
+        };
         let disk = Qcow2Disk::open_with(&path, false, CacheMode::Writeback).unwrap();
         const LEN: usize = 16 << 10;
         let offset = |i: u64| i * (64 << 10) + 512;
@@ -913,16 +922,9 @@ mod tests {
     /// was flushed or what was written since.
     #[test]
     fn a_crash_after_any_file_write_while_a_refcount_block_fills_a_hole_is_at_most_a_leak() {
-        if !bounce::testing::qemu_img_available() {
+        let Some((_dir, path)) = new_image(512, "4M") else {
             return;
-        }
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("d.qcow2");
-        let created = qemu_img(
-            &["create", "-q", "-f", "qcow2", "-o", "cluster_size=512"],
-            &[&path, Path::new("4M")],
-        );
-        assert!(created.status.success());
+        };
         const SECTOR: usize = 512;
         const GUEST: usize = 192 << 10;
         let model = Rc::new(RefCell::new(Model {
