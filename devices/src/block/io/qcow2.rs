@@ -807,6 +807,15 @@ mod tests {
         Some((dir, path))
     }
 
+    /// The guest-visible bytes of the qcow2 image at `path`, converted to raw in `dir`.
+    fn raw_contents(dir: &Path, path: &Path) -> Vec<u8> {
+        let raw = dir.join("d.raw");
+        assert!(qemu_img(&["convert", "-U", "-O", "raw"], &[path, &raw])
+            .status
+            .success());
+        std::fs::read(&raw).unwrap()
+    }
+
     /// `qemu-img check` of a copy of the file as it is now: what a SIGKILL of the process
     /// would leave (every write it made is in the file, nothing else).
     fn check_crash_image(path: &Path, what: &str) -> i32 {
@@ -858,11 +867,7 @@ mod tests {
         disk.flush().unwrap();
         assert_eq!(check_crash_image(&path, "after the last flush"), 0);
         drop(disk);
-        let raw = dir.path().join("d.raw");
-        assert!(qemu_img(&["convert", "-U", "-O", "raw"], &[&path, &raw])
-            .status
-            .success());
-        let img = std::fs::read(&raw).unwrap();
+        let img = raw_contents(dir.path(), &path);
         for i in 0..12 {
             let at = usize::try_from(offset(i)).unwrap();
             assert_eq!(&img[at..at + 4096], &pattern(i)[..], "write {i}");
@@ -896,11 +901,7 @@ mod tests {
         }
         disk.flush().unwrap();
         drop(disk);
-        let raw = dir.path().join("d.raw");
-        assert!(qemu_img(&["convert", "-U", "-O", "raw"], &[&path, &raw])
-            .status
-            .success());
-        let img = std::fs::read(&raw).unwrap();
+        let img = raw_contents(dir.path(), &path);
         for i in 0..WRITES {
             let at = usize::try_from(offset(i)).unwrap();
             assert_eq!(&img[at..at + LEN], &pattern(i)[..], "write {i}");
