@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::host::{self, BackendPaths, WorkDir};
-use super::{pool_metrics, Error, Result, Sample, Workload};
+use super::{backend_pool, Error, Result, Sample, Workload};
 use crate::load::LoadConfig;
 
 /// Image size (bytes) of a full run and of `--quick`.
@@ -135,15 +135,7 @@ impl BlockDriver {
                 );
             }
         }
-        let pool = st.get("bounce").cloned().filter(|p| !p.is_null());
-        if let Some(p) = &pool {
-            pool_metrics(p, ios, &mut m);
-        }
-        Ok(Sample {
-            round: 0,
-            metrics: m,
-            pool,
-            detail: serde_json::to_value(&report).ok(),
-        })
+        let detail = serde_json::to_value(&report).ok();
+        Ok(Sample::with_pool(m, backend_pool(&st), ios, detail))
     }
 }

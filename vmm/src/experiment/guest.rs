@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::host::{self, Child, WorkDir};
-use super::{pool_metrics, Error, Result, Sample, Workload};
+use super::{backend_pool, Error, Result, Sample, Workload};
 
 /// Drives rig-1 guest samples.
 #[derive(Debug)]
@@ -182,14 +182,6 @@ fn figures(w: &Workload, v: serde_json::Value) -> Result<Sample> {
                 .sum()
         }
     };
-    let pool = v.get("bounce").cloned().filter(|p| !p.is_null());
-    if let Some(p) = &pool {
-        pool_metrics(p, ios, &mut m);
-    }
-    Ok(Sample {
-        round: 0,
-        metrics: m,
-        pool,
-        detail: Some(v),
-    })
+    let pool = backend_pool(&v);
+    Ok(Sample::with_pool(m, pool, ios, Some(v)))
 }

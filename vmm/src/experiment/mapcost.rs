@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bounce::{AllocatorKind, BouncePool, Direction, HostMemory, MapRequest, PoolConfig, PoolMode};
 
-use super::{pool_metrics, Error, Result, Sample};
+use super::{Error, Result, Sample};
 
 /// Guest-physical base the frames are said to live at.
 const ORIG: u64 = 0x1_0000_0000;
@@ -44,15 +44,8 @@ pub fn measure(mode: PoolMode, alloc: AllocatorKind, size: usize, dur: Duration)
         "pair_ns".into(),
         elapsed.as_nanos() as f64 / pairs.max(1) as f64,
     );
-    if let Some(p) = &pool_json {
-        pool_metrics(p, timed as f64, &mut m);
-    }
-    Ok(Sample {
-        round: 0,
-        metrics: m,
-        pool: pool_json,
-        detail: Some(serde_json::json!({ "pairs": pairs, "seconds": elapsed.as_secs_f64() })),
-    })
+    let detail = serde_json::json!({ "pairs": pairs, "seconds": elapsed.as_secs_f64() });
+    Ok(Sample::with_pool(m, pool_json, timed as f64, Some(detail)))
 }
 
 /// Map + unmap `req` until `dur` has passed (or Ctrl-C); pairs done and the time taken.

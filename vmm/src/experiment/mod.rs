@@ -265,6 +265,33 @@ pub struct Sample {
     pub detail: Option<serde_json::Value>,
 }
 
+impl Sample {
+    /// A sample of `metrics` plus the figures every sample takes from the pool's statistics
+    /// (`pool`, when the run had a pool) over `ios` I/Os or frames.
+    pub fn with_pool(
+        mut metrics: BTreeMap<String, f64>,
+        pool: Option<serde_json::Value>,
+        ios: f64,
+        detail: Option<serde_json::Value>,
+    ) -> Self {
+        if let Some(p) = &pool {
+            pool_metrics(p, ios, &mut metrics);
+        }
+        Self {
+            round: 0,
+            metrics,
+            pool,
+            detail,
+        }
+    }
+}
+
+/// The bounce pool's statistics in a backend's stats document (`bounce`; absent or null when
+/// the backend has no pool).
+pub fn backend_pool(stats: &serde_json::Value) -> Option<serde_json::Value> {
+    stats.get("bounce").cloned().filter(|p| !p.is_null())
+}
+
 /// A cell with what was measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct CellResult {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::host::{self, BackendPaths, Child, NetNs, WorkDir};
-use super::{pool_metrics, Error, Result, Sample, Workload};
+use super::{backend_pool, Error, Result, Sample, Workload};
 
 /// What to install when testpmd is missing.
 pub const DPDK_INSTALL: &str =
@@ -197,26 +197,21 @@ fn sample(
             b.saturating_sub(a) as f64 / frames,
         );
     }
-    let pool = st.get("bounce").cloned().filter(|p| !p.is_null());
-    if let Some(p) = &pool {
-        pool_metrics(p, frames, &mut m);
-        if let Some(w) = p.get("lock_wait_ns").and_then(serde_json::Value::as_f64) {
-            if let (Some(a), Some(b)) = (cpu0, cpu1) {
-                let cpu = b.saturating_sub(a) as f64;
-                if cpu > 0.0 {
-                    m.insert("lock_wait_pct".into(), 100.0 * w / cpu);
-                }
-            }
+    let detail = serde_json::json!({
+        "frames": frames,
+        "seconds": secs,
+        "device": st.get("device"),
+    });
+    let mut s = Sample::with_pool(m, backend_pool(st), frames, Some(detail));
+    let wait = s
+        .pool
+        .as_ref()
+        .and_then(|p| p.get("lock_wait_ns")?.as_f64());
+    if let (Some(w), Some(a), Some(b)) = (wait, cpu0, cpu1) {
+        let cpu = b.saturating_sub(a) as f64;
+        if cpu > 0.0 {
+            s.metrics.insert("lock_wait_pct".into(), 100.0 * w / cpu);
         }
     }
-    Sample {
-        round: 0,
-        metrics: m,
-        pool,
-        detail: Some(serde_json::json!({
-            "frames": frames,
-            "seconds": secs,
-            "device": st.get("device"),
-        })),
-    }
+    s
 }
