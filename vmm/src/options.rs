@@ -13,8 +13,10 @@
 //! on-full=wait|fail            a block request that finds the pool full while others are in
 //!                              flight waits for their slots (default) or fails with IOERR
 //! timing=on|off                the pool's time accounting (map/copy/unmap histograms from
-//!                              the TSC; default on); off saves two clock reads per timed
-//!                              call, which at host speed is a measurable part of a request
+//!                              the TSC; default on); off saves the clock reads and the
+//!                              sampling check of every call
+//! timing-every=N               time one call in N of each kind per thread (default 16;
+//!                              1 times every call); call counts stay exact either way
 //! ```
 //!
 //! ```
@@ -37,7 +39,7 @@ pub enum OptionsError {
     #[error("'{0}' is not key=value")]
     NotKeyValue(String),
     /// An unknown key.
-    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers, on-full, timing)")]
+    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers, on-full, timing, timing-every)")]
     UnknownKey(String),
     /// A key given twice.
     #[error("bounce option '{0}' given twice")]
@@ -76,6 +78,8 @@ pub struct BounceOptions {
     pub on_full: OnFull,
     /// The pool's time accounting ([`BouncePool::set_timing`]).
     pub timing: bool,
+    /// One call in how many is timed ([`BouncePool::set_timing_sample_every`]).
+    pub timing_every: u32,
 }
 
 impl Default for BounceOptions {
@@ -92,6 +96,7 @@ impl Default for BounceOptions {
             workers: None,
             on_full: OnFull::Wait,
             timing: true,
+            timing_every: bounce::stats::DEFAULT_SAMPLE_EVERY,
         }
     }
 }
@@ -155,6 +160,11 @@ impl FromStr for BounceOptions {
                         _ => return Err(bad("expected on or off".into())),
                     }
                 }
+                "timing-every" => {
+                    o.timing_every = positive(key, value)?
+                        .try_into()
+                        .map_err(|_| bad(format!("at most {}", u32::MAX)))?
+                }
                 _ => return Err(OptionsError::UnknownKey(key.into())),
             }
             seen.push(key);
@@ -202,6 +212,7 @@ impl BounceOptions {
         let pool = BouncePool::new(&self.pool_config(default_workers))
             .map_err(|e| OptionsError::Pool(e.to_string()))?;
         pool.set_timing(self.timing);
+        pool.set_timing_sample_every(self.timing_every);
         let pool = Arc::new(pool);
         Ok((Dma::bounced(self.policy, pool.clone()), Some(pool)))
     }
@@ -297,6 +308,26 @@ mod tests {
         assert!(!stats("slots=64,timing=off"));
         let e = "timing=maybe".parse::<BounceOptions>().unwrap_err();
         assert!(e.to_string().contains("on or off"), "{e}");
+    }
+
+    #[test]
+    fn timing_every_reaches_the_pool() {
+        let every = |s: &str| {
+            let o: BounceOptions = s.parse().unwrap();
+            let (_, pool) = o.build(1).unwrap();
+            pool.unwrap().stats().timing.sample_every
+        };
+        assert_eq!(every("slots=64"), bounce::stats::DEFAULT_SAMPLE_EVERY);
+        assert_eq!(every("slots=64,timing-every=1"), 1);
+        assert_eq!(every("slots=64,timing-every=1000"), 1000);
+        for bad in [
+            "timing-every=0",
+            "timing-every=x",
+            "timing-every=4294967296",
+        ] {
+            let e = bad.parse::<BounceOptions>().unwrap_err();
+            assert!(e.to_string().contains("timing-every"), "{bad}: {e}");
+        }
     }
 
     #[test]
