@@ -53,7 +53,7 @@
 //! arrays, aligned to 128 bytes, so no two workers share a cache line) through its uncontended
 //! `busy` flag, and the run's own `live` entry. No depot lock, no shared counter. The newest
 //! run of the class is checked inline; older runs, bulk loads, flushes and the depot path are
-//! out of line, so a hit costs about 45 instructions besides [`SlotRequest::fits`].
+//! out of line (a hit: about 120 instructions with its `fits` check, callgrind, against 188).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
