@@ -468,30 +468,31 @@ impl BouncePool {
     #[inline]
     fn record(&self, index: usize, nslots: usize, orig: u64, layout: &Layout) -> (usize, u64) {
         let shift = self.geom.slot_shift;
+        let slot = self.geom.slot_size();
         let pad_slots = (layout.offset >> shift) as usize;
-        let in_slot = layout.offset & (self.geom.slot_size() - 1);
-        for i in 0..nslots {
-            // Bytes from this slot's start plus the in-slot offset to the end of the
-            // allocation. As in Linux (an unsigned int there), this wraps below zero for a last
-            // slot whose data ends before the in-slot offset; `bounce` reads it back as signed.
-            let from = in_slot + ((i as u64) << shift);
-            let m = &self.meta[index + i];
-            m.alloc_size
-                .store(layout.alloc_size.wrapping_sub(from), Ordering::Relaxed);
+        let in_slot = layout.offset & (slot - 1);
+        // One pass over the run's metadata, bounds checked once. Per slot `i`: the bytes from
+        // its start plus the in-slot offset to the end of the allocation (as in Linux, an
+        // unsigned int there, this wraps below zero for a last slot whose data ends before the
+        // in-slot offset; `bounce` reads it back as signed), and from the head on the original
+        // address it shadows (`orig + (i - pad_slots) * slot`; padding slots keep `INVALID`).
+        let run = &self.meta[index..index + nslots];
+        let mut left = layout.alloc_size.wrapping_sub(in_slot);
+        let mut shadow = orig.wrapping_sub((pad_slots as u64) << shift);
+        for (i, m) in run.iter().enumerate() {
+            m.alloc_size.store(left, Ordering::Relaxed);
             m.offset.store(in_slot as u32, Ordering::Relaxed);
+            if i >= pad_slots {
+                m.orig.store(shadow, Ordering::Relaxed);
+            }
+            left = left.wrapping_sub(slot);
+            shadow = shadow.wrapping_add(slot);
         }
+        // pad_slots < nslots: the allocation covers the offset and at least one byte more.
+        let head = &run[pad_slots];
+        head.pad_slots.store(pad_slots as u32, Ordering::Relaxed);
+        head.head.store(in_slot as u32 + 1, Ordering::Release);
         let head = index + pad_slots;
-        self.meta[head]
-            .pad_slots
-            .store(pad_slots as u32, Ordering::Relaxed);
-        for i in 0..(nslots - pad_slots) {
-            self.meta[head + i]
-                .orig
-                .store(orig + ((i as u64) << shift), Ordering::Relaxed);
-        }
-        self.meta[head]
-            .head
-            .store(in_slot as u32 + 1, Ordering::Release);
         (head, self.geom.slot_addr(head) + in_slot)
     }
 

@@ -195,7 +195,7 @@ impl SlotRequest {
 
     /// Device address used for alignment and boundary checks of slot 0 (Linux
     /// `tbl_dma_addr = start & boundary_mask`).
-    #[inline]
+    #[inline(always)]
     pub fn tbl_base(&self, geom: &Geometry) -> u64 {
         geom.base & self.boundary_mask
     }
@@ -208,7 +208,7 @@ impl SlotRequest {
 
     /// True when a run starting at `index` has the required alignment and original-address
     /// bits (the first test of Linux's search loop).
-    #[inline]
+    #[inline(always)]
     pub fn aligned(&self, geom: &Geometry, index: usize) -> bool {
         let tlb = self.tbl_base(geom) + ((index as u64) << geom.slot_shift);
         if tlb & self.alloc_align_mask != 0 {
@@ -219,7 +219,7 @@ impl SlotRequest {
 
     /// True when a run starting at `index` crosses the device segment boundary (Linux
     /// `iommu_is_span_boundary(index, nslots, nr_slots(tbl_dma_addr), max_slots)`).
-    #[inline]
+    #[inline(always)]
     pub fn crosses_boundary(&self, geom: &Geometry, index: usize) -> bool {
         let max_slots = (self.boundary_mask >> geom.slot_shift).wrapping_add(1);
         if max_slots == 0 {
@@ -234,9 +234,11 @@ impl SlotRequest {
     }
 
     /// True when a run starting at `index` lies inside the pool and inside one segment.
-    #[inline]
+    #[inline(always)]
     pub fn in_segment(&self, geom: &Geometry, index: usize) -> bool {
-        let in_seg = if geom.segsize.is_power_of_two() {
+        // `segsize & (segsize - 1)`, not `is_power_of_two` (a popcount, emulated without the
+        // target feature): this is on every map. A geometry's segsize is never 0.
+        let in_seg = if geom.segsize & geom.segsize.wrapping_sub(1) == 0 {
             index & (geom.segsize - 1)
         } else {
             index % geom.segsize
@@ -248,7 +250,7 @@ impl SlotRequest {
     }
 
     /// Every placement rule at once: what any allocator's answer must satisfy.
-    #[inline]
+    #[inline(always)]
     pub fn fits(&self, geom: &Geometry, index: usize) -> bool {
         self.in_segment(geom, index)
             && self.aligned(geom, index)
