@@ -296,13 +296,16 @@ mod tests {
         assert!(e.to_string().contains("wait or fail"), "{e}");
     }
 
+    /// The time-accounting statistics of the pool an option string builds.
+    fn timing_of(s: &str) -> bounce::stats::TimingStats {
+        let o: BounceOptions = s.parse().unwrap();
+        let (_, pool) = o.build(1).unwrap();
+        pool.unwrap().stats().timing
+    }
+
     #[test]
     fn timing_is_on_unless_told_and_reaches_the_pool() {
-        let stats = |s: &str| {
-            let o: BounceOptions = s.parse().unwrap();
-            let (_, pool) = o.build(1).unwrap();
-            pool.unwrap().stats().timing.enabled
-        };
+        let stats = |s: &str| timing_of(s).enabled;
         assert!(stats("slots=64"));
         assert!(stats("slots=64,timing=on"));
         assert!(!stats("slots=64,timing=off"));
@@ -312,11 +315,7 @@ mod tests {
 
     #[test]
     fn timing_every_reaches_the_pool() {
-        let every = |s: &str| {
-            let o: BounceOptions = s.parse().unwrap();
-            let (_, pool) = o.build(1).unwrap();
-            pool.unwrap().stats().timing.sample_every
-        };
+        let every = |s: &str| timing_of(s).sample_every;
         assert_eq!(every("slots=64"), bounce::stats::DEFAULT_SAMPLE_EVERY);
         assert_eq!(every("slots=64,timing-every=1"), 1);
         assert_eq!(every("slots=64,timing-every=1000"), 1000);
