@@ -33,7 +33,7 @@ pub trait OrigMemory {
 /// copy (no slice iterator, no per-piece results). Plain memory has no per-access permissions
 /// (`GuestMemory` ignores them for it), so this is exactly what [`whole_slice`] would give.
 #[inline]
-pub(crate) fn region_slice<M: GuestMemory + ?Sized>(
+fn region_slice<M: GuestMemory + ?Sized>(
     mem: &M,
     addr: u64,
     len: usize,

@@ -59,7 +59,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::alloc::bitmap::FreeBitmap;
 use crate::alloc::locked::{check_geometry, report_ranges, Locked};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::{pow2, AllocatorKind, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
 
@@ -78,13 +78,6 @@ pub fn class_capacity(class: usize) -> usize {
 #[cfg(test)]
 fn class_of(nslots: usize) -> usize {
     nslots.next_power_of_two().trailing_zeros() as usize
-}
-
-/// True for a power of two (a mask test: `is_power_of_two` is a popcount, emulated without
-/// the target feature, on every map and unmap).
-#[inline(always)]
-fn pow2(n: usize) -> bool {
-    n != 0 && n & (n - 1) == 0
 }
 
 /// Most runs one class of a magazine may hold (`class_capacity(0)`).
@@ -574,7 +567,8 @@ mod tests {
         let (x, y) = (a.alloc(&any).unwrap(), a.alloc(&any).unwrap());
         a.free(x, 1, 0);
         a.free(y, 1, 0); // newest on top
-                         // A device with min_align_mask 4 KiB: the slot's parity must match bit 11 of orig.
+
+        // A device with min_align_mask 4 KiB: the slot's parity must match bit 11 of orig.
         let picky = [0x10_0000u64, 0x10_0800]
             .map(|orig| SlotRequest::new(&g, orig, 1, 0, 0xfff, DEFAULT_SEG_BOUNDARY_MASK, 0))
             .into_iter()

@@ -156,6 +156,13 @@ pub struct SlotRequest {
     pub worker: usize,
 }
 
+/// True for a power of two: a mask test, because `is_power_of_two` is a popcount, emulated
+/// without the target feature, and the allocators' hot paths ask on every map and unmap.
+#[inline(always)]
+pub(crate) fn pow2(n: usize) -> bool {
+    n != 0 && n & (n - 1) == 0
+}
+
 impl SlotRequest {
     /// Derives a request the way `swiotlb_search_pool_area` does.
     ///
@@ -236,9 +243,8 @@ impl SlotRequest {
     /// True when a run starting at `index` lies inside the pool and inside one segment.
     #[inline(always)]
     pub fn in_segment(&self, geom: &Geometry, index: usize) -> bool {
-        // `segsize & (segsize - 1)`, not `is_power_of_two` (a popcount, emulated without the
-        // target feature): this is on every map. A geometry's segsize is never 0.
-        let in_seg = if geom.segsize & geom.segsize.wrapping_sub(1) == 0 {
+        // This is on every map: `pow2`, not `is_power_of_two`.
+        let in_seg = if pow2(geom.segsize) {
             index & (geom.segsize - 1)
         } else {
             index % geom.segsize
