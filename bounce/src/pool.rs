@@ -260,6 +260,13 @@ impl BouncePool {
             .map_err(|_| Error::OutOfPool { addr, len })
     }
 
+    /// The host memory of the whole pool: start address and length. It stays mapped, at that
+    /// address, as long as the pool lives; an I/O engine registers it once with the kernel
+    /// (io_uring fixed buffers), as a real device's DMA window is set up once, so the data
+    /// of bounced I/O needs no page pinning per request.
+    pub fn host_memory(&self) -> (*mut u8, usize) {
+        (self.memory.as_ptr(), self.memory.size())
+    }
     /// Linux's masks are always 2^k - 1; a mask with holes has no meaning for placement. Zero
     /// for such a mask.
     #[inline]

@@ -171,6 +171,21 @@ fn depth_32_verifies_for_every_allocator_and_pool_mode() {
                 "{s}"
             );
             assert_eq!(s["engine"]["aio"], aio.name());
+            // io_uring registers the bounce pool once; then each request's 4 KiB data piece
+            // (32 writes, 32 reads) is a fixed-buffer op. Root can always pin it.
+            let regions = s["engine"]["fixed_regions"].as_u64().unwrap();
+            let fixed = s["engine"]["fixed_ops"].as_u64().unwrap();
+            if aio == AioMode::IoUring && dma.pool().is_some() {
+                let root =
+                    std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap())
+                        == 0;
+                if root {
+                    assert_eq!(regions, 1, "{aio} {name}: pool not registered");
+                }
+                assert_eq!(fixed, 64 * regions, "{aio} {name}: {s}");
+            } else {
+                assert_eq!((regions, fixed), (0, 0), "{aio} {name}");
+            }
         }
     }
 }

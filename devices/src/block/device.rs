@@ -11,7 +11,7 @@ use virtio_queue::Queue;
 use vm_memory::GuestMemory;
 
 use super::inflight::{MemPin, RetryTimer, Slab};
-use super::io::{new_engine, Disk, EngineStats, IoDone, IoEngine, OnFull};
+use super::io::{new_engine, Disk, EngineStats, FixedRegion, IoDone, IoEngine, OnFull};
 use super::metrics::BlockMetrics;
 use super::request::{DiskParams, Pending, RequestCtx, Started, MAX_DISCARD_SEGS};
 use super::{features as blk, BlockConfig, BlockError, CONFIG_SPACE_LEN, ID_BYTES, SECTOR_SHIFT};
@@ -98,8 +98,8 @@ impl<D: Disk> Block<D> {
         let disk = Arc::new(disk);
         // Refuse an engine that cannot work here (aio=io_uring on qcow2 or on a kernel
         // without io_uring) now, with its reason, rather than at activation.
-        let probe =
-            new_engine(config.aio, &disk, 8).map_err(|e| BlockError::Config(e.to_string()))?;
+        let probe = new_engine(config.aio, &disk, 8, None)
+            .map_err(|e| BlockError::Config(e.to_string()))?;
         let engine_name = probe.name();
         drop(probe);
         let write_cache = Arc::new(AtomicBool::new(config.cache.write_cache()));
@@ -229,6 +229,8 @@ impl<D: Disk> Block<D> {
             "submit_calls": sum(|e| &e.submit_calls),
             "dio_bounced": sum(|e| &e.dio_bounced),
             "resubmitted": sum(|e| &e.resubmitted),
+            "fixed_regions": sum(|e| &e.fixed_regions),
+            "fixed_ops": sum(|e| &e.fixed_ops),
             "in_flight_hiwater": self
                 .engines
                 .iter()
@@ -317,9 +319,17 @@ where
         let params = Arc::new(self.params(acked));
         let mut workers: Vec<Box<dyn QueueWorker<M>>> = Vec::new();
         self.engines.clear();
+        // The bounce pool, registered by each queue's io_uring engine (one pinning for the
+        // device's life instead of one per request).
+        let fixed = FixedRegion::of_dma(&self.dma);
         for q in 0..queues {
-            let engine = new_engine(self.config.aio, &self.disk, self.config.queue_size)
-                .map_err(|e| ActivateError::Backend(format!("queue {q}: {e}")))?;
+            let engine = new_engine(
+                self.config.aio,
+                &self.disk,
+                self.config.queue_size,
+                fixed.as_ref(),
+            )
+            .map_err(|e| ActivateError::Backend(format!("queue {q}: {e}")))?;
             self.engine_name = engine.name();
             self.engines.push(Arc::clone(engine.stats()));
             workers.push(Box::new(BlockWorker {

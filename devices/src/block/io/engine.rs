@@ -100,6 +100,74 @@ impl IoBuf {
 /// per guest memory region it spans), so a request allocates nothing on the way to the host.
 pub type IoBufs = smallvec::SmallVec<[IoBuf; 4]>;
 
+/// Host memory an engine may register with the kernel once, so that I/O on it needs no page
+/// pinning per request (io_uring fixed buffers): the bounce pool, which is every bounced
+/// request's data buffer and never moves while its owner lives. Guest memory is not
+/// registered, as QEMU does not: it can be many GiB, and pinning all of it would defeat
+/// ballooning and overcommit.
+#[derive(Clone)]
+pub struct FixedRegion {
+    start: usize,
+    len: usize,
+    /// Keeps the memory mapped while an engine has it registered.
+    _owner: Arc<dyn Send + Sync>,
+}
+
+impl fmt::Debug for FixedRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FixedRegion")
+            .field("start", &format_args!("{:#x}", self.start))
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FixedRegion {
+    /// The memory `ptr..ptr + len`, kept mapped by `owner`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be one readable and writable mapping that stays mapped, at that
+    /// address, as long as `owner` lives.
+    pub unsafe fn new(ptr: *mut u8, len: usize, owner: Arc<dyn Send + Sync>) -> Self {
+        Self {
+            start: ptr as usize,
+            len,
+            _owner: owner,
+        }
+    }
+
+    /// The bounce pool of `dma`, when it has one.
+    pub fn of_dma(dma: &bounce::Dma) -> Option<Self> {
+        let pool = dma.pool()?;
+        let (ptr, len) = pool.host_memory();
+        let owner: Arc<dyn Send + Sync> = Arc::clone(pool) as Arc<dyn Send + Sync>;
+        // SAFETY: a pool's memory is one mapping, readable and writable, that lives as long
+        // as the pool, which `owner` keeps.
+        Some(unsafe { Self::new(ptr, len, owner) })
+    }
+
+    /// Start address.
+    pub fn start(&self) -> *mut u8 {
+        self.start as *mut u8
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Where `buf` lies in the region: its byte offset, when all of it is inside.
+    pub fn offset_of(&self, buf: &IoBuf) -> Option<usize> {
+        let off = (buf.ptr() as usize).checked_sub(self.start)?;
+        (off.checked_add(buf.len())? <= self.len).then_some(off)
+    }
+}
+
 /// A sink and source that records where the bytes of a device-visible buffer are instead of
 /// moving them: passed to [`bounce::Dma::read_to`] / [`bounce::Dma::write_from`], it collects
 /// the buffer's pieces (one for a bounced buffer, one per guest memory region otherwise) so an
@@ -215,6 +283,11 @@ pub struct EngineStats {
     pub dio_bounced: AtomicU64,
     /// Short transfers resubmitted for their remainder.
     pub resubmitted: AtomicU64,
+    /// Engines that registered a [`FixedRegion`] with the kernel (io_uring only; 0 when the
+    /// kernel refused it, e.g. over `RLIMIT_MEMLOCK`, and I/O on it then pins per request).
+    pub fixed_regions: AtomicU64,
+    /// Reads and writes whose data went through a registered [`FixedRegion`].
+    pub fixed_ops: AtomicU64,
 }
 
 impl EngineStats {

@@ -36,8 +36,8 @@ use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile}
 
 pub use cache::{AioMode, CacheMode, OnFull};
 pub use engine::{
-    AlignedBuf, AlignedEngine, DirectAlign, EngineStats, IoBuf, IoBufCollector, IoBufs, IoDone,
-    IoEngine, IoOp, Range, SyncEngine, Tag,
+    AlignedBuf, AlignedEngine, DirectAlign, EngineStats, FixedRegion, IoBuf, IoBufCollector,
+    IoBufs, IoDone, IoEngine, IoOp, Range, SyncEngine, Tag,
 };
 pub use mem::MemDisk;
 pub use qcow2::Qcow2Disk;
@@ -109,7 +109,8 @@ pub trait Disk: Send + Sync + fmt::Debug + 'static {
     }
 }
 
-/// The engine for `aio` on `disk`, sized for `depth` requests in flight.
+/// The engine for `aio` on `disk`, sized for `depth` requests in flight. An io_uring engine
+/// registers `fixed` (the bounce pool) with the kernel; the others have no use for it.
 ///
 /// With no `aio` given, a disk with a file descriptor gets io_uring and falls back to the
 /// thread pool (with a warning) where the kernel refuses io_uring; other disks get the thread
@@ -123,12 +124,13 @@ pub fn new_engine<D: Disk>(
     aio: Option<AioMode>,
     disk: &Arc<D>,
     depth: u16,
+    fixed: Option<&FixedRegion>,
 ) -> io::Result<Box<dyn IoEngine>> {
     let engine: Box<dyn IoEngine> = match aio {
-        Some(AioMode::IoUring) => Box::new(UringEngine::new(Arc::clone(disk), depth)?),
+        Some(AioMode::IoUring) => Box::new(UringEngine::new(Arc::clone(disk), depth, fixed)?),
         Some(AioMode::Threads) => Box::new(ThreadEngine::new(Arc::clone(disk), depth)?),
         Some(AioMode::Sync) => Box::new(SyncEngine::new(Arc::clone(disk))),
-        None if disk.raw_fd().is_some() => match UringEngine::new(Arc::clone(disk), depth) {
+        None if disk.raw_fd().is_some() => match UringEngine::new(Arc::clone(disk), depth, fixed) {
             Ok(e) => Box::new(e),
             Err(e) => {
                 static WARNED: std::sync::Once = std::sync::Once::new();

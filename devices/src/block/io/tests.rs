@@ -81,7 +81,7 @@ fn image(dir: &Path, len: u64) -> std::path::PathBuf {
 fn engines_for(disk: &Arc<RawDisk>) -> Vec<Box<dyn IoEngine>> {
     AioMode::ALL
         .into_iter()
-        .map(|m| new_engine(Some(m), disk, 64).unwrap())
+        .map(|m| new_engine(Some(m), disk, 64, None).unwrap())
         .collect()
 }
 
@@ -276,7 +276,7 @@ fn errors_are_completions() {
     let path = image(dir.path(), 8192);
     let disk = Arc::new(RawDisk::open_with(&path, true, CacheMode::Writeback).unwrap());
     for m in AioMode::ALL {
-        let mut e = new_engine(Some(m), &disk, 8).unwrap();
+        let mut e = new_engine(Some(m), &disk, 8, None).unwrap();
         let arena = Arena::new(16384);
         let done = run_all(
             &mut *e,
@@ -306,12 +306,12 @@ fn errors_are_completions() {
         assert_eq!(ok(&done, 2), 4096, "{m}: read past the end is short");
     }
     let mem = Arc::new(MemDisk::new(4096).unwrap());
-    let err = new_engine(Some(AioMode::IoUring), &mem, 8).unwrap_err();
+    let err = new_engine(Some(AioMode::IoUring), &mem, 8, None).unwrap_err();
     assert!(err.to_string().contains("io_uring"), "{err}");
     // The default for a memory disk (which never blocks) is the synchronous path.
-    assert_eq!(new_engine(None, &mem, 8).unwrap().name(), "sync");
+    assert_eq!(new_engine(None, &mem, 8, None).unwrap().name(), "sync");
     let raw = Arc::new(RawDisk::open(&path, true).unwrap());
-    assert_eq!(new_engine(None, &raw, 8).unwrap().name(), "io_uring");
+    assert_eq!(new_engine(None, &raw, 8, None).unwrap().name(), "io_uring");
 }
 
 /// A file system that refuses O_DIRECT gets one line naming the flag and the mode, and no
@@ -468,7 +468,7 @@ impl Disk for SocketDisk {
 fn io_uring_completes_out_of_order_and_raises_its_eventfd() {
     let (ours, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
     let disk = Arc::new(SocketDisk(ours));
-    let mut e = UringEngine::new(disk, 8).unwrap();
+    let mut e = UringEngine::new(disk, 8, None).unwrap();
     let fd = e.notifier().unwrap();
     let arena = Arena::new(8192);
     arena.fill(4096, &pattern(5, 512));
@@ -524,7 +524,7 @@ fn io_uring_splits_more_than_iov_max_pieces() {
     let path = image(dir.path(), DISK);
     std::fs::write(&path, pattern(3, DISK as usize)).unwrap();
     let disk = Arc::new(RawDisk::open(&path, true).unwrap());
-    let mut e = UringEngine::new(disk, 8).unwrap();
+    let mut e = UringEngine::new(disk, 8, None).unwrap();
     let arena = Arena::new(3000 * 64);
     let bufs = (0..3000).map(|i| arena.buf(i * 64, 64)).collect();
     let done = run_all(&mut e, vec![(7, IoOp::Read { offset: 512, bufs })]);
@@ -533,4 +533,165 @@ fn io_uring_splits_more_than_iov_max_pieces() {
         arena.get(0, 3000 * 64),
         pattern(3, DISK as usize)[512..512 + 3000 * 64]
     );
+}
+
+/// May this process pin `bytes` more (root, or a memlock limit that covers them)? io_uring
+/// accounts fixed buffers there.
+fn may_pin(bytes: u64) -> bool {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0;
+    let root = unsafe { libc::geteuid() } == 0;
+    root || (ok && lim.rlim_cur >= bytes)
+}
+
+/// A one-piece read or write inside the registered region is a fixed-buffer op (counted);
+/// pieces outside it and multi-piece ops take the plain ops; every byte lands right, with and
+/// without O_DIRECT.
+#[test]
+fn io_uring_uses_fixed_buffers_inside_the_registered_region() {
+    for cache in [CacheMode::Writeback, CacheMode::None] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = image(dir.path(), DISK);
+        let disk = Arc::new(RawDisk::open_with(&path, false, cache).unwrap());
+        // Declared before the engine, so it outlives it.
+        let pool = Arena::new(64 * 4096);
+        let other = Arena::new(8 * 4096);
+        let region = unsafe { FixedRegion::new(pool.buf(0, 0).ptr(), 64 * 4096, Arc::new(())) };
+        let mut e = new_engine(Some(AioMode::IoUring), &disk, 64, Some(&region)).unwrap();
+        let registered = e.stats().fixed_regions.load(Ordering::Relaxed);
+        if may_pin(64 * 4096) {
+            assert_eq!(registered, 1, "{cache}: the region was not registered");
+        }
+        let mut writes = Vec::new();
+        for i in 0..16u64 {
+            pool.fill(i as usize * 4096, &pattern(i, 4096));
+            writes.push((
+                i,
+                IoOp::Write {
+                    offset: i * 4096,
+                    bufs: smallvec::smallvec![pool.buf(i as usize * 4096, 4096)],
+                    fua: false,
+                },
+            ));
+        }
+        // One piece outside the region, and two pieces inside it (a writev).
+        other.fill(0, &pattern(100, 4096));
+        writes.push((
+            100,
+            IoOp::Write {
+                offset: 16 * 4096,
+                bufs: smallvec::smallvec![other.buf(0, 4096)],
+                fua: false,
+            },
+        ));
+        writes.push((
+            101,
+            IoOp::Write {
+                offset: 17 * 4096,
+                bufs: smallvec::smallvec![pool.buf(0, 4096), pool.buf(4096, 4096)],
+                fua: false,
+            },
+        ));
+        let done = run_all(&mut *e, writes);
+        for i in 0..16 {
+            assert_eq!(ok(&done, i), 4096);
+        }
+        assert_eq!(ok(&done, 100), 4096);
+        assert_eq!(ok(&done, 101), 8192);
+        // Read everything back into the region's second half, one piece each.
+        let reads = (0..19u64)
+            .map(|i| {
+                (
+                    200 + i,
+                    IoOp::Read {
+                        offset: i * 4096,
+                        bufs: smallvec::smallvec![pool.buf((32 + i as usize) * 4096, 4096)],
+                    },
+                )
+            })
+            .collect();
+        let done = run_all(&mut *e, reads);
+        let want = |i: u64| match i {
+            0..=15 => pattern(i, 4096),
+            16 => pattern(100, 4096),
+            17 => pattern(0, 4096),
+            _ => pattern(1, 4096),
+        };
+        for i in 0..19u64 {
+            assert_eq!(ok(&done, 200 + i), 4096);
+            assert_eq!(
+                pool.get((32 + i as usize) * 4096, 4096),
+                want(i),
+                "{cache} {i}"
+            );
+        }
+        // 16 writes and 19 reads were one piece inside the registered region.
+        let fixed = e.stats().fixed_ops.load(Ordering::Relaxed);
+        assert_eq!(fixed, if registered == 1 { 35 } else { 0 }, "{cache}");
+    }
+}
+
+/// A region the kernel refuses to register (here: part of it cannot be pinned) leaves the
+/// engine working with the plain ops, none counted as fixed.
+#[test]
+fn io_uring_works_when_the_region_cannot_be_registered() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = image(dir.path(), DISK);
+    let disk = Arc::new(RawDisk::open(&path, false).unwrap());
+    // Two pages: the first readable and writable, the second inaccessible.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            8192,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(map, libc::MAP_FAILED);
+    let base = map.cast::<u8>();
+    assert_eq!(
+        unsafe { libc::mprotect(base.add(4096).cast(), 4096, libc::PROT_NONE) },
+        0
+    );
+    {
+        let region = unsafe { FixedRegion::new(base, 8192, Arc::new(())) };
+        let mut e = UringEngine::new(Arc::clone(&disk), 8, Some(&region)).unwrap();
+        assert_eq!(e.stats().fixed_regions.load(Ordering::Relaxed), 0);
+        let buf = IoBuf::new(base, 4096);
+        unsafe { buf.as_volatile() }.copy_from(&pattern(9, 4096));
+        let done = run_all(
+            &mut e,
+            vec![(
+                1,
+                IoOp::Write {
+                    offset: 0,
+                    bufs: smallvec::smallvec![buf],
+                    fua: false,
+                },
+            )],
+        );
+        assert_eq!(ok(&done, 1), 4096);
+        unsafe { buf.as_volatile() }.copy_from(&[0u8; 4096][..]);
+        let done = run_all(
+            &mut e,
+            vec![(
+                2,
+                IoOp::Read {
+                    offset: 0,
+                    bufs: smallvec::smallvec![buf],
+                },
+            )],
+        );
+        assert_eq!(ok(&done, 2), 4096);
+        let mut back = vec![0u8; 4096];
+        unsafe { buf.as_volatile() }.copy_to(&mut back[..]);
+        assert_eq!(back, pattern(9, 4096));
+        assert_eq!(e.stats().fixed_ops.load(Ordering::Relaxed), 0);
+    }
+    assert_eq!(unsafe { libc::munmap(map, 8192) }, 0);
 }

@@ -5,9 +5,9 @@
 //! completions are reaped in whatever order the kernel posts them; an eventfd registered with
 //! the ring tells the transport when there are some. Each op has at most one SQE in flight and
 //! moves through stages on its completions:
-//! - reads and writes: `READV`/`WRITEV` of at most `IOV_MAX` pieces at a time; a short
-//!   transfer is resubmitted for its remainder (QEMU's `luring_resubmit_short_read`), a
-//!   transfer of 0 bytes ends a read at the end of the file;
+//! - reads and writes: `READ`/`WRITE` for one piece, `READV`/`WRITEV` of at most `IOV_MAX`
+//!   pieces at a time for more; a short transfer is resubmitted for its remainder (QEMU's
+//!   `luring_resubmit_short_read`), a transfer of 0 bytes ends a read at the end of the file;
 //! - `fua` (write cache off): an `FSYNC` with `DATASYNC` after the data is written;
 //! - FLUSH: one `FSYNC(DATASYNC)`;
 //! - discard and write-zeroes: one `FALLOCATE` per range, in order (`PUNCH_HOLE` or
@@ -16,6 +16,12 @@
 //!
 //! At most `cq_entries` SQEs are in the kernel at once; more wait in a backlog, so the
 //! completion ring can never overflow.
+//!
+//! The image file is registered with the ring (QEMU's `luring_fd_register`), so no op looks
+//! it up. A [`FixedRegion`] (the bounce pool) is registered as fixed buffers: a one-piece
+//! read or write inside it is a `READ_FIXED`/`WRITE_FIXED`, whose pages the kernel pinned
+//! once, at registration, instead of on every O_DIRECT request. A kernel that refuses either
+//! registration (`RLIMIT_MEMLOCK` for the buffers) gets the plain ops, with a warning once.
 
 use std::collections::VecDeque;
 use std::io;
@@ -26,11 +32,41 @@ use std::sync::Arc;
 use io_uring::{opcode, squeue, types, IoUring};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::engine::{EngineStats, IoBuf, IoDone, IoEngine, IoOp, Range, Tag};
+use super::engine::{EngineStats, FixedRegion, IoBuf, IoDone, IoEngine, IoOp, Range, Tag};
 use super::Disk;
 
 /// Largest iovec count of one `readv`/`writev` (Linux `UIO_MAXIOV`).
 const IOV_MAX: usize = 1024;
+
+/// Largest fixed buffer the kernel registers (Linux `SZ_1G` in `io_buffer_validate`); a
+/// larger region is registered as several.
+const FIXED_CHUNK: usize = 1 << 30;
+
+/// How SQEs name the image file.
+#[derive(Debug, Clone, Copy)]
+enum FileRef {
+    /// Index 0 of the ring's registered files.
+    Registered,
+    /// The descriptor itself (the kernel refused the registration).
+    Fd(RawFd),
+}
+
+/// Builds an op on the image file, named as `file` says (the two target types of the
+/// `io-uring` crate are distinct types, so the builder is written once per kind).
+macro_rules! on_file {
+    ($file:expr, |$t:ident| $build:expr) => {
+        match $file {
+            FileRef::Registered => {
+                let $t = types::Fixed(0);
+                $build
+            }
+            FileRef::Fd(fd) => {
+                let $t = types::Fd(fd);
+                $build
+            }
+        }
+    };
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stage {
@@ -72,6 +108,10 @@ pub struct UringEngine<D: Disk> {
     /// Keeps the file (and so `fd`) open while ops are in flight.
     disk: Arc<D>,
     fd: RawFd,
+    file: FileRef,
+    /// The registered region (its buffers are its `FIXED_CHUNK`-sized pieces, in order), kept
+    /// alive by this field, which drops after `ring`.
+    fixed: Option<FixedRegion>,
     eventfd: EventFd,
     entries: Vec<Option<Inflight>>,
     /// Iovec arrays of finished ops, reused by the next ones (no allocation per request).
@@ -109,12 +149,13 @@ fn uring_error(what: &str, e: io::Error) -> io::Error {
 }
 
 impl<D: Disk> UringEngine<D> {
-    /// A ring for `depth` ops in flight on `disk`, which must have a file descriptor.
+    /// A ring for `depth` ops in flight on `disk`, which must have a file descriptor, with
+    /// `fixed` registered as fixed buffers when the kernel allows it.
     ///
     /// # Errors
     /// The disk has no file descriptor (qcow2, memory), or the kernel refused io_uring
     /// (`io_uring_setup` failing with ENOSYS or EPERM on hosts without it).
-    pub fn new(disk: Arc<D>, depth: u16) -> io::Result<Self> {
+    pub fn new(disk: Arc<D>, depth: u16, fixed: Option<&FixedRegion>) -> io::Result<Self> {
         let fd = disk.raw_fd().ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::Unsupported,
@@ -131,10 +172,42 @@ impl<D: Disk> UringEngine<D> {
             .register_eventfd(eventfd.as_raw_fd())
             .map_err(|e| uring_error("register eventfd", e))?;
         let cq_cap = ring.params().cq_entries() as usize;
+        let file = match ring.submitter().register_files(&[fd]) {
+            Ok(()) => FileRef::Registered,
+            Err(e) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!("io_uring: register the image file: {e}; using its fd");
+                });
+                FileRef::Fd(fd)
+            }
+        };
+        let stats = Arc::<EngineStats>::default();
+        let fixed = fixed
+            .filter(|r| !r.is_empty())
+            .and_then(|r| match Self::register(&ring, r) {
+                Ok(()) => {
+                    stats.fixed_regions.fetch_add(1, Ordering::Relaxed);
+                    Some(r.clone())
+                }
+                Err(e) => {
+                    static WARNED: std::sync::Once = std::sync::Once::new();
+                    WARNED.call_once(|| {
+                        tracing::warn!(
+                            "io_uring: register {} bytes of bounce pool as fixed buffers: {e} \
+                             (RLIMIT_MEMLOCK?); its I/O pins pages per request",
+                            r.len()
+                        );
+                    });
+                    None
+                }
+            });
         Ok(Self {
             ring,
             disk,
             fd,
+            file,
+            fixed,
             eventfd,
             entries: Vec::new(),
             spare_iovecs: Vec::new(),
@@ -145,9 +218,35 @@ impl<D: Disk> UringEngine<D> {
             cq_cap,
             ready: Vec::new(),
             ops: 0,
-            stats: Arc::default(),
+            stats,
             logged_submit_error: false,
         })
+    }
+
+    /// Registers `region` as fixed buffers of `ring`, in pieces of at most `FIXED_CHUNK`.
+    fn register(ring: &IoUring, region: &FixedRegion) -> io::Result<()> {
+        let start = region.start() as usize;
+        let iovecs: Vec<libc::iovec> = (0..region.len())
+            .step_by(FIXED_CHUNK)
+            .map(|off| libc::iovec {
+                iov_base: (start + off) as *mut libc::c_void,
+                iov_len: (region.len() - off).min(FIXED_CHUNK),
+            })
+            .collect();
+        // SAFETY: the region is one readable and writable mapping that stays mapped while its
+        // owner lives (`FixedRegion::new`'s contract); the engine keeps the owner in a field
+        // that drops after the ring, and dropping the ring unregisters the buffers.
+        unsafe { ring.submitter().register_buffers(&iovecs) }
+    }
+
+    /// The fixed buffer `buf` lies in, with its index, when all of it is in one.
+    fn fixed_buffer(&self, buf: &IoBuf) -> Option<u16> {
+        let off = self.fixed.as_ref()?.offset_of(buf)?;
+        let index = off / FIXED_CHUNK;
+        // The piece must not cross into the next buffer; indexes fit u16 (the kernel takes at
+        // most 2^14 buffers).
+        let last = (off + buf.len().max(1) - 1) / FIXED_CHUNK;
+        (index == last).then(|| u16::try_from(index).ok()).flatten()
     }
 
     /// Builds the next SQE of the op in `entry` for its current stage.
@@ -155,27 +254,58 @@ impl<D: Disk> UringEngine<D> {
         let Some(e) = self.entries[entry].as_ref() else {
             return;
         };
-        let fd = types::Fd(self.fd);
+        let file = self.file;
         let sqe = match e.stage {
             Stage::Data => {
                 let rest = &e.iovecs[e.iov..];
-                // rest.len() <= IOV_MAX fits a u32.
-                let n = rest.len().min(IOV_MAX) as u32;
                 let (offset, read) = match &e.op {
                     IoOp::Read { offset, .. } => (*offset, true),
                     IoOp::Write { offset, .. } => (*offset, false),
                     _ => (0, true),
                 };
                 let at = offset.saturating_add(e.done);
-                if read {
-                    opcode::Readv::new(fd, rest.as_ptr(), n).offset(at).build()
-                } else {
-                    opcode::Writev::new(fd, rest.as_ptr(), n).offset(at).build()
+                let first = e.iov == 0 && e.done == 0;
+                match rest {
+                    [one] if u32::try_from(one.iov_len).is_ok() => {
+                        let (ptr, len) = (one.iov_base.cast::<u8>(), one.iov_len as u32);
+                        let fixed = self.fixed_buffer(&IoBuf::new(ptr, one.iov_len));
+                        if fixed.is_some() && first {
+                            self.stats.fixed_ops.fetch_add(1, Ordering::Relaxed);
+                        }
+                        match (fixed, read) {
+                            (Some(i), true) => {
+                                on_file!(file, |t| opcode::ReadFixed::new(t, ptr, len, i)
+                                    .offset(at)
+                                    .build())
+                            }
+                            (Some(i), false) => {
+                                on_file!(file, |t| opcode::WriteFixed::new(t, ptr, len, i)
+                                    .offset(at)
+                                    .build())
+                            }
+                            (None, true) => on_file!(file, |t| opcode::Read::new(t, ptr, len)
+                                .offset(at)
+                                .build()),
+                            (None, false) => on_file!(file, |t| opcode::Write::new(t, ptr, len)
+                                .offset(at)
+                                .build()),
+                        }
+                    }
+                    _ => {
+                        // rest.len() <= IOV_MAX fits a u32.
+                        let n = rest.len().min(IOV_MAX) as u32;
+                        let iov = rest.as_ptr();
+                        if read {
+                            on_file!(file, |t| opcode::Readv::new(t, iov, n).offset(at).build())
+                        } else {
+                            on_file!(file, |t| opcode::Writev::new(t, iov, n).offset(at).build())
+                        }
+                    }
                 }
             }
-            Stage::Sync => opcode::Fsync::new(fd)
+            Stage::Sync => on_file!(file, |t| opcode::Fsync::new(t)
                 .flags(types::FsyncFlags::DATASYNC)
-                .build(),
+                .build()),
             Stage::Range(i) => {
                 let (r, zeroes) = match &e.op {
                     IoOp::Discard { ranges, .. } => (ranges[i], false),
@@ -194,10 +324,10 @@ impl<D: Disk> UringEngine<D> {
                 } else {
                     libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
                 };
-                opcode::Fallocate::new(fd, r.len)
+                on_file!(file, |t| opcode::Fallocate::new(t, r.len)
                     .offset(r.offset)
                     .mode(mode)
-                    .build()
+                    .build())
             }
         };
         self.backlog.push_back(sqe.user_data(entry as u64));
