@@ -17,6 +17,12 @@
 //! At most `cq_entries` SQEs are in the kernel at once; more wait in a backlog, so the
 //! completion ring can never overflow.
 //!
+//! The ring is set up with `COOP_TASKRUN`: the kernel finishes a completion (posts the CQE,
+//! raises the eventfd) the next time the queue's thread enters the kernel, or wakes it if it
+//! sleeps, instead of interrupting it with an IPI while it runs. The thread enters the kernel
+//! at every kick and every poll, so nothing waits long; on a virtual machine, where an IPI
+//! is a VM exit, this halved the CPU time per 4 KiB read on tmpfs (8.9 to 3.9 µs, bounce off).
+//!
 //! The image file is registered with the ring (QEMU's `luring_fd_register`), so no op looks
 //! it up. A [`FixedRegion`] (the bounce pool) is registered as fixed buffers: a one-piece
 //! read or write inside it is a `READ_FIXED`/`WRITE_FIXED`, whose pages the kernel pinned
@@ -166,7 +172,15 @@ impl<D: Disk> UringEngine<D> {
             )
         })?;
         let entries = u32::from(depth).next_power_of_two().clamp(8, 4096);
-        let ring = IoUring::new(entries).map_err(|e| uring_error("io_uring_setup", e))?;
+        let ring = match IoUring::builder().setup_coop_taskrun().build(entries) {
+            Ok(r) => r,
+            // No IPI to the queue's thread for each completion (see the module docs);
+            // kernels before 5.19 do not know the flag.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                IoUring::new(entries).map_err(|e| uring_error("io_uring_setup", e))?
+            }
+            Err(e) => return Err(uring_error("io_uring_setup", e)),
+        };
         let eventfd = EventFd::new(EFD_NONBLOCK).map_err(|e| uring_error("eventfd", e))?;
         ring.submitter()
             .register_eventfd(eventfd.as_raw_fd())
