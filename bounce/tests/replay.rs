@@ -223,7 +223,7 @@ fn kernel_trace_through_areas_lifo() {
 
 #[test]
 fn kernel_trace_through_magazine() {
-    // 8 pool-full failures against the kernel's 67: the depot search is complete (first fit
+    // 12 pool-full failures against the kernel's 67: the depot search is complete (first fit
     // from the rolling index over the area's bitmap) and every cache is flushed before a map
     // is refused.
     diverging_allocator(AllocatorKind::Magazine);
