@@ -49,35 +49,89 @@ fn order_base_2(n: usize) -> usize {
         .map_or(usize::BITS as usize, |p| p.trailing_zeros() as usize)
 }
 
+/// Linux `struct iova_magazine`: a count and [`IOVA_MAG_SIZE`] pfns, 1 KiB, allocated on its
+/// own. Linux gets it from kmalloc-1024, whose objects are aligned to their size, so two CPUs'
+/// magazines never share a cache line; a `Vec` from malloc (16-byte aligned, grown by
+/// doubling) could, so the comparison with `magazine` could hinge on where the heap put them.
+#[repr(C, align(1024))]
+struct MagStore {
+    len: usize,
+    pfns: [usize; IOVA_MAG_SIZE],
+}
+
+const _: () = assert!(std::mem::size_of::<MagStore>() == 1024);
+
 /// A stack of up to [`IOVA_MAG_SIZE`] cached first pfns of one size class.
-#[derive(Debug, Default)]
-struct Magazine {
-    pfns: Vec<usize>,
+struct Magazine(Box<MagStore>);
+
+impl std::fmt::Debug for Magazine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Magazine")
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl Default for Magazine {
+    /// An empty magazine (Linux `iova_magazine_alloc`).
+    fn default() -> Self {
+        Self(Box::new(MagStore {
+            len: 0,
+            pfns: [0; IOVA_MAG_SIZE],
+        }))
+    }
 }
 
 impl Magazine {
+    fn len(&self) -> usize {
+        self.0.len
+    }
+
     fn is_full(&self) -> bool {
-        self.pfns.len() >= IOVA_MAG_SIZE
+        self.len() >= IOVA_MAG_SIZE
     }
 
     fn is_empty(&self) -> bool {
-        self.pfns.is_empty()
+        self.len() == 0
     }
 
-    /// Removes and returns the topmost pfn for which `ok` holds (swapping the top into its
+    /// The cached pfns, oldest first.
+    fn pfns(&self) -> &[usize] {
+        &self.0.pfns[..self.len()]
+    }
+
+    /// Removes and returns the topmost pfn for which `ok` holds (moving the top into its
     /// place), or `None` when none does.
     fn pop_where(&mut self, ok: impl Fn(usize) -> bool) -> Option<usize> {
-        let i = self.pfns.iter().rposition(|&p| ok(p))?;
-        Some(self.pfns.swap_remove(i))
+        let i = self.pfns().iter().rposition(|&p| ok(p))?;
+        let m = &mut *self.0;
+        let pfn = m.pfns[i];
+        m.len -= 1;
+        m.pfns[i] = m.pfns[m.len];
+        Some(pfn)
     }
 
-    fn push(&mut self, pfn: usize) {
-        self.pfns.push(pfn);
+    /// Pushes `pfn`; hands it back when the magazine is full.
+    fn push(&mut self, pfn: usize) -> Result<(), usize> {
+        let m = &mut *self.0;
+        let slot = m.pfns.get_mut(m.len).ok_or(pfn)?;
+        *slot = pfn;
+        m.len += 1;
+        Ok(())
+    }
+
+    /// Removes every pfn, oldest first.
+    fn drain(&mut self) -> impl Iterator<Item = usize> + '_ {
+        let n = std::mem::take(&mut self.0.len);
+        self.0.pfns[..n].iter().copied()
     }
 }
 
 /// One worker's magazines of one size class (Linux `struct iova_cpu_rcache`).
 #[derive(Debug, Default)]
+// Aligned so that no two workers' caches (or their locks) share a cache line, as Linux's
+// per-CPU copies do not.
+#[repr(align(128))]
 struct CpuCache {
     loaded: Magazine,
     prev: Magazine,
@@ -130,13 +184,14 @@ impl IovaRcache {
         self.cpu[(worker % self.nworkers) * IOVA_RANGE_CACHE_MAX_SIZE + class].lock()
     }
 
-    /// Returns the ranges starting at `pfns` to the tree (Linux `iova_magazine_free_pfns`).
-    fn free_pfns(&self, pfns: &mut Vec<usize>) {
-        if pfns.is_empty() {
+    /// Returns the ranges starting at the pfns of `mag` to the tree, emptying it (Linux
+    /// `iova_magazine_free_pfns`).
+    fn free_pfns(&self, mag: &mut Magazine) {
+        if mag.is_empty() {
             return;
         }
         let mut tree = self.tree.lock();
-        for pfn in pfns.drain(..) {
+        for pfn in mag.drain() {
             if tree.free(pfn).is_none() {
                 tracing::error!(pfn, "iova-rcache: cached pfn not allocated in the tree");
             }
@@ -149,13 +204,13 @@ impl IovaRcache {
         for c in &self.cpu {
             let mut c = c.lock();
             let c = &mut *c;
-            self.free_pfns(&mut c.loaded.pfns);
-            self.free_pfns(&mut c.prev.pfns);
+            self.free_pfns(&mut c.loaded);
+            self.free_pfns(&mut c.prev);
         }
         for d in &self.depots {
             let mut d = d.lock();
             for mut m in std::mem::take(&mut d.mags) {
-                self.free_pfns(&mut m.pfns);
+                self.free_pfns(&mut m);
             }
         }
     }
@@ -166,11 +221,11 @@ impl IovaRcache {
         for w in 0..self.nworkers {
             for class in 0..IOVA_RANGE_CACHE_MAX_SIZE {
                 let c = self.cpu_cache(w, class);
-                n += (c.loaded.pfns.len() + c.prev.pfns.len()) << class;
+                n += (c.loaded.len() + c.prev.len()) << class;
             }
         }
         for (class, d) in self.depots.iter().enumerate() {
-            n += d.lock().mags.iter().map(|m| m.pfns.len()).sum::<usize>() << class;
+            n += d.lock().mags.iter().map(Magazine::len).sum::<usize>() << class;
         }
         n
     }
@@ -197,7 +252,7 @@ impl IovaRcache {
     /// fails only when it cannot allocate a new magazine).
     fn rcache_insert(&self, class: usize, worker: usize, pfn: usize) {
         let mut trimmed = None;
-        {
+        let overflow = {
             let mut c = self.cpu_cache(worker, class);
             let c = &mut *c;
             if c.loaded.is_full() {
@@ -214,10 +269,20 @@ impl IovaRcache {
                     }
                 }
             }
-            c.loaded.push(pfn);
-        }
+            // `loaded` has room now; a pfn it refused anyway goes back to the tree.
+            c.loaded.push(pfn).err()
+        };
         if let Some(mut m) = trimmed {
-            self.free_pfns(&mut m.pfns);
+            self.free_pfns(&mut m);
+        }
+        if let Some(pfn) = overflow {
+            tracing::error!(
+                pfn,
+                "iova-rcache: a magazine refused a pfn; freed to the tree"
+            );
+            if self.tree.lock().free(pfn).is_none() {
+                tracing::error!(pfn, "iova-rcache: cached pfn not allocated in the tree");
+            }
         }
     }
 
