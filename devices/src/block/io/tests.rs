@@ -63,6 +63,11 @@ fn run_all(engine: &mut dyn IoEngine, ops: Vec<(Tag, IoOp)>) -> Vec<IoDone> {
     out
 }
 
+/// Runs one op to completion and returns the bytes it transferred (panics if it failed).
+fn run_one(engine: &mut dyn IoEngine, op: IoOp) -> u64 {
+    ok(&run_all(engine, vec![(0, op)]), 0)
+}
+
 fn ok(done: &[IoDone], tag: Tag) -> u64 {
     let d = done.iter().find(|d| d.tag == tag).expect("completion");
     match &d.result {
@@ -164,32 +169,30 @@ fn unaligned_buffers_are_bounced_only_with_o_direct() {
                 at += len;
             }
             let bufs: Vec<IoBuf> = pieces.iter().map(|&(o, l)| arena.buf(o, l)).collect();
-            let done = run_all(
-                &mut *e,
-                vec![(
-                    1,
+            assert_eq!(
+                run_one(
+                    &mut *e,
                     IoOp::Write {
                         offset: 8192,
                         bufs: bufs.iter().copied().collect(),
                         fua: false,
-                    },
-                )],
+                    }
+                ),
+                8192
             );
-            assert_eq!(ok(&done, 1), 8192);
             // Read back into other odd pieces.
             let rpieces = [(20001usize, 4095usize), (30001, 4097)];
             let rbufs: Vec<IoBuf> = rpieces.iter().map(|&(o, l)| arena.buf(o, l)).collect();
-            let done = run_all(
-                &mut *e,
-                vec![(
-                    2,
+            assert_eq!(
+                run_one(
+                    &mut *e,
                     IoOp::Read {
                         offset: 8192,
                         bufs: rbufs.iter().copied().collect(),
-                    },
-                )],
+                    }
+                ),
+                8192
             );
-            assert_eq!(ok(&done, 2), 8192);
             let mut got = arena.get(20001, 4095);
             got.extend(arena.get(30001, 4097));
             assert_eq!(got, data, "{cache} {}", e.name());
@@ -212,18 +215,17 @@ fn flush_discard_and_write_zeroes_for_every_engine() {
     for mut e in engines_for(&disk) {
         let arena = Arena::new(3 * 65536);
         arena.fill(0, &[0xAB; 3 * 65536]);
-        let done = run_all(
-            &mut *e,
-            vec![(
-                1,
+        assert_eq!(
+            run_one(
+                &mut *e,
                 IoOp::Write {
                     offset: 0,
                     bufs: smallvec::smallvec![arena.buf(0, 3 * 65536)],
                     fua: true,
-                },
-            )],
+                }
+            ),
+            3 * 65536
         );
-        assert_eq!(ok(&done, 1), 3 * 65536);
         let r = |offset, len, unmap| Range { offset, len, unmap };
         let done = run_all(
             &mut *e,
@@ -527,8 +529,7 @@ fn io_uring_splits_more_than_iov_max_pieces() {
     let mut e = UringEngine::new(disk, 8, None).unwrap();
     let arena = Arena::new(3000 * 64);
     let bufs = (0..3000).map(|i| arena.buf(i * 64, 64)).collect();
-    let done = run_all(&mut e, vec![(7, IoOp::Read { offset: 512, bufs })]);
-    assert_eq!(ok(&done, 7), 3000 * 64);
+    assert_eq!(run_one(&mut e, IoOp::Read { offset: 512, bufs }), 3000 * 64);
     assert_eq!(
         arena.get(0, 3000 * 64),
         pattern(3, DISK as usize)[512..512 + 3000 * 64]
@@ -664,30 +665,28 @@ fn io_uring_works_when_the_region_cannot_be_registered() {
         assert_eq!(e.stats().fixed_regions.load(Ordering::Relaxed), 0);
         let buf = IoBuf::new(base, 4096);
         unsafe { buf.as_volatile() }.copy_from(&pattern(9, 4096));
-        let done = run_all(
-            &mut e,
-            vec![(
-                1,
+        assert_eq!(
+            run_one(
+                &mut e,
                 IoOp::Write {
                     offset: 0,
                     bufs: smallvec::smallvec![buf],
                     fua: false,
-                },
-            )],
+                }
+            ),
+            4096
         );
-        assert_eq!(ok(&done, 1), 4096);
         unsafe { buf.as_volatile() }.copy_from(&[0u8; 4096][..]);
-        let done = run_all(
-            &mut e,
-            vec![(
-                2,
+        assert_eq!(
+            run_one(
+                &mut e,
                 IoOp::Read {
                     offset: 0,
                     bufs: smallvec::smallvec![buf],
-                },
-            )],
+                }
+            ),
+            4096
         );
-        assert_eq!(ok(&done, 2), 4096);
         let mut back = vec![0u8; 4096];
         unsafe { buf.as_volatile() }.copy_to(&mut back[..]);
         assert_eq!(back, pattern(9, 4096));
