@@ -5,7 +5,7 @@ and bouncevm-vhost blk (bounce off / forced swiotlb / forced iova), interleaved 
     python3 tests/e2e/bench_host.py [--rounds 3] [--runtime 5] [--jobs 1,2] [--disks file,mem]
                                     [--variants qsd,off,swiotlb,iova,swiotlb-untimed,iova-untimed]
                                     [--size 1G] [--file-dir /var/tmp] [--json OUT]
-                                    [--backend-bin NAME=PATH ...]
+                                    [--backend-bin NAME=PATH ...] [--pin 1:0]
 
 Same client, same image, same cache mode for every variant: qemu-storage-daemon runs with
 cache.direct=on,aio=io_uring (O_DIRECT), bouncevm-vhost with `--cache none --aio io_uring`
@@ -13,20 +13,26 @@ cache.direct=on,aio=io_uring (O_DIRECT), bouncevm-vhost with `--cache none --aio
 default /var/tmp); "mem" is the same on tmpfs (/dev/shm). Workload: 4 KiB randread, iodepth
 32 per job, 1 and 2 jobs (one queue each). Each round runs every variant once, in a rotated
 order; the table gives median [min-max] IOPS over the rounds, ratios of medians vs qsd and
-vs bounce off, and the back end's CPU time per I/O (user + system of the whole process,
-io_uring workers included: steadier than IOPS on a loaded machine). Variants: qsd, off,
+vs bounce off, the back end's CPU time per I/O (user + system of the whole process,
+io_uring workers included: steadier than IOPS on a loaded machine) and the part of it in the
+io_uring workers, the load generator's CPU per I/O, and the CPU ceiling: the IOPS the
+machine's CPUs allow at those costs, and its ratio to off. Variants: qsd, off,
 swiotlb, iova, and swiotlb-untimed / iova-untimed (the pool's time accounting off,
 bounce option timing=off), and swiotlb with the reusing allocators of issue 10
 (swiotlb-magazine, swiotlb-areas-lifo, swiotlb-magazine-untimed). --backend-bin NAME=PATH
 (repeatable) runs every bouncevm-vhost variant with each of those binaries too, in the same
 rounds (rows "VARIANT@NAME", ratios against the same binary's "off"): two builds side by side
-with the same load generator (ours from target/release). A benchmark, not a test: run it on a
-quiet machine and report the spread. Build first: cargo build --release -p vmm.
+with the same load generator (ours from target/release). --pin BACKEND_CPUS:LOAD_CPUS (e.g.
+1:0) runs every back end, qsd and ours alike, io_uring workers included, on the first CPUs and
+the load generator on the others: the scheduler then no longer moves the three kinds of thread
+about, and a row's rounds repeat more closely. A benchmark, not a test: run it on a quiet
+machine and report the spread. Build first: cargo build --release -p vmm.
 """
 
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -79,7 +85,45 @@ def split_variant(label):
     return v, (b or None)
 
 
-def start(label, img, sock, queues, backends):
+def parse_cpus(text, what):
+    """A CPU list as taskset takes it ("1", "0-1", "0,2"), checked against the CPUs this
+    script may use."""
+    cpus = set()
+    for part in text.split(","):
+        lo, sep, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            die(f"--pin: bad CPU list '{text}' for the {what}")
+        if a > b:
+            die(f"--pin: bad CPU range '{part}' for the {what}")
+        cpus.update(range(a, b + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        die(f"--pin: CPUs {sorted(cpus - allowed)} of the {what} are not available "
+            f"(this machine: {sorted(allowed)})")
+    return cpus
+
+
+def parse_pin(spec):
+    """--pin BACKEND_CPUS:LOAD_CPUS -> (backend cpus, load generator cpus), or (None, None)."""
+    if spec is None:
+        return None, None
+    back, sep, load = spec.partition(":")
+    if not sep:
+        die(f"--pin: expected BACKEND_CPUS:LOAD_CPUS, got '{spec}'")
+    return parse_cpus(back, "back end"), parse_cpus(load, "load generator")
+
+
+def pinned(cpus):
+    """A preexec_fn placing the child on `cpus` (threads it creates later, io_uring workers
+    included, inherit the mask), or None."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def start(label, img, sock, queues, backends, cpus=None):
     variant, bin_name = split_variant(label)
     if sock.exists():
         sock.unlink()
@@ -93,7 +137,8 @@ def start(label, img, sock, queues, backends):
         vhost, extra, _ = backends[bin_name]
         argv = [str(vhost), "blk", "--socket", str(sock), "--file", str(img),
                 "--queues", str(queues), "--bounce", VARIANTS[variant]] + extra
-    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         preexec_fn=pinned(cpus))
     wait_socket(sock, p, label)
     return p
 
@@ -113,25 +158,80 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def worker_ticks(pid):
+    """{tid: user + system clock ticks} of the process's io_uring worker threads (`iou-wrk-*`,
+    `iou-sqp-*`) alive now."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if not (task / "comm").read_text().startswith("iou-"):
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread exited meanwhile
+        out[task.name] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def workers_share(pid, t0, t1):
+    """Share of the process's CPU time spent in its io_uring workers between the monotonic
+    instants t0 and t1 (inside the run: the workers exit with the ring when the front end
+    disconnects, so their time cannot be read after it). None if the process used none."""
+    time.sleep(max(0.0, t0 - time.monotonic()))
+    cpu0, w0 = cpu_seconds(pid), worker_ticks(pid)
+    time.sleep(max(0.0, t1 - time.monotonic()))
+    cpu1, w1 = cpu_seconds(pid), worker_ticks(pid)
+    # A worker born in between counts from zero; one that exited in between is lost (rare:
+    # workers leave after seconds of idleness).
+    wrk = sum(v - w0.get(tid, 0) for tid, v in w1.items()) / os.sysconf("SC_CLK_TCK")
+    return wrk / (cpu1 - cpu0) if cpu1 > cpu0 else None
+
+
+def children_cpu_seconds():
+    """User + system CPU time of this script's waited-for children so far."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def measure(variant, img, sock, jobs, args, backends):
-    p = start(variant, img, sock, max(args.jobs), backends)
+    p = start(variant, img, sock, max(args.jobs), backends, args.pin_backend)
     try:
         argv = [str(BIN / "bouncevm-load"), "--socket", str(sock), "--json", "--rw", "randread",
                 "--bs", "4k", "--iodepth", "32", "--numjobs", str(jobs),
                 "--runtime", str(args.runtime), "--size", args.size]
-        cpu0 = cpu_seconds(p.pid)
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=args.runtime + 60)
-        cpu1 = cpu_seconds(p.pid)
-        if r.returncode != 0:
-            die(f"{variant}: {r.stderr.strip()}")
-        rep = json.loads(r.stdout)
+        cpu0, load0 = cpu_seconds(p.pid), children_cpu_seconds()
+        begin = time.monotonic()
+        load = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=pinned(args.pin_load))
+        # The io_uring workers' share, read over the middle of the run.
+        edge = min(0.5, args.runtime * 0.2)
+        share = workers_share(p.pid, begin + edge, begin + args.runtime - edge)
+        try:
+            out, err = load.communicate(timeout=args.runtime + 60)
+        except subprocess.TimeoutExpired:
+            load.kill()
+            load.communicate()
+            die(f"{variant}: bouncevm-load did not finish")
+        cpu1, load1 = cpu_seconds(p.pid), children_cpu_seconds()
+        if load.returncode != 0:
+            die(f"{variant}: {err.strip()}")
+        rep = json.loads(out)
         t = rep["total"]["read"]
         ios = t["iops"] * args.runtime
+
+        def per_io(seconds):
+            return seconds * 1e6 / ios if ios else float("nan")
+
         # Backend CPU per I/O (connection set-up included, a few ms): on a loaded machine it
-        # varies far less than IOPS, which follow the scheduler.
+        # varies far less than IOPS, which follow the scheduler. The share of it in io_uring
+        # workers and the load generator's own CPU per I/O (the only child waited for
+        # meanwhile) say where the time goes and what the machine's CPUs allow at most.
+        cpu_us = per_io(cpu1 - cpu0)
         return {"iops": t["iops"], "p50_us": t["lat_ns"]["p50"] / 1000,
                 "p99_us": t["lat_ns"]["p99"] / 1000,
-                "cpu_us": (cpu1 - cpu0) * 1e6 / ios if ios else float("nan")}
+                "cpu_us": cpu_us,
+                "workers_cpu_us": cpu_us * share if share is not None else float("nan"),
+                "load_cpu_us": per_io(load1 - load0)}
     finally:
         stop(p)
 
@@ -192,7 +292,11 @@ def main():
     ap.add_argument("--json", help="also write every sample to this file")
     ap.add_argument("--backend-bin", action="append", default=[], metavar="NAME=PATH",
                     help="also run every bouncevm-vhost variant with this binary (or directory)")
+    ap.add_argument("--pin", metavar="BACKEND_CPUS:LOAD_CPUS",
+                    help="run every back end (qsd and ours alike) on BACKEND_CPUS and the load "
+                         "generator on LOAD_CPUS, e.g. 1:0")
     args = ap.parse_args()
+    args.pin_backend, args.pin_load = parse_pin(args.pin)
     args.jobs = [int(j) for j in args.jobs.split(",")]
     disks = args.disks.split(",")
     variants = args.variants.split(",")
@@ -234,34 +338,73 @@ def main():
                         samples.setdefault((d, j, v), []).append(m)
                         print(f"round {r + 1}/{args.rounds} {d} jobs={j} {v}: "
                               f"{m['iops']:,.0f} IOPS p50 {m['p50_us']:.0f} us p99 {m['p99_us']:.0f} us, "
-                              f"backend {m['cpu_us']:.2f} us CPU/IO",
+                              f"backend {m['cpu_us']:.2f} us CPU/IO "
+                              f"({m['workers_cpu_us']:.2f} in io_uring workers), "
+                              f"load gen {m['load_cpu_us']:.2f}",
                               file=sys.stderr)
     finally:
         for p in imgs.values():
             p.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
 
+    # The CPUs the processes may use. Pinned to disjoint sets, each side is bounded by its
+    # own CPUs; otherwise both share them all.
+    if args.pin and not args.pin_backend & args.pin_load:
+        ncpu = len(args.pin_backend | args.pin_load)
+        ceiling_rule = (f"the smaller of {len(args.pin_backend)} CPU(s) / back-end CPU per I/O "
+                        f"and {len(args.pin_load)} / load-generator CPU per I/O (medians)")
+
+        def ceiling(ss):
+            back = statistics.median(s["cpu_us"] for s in ss)
+            load = statistics.median(s["load_cpu_us"] for s in ss)
+            if back <= 0 or load <= 0:
+                return float("nan")
+            return min(len(args.pin_backend) * 1e6 / back, len(args.pin_load) * 1e6 / load)
+    else:
+        ncpu = len(args.pin_backend | args.pin_load) if args.pin else len(os.sched_getaffinity(0))
+        ceiling_rule = (f"{ncpu} CPUs divided by the medians of back-end plus load-generator "
+                        "CPU per I/O")
+
+        def ceiling(ss):
+            cpu = (statistics.median(s["cpu_us"] for s in ss)
+                   + statistics.median(s["load_cpu_us"] for s in ss))
+            return ncpu * 1e6 / cpu if cpu > 0 else float("nan")
+
     load = os.getloadavg()
     print(f"\n4 KiB randread, iodepth 32 per job, {args.runtime} s per sample, {args.rounds} "
           f"interleaved rounds, image {args.size}; load average at the end {load[0]:.1f} "
-          f"({os.cpu_count()} CPUs)")
+          f"({ncpu} CPUs)")
     print(f"qsd: cache.direct=on,aio=io_uring; bouncevm-vhost: {ours_mode}")
+    if args.pin:
+        print(f"pinned: every back end on CPUs {sorted(args.pin_backend)}, the load generator "
+              f"on CPUs {sorted(args.pin_load)}")
     print("| disk | jobs | variant | median IOPS | min-max | vs qsd | vs off "
-          "| backend CPU us/IO | min-max |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| backend CPU us/IO | min-max | in io_uring workers | load gen CPU us/IO "
+          f"| CPU ceiling (IOPS) | ceiling vs off |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d in disks:
         for j in args.jobs:
             med = {v: statistics.median(s["iops"] for s in samples[(d, j, v)]) for v in variants}
+            ceil = {v: ceiling(samples[(d, j, v)]) for v in variants}
             for v in variants:
-                xs = [s["iops"] for s in samples[(d, j, v)]]
+                ss = samples[(d, j, v)]
                 b = split_variant(v)[1]
-                cells = fmt_row(v, xs, med.get("qsd"), med.get("off" if b is None else f"off@{b}"))
-                cs = [s["cpu_us"] for s in samples[(d, j, v)]]
-                cells += [f"{statistics.median(cs):.2f}", f"{min(cs):.2f}-{max(cs):.2f}"]
+                off = "off" if b is None else f"off@{b}"
+                cells = fmt_row(v, [s["iops"] for s in ss], med.get("qsd"), med.get(off))
+                cs = [s["cpu_us"] for s in ss]
+                cells += [f"{statistics.median(cs):.2f}", f"{min(cs):.2f}-{max(cs):.2f}",
+                          f"{statistics.median(s['workers_cpu_us'] for s in ss):.2f}",
+                          f"{statistics.median(s['load_cpu_us'] for s in ss):.2f}",
+                          f"{ceil[v]:,.0f}",
+                          f"{ceil[v] / ceil[off]:.2f}x" if off in ceil and v != "qsd" else "-"]
                 print(f"| {d} | {j} | " + " | ".join(cells) + " |")
+    print(f"Ceiling: {ceiling_rule}, the IOPS the machine could reach if its CPUs were kept "
+          "busy and nothing else ran; its ratio to off bounds the bounced variants' ratio "
+          "whenever the run is CPU-bound.")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"cache_ours": ours_mode, "runtime": args.runtime, "rounds": args.rounds,
+             "pin": args.pin,
              "backend_bins": {k: str(v[0]) for k, v in backends.items() if k},
              "samples": [{"disk": d, "jobs": j, "variant": v, **s}
                          for (d, j, v), ss in samples.items() for s in ss]}, indent=1))
