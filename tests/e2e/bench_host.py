@@ -349,8 +349,9 @@ def main():
 
     # The CPUs the processes may use. Pinned to disjoint sets, each side is bounded by its
     # own CPUs; otherwise both share them all.
+    cpus = (args.pin_backend | args.pin_load) if args.pin else os.sched_getaffinity(0)
+    ncpu = len(cpus)
     if args.pin and not args.pin_backend & args.pin_load:
-        ncpu = len(args.pin_backend | args.pin_load)
         ceiling_rule = (f"the smaller of {len(args.pin_backend)} CPU(s) / back-end CPU per I/O "
                         f"and {len(args.pin_load)} / load-generator CPU per I/O (medians)")
 
@@ -361,7 +362,6 @@ def main():
                 return float("nan")
             return min(len(args.pin_backend) * 1e6 / back, len(args.pin_load) * 1e6 / load)
     else:
-        ncpu = len(args.pin_backend | args.pin_load) if args.pin else len(os.sched_getaffinity(0))
         ceiling_rule = (f"{ncpu} CPUs divided by the medians of back-end plus load-generator "
                         "CPU per I/O")
 
@@ -380,7 +380,7 @@ def main():
               f"on CPUs {sorted(args.pin_load)}")
     print("| disk | jobs | variant | median IOPS | min-max | vs qsd | vs off "
           "| backend CPU us/IO | min-max | in io_uring workers | load gen CPU us/IO "
-          f"| CPU ceiling (IOPS) | ceiling vs off |")
+          "| CPU ceiling (IOPS) | ceiling vs off |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d in disks:
         for j in args.jobs:
