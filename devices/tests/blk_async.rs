@@ -190,6 +190,38 @@ fn depth_32_verifies_for_every_allocator_and_pool_mode() {
     }
 }
 
+/// A burst does not wait for its last request to be mapped before its first reaches the
+/// kernel: 32 reads posted at once and kicked once enter io_uring after the 1st, 2nd, 4th,
+/// 8th, 16th and 32nd (six submissions, not one), bounced or not, and all complete.
+#[test]
+fn a_burst_reaches_the_kernel_in_doubling_batches() {
+    let dmas = dma_matrix(4096);
+    for (name, dma) in dmas
+        .iter()
+        .filter(|(n, _)| n == "off" || n.ends_with("magazine"))
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = raw_image(dir.path(), CacheMode::Writeback);
+        let mut drv = driver(
+            disk,
+            cfg(AioMode::IoUring, CacheMode::Writeback),
+            dma.clone(),
+            256,
+        );
+        let reads: Vec<Req> = (0..32)
+            .map(|i| post(&mut drv, req_type::IN, i * 8, &[], 4096, 0))
+            .collect();
+        drv.kick(0).unwrap();
+        settle(&mut drv, 32, Vec::new());
+        for r in &reads {
+            assert_eq!(status_of(&drv, *r), status::OK, "{name}");
+        }
+        let s = stats(&drv);
+        assert_eq!(s["engine"]["submitted"], 32, "{name}: {s}");
+        assert_eq!(s["engine"]["submit_calls"], 6, "{name}: {s}");
+    }
+}
+
 /// A memory disk whose reads of sector 0 wait until the test releases them.
 #[derive(Debug)]
 struct GateDisk {

@@ -395,6 +395,37 @@ struct InFlight<M: GuestMemory> {
     mem: Arc<M>,
 }
 
+/// When a drain pass hands its prepared requests to the kernel: after the 1st, 2nd, 4th,
+/// 8th, ... request of the pass, and the rest at its end.
+///
+/// One submission per pass made a burst a convoy: a driver that refills the ring a whole
+/// completion batch at a time and a disk that completes in batches lock into step, and every
+/// request of the burst waited until the last one was mapped before any reached the disk, so
+/// the device's own time per burst was added whole to each cycle (with 32 in flight, every
+/// request was submitted 32 at a time). Handing over the first request at once starts the
+/// disk while the rest are mapped; doubling keeps a burst of n to about log2(n) + 1 system
+/// calls.
+#[derive(Debug, Default)]
+struct KickPacer {
+    /// Requests prepared since the last hand-over.
+    waiting: usize,
+    /// Requests handed over in this pass.
+    handed: usize,
+}
+
+impl KickPacer {
+    /// One more request prepared; true when the engine should be kicked now.
+    fn prepared(&mut self) -> bool {
+        self.waiting += 1;
+        if self.waiting < self.handed.max(1) {
+            return false;
+        }
+        self.handed += self.waiting;
+        self.waiting = 0;
+        true
+    }
+}
+
 /// Serves one request queue through the shared queue-service loop ([`queue::drain`]) and an
 /// [`IoEngine`]: a kick pops chains, maps them and submits their I/O (up to the queue size in
 /// flight); the engine's eventfd brings completions, which are unmapped, given their status
@@ -473,6 +504,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
             write_cache,
             may_wait: false,
         };
+        let mut pacer = KickPacer::default();
         let drained = queue::drain(queue, mem, |at| {
             // Waiting needs something that will retry: one of our own requests completing,
             // or the retry timer.
@@ -490,6 +522,9 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
                     // by its `mem`); they are unmapped only after the engine returned this
                     // tag's completion, or after the engine is dropped (which waits).
                     unsafe { engine.submit(tag as u64, op) };
+                    if pacer.prepared() {
+                        engine.kick();
+                    }
                     Ok(Step::Held)
                 }
                 Ok(Started::PoolFull) => {
@@ -502,6 +537,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
                 Err(e) => Err(broken(format_args!("head {}: {e}", at.head))),
             }
         });
+        // What the pacer left waiting, and anything an engine holds back.
         engine.kick();
         let drained = drained.map_err(|e| match e {
             WorkerError::Broken(why) if !why.starts_with("virtio-blk") => broken(why),
@@ -653,5 +689,21 @@ impl<M: GuestMemory> Drop for BlockWorker<M> {
                 self.pending.len()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KickPacer;
+
+    #[test]
+    fn the_pacer_hands_over_the_first_request_at_once_then_doubling_batches() {
+        let mut p = KickPacer::default();
+        let kicked_after: Vec<usize> = (1..=40).filter(|_| p.prepared()).collect();
+        // Requests 33-40 wait for the end of the pass.
+        assert_eq!(kicked_after, [1, 2, 4, 8, 16, 32]);
+        // A new pass starts over.
+        let mut p = KickPacer::default();
+        assert!(p.prepared());
     }
 }
