@@ -267,6 +267,7 @@ impl BouncePool {
     pub fn host_memory(&self) -> (*mut u8, usize) {
         (self.memory.as_ptr(), self.memory.size())
     }
+
     /// Linux's masks are always 2^k - 1; a mask with holes has no meaning for placement. Zero
     /// for such a mask.
     #[inline]
