@@ -31,9 +31,18 @@ OUT_DIR = Path(os.environ.get("BVM_TEST_OUT", REPO / "tests" / "out"))
 DEFAULT_MEM = "1G"
 DEFAULT_SMP = 2
 DEFAULT_TIMEOUT = float(os.environ.get("BVM_GUEST_TIMEOUT", "90"))  # per boot, host side
+# TCG's vCPU threading for every rig-1 guest: "multi" (one host thread per vCPU) or "single".
+TCG_THREAD = os.environ.get("BVM_RIG1_TCG", "multi")
 
 
 # ----------------------------------------------------------------------------- prerequisites
+
+def tcg_thread() -> str:
+    """BVM_RIG1_TCG, checked: a typo must not silently pick a mode."""
+    if TCG_THREAD not in ("multi", "single"):
+        raise ValueError(f"BVM_RIG1_TCG={TCG_THREAD!r}: expected multi or single")
+    return TCG_THREAD
+
 
 class Missing(Exception):
     """A prerequisite is missing; tests turn this into pytest.skip(reason), or a failure when
@@ -404,8 +413,19 @@ class GuestRun:
                    + ", ".join(str(r.log_path) for r in self.retried) + ")") if self.retried else ""
         return (f"guest {self.name}: rc={self.returncode} timed_out={self.timed_out} "
                 f"wall={self.wall_s:.1f}s log={self.log_path}{crash}{retried}\n"
-                f"argv: {shlex.join(self.argv)}\n--- last {tail} log lines ---\n"
-                + "\n".join(lines[-tail:]))
+                f"argv: {shlex.join(self.argv)}\n{self._crash_block(lines, tail)}"
+                f"--- last {tail} log lines ---\n" + "\n".join(lines[-tail:]))
+
+    def _crash_block(self, lines: list[str], tail: int, most: int = 120) -> str:
+        """The guest kernel's crash report from its first line on (registers, code bytes, call
+        trace), when the log tail would cut its head off; '' without a crash."""
+        first = next((i for i, line in enumerate(lines) if _CRASH.search(line)), None)
+        if first is None or first >= len(lines) - tail:
+            return ""
+        start = max(0, first - 5)
+        block = lines[start:start + most]
+        return (f"--- the kernel's crash report, log lines {start + 1}-{start + len(block)} ---\n"
+                + "\n".join(block) + "\n")
 
 
 class Guest:
@@ -453,7 +473,7 @@ class Guest:
         img = images()
         qemu = self.qemu or require_qemu()
         a = [qemu,
-             "-machine", "q35", "-accel", "tcg,thread=multi", "-cpu", "max",
+             "-machine", "q35", "-accel", f"tcg,thread={tcg_thread()}", "-cpu", "max",
              "-smp", str(self.smp), "-m", self.mem,
              "-object", f"memory-backend-memfd,id=mem,size={self.mem},share=on",
              "-numa", "node,memdev=mem",

@@ -51,6 +51,19 @@ def test_clean_end_detects_every_bad_end():
         raise AssertionError(f"assert_clean_end passed on: {what}")
 
 
+def test_a_crash_report_longer_than_the_tail_is_shown_from_its_first_line():
+    trace = [f"[    5.4] frame{i}+0x1/0x2" for i in range(60)]
+    log = CLEAN.replace("BVM-DONE uptime=14.5\n", "") + "\n".join(
+        ["[    5.4] Oops: double fault: 0000 [#1] PREEMPT SMP NOPTI", "[    5.4] Call Trace:"]
+        + trace + ["[    5.4] Kernel panic - not syncing: Fatal exception"]) + "\n"
+    text = _run(log).describe()
+    assert "Oops: double fault" in text.split("--- last 40 log lines ---")[0], text
+    assert "frame0+" in text and "frame59+" in text and "Kernel panic" in text
+    # A crash inside the tail, or none: no separate block.
+    assert "crash report" not in _run(CLEAN + "[ 15.0] Oops: general protection fault\n").describe()
+    assert "crash report" not in _run(CLEAN).describe()
+
+
 def test_fio_verify_check_needs_the_verify_pass():
     assert _run(CLEAN).fio_verified()["verify_kib"] == "4216"
     # fio cut short by a runtime before its verify pass: exit 0, no errors, nothing verified
@@ -107,3 +120,16 @@ def test_harness_timeout_kills_guest():
     run = g.run(clean_end=False)
     assert run.timed_out and g.proc.poll() is not None
     assert "timed out" in run.unclean_end
+
+
+def test_tcg_threading_is_checked(monkeypatch):
+    for mode in ("multi", "single"):
+        monkeypatch.setattr(rig1, "TCG_THREAD", mode)
+        assert rig1.tcg_thread() == mode
+    monkeypatch.setattr(rig1, "TCG_THREAD", "Multi")
+    try:
+        rig1.tcg_thread()
+    except ValueError as e:
+        assert "BVM_RIG1_TCG" in str(e)
+    else:
+        raise AssertionError("a bad BVM_RIG1_TCG was accepted")
