@@ -152,10 +152,15 @@ def stop(p):
         p.wait()
 
 
+def stat_ticks(stat):
+    """User + system clock ticks from a /proc .../stat file (a process: all its threads)."""
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def cpu_seconds(pid):
     """User + system CPU time of a process so far, all its threads (io_uring workers too)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat_ticks(f"/proc/{pid}/stat") / os.sysconf("SC_CLK_TCK")
 
 
 def worker_ticks(pid):
@@ -166,10 +171,9 @@ def worker_ticks(pid):
         try:
             if not (task / "comm").read_text().startswith("iou-"):
                 continue
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[task.name] = stat_ticks(task / "stat")
         except OSError:
             continue  # the thread exited meanwhile
-        out[task.name] = int(fields[11]) + int(fields[12])
     return out
 
 
@@ -351,24 +355,22 @@ def main():
     # own CPUs; otherwise both share them all.
     cpus = (args.pin_backend | args.pin_load) if args.pin else os.sched_getaffinity(0)
     ncpu = len(cpus)
-    if args.pin and not args.pin_backend & args.pin_load:
+    apart = bool(args.pin) and not args.pin_backend & args.pin_load
+    if apart:
         ceiling_rule = (f"the smaller of {len(args.pin_backend)} CPU(s) / back-end CPU per I/O "
                         f"and {len(args.pin_load)} / load-generator CPU per I/O (medians)")
-
-        def ceiling(ss):
-            back = statistics.median(s["cpu_us"] for s in ss)
-            load = statistics.median(s["load_cpu_us"] for s in ss)
-            if back <= 0 or load <= 0:
-                return float("nan")
-            return min(len(args.pin_backend) * 1e6 / back, len(args.pin_load) * 1e6 / load)
     else:
         ceiling_rule = (f"{ncpu} CPUs divided by the medians of back-end plus load-generator "
                         "CPU per I/O")
 
-        def ceiling(ss):
-            cpu = (statistics.median(s["cpu_us"] for s in ss)
-                   + statistics.median(s["load_cpu_us"] for s in ss))
-            return ncpu * 1e6 / cpu if cpu > 0 else float("nan")
+    def ceiling(ss):
+        back = statistics.median(s["cpu_us"] for s in ss)
+        load = statistics.median(s["load_cpu_us"] for s in ss)
+        if apart:
+            if back <= 0 or load <= 0:
+                return float("nan")
+            return min(len(args.pin_backend) * 1e6 / back, len(args.pin_load) * 1e6 / load)
+        return ncpu * 1e6 / (back + load) if back + load > 0 else float("nan")
 
     load = os.getloadavg()
     print(f"\n4 KiB randread, iodepth 32 per job, {args.runtime} s per sample, {args.rounds} "
