@@ -32,6 +32,36 @@ pub enum CopyOnMap {
     WhenDeviceReads,
 }
 
+impl CopyOnMap {
+    /// The rule's name, as in the bounce options and the statistics' JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Always => "always",
+            Self::WhenDeviceReads => "when-device-reads",
+        }
+    }
+}
+
+impl std::fmt::Display for CopyOnMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for CopyOnMap {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        [Self::Always, Self::WhenDeviceReads]
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "unknown copy rule '{s}' (expected always or when-device-reads)"
+                ))
+            })
+    }
+}
+
 /// The pool's internal result: the error boxed, so a result fits in two registers and is never
 /// moved through the stack (a 40-byte `Result<(), Error>` copied between stack slots after
 /// partial stores stalled store forwarding on every unmap). Errors are rare; the public
@@ -781,6 +811,7 @@ impl BouncePool {
         let locks = self.alloc.lock_stats();
         PoolStats {
             mode: self.geom.mode,
+            copy_on_map: self.copy_on_map,
             allocator: self.alloc.kind(),
             nslabs: self.geom.nslabs as u64,
             slot_size: self.geom.slot_size(),

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::alloc::{AllocatorKind, LockSnapshot};
 use crate::geometry::PoolMode;
+use crate::pool::CopyOnMap;
 
 /// One event counter of a pool (an index into a [`Counters`] shard).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -352,6 +353,8 @@ impl Counters {
 pub struct PoolStats {
     /// swiotlb or iova.
     pub mode: PoolMode,
+    /// What map copies in (the mode's rule unless the configuration chose the other).
+    pub copy_on_map: CopyOnMap,
     /// The allocator.
     pub allocator: AllocatorKind,
     /// Slots in the pool (`io_tlb_nslabs`).

@@ -169,6 +169,30 @@ fn iova_mode_copies_in_only_when_the_device_reads() {
 }
 
 #[test]
+fn copy_rules_parse_by_the_names_the_statistics_show() {
+    for rule in [CopyOnMap::Always, CopyOnMap::WhenDeviceReads] {
+        assert_eq!(rule.name().parse::<CopyOnMap>().unwrap(), rule);
+        assert_eq!(rule.to_string(), rule.name());
+        assert_eq!(
+            serde_json::to_string(&rule).unwrap(),
+            format!("\"{}\"", rule.name())
+        );
+    }
+    let e = "sometimes".parse::<CopyOnMap>().unwrap_err();
+    assert!(e.to_string().contains("always or when-device-reads"), "{e}");
+    let mut cfg = PoolConfig::iova(64);
+    assert_eq!(
+        BouncePool::new(&cfg).unwrap().stats().copy_on_map,
+        CopyOnMap::WhenDeviceReads
+    );
+    cfg.copy_on_map = Some(CopyOnMap::Always);
+    assert_eq!(
+        BouncePool::new(&cfg).unwrap().stats().copy_on_map,
+        CopyOnMap::Always
+    );
+}
+
+#[test]
 fn copy_on_map_is_selectable() {
     let mut cfg = PoolConfig::swiotlb(256);
     cfg.copy_on_map = Some(CopyOnMap::WhenDeviceReads);

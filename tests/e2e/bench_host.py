@@ -19,7 +19,10 @@ io_uring workers, the load generator's CPU per I/O, and the CPU ceiling: the IOP
 machine's CPUs allow at those costs, and its ratio to off. Variants: qsd, off,
 swiotlb, iova, and swiotlb-untimed / iova-untimed (the pool's time accounting off,
 bounce option timing=off), and swiotlb with the reusing allocators of issue 10
-(swiotlb-magazine, swiotlb-areas-lifo, swiotlb-magazine-untimed). --backend-bin NAME=PATH
+(swiotlb-magazine, swiotlb-areas-lifo, swiotlb-magazine-untimed), and each mode with the
+other's copy rule on map (iova-copy-in: iova copying every original in, as swiotlb does;
+swiotlb-magazine-no-copy-in: swiotlb copying in only what the device reads, as VDUSE does).
+--backend-bin NAME=PATH
 (repeatable) runs every bouncevm-vhost variant with each of those binaries too, in the same
 rounds (rows "VARIANT@NAME", ratios against the same binary's "off"): two builds side by side
 with the same load generator (ours from target/release). --pin BACKEND_CPUS:LOAD_CPUS (e.g.

@@ -13,4 +13,10 @@ VARIANTS = {
     "swiotlb-magazine": "policy=force,mode=swiotlb,alloc=magazine",
     "swiotlb-areas-lifo": "policy=force,mode=swiotlb,alloc=areas-lifo",
     "swiotlb-magazine-untimed": "policy=force,mode=swiotlb,alloc=magazine,timing=off",
+    # Each mode with the other's copy rule on map (bounce option copy-on-map): iova copying the
+    # original in whatever the direction, as swiotlb does; swiotlb copying in only what the
+    # device reads, as VDUSE does (and as swiotlb did before its 2022 info-leak fix).
+    "iova-copy-in": "policy=force,mode=iova,alloc=iova-rcache,copy-on-map=always",
+    "swiotlb-magazine-no-copy-in":
+        "policy=force,mode=swiotlb,alloc=magazine,copy-on-map=when-device-reads",
 }

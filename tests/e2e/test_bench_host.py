@@ -7,12 +7,16 @@ ceiling), never the figures themselves: this is a benchmark, not a timed test.
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from bench_host import BIN
+from bounce_variants import VARIANTS as BOUNCE_VARIANTS
 from rig1 import require_qsd, skip_if_missing
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,3 +78,53 @@ def test_bench_host_refuses_a_bad_pin_in_one_line(spec):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bench_host: error: --pin"), r.stderr
     assert r.stdout == ""
+
+
+def _stats(path: Path, deadline: float) -> dict:
+    """The back end's statistics socket, once it answers."""
+    while True:
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(path))
+                return json.loads(s.makefile("rb").read())
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("variant", sorted(BOUNCE_VARIANTS))
+def test_every_benchmark_variant_builds_the_pool_it_names(tmp_path, variant):
+    """Each `--bounce` string the benchmarks compare is accepted by bouncevm-vhost and reaches
+    its pool: mode, allocator, copy rule and time accounting as the string says (a misspelt
+    key would fail here, not minutes into a benchmark run)."""
+    vhost = BIN / "bouncevm-vhost"
+    if not vhost.is_file():
+        pytest.fail(f"{vhost} is missing: cargo build --release -p vmm")
+    opts = dict(item.split("=", 1) for item in BOUNCE_VARIANTS[variant].split(","))
+    image = tmp_path / "disk.img"
+    image.write_bytes(b"\0" * (1 << 20))
+    stats = tmp_path / "stats.sock"
+    p = subprocess.Popen([str(vhost), "blk", "--socket", str(tmp_path / "blk.sock"),
+                          "--file", str(image), "--stats-socket", str(stats),
+                          "--bounce", BOUNCE_VARIANTS[variant]],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        try:
+            st = _stats(stats, time.monotonic() + 10)
+        except OSError:
+            p.kill()
+            pytest.fail(f"bouncevm-vhost did not start: {p.communicate()[1][-2000:]}")
+    finally:
+        p.terminate()
+        p.wait(timeout=10)
+    pool = st["bounce"]
+    if opts["policy"] == "off":
+        assert pool is None, st
+        return
+    mode = opts.get("mode", "swiotlb")
+    default_rule = {"swiotlb": "always", "iova": "when-device-reads"}[mode]
+    assert pool["mode"] == mode, pool
+    assert pool["allocator"] == opts["alloc"], pool
+    assert pool["copy_on_map"] == opts.get("copy-on-map", default_rule), pool
+    assert pool["timing"]["enabled"] == (opts.get("timing", "on") == "on"), pool["timing"]

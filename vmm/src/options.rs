@@ -12,6 +12,11 @@
 //!                              device's queue workers)
 //! on-full=wait|fail            a block request that finds the pool full while others are in
 //!                              flight waits for their slots (default) or fails with IOERR
+//! copy-on-map=always|when-device-reads
+//!                              what map copies in: the original whatever the direction
+//!                              (swiotlb's rule since its 2022 info-leak fix, the default
+//!                              in swiotlb mode) or only what the device reads (VDUSE's,
+//!                              the default in iova mode)
 //! timing=on|off                the pool's time accounting (map/copy/unmap histograms from
 //!                              the TSC; default on); off saves the clock reads and the
 //!                              sampling check of every call
@@ -29,7 +34,7 @@
 use std::str::FromStr;
 use std::sync::Arc;
 
-use bounce::{AllocatorKind, BouncePool, Dma, Policy, PoolConfig, PoolMode};
+use bounce::{AllocatorKind, BouncePool, CopyOnMap, Dma, Policy, PoolConfig, PoolMode};
 use devices::block::io::OnFull;
 
 /// Errors of option parsing and of building a pool from options.
@@ -39,7 +44,7 @@ pub enum OptionsError {
     #[error("'{0}' is not key=value")]
     NotKeyValue(String),
     /// An unknown key.
-    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers, on-full, timing, timing-every)")]
+    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers, on-full, copy-on-map, timing, timing-every)")]
     UnknownKey(String),
     /// A key given twice.
     #[error("bounce option '{0}' given twice")]
@@ -76,6 +81,8 @@ pub struct BounceOptions {
     pub workers: Option<usize>,
     /// What a block request does when the pool is momentarily full.
     pub on_full: OnFull,
+    /// The copy rule on map, if given (else the mode's).
+    pub copy_on_map: Option<CopyOnMap>,
     /// The pool's time accounting ([`BouncePool::set_timing`]).
     pub timing: bool,
     /// One call in how many is timed ([`BouncePool::set_timing_sample_every`]).
@@ -95,6 +102,7 @@ impl Default for BounceOptions {
             alloc: None,
             workers: None,
             on_full: OnFull::Wait,
+            copy_on_map: None,
             timing: true,
             timing_every: bounce::stats::DEFAULT_SAMPLE_EVERY,
         }
@@ -153,6 +161,13 @@ impl FromStr for BounceOptions {
                 "areas" => o.areas = Some(positive(key, value)?),
                 "workers" => o.workers = Some(positive(key, value)?),
                 "on-full" => o.on_full = value.parse().map_err(bad)?,
+                "copy-on-map" => {
+                    o.copy_on_map = Some(
+                        value
+                            .parse()
+                            .map_err(|e: bounce::Error| bad(e.to_string()))?,
+                    )
+                }
                 "timing" => {
                     o.timing = match value {
                         "on" => true,
@@ -195,6 +210,7 @@ impl BounceOptions {
         if let Some(k) = self.alloc {
             c.allocator = k;
         }
+        c.copy_on_map = self.copy_on_map;
         c
     }
 
@@ -294,6 +310,30 @@ mod tests {
         assert_eq!(o.on_full, OnFull::Fail);
         let e = "on-full=drop".parse::<BounceOptions>().unwrap_err();
         assert!(e.to_string().contains("wait or fail"), "{e}");
+    }
+
+    #[test]
+    fn copy_on_map_is_the_modes_unless_told_and_reaches_the_pool() {
+        let rule = |s: &str| {
+            let (_, pool) = s.parse::<BounceOptions>().unwrap().build(1).unwrap();
+            let pool = pool.unwrap();
+            assert_eq!(pool.stats().copy_on_map, pool.copy_on_map());
+            pool.copy_on_map()
+        };
+        assert_eq!(rule("slots=64"), CopyOnMap::Always);
+        assert_eq!(rule("mode=iova,slots=64"), CopyOnMap::WhenDeviceReads);
+        assert_eq!(
+            rule("mode=iova,slots=64,copy-on-map=always"),
+            CopyOnMap::Always
+        );
+        assert_eq!(
+            rule("slots=64,copy-on-map=when-device-reads"),
+            CopyOnMap::WhenDeviceReads
+        );
+        let e = "copy-on-map=never".parse::<BounceOptions>().unwrap_err();
+        assert!(e.to_string().contains("always or when-device-reads"), "{e}");
+        let e = "copy-in=always".parse::<BounceOptions>().unwrap_err();
+        assert!(e.to_string().contains("copy-on-map"), "{e}");
     }
 
     /// The time-accounting statistics of the pool an option string builds.
