@@ -18,6 +18,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -632,6 +633,20 @@ class Backend:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def read_stats(path: os.PathLike | str, timeout: float = 5.0) -> dict:
+    """One JSON line from a bouncevm-vhost statistics socket (--stats-socket)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    return json.loads(buf)
 
 
 def qsd_vhost_user_blk(name: str, image, socket, num_queues: int = 1, direct: bool = True,

@@ -7,17 +7,15 @@ ceiling), never the figures themselves: this is a benchmark, not a timed test.
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from bench_host import BIN
 from bounce_variants import VARIANTS as BOUNCE_VARIANTS
-from rig1 import require_qsd, skip_if_missing
+from rig1 import Backend, read_stats, require_qsd, skip_if_missing
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ["qsd", "off", "swiotlb-magazine"]
@@ -80,19 +78,6 @@ def test_bench_host_refuses_a_bad_pin_in_one_line(spec):
     assert r.stdout == ""
 
 
-def _stats(path: Path, deadline: float) -> dict:
-    """The back end's statistics socket, once it answers."""
-    while True:
-        try:
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(path))
-                return json.loads(s.makefile("rb").read())
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 @pytest.mark.parametrize("variant", sorted(BOUNCE_VARIANTS))
 def test_every_benchmark_variant_builds_the_pool_it_names(tmp_path, variant):
     """Each `--bounce` string the benchmarks compare is accepted by bouncevm-vhost and reaches
@@ -105,19 +90,10 @@ def test_every_benchmark_variant_builds_the_pool_it_names(tmp_path, variant):
     image = tmp_path / "disk.img"
     image.write_bytes(b"\0" * (1 << 20))
     stats = tmp_path / "stats.sock"
-    p = subprocess.Popen([str(vhost), "blk", "--socket", str(tmp_path / "blk.sock"),
-                          "--file", str(image), "--stats-socket", str(stats),
-                          "--bounce", BOUNCE_VARIANTS[variant]],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        try:
-            st = _stats(stats, time.monotonic() + 10)
-        except OSError:
-            p.kill()
-            pytest.fail(f"bouncevm-vhost did not start: {p.communicate()[1][-2000:]}")
-    finally:
-        p.terminate()
-        p.wait(timeout=10)
+    argv = [str(vhost), "blk", "--socket", str(tmp_path / "blk.sock"), "--file", str(image),
+            "--stats-socket", str(stats), "--bounce", BOUNCE_VARIANTS[variant]]
+    with Backend(f"bench-variant-{variant}", argv, socket=stats):
+        st = read_stats(stats)
     pool = st["bounce"]
     if opts["policy"] == "off":
         assert pool is None, st

@@ -9,10 +9,8 @@ without it the tests skip with the reason. Every test has a hard timeout (each b
 harness's timeout; the backend is killed with its process group on exit).
 """
 
-import json
 import os
 import re
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -50,25 +48,11 @@ def _prereqs(tun: bool = False) -> str:
     return _binary()
 
 
-def _stats(path: Path, timeout: float = 5.0) -> dict:
-    """One JSON line from the backend's statistics socket."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(path))
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    return json.loads(buf)
-
-
 def _final_stats(path: Path, timeout: float = 10.0) -> dict:
     """Statistics once the frontend has gone (QEMU exited): the session's counters are final."""
     deadline = time.monotonic() + timeout
     while True:
-        st = _stats(path)
+        st = rig1.read_stats(path)
         if not st["server"]["connected"] or time.monotonic() > deadline:
             return st
         time.sleep(0.1)
@@ -311,7 +295,7 @@ class _StatsPoller:
     def _run(self):
         while not self._stop.is_set():
             try:
-                st = _stats(self.path)
+                st = rig1.read_stats(self.path)
                 if st["server"]["connected"] and st.get("workers"):
                     self.last = st
                     for w in st["workers"]:
