@@ -2,7 +2,8 @@
 a smoke scale: one round of one second on a 64 MiB memory-backed image, qemu-storage-daemon
 and two bounce settings of ours, free and pinned (--pin). It checks that every variant produced
 a sample and that the table and the JSON carry every column (IOPS, the CPU split, the
-ceiling), never the figures themselves: this is a benchmark, not a timed test.
+ceiling), never the figures themselves: this is a benchmark, not a timed test. It also checks
+that every `--bounce` string the benchmarks compare builds the pool it names.
 """
 
 import json
