@@ -24,7 +24,7 @@ from rig1 import (Backend, NetNS, blk_vhost_user, images, make_raw_image, net_vh
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Short fio runs: 8 allocators x one boot each must fit the suite's budget on 2 cores.
+# Short fio runs: 10 allocators x one boot each must fit the suite's budget on 2 cores.
 FIO_SHORT = {"size": "16M", "iodepth": 8}
 
 
