@@ -4,6 +4,7 @@ and bouncevm-vhost blk (bounce off / forced swiotlb / forced iova), interleaved 
 
     python3 tests/e2e/bench_host.py [--rounds 3] [--runtime 5] [--jobs 1,2] [--disks file,mem]
                                     [--variants qsd,off,swiotlb,iova,swiotlb-untimed,iova-untimed]
+                                    [--variant LABEL=OPTS ...]
                                     [--size 1G] [--file-dir /var/tmp] [--json OUT]
                                     [--backend-bin NAME=PATH ...] [--pin 1:0]
 
@@ -22,6 +23,9 @@ bounce option timing=off), and swiotlb with the reusing allocators of issue 10
 (swiotlb-magazine, swiotlb-areas-lifo, swiotlb-magazine-untimed), and each mode with the
 other's copy rule on map (iova-copy-in: iova copying every original in, as swiotlb does;
 swiotlb-magazine-no-copy-in: swiotlb copying in only what the device reads, as VDUSE does).
+--variant LABEL=OPTS (repeatable) adds a row LABEL of bouncevm-vhost with `--bounce OPTS`
+after the named ones: any bounce setting, or an A/A twin of a named one (the same pool under
+another string) to see how far apart two identical set-ups land in this run.
 --backend-bin NAME=PATH
 (repeatable) runs every bouncevm-vhost variant with each of those binaries too, in the same
 rounds (rows "VARIANT@NAME", ratios against the same binary's "off"): two builds side by side
@@ -44,12 +48,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from bounce_variants import VARIANTS as BOUNCE_VARIANTS
+import bounce_variants
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "target" / "release"
 
-VARIANTS = {"qsd": None, **BOUNCE_VARIANTS}
+# The variants --variants may name: qemu-storage-daemon and our back end with each bounce setting.
+KNOWN = {"qsd": None, **bounce_variants.VARIANTS}
+VARIANTS = {}  # variant label -> --bounce string (None: qsd), chosen by main()
 
 
 def die(msg):
@@ -294,6 +300,8 @@ def main():
     ap.add_argument("--jobs", default="1,2")
     ap.add_argument("--disks", default="file,mem")
     ap.add_argument("--variants", default="qsd,off,swiotlb,iova")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=OPTS",
+                    help="also run bouncevm-vhost with --bounce OPTS, as row LABEL (repeatable)")
     ap.add_argument("--size", default="1G", help="image size (and --size of the load)")
     ap.add_argument("--file-dir", default="/var/tmp", help="a directory on a real filesystem")
     ap.add_argument("--json", help="also write every sample to this file")
@@ -306,10 +314,11 @@ def main():
     args.pin_backend, args.pin_load = parse_pin(args.pin)
     args.jobs = [int(j) for j in args.jobs.split(",")]
     disks = args.disks.split(",")
-    variants = args.variants.split(",")
-    for v in variants:
-        if v not in VARIANTS:
-            die(f"unknown variant {v} (expected {', '.join(VARIANTS)})")
+    try:
+        VARIANTS.update(bounce_variants.select(args.variants.split(","), args.variant, KNOWN))
+    except ValueError as e:
+        die(str(e))
+    variants = list(VARIANTS)
     for d in disks:
         if d not in ("file", "mem"):
             die(f"unknown disk {d} (expected file, mem)")
@@ -406,10 +415,12 @@ def main():
     print(f"Ceiling: {ceiling_rule}, the IOPS the machine could reach if its CPUs were kept "
           "busy and nothing else ran; its ratio to off bounds the bounced variants' ratio "
           "whenever the run is CPU-bound.")
+    for label in VARIANTS.keys() - KNOWN.keys():
+        print(f"{label}: --bounce {VARIANTS[label]}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"cache_ours": ours_mode, "runtime": args.runtime, "rounds": args.rounds,
-             "pin": args.pin,
+             "pin": args.pin, "bounce": VARIANTS,
              "backend_bins": {k: str(v[0]) for k, v in backends.items() if k},
              "samples": [{"disk": d, "jobs": j, "variant": v, **s}
                          for (d, j, v), ss in samples.items() for s in ss]}, indent=1))

@@ -4,6 +4,7 @@
     python3 tests/e2e/bench_net_dpdk.py [--rounds 3] [--seconds 10] [--sizes 64,1500]
                                         [--variants off,swiotlb,iova] [--no-rx] [--json OUT]
                                         [--perf-dir DIR] [--backend-bin LABEL=PATH ...]
+                                        [--variant LABEL=OPTS ...] [--pin]
 
 Needs root, /dev/net/tun and `apt-get install --no-install-recommends dpdk-dev
 librte-net-virtio23` (the script says so and exits if dpdk-testpmd is missing). Per sample:
@@ -18,7 +19,10 @@ and dpdk-testpmd (--no-huge --no-pci, one forwarding core) connects to its socke
 Variants (tests/e2e/bounce_variants.py): bounce off, forced swiotlb (areas), forced iova
 (iova-rcache), the forced ones with the pool's time accounting off (`swiotlb-untimed`,
 `iova-untimed`: bounce option timing=off), and forced swiotlb with the allocators that reuse
-cache-hot slots (`swiotlb-magazine`, `swiotlb-areas-lifo`, `swiotlb-magazine-untimed`). Rounds are interleaved (every variant once per round, rotated, after one
+cache-hot slots (`swiotlb-magazine`, `swiotlb-areas-lifo`, `swiotlb-magazine-untimed`), and
+each mode with the other's copy rule (`iova-copy-in`, `swiotlb-magazine-no-copy-in`);
+--variant LABEL=OPTS (repeatable) adds a row LABEL run with `--bounce OPTS`, e.g. an A/A twin
+of a named variant (the same pool under another string) to see the run's own spread. Rounds are interleaved (every variant once per round, rotated, after one
 discarded warm-up sample); the table gives median [min-max] and the ratio of medians vs off,
 for frames/s and for the back end's CPU time per frame (user + system of the process over the
 window, from /proc/PID/stat: on a loaded machine each process gets about its fair share of a
@@ -26,6 +30,10 @@ CPU, so frames/s follow the scheduler while CPU per frame says what a frame cost
 --backend-bin LABEL=PATH (repeatable) runs every variant on each of these back-end binaries
 instead of target/release's, interleaved in the same rounds (rows "LABEL:variant", "vs off"
 against the same binary's off): a change measured side by side against a copy of main's.
+--pin runs the back end on CPU 0, beside testpmd's mostly idle main core and off its
+busy-polling forwarding core (CPU 1); unpinned, the scheduler sometimes places the back end
+badly, so that a sample lands about 15 % low whatever the variant (two set-ups building the
+same pool came out 0.81x and 0.92x of off in one unpinned run; pinned, 0.95x and 0.95x).
 --perf-dir records `perf record -e cpu-clock -F 5000 -g` of the back end over every measured window. testpmd busy-polls one core: absolute figures depend on the
 machine's load; state it with the figures. Build first: cargo build --release -p vmm.
 """
@@ -44,12 +52,15 @@ import threading
 import time
 from pathlib import Path
 
-from bounce_variants import VARIANTS as BOUNCE_VARIANTS
+import bounce_variants
 
 ROOT = Path(__file__).resolve().parents[2]
 VHOST = ROOT / "target" / "release" / "bouncevm-vhost"
 MAC = "52:54:00:12:34:56"
-VARIANTS = BOUNCE_VARIANTS
+# testpmd's lcores: its main one (statistics, mostly asleep) and the one forwarding core, which
+# busy-polls. --pin puts the back end on the main one's CPU, never on the forwarding core's.
+BACKEND_CPU, FORWARD_CPU = 0, 1
+VARIANTS = {}  # variant label -> --bounce string, chosen by main()
 
 INJECT = r"""
 import socket, sys, time
@@ -120,7 +131,8 @@ def sample(variant, size, direction, args, work):
         backend = subprocess.Popen(
             ns_exec(ns, str(binary), "net", "--socket", str(sock), "--tap", "tap0",
                     "--mac", MAC, "--bounce", bounce),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            preexec_fn=(lambda: os.sched_setaffinity(0, {BACKEND_CPU})) if args.pin else None)
         deadline = time.monotonic() + 10
         while not sock.exists():
             if backend.poll() is not None or time.monotonic() > deadline:
@@ -129,7 +141,7 @@ def sample(variant, size, direction, args, work):
         sh(*ns_exec(ns, "ip", "link", "set", "tap0", "up"))
         mode = ["--forward-mode=txonly", f"--txpkts={size}"] if direction == "tx" \
             else ["--forward-mode=rxonly"]
-        argv = ["dpdk-testpmd", "-l", "0,1", "--no-huge", "-m", "1024", "--no-pci",
+        argv = ["dpdk-testpmd", "-l", f"{BACKEND_CPU},{FORWARD_CPU}", "--no-huge", "-m", "1024", "--no-pci",
                 "--file-prefix", f"bvm{os.getpid()}",
                 f"--vdev=net_virtio_user0,path={sock},queues=1", "--", *mode,
                 "--stats-period", "1", "--auto-start", "--nb-cores=1",
@@ -188,6 +200,10 @@ def sample(variant, size, direction, args, work):
         rates = pps_lines("".join(lines[first_line:last_line]), key)
         testpmd_pps = statistics.median(rates) if rates else 0.0
         fps = (after - before) / (t1 - t0) if direction == "tx" else testpmd_pps
+        if fps <= 0:
+            # Never a row of zeros and nan: a sample that measured nothing is an error.
+            die(f"{direction} {size} B {variant}: no frames in the {window:g} s window"
+                + ("" if direction == "tx" or rates else f" (testpmd printed no {key} line in it)"))
         # Backend CPU per frame: steadier than frames/s on a loaded machine.
         cpu_us = (cpu1 - cpu0) * 1e6 / (fps * (t1 - t0)) if fps > 0 else float("nan")
         return {"fps": fps, "testpmd_pps": testpmd_pps, "cpu_us": cpu_us}
@@ -209,7 +225,12 @@ def main():
     ap.add_argument("--warmup", type=float, default=3)
     ap.add_argument("--sizes", default="64,1500")
     ap.add_argument("--variants", default="off,swiotlb,iova")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=OPTS",
+                    help="also run bouncevm-vhost with --bounce OPTS, as row LABEL (repeatable)")
     ap.add_argument("--no-rx", action="store_true")
+    ap.add_argument("--pin", action="store_true",
+                    help=f"run the back end on CPU {BACKEND_CPU}, beside testpmd's mostly idle main "
+                         f"core, off its busy-polling forwarding core (CPU {FORWARD_CPU})")
     ap.add_argument("--json")
     ap.add_argument("--backend-bin", action="append", default=[], metavar="LABEL=PATH",
                     help="run the variants on this bouncevm-vhost binary (repeatable; replaces "
@@ -217,6 +238,18 @@ def main():
     ap.add_argument("--perf-dir", help="also `perf record -g` the backend over each measured window, "
                                        "one file per sample in this directory")
     args = ap.parse_args()
+    try:
+        VARIANTS.update(bounce_variants.select(args.variants.split(","), args.variant))
+    except ValueError as e:
+        die(str(e))
+    if args.seconds <= 0 or args.warmup < 0 or args.rounds < 1:
+        die("--seconds must be positive, --warmup not negative, --rounds at least 1")
+    if not args.no_rx and args.seconds < 2:
+        die("--seconds must be at least 2 when RX is measured (its window is --seconds - 1 and "
+            "testpmd reports once a second); add --no-rx to measure TX alone")
+    if args.pin and not {BACKEND_CPU, FORWARD_CPU} <= os.sched_getaffinity(0):
+        die(f"--pin needs CPUs {BACKEND_CPU} and {FORWARD_CPU} (this machine: "
+            f"{sorted(os.sched_getaffinity(0))})")
     if os.geteuid() != 0:
         die("needs root (network namespaces, tap)")
     if not shutil.which("dpdk-testpmd"):
@@ -229,10 +262,7 @@ def main():
     if not BINS and not VHOST.exists():
         die(f"{VHOST} is missing: cargo build --release -p vmm")
     sizes = [int(s) for s in args.sizes.split(",")]
-    base_variants = args.variants.split(",")
-    for v in base_variants:
-        if v not in VARIANTS:
-            die(f"unknown variant {v}")
+    base_variants = list(VARIANTS)
     variants = [f"{b}:{v}" for b in BINS for v in base_variants] if BINS else base_variants
     dirs = ["tx"] if args.no_rx else ["tx", "rx"]
     work = Path(tempfile.mkdtemp(prefix="bench-net-dpdk-"))
@@ -258,6 +288,8 @@ def main():
     print(f"\nDPDK virtio_user -> bouncevm-vhost net, {args.seconds:g} s per sample after "
           f"{args.warmup:g} s warm-up, {args.rounds} interleaved rounds; load average at the end "
           f"{load[0]:.1f} ({os.cpu_count()} CPUs)")
+    print(f"testpmd forwards on CPU {FORWARD_CPU}; the back end "
+          + (f"is pinned to CPU {BACKEND_CPU}" if args.pin else "runs where the scheduler puts it"))
     print("| direction | frame | variant | median frames/s | min-max | vs off "
           "| backend CPU us/frame | min-max | vs off |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -278,9 +310,12 @@ def main():
                 cratio = f"{off_cpu / cmed:.2f}x" if off_cpu and cmed else "-"
                 print(f"| {d} | {size} B | {v} | {med:,.0f} | {min(xs):,.0f}-{max(xs):,.0f} | {ratio} "
                       f"| {cmed:.2f} | {min(cs):.2f}-{max(cs):.2f} | {cratio} |")
+    for label in VARIANTS.keys() - bounce_variants.VARIANTS.keys():
+        print(f"{label}: --bounce {VARIANTS[label]}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            [{"dir": d, "size": s, "variant": v, **m}
+            [{"dir": d, "size": s, "variant": v, "bounce": split_variant(v)[1], "pin": args.pin,
+              **m}
              for (d, s, v), ms in samples.items() for m in ms], indent=1))
 
 

@@ -20,3 +20,32 @@ VARIANTS = {
     "swiotlb-magazine-no-copy-in":
         "policy=force,mode=swiotlb,alloc=magazine,copy-on-map=when-device-reads",
 }
+
+
+def select(names, custom=(), builtin=None):
+    """The variants a benchmark runs, in order, as {label: `--bounce` string}.
+
+    `names` are the `--variants` list (names of `builtin`, VARIANTS by default; a peer that is
+    not ours, like bench_host's "qsd", maps to None); `custom` are `--variant LABEL=OPTS`
+    definitions, run after them under their own label, so any option string (an A/A control,
+    another pool size) can be measured without editing this file. Raises ValueError with a
+    one-line message on an unknown name, a label already taken, or a label the benchmarks'
+    row names could not carry (empty, or holding , : @ =)."""
+    builtin = VARIANTS if builtin is None else builtin
+    chosen = {}
+    for name in names:
+        if name not in builtin:
+            raise ValueError(f"unknown variant {name!r} (expected one of {', '.join(builtin)}, "
+                             "or define one with --variant LABEL=OPTS)")
+        if name in chosen:
+            raise ValueError(f"variant {name!r} is named twice")
+        chosen[name] = builtin[name]
+    for spec in custom:
+        label, eq, opts = spec.partition("=")
+        if not eq or not label or not opts or any(c in label for c in ",:@="):
+            raise ValueError(f"--variant {spec!r}: expected LABEL=OPTS, a label without , : @ = "
+                             "and a non-empty --bounce string")
+        if label in builtin or label in chosen:
+            raise ValueError(f"--variant {spec!r}: the label {label!r} is taken")
+        chosen[label] = opts
+    return chosen

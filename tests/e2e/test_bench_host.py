@@ -2,8 +2,10 @@
 a smoke scale: one round of one second on a 64 MiB memory-backed image, qemu-storage-daemon
 and two bounce settings of ours, free and pinned (--pin). It checks that every variant produced
 a sample and that the table and the JSON carry every column (IOPS, the CPU split, the
-ceiling), never the figures themselves: this is a benchmark, not a timed test. It also checks
-that every `--bounce` string the benchmarks compare builds the pool it names.
+ceiling), never the figures themselves: this is a benchmark, not a timed test. One variant is
+defined on the command line (--variant LABEL=OPTS, here an A/A twin of swiotlb-magazine). It
+also checks that every `--bounce` string the benchmarks compare builds the pool it names, and
+how a variant list is chosen and refused.
 """
 
 import json
@@ -15,11 +17,13 @@ from pathlib import Path
 import pytest
 
 from bench_host import BIN
-from bounce_variants import VARIANTS as BOUNCE_VARIANTS
+from bounce_variants import VARIANTS as BOUNCE_VARIANTS, select
 from rig1 import Backend, read_stats, require_qsd, skip_if_missing
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ["qsd", "off", "swiotlb-magazine"]
+# Defined with --variant: the same pool as swiotlb-magazine under another label (an A/A twin).
+CUSTOM = ("mag-twin", "mode=swiotlb,alloc=magazine,policy=force")
 
 
 def pin_spec():
@@ -37,7 +41,7 @@ def test_bench_host_runs_and_reports_every_column(tmp_path, pin):
     out = tmp_path / "bench.json"
     argv = [sys.executable, str(REPO / "tests/e2e/bench_host.py"), "--rounds", "1",
             "--runtime", "1", "--jobs", "1", "--disks", "mem", "--size", "64M",
-            "--variants", ",".join(VARIANTS), "--json", str(out)]
+            "--variants", ",".join(VARIANTS), "--variant", "=".join(CUSTOM), "--json", str(out)]
     if pin:
         argv += ["--pin", pin_spec()]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
@@ -46,19 +50,23 @@ def test_bench_host_runs_and_reports_every_column(tmp_path, pin):
 
     rows = [line.split("|")[1:-1] for line in r.stdout.splitlines()
             if line.startswith("| mem | 1 |")]
-    assert [c[2].strip() for c in rows] == VARIANTS, r.stdout
+    assert [c[2].strip() for c in rows] == VARIANTS + [CUSTOM[0]], r.stdout
+    assert f"{CUSTOM[0]}: --bounce {CUSTOM[1]}" in r.stdout.splitlines(), r.stdout
     header = next(line for line in r.stdout.splitlines() if line.startswith("| disk |"))
     assert len(header.split("|")[1:-1]) == len(rows[0]) == 13, r.stdout
     by_name = {c[2].strip(): [x.strip() for x in c] for c in rows}
     # Ratios against off for ours (off itself 1.00x), none for qsd.
     assert by_name["off"][12] == "1.00x", r.stdout
     assert by_name["swiotlb-magazine"][12].endswith("x"), r.stdout
+    assert by_name[CUSTOM[0]][12].endswith("x"), r.stdout
     assert by_name["qsd"][12] == "-", r.stdout
 
     report = json.loads(out.read_text())
     assert report["pin"] == (pin_spec() if pin else None)
+    assert report["bounce"] == {"qsd": None, **{v: BOUNCE_VARIANTS[v] for v in VARIANTS[1:]},
+                                CUSTOM[0]: CUSTOM[1]}, report["bounce"]
     samples = report["samples"]
-    assert sorted(s["variant"] for s in samples) == sorted(VARIANTS)
+    assert sorted(s["variant"] for s in samples) == sorted(VARIANTS + [CUSTOM[0]])
     for s in samples:
         assert s["disk"] == "mem" and s["jobs"] == 1
         assert s["iops"] > 0, s
@@ -76,6 +84,44 @@ def test_bench_host_refuses_a_bad_pin_in_one_line(spec):
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("bench_host: error: --pin"), r.stderr
+    assert r.stdout == ""
+
+
+def test_variants_are_chosen_in_order_with_the_defined_ones_last():
+    known = {"qsd": None, **BOUNCE_VARIANTS}
+    assert select(["iova", "off"], ["big=policy=force,slots=65536"]) == {
+        "iova": BOUNCE_VARIANTS["iova"], "off": "policy=off", "big": "policy=force,slots=65536"}
+    assert select(["qsd"], [], known) == {"qsd": None}
+    assert select([], ["a=policy=off"]) == {"a": "policy=off"}
+
+
+@pytest.mark.parametrize("names,custom,message", [
+    (["nope"], [], "unknown variant 'nope'"),
+    (["off", "off"], [], "named twice"),
+    ([], ["off=policy=force"], "is taken"),
+    ([], ["a=policy=off", "a=policy=force"], "is taken"),
+    ([], ["qsd=policy=off"], "is taken"),
+    ([], ["a"], "expected LABEL=OPTS"),
+    ([], ["a="], "expected LABEL=OPTS"),
+    ([], ["=policy=off"], "expected LABEL=OPTS"),
+    ([], ["a:b=policy=off"], "expected LABEL=OPTS"),
+    ([], ["a@b=policy=off"], "expected LABEL=OPTS"),
+    ([], ["a,b=policy=off"], "expected LABEL=OPTS"),
+])
+def test_a_bad_variant_list_is_refused_with_the_reason(names, custom, message):
+    with pytest.raises(ValueError, match=message) as e:
+        select(names, custom, {"qsd": None, **BOUNCE_VARIANTS})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("script", ["bench_host.py", "bench_net_dpdk.py"])
+def test_both_benchmarks_refuse_a_bad_variant_in_one_line(script):
+    r = subprocess.run([sys.executable, str(REPO / "tests/e2e" / script), "--variants", "off",
+                        "--variant", "off=policy=force"],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is taken" in lines[0], r.stderr
     assert r.stdout == ""
 
 
