@@ -415,7 +415,7 @@ def main():
     print(f"Ceiling: {ceiling_rule}, the IOPS the machine could reach if its CPUs were kept "
           "busy and nothing else ran; its ratio to off bounds the bounced variants' ratio "
           "whenever the run is CPU-bound.")
-    for label in VARIANTS.keys() - KNOWN.keys():
+    for label in [v for v in VARIANTS if v not in KNOWN]:
         print(f"{label}: --bounce {VARIANTS[label]}")
     if args.json:
         Path(args.json).write_text(json.dumps(

@@ -310,7 +310,7 @@ def main():
                 cratio = f"{off_cpu / cmed:.2f}x" if off_cpu and cmed else "-"
                 print(f"| {d} | {size} B | {v} | {med:,.0f} | {min(xs):,.0f}-{max(xs):,.0f} | {ratio} "
                       f"| {cmed:.2f} | {min(cs):.2f}-{max(cs):.2f} | {cratio} |")
-    for label in VARIANTS.keys() - bounce_variants.VARIANTS.keys():
+    for label in [v for v in VARIANTS if v not in bounce_variants.VARIANTS]:
         print(f"{label}: --bounce {VARIANTS[label]}")
     if args.json:
         Path(args.json).write_text(json.dumps(
