@@ -415,8 +415,8 @@ def main():
     print(f"Ceiling: {ceiling_rule}, the IOPS the machine could reach if its CPUs were kept "
           "busy and nothing else ran; its ratio to off bounds the bounced variants' ratio "
           "whenever the run is CPU-bound.")
-    for label in [v for v in VARIANTS if v not in KNOWN]:
-        print(f"{label}: --bounce {VARIANTS[label]}")
+    for line in bounce_variants.defined_lines(VARIANTS, KNOWN):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"cache_ours": ours_mode, "runtime": args.runtime, "rounds": args.rounds,

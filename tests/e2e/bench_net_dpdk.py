@@ -32,8 +32,8 @@ instead of target/release's, interleaved in the same rounds (rows "LABEL:variant
 against the same binary's off): a change measured side by side against a copy of main's.
 --pin runs the back end on CPU 0, beside testpmd's mostly idle main core and off its
 busy-polling forwarding core (CPU 1); unpinned, the scheduler sometimes places the back end
-badly, so that a sample lands about 15 % low whatever the variant (two set-ups building the
-same pool came out 0.81x and 0.92x of off in one unpinned run; pinned, 0.95x and 0.95x).
+badly, so that a sample lands about 15 % low whatever the variant (README.md, net at host
+speed, has the A/A runs that show it).
 --perf-dir records `perf record -e cpu-clock -F 5000 -g` of the back end over every measured window. testpmd busy-polls one core: absolute figures depend on the
 machine's load; state it with the figures. Build first: cargo build --release -p vmm.
 """
@@ -205,7 +205,7 @@ def sample(variant, size, direction, args, work):
             die(f"{direction} {size} B {variant}: no frames in the {window:g} s window"
                 + ("" if direction == "tx" or rates else f" (testpmd printed no {key} line in it)"))
         # Backend CPU per frame: steadier than frames/s on a loaded machine.
-        cpu_us = (cpu1 - cpu0) * 1e6 / (fps * (t1 - t0)) if fps > 0 else float("nan")
+        cpu_us = (cpu1 - cpu0) * 1e6 / (fps * (t1 - t0))
         return {"fps": fps, "testpmd_pps": testpmd_pps, "cpu_us": cpu_us}
     finally:
         for p in (testpmd, backend):
@@ -310,8 +310,8 @@ def main():
                 cratio = f"{off_cpu / cmed:.2f}x" if off_cpu and cmed else "-"
                 print(f"| {d} | {size} B | {v} | {med:,.0f} | {min(xs):,.0f}-{max(xs):,.0f} | {ratio} "
                       f"| {cmed:.2f} | {min(cs):.2f}-{max(cs):.2f} | {cratio} |")
-    for label in [v for v in VARIANTS if v not in bounce_variants.VARIANTS]:
-        print(f"{label}: --bounce {VARIANTS[label]}")
+    for line in bounce_variants.defined_lines(VARIANTS):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"dir": d, "size": s, "variant": v, "bounce": split_variant(v)[1], "pin": args.pin,

@@ -49,3 +49,10 @@ def select(names, custom=(), builtin=None):
             raise ValueError(f"--variant {spec!r}: the label {label!r} is taken")
         chosen[label] = opts
     return chosen
+
+
+def defined_lines(chosen, builtin=None):
+    """The `LABEL: --bounce OPTS` line a benchmark prints under its table for each variant of
+    `chosen` that was defined with --variant (not in `builtin`), in the order given."""
+    builtin = VARIANTS if builtin is None else builtin
+    return [f"{label}: --bounce {opts}" for label, opts in chosen.items() if label not in builtin]
