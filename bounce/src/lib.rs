@@ -29,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod cli;
 pub mod dma;
 pub mod error;
 pub mod geometry;

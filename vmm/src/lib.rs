@@ -68,36 +68,8 @@ pub fn init_logging(default: &str) {
         )
         .init();
 }
-/// A clap error as the one line the binaries print after `NAME: error: `: clap's message up
-/// to its usage section, joined, without clap's own `error: ` prefix.
-pub fn clap_error_line(e: &clap::Error) -> String {
-    let text = e.to_string();
-    let msg: Vec<&str> = text
-        .lines()
-        .map(str::trim)
-        .take_while(|l| !l.is_empty() && !l.starts_with("Usage:"))
-        .collect();
-    let msg = msg.join(" ");
-    msg.strip_prefix("error: ").unwrap_or(&msg).to_string()
-}
-
-/// Parses a binary's command line with clap, as every `bouncevm*` binary with clap flags does:
-/// `--help`/`--version` print and exit 0; an error prints `NAME: error: <one line><hint>` and
-/// exits 2. `Err` is the exit code to return from `main`.
-pub fn parse_args<C: clap::Parser>(name: &str, hint: &str) -> Result<C, std::process::ExitCode> {
-    match C::try_parse() {
-        Ok(c) => Ok(c),
-        Err(e) if !e.use_stderr() => {
-            // --help, --version
-            let _ = e.print();
-            Err(std::process::ExitCode::SUCCESS)
-        }
-        Err(e) => {
-            eprintln!("{name}: error: {}{hint}", clap_error_line(&e));
-            Err(std::process::ExitCode::from(2))
-        }
-    }
-}
+/// Command-line parsing of every binary (one line and exit 2 on a usage error).
+pub use bounce::cli::{clap_error_line, parse_args};
 
 pub use exit::{ExitHandle, ExitReason};
 pub use machine::{Machine, MachineConfig, RunningMachine};

@@ -181,7 +181,10 @@ fn run(args: &Args) -> Result<bool, String> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args: Args = match bounce::cli::parse_args("bounce-replay", " (see --help)") {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
     if args.advise {
         return match advise(&args) {
             Ok(()) => ExitCode::SUCCESS,

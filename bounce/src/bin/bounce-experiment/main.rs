@@ -687,7 +687,10 @@ fn matrix(args: &Args) -> Result<bool, String> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli: Cli = match bounce::cli::parse_args("bounce-experiment", " (see --help)") {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
     let r = match &cli.cmd {
         Some(Cmd::MapBenchmark(a)) => map_bench::main(a),
         None => matrix(&cli.matrix),
