@@ -372,15 +372,7 @@ impl BouncePool {
                 len: req.size,
             });
         }
-        let sreq = SlotRequest::new(
-            &self.geom,
-            req.orig,
-            layout.alloc_size,
-            req.alloc_align_mask,
-            req.min_align_mask,
-            req.seg_boundary_mask,
-            req.worker,
-        );
+        let sreq = self.request_of(req, &layout);
         let index = self.claim(&sreq, layout.alloc_size, req.attrs.no_warn)?;
         let nslots = sreq.nslots;
         // The thread's counter shard, looked up once for the whole map.
@@ -423,6 +415,32 @@ impl BouncePool {
             slot: index,
             nslots,
         })
+    }
+
+    /// The allocator request a map of `req` makes, as [`BouncePool::map`] builds it (size and
+    /// mask checks, alignment padding, Linux's placement rules), without allocating anything:
+    /// for measuring an allocator alone on exactly the requests the pool would give it.
+    ///
+    /// # Errors
+    /// As [`BouncePool::map`] before it allocates: [`Error::ZeroLength`], [`Error::Overflow`],
+    /// [`Error::BadAlignment`], [`Error::TooLarge`].
+    pub fn slot_request(&self, req: &MapRequest) -> Result<SlotRequest> {
+        let layout = self.layout(req).map_err(|e| *e)?;
+        Ok(self.request_of(req, &layout))
+    }
+
+    /// The allocator request of `req` laid out as `layout`.
+    #[inline(always)]
+    fn request_of(&self, req: &MapRequest, layout: &Layout) -> SlotRequest {
+        SlotRequest::new(
+            &self.geom,
+            req.orig,
+            layout.alloc_size,
+            req.alloc_align_mask,
+            req.min_align_mask,
+            req.seg_boundary_mask,
+            req.worker,
+        )
     }
 
     /// Checks a request's size and masks and computes where its data sits in the allocation

@@ -103,6 +103,12 @@ struct Args {
     /// costs).
     #[arg(long, default_value = "off")]
     timing: String,
+    /// Also measure each allocator alone, in the same rounds: the same threads, ring depth and
+    /// allocator requests (built by the pool as a map builds them), calling only the
+    /// allocator's alloc and free. Adds "allocator alone" and "rest" (the pair minus the
+    /// allocator alone: the pool's own path, and the copies with copy) in ns per pair.
+    #[arg(long)]
+    split: bool,
     /// Write table.md, results.json and chart.svg into this directory.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
@@ -131,6 +137,17 @@ struct Cell {
     failures: u64,
     /// Median over the baseline allocator's median, in the same rounds.
     ratio: f64,
+    /// With `--split`: the allocator alone, million alloc+free pairs per second, per round.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    alone: Option<Summary>,
+    /// With `--split`: nanoseconds per alloc+free pair and thread of the allocator alone,
+    /// from its median.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    alone_ns_per_pair: Option<f64>,
+    /// With `--split`: `ns_per_pair - alone_ns_per_pair`, what a pair costs besides the
+    /// allocator (the pool's path; with copies, the copies too).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rest_ns_per_pair: Option<f64>,
     /// The pool's statistics over this cell's rounds (reset before them).
     pool: Option<bounce::PoolStats>,
 }
@@ -211,7 +228,7 @@ fn measure(
 ) -> Option<(u64, Duration, u64, u64)> {
     let wait_before = pool.stats().lock_wait_ns;
     let (results, elapsed, complete) = timed(threads, dur, |t| {
-        let orig = 0x10_0000_0000u64 * (t as u64 + 1);
+        let orig = ORIG_BASE * (t as u64 + 1);
         let mut buf = vec![0x5au8; size * depth.max(1)];
         move |stop: &AtomicBool| {
             if copy {
@@ -226,6 +243,10 @@ fn measure(
     let (pairs, failures) = results.iter().fold((0, 0), |(p, f), (n, x)| (p + n, f + x));
     complete.then_some((pairs, elapsed, wait, failures))
 }
+
+/// Where thread 0's original buffers start (thread `t`'s at `(t + 1)` times this): far apart,
+/// page aligned.
+const ORIG_BASE: u64 = 0x10_0000_0000;
 
 fn worker<M: OrigMemory>(
     pool: &BouncePool,
@@ -266,6 +287,54 @@ fn worker<M: OrigMemory>(
         let _ = pool.unmap_single(mem, addr, size, dir, attrs, t);
     }
     (n, failed)
+}
+
+/// The allocator alone: `threads` threads run [`worker`]'s ring of `depth` buffers, calling
+/// only the pool's allocator with the requests the pool's map would give it (built before the
+/// window opens); returns (pairs, elapsed), or `None` when Ctrl-C cut it short or a request
+/// could not be built (the map path then fails too, and counts it).
+fn measure_alone(
+    pool: &BouncePool,
+    threads: usize,
+    size: usize,
+    depth: usize,
+    dur: Duration,
+) -> Option<(u64, Duration)> {
+    let depth = depth.max(1);
+    let (results, elapsed, complete) = timed(threads, dur, |t| {
+        let orig = ORIG_BASE * (t as u64 + 1);
+        let reqs: Option<Vec<bounce::SlotRequest>> = (0..depth)
+            .map(|i| {
+                let req = MapRequest::new(orig + (i * size) as u64, size, Direction::Bidirectional)
+                    .worker(t);
+                pool.slot_request(&req).ok()
+            })
+            .collect();
+        move |stop: &AtomicBool| {
+            let reqs = reqs?;
+            let alloc = pool.allocator();
+            // As in `worker`: each alloc is followed by the free of the oldest live run.
+            let mut ring: Vec<Option<usize>> = vec![None; depth];
+            let (mut n, mut slot) = (0u64, 0usize);
+            while !stop.load(Ordering::Relaxed) {
+                let next = if slot + 1 == depth { 0 } else { slot + 1 };
+                ring[slot] = alloc.alloc(&reqs[slot]);
+                if let Some(index) = ring[next].take() {
+                    alloc.free(index, reqs[next].nslots, t);
+                    n += 1;
+                }
+                slot = next;
+            }
+            for (index, req) in ring.into_iter().zip(&reqs) {
+                if let Some(index) = index {
+                    alloc.free(index, req.nslots, t);
+                }
+            }
+            Some(n)
+        }
+    });
+    let pairs = results.into_iter().sum::<Option<u64>>()?;
+    complete.then_some((pairs, elapsed))
 }
 
 /// The physical reference: `threads` threads each copying `size` bytes in and back out (what a
@@ -335,6 +404,7 @@ struct Plan {
     mode: PoolMode,
     baseline: AllocatorKind,
     dur: Duration,
+    split: bool,
 }
 
 fn plan(args: &Args) -> Result<Plan, String> {
@@ -383,6 +453,7 @@ fn plan(args: &Args) -> Result<Plan, String> {
         mode,
         baseline,
         dur: Duration::from_secs_f64(args.seconds),
+        split: args.split,
     })
 }
 
@@ -413,7 +484,7 @@ fn build_pools(args: &Args, p: &Plan, t: usize) -> Result<Vec<Arc<BouncePool>>, 
 
 /// Runs the matrix; returns the cells measured and whether Ctrl-C cut the run short.
 fn run(args: &Args, p: &Plan) -> Result<(Vec<Cell>, bool), String> {
-    let per_round = p.kinds.len() as u64;
+    let per_round = p.kinds.len() as u64 * if p.split { 2 } else { 1 };
     let total: u64 = p.threads.len() as u64
         * p.sizes.len() as u64
         * p.copies
@@ -434,10 +505,18 @@ fn run(args: &Args, p: &Plan) -> Result<(Vec<Cell>, bool), String> {
                 ));
                 for pool in &pools {
                     pool.reset_hiwater();
+                    if p.split {
+                        // A size the pool refuses has no allocator request to time alone.
+                        let req = MapRequest::new(ORIG_BASE, size, Direction::Bidirectional);
+                        if let Err(e) = pool.slot_request(&req) {
+                            return Err(format!("--split: {}: {e}", size_label(size)));
+                        }
+                    }
                 }
                 let mut mops = vec![Vec::new(); p.kinds.len()];
                 let mut wait = vec![Vec::new(); p.kinds.len()];
                 let mut failures = vec![0u64; p.kinds.len()];
+                let mut alone = vec![Vec::new(); p.kinds.len()];
                 let mut reference = Vec::new();
                 let mut streaming = Vec::new();
                 let pool_bytes = pools.first().map_or(size, |pool| pool.geometry().bytes());
@@ -459,6 +538,7 @@ fn run(args: &Args, p: &Plan) -> Result<(Vec<Cell>, bool), String> {
                     // Interleave allocators inside each round; a round counts only if every
                     // allocator completed it.
                     let mut round = Vec::new();
+                    let mut round_alone = Vec::new();
                     for pool in &pools {
                         if interrupted {
                             break;
@@ -468,6 +548,20 @@ fn run(args: &Args, p: &Plan) -> Result<(Vec<Cell>, bool), String> {
                             None => interrupted = true,
                         }
                         bar.inc(1);
+                        if p.split && !interrupted {
+                            match measure_alone(pool, t, size, args.depth, p.dur) {
+                                Some(r) => round_alone.push(r),
+                                None if report::stopped() => interrupted = true,
+                                None => {
+                                    return Err(format!(
+                                        "--split: {}: no allocator request for {} bytes",
+                                        pool.allocator().kind(),
+                                        size
+                                    ))
+                                }
+                            }
+                            bar.inc(1);
+                        }
                     }
                     if interrupted {
                         reference.truncate(mops[0].len());
@@ -480,11 +574,15 @@ fn run(args: &Args, p: &Plan) -> Result<(Vec<Cell>, bool), String> {
                         wait[i].push(100.0 * w as f64 / (secs * 1e9 * t as f64));
                         failures[i] += f;
                     }
+                    for (i, (n, el)) in round_alone.into_iter().enumerate() {
+                        alone[i].push(n as f64 / el.as_secs_f64() / 1e6);
+                    }
                 }
                 let rounds = mops[0].len();
                 if rounds > 0 {
                     cells.extend(cells_of(
-                        p, &pools, t, size, copy, &mops, &wait, &failures, &reference, &streaming,
+                        p, &pools, t, size, copy, &mops, &wait, &failures, &alone, &reference,
+                        &streaming,
                     ));
                 }
                 if interrupted {
@@ -507,6 +605,7 @@ fn cells_of(
     mops: &[Vec<f64>],
     wait: &[Vec<f64>],
     failures: &[u64],
+    alone: &[Vec<f64>],
     reference: &[f64],
     streaming: &[f64],
 ) -> Vec<Cell> {
@@ -547,9 +646,17 @@ fn cells_of(
             lock_wait_pct: Summary::of(&[0.0]),
             failures: 0,
             pool: None,
+            alone: None,
+            alone_ns_per_pair: None,
+            rest_ns_per_pair: None,
         });
     }
     for (i, k) in p.kinds.iter().enumerate() {
+        let alone = alone
+            .get(i)
+            .filter(|a| !a.is_empty())
+            .map(|a| Summary::of(a));
+        let alone_ns = alone.as_ref().map(|a| ns(a.median));
         cells.push(Cell {
             alloc: if p.both && !p.timing[i] {
                 format!("{} (no timing)", k.name())
@@ -568,16 +675,28 @@ fn cells_of(
             lock_wait_pct: Summary::of(&wait[i]),
             failures: failures[i],
             pool: Some(pools[i].stats()),
+            alone,
+            alone_ns_per_pair: alone_ns,
+            rest_ns_per_pair: alone_ns.map(|a| ns(meds[i].median) - a),
         });
     }
     cells
 }
 
 fn table(cells: &[Cell]) -> String {
-    let mut s = String::from("| allocator | threads | size | copy | M pairs/s | min-max | ns/pair/thread | x baseline | lock wait % | full |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    let split = cells.iter().any(|c| c.alone.is_some());
+    let mut s = String::from("| allocator | threads | size | copy | M pairs/s | min-max | ns/pair/thread | x baseline | lock wait % | full |");
+    if split {
+        s.push_str(" allocator alone ns | rest ns |");
+    }
+    s.push_str("\n|---|---|---|---|---|---|---|---|---|---|");
+    if split {
+        s.push_str("---|---|");
+    }
+    s.push('\n');
     for c in cells {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {:.2} | {:.2}-{:.2} | {:.0} | {:.2} | {:.1} | {} |\n",
+            "| {} | {} | {} | {} | {:.2} | {:.2}-{:.2} | {:.0} | {:.2} | {:.1} | {} |",
             c.alloc,
             c.threads,
             size_label(c.size),
@@ -590,6 +709,15 @@ fn table(cells: &[Cell]) -> String {
             c.lock_wait_pct.median,
             c.failures
         ));
+        if split {
+            let cell = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+            s.push_str(&format!(
+                " {} | {} |",
+                cell(c.alone_ns_per_pair),
+                cell(c.rest_ns_per_pair)
+            ));
+        }
+        s.push('\n');
     }
     s
 }
@@ -678,6 +806,7 @@ fn matrix(args: &Args) -> Result<bool, String> {
             "threads": p.threads, "sizes": p.sizes, "copy": p.copies, "mode": p.mode,
             "slots": args.slots, "areas": args.areas, "depth": args.depth,
             "seconds": args.seconds, "rounds": args.rounds, "baseline": p.baseline.name(),
+            "split": p.split,
         }),
         interrupted,
         cells,
