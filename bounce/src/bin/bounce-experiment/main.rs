@@ -248,6 +248,49 @@ fn measure(
 /// page aligned.
 const ORIG_BASE: u64 = 0x10_0000_0000;
 
+/// The measured loop of every cell: a ring of `depth` buffers in which taking buffer `slot`
+/// is followed by giving back the oldest live one, that of the next buffer (taken depth - 1
+/// turns ago), so `depth - 1` stay live between pairs and up to `depth` during one. `take`
+/// returns what `give` needs back (`None`: a failure, counted); `give` says whether it
+/// succeeded (a pair, counted). Everything still live is given back at the end. Returns
+/// (pairs, failures).
+#[inline(always)]
+fn ring<T: Copy>(
+    depth: usize,
+    stop: &AtomicBool,
+    mut take: impl FnMut(usize) -> Option<T>,
+    mut give: impl FnMut(usize, T) -> bool,
+) -> (u64, u64) {
+    let depth = depth.max(1);
+    let mut ring: Vec<Option<T>> = vec![None; depth];
+    let (mut n, mut failed) = (0u64, 0u64);
+    let mut slot = 0usize;
+    while !stop.load(Ordering::Relaxed) {
+        // No division in the loop: it is part of every measured pair.
+        let next = if slot + 1 == depth { 0 } else { slot + 1 };
+        ring[slot] = take(slot);
+        if ring[slot].is_none() {
+            failed += 1;
+        }
+        if let Some(oldest) = ring[next].take() {
+            if give(next, oldest) {
+                n += 1;
+            }
+        }
+        slot = next;
+    }
+    for (slot, live) in ring.into_iter().enumerate() {
+        if let Some(live) = live {
+            give(slot, live);
+        }
+    }
+    (n, failed)
+}
+
+/// A pool cell's thread: [`ring`] over the pool's map and unmap of `depth` buffers of `size`
+/// bytes from `orig`. Only the device address is kept (unmap_single, as `Dma` unmaps): copying
+/// whole 48-byte `Mapping`s in and out of the ring stalled store forwarding in this loop,
+/// which is not the pool's cost.
 fn worker<M: OrigMemory>(
     pool: &BouncePool,
     mem: &M,
@@ -257,39 +300,20 @@ fn worker<M: OrigMemory>(
     t: usize,
     stop: &AtomicBool,
 ) -> (u64, u64) {
-    // A ring of the live mappings' device addresses, one per buffer: the map into buffer `slot` is followed by the unmap of the oldest
-    // live mapping, that of the next buffer (mapped depth - 1 maps ago), so `depth - 1` stay
-    // live between pairs and up to `depth` during one. Only the address is kept (unmap_single,
-    // as `Dma` unmaps): copying whole 48-byte `Mapping`s in and out of the ring stalled store
-    // forwarding in this loop, which is not the pool's cost.
-    let depth = depth.max(1);
-    let mut ring: Vec<Option<u64>> = vec![None; depth];
     let (dir, attrs) = (Direction::Bidirectional, bounce::DmaAttrs::default());
     let mut req = MapRequest::new(orig, size, dir).worker(t);
-    let (mut n, mut failed) = (0u64, 0u64);
-    let mut slot = 0usize;
-    while !stop.load(Ordering::Relaxed) {
-        req.orig = orig + (slot * size) as u64;
-        // No division in the loop: it is part of every measured pair.
-        let next = if slot + 1 == depth { 0 } else { slot + 1 };
-        match pool.map(mem, &req) {
-            Ok(m) => ring[slot] = Some(m.dev_addr),
-            Err(_) => failed += 1,
-        }
-        if let Some(oldest) = ring[next].take() {
-            if pool.unmap_single(mem, oldest, size, dir, attrs, t).is_ok() {
-                n += 1;
-            }
-        }
-        slot = next;
-    }
-    for addr in ring.into_iter().flatten() {
-        let _ = pool.unmap_single(mem, addr, size, dir, attrs, t);
-    }
-    (n, failed)
+    ring(
+        depth,
+        stop,
+        |slot| {
+            req.orig = orig + (slot * size) as u64;
+            pool.map(mem, &req).ok().map(|m| m.dev_addr)
+        },
+        |_, addr| pool.unmap_single(mem, addr, size, dir, attrs, t).is_ok(),
+    )
 }
 
-/// The allocator alone: `threads` threads run [`worker`]'s ring of `depth` buffers, calling
+/// The allocator alone: `threads` threads run the [`ring`] of a pool cell, calling
 /// only the pool's allocator with the requests the pool's map would give it (built before the
 /// window opens); returns (pairs, elapsed), or `None` when Ctrl-C cut it short or a request
 /// could not be built (the map path then fails too, and counts it).
@@ -313,24 +337,16 @@ fn measure_alone(
         move |stop: &AtomicBool| {
             let reqs = reqs?;
             let alloc = pool.allocator();
-            // As in `worker`: each alloc is followed by the free of the oldest live run.
-            let mut ring: Vec<Option<usize>> = vec![None; depth];
-            let (mut n, mut slot) = (0u64, 0usize);
-            while !stop.load(Ordering::Relaxed) {
-                let next = if slot + 1 == depth { 0 } else { slot + 1 };
-                ring[slot] = alloc.alloc(&reqs[slot]);
-                if let Some(index) = ring[next].take() {
-                    alloc.free(index, reqs[next].nslots, t);
-                    n += 1;
-                }
-                slot = next;
-            }
-            for (index, req) in ring.into_iter().zip(&reqs) {
-                if let Some(index) = index {
-                    alloc.free(index, req.nslots, t);
-                }
-            }
-            Some(n)
+            let (pairs, _) = ring(
+                depth,
+                stop,
+                |slot| alloc.alloc(&reqs[slot]),
+                |slot, index| {
+                    alloc.free(index, reqs[slot].nslots, t);
+                    true
+                },
+            );
+            Some(pairs)
         }
     });
     let pairs = results.into_iter().sum::<Option<u64>>()?;
