@@ -313,31 +313,36 @@ fn worker<M: OrigMemory>(
     )
 }
 
-/// The allocator alone: `threads` threads run the [`ring`] of a pool cell, calling
-/// only the pool's allocator with the requests the pool's map would give it (built before the
-/// window opens); returns (pairs, elapsed), or `None` when Ctrl-C cut it short or a request
-/// could not be built (the map path then fails too, and counts it).
+/// The allocator alone: `threads` threads run the [`ring`] of a pool cell, calling only the
+/// pool's allocator with the requests the pool's map would give it (all built before the window
+/// opens). Returns (pairs, elapsed), `None` when Ctrl-C cut it short, or the pool's error for a
+/// size it refuses (no request to time).
 fn measure_alone(
     pool: &BouncePool,
     threads: usize,
     size: usize,
     depth: usize,
     dur: Duration,
-) -> Option<(u64, Duration)> {
+) -> Result<Option<(u64, Duration)>, bounce::Error> {
     let depth = depth.max(1);
+    let reqs = (0..threads)
+        .map(|t| {
+            let orig = ORIG_BASE * (t as u64 + 1);
+            (0..depth)
+                .map(|i| {
+                    let at = orig + (i * size) as u64;
+                    pool.slot_request(
+                        &MapRequest::new(at, size, Direction::Bidirectional).worker(t),
+                    )
+                })
+                .collect::<bounce::Result<Vec<_>>>()
+        })
+        .collect::<bounce::Result<Vec<_>>>()?;
     let (results, elapsed, complete) = timed(threads, dur, |t| {
-        let orig = ORIG_BASE * (t as u64 + 1);
-        let reqs: Option<Vec<bounce::SlotRequest>> = (0..depth)
-            .map(|i| {
-                let req = MapRequest::new(orig + (i * size) as u64, size, Direction::Bidirectional)
-                    .worker(t);
-                pool.slot_request(&req).ok()
-            })
-            .collect();
+        let reqs = &reqs[t];
         move |stop: &AtomicBool| {
-            let reqs = reqs?;
             let alloc = pool.allocator();
-            let (pairs, _) = ring(
+            ring(
                 depth,
                 stop,
                 |slot| alloc.alloc(&reqs[slot]),
@@ -345,12 +350,12 @@ fn measure_alone(
                     alloc.free(index, reqs[slot].nslots, t);
                     true
                 },
-            );
-            Some(pairs)
+            )
+            .0
         }
     });
-    let pairs = results.into_iter().sum::<Option<u64>>()?;
-    complete.then_some((pairs, elapsed))
+    let pairs = results.into_iter().sum();
+    Ok(complete.then_some((pairs, elapsed)))
 }
 
 /// The physical reference: `threads` threads each copying `size` bytes in and back out (what a
@@ -521,13 +526,6 @@ fn run(args: &Args, p: &Plan) -> Result<(Vec<Cell>, bool), String> {
                 ));
                 for pool in &pools {
                     pool.reset_hiwater();
-                    if p.split {
-                        // A size the pool refuses has no allocator request to time alone.
-                        let req = MapRequest::new(ORIG_BASE, size, Direction::Bidirectional);
-                        if let Err(e) = pool.slot_request(&req) {
-                            return Err(format!("--split: {}: {e}", size_label(size)));
-                        }
-                    }
                 }
                 let mut mops = vec![Vec::new(); p.kinds.len()];
                 let mut wait = vec![Vec::new(); p.kinds.len()];
@@ -566,14 +564,10 @@ fn run(args: &Args, p: &Plan) -> Result<(Vec<Cell>, bool), String> {
                         bar.inc(1);
                         if p.split && !interrupted {
                             match measure_alone(pool, t, size, args.depth, p.dur) {
-                                Some(r) => round_alone.push(r),
-                                None if report::stopped() => interrupted = true,
-                                None => {
-                                    return Err(format!(
-                                        "--split: {}: no allocator request for {} bytes",
-                                        pool.allocator().kind(),
-                                        size
-                                    ))
+                                Ok(Some(r)) => round_alone.push(r),
+                                Ok(None) => interrupted = true,
+                                Err(e) => {
+                                    return Err(format!("--split: {}: {e}", size_label(size)))
                                 }
                             }
                             bar.inc(1);
