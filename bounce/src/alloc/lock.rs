@@ -27,8 +27,8 @@ pub struct LockSnapshot {
 /// Aligned to 128 bytes (the adjacent-line prefetcher pairs 64-byte lines): the allocators keep
 /// one per area in a slice, and areas exist so that workers do not share anything. Packed, two
 /// areas' locks, counters and state shared lines, and two threads on their own areas slowed
-/// each other down: `areas-lifo` took 93-125 ns per alloc+free pair at two threads against 43
-/// at one, `iova-bitmap` 103-138 against 41 (`bounce-experiment --split`, bounce/README.md);
+/// each other down: `areas-lifo` took 93-121 ns per alloc+free pair at two threads against 43
+/// at one, `iova-bitmap` 103-135 against 41 (`bounce-experiment --split`, bounce/README.md);
 /// aligned, both take the same at two threads as at one.
 #[derive(Debug, Default)]
 #[repr(align(128))]
