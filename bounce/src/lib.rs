@@ -29,13 +29,11 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
-pub mod cli;
 pub mod dma;
 pub mod error;
 pub mod geometry;
 pub mod orig;
 pub mod pool;
-pub mod report;
 pub mod stats;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;

@@ -69,7 +69,7 @@ pub fn init_logging(default: &str) {
         .init();
 }
 /// Command-line parsing of every binary (one line and exit 2 on a usage error).
-pub use bounce::cli::{clap_error_line, parse_args};
+pub use bounce_tools::cli::{clap_error_line, parse_args};
 
 pub use exit::{ExitHandle, ExitReason};
 pub use machine::{Machine, MachineConfig, RunningMachine};

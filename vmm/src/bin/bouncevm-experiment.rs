@@ -106,7 +106,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    bounce::report::install_ctrl_c();
+    bounce_tools::report::install_ctrl_c();
     let mut plan = preset::plan(s.preset, s.level, s.quick);
     if let Some(list) = &cli.alloc {
         let want: Vec<&str> = list.split(',').map(str::trim).collect();

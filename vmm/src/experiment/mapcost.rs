@@ -57,7 +57,7 @@ fn pairs_for(
 ) -> Result<(u64, Duration)> {
     let start = Instant::now();
     let mut pairs = 0u64;
-    while start.elapsed() < dur && !bounce::report::stopped() {
+    while start.elapsed() < dur && !bounce_tools::report::stopped() {
         // 256 pairs between clock reads.
         for _ in 0..256 {
             let m = pool

@@ -20,7 +20,7 @@
 //!
 //! [`output`] writes the Markdown table, the JSON (machine metadata, every sample, the pool's
 //! statistics per sample) and the SVG chart. Progress, Ctrl-C and metadata come from
-//! [`bounce::report`], shared with `bounce-experiment`.
+//! [`bounce_tools::report`], shared with `bounce-experiment`.
 
 pub mod block;
 pub mod guest;
@@ -34,7 +34,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use bounce::report::{self, Meta, Summary};
+use bounce_tools::report::{self, Meta, Summary};
 use serde::Serialize;
 
 use crate::load::Rw;

@@ -87,13 +87,13 @@ impl NetDriver {
         let tp_log = self.work.path("testpmd.log");
         let mut testpmd = Child::spawn("dpdk-testpmd", &tp, &tp_log, None, Duration::ZERO)?;
         wait_for_frames(&ns, &mut testpmd)?;
-        if !bounce::report::sleep_unless_stopped(self.warmup) {
+        if !bounce_tools::report::sleep_unless_stopped(self.warmup) {
             return Err(Error::Run("interrupted".into()));
         }
         host::stats(&paths.stats, true)?;
         let cpu0 = backend.cpu_ns();
         let (before, t0) = (ns.counter("tap0", "rx_packets")?, Instant::now());
-        bounce::report::sleep_unless_stopped(dur);
+        bounce_tools::report::sleep_unless_stopped(dur);
         let (after, t1) = (ns.counter("tap0", "rx_packets")?, Instant::now());
         let cpu1 = backend.cpu_ns();
         let st = host::stats(&paths.stats, false)?;
@@ -170,7 +170,7 @@ fn wait_for_frames(ns: &NetNs, testpmd: &mut Child) -> Result<()> {
                 testpmd.log_tail()
             )));
         }
-        if !bounce::report::sleep_unless_stopped(Duration::from_millis(100)) {
+        if !bounce_tools::report::sleep_unless_stopped(Duration::from_millis(100)) {
             return Err(Error::Run("interrupted".into()));
         }
     }

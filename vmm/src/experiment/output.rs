@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use bounce::report::{self, Panel};
+use bounce_tools::report::{self, Panel};
 
 use super::{CellResult, Error, Metric, Result, Results};
 

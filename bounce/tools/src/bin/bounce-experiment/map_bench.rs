@@ -27,7 +27,7 @@ use bounce::{
 };
 use serde::Serialize;
 
-use bounce::report::{self, Meta};
+use bounce_tools::report::{self, Meta};
 
 /// The kernel's limits (include/linux/map_benchmark.h).
 const MAX_THREADS: u32 = 1024;

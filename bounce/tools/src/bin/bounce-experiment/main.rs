@@ -34,7 +34,7 @@ use serde::Serialize;
 
 mod map_bench;
 
-use bounce::report::{self, size_label, Meta, Panel, Summary};
+use bounce_tools::report::{self, size_label, Meta, Panel, Summary};
 
 /// Allocator experiments: map+unmap throughput per allocator, threads, size.
 #[derive(Parser, Debug)]
@@ -826,7 +826,7 @@ fn matrix(args: &Args) -> Result<bool, String> {
 }
 
 fn main() -> ExitCode {
-    let cli: Cli = match bounce::cli::parse_args("bounce-experiment", " (see --help)") {
+    let cli: Cli = match bounce_tools::cli::parse_args("bounce-experiment", " (see --help)") {
         Ok(c) => c,
         Err(code) => return code,
     };
