@@ -7,12 +7,19 @@
 //!
 //! A device never reads or writes guest memory for its data buffers itself: every buffer goes
 //! through a [`bounce::Dma`] handle, direct or bounced.
+//!
+//! What both transports' binaries share to build a device is here too: [`options`] (the
+//! bounce option string and the pool it builds, MAC addresses, the virtio-blk queue limit)
+//! and [`builder`] (image opening with format probing, the bounce pool, the tap and the device
+//! core, built the same way whichever transport serves them).
 
 #![warn(missing_docs)]
 
 pub mod block;
+pub mod builder;
 pub mod metrics;
 pub mod net;
+pub mod options;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
 pub mod virtio;

@@ -14,8 +14,7 @@
 use std::path::PathBuf;
 
 use devices::block::io::{AioMode, CacheMode, ImageFormat};
-
-use crate::options::BounceOptions;
+use devices::options::{parse_mac, BounceOptions, MAX_BLK_QUEUES};
 
 /// Errors of the command line; each displays as one line naming the flag or property.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -66,8 +65,6 @@ pub type Result<T> = std::result::Result<T, CliError>;
 /// The most vCPUs a machine can have: xAPIC ids 0..=253 next to the IOAPIC id (MP table and
 /// MADT).
 pub const MAX_VCPUS: u8 = 254;
-/// The most request queues of a `virtio-blk-pci`.
-pub const MAX_BLK_QUEUES: u16 = 64;
 /// The most queues of a `-netdev tap`.
 pub const MAX_TAP_QUEUES: u16 = 16;
 /// QEMU's first default MAC address; NIC `n` without `mac=` gets this plus `n`.
@@ -80,7 +77,7 @@ pub struct DriveSpec {
     pub id: String,
     /// `file=`.
     pub file: PathBuf,
-    /// `format=`; `None` means "probe and refuse a qcow2 image" (see [`crate::builder`]).
+    /// `format=`; `None` means "probe and refuse a qcow2 image" (see [`devices::builder`]).
     pub format: Option<ImageFormat>,
     /// `if=virtio` (default) creates a virtio-blk-pci device; `if=none` waits for a `-device`.
     pub if_none: bool,
@@ -485,33 +482,6 @@ pub fn parse_size(s: &str) -> Option<u64> {
         part = scaled / den;
     }
     u64::try_from(whole.checked_add(part)?).ok()
-}
-
-/// Parses a MAC address: six two-digit hex bytes separated by `:` or `-` (QEMU accepts
-/// both); the one MAC parser of both binaries.
-pub fn parse_mac(s: &str) -> std::result::Result<[u8; 6], String> {
-    let bad = || format!("'{s}' is not a MAC address (six hex bytes separated by ':' or '-')");
-    let sep = if s.contains('-') { '-' } else { ':' };
-    let parts: Vec<&str> = s.split(sep).collect();
-    if parts.len() != 6 {
-        return Err(bad());
-    }
-    let mut mac = [0u8; 6];
-    for (m, p) in mac.iter_mut().zip(parts) {
-        if p.len() != 2 {
-            return Err(bad());
-        }
-        *m = u8::from_str_radix(p, 16).map_err(|_| bad())?;
-    }
-    Ok(mac)
-}
-
-/// Formats a MAC address as `52:54:00:12:34:56`.
-pub fn format_mac(m: &[u8; 6]) -> String {
-    m.iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":")
 }
 
 // ---- property tables ----
@@ -1678,7 +1648,10 @@ mod tests {
         assert!(parse_mac("52:54:00:ab:cd").is_err());
         assert!(parse_mac("52:54:00:ab:cd:e").is_err());
         assert!(parse_mac("52:54-00:ab:cd:ef").is_err());
-        assert_eq!(format_mac(&DEFAULT_MAC), "52:54:00:12:34:56");
+        assert_eq!(
+            devices::options::format_mac(&DEFAULT_MAC),
+            "52:54:00:12:34:56"
+        );
         assert_eq!(
             split_props("file=a,,b,format=raw"),
             vec!["file=a,b", "format=raw"]

@@ -19,10 +19,11 @@
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
 //! * [`vhost`]: the vhost-user transport (`bouncevm-vhost`): any device core served to QEMU.
 //! * [`load`]: `bouncevm-load`, a vhost-user-blk front end that drives any back end at depth.
-//! * [`options`]: command-line options shared by the binaries (`--bounce`/`-bounce`).
-//! * [`builder`]: device construction shared by both binaries (image probing, bounce pool,
-//!   tap, device core); [`sock`]: unix sockets bound safely (mode 0600 by default, a live
-//!   server's socket never unlinked) and unpredictable private directories.
+//! * [`sock`]: unix sockets bound safely (mode 0600 by default, a live server's socket never
+//!   unlinked) and unpredictable private directories.
+//!
+//! The devices and how they are built from the command line's options (`devices::options`,
+//! `devices::builder`) live in the `devices` crate.
 //!
 //! The crate is x86_64-only.
 
@@ -30,7 +31,6 @@
 #![warn(missing_docs)]
 
 pub mod boot;
-pub mod builder;
 pub mod bus;
 pub mod cli;
 pub mod exit;
@@ -41,7 +41,6 @@ pub mod legacy;
 pub mod load;
 pub mod machine;
 pub mod memory;
-pub mod options;
 pub mod pci;
 pub mod qmp;
 pub mod sock;

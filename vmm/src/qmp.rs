@@ -816,7 +816,7 @@ mod tests {
         let img = std::env::temp_dir().join(format!("bvm-qmp-reset-{}.img", std::process::id()));
         std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
         let dev = |bounce: &str| {
-            let b = crate::builder::block(
+            let b = devices::builder::block(
                 &img,
                 Some(devices::block::io::ImageFormat::Raw),
                 true,

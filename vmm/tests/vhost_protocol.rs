@@ -496,7 +496,7 @@ fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_sl
         .set_len(1 << 20)
         .unwrap();
     let disk = DiskImage::open(&dir, ImageFormat::Raw, false).unwrap();
-    let opts: vmm::options::BounceOptions = "policy=force,slots=1024".parse().unwrap();
+    let opts: devices::options::BounceOptions = "policy=force,slots=1024".parse().unwrap();
     let (dma, pool) = opts.build(1).unwrap();
     let pool = pool.unwrap();
     let device = Block::new(disk, BlockConfig::default(), dma).unwrap();

@@ -24,12 +24,14 @@ use bounce::PoolStats;
 use clap::{Args, Parser, Subcommand};
 use devices::block::io::{AioMode, CacheMode, ImageFormat};
 use devices::block::BlockConfig;
+use devices::builder;
 use devices::net::{NetConfig, ShaperConfig};
+use devices::options::BounceOptions;
+use devices::options::{parse_mac, MAX_BLK_QUEUES};
 use devices::virtio::VirtioDevice;
-use vmm::options::BounceOptions;
+use vmm::sock;
 use vmm::vhost::layout::{MAX_NET_QUEUE_PAIRS, MAX_QUEUES};
 use vmm::vhost::{Memory, Server, SignalFd};
-use vmm::{builder, cli, sock};
 
 /// Serve bouncevm devices over vhost-user.
 #[derive(Parser, Debug)]
@@ -95,7 +97,7 @@ fn block_size(s: &str) -> Result<u32, String> {
 /// CPUs. Linux uses at most one queue per vCPU, so unused queues cost nothing.
 fn default_blk_queues() -> u16 {
     std::thread::available_parallelism()
-        .map(|n| n.get().min(usize::from(cli::MAX_BLK_QUEUES)) as u16)
+        .map(|n| n.get().min(usize::from(MAX_BLK_QUEUES)) as u16)
         .unwrap_or(1)
 }
 
@@ -143,7 +145,7 @@ struct NetArgs {
     /// The MAC address in the device's config space. QEMU's virtio-net-pci does not read it:
     /// the guest sees the MAC of QEMU's own -device (mac=, or QEMU's default); only a front
     /// end that reads the backend's config space sees this one.
-    #[arg(long, value_parser = cli::parse_mac, default_value = "52:54:00:12:34:56")]
+    #[arg(long, value_parser = parse_mac, default_value = "52:54:00:12:34:56")]
     mac: [u8; 6],
     /// Shape each queue pair to this line rate, in Gbit/s (e.g. 10).
     #[arg(long, value_name = "GBIT")]

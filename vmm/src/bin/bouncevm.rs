@@ -13,6 +13,7 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
 use devices::block::{BlockConfig, Disk, DiskImage};
+use devices::builder;
 use devices::net::NetConfig;
 use vmm::boot::linux::LinuxBootConfig;
 use vmm::cli::{self, Action, BlkSpec, Config, DeviceSpec, NetSpec};
@@ -23,7 +24,7 @@ use vmm::qmp::{self, BlockInfo, DeviceInfo, Monitor, QmpContext, ShutdownCause};
 use vmm::sock::BoundSocket;
 use vmm::vhost::SignalFd;
 use vmm::virtio_pci::{SharedVirtioDevice, VirtioPciDevice, VirtioPciOptions};
-use vmm::{builder, Machine, MachineConfig};
+use vmm::{Machine, MachineConfig};
 
 /// Restores the terminal on drop.
 struct RawTerminal(Option<libc::termios>);

@@ -1,4 +1,6 @@
-//! Command-line options shared by `bouncevm` (`-bounce`) and `bouncevm-vhost` (`--bounce`).
+//! Device options shared by `bouncevm` and `bouncevm-vhost`: the bounce option string
+//! (`-bounce` / `--bounce`) and the pool it builds, MAC addresses ([`parse_mac`]) and the
+//! virtio-blk queue limit ([`MAX_BLK_QUEUES`]).
 //!
 //! The bounce option is a comma-separated list of `key=value` pairs:
 //!
@@ -25,7 +27,7 @@
 //! ```
 //!
 //! ```
-//! use vmm::options::BounceOptions;
+//! use devices::options::BounceOptions;
 //! let o: BounceOptions = "policy=force,slots=4096,alloc=legacy".parse().unwrap();
 //! let cfg = o.pool_config(2);
 //! assert_eq!((cfg.slots, cfg.workers, cfg.allocator.name()), (4096, 2, "legacy"));
@@ -34,8 +36,8 @@
 use std::str::FromStr;
 use std::sync::Arc;
 
+use crate::block::io::OnFull;
 use bounce::{AllocatorKind, BouncePool, CopyOnMap, Dma, Policy, PoolConfig, PoolMode};
-use devices::block::io::OnFull;
 
 /// Errors of option parsing and of building a pool from options.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -232,6 +234,37 @@ impl BounceOptions {
         let pool = Arc::new(pool);
         Ok((Dma::bounced(self.policy, pool.clone()), Some(pool)))
     }
+}
+
+/// The most request queues of a virtio-blk device (`virtio-blk-pci`'s `num-queues=`,
+/// `bouncevm-vhost blk --queues`).
+pub const MAX_BLK_QUEUES: u16 = 64;
+
+/// Parses a MAC address: six two-digit hex bytes separated by `:` or `-` (QEMU accepts
+/// both); the one MAC parser of both binaries.
+pub fn parse_mac(s: &str) -> std::result::Result<[u8; 6], String> {
+    let bad = || format!("'{s}' is not a MAC address (six hex bytes separated by ':' or '-')");
+    let sep = if s.contains('-') { '-' } else { ':' };
+    let parts: Vec<&str> = s.split(sep).collect();
+    if parts.len() != 6 {
+        return Err(bad());
+    }
+    let mut mac = [0u8; 6];
+    for (m, p) in mac.iter_mut().zip(parts) {
+        if p.len() != 2 {
+            return Err(bad());
+        }
+        *m = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+    }
+    Ok(mac)
+}
+
+/// Formats a MAC address as `52:54:00:12:34:56`.
+pub fn format_mac(m: &[u8; 6]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 #[cfg(test)]

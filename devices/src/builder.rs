@@ -4,8 +4,8 @@
 //!
 //! ```no_run
 //! use devices::block::BlockConfig;
-//! use vmm::builder;
-//! use vmm::options::BounceOptions;
+//! use devices::builder;
+//! use devices::options::BounceOptions;
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let bounce: BounceOptions = "policy=force,slots=4096".parse()?;
 //! let blk = builder::block("disk.img".as_ref(), None, false, BlockConfig::default(), &bounce)?;
@@ -18,12 +18,11 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use bounce::{BouncePool, Dma};
-use devices::block::io::ImageFormat;
-use devices::block::{Block, BlockConfig, DiskImage};
-use devices::net::{Net, NetBackend, NetConfig, Tap};
-
+use crate::block::io::ImageFormat;
+use crate::block::{Block, BlockConfig, DiskImage};
+use crate::net::{Net, NetBackend, NetConfig, Tap};
 use crate::options::{BounceOptions, OptionsError};
+use bounce::{BouncePool, Dma};
 
 /// The qcow2 magic, `QFI\xfb`, at offset 0 of every qcow2 image.
 pub const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
