@@ -232,7 +232,7 @@ pub struct Config {
     /// `-bounce id=DEV,...`.
     pub bounce: Vec<(String, BounceOptions)>,
     /// `--socket-mode` (bouncevm's own flag): permission bits of the QMP socket (default
-    /// [`crate::sock::DEFAULT_SOCKET_MODE`], 0600).
+    /// [`bouncevm_common::sock::DEFAULT_SOCKET_MODE`], 0600).
     pub socket_mode: u32,
 }
 
@@ -784,7 +784,7 @@ const FLAGS: &[Flag] = &[
         parse: |p, f, a| {
             put(
                 &mut p.cfg.socket_mode,
-                crate::sock::parse_mode(a).map_err(|e| bad_flag(f, a, &e))?,
+                bouncevm_common::sock::parse_mode(a).map_err(|e| bad_flag(f, a, &e))?,
             )
         },
     },
@@ -863,7 +863,7 @@ impl Parser {
                 qmp: None,
                 bounce_default: None,
                 bounce: Vec::new(),
-                socket_mode: crate::sock::DEFAULT_SOCKET_MODE,
+                socket_mode: bouncevm_common::sock::DEFAULT_SOCKET_MODE,
             },
             kernel: None,
             nics: 0,

@@ -19,11 +19,10 @@
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
 //! * [`vhost`]: the vhost-user transport (`bouncevm-vhost`): any device core served to QEMU.
 //! * [`load`]: `bouncevm-load`, a vhost-user-blk front end that drives any back end at depth.
-//! * [`sock`]: unix sockets bound safely (mode 0600 by default, a live server's socket never
-//!   unlinked) and unpredictable private directories.
 //!
 //! The devices and how they are built from the command line's options (`devices::options`,
-//! `devices::builder`) live in the `devices` crate.
+//! `devices::builder`) live in the `devices` crate; safely bound sockets, the signalfd and the
+//! logger in `bouncevm-common`.
 //!
 //! The crate is x86_64-only.
 
@@ -43,7 +42,6 @@ pub mod machine;
 pub mod memory;
 pub mod pci;
 pub mod qmp;
-pub mod sock;
 pub mod vcpu;
 pub mod vhost;
 pub mod virtio_pci;
@@ -51,22 +49,6 @@ pub mod vm;
 
 pub use bus::{Bus, BusDevice};
 
-/// The environment variable both binaries read their log filter from (tracing env-filter
-/// syntax, e.g. `BOUNCEVM_LOG=info` or `BOUNCEVM_LOG=vmm::vhost=debug`).
-pub const LOG_ENV: &str = "BOUNCEVM_LOG";
-
-/// Installs the stderr logger of both binaries: the filter from [`LOG_ENV`], else `default`.
-pub fn init_logging(default: &str) {
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env(LOG_ENV)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
-        )
-        .init();
-}
 /// Command-line parsing of every binary (one line and exit 2 on a usage error).
 pub use bounce_tools::cli::{clap_error_line, parse_args};
 

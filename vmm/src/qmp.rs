@@ -38,7 +38,7 @@
 //! and enters S5, which ends the VM with a `SHUTDOWN` (`guest-shutdown`) event. A guest that
 //! ignores the button keeps running; `x-exit-now` ends it from the host.
 //!
-//! The socket is created mode 0600 unless told otherwise ([`crate::sock`]), never replaces a
+//! The socket is created mode 0600 unless told otherwise ([`bouncevm_common::sock`]), never replaces a
 //! socket a live process serves, and a client that sends nothing never delays the VMM's exit
 //! ([`Monitor::close`] shuts its connection down).
 
@@ -134,7 +134,7 @@ pub struct QmpContext {
 pub enum QmpError {
     /// Binding the socket failed.
     #[error(transparent)]
-    Bind(#[from] crate::sock::SockError),
+    Bind(#[from] bouncevm_common::sock::SockError),
     /// Waiting for the first client failed.
     #[error("waiting for a QMP client: {0}")]
     Accept(#[source] std::io::Error),
@@ -274,8 +274,11 @@ impl Monitor {
 ///
 /// # Errors
 /// [`QmpError::Bind`].
-pub fn bind(path: &std::path::Path, mode: u32) -> Result<crate::sock::BoundSocket, QmpError> {
-    Ok(crate::sock::BoundSocket::bind(path, mode)?)
+pub fn bind(
+    path: &std::path::Path,
+    mode: u32,
+) -> Result<bouncevm_common::sock::BoundSocket, QmpError> {
+    Ok(bouncevm_common::sock::BoundSocket::bind(path, mode)?)
 }
 
 /// Waits for the first client (`-qmp ...,server` without `nowait`); `None` when the VM was

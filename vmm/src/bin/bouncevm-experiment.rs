@@ -98,7 +98,7 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    vmm::init_logging("warn");
+    bouncevm_common::init_logging("warn");
     let s = match settings(&cli) {
         Ok(s) => s,
         Err(e) => {

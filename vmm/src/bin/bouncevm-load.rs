@@ -110,7 +110,7 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    vmm::init_logging("warn");
+    bouncevm_common::init_logging("warn");
     let (cfg, json) = match config(cli) {
         Ok(c) => c,
         Err(e) => {

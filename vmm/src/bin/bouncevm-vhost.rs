@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use bounce::PoolStats;
+use bouncevm_common::sock;
 use clap::{Args, Parser, Subcommand};
 use devices::block::io::{AioMode, CacheMode, ImageFormat};
 use devices::block::BlockConfig;
@@ -29,7 +30,6 @@ use devices::net::{NetConfig, ShaperConfig};
 use devices::options::BounceOptions;
 use devices::options::{parse_mac, MAX_BLK_QUEUES};
 use devices::virtio::VirtioDevice;
-use vmm::sock;
 use vmm::vhost::layout::{MAX_NET_QUEUE_PAIRS, MAX_QUEUES};
 use vmm::vhost::{Memory, Server, SignalFd};
 
@@ -284,7 +284,7 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    vmm::init_logging("info");
+    bouncevm_common::init_logging("info");
     match run(cli, signals) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

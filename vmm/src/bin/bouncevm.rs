@@ -12,6 +12,8 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
+use bouncevm_common::sock::BoundSocket;
+use bouncevm_common::SignalFd;
 use devices::block::{BlockConfig, Disk, DiskImage};
 use devices::builder;
 use devices::net::NetConfig;
@@ -21,8 +23,6 @@ use vmm::exit::{ExitHandle, ExitReason};
 use vmm::legacy::SerialConsole;
 use vmm::machine::MachineExit;
 use vmm::qmp::{self, BlockInfo, DeviceInfo, Monitor, QmpContext, ShutdownCause};
-use vmm::sock::BoundSocket;
-use vmm::vhost::SignalFd;
 use vmm::virtio_pci::{SharedVirtioDevice, VirtioPciDevice, VirtioPciOptions};
 use vmm::{Machine, MachineConfig};
 
@@ -387,7 +387,7 @@ fn main() -> ExitCode {
         Ok(s) => s,
         Err(e) => return fail(format!("cannot set up signal handling: {e}")),
     };
-    vmm::init_logging("warn");
+    bouncevm_common::init_logging("warn");
     let cfg = match cli::parse_action(std::env::args().skip(1)) {
         Ok(Action::Run(c)) => *c,
         Ok(Action::Help) => {

@@ -17,5 +17,6 @@ pub mod report;
 pub mod server;
 
 pub use backend::{Memory, VhostUserDevice};
+pub use bouncevm_common::SignalFd;
 pub use layout::QueueLayout;
-pub use server::{Server, ServerError, SignalFd, StopHandle};
+pub use server::{Server, ServerError, StopHandle};

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
+use bouncevm_common::SignalFd;
 use devices::virtio::VirtioDevice;
 use serde_json::{json, Value};
 use vhost::vhost_user::Error as VhostUserError;
@@ -69,12 +70,12 @@ fn os(what: &'static str) -> impl FnOnce(io::Error) -> ServerError {
 }
 
 /// Binds a listening socket at `path` with mode 0600: refuses when a live server answers
-/// there or the path is not a socket; replaces a stale socket file (see [`crate::sock`]).
+/// there or the path is not a socket; replaces a stale socket file (see [`bouncevm_common::sock`]).
 ///
 /// # Errors
 /// [`ServerError::SocketInUse`], [`ServerError::NotASocket`], [`ServerError::Bind`].
 pub fn bind_socket(path: &Path) -> Result<UnixListener> {
-    bind_socket_mode(path, crate::sock::DEFAULT_SOCKET_MODE)
+    bind_socket_mode(path, bouncevm_common::sock::DEFAULT_SOCKET_MODE)
 }
 
 /// [`bind_socket`] with permission bits `mode`.
@@ -82,78 +83,12 @@ pub fn bind_socket(path: &Path) -> Result<UnixListener> {
 /// # Errors
 /// As [`bind_socket`].
 pub fn bind_socket_mode(path: &Path, mode: u32) -> Result<UnixListener> {
-    use crate::sock::SockError;
-    crate::sock::bind_unix(path, mode).map_err(|e| match e {
+    use bouncevm_common::sock::SockError;
+    bouncevm_common::sock::bind_unix(path, mode).map_err(|e| match e {
         SockError::InUse(p) => ServerError::SocketInUse(p),
         SockError::NotASocket(p) => ServerError::NotASocket(p),
         SockError::Bind { path, source } => ServerError::Bind { path, source },
     })
-}
-
-/// Blocked signals read through a signalfd.
-#[derive(Debug)]
-pub struct SignalFd {
-    fd: OwnedFd,
-}
-
-impl SignalFd {
-    /// Blocks `signals` in the calling thread (and in every thread it spawns afterwards) and
-    /// opens a signalfd for them. Call it before any thread is spawned, so no other thread
-    /// receives them.
-    ///
-    /// # Errors
-    /// The mask or the signalfd could not be set up.
-    pub fn new(signals: &[libc::c_int]) -> io::Result<Self> {
-        // SAFETY: sigset_t is plain data; sigemptyset initialises it before any other use.
-        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a valid, writable sigset_t.
-        unsafe { libc::sigemptyset(&mut set) };
-        for &s in signals {
-            // SAFETY: `set` is initialised; an invalid signal number only returns an error.
-            if unsafe { libc::sigaddset(&mut set, s) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        // SAFETY: `set` is initialised; a null old-set pointer is allowed.
-        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
-        if rc != 0 {
-            return Err(io::Error::from_raw_os_error(rc));
-        }
-        // SAFETY: `set` is initialised; -1 asks for a new descriptor.
-        let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: signalfd returned a new descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Self { fd })
-    }
-
-    /// The next pending signal, if any.
-    pub fn read(&self) -> Option<libc::c_int> {
-        // SAFETY: signalfd_siginfo is plain data.
-        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
-        let len = std::mem::size_of::<libc::signalfd_siginfo>();
-        // SAFETY: `info` is valid and writable for `len` bytes.
-        let n = unsafe {
-            libc::read(
-                self.fd.as_raw_fd(),
-                (&mut info as *mut libc::signalfd_siginfo).cast(),
-                len,
-            )
-        };
-        if n == len as isize {
-            libc::c_int::try_from(info.ssi_signo).ok()
-        } else {
-            None
-        }
-    }
-}
-
-impl AsRawFd for SignalFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
-    }
 }
 
 /// A handle that stops a running [`Server::run`] from another thread.
@@ -231,7 +166,12 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
     /// the socket is touched); as [`bind_socket`]; [`ServerError::Os`] when the stop event
     /// cannot be created.
     pub fn bind(name: &str, device: D, socket: &Path) -> Result<Self> {
-        Self::bind_mode(name, device, socket, crate::sock::DEFAULT_SOCKET_MODE)
+        Self::bind_mode(
+            name,
+            device,
+            socket,
+            bouncevm_common::sock::DEFAULT_SOCKET_MODE,
+        )
     }
 
     /// [`Server::bind`] with the socket's permission bits `mode`.
@@ -264,7 +204,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
     /// # Errors
     /// As [`bind_socket`].
     pub fn with_stats_socket(self, path: &Path) -> Result<Self> {
-        self.with_stats_socket_mode(path, crate::sock::DEFAULT_SOCKET_MODE)
+        self.with_stats_socket_mode(path, bouncevm_common::sock::DEFAULT_SOCKET_MODE)
     }
 
     /// [`Server::with_stats_socket`] with the socket's permission bits `mode`.
@@ -568,7 +508,7 @@ fn connect_daemon<D: VirtioDevice<Memory> + 'static>(
     let unique = NEXT.fetch_add(1, Ordering::Relaxed);
     // mkdtemp: a 0700 directory with an unpredictable name (a predictable name under /tmp
     // lets another user pre-create it or race the bind).
-    let dir = crate::sock::private_dir(&format!(
+    let dir = bouncevm_common::sock::private_dir(&format!(
         "bouncevm-vhost.{}.{n}.{unique}.",
         std::process::id()
     ))?;
