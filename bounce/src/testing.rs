@@ -12,7 +12,8 @@
 //!   to `all` when `CI=true` (`.ci/run`), where every one of them is expected to exist.
 //!
 //! And the configuration every property-based fuzz target of the workspace runs with
-//! ([`fuzz_config`]): `BVM_FUZZ_CASES` and `BVM_FUZZ_SEED`.
+//! ([`fuzz_config`]): `BVM_FUZZ_CASES` and `BVM_FUZZ_SEED`; and where another package's
+//! binary is ([`workspace_bin`]).
 
 use std::io::Write;
 
@@ -104,6 +105,31 @@ pub fn qemu_img_available() -> bool {
         );
     }
     runs
+}
+
+/// The path of `name`, a binary of another package of the workspace, in the target directory
+/// the calling test runs from (`target/<profile>/`, the parent of the test's `deps/`). An
+/// integration test gets `CARGO_BIN_EXE_<name>` only for its own package's binaries; `cargo
+/// test --workspace` and `./tests/run` (`cargo build --workspace --release --bins` first) put
+/// every binary there.
+///
+/// # Panics
+/// When the binary is not there: the test cannot run it, and a missing build is not a
+/// missing resource of the machine.
+pub fn workspace_bin(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let dir = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("a test executable lives in target/<profile>/deps");
+    let bin = dir.join(name);
+    assert!(
+        bin.is_file(),
+        "{} is missing: build the workspace's binaries with this test's profile first \
+         (cargo build --workspace --bins, with --release for a release test)",
+        bin.display()
+    );
+    bin
 }
 
 /// The seed every fuzz target runs with unless `BVM_FUZZ_SEED` says otherwise.

@@ -49,6 +49,11 @@
 //! Workers run through [`Dispatcher`], the transports' dispatcher, so tests see the worker
 //! contract of production (only ready, valid, enabled queues). A worker that breaks is parked
 //! ([`TestDriver::broken`]) and not called again, as a transport would set DEVICE_NEEDS_RESET.
+//!
+//! [`durable`] holds the crash-durability checks of block images (raw and qcow2) that the
+//! SIGKILL tests of both transports' binaries share.
+
+pub mod durable;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

@@ -17,7 +17,6 @@
 //!   through ioeventfd) for `devices::virtio::VirtioDevice`s.
 //! * [`cli`]: the `bouncevm` command line; [`qmp`]: the QMP monitor.
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
-//! * [`vhost`]: the vhost-user transport (`bouncevm-vhost`): any device core served to QEMU.
 //! * [`load`]: `bouncevm-load`, a vhost-user-blk front end that drives any back end at depth.
 //!
 //! The devices and how they are built from the command line's options (`devices::options`,
@@ -43,7 +42,6 @@ pub mod memory;
 pub mod pci;
 pub mod qmp;
 pub mod vcpu;
-pub mod vhost;
 pub mod virtio_pci;
 pub mod vm;
 

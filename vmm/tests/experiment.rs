@@ -7,13 +7,16 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
-use bounce::testing::{missing, Resource};
+use bounce::testing::{missing, workspace_bin, Resource};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_bouncevm-experiment");
-const VHOST: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
+/// Another package's binary (see `bounce::testing::workspace_bin`).
+static VHOST: LazyLock<String> =
+    LazyLock::new(|| workspace_bin("bouncevm-vhost").display().to_string());
 
 struct TmpDir(PathBuf);
 
@@ -66,7 +69,7 @@ fn net_prerequisites() -> bool {
 
 fn run_quick(preset: &str, out: &Path) -> String {
     let o = Command::new(BIN)
-        .args([preset, "--quick", "--vhost", VHOST, "--out"])
+        .args([preset, "--quick", "--vhost", VHOST.as_str(), "--out"])
         .arg(out)
         .stdin(Stdio::null())
         .output()
@@ -251,7 +254,7 @@ fn bad_usage_and_missing_prerequisites_are_one_line_and_distinct_statuses() {
     );
     // A net preset without dpdk-testpmd on PATH says what to install.
     let o = Command::new(BIN)
-        .args(["seed-2012-phys", "--quick", "--vhost", VHOST])
+        .args(["seed-2012-phys", "--quick", "--vhost", VHOST.as_str()])
         .env("PATH", "/nonexistent")
         .output()
         .unwrap();
@@ -266,7 +269,13 @@ fn bad_usage_and_missing_prerequisites_are_one_line_and_distinct_statuses() {
     }
     // A guest-level net preset without python3 on PATH (the rig-1 driver): said, not run.
     let o = Command::new(BIN)
-        .args(["seed-2015-iova", "--level", "guest", "--vhost", VHOST])
+        .args([
+            "seed-2015-iova",
+            "--level",
+            "guest",
+            "--vhost",
+            VHOST.as_str(),
+        ])
         .env("PATH", "/nonexistent")
         .output()
         .unwrap();
@@ -286,7 +295,7 @@ fn ctrl_c_stops_cleanly_and_keeps_what_was_measured() {
             "--rounds",
             "50",
             "--vhost",
-            VHOST,
+            VHOST.as_str(),
             "--out",
         ])
         .arg(&d.0)

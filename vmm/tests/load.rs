@@ -9,10 +9,12 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use bounce::testing::workspace_bin;
+use bouncevm_vhost::{Memory, Server};
 use devices::block::{req_type, status};
 use devices::virtio::{
     features, ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent,
@@ -21,10 +23,11 @@ use serde_json::Value;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes};
 use vmm::load::{Error, LoadConfig, Rw};
-use vmm::vhost::{Memory, Server};
 
 const LOAD: &str = env!("CARGO_BIN_EXE_bouncevm-load");
-const VHOST: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
+/// Another package's binary (see `bounce::testing::workspace_bin`).
+static VHOST: LazyLock<String> =
+    LazyLock::new(|| workspace_bin("bouncevm-vhost").display().to_string());
 
 fn dir() -> PathBuf {
     static N: AtomicU64 = AtomicU64::new(0);
@@ -71,7 +74,7 @@ fn wait_for(path: &Path) {
 fn ours(dir: &Path, img: &Path, queues: u16) -> (Proc, PathBuf, PathBuf) {
     let sock = dir.join("ours.sock");
     let stats = dir.join("ours.stats");
-    let child = Command::new(VHOST)
+    let child = Command::new(VHOST.as_str())
         .args(["blk", "--socket"])
         .arg(&sock)
         .arg("--file")

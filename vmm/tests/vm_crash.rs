@@ -20,11 +20,11 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use bounce::testing::qemu_img_available;
-use common::durable::{
-    assert_acknowledged, assert_consistent, crash_offset, crash_pattern, create_image, read_back,
-};
 use common::*;
 use devices::block::features as blk;
+use devices::testing::durable::{
+    assert_acknowledged, assert_consistent, crash_offset, crash_pattern, create_image, read_back,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_bouncevm");
 /// The virtio-blk-pci function of the only `-drive if=virtio`: 00:01.0.

@@ -13,7 +13,7 @@ pub mod sock;
 pub use signal::SignalFd;
 
 /// The environment variable the binaries read their log filter from (tracing env-filter
-/// syntax, e.g. `BOUNCEVM_LOG=info` or `BOUNCEVM_LOG=vmm::vhost=debug`).
+/// syntax, e.g. `BOUNCEVM_LOG=info` or `BOUNCEVM_LOG=bouncevm_vhost=debug`).
 pub const LOG_ENV: &str = "BOUNCEVM_LOG";
 
 /// Installs the stderr logger of the binaries: the filter from [`LOG_ENV`], else `default`.

@@ -3,8 +3,6 @@
 
 #![allow(dead_code)]
 
-pub mod durable;
-
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 

@@ -22,6 +22,8 @@ use std::process::ExitCode;
 
 use bounce::PoolStats;
 use bouncevm_common::sock;
+use bouncevm_vhost::layout::{MAX_NET_QUEUE_PAIRS, MAX_QUEUES};
+use bouncevm_vhost::{Memory, Server, SignalFd};
 use clap::{Args, Parser, Subcommand};
 use devices::block::io::{AioMode, CacheMode, ImageFormat};
 use devices::block::BlockConfig;
@@ -30,8 +32,6 @@ use devices::net::{NetConfig, ShaperConfig};
 use devices::options::BounceOptions;
 use devices::options::{parse_mac, MAX_BLK_QUEUES};
 use devices::virtio::VirtioDevice;
-use vmm::vhost::layout::{MAX_NET_QUEUE_PAIRS, MAX_QUEUES};
-use vmm::vhost::{Memory, Server, SignalFd};
 
 /// Serve bouncevm devices over vhost-user.
 #[derive(Parser, Debug)]
@@ -280,7 +280,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let cli: Cli = match vmm::parse_args("bouncevm-vhost", " (see --help)") {
+    let cli: Cli = match bounce_tools::cli::parse_args("bouncevm-vhost", " (see --help)") {
         Ok(c) => c,
         Err(code) => return code,
     };

@@ -4,7 +4,6 @@
 //! image: raw, and qcow2 made by `qemu-img create` whose writes allocate clusters and L2
 //! tables (the image must then pass `qemu-img check` and read back through `qemu-img`).
 
-mod common;
 mod vhost_support;
 
 use std::path::{Path, PathBuf};
@@ -12,8 +11,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bounce::testing::qemu_img_available;
-use common::durable::{assert_acknowledged, crash_offset, crash_pattern, create_image, read_back};
 use devices::block::features as blk;
+use devices::testing::durable::{
+    assert_acknowledged, crash_offset, crash_pattern, create_image, read_back,
+};
 use devices::virtio::features;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::Driver;

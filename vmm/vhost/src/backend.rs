@@ -46,8 +46,8 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
-use super::layout::QueueLayout;
-use super::report::Report;
+use crate::layout::QueueLayout;
+use crate::report::Report;
 
 /// Guest memory as the vhost-user backend maps it (no dirty-page bitmap).
 pub type Memory = GuestMemoryMmap<()>;

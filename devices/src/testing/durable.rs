@@ -1,7 +1,8 @@
-//! Crash-durability checks shared by the SIGKILL tests of `bouncevm-vhost` (blk_crash.rs)
-//! and `bouncevm` (vm_crash.rs): the images (raw, or qcow2 made by `qemu-img create`), the
-//! data each numbered write carries and where it lands, and the read-back after the kill
-//! (`qemu-img check` first for qcow2, then `qemu-img convert -O raw`).
+//! Crash-durability checks shared by the SIGKILL tests of `bouncevm-vhost`
+//! (`vmm/vhost/tests/blk_crash.rs`) and `bouncevm` (`vmm/tests/vm_crash.rs`): the images
+//! (raw, or qcow2 made by `qemu-img create`), the data each numbered write carries and where
+//! it lands, and the read-back after the kill (`qemu-img check` first for qcow2, then
+//! `qemu-img convert -O raw`).
 //!
 //! A SIGKILL leaves the host page cache intact, so data that only reached the page cache
 //! reads back fine although a host crash would lose it. [`read_back`] therefore also checks

@@ -1,5 +1,7 @@
-//! The vhost-user transport: serves any [`devices::virtio::VirtioDevice`] to a vhost-user
-//! frontend such as QEMU's `vhost-user-blk-pci` and `vhost-user-net-pci`.
+//! bouncevm's vhost-user back end: serves any [`devices::virtio::VirtioDevice`] (bouncevm's
+//! virtio-blk and virtio-net cores, every DMA through the bounce module) to a vhost-user
+//! frontend such as QEMU's `vhost-user-blk-pci` and `vhost-user-net-pci`. The crate's binary is
+//! `bouncevm-vhost`; it needs no KVM and builds on any Linux architecture.
 //!
 //! - [`backend`]: [`VhostUserDevice`], the adapter between a device core and
 //!   `vhost-user-backend` (features, configuration space, one thread per queue group, worker
@@ -9,6 +11,8 @@
 //!   accepting QEMU 7.2's `SET_VRING_ENABLE` before `SET_FEATURES`;
 //! - [`report`]: a broken worker reported to the frontend (vring error fds, DEVICE_NEEDS_RESET);
 //! - [`server`]: the listening socket, one connection after another, signals, statistics.
+
+#![warn(missing_docs)]
 
 pub mod backend;
 pub mod layout;

@@ -38,7 +38,7 @@ use std::thread::{self, JoinHandle};
 
 use serde::Serialize;
 
-use super::report::Report;
+use crate::report::Report;
 use vhost::vhost_user::message::{
     FrontendReq, VhostUserProtocolFeatures, VhostUserVirtioFeatures, MAX_ATTACHED_FD_ENTRIES,
 };

@@ -22,7 +22,7 @@
 //!
 //! `BVM_FUZZ_CASES` (default 48) and `BVM_FUZZ_SEED` as for the other fuzz targets
 //! ([`bounce::testing::fuzz_config`]); a longer run:
-//! `BVM_FUZZ_CASES=10000 BVM_FUZZ_SEED=random cargo test --release -p vmm --test vhost_fuzz`.
+//! `BVM_FUZZ_CASES=10000 BVM_FUZZ_SEED=random cargo test --release -p bouncevm-vhost --test vhost_fuzz`.
 
 mod vhost_support;
 
@@ -34,12 +34,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use bouncevm_vhost::relay::{recv_message, send_message, Message, FLAG_NEED_REPLY, FLAG_VERSION};
 use devices::virtio::features;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use vhost_support::{blk_request, blk_session, blk_status, wait_used, BLK_DATA, BLK_IN, BLK_OUT};
 use vm_memory::{Bytes, GuestAddress};
-use vmm::vhost::relay::{recv_message, send_message, Message, FLAG_NEED_REPLY, FLAG_VERSION};
 use vmm_sys_util::eventfd::EventFd;
 
 const BIN: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
@@ -749,10 +749,10 @@ fn sessions_leave_no_file_descriptors_behind() {
 /// must stop doing so (it would close a descriptor twice).
 #[test]
 fn vhost_user_backend_leaves_its_exit_events_open() {
+    use bouncevm_vhost::VhostUserDevice;
     use std::sync::Arc;
     use vhost_user_backend::VhostUserDaemon;
     use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
-    use vmm::vhost::VhostUserDevice;
 
     let adapter = Arc::new(VhostUserDevice::new(vhost_support::EchoDevice::new(2)));
     let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());

@@ -28,9 +28,9 @@ use vhost_user_backend::{Error as DaemonError, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use super::backend::{Memory, VhostUserDevice};
-use super::layout::{check_queue_count, LayoutError};
-use super::relay::{Relay, RelayStats};
+use crate::backend::{Memory, VhostUserDevice};
+use crate::layout::{check_queue_count, LayoutError};
+use crate::relay::{Relay, RelayStats};
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bouncevm_vhost::Memory;
 use devices::virtio::{
     features, ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent,
 };
@@ -21,7 +22,6 @@ use vm_memory::{
     Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap,
     GuestMemoryRegion,
 };
-use vmm::vhost::Memory;
 use vmm_sys_util::eventfd::EventFd;
 
 /// Device type used by the echo device (not a real virtio type).
@@ -320,13 +320,13 @@ impl Driver {
         flags: u32,
         body: &[u8],
         reply: bool,
-    ) -> Option<vmm::vhost::relay::Message> {
-        let msg = vmm::vhost::relay::Message::new(request, flags, body.to_vec());
-        vmm::vhost::relay::send_message(&self.raw, &msg).unwrap();
+    ) -> Option<bouncevm_vhost::relay::Message> {
+        let msg = bouncevm_vhost::relay::Message::new(request, flags, body.to_vec());
+        bouncevm_vhost::relay::send_message(&self.raw, &msg).unwrap();
         if !reply {
             return None;
         }
-        let r = vmm::vhost::relay::recv_message(&self.raw)
+        let r = bouncevm_vhost::relay::recv_message(&self.raw)
             .expect("reply")
             .expect("the backend closed the connection instead of replying");
         assert_eq!(r.request, request, "reply to another request");

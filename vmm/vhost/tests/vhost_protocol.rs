@@ -12,6 +12,7 @@ use std::thread;
 use std::time::Duration;
 
 use bounce::Dma;
+use bouncevm_vhost::{Memory, Server, VhostUserDevice};
 use devices::net::{MemBackend, Net, NetBackend, NetConfig};
 use devices::virtio::{features, VirtioDevice};
 use vhost::vhost_user::message::{
@@ -26,7 +27,6 @@ use vhost_support::{
 };
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
-use vmm::vhost::{Memory, Server, VhostUserDevice};
 
 fn socket_path(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("bouncevm-vhost-test-{}", std::process::id()));
@@ -44,7 +44,7 @@ fn start_server(
 ) -> (
     PathBuf,
     thread::JoinHandle<Server<EchoDevice>>,
-    vmm::vhost::StopHandle,
+    bouncevm_vhost::StopHandle,
 ) {
     let path = socket_path(name);
     let mut server = Server::bind("echo", device, &path).unwrap();
@@ -64,7 +64,7 @@ fn start_server_with_stats<D: VirtioDevice<Memory> + 'static>(
     PathBuf,
     PathBuf,
     thread::JoinHandle<Server<D>>,
-    vmm::vhost::StopHandle,
+    bouncevm_vhost::StopHandle,
 ) {
     let path = socket_path(name);
     let stats_path = socket_path(&format!("{name}.stats"));
