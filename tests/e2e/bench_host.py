@@ -33,7 +33,7 @@ with the same load generator (ours from target/release). --pin BACKEND_CPUS:LOAD
 1:0) runs every back end, qsd and ours alike, io_uring workers included, on the first CPUs and
 the load generator on the others: the scheduler then no longer moves the three kinds of thread
 about, and a row's rounds repeat more closely. A benchmark, not a test: run it on a quiet
-machine and report the spread. Build first: cargo build --release -p vmm.
+machine and report the spread. Build first: cargo build --release -p bouncevm-vhost -p bouncevm-load.
 """
 
 import argparse
@@ -324,7 +324,7 @@ def main():
             die(f"unknown disk {d} (expected file, mem)")
     for b in ("bouncevm-load", "bouncevm-vhost"):
         if not (BIN / b).exists():
-            die(f"{BIN / b} is missing: cargo build --release -p vmm")
+            die(f"{BIN / b} is missing: cargo build --release -p {b}")
     if "qsd" in variants and not shutil.which("qemu-storage-daemon"):
         die("qemu-storage-daemon is not on PATH (apt-get install qemu-utils)")
     # bin name -> (bouncevm-vhost, its cache/aio flags, the cache mode they give)

@@ -35,7 +35,7 @@ busy-polling forwarding core (CPU 1); unpinned, the scheduler sometimes places t
 badly, so that a sample lands about 15 % low whatever the variant (README.md, net at host
 speed, has the A/A runs that show it).
 --perf-dir records `perf record -e cpu-clock -F 5000 -g` of the back end over every measured window. testpmd busy-polls one core: absolute figures depend on the
-machine's load; state it with the figures. Build first: cargo build --release -p vmm.
+machine's load; state it with the figures. Build first: cargo build --release -p bouncevm-vhost.
 """
 
 import argparse
@@ -260,7 +260,7 @@ def main():
             die(f"--backend-bin {spec!r}: expected LABEL=PATH of an existing binary")
         BINS[label] = Path(path).resolve()
     if not BINS and not VHOST.exists():
-        die(f"{VHOST} is missing: cargo build --release -p vmm")
+        die(f"{VHOST} is missing: cargo build --release -p bouncevm-vhost")
     sizes = [int(s) for s in args.sizes.split(",")]
     base_variants = list(VARIANTS)
     variants = [f"{b}:{v}" for b in BINS for v in base_variants] if BINS else base_variants

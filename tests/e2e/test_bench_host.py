@@ -132,7 +132,7 @@ def test_every_benchmark_variant_builds_the_pool_it_names(tmp_path, variant):
     key would fail here, not minutes into a benchmark run)."""
     vhost = BIN / "bouncevm-vhost"
     if not vhost.is_file():
-        pytest.fail(f"{vhost} is missing: cargo build --release -p vmm")
+        pytest.fail(f"{vhost} is missing: cargo build --release -p bouncevm-vhost")
     opts = dict(item.split("=", 1) for item in BOUNCE_VARIANTS[variant].split(","))
     image = tmp_path / "disk.img"
     image.write_bytes(b"\0" * (1 << 20))

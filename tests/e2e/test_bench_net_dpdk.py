@@ -29,7 +29,7 @@ def test_bench_net_dpdk_runs_and_reports_every_row(tmp_path, pin):
     require_tun()
     require_cmd("dpdk-testpmd")
     if not VHOST.is_file():
-        pytest.fail(f"{VHOST} is missing: cargo build --release -p vmm")
+        pytest.fail(f"{VHOST} is missing: cargo build --release -p bouncevm-vhost")
     out = tmp_path / "net.json"
     argv = [sys.executable, str(REPO / "tests/e2e/bench_net_dpdk.py"), "--rounds", "1",
             "--seconds", "2", "--warmup", "1", "--sizes", "64", "--variants", ",".join(NAMED),

@@ -17,7 +17,6 @@
 //!   through ioeventfd) for `devices::virtio::VirtioDevice`s.
 //! * [`cli`]: the `bouncevm` command line; [`qmp`]: the QMP monitor.
 //! * [`machine`]: a [`machine::Machine`] that wires all of the above together and runs it.
-//! * [`load`]: `bouncevm-load`, a vhost-user-blk front end that drives any back end at depth.
 //!
 //! The devices and how they are built from the command line's options (`devices::options`,
 //! `devices::builder`) live in the `devices` crate; safely bound sockets, the signalfd and the
@@ -36,7 +35,6 @@ pub mod experiment;
 pub mod irq;
 pub mod layout;
 pub mod legacy;
-pub mod load;
 pub mod machine;
 pub mod memory;
 pub mod pci;

@@ -1,7 +1,7 @@
 //! Host-level block samples: a fresh `bouncevm-vhost blk` per sample (so each sample's pool
 //! statistics are its own) on a raw image in tmpfs (`/dev/shm`: the seeds used RAM-backed
 //! devices), opened `cache=none` with io_uring, driven in-process by the load generator
-//! ([`crate::load::run`], the library behind `bouncevm-load`).
+//! ([`bouncevm_load::run`], the library behind `bouncevm-load`).
 //!
 //! Per sample: IOPS and MB/s (read or write, whichever the pattern does), the backend's CPU time
 //! per I/O (user + system of all its threads, `/proc/PID/stat`), and from its statistics socket
@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use super::host::{self, BackendPaths, WorkDir};
 use super::{backend_pool, Error, Result, Sample, Workload};
-use crate::load::LoadConfig;
+use bouncevm_load::LoadConfig;
 
 /// Image size (bytes) of a full run and of `--quick`.
 const IMAGE_BYTES: u64 = 256 << 20;
@@ -110,7 +110,7 @@ impl BlockDriver {
             ..LoadConfig::new(paths.sock.clone())
         };
         let cpu0 = backend.cpu_ns();
-        let report = crate::load::run(&cfg).map_err(|e| match backend.running() {
+        let report = bouncevm_load::run(&cfg).map_err(|e| match backend.running() {
             true => Error::Load(e),
             false => Error::Run(format!("backend died: {e}: {}", backend.log_tail())),
         })?;

@@ -307,7 +307,7 @@ pub fn require_binary(binary: &Path) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Missing(format!(
-            "{} is missing: build it with `cargo build --release -p vmm`",
+            "{} is missing: build it with `cargo build --release -p bouncevm-vhost`",
             binary.display()
         )))
     }

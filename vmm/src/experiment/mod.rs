@@ -10,7 +10,7 @@
 //!
 //! Drivers, per [`Workload`] and [`Level`]:
 //! - [`block`]: `bouncevm-vhost blk` on a tmpfs image, driven in-process by the load generator
-//!   ([`crate::load::run`]); host CPU per I/O from `/proc/PID/stat`, pool statistics (lock wait,
+//!   ([`bouncevm_load::run`]); host CPU per I/O from `/proc/PID/stat`, pool statistics (lock wait,
 //!   map/copy/unmap time) from the backend's statistics socket.
 //! - [`net`]: `bouncevm-vhost net` on a tap inside a network namespace created for the sample,
 //!   driven by DPDK's `virtio_user` front end (`dpdk-testpmd`, txonly).
@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use bounce_tools::report::{self, Meta, Summary};
 use serde::Serialize;
 
-use crate::load::Rw;
+use bouncevm_load::Rw;
 
 /// Errors of an experiment run. Each is one line.
 #[derive(Debug, thiserror::Error)]
@@ -55,7 +55,7 @@ pub enum Error {
     },
     /// The load generator failed.
     #[error("load generator: {0}")]
-    Load(#[from] crate::load::Error),
+    Load(#[from] bouncevm_load::Error),
     /// A backend, front end or guest misbehaved or gave no figures.
     #[error("{0}")]
     Run(String),

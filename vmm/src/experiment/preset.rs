@@ -5,7 +5,7 @@
 use bounce::{AllocatorKind, PoolMode};
 
 use super::{Cell, Level, Metric, Plan, PresetName, Workload};
-use crate::load::Rw;
+use bouncevm_load::Rw;
 
 const IOPS: Metric = Metric {
     key: "iops",

@@ -20,16 +20,18 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use vmm::load::{LoadConfig, Rw};
+//! use bouncevm_load::{LoadConfig, Rw};
 //! let cfg = LoadConfig {
 //!     rw: Rw::RandRead,
 //!     iodepth: 32,
 //!     runtime: Some(Duration::from_secs(5)),
 //!     ..LoadConfig::new("/tmp/blk.sock".into())
 //! };
-//! let report = vmm::load::run(&cfg).unwrap();
+//! let report = bouncevm_load::run(&cfg).unwrap();
 //! println!("{}", report.total.read.as_ref().unwrap().iops);
 //! ```
+
+#![warn(missing_docs)]
 
 pub mod job;
 pub mod pattern;

@@ -15,9 +15,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use bouncevm_load::session::Wanted;
+use bouncevm_load::{format_report, parse_bytes, LoadConfig, Rw};
 use clap::Parser;
-use vmm::load::session::Wanted;
-use vmm::load::{format_report, parse_bytes, LoadConfig, Rw};
 
 /// A vhost-user-blk front end that runs fio-like jobs against a back end.
 #[derive(Parser, Debug)]
@@ -106,7 +106,7 @@ fn config(cli: Cli) -> Result<(LoadConfig, bool), String> {
 }
 
 fn main() -> ExitCode {
-    let cli: Cli = match vmm::parse_args("bouncevm-load", "") {
+    let cli: Cli = match bounce_tools::cli::parse_args("bouncevm-load", "") {
         Ok(c) => c,
         Err(code) => return code,
     };
@@ -118,7 +118,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match vmm::load::run(&cfg) {
+    match bouncevm_load::run(&cfg) {
         Ok(report) => {
             let text = if json {
                 match serde_json::to_string(&report) {

@@ -20,8 +20,8 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::ring::RingLayout;
-use super::{Error, Result};
+use crate::ring::RingLayout;
+use crate::{Error, Result};
 
 /// Bytes of the config space read: up to and including `num_queues` (virtio 1.2, 5.2.4).
 const CONFIG_LEN: u32 = 36;

@@ -14,6 +14,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use bounce::testing::workspace_bin;
+use bouncevm_load::{Error, LoadConfig, Rw};
 use bouncevm_vhost::{Memory, Server};
 use devices::block::{req_type, status};
 use devices::virtio::{
@@ -22,7 +23,6 @@ use devices::virtio::{
 use serde_json::Value;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes};
-use vmm::load::{Error, LoadConfig, Rw};
 
 const LOAD: &str = env!("CARGO_BIN_EXE_bouncevm-load");
 /// Another package's binary (see `bounce::testing::workspace_bin`).
@@ -525,7 +525,7 @@ impl QueueWorker<Memory> for FakeWorker {
 fn against_fake(
     fault: Fault,
     cfg: impl FnOnce(PathBuf) -> LoadConfig,
-) -> vmm::load::Result<vmm::load::Report> {
+) -> bouncevm_load::Result<bouncevm_load::Report> {
     let d = dir();
     let sock = d.join("fake.sock");
     let device = FakeBlk {
@@ -542,7 +542,7 @@ fn against_fake(
         let _ = server.run();
     });
     let started = Instant::now();
-    let r = vmm::load::run(&cfg(sock));
+    let r = bouncevm_load::run(&cfg(sock));
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "{fault:?} took too long"

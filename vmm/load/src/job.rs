@@ -30,11 +30,11 @@ use serde::Serialize;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::pattern::Pattern;
-use super::ring::{Desc, RingLayout, SplitRing, DESC_F_INDIRECT, DESC_F_NEXT, DESC_F_WRITE};
-use super::session::{DeviceInfo, QueueSetup};
-use super::stats::DirStats;
-use super::{Error, LoadConfig, Result, Rw};
+use crate::pattern::Pattern;
+use crate::ring::{Desc, RingLayout, SplitRing, DESC_F_INDIRECT, DESC_F_NEXT, DESC_F_WRITE};
+use crate::session::{DeviceInfo, QueueSetup};
+use crate::stats::DirStats;
+use crate::{Error, LoadConfig, Result, Rw};
 
 const PAGE: u64 = 4096;
 /// Status byte written before submission: a completion that leaves it is a back end that
@@ -412,7 +412,7 @@ impl Job {
                 },
             )
         };
-        let map = |e: super::ring::RingError| Error::Memory(e.to_string());
+        let map = |e: crate::ring::RingError| Error::Memory(e.to_string());
         put(0, self.area.header(req), REQ_HEADER_LEN as u32, 0).map_err(map)?;
         let mut done = 0u32;
         let mut i = 1;
