@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 need=()
 # dpdk-dev + librte-net-virtio23: dpdk-testpmd (DPDK virtio_user) drives the net presets of
-# bouncevm-experiment in vmm/tests/experiment.rs (~1-2 min to install on a fresh machine).
+# bouncevm-experiment in vmm/experiment/tests/experiment.rs (~1-2 min to install on a fresh machine).
 for p in fio iperf3 busybox-static cpio iproute2 xz-utils zstd kmod socat qemu-utils dpdk-dev librte-net-virtio23; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done

@@ -31,7 +31,6 @@ pub mod boot;
 pub mod bus;
 pub mod cli;
 pub mod exit;
-pub mod experiment;
 pub mod irq;
 pub mod layout;
 pub mod legacy;
@@ -44,9 +43,6 @@ pub mod virtio_pci;
 pub mod vm;
 
 pub use bus::{Bus, BusDevice};
-
-/// Command-line parsing of every binary (one line and exit 2 on a usage error).
-pub use bounce_tools::cli::{clap_error_line, parse_args};
 
 pub use exit::{ExitHandle, ExitReason};
 pub use machine::{Machine, MachineConfig, RunningMachine};

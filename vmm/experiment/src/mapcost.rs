@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bounce::{AllocatorKind, BouncePool, Direction, HostMemory, MapRequest, PoolConfig, PoolMode};
 
-use super::{Error, Result, Sample};
+use crate::{Error, Result, Sample};
 
 /// Guest-physical base the frames are said to live at.
 const ORIG: u64 = 0x1_0000_0000;

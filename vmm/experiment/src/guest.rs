@@ -14,8 +14,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::host::{self, Child, WorkDir};
-use super::{backend_pool, Error, Result, Sample, Workload};
+use crate::host::{self, Child, WorkDir};
+use crate::{backend_pool, Error, Result, Sample, Workload};
 
 /// Drives rig-1 guest samples.
 #[derive(Debug)]

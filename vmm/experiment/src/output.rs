@@ -8,7 +8,7 @@ use std::path::Path;
 
 use bounce_tools::report::{self, Panel};
 
-use super::{CellResult, Error, Metric, Result, Results};
+use crate::{CellResult, Error, Metric, Result, Results};
 
 fn num(v: f64, decimals: usize) -> String {
     if v.abs() >= 10_000.0 && decimals == 0 {
@@ -69,8 +69,8 @@ fn header(r: &Results) -> String {
         "Measured: `{}` at {} level{}, {} of {} interleaved rounds (order rotated each round), {:.1} s per sample; {} ({} CPUs), kernel {}, load average {} -> {}, git {}{}. This machine is shared with other work: compare the ratios (taken in the same rounds), not the absolute figures.{}\n",
         m.argv.join(" "),
         match r.level {
-            super::Level::Host => "host",
-            super::Level::Guest => "guest",
+            crate::Level::Host => "host",
+            crate::Level::Guest => "guest",
         },
         if r.quick { " (--quick)" } else { "" },
         r.rounds_done,
@@ -294,8 +294,8 @@ impl Results {
     /// "host" or "guest".
     pub fn level_name(&self) -> &'static str {
         match self.level {
-            super::Level::Host => "host",
-            super::Level::Guest => "guest",
+            crate::Level::Host => "host",
+            crate::Level::Guest => "guest",
         }
     }
 }

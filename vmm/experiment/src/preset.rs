@@ -4,7 +4,7 @@
 
 use bounce::{AllocatorKind, PoolMode};
 
-use super::{Cell, Level, Metric, Plan, PresetName, Workload};
+use crate::{Cell, Level, Metric, Plan, PresetName, Workload};
 use bouncevm_load::Rw;
 
 const IOPS: Metric = Metric {

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{Error, Result};
+use crate::{Error, Result};
 
 /// `/proc/PID/stat` reports CPU time in USER_HZ ticks, which Linux fixes at 100 per second.
 const USER_HZ: u64 = 100;

@@ -9,8 +9,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::host::{self, BackendPaths, Child, NetNs, WorkDir};
-use super::{backend_pool, Error, Result, Sample, Workload};
+use crate::host::{self, BackendPaths, Child, NetNs, WorkDir};
+use crate::{backend_pool, Error, Result, Sample, Workload};
 
 /// What to install when testpmd is missing.
 pub const DPDK_INSTALL: &str =

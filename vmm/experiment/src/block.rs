@@ -12,8 +12,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::host::{self, BackendPaths, WorkDir};
-use super::{backend_pool, Error, Result, Sample, Workload};
+use crate::host::{self, BackendPaths, WorkDir};
+use crate::{backend_pool, Error, Result, Sample, Workload};
 use bouncevm_load::LoadConfig;
 
 /// Image size (bytes) of a full run and of `--quick`.

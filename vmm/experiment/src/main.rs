@@ -14,11 +14,11 @@
 //! prerequisite (the message says what to install), 1 when samples failed.
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use bouncevm_experiment::{self as experiment, output, preset, Error, Level, PresetName, Settings};
 use clap::Parser;
-use vmm::experiment::{self, output, preset, Error, Level, PresetName, Settings};
 
 /// Rerun an LKML seed experiment on bouncevm's device paths: a table, JSON and a chart.
 #[derive(Parser, Debug)]
@@ -72,8 +72,9 @@ fn settings(cli: &Cli) -> Result<Settings, String> {
     // was built from.
     let repo = std::env::var_os("BVM_REPO").map_or_else(
         || {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .parent()
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .ancestors()
+                .nth(2)
                 .map(PathBuf::from)
                 .unwrap_or_default()
         },
@@ -94,7 +95,7 @@ fn settings(cli: &Cli) -> Result<Settings, String> {
 }
 
 fn main() -> ExitCode {
-    let cli: Cli = match vmm::parse_args("bouncevm-experiment", " (see --help)") {
+    let cli: Cli = match bounce_tools::cli::parse_args("bouncevm-experiment", " (see --help)") {
         Ok(c) => c,
         Err(code) => return code,
     };

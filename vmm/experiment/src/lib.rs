@@ -22,6 +22,8 @@
 //! statistics per sample) and the SVG chart. Progress, Ctrl-C and metadata come from
 //! [`bounce_tools::report`], shared with `bounce-experiment`.
 
+#![warn(missing_docs)]
+
 pub mod block;
 pub mod guest;
 pub mod host;
