@@ -1,5 +1,5 @@
 //! Skip accounting for tests that need a resource some machines lack (`/dev/kvm`, root, a tun
-//! device, `qemu-img`, the full kernel trace, ...). Shared by the workspace's test crates
+//! device, `qemu-img`, the kernel trace's JSON original, ...). Shared by the workspace's test crates
 //! (feature `test-utils`), so a missing resource is never reported as a silent pass:
 //!
 //! - [`missing`] is what such a test calls, and then returns, when the resource is absent. It
@@ -8,7 +8,7 @@
 //!   `BVM_SKIP_LOG` when that is set: `./tests/run` sets it, counts the lines and prints them
 //!   after `cargo test`.
 //! - `BVM_REQUIRE_RESOURCES` makes the same call a failure: `all`, or a comma list of
-//!   [`Resource::name`]s (`kvm,root,tun,qemu-img,kernel-trace,python3,dpdk`). `./tests/run` sets it
+//!   [`Resource::name`]s (`kvm,root,tun,qemu-img,kernel-trace-json,python3,dpdk`). `./tests/run` sets it
 //!   to `all` when `CI=true` (`.ci/run`), where every one of them is expected to exist.
 //!
 //! And the configuration every property-based fuzz target of the workspace runs with
@@ -29,8 +29,10 @@ pub enum Resource {
     Tun,
     /// `qemu-img` on PATH.
     QemuImg,
-    /// The full Linux swiotlb trace next to the repository (`../shared/traces`).
-    KernelTrace,
+    /// The JSON lines the committed kernel trace (`bounce/traces/*.bvmtrace.gz`) was converted
+    /// from, next to the repository (`../shared/traces`): only the check that the conversion
+    /// reproduces the committed file needs it.
+    KernelTraceJson,
     /// `python3` on PATH.
     Python3,
     /// DPDK's `dpdk-testpmd` on PATH (`tests/setup.sh` installs it).
@@ -45,7 +47,7 @@ impl Resource {
             Resource::Root => "root",
             Resource::Tun => "tun",
             Resource::QemuImg => "qemu-img",
-            Resource::KernelTrace => "kernel-trace",
+            Resource::KernelTraceJson => "kernel-trace-json",
             Resource::Python3 => "python3",
             Resource::Dpdk => "dpdk",
         }
@@ -173,7 +175,7 @@ mod tests {
             Resource::Root,
             Resource::Tun,
             Resource::QemuImg,
-            Resource::KernelTrace,
+            Resource::KernelTraceJson,
             Resource::Python3,
         ];
         let mut names: Vec<_> = all.iter().map(|r| r.name()).collect();

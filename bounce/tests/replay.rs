@@ -1,4 +1,4 @@
-//! Replays of a real Linux 6.12 guest's swiotlb decisions (see `shared/traces/README.md`).
+//! Replays of a real Linux 6.12 guest's swiotlb decisions (see `traces/README.md`).
 //!
 //! - `kernel_trace_areas_reproduces_every_decision`: the whole trace through `areas` (4096
 //!   slots, 1 area, the kernel's pool start and segment boundary, worker = CPU) must give every
@@ -6,37 +6,53 @@
 //!   `used` count and rolling index where the kernel had them, checked after every map.
 //! - `kernel_trace_through_*`: the same operations through the other swiotlb allocators must
 //!   fail only with "pool full" and return every slot.
-//! - `trace_head_excerpt_reproduces_every_decision`: the first 2000 lines, checked into
-//!   `tests/data`, always run.
+//! - `trace_head_excerpt_reproduces_every_decision`: the first 2000 lines as JSON, in
+//!   `tests/data`.
 //!
-//! The full trace lives next to the repository (`<workspace>/../shared/traces/`). When it is
-//! absent the full-trace tests record a skip and return (`bounce::testing::missing`: counted
-//! by ./tests/run); with `BVM_REQUIRE_RESOURCES=all` (or `kernel-trace`; on in CI) they fail. `BOUNCE_TRACE_DIR` points them at another directory.
+//! The whole trace is committed in the compact form (`traces/*.bvmtrace.gz`, read by
+//! `bounce::trace::open` like any trace), so these tests run on every clone. Two tests tie it
+//! to the JSON lines the kernel's capture wrote: its first 2000 operations are those of the
+//! excerpt in `tests/data` (always), and converting the whole JSON original gives the committed
+//! file byte for byte, with the same operations (`compact_kernel_trace_reproduces_from_the_json_original`).
+//! The JSON original (28 MB) is not in the repository: that test looks for it in
+//! `BOUNCE_TRACE_DIR`, else `<workspace>/../shared/traces/`, and records a skip without it
+//! (`bounce::testing::missing`, resource `kernel-trace-json`: counted by ./tests/run, a failure
+//! with `BVM_REQUIRE_RESOURCES`).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use bounce::trace::{self, Mismatch, ReplayOptions, ReplaySummary, Replayer, TraceOp};
+use bounce::trace::{self, Mismatch, ReplayOptions, ReplaySummary, Replayer, TraceFile, TraceOp};
 use bounce::AllocatorKind;
 
-const TRACE: &str = "linux-6.12-swiotlb-4096slots-1area.jsonl.gz";
+const COMPACT: &str = "traces/linux-6.12-swiotlb-4096slots-1area.bvmtrace.gz";
+const JSON_ORIGINAL: &str = "linux-6.12-swiotlb-4096slots-1area.jsonl.gz";
 const KERNEL_MAPS: u64 = 617_338;
+const KERNEL_UNMAPS: u64 = 617_271;
 const KERNEL_FAILURES: u64 = 67;
 
-fn full_trace() -> Option<PathBuf> {
+/// The committed kernel trace (compact form).
+fn full_trace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(COMPACT)
+}
+
+/// The kernel capture's JSON lines the committed trace was converted from, when present.
+fn json_original() -> Option<PathBuf> {
     let dir = std::env::var_os("BOUNCE_TRACE_DIR").map_or_else(
         || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces"),
         PathBuf::from,
     );
-    let path = dir.join(TRACE);
+    let path = dir.join(JSON_ORIGINAL);
     if path.is_file() {
         return Some(path);
     }
     let why = format!(
-        "kernel trace {} not found (clone the repository next to shared/)",
+        "the JSON original of {COMPACT} is not at {} (set BOUNCE_TRACE_DIR); the replay tests \
+         read the committed compact trace and ran",
         path.display()
     );
-    bounce::testing::missing(bounce::testing::Resource::KernelTrace, &why);
+    bounce::testing::missing(bounce::testing::Resource::KernelTraceJson, &why);
     None
 }
 
@@ -126,10 +142,7 @@ fn assert_exact(r: &Replayed, maps: u64, failures: u64) {
 
 #[test]
 fn kernel_trace_areas_reproduces_every_decision() {
-    let Some(path) = full_trace() else {
-        return;
-    };
-    let r = replay(&path, AllocatorKind::Areas, true);
+    let r = replay(&full_trace(), AllocatorKind::Areas, true);
     assert_exact(&r, KERNEL_MAPS, KERNEL_FAILURES);
     assert_eq!(r.summary.unmaps, KERNEL_MAPS - KERNEL_FAILURES);
     assert_eq!((r.used_at_end, r.live), (0, 0));
@@ -137,10 +150,7 @@ fn kernel_trace_areas_reproduces_every_decision() {
 }
 
 fn other_allocator(kind: AllocatorKind) {
-    let Some(path) = full_trace() else {
-        return;
-    };
-    let r = replay(&path, kind, false);
+    let r = replay(&full_trace(), kind, false);
     let s = &r.summary;
     assert_eq!(s.maps + s.pool_full, KERNEL_MAPS, "{kind}");
     assert_eq!(
@@ -178,10 +188,7 @@ fn kernel_trace_through_areas_bitmap() {
 /// the trace has no unmap for them). Everything else must balance exactly, and the
 /// allocator (caches flushed) must count exactly the slots the pool still has mapped.
 fn diverging_allocator(kind: AllocatorKind) {
-    let Some(path) = full_trace() else {
-        return;
-    };
-    let r = replay(&path, kind, false);
+    let r = replay(&full_trace(), kind, false);
     let s = &r.summary;
     eprintln!(
         "{kind}: {} pool-full failures (kernel and areas: {KERNEL_FAILURES}), {} live at end",
@@ -237,6 +244,99 @@ fn trace_head_excerpt_reproduces_every_decision() {
     assert_exact(&r, 1023, 0);
     assert_eq!(r.summary.unmaps, 976);
     assert_eq!(r.live, 1023 - 976);
+}
+
+fn items(trace: impl Iterator<Item = trace::Result<(u64, TraceOp)>>) -> Vec<(u64, TraceOp)> {
+    trace.collect::<trace::Result<_>>().expect("trace")
+}
+
+#[test]
+fn compact_kernel_trace_starts_as_the_json_excerpt() {
+    let excerpt = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/trace-head.jsonl");
+    let want = items(trace::open(&excerpt).unwrap());
+    let compact = trace::open(&full_trace()).unwrap();
+    assert!(matches!(compact, TraceFile::Compact(_)), "{compact:?}");
+    let got = items(compact.take(want.len()));
+    assert_eq!(got.len(), 2000);
+    assert!(
+        got == want,
+        "the compact trace's first 2000 operations differ from the excerpt's"
+    );
+}
+
+/// The fields of a kernel trace's unmap line that the compact form leaves out (the replay
+/// takes them from the live mapping).
+#[derive(serde::Deserialize)]
+struct UnmapDropped {
+    tlb_addr: u64,
+    size: usize,
+    dir: u64,
+}
+
+#[test]
+fn compact_kernel_trace_reproduces_from_the_json_original() {
+    let Some(json) = json_original() else {
+        return;
+    };
+    let started = Instant::now();
+    let TraceFile::Json(reader) = trace::open(&json).unwrap() else {
+        panic!("{} is not JSON lines", json.display());
+    };
+    let mut converted = Vec::new();
+    let summary = trace::write_compact(reader, &mut converted, "memory").expect("convert");
+    assert_eq!((summary.maps, summary.unmaps), (KERNEL_MAPS, KERNEL_UNMAPS));
+    let committed = std::fs::read(full_trace()).unwrap();
+    assert!(
+        converted == committed,
+        "converting {} gives {} bytes that differ from the committed {} ({} bytes): \
+         regenerate it with the compact-trace example",
+        json.display(),
+        converted.len(),
+        COMPACT,
+        committed.len()
+    );
+
+    // Every operation is the same, and every unmap's dropped fields restate its map's.
+    let TraceFile::Json(mut reader) = trace::open(&json).unwrap() else {
+        unreachable!()
+    };
+    let mut compact = trace::open(&full_trace()).unwrap();
+    let mut maps: HashMap<u64, (Option<u64>, usize, u64)> = HashMap::new();
+    let (mut ops, mut unmaps) = (0u64, 0u64);
+    while let Some(item) = reader.next() {
+        let (line, op) = item.expect("JSON line");
+        let (cline, cop) = compact
+            .next()
+            .expect("compact trace too short")
+            .expect("record");
+        assert!(
+            (line, &op) == (cline, &cop),
+            "line {line}: JSON {op:?}, compact (line {cline}) {cop:?}"
+        );
+        ops += 1;
+        match &op {
+            TraceOp::Map(m) => {
+                let addr = m.kernel.as_ref().and_then(|k| k.tlb_addr);
+                maps.insert(m.id, (addr, m.size, m.dir.to_linux()));
+            }
+            TraceOp::Unmap { id, .. } => {
+                let d: UnmapDropped = serde_json::from_str(reader.last_line()).unwrap();
+                let map = maps.remove(id).expect("unmap of a known map");
+                assert_eq!(map, (Some(d.tlb_addr), d.size, d.dir), "line {line}");
+                unmaps += 1;
+            }
+            _ => {}
+        }
+    }
+    assert!(compact.next().is_none(), "compact trace too long");
+    assert_eq!(
+        (ops, unmaps),
+        (1 + KERNEL_MAPS + KERNEL_UNMAPS, KERNEL_UNMAPS)
+    );
+    eprintln!(
+        "compared with the JSON original in {:.2?}",
+        started.elapsed()
+    );
 }
 
 #[test]
@@ -413,10 +513,11 @@ fn advisor_tells_capacity_from_fragmentation() {
 
 #[test]
 fn advisor_answer_holds_on_the_kernel_trace() {
-    let Some(path) = full_trace() else {
-        return;
-    };
-    let sizer = Sizer::load(trace::open(&path).unwrap(), &ReplayOptions::default()).unwrap();
+    let sizer = Sizer::load(
+        trace::open(&full_trace()).unwrap(),
+        &ReplayOptions::default(),
+    )
+    .unwrap();
     let a = check_advice(&sizer, AllocatorKind::Areas);
     assert_eq!(a.current.failures.pool_full, KERNEL_FAILURES);
     eprintln!("kernel trace: {a:?}");

@@ -525,11 +525,14 @@ class Guest:
 
     def run(self, boot_retries: int = 1, on_retry=None, clean_end: bool = True) -> GuestRun:
         """start + wait + kill. If the guest kernel crashed before /init (GuestRun.boot_crash,
-        a TCG race unrelated to the devices), boot again, up to boot_retries times; on_retry()
-        is called first (e.g. to restart a backend that serves one connection only). The
-        crashed runs are kept in GuestRun.retried. Crashes after /init are never retried.
-        clean_end (default): assert the run ended clean (GuestRun.assert_clean_end); only a
-        test that expects a bad end (e.g. the harness's own timeout test) turns it off."""
+        a TCG race unrelated to the devices), boot again, up to boot_retries times. Before
+        booting again, every running Backend this guest's devices connect to is restarted
+        (Backend.serving), so the run returned is the only session its back ends saw: their
+        statistics (connections, requests, bytes) describe that run alone. Then on_retry() is
+        called, for anything else to reset. The crashed runs are kept in GuestRun.retried.
+        Crashes after /init are never retried. clean_end (default): assert the run ended clean
+        (GuestRun.assert_clean_end); only a test that expects a bad end (e.g. the harness's
+        own timeout test) turns it off."""
         crashed: list[GuestRun] = []
         while True:
             with self:
@@ -541,6 +544,8 @@ class Guest:
                 return run
             crashed.append(run)
             self._attempt += 1
+            for backend in Backend.serving(run.argv):
+                backend.restart()
             if on_retry is not None:
                 on_retry()
 
@@ -561,12 +566,22 @@ def run_guest(name: str, test: str, boot_retries: int = 1, on_retry=None, clean_
 
 # ----------------------------------------------------------------------------- backends
 
+def _abspath(p: os.PathLike | str) -> Path:
+    """p made absolute, without resolving symlinks (how a socket path is compared)."""
+    return Path(os.path.abspath(p))
+
+
 class Backend:
     """A host process serving a vhost-user socket (qemu-storage-daemon, bouncevm-vhost, ...).
 
     Started in its own process group, with output to tests/out/NAME.backend.log; start() waits
     until the socket exists (or the process dies: Missing is NOT raised then, RuntimeError is).
+    While started it is found by its socket (Backend.serving), which Guest.run uses to give a
+    retried boot fresh back ends.
     """
+
+    # socket path -> the started Backend serving it
+    _started: dict[Path, "Backend"] = {}
 
     def __init__(self, name: str, argv: Sequence[str], socket: os.PathLike | str,
                  ready_timeout: float = 20.0, env: dict | None = None, netns: "NetNS | None" = None):
@@ -602,7 +617,23 @@ class Backend:
                 raise RuntimeError(f"backend {self.name} made no socket {self.socket} in "
                                    f"{self.ready_timeout}s:\n{self.log()[-2000:]}")
             time.sleep(0.05)
+        Backend._started[_abspath(self.socket)] = self
         return self
+
+    @classmethod
+    def serving(cls, qemu_argv: Sequence[str]) -> list["Backend"]:
+        """The started back ends whose sockets a QEMU command line connects to (its
+        `-chardev socket,...,path=SOCKET` arguments), in command-line order."""
+        found = []
+        for arg in qemu_argv:
+            opts = arg.split(",")
+            if opts[0] != "socket":
+                continue
+            for o in opts[1:]:
+                b = cls._started.get(_abspath(o[len("path="):])) if o.startswith("path=") else None
+                if b is not None and b not in found:
+                    found.append(b)
+        return found
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -620,6 +651,8 @@ class Backend:
         return ""
 
     def stop(self) -> None:
+        if Backend._started.get(_abspath(self.socket)) is self:
+            del Backend._started[_abspath(self.socket)]
         if self.proc is not None:
             _kill_group(self.proc)
         if self._logf is not None:

@@ -1,4 +1,6 @@
-"""Harness self-tests (no QEMU needed)."""
+"""Harness self-tests (most need no QEMU)."""
+
+import sys
 
 import rig1
 
@@ -133,3 +135,67 @@ def test_tcg_threading_is_checked(monkeypatch):
         assert "BVM_RIG1_TCG" in str(e)
     else:
         raise AssertionError("a bad BVM_RIG1_TCG was accepted")
+
+
+def _fake_backend(name: str, sock) -> rig1.Backend:
+    """A process that only listens on a unix socket: a back end as far as the harness knows."""
+    listen = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
+              "s.listen(); time.sleep(120)")
+    return rig1.Backend(name, [sys.executable, "-c", listen, str(sock)], socket=sock)
+
+
+def test_back_ends_are_found_by_the_sockets_a_guest_connects_to(tmp_path):
+    with _fake_backend("harness_fake_blk", tmp_path / "blk.sock") as blk, \
+            _fake_backend("harness_fake_net", tmp_path / "net.sock") as net:
+        argv = ["qemu-system-x86_64", "-m", "1G",
+                *rig1.net_vhost_user(tmp_path / "net.sock"),
+                *rig1.blk_vhost_user(tmp_path / "blk.sock"),
+                *rig1.blk_vhost_user(tmp_path / "nobody.sock", id="vu9")]
+        assert rig1.Backend.serving(argv) == [net, blk]
+        blk.stop()
+        assert rig1.Backend.serving(argv) == [net]
+    assert rig1.Backend.serving(argv) == []
+
+
+# A QEMU wrapper whose first run boots the guest kernel with an init that does not exist: the
+# kernel panics before /init, which the harness takes for a boot crash and retries.
+_CRASH_FIRST_BOOT = """#!{python}
+import os, sys
+marker, real, args = {marker!r}, {qemu!r}, sys.argv[1:]
+if not os.path.exists(marker):
+    open(marker, "w").close()
+    args[args.index("-append") + 1] += " rdinit=/no-such-init"
+os.execv(real, [real] + args)
+"""
+
+
+@rig1.skip_if_missing
+def test_a_retried_boot_gets_fresh_back_ends(tmp_path):
+    """A boot that crashes before /init is retried. The crashed boot has already connected to
+    the vhost-user back end (QEMU connects when it starts), so the retry must get a restarted
+    back end: then the run returned is the only session its statistics count. A reused back end
+    counts two connections, and a test that asserts one session (as
+    test_bvm_vhost_blk_qemu_stderr_stays_clean does) fails whenever the TCG boot race hits."""
+    from test_rig1_bouncevm_vhost import _blk_backend, _final_stats, _prereqs
+
+    binary = _prereqs()
+    qemu = rig1.require_qemu()
+    wrapper = tmp_path / "qemu-crash-first-boot"
+    wrapper.write_text(_CRASH_FIRST_BOOT.format(python=sys.executable, qemu=qemu,
+                                                marker=str(tmp_path / "crashed")))
+    wrapper.chmod(0o755)
+    img = rig1.make_raw_image(rig1.out_path("harness_retry", ".img"), "16M")
+    backend, sock, stats = _blk_backend("harness_retry", binary, img, bounce=None)
+    with backend:
+        first_log = backend.log_path
+        run = rig1.run_guest("harness_retry", "write-pattern", qemu=str(wrapper),
+                             params=rig1.pattern_params([0], seed="retry"),
+                             devices=rig1.blk_vhost_user(sock))
+        st = _final_stats(stats)
+    assert [r.boot_crash for r in run.retried] == [True], run.describe()
+    assert run.retried[0].kernel_crash.startswith("Kernel panic"), run.retried[0].describe()
+    assert run.ok("write-pattern")["blocks"] == "1", run.describe()
+    assert "frontend connected (connection 1)" in first_log.read_text(), \
+        "the crashed boot never reached the back end: nothing was tested"
+    assert st["server"]["connections"] == 1 and not st["server"]["connected"], st["server"]
+    assert backend.log_path != first_log, "the back end was not restarted"

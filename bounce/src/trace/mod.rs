@@ -1,9 +1,10 @@
 //! Trace replay: JSON-lines traces of map/unmap/sync operations, replayed through a
 //! [`BouncePool`] to compare its placement decisions with a real kernel's.
 //!
-//! Two formats are read, line by line, plain or gzip-compressed (detected by the gzip magic):
+//! Two formats of JSON lines are read, plain or gzip-compressed (detected by the gzip magic),
+//! and a compact binary form of them ([`compact`], detected by its own magic):
 //!
-//! - **The kernel trace format** (`swiotlb-kernel-trace/1`, see `shared/traces/README.md`): a
+//! - **The kernel trace format** (`swiotlb-kernel-trace/1`, see `bounce/README.md`): a
 //!   `header` line with the pool geometry (`nslabs`, `nareas`, `start`, `seg_boundary_mask`,
 //!   `cpus`), then `map` lines (`id`, `orig`, `size`, `cpu`, `dir` as 0/1/2, `attrs` as Linux
 //!   bits, `min_align_mask`, `alloc_align_mask`, and what the kernel decided:
@@ -26,17 +27,19 @@
 //! and out of its slots), not guest memory.
 //!
 //! The module is split by job: [`parse`] turns one line of either format into a [`TraceOp`],
-//! [`reader`] opens files (plain or gzip) and iterates over their lines, [`replay`] runs
-//! operations through a pool and compares with the kernel, and [`advise`] searches the
-//! smallest pool a trace needs.
+//! [`reader`] opens files (JSON or compact, plain or gzip) and iterates over their lines,
+//! [`compact`] writes and reads the compact form, [`replay`] runs operations through a pool
+//! and compares with the kernel, and [`advise`] searches the smallest pool a trace needs.
 
 pub mod advise;
+pub mod compact;
 pub mod parse;
 pub mod reader;
 pub mod replay;
 
+pub use compact::{write_compact, CompactReader, CompactSummary};
 pub use parse::{parse_line, KernelDecision, MapOp, TraceHeader, TraceOp};
-pub use reader::{open, TraceReader};
+pub use reader::{open, TraceFile, TraceReader};
 pub use replay::{Mismatch, NullMemory, Outcome, ReplayOptions, ReplaySummary, Replayer};
 
 use crate::error::Error;
@@ -57,6 +60,20 @@ pub enum TraceError {
     Parse {
         /// 1-based line number.
         line: u64,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A compact trace is corrupt, truncated or of a version this build does not read. `offset`
+    /// is the byte of the record stream (the file's content, decompressed) where the failing
+    /// record starts; `record` its 1-based number (0: the stream's magic and version).
+    #[error("compact trace {path}: record {record} at byte {offset}: {reason}")]
+    Compact {
+        /// The file.
+        path: String,
+        /// Byte of the record stream.
+        offset: u64,
+        /// 1-based record number.
+        record: u64,
         /// What is wrong with it.
         reason: String,
     },
