@@ -61,8 +61,8 @@ pub const MAGIC: [u8; 8] = *b"\x89BVMTRC\n";
 pub const VERSION: u16 = 1;
 /// Longest header line a compact trace holds.
 pub const MAX_HEADER_BYTES: u64 = 1 << 20;
-/// Longest area list a map record holds (Linux has at most one area per CPU, and at most 8192
-/// CPUs).
+/// Longest area list a map record holds (Linux's swiotlb has at most one area per possible
+/// CPU; 8192 is x86's largest `NR_CPUS`).
 pub const MAX_AREAS: u64 = 8192;
 
 const TAG_END: u8 = 0;
