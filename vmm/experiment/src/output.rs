@@ -210,7 +210,7 @@ fn row_notes(r: &Results, panel: &str, c: &CellResult, notes: &mut Vec<String>) 
     };
     if let Some(why) = &c.cell.shape_note {
         note(format!(
-            "{panel}, {} {}: no ratio is printed (each row's measured ratio is in results.json): {why}.",
+            "{panel}, {} {}: no ratio is printed (the measured one is in the results.json of `--out`): {why}.",
             r.plan.x_label, c.cell.x
         ));
     }
@@ -347,7 +347,7 @@ fn chart_panel(r: &Results, panel: &str, rows: &[&CellResult]) -> Option<(Panel,
         }
     }
     let x0 = rows.iter().map(|c| c.cell.x).min().unwrap_or(0);
-    let (y_label, y_unit, note) = match scaling {
+    let (y_label, y_unit, mut note) = match scaling {
         Scaling::Same => (
             primary.quantity.to_string(),
             primary.unit.to_string(),
@@ -370,6 +370,18 @@ fn chart_panel(r: &Results, panel: &str, rows: &[&CellResult]) -> Option<(Panel,
             ),
         ),
     };
+    if rows
+        .iter()
+        .any(|c| c.cell.seed.is_some() && c.cell.shape_note.is_some())
+    {
+        if !note.is_empty() {
+            note.push(' ');
+        }
+        note.push_str(&format!(
+            "{panel}: the seed's figures are drawn at our {}, but were measured at a scale this machine cannot reach (the table says why).",
+            r.plan.x_label
+        ));
+    }
     Some((
         Panel {
             title: panel.to_string(),

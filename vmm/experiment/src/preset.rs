@@ -124,10 +124,10 @@ const QUESTION_2015: &str = "Do per-CPU IOVA bitmaps lift the net device's throu
 const QUESTION_2012: &str = "What does bouncing a small frame cost, and how much of it is the map path, once address translation is O(1) (the 2012 rework: 10.0 -> 10.6 Mpps by removing virtual-to-physical translation calls)?";
 
 /// How to read every guest-level table.
-const GUEST_READING: &str = "The TCG guest, not the bounce pool, sets the rate: the rows confirm that the guest's I/O went through each row's pool end to end (results.json has the pool's statistics per sample), they do not rank allocators; ratios near 1.0x are noise.";
+const GUEST_READING: &str = "The TCG guest, not the bounce pool, sets the rate: the rows confirm that the guest's I/O went through each row's pool end to end (the results.json of `--out` has the pool's statistics per sample), they do not rank allocators; ratios near 1.0x are noise.";
 
 /// How to read a contention table on a machine with few CPUs.
-const CONTENTION_READING: &str = "Compare rows of one group (same x) only, and only where their [min-max] ranges do not overlap. Lock wait per I/O shows contention directly. Where a row needs more CPUs at once than the machine has, its jobs time-slice instead of contending, and the table prints the reason instead of a ratio (the measured ratio stays in results.json).";
+const CONTENTION_READING: &str = "Compare rows of one group (same x) only, and only where their [min-max] ranges do not overlap. Lock wait per I/O shows contention directly. Where a row needs more CPUs at once than the machine has, its jobs time-slice instead of contending, and the table prints the reason instead of a ratio (the measured one stays in the results.json of `--out`).";
 
 /// The plan of `preset` at `level`; `quick` keeps fewer cells.
 pub fn plan(preset: PresetName, level: Level, quick: bool) -> Plan {
