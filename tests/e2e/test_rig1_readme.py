@@ -29,6 +29,7 @@ import rig2
 from rig1 import (Backend, Guest, NetNS, images, make_raw_image, out_path, require_qemu,
                   require_root, skip_if_missing)
 from test_rig1_bouncevm_vhost import _final_stats
+from test_rig1_experiment import _binary as binary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,15 +65,6 @@ def substitute(argv: list[str], subs: dict[str, str]) -> list[str]:
             w = re.sub(rf"(?<![\w/.-]){re.escape(old)}(?![\w.-])", new, w)
         out.append(w)
     return out
-
-
-def binary(name: str) -> str:
-    """target/release/NAME of this build ($CARGO_TARGET_DIR aware)."""
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    for c in (target / "release" / name, REPO / "target" / "release" / name):
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    raise rig1.Missing(f"no {name} binary (cargo build --release --bins)")
 
 
 def run_as_written(argv: list[str], timeout: float = 600) -> str:

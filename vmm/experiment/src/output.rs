@@ -470,14 +470,7 @@ mod tests {
     use bounce::{AllocatorKind, PoolMode};
     use bounce_tools::report::{Meta, Summary};
 
-    const IOPS: Metric = Metric {
-        key: "iops",
-        label: "IOPS",
-        decimals: 0,
-        quantity: "IOPS",
-        scale: 1.0,
-        unit: "",
-    };
+    use crate::preset::IOPS;
 
     fn cell(series: &str, x: u32, ours: f64, seed: Option<f64>, baseline: bool) -> CellResult {
         CellResult {

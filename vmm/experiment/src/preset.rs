@@ -6,7 +6,8 @@ use bounce::{AllocatorKind, PoolMode};
 use crate::{Cell, Level, Metric, Plan, PresetName, Workload};
 use bouncevm_load::Rw;
 
-const IOPS: Metric = Metric {
+/// IOPS, the primary metric of the block presets.
+pub(crate) const IOPS: Metric = Metric {
     key: "iops",
     label: "IOPS",
     decimals: 0,
