@@ -378,8 +378,7 @@ fn chart_panel(r: &Results, panel: &str, rows: &[&CellResult]) -> Option<(Panel,
             note.push(' ');
         }
         note.push_str(&format!(
-            "{panel}: the seed's figures are drawn at our {}, but were measured at a scale this machine cannot reach (the table says why).",
-            r.plan.x_label
+            "{panel}: where this machine cannot reproduce the seed's conditions (the rows the table marks n/a, and says why), our points and the seed's do not compare."
         ));
     }
     Some((
