@@ -117,7 +117,7 @@ const CACHE_LINE: usize = 64;
 /// a line, every 4 KiB mapping's metadata straddled two lines shared with its neighbours, and
 /// two threads whose runs the allocator interleaved (iova-rcache refilling from one tree) wrote
 /// each other's lines on every map and unmap: 15 ns more per pair, only in the runs where the
-/// runs happened to interleave (bounce/README.md).
+/// runs happened to interleave (docs/studies/allocators-host.md).
 #[derive(Debug)]
 struct SlotTable {
     entries: Box<[SlotMeta]>,

@@ -32,8 +32,8 @@ instead of target/release's, interleaved in the same rounds (rows "LABEL:variant
 against the same binary's off): a change measured side by side against a copy of main's.
 --pin runs the back end on CPU 0, beside testpmd's mostly idle main core and off its
 busy-polling forwarding core (CPU 1); unpinned, the scheduler sometimes places the back end
-badly, so that a sample lands about 15 % low whatever the variant (README.md, net at host
-speed, has the A/A runs that show it).
+badly, so that a sample lands about 15 % low whatever the variant (docs/studies/net-host-speed.md
+has the A/A runs that show it).
 --perf-dir records `perf record -e cpu-clock -F 5000 -g` of the back end over every measured window. testpmd busy-polls one core: absolute figures depend on the
 machine's load; state it with the figures. Build first: cargo build --release -p bouncevm-vhost.
 """

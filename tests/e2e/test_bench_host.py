@@ -1,4 +1,4 @@
-"""tests/e2e/bench_host.py, the README's side-by-side benchmark, runs as the README shows it, at
+"""tests/e2e/bench_host.py, the side-by-side benchmark of docs/studies/blk-host-speed.md, runs at
 a smoke scale: one round of one second on a 64 MiB memory-backed image, qemu-storage-daemon
 and two bounce settings of ours, free and pinned (--pin). It checks that every variant produced
 a sample and that the table and the JSON carry every column (IOPS, the CPU split, the

@@ -1,5 +1,5 @@
-"""tests/e2e/bench_net_dpdk.py, the README's net benchmark (DPDK virtio_user -> bouncevm-vhost
-net), runs as the README shows it, at a smoke scale: one round of two seconds, 64 B TX and RX,
+"""tests/e2e/bench_net_dpdk.py, the net benchmark of docs/studies/net-host-speed.md (DPDK
+virtio_user -> bouncevm-vhost net), runs at a smoke scale: one round of two seconds, 64 B TX and RX,
 bounce off, forced swiotlb and one variant defined on the command line, free and with the back
 end pinned (--pin). It checks that every variant produced a row with frames/s and CPU per frame
 and that the JSON carries each sample's bounce string and pinning; never the figures: this is a

@@ -28,7 +28,7 @@ pub struct LockSnapshot {
 /// one per area in a slice, and areas exist so that workers do not share anything. Packed, two
 /// areas' locks, counters and state shared lines, and two threads on their own areas slowed
 /// each other down: `areas-lifo` took 93-121 ns per alloc+free pair at two threads against 43
-/// at one, `iova-bitmap` 103-135 against 41 (`bounce-experiment --split`, bounce/README.md);
+/// at one, `iova-bitmap` 103-135 against 41 (`bounce-experiment --split`, docs/studies/allocators-host.md);
 /// aligned, both take the same at two threads as at one.
 #[derive(Debug, Default)]
 #[repr(align(128))]

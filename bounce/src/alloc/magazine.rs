@@ -49,7 +49,7 @@
 //! within its own magazine. With 16 slots per class the same queue loaded and flushed half a
 //! class every few requests; at 64, bouncevm-vhost on tmpfs (4 KiB randread, iodepth 32, one
 //! job, bouncevm-load, cache=none) went from 4.65 [4.55-5.23] to 4.21 [4.17-4.56] µs of
-//! back-end CPU per I/O (median [min-max] of 5 interleaved rounds, README.md). Bigger caches scatter small mappings more: replaying the Linux 6.12
+//! back-end CPU per I/O (median [min-max] of 5 interleaved rounds, docs/studies/blk-host-speed.md). Bigger caches scatter small mappings more: replaying the Linux 6.12
 //! trace (4096 slots, whole-segment maps at ~80 % occupancy) gives 12 "buffer full" (8 with 16
 //! slots per class) against the kernel's (and `areas`') 67, since the depot search is complete
 //! and the caches are flushed before a map fails.

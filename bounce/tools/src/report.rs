@@ -1,13 +1,14 @@
-//! What every experiment (`bounce-experiment`, `bouncevm-experiment`) prints and writes: machine metadata, sample summaries, a progress bar
-//! with ETA on stderr, a Ctrl-C that stops cleanly, SVG line charts and size labels.
+//! What every experiment (`bounce-experiment`, `bouncevm-experiment`) prints and writes:
+//! machine metadata and the conditions line made from it, sample summaries, a progress bar with
+//! ETA on stderr, a Ctrl-C that stops cleanly, size labels, and the Markdown report that
+//! carries a run's command, conditions, table and chart (charts themselves: [`crate::chart`]).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use indicatif::{ProgressBar, ProgressStyle};
-use plotters::prelude::*;
 use serde::Serialize;
 
 /// The machine and build a run was measured on.
@@ -86,6 +87,118 @@ impl Meta {
         self.loadavg_end = read_trim("/proc/loadavg");
         self.elapsed_s = started.elapsed().as_secs_f64();
     }
+}
+
+impl Meta {
+    /// The command line as run from the repository's top: the binary as
+    /// `target/release/NAME`, then every argument as given, quoted where the shell needs it.
+    pub fn command(&self) -> String {
+        let mut words = self.argv.iter();
+        let bin = words.next().map_or_else(String::new, |b| {
+            let name = Path::new(b)
+                .file_name()
+                .map_or_else(|| b.clone(), |n| n.to_string_lossy().into_owned());
+            format!("target/release/{name}")
+        });
+        std::iter::once(bin)
+            .chain(words.map(|w| shell_quote(w)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// What a figure of this run depends on, in one line: when (UTC) and for how long, the CPU
+    /// and how many this process could use, the kernel, the load average at the start and the
+    /// end (the machine may be shared), and the git revision of the build.
+    pub fn conditions(&self) -> String {
+        let first = |l: &Option<String>| {
+            l.as_deref()
+                .and_then(|l| l.split(' ').next())
+                .unwrap_or("?")
+                .to_string()
+        };
+        format!(
+            "{}, {:.0} s; {} ({} CPUs), kernel {}; load average {} -> {}; git {}{}",
+            utc(self.started_unix_s),
+            self.elapsed_s,
+            self.cpu_model.as_deref().unwrap_or("unknown CPU"),
+            self.cpus,
+            self.kernel.as_deref().unwrap_or("?"),
+            first(&self.loadavg_start),
+            first(&self.loadavg_end),
+            self.git_revision
+                .as_deref()
+                .map_or("?", |g| &g[..g.len().min(12)]),
+            if self.git_dirty == Some(true) {
+                " (with local changes)"
+            } else {
+                ""
+            },
+        )
+    }
+}
+
+/// `n` and `noun`, plural unless `n` is 1: `1 round`, `3 rounds`.
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// `word` as a shell reads it back: unchanged when it holds only safe characters, else in
+/// single quotes.
+fn shell_quote(word: &str) -> String {
+    let safe = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./,=:+@%".contains(c));
+    if safe {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// A Unix time as `YYYY-MM-DD HH:MM UTC`.
+pub fn utc(unix_s: u64) -> String {
+    let days = unix_s / 86_400;
+    let secs = unix_s % 86_400;
+    // Days since 1970-01-01 to a civil date (H. Hinnant's algorithm, proleptic Gregorian).
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02} UTC",
+        secs / 3600,
+        secs % 3600 / 60
+    )
+}
+
+/// Where a report's chart goes: `FILE.svg` next to `FILE.md`.
+pub fn chart_path(report: &Path) -> PathBuf {
+    report.with_extension("svg")
+}
+
+/// A report file: the title, the command that wrote it (run it again to regenerate the report
+/// and its chart), then `body` (question, conditions, tables, how to read them), then the
+/// chart, linked by its file name next to the report.
+pub fn report_markdown(title: &str, meta: &Meta, body: &str, report: &Path) -> String {
+    let chart = chart_path(report);
+    let chart = chart
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    format!(
+        "# {title}\n\nGenerated by `{}`; run it again from the repository's top to regenerate this file and its chart.\n\n{}\n\n![{title}]({chart})\n",
+        meta.command(),
+        body.trim_end(),
+    )
 }
 
 /// Median, minimum and maximum of a set of samples, with the samples.
@@ -176,82 +289,17 @@ pub fn size_label(bytes: usize) -> String {
     }
 }
 
-/// One panel of a chart: lines of (x, y) points.
-#[derive(Clone, Debug)]
-pub struct Panel {
-    /// Panel title.
-    pub title: String,
-    /// X axis label.
-    pub x_label: String,
-    /// Y axis label.
-    pub y_label: String,
-    /// (name, points) per line.
-    pub series: Vec<(String, Vec<(f64, f64)>)>,
-}
-
-/// Draws `panels` side by side (up to two per row) into an SVG file.
+/// Writes `text` to the file at `path`, creating its directory.
 ///
 /// # Errors
-/// A message when the file cannot be written or drawing fails.
-pub fn write_chart(path: &Path, title: &str, panels: &[Panel]) -> Result<(), String> {
-    if panels.is_empty() {
-        return Ok(());
+/// A message naming the file.
+pub fn write_text(path: &Path, text: &str) -> Result<(), String> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = dir {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     }
-    let cols = panels.len().min(2);
-    let rows = panels.len().div_ceil(cols);
-    let size = (560 * cols as u32, 60 + 420 * rows as u32);
-    let root = SVGBackend::new(path, size).into_drawing_area();
-    let e = |e: &dyn std::fmt::Display| format!("chart {}: {e}", path.display());
-    root.fill(&WHITE).map_err(|x| e(&x))?;
-    let root = root.titled(title, ("sans-serif", 20)).map_err(|x| e(&x))?;
-    let areas = root.split_evenly((rows, cols));
-    for (panel, area) in panels.iter().zip(areas.iter()) {
-        draw_panel(area, panel).map_err(|x| e(&x))?;
-    }
-    root.present().map_err(|x| e(&x))?;
-    Ok(())
-}
-
-fn draw_panel<DB: DrawingBackend>(
-    area: &DrawingArea<DB, plotters::coord::Shift>,
-    p: &Panel,
-) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
-    let xs = p.series.iter().flat_map(|(_, v)| v.iter().map(|q| q.0));
-    let ys = p.series.iter().flat_map(|(_, v)| v.iter().map(|q| q.1));
-    let (x0, x1) = xs.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
-    let y1 = ys.fold(0.0f64, f64::max);
-    let (x0, x1) = if x0 >= x1 {
-        (x0 - 1.0, x0 + 1.0)
-    } else {
-        (x0, x1)
-    };
-    let y1 = if y1 > 0.0 { y1 * 1.1 } else { 1.0 };
-    let mut chart = ChartBuilder::on(area)
-        .caption(&p.title, ("sans-serif", 15))
-        .margin(10)
-        .x_label_area_size(35)
-        .y_label_area_size(55)
-        .build_cartesian_2d(x0..x1, 0.0..y1)?;
-    chart
-        .configure_mesh()
-        .x_desc(p.x_label.as_str())
-        .y_desc(p.y_label.as_str())
-        .draw()?;
-    for (i, (name, pts)) in p.series.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        chart
-            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))?
-            .label(name.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
-        chart.draw_series(pts.iter().map(|&q| Circle::new(q, 3, color.filled())))?;
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
-    Ok(())
+    std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
 /// Writes `text` to `dir/name`, creating `dir`.
@@ -259,7 +307,49 @@ fn draw_panel<DB: DrawingBackend>(
 /// # Errors
 /// A message naming the file.
 pub fn write_file(dir: &Path, name: &str, text: &str) -> Result<(), String> {
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let p = dir.join(name);
-    std::fs::write(&p, text).map_err(|e| format!("cannot write {}: {e}", p.display()))
+    write_text(&dir.join(name), text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_dates() {
+        assert_eq!(utc(0), "1970-01-01 00:00 UTC");
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00 UTC");
+        assert_eq!(utc(1_796_536_800 + 3_660), "2026-12-06 07:01 UTC");
+    }
+
+    #[test]
+    fn command_is_run_from_the_top_and_quoted() {
+        let mut m = Meta::collect();
+        m.argv = vec![
+            "/x/y/target/release/bouncevm-experiment".into(),
+            "seed-2021-vduse".into(),
+            "--report".into(),
+            "docs/experiments/seed-2021-vduse.md".into(),
+            "a b".into(),
+            "it's".into(),
+        ];
+        assert_eq!(
+            m.command(),
+            r"target/release/bouncevm-experiment seed-2021-vduse --report docs/experiments/seed-2021-vduse.md 'a b' 'it'\''s'"
+        );
+    }
+
+    #[test]
+    fn report_links_its_chart() {
+        let m = Meta::collect();
+        let md = report_markdown("T", &m, "body\n", Path::new("docs/x/seed.md"));
+        assert!(
+            md.starts_with("# T\n\nGenerated by `target/release/"),
+            "{md}"
+        );
+        assert!(md.ends_with("\n\n![T](seed.svg)\n"), "{md}");
+        assert_eq!(
+            chart_path(Path::new("docs/x/seed.md")),
+            Path::new("docs/x/seed.svg")
+        );
+    }
 }

@@ -216,6 +216,13 @@ pub struct Metric {
     pub label: &'static str,
     /// Decimals printed.
     pub decimals: usize,
+    /// What the chart's y axis calls it.
+    pub quantity: &'static str,
+    /// The table's figure times `scale` is in `unit` (MB/s to B/s: 1e6), which the chart
+    /// labels with SI prefixes.
+    pub scale: f64,
+    /// The base unit of the chart's labels (`B/s`, `bit/s`, `s`; empty for counts).
+    pub unit: &'static str,
 }
 
 /// What a preset runs and how it is printed.
@@ -227,6 +234,10 @@ pub struct Plan {
     pub title: String,
     /// Where the seed's figures come from and what they measured.
     pub seed_source: String,
+    /// The question the run answers.
+    pub question: String,
+    /// How to read the table on a machine like this one: which comparisons it can make.
+    pub reading: String,
     /// X axis label.
     pub x_label: &'static str,
     /// The ratio's and the chart's metric (first column).

@@ -2,13 +2,15 @@
 //!
 //! ```text
 //! bouncevm-experiment PRESET [--level host|guest] [--quick] [--rounds N] [--seconds S]
-//!                            [--alloc LIST] [--out DIR] [--vhost PATH]
+//!                            [--alloc LIST] [--out DIR] [--report FILE.md] [--vhost PATH]
 //! PRESET: seed-2022-swiotlb | seed-2021-vduse | seed-2015-iova | seed-2012-phys
 //! ```
 //!
 //! Prints the table (Markdown, the seed's figures and claimed ratios beside ours); `--out DIR`
 //! also writes table.md, results.json (machine metadata, every sample, the pool's statistics
-//! per sample) and chart.svg. A progress bar with ETA goes to stderr; Ctrl-C stops after the
+//! per sample) and chart.svg; `--report FILE.md` writes the run's report (the command that
+//! regenerates it, the question, the conditions, the tables, how to read them) and its chart as
+//! FILE.svg. A progress bar with ETA goes to stderr; Ctrl-C stops after the
 //! sample in progress and keeps what was measured (a second Ctrl-C quits at once). Any error is
 //! one line on stderr and a non-zero exit status: 2 for bad usage, 3 for a missing
 //! prerequisite (the message says what to install), 1 when samples failed.
@@ -42,6 +44,10 @@ struct Cli {
     /// Write table.md, results.json and chart.svg into this directory.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// Write a Markdown report (the command that regenerates it, the question, the conditions,
+    /// the tables, how to read them) to this file, and its chart next to it (FILE.svg).
+    #[arg(long, value_name = "FILE.md")]
+    report: Option<PathBuf>,
     /// Only these rows: allocators or variants, comma separated, as the table names them
     /// (e.g. iova-rbtree,iova-rcache). Ratios need the first row of each group, the baseline.
     #[arg(long, value_name = "LIST")]
@@ -152,6 +158,17 @@ fn main() -> ExitCode {
         eprintln!(
             "bouncevm-experiment: wrote {}/table.md, results.json, chart.svg",
             dir.display()
+        );
+    }
+    if let Some(path) = &cli.report {
+        if let Err(e) = output::write_report(&results, path) {
+            eprintln!("bouncevm-experiment: error: {e}");
+            return ExitCode::FAILURE;
+        }
+        eprintln!(
+            "bouncevm-experiment: wrote {} and {}",
+            path.display(),
+            bounce_tools::report::chart_path(path).display()
         );
     }
     let failed: usize = results

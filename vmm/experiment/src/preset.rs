@@ -1,76 +1,115 @@
-//! The presets: one per seed table, with the seed's own figures (as quoted in the project's
-//! experiments issue) beside each row. Where the seed gives no figure for a row the table
-//! prints "—".
+//! The presets: one per seed table, with the seed's own figures (as the LKML threads published
+//! them) beside each row. Where the seed gives no figure for a row the table prints "—".
 
 use bounce::{AllocatorKind, PoolMode};
 
 use crate::{Cell, Level, Metric, Plan, PresetName, Workload};
 use bouncevm_load::Rw;
 
-const IOPS: Metric = Metric {
+/// IOPS, the primary metric of the block presets.
+pub(crate) const IOPS: Metric = Metric {
     key: "iops",
     label: "IOPS",
     decimals: 0,
+    quantity: "IOPS",
+    scale: 1.0,
+    unit: "",
 };
 const MBPS: Metric = Metric {
     key: "mbps",
     label: "MB/s",
     decimals: 0,
+    quantity: "throughput",
+    scale: 1e6,
+    unit: "B/s",
 };
 const CPU_IO: Metric = Metric {
     key: "cpu_us_per_io",
     label: "host CPU µs/IO",
     decimals: 2,
+    quantity: "host CPU per I/O",
+    scale: 1e-6,
+    unit: "s",
 };
 const LOCK_IO: Metric = Metric {
     key: "lock_wait_ns_per_io",
     label: "lock wait ns/IO",
     decimals: 0,
+    quantity: "lock wait per I/O",
+    scale: 1e-9,
+    unit: "s",
 };
 const MAP_P50: Metric = Metric {
     key: "map_p50_ns",
     label: "map p50 ns",
     decimals: 0,
+    quantity: "map p50",
+    scale: 1e-9,
+    unit: "s",
 };
 const UNMAP_P50: Metric = Metric {
     key: "unmap_p50_ns",
     label: "unmap p50 ns",
     decimals: 0,
+    quantity: "unmap p50",
+    scale: 1e-9,
+    unit: "s",
 };
 const KFPS: Metric = Metric {
     key: "kfps",
     label: "k frames/s",
     decimals: 0,
+    quantity: "frames/s",
+    scale: 1e3,
+    unit: "",
 };
 const GBPS: Metric = Metric {
     key: "gbps",
     label: "Gbit/s",
     decimals: 2,
+    quantity: "throughput",
+    scale: 1e9,
+    unit: "bit/s",
 };
 const LOCK_PCT: Metric = Metric {
     key: "lock_wait_pct",
     label: "lock wait % of backend CPU",
     decimals: 1,
+    quantity: "lock wait, share of backend CPU",
+    scale: 0.01,
+    unit: "",
 };
 const CPU_FRAME: Metric = Metric {
     key: "cpu_ns_per_frame",
     label: "backend CPU ns/frame",
     decimals: 0,
+    quantity: "backend CPU per frame",
+    scale: 1e-9,
+    unit: "s",
 };
 const RX_GBPS: Metric = Metric {
     key: "rx_gbps",
     label: "host->guest Gbit/s",
     decimals: 2,
+    quantity: "host -> guest throughput",
+    scale: 1e9,
+    unit: "bit/s",
 };
 const LOCK_FRAME: Metric = Metric {
     key: "lock_wait_ns_per_io",
     label: "lock wait ns/frame",
     decimals: 0,
+    quantity: "lock wait per frame",
+    scale: 1e-9,
+    unit: "s",
 };
 const PAIR_NS: Metric = Metric {
     key: "pair_ns",
     label: "map+unmap ns (wall)",
     decimals: 0,
+    quantity: "map+unmap time",
+    scale: 1e-9,
+    unit: "s",
 };
 
 /// What every guest-level table says about its rig.
@@ -78,6 +117,18 @@ const GUEST_NOTE: &str = "Guest level: each sample boots a rig-1 guest (QEMU 7.2
 
 /// What every guest-level net table says about its rig.
 const GUEST_NET_NOTE: &str = "Guest level: each sample boots a rig-1 guest (QEMU 7.2 TCG, 2 vCPUs, virtio-net-pci with vectors=0) whose network is served by bouncevm-vhost net with the row's bounce setting, on a tap in a network namespace created for the sample, and runs iperf3 (TCP) from the guest to an iperf3 server in that namespace, then the same from the host to the guest; the primary figure is guest -> host Gbit/s (iperf3's receiver side). The pool's statistics cover both runs (lock wait per frame counts the device's frames both ways). The TCG guest is the bottleneck, so this confirms the path end to end rather than ranking allocators.";
+
+/// The question of seed-2015-iova, at either level.
+const QUESTION_2015: &str = "Do per-CPU IOVA bitmaps lift the net device's throughput over the locked IOVA tree, as the 2015 proposal measured (about 1 -> 9.3 Gbit/s at 48 threads)?";
+
+/// The question of seed-2012-phys, at either level.
+const QUESTION_2012: &str = "What does bouncing a small frame cost, and how much of it is the map path, once address translation is O(1) (the 2012 rework: 10.0 -> 10.6 Mpps by removing virtual-to-physical translation calls)?";
+
+/// How to read every guest-level table.
+const GUEST_READING: &str = "The TCG guest, not the bounce pool, sets the rate: the rows confirm that the guest's I/O went through each row's pool end to end (the results.json of `--out` has the pool's statistics per sample), they do not rank allocators; ratios near 1.0x are noise.";
+
+/// How to read a contention table on a machine with few CPUs.
+const CONTENTION_READING: &str = "Compare rows of one group (same x) only, and only where their [min-max] ranges do not overlap. Lock wait per I/O shows contention directly. Where a row needs more CPUs at once than the machine has, its jobs time-slice instead of contending, and the table prints the reason instead of a ratio (the measured one stays in the results.json of `--out`).";
 
 /// The plan of `preset` at `level`; `quick` keeps fewer cells.
 pub fn plan(preset: PresetName, level: Level, quick: bool) -> Plan {
@@ -174,6 +225,8 @@ fn swiotlb_2022(level: Level, quick: bool) -> Plan {
         preset: PresetName::Swiotlb2022,
         title: "seed-2022-swiotlb: one swiotlb lock vs areas vs areas with bitmaps, bounce forced".into(),
         seed_source: "2022 swiotlb series (split the single swiotlb lock into areas, bitmap free-slot tracking): fio 4 KiB sequential read/write, 4 jobs, vanilla 885 MB/s -> 2320 MB/s with the series".into(),
+        question: "Does splitting swiotlb's one lock into areas (and tracking free slots in bitmaps) raise bounced block throughput as jobs are added, as the 2022 series measured (885 -> 2320 MB/s at 4 jobs, 2.62x)?".into(),
+        reading: match level { Level::Host => CONTENTION_READING.into(), Level::Guest => GUEST_READING.into() },
         x_label: "jobs",
         primary: MBPS,
         metrics: vec![IOPS, CPU_IO, LOCK_IO, MAP_P50, UNMAP_P50],
@@ -229,6 +282,8 @@ fn vduse_2021(level: Level, quick: bool) -> Plan {
         preset: PresetName::Vduse2021,
         title: "seed-2021-vduse: IOVA allocators behind a VDUSE-style bounce domain, IOPS vs numjobs".into(),
         seed_source: "2021 VDUSE IOVA allocator discussion: fio 4 KiB randread, iodepth 16, RAM null device; IOPS at numjobs 1/2/4/8: iova-rcache 145k/265k/514k/758k, iova-rbtree 137k/170k/128k/113k, genpool 143k/270k/458k/521k".into(),
+        question: "Do a caching IOVA allocator (iova-rcache) and a lock-free bitmap (genpool) keep block IOPS rising with jobs where the locked IOVA rbtree falls back, as in the 2021 VDUSE discussion (6.7x at 8 jobs)?".into(),
+        reading: match level { Level::Host => format!("{CONTENTION_READING} The map and unmap p50 are each allocator's cost per call, from the pool's own time accounting."), Level::Guest => GUEST_READING.into() },
         x_label: "numjobs",
         primary: IOPS,
         metrics: vec![MBPS, CPU_IO, LOCK_IO, MAP_P50, UNMAP_P50],
@@ -281,6 +336,8 @@ fn iova_2015(level: Level, quick: bool) -> Plan {
         preset: PresetName::Iova2015,
         title: "seed-2015-iova: per-CPU IOVA bitmaps vs the locked IOVA tree, parallel flows through the net device".into(),
         seed_source: "2015 IOVA bitmap allocator proposal: throughput at 48 threads ~1 Gbit/s with the locked tree (99% of CPU in lock contention) -> 9.3 Gbit/s with per-CPU bitmaps (1%)".into(),
+        question: QUESTION_2015.into(),
+        reading: "With one queue pair one TX thread uses the pool, so the row compares the two allocators' cost per frame on the net path, not lock contention (see the notes); the map and unmap p50 say where the difference would come from.".into(),
         x_label: "queue pairs (flows)",
         primary: GBPS,
         metrics: vec![KFPS, LOCK_PCT, CPU_FRAME, MAP_P50, UNMAP_P50],
@@ -322,6 +379,8 @@ fn iova_2015_guest(allocs: &[(AllocatorKind, f64); 2]) -> Plan {
         preset: PresetName::Iova2015,
         title: "seed-2015-iova: per-CPU IOVA bitmaps vs the locked IOVA tree, parallel flows through the net device (rig-1 guest)".into(),
         seed_source: "2015 IOVA bitmap allocator proposal: throughput at 48 threads ~1 Gbit/s with the locked tree (99% of CPU in lock contention) -> 9.3 Gbit/s with per-CPU bitmaps (1%)".into(),
+        question: QUESTION_2015.into(),
+        reading: GUEST_READING.into(),
         x_label: "iperf3 flows",
         primary: GBPS,
         metrics: vec![RX_GBPS, LOCK_FRAME, MAP_P50, UNMAP_P50],
@@ -343,6 +402,8 @@ fn phys_2012(level: Level, quick: bool) -> Plan {
             preset: PresetName::Phys2012,
             title: "seed-2012-phys: bounce off vs forced through the net device (rig-1 guest), and the per-map cost".into(),
             seed_source: "2012 swiotlb rework to physical addresses: 64 B frame routing 10.0 Mpps -> 10.6 Mpps once swiotlb stopped translating virtual to physical addresses on every map".into(),
+            question: QUESTION_2012.into(),
+            reading: GUEST_READING.into(),
             x_label: "iperf3 flows / mapping bytes",
             primary: GBPS,
             metrics: vec![RX_GBPS, MAP_P50, UNMAP_P50, PAIR_NS],
@@ -358,6 +419,8 @@ fn phys_2012(level: Level, quick: bool) -> Plan {
         preset: PresetName::Phys2012,
         title: "seed-2012-phys: small-frame rate, bounce off vs forced, and the per-map cost".into(),
         seed_source: "2012 swiotlb rework to physical addresses: 64 B frame routing 10.0 Mpps -> 10.6 Mpps once swiotlb stopped translating virtual to physical addresses on every map".into(),
+        question: QUESTION_2012.into(),
+        reading: "The frame rows compare bounce off with forced bouncing in the same rounds; the map-cost rows give the bounce library's own time per map+unmap pair and per call. The seed's 1.06x is a before/after of removing translation calls, not bouncing against not bouncing, so it is not comparable with our ratio.".into(),
         x_label: "frame / mapping bytes",
         primary: KFPS,
         metrics: vec![GBPS, CPU_FRAME, MAP_P50, UNMAP_P50, PAIR_NS],

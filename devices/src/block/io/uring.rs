@@ -22,7 +22,7 @@
 //! sleeps, instead of interrupting it with an IPI while it runs. The thread enters the kernel
 //! at every kick and every poll, so nothing waits long; on a virtual machine, where an IPI
 //! is a VM exit, this halved the CPU time per 4 KiB read on tmpfs (8.9 to 3.9 µs with bounce
-//! off, bouncevm-load at iodepth 32, cache=none; medians of 4 rounds side by side, README.md).
+//! off, bouncevm-load at iodepth 32, cache=none; medians of 4 rounds side by side, docs/studies/blk-host-speed.md).
 //!
 //! The image file is registered with the ring (`IORING_REGISTER_FILES`), so no op looks
 //! it up. A [`FixedRegion`] (the bounce pool) is registered as fixed buffers: a one-piece

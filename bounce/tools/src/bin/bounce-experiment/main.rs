@@ -9,7 +9,9 @@
 //! Every run collects machine metadata (git revision, CPU, kernel, load), shows a progress bar
 //! with ETA on stderr, stops cleanly on Ctrl-C keeping the rounds measured so far, and with
 //! `--out DIR` writes the Markdown table, a JSON document with every sample and an SVG chart
-//! (M pairs/s against threads, one line per allocator, one panel per size and copy mode).
+//! (pairs/s against threads, one line per allocator, one panel per size and copy mode);
+//! `--report FILE.md` writes a report of the run (the command that regenerates it, conditions,
+//! table, how to read it) and its chart as FILE.svg.
 //!
 //! `bounce-experiment map-benchmark` is Linux's `dma_map_benchmark` on the host (see
 //! `map_bench.rs`).
@@ -34,7 +36,8 @@ use serde::Serialize;
 
 mod map_bench;
 
-use bounce_tools::report::{self, size_label, Meta, Panel, Summary};
+use bounce_tools::chart::{write_chart, Chart, Line, Panel, Series, XScale};
+use bounce_tools::report::{self, report_markdown, size_label, Meta, Summary};
 
 /// Allocator experiments: map+unmap throughput per allocator, threads, size.
 #[derive(Parser, Debug)]
@@ -112,6 +115,10 @@ struct Args {
     /// Write table.md, results.json and chart.svg into this directory.
     #[arg(long)]
     out: Option<std::path::PathBuf>,
+    /// Write a Markdown report (the command that regenerates it, the question, the conditions,
+    /// the table, how to read it) to this file, and its chart next to it (FILE.svg).
+    #[arg(long, value_name = "FILE.md")]
+    report: Option<std::path::PathBuf>,
 }
 
 /// One cell of the table: an allocator (or the memcpy reference) at one thread count, size and
@@ -732,39 +739,120 @@ fn table(cells: &[Cell]) -> String {
     s
 }
 
-/// One panel per (size, copy): M pairs/s against threads, one line per allocator.
+/// One panel per (size, copy): map+unmap pairs per second against threads, one solid line per
+/// allocator, the copy references dashed.
 fn panels(cells: &[Cell]) -> Vec<Panel> {
     let mut keys: Vec<(usize, bool)> = Vec::new();
+    let mut allocs: Vec<&str> = Vec::new();
     for c in cells {
         if !keys.contains(&(c.size, c.copy)) {
             keys.push((c.size, c.copy));
         }
+        if c.pool.is_some() && !allocs.contains(&c.alloc.as_str()) {
+            allocs.push(&c.alloc);
+        }
     }
     keys.into_iter()
         .map(|(size, copy)| {
-            let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+            let mut series: Vec<Series> = Vec::new();
             for c in cells.iter().filter(|c| c.size == size && c.copy == copy) {
-                let pt = (c.threads as f64, c.mops.median);
-                match series.iter_mut().find(|(n, _)| *n == c.alloc) {
-                    Some((_, v)) => v.push(pt),
-                    None => series.push((c.alloc.clone(), vec![pt])),
+                let pt = (c.threads as f64, c.mops.median * 1e6);
+                match series.iter_mut().find(|s| s.name == c.alloc) {
+                    Some(s) => s.points.push(pt),
+                    None => {
+                        // The references (no pool) are black and grey, dashed.
+                        let (line, color) = match allocs.iter().position(|a| *a == c.alloc) {
+                            Some(i) => (Line::Solid, i % 10),
+                            None => (Line::Dashed, 10 + series.len() % 2),
+                        };
+                        series.push(Series {
+                            name: c.alloc.clone(),
+                            points: vec![pt],
+                            line,
+                            color,
+                        });
+                    }
                 }
             }
             Panel {
                 title: format!(
-                    "{} {}",
+                    "{} mappings, {}",
                     size_label(size),
-                    if copy { "copy" } else { "nocopy" }
+                    if copy {
+                        "copied in and out (bidirectional)"
+                    } else {
+                        "placement only (no copies)"
+                    }
                 ),
                 x_label: "threads".into(),
-                y_label: "M map+unmap pairs/s (median)".into(),
+                x_scale: XScale::Log2,
+                y_label: "map+unmap pairs/s".into(),
+                y_unit: String::new(),
                 series,
             }
         })
         .collect()
 }
 
-/// Prints the table or JSON, and writes them with the chart under `--out`.
+/// What the pools were and how each cell was measured, in one sentence.
+fn setup_line(args: &Args, report: &Report) -> String {
+    let mode = report
+        .cells
+        .iter()
+        .find_map(|c| c.geometry.map(|_| c.mode))
+        .unwrap_or(PoolMode::Swiotlb);
+    format!(
+        "{} pool of {} {}, {}, each thread keeping {} mappings live; {} of {} of {} s per cell (median shown); the pool's time accounting {}.",
+        if mode == PoolMode::Iova { "An iova" } else { "A swiotlb" },
+        args.slots,
+        if mode == PoolMode::Iova { "granules" } else { "slots" },
+        args.areas
+            .map_or_else(|| "one area per thread".to_string(), |a| format!("{a} areas")),
+        args.depth,
+        report.cells.iter().map(|c| c.rounds).max().unwrap_or(0),
+        report::count(args.rounds, "interleaved round"),
+        args.seconds,
+        args.timing,
+    )
+}
+
+/// The chart of a run: one panel per size and copy mode, the conditions in the caption.
+fn chart(args: &Args, report: &Report) -> Chart {
+    let mut caption = vec![setup_line(args, report)];
+    if report.cells.iter().any(|c| c.copy) {
+        caption.push("Dashed: the copy references, measured in the same rounds: memcpy of the same bytes in and out on hot buffers, and the same copies walking a 64 MiB buffer (a new place for every pair, as a rolling index walks the pool).".into());
+    }
+    caption.push(format!("Measured {}.", report.meta.conditions()));
+    Chart {
+        title: "bounce-experiment: map+unmap pairs per second by allocator and threads".into(),
+        panels: panels(&report.cells),
+        caption,
+    }
+}
+
+/// The report file's body: the question, the conditions, the table and how to read it.
+fn report_body(args: &Args, report: &Report, table_md: &str) -> String {
+    let baseline = report
+        .config
+        .get("baseline")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("the first allocator");
+    format!(
+        "**Question.** How many map+unmap pairs per second does each allocator sustain as threads are added, with and without the copies, and how long do its threads wait for locks?\n\n**Conditions.** {} Measured {}.{}\n\n{}\n**How to read it.** \"x baseline\" is each row's median over {baseline}'s in the same rounds; \"lock wait %\" the share of thread time spent waiting for allocator locks; \"full\" the maps that found the pool full. This machine had {} CPUs: rows with more threads than that show contention and time-slicing, not more parallelism. The copy references bound what a copying allocator can reach.\n",
+        setup_line(args, report),
+        report.meta.conditions(),
+        if report.interrupted {
+            " **Interrupted by Ctrl-C: what was measured until then.**"
+        } else {
+            ""
+        },
+        table_md,
+        report.meta.cpus,
+    )
+}
+
+/// Prints the table or JSON; writes them with the chart under `--out`, and the report file
+/// with its chart under `--report`.
 fn emit(args: &Args, report: &Report) -> Result<(), String> {
     let json = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
     let md = table(&report.cells);
@@ -776,25 +864,21 @@ fn emit(args: &Args, report: &Report) -> Result<(), String> {
     if let Some(dir) = &args.out {
         report::write_file(dir, "table.md", &md)?;
         report::write_file(dir, "results.json", &json)?;
-        report::write_chart(
-            &dir.join("chart.svg"),
-            &format!(
-                "bounce-experiment: {} pool, {} mappings live per thread",
-                report
-                    .cells
-                    .first()
-                    .map_or("swiotlb", |c| if c.mode == PoolMode::Iova {
-                        "iova"
-                    } else {
-                        "swiotlb"
-                    }),
-                args.depth
-            ),
-            &panels(&report.cells),
-        )?;
+        write_chart(&dir.join("chart.svg"), &chart(args, report))?;
         eprintln!(
             "bounce-experiment: wrote table.md, results.json, chart.svg in {}",
             dir.display()
+        );
+    }
+    if let Some(path) = &args.report {
+        let title = "Allocator throughput on the host (bounce-experiment)";
+        let body = report_body(args, report, &md);
+        report::write_text(path, &report_markdown(title, &report.meta, &body, path))?;
+        write_chart(&report::chart_path(path), &chart(args, report))?;
+        eprintln!(
+            "bounce-experiment: wrote {} and {}",
+            path.display(),
+            report::chart_path(path).display()
         );
     }
     Ok(())
