@@ -28,9 +28,10 @@
 //! visited in that search), which the trace replay test checks against a real kernel.
 
 use crate::alloc::locked::{check_geometry, report_ranges, Locked, SlotRange};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::{SlotAllocator, SlotRequest};
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// Free-run counts of a contiguous range of slots that starts on a segment boundary, with a used
 /// count and a rolling index: the state one lock protects. Shared by `areas` (one per area) and

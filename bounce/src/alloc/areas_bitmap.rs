@@ -8,9 +8,10 @@
 
 use crate::alloc::bitmap::FreeBitmap;
 use crate::alloc::locked::{check_geometry, report_ranges, Locked};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::{SlotAllocator, SlotRequest};
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// Per-area locks, each protecting the area's bitmap, used count and rolling index.
 #[derive(Debug)]

@@ -35,9 +35,10 @@ use std::collections::VecDeque;
 
 use crate::alloc::areas::{FreeRuns, SearchStart};
 use crate::alloc::locked::{check_geometry, report_ranges, Locked, SlotRange};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::{SlotAllocator, SlotRequest};
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// Released runs remembered per area.
 pub const RECENT_RUNS: usize = 8;

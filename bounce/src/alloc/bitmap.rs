@@ -20,9 +20,10 @@
 //! range satisfies [`SlotRequest::fits`].
 
 use crate::alloc::locked::{check_geometry, report_ranges, Locked, SlotRange};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::{SlotAllocator, SlotRequest};
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 const WORD_BITS: usize = u64::BITS as usize;
 

@@ -17,9 +17,10 @@
 
 use crate::alloc::areas::{FreeRuns, SearchStart};
 use crate::alloc::locked::{check_geometry, report_ranges, Locked};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::{SlotAllocator, SlotRequest};
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// One lock, one free-run list over the whole pool, one rolling index.
 #[derive(Debug)]

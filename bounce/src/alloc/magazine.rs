@@ -65,9 +65,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::alloc::bitmap::FreeBitmap;
 use crate::alloc::locked::{check_geometry, report_ranges, Locked};
-use crate::alloc::{pow2, AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::{pow2, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// The largest size class: runs of `2^MAX_CLASS` = 128 slots (a swiotlb segment).
 pub const MAX_CLASS: usize = 7;
