@@ -44,15 +44,11 @@ use crate::geometry::Geometry;
 use crate::types::{AllocatorKind, PoolMode};
 use crate::PAGE_SIZE;
 
-pub use areas::AreasAllocator;
-pub use areas_bitmap::AreasBitmapAllocator;
-pub use areas_lifo::{AreasLifoAllocator, RECENT_PROBE, RECENT_RUNS};
-pub use bitmap::BitmapAllocator;
+pub use areas_lifo::{RECENT_PROBE, RECENT_RUNS};
 pub use genpool::Genpool;
 pub use iova_bitmap::{IovaBitmap, SMALL_BYTES};
 pub use iova_rbtree::IovaRbtree;
 pub use iova_rcache::{IovaRcache, DEPOT_DELAY, IOVA_MAG_SIZE, IOVA_RANGE_CACHE_MAX_SIZE};
-pub use legacy::LegacyAllocator;
 pub use lock::{LockSnapshot, TimedMutex};
 pub use magazine::{class_capacity, MagazineAllocator, MAG_CLASS_SLOTS, MAX_CLASS};
 
@@ -248,15 +244,15 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
 /// [`Error::Config`](crate::Error::Config) when the allocator cannot serve this geometry.
 pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocator>> {
     match kind {
-        AllocatorKind::Legacy => Ok(Arc::new(LegacyAllocator::new(geom)?)),
-        AllocatorKind::Bitmap => Ok(Arc::new(BitmapAllocator::new(geom)?)),
-        AllocatorKind::Areas => Ok(Arc::new(AreasAllocator::new(geom)?)),
-        AllocatorKind::AreasBitmap => Ok(Arc::new(AreasBitmapAllocator::new(geom)?)),
+        AllocatorKind::Legacy => Ok(Arc::new(legacy::new(geom)?)),
+        AllocatorKind::Bitmap => Ok(Arc::new(bitmap::new(geom)?)),
+        AllocatorKind::Areas => Ok(Arc::new(areas::new(geom)?)),
+        AllocatorKind::AreasBitmap => Ok(Arc::new(areas_bitmap::new(geom)?)),
         AllocatorKind::IovaRbtree => Ok(Arc::new(IovaRbtree::new(geom, true))),
         AllocatorKind::IovaRcache => Ok(Arc::new(IovaRcache::new(geom))),
         AllocatorKind::Genpool => Ok(Arc::new(Genpool::new(geom))),
         AllocatorKind::IovaBitmap => Ok(Arc::new(IovaBitmap::new(geom))),
-        AllocatorKind::AreasLifo => Ok(Arc::new(AreasLifoAllocator::new(geom)?)),
+        AllocatorKind::AreasLifo => Ok(Arc::new(areas_lifo::new(geom)?)),
         AllocatorKind::Magazine => Ok(Arc::new(MagazineAllocator::new(geom)?)),
     }
 }
