@@ -2,52 +2,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::alloc::AllocatorKind;
 use crate::error::{Error, Result};
-use crate::pool::CopyOnMap;
-use crate::{IO_TLB_SEGSIZE, IO_TLB_SHIFT, PAGE_SHIFT};
-
-/// Which semantics a pool follows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum PoolMode {
-    /// Linux swiotlb: 2 KiB slots, 128-slot segments, always copy in on map.
-    Swiotlb,
-    /// VDUSE-style IOVA domain: 4 KiB granules, no segments, copy in on map only when the
-    /// device reads the buffer.
-    Iova,
-}
-
-impl PoolMode {
-    /// log2 of the slot (granule) size of this mode.
-    pub fn slot_shift(self) -> u32 {
-        match self {
-            Self::Swiotlb => IO_TLB_SHIFT,
-            Self::Iova => PAGE_SHIFT,
-        }
-    }
-
-    /// The copy rule on map that this mode has by default.
-    pub fn default_copy_on_map(self) -> CopyOnMap {
-        match self {
-            Self::Swiotlb => CopyOnMap::Always,
-            Self::Iova => CopyOnMap::WhenDeviceReads,
-        }
-    }
-}
-
-impl std::str::FromStr for PoolMode {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "swiotlb" => Ok(Self::Swiotlb),
-            "iova" => Ok(Self::Iova),
-            other => Err(Error::Config(format!(
-                "unknown mode '{other}' (expected swiotlb or iova)"
-            ))),
-        }
-    }
-}
+use crate::types::{AllocatorKind, CopyOnMap, PoolMode};
+use crate::IO_TLB_SEGSIZE;
 
 /// What a user asks for. [`PoolConfig::geometry`] applies Linux's rounding rules.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -32,6 +32,7 @@ pub mod alloc;
 pub mod dma;
 pub mod error;
 pub mod geometry;
+pub mod names;
 pub mod orig;
 pub mod pool;
 pub mod stats;
@@ -40,14 +41,14 @@ pub mod testing;
 pub mod trace;
 pub mod types;
 
-pub use alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+pub use alloc::{SlotAllocator, SlotRequest};
 pub use dma::{DeviceDmaParams, Dma, DmaBuffer, Policy};
 pub use error::{Error, Result};
-pub use geometry::{Geometry, PoolConfig, PoolMode, SizeLimit};
+pub use geometry::{Geometry, PoolConfig, SizeLimit};
 pub use orig::{HostMemory, NoCopyMemory, OrigMemory};
-pub use pool::{BouncePool, CopyOnMap, Mapping};
+pub use pool::{BouncePool, Mapping};
 pub use stats::PoolStats;
-pub use types::{Direction, DmaAttrs, MapRequest};
+pub use types::{AllocatorKind, CopyOnMap, Direction, DmaAttrs, MapRequest, PoolMode};
 
 /// log2 of the swiotlb slot size (Linux `IO_TLB_SHIFT`).
 pub const IO_TLB_SHIFT: u32 = 11;

@@ -14,53 +14,10 @@ use vm_memory::{MmapRegion, VolatileMemory, VolatileSlice};
 
 use crate::alloc::{self, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
-use crate::geometry::{Geometry, PoolConfig, PoolMode, SizeLimit};
+use crate::geometry::{Geometry, PoolConfig, SizeLimit};
 use crate::orig::OrigMemory;
 use crate::stats::{Counters, PoolStats, ShardRef, Stat, TimedOp, Timing};
-use crate::types::{Direction, DmaAttrs, MapRequest};
-
-/// What map copies into the pool.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum CopyOnMap {
-    /// Copy the original in whatever the direction (Linux swiotlb since the 2022 info-leak
-    /// fix): a device that writes only part of a from-device buffer then neither exposes stale
-    /// pool bytes nor clobbers the unwritten part of the original on unmap.
-    Always,
-    /// Copy in only when the device reads the buffer (to-device, bidirectional) and the caller
-    /// did not ask to skip the CPU sync (VDUSE's bounce map).
-    WhenDeviceReads,
-}
-
-impl CopyOnMap {
-    /// The rule's name, as in the bounce options and the statistics' JSON.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Always => "always",
-            Self::WhenDeviceReads => "when-device-reads",
-        }
-    }
-}
-
-impl std::fmt::Display for CopyOnMap {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for CopyOnMap {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        [Self::Always, Self::WhenDeviceReads]
-            .into_iter()
-            .find(|c| c.name() == s)
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "unknown copy rule '{s}' (expected always or when-device-reads)"
-                ))
-            })
-    }
-}
+use crate::types::{CopyOnMap, Direction, DmaAttrs, MapRequest, PoolMode};
 
 /// The pool's internal result: the error boxed, so a result fits in two registers and is never
 /// moved through the stack (a 40-byte `Result<(), Error>` copied between stack slots after

@@ -5,9 +5,8 @@ use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use crate::alloc::{AllocatorKind, LockSnapshot};
-use crate::geometry::PoolMode;
-use crate::pool::CopyOnMap;
+use crate::alloc::LockSnapshot;
+use crate::types::{AllocatorKind, CopyOnMap, PoolMode};
 
 /// One event counter of a pool (an index into a [`Counters`] shard).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,8 +1,105 @@
-//! Directions, attributes and map requests.
+//! The vocabulary every other module shares: directions, attributes and map requests, and the
+//! named choices a pool is configured with (mode, allocator, copy rule). This module imports
+//! nothing of the pool, its geometry, allocators or statistics, so all of them can use it.
 
 use serde::{Deserialize, Serialize};
 
-use crate::DEFAULT_SEG_BOUNDARY_MASK;
+use crate::error::Error;
+use crate::{DEFAULT_SEG_BOUNDARY_MASK, IO_TLB_SHIFT, PAGE_SHIFT};
+
+/// Which semantics a pool follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PoolMode {
+    /// Linux swiotlb: 2 KiB slots, 128-slot segments, always copy in on map.
+    Swiotlb,
+    /// VDUSE-style IOVA domain: 4 KiB granules, no segments, copy in on map only when the
+    /// device reads the buffer.
+    Iova,
+}
+
+crate::named_enum! {
+    PoolMode, "mode", err: Error = Error::Config;
+    Swiotlb => "swiotlb",
+    Iova => "iova",
+}
+
+impl PoolMode {
+    /// log2 of the slot (granule) size of this mode.
+    pub fn slot_shift(self) -> u32 {
+        match self {
+            Self::Swiotlb => IO_TLB_SHIFT,
+            Self::Iova => PAGE_SHIFT,
+        }
+    }
+
+    /// The copy rule on map that this mode has by default.
+    pub fn default_copy_on_map(self) -> CopyOnMap {
+        match self {
+            Self::Swiotlb => CopyOnMap::Always,
+            Self::Iova => CopyOnMap::WhenDeviceReads,
+        }
+    }
+}
+
+/// What map copies into the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CopyOnMap {
+    /// Copy the original in whatever the direction (Linux swiotlb since the 2022 info-leak
+    /// fix): a device that writes only part of a from-device buffer then neither exposes stale
+    /// pool bytes nor clobbers the unwritten part of the original on unmap.
+    Always,
+    /// Copy in only when the device reads the buffer (to-device, bidirectional) and the caller
+    /// did not ask to skip the CPU sync (VDUSE's bounce map).
+    WhenDeviceReads,
+}
+
+crate::named_enum! {
+    CopyOnMap, "copy rule", err: Error = Error::Config;
+    Always => "always",
+    WhenDeviceReads => "when-device-reads",
+}
+
+/// The ten slot allocators (see [`alloc`](crate::alloc)), selectable by name at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AllocatorKind {
+    /// One global lock, free-run counts, rolling index.
+    Legacy,
+    /// One lock, bitmap of free slots.
+    Bitmap,
+    /// Per-area locks with free-run counts: Linux 6.x.
+    Areas,
+    /// Per-area locks with bitmaps.
+    AreasBitmap,
+    /// Ordered-tree range allocator with a cached node, one lock.
+    IovaRbtree,
+    /// Per-worker magazines and a depot in front of the tree.
+    IovaRcache,
+    /// Lock-free first-fit bitmap.
+    Genpool,
+    /// Per-worker bitmaps for small requests, tree fallback.
+    IovaBitmap,
+    /// Per-area locks with free-run counts, freed runs reused first.
+    AreasLifo,
+    /// Per-worker magazines over per-area bitmap depots.
+    Magazine,
+}
+
+crate::named_enum! {
+    AllocatorKind, "allocator", err: Error = Error::Config, list: crate::names::one_of_list;
+    Legacy => "legacy",
+    Bitmap => "bitmap",
+    Areas => "areas",
+    AreasBitmap => "areas-bitmap",
+    IovaRbtree => "iova-rbtree",
+    IovaRcache => "iova-rcache",
+    Genpool => "genpool",
+    IovaBitmap => "iova-bitmap",
+    AreasLifo => "areas-lifo",
+    Magazine => "magazine",
+}
 
 /// The direction of a DMA transfer, from the device's point of view.
 ///

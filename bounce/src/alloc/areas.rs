@@ -27,14 +27,15 @@
 //! (including its blind spots: after a wrap with a stride > 1 some aligned candidates are never
 //! visited in that search), which the trace replay test checks against a real kernel.
 
-use crate::alloc::locked::{check_geometry, report_ranges, Locked, SlotRange};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::locked::{Locked, SlotRange};
+use crate::alloc::SlotRequest;
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// Free-run counts of a contiguous range of slots that starts on a segment boundary, with a used
-/// count and a rolling index: the state one lock protects. Shared by `areas` (one per area) and
-/// `legacy` (one for the whole pool).
+/// count and a rolling index: the state one lock protects. Shared by `areas` (one per area),
+/// `areas-lifo` (one per area) and `legacy` (one for the whole pool), which differ in `start`.
 #[derive(Debug)]
 pub(crate) struct FreeRuns {
     /// Absolute index of the first slot of the range.
@@ -46,6 +47,8 @@ pub(crate) struct FreeRuns {
     pub used: usize,
     /// Where the next search starts, relative to `base`; always `< list.len()`.
     pub index: usize,
+    /// How a search picks its first slot.
+    start: SearchStart,
 }
 
 /// How a search picks its first slot.
@@ -58,8 +61,9 @@ pub(crate) enum SearchStart {
 }
 
 impl FreeRuns {
-    /// A fully free range of `len` slots starting at absolute slot `base` (a segment start).
-    pub fn new(base: usize, len: usize, segsize: usize) -> Self {
+    /// A fully free range of `len` slots starting at absolute slot `base` (a segment start),
+    /// searched from `start`.
+    pub fn new(base: usize, len: usize, segsize: usize, start: SearchStart) -> Self {
         // Initially every slot sees the rest of its segment free (the range is a whole number of
         // segments; the `min` also covers a last, shorter segment).
         let list = (0..len)
@@ -73,6 +77,7 @@ impl FreeRuns {
             list,
             used: 0,
             index: 0,
+            start,
         }
     }
 
@@ -117,19 +122,14 @@ impl FreeRuns {
     }
 
     /// Finds and claims a run for `req`, returning its absolute first slot.
-    pub fn alloc(
-        &mut self,
-        geom: &Geometry,
-        req: &SlotRequest,
-        start: SearchStart,
-    ) -> Option<usize> {
+    pub fn alloc(&mut self, geom: &Geometry, req: &SlotRequest) -> Option<usize> {
         let nslots = req.nslots;
         let len = self.len();
         if nslots == 0 || nslots > len - self.used {
             return None;
         }
         let stride = req.stride(geom).max(1);
-        let mut index = match start {
+        let mut index = match self.start {
             SearchStart::Index => self.index,
             SearchStart::AlignedIndex => self.wrap(
                 self.index
@@ -234,6 +234,10 @@ impl FreeRuns {
 }
 
 impl SlotRange for FreeRuns {
+    fn alloc(&mut self, geom: &Geometry, req: &SlotRequest) -> Option<usize> {
+        FreeRuns::alloc(self, geom, req)
+    }
+
     fn used(&self) -> usize {
         self.used
     }
@@ -247,48 +251,21 @@ impl SlotRange for FreeRuns {
     }
 }
 
-/// Linux 6.x swiotlb: per-area locks with free-run counts.
-#[derive(Debug)]
-pub struct AreasAllocator {
-    areas: Locked<FreeRuns>,
-}
-
-impl AreasAllocator {
-    /// Builds the allocator, all slots free, every area's index at 0.
-    ///
-    /// # Errors
-    /// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
-    pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom, true)?;
-        Ok(Self {
-            areas: Locked::per_area(geom, "areas", |base, len| {
-                FreeRuns::new(base, len, geom.segsize)
-            }),
-        })
-    }
-}
-
-impl SlotAllocator for AreasAllocator {
-    fn kind(&self) -> AllocatorKind {
-        AllocatorKind::Areas
-    }
-
-    fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        let geom = &self.areas.geom;
-        self.areas
-            .find_map(req.worker, |a| a.alloc(geom, req, SearchStart::Index))
-    }
-
-    fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        self.areas.free(index, nslots);
-    }
-
-    report_ranges!(areas);
+/// Builds `areas`, Linux 6.x swiotlb: per-area locks with free-run counts, all slots free,
+/// every area's index at 0.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
+pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeRuns>> {
+    Locked::per_area(AllocatorKind::Areas, geom, true, |base, len| {
+        FreeRuns::new(base, len, geom.segsize, SearchStart::Index)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::SlotAllocator;
     use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
     fn geom(slots: usize, areas: usize, base: u64) -> Geometry {
@@ -307,15 +284,15 @@ mod tests {
         )
     }
 
-    fn list(a: &AreasAllocator, area: usize) -> Vec<u32> {
-        a.areas.ranges[area].lock().list.to_vec()
+    fn list(a: &Locked<FreeRuns>, area: usize) -> Vec<u32> {
+        a.ranges[area].lock().list.to_vec()
     }
 
     #[test]
     fn first_maps_follow_the_kernel_trace() {
         // The first maps of the Linux 6.12 trace: 16 bytes, then a page (page aligned).
         let g = geom(4096, 1, 0x38f0_0000);
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         assert_eq!(a.alloc(&req(&g, 0x3e88_d7f8, 16, 0, 1)), Some(0));
         assert_eq!((a.area_used(), a.area_index()), (vec![1], vec![1]));
         assert_eq!(a.alloc(&req(&g, 0x1c98_e000, 4096, 0, 1)), Some(2));
@@ -328,7 +305,7 @@ mod tests {
     #[test]
     fn min_align_mask_keeps_the_original_bits() {
         let g = geom(128, 1, 0x4000_0000);
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         // Bit 11 of the original is set: with a 4 KiB mask the slot must be odd.
         let r = req(&g, 0x1000_0800, 512, 0xfff, 0);
         let i = a.alloc(&r).unwrap();
@@ -341,7 +318,7 @@ mod tests {
     #[test]
     fn runs_never_cross_a_segment() {
         let g = geom(256, 1, 0x4000_0000);
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         // 100 slots at 0; 64 more do not fit in the 28 left in segment 0.
         assert_eq!(a.alloc(&req(&g, 0, 100 * 2048, 0, 0)), Some(0));
         assert_eq!(a.alloc(&req(&g, 0, 64 * 2048, 0, 0)), Some(128));
@@ -357,7 +334,7 @@ mod tests {
     #[test]
     fn boundary_mask_is_honoured() {
         let g = geom(128, 1, 0x4000_0000);
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let small = |n: u64| {
             // Under a page: no page alignment, stride 1. 64 KiB boundary = 32 slots.
             SlotRequest::new(&g, 0, n * 2048 - 1, 0, 0, 0xffff, 0)
@@ -373,7 +350,7 @@ mod tests {
     #[test]
     fn index_wraps_to_zero_and_search_continues_from_the_start() {
         let g = geom(128, 1, 0x4000_0000);
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let one = req(&g, 0, 1, 0, 0);
         for i in 0..128 {
             assert_eq!(a.alloc(&one), Some(i));
@@ -398,7 +375,7 @@ mod tests {
     fn misaligned_base_page_alignment_across_the_wrap() {
         // A pool that starts half a page in: page-aligned slots are the odd ones.
         let g = geom(128, 1, 0x4000_0800);
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let page = req(&g, 0, 4096, 0, 0);
         assert_eq!(a.alloc(&page), Some(1));
         assert_eq!(a.alloc(&page), Some(3));
@@ -410,7 +387,7 @@ mod tests {
     #[test]
     fn release_merges_with_following_and_preceding_runs() {
         let g = geom(128, 1, 0x4000_0000);
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let two = req(&g, 0, 4000, 0, 0);
         assert_eq!(a.alloc(&two), Some(0));
         assert_eq!(a.alloc(&two), Some(2));
@@ -429,7 +406,7 @@ mod tests {
     #[test]
     fn fixups_stop_at_segment_start() {
         let g = geom(256, 1, 0x4000_0000);
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         // Fill segment 0 except its last slot, then take slot 128..130.
         assert_eq!(a.alloc(&req(&g, 0, 127 * 2048, 0, 0)), Some(0));
         assert_eq!(a.alloc(&req(&g, 0, 4000, 0, 0)), Some(128));
@@ -445,7 +422,7 @@ mod tests {
     fn requests_walk_the_areas_from_the_workers_own() {
         let g = geom(512, 4, 0x4000_0000);
         assert_eq!((g.nareas, g.area_nslabs), (4, 128));
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let seg = |w| req(&g, 0, 128 * 2048, 0, w);
         assert_eq!(a.alloc(&seg(2)), Some(256));
         assert_eq!(a.alloc(&seg(2)), Some(384));
@@ -462,7 +439,7 @@ mod tests {
     #[test]
     fn impossible_requests_fail_without_panicking() {
         let g = geom(256, 2, 0x4000_0000);
-        let a = AreasAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let mut r = req(&g, 0, 1, 0, 0);
         for n in [0, 129, 200, 256, 257, usize::MAX] {
             r.nslots = n;

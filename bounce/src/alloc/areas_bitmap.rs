@@ -7,50 +7,24 @@
 //! [`bitmap`](super::bitmap), restricted to the area and starting at the area's rolling index.
 
 use crate::alloc::bitmap::FreeBitmap;
-use crate::alloc::locked::{check_geometry, report_ranges, Locked};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::locked::Locked;
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
-/// Per-area locks, each protecting the area's bitmap, used count and rolling index.
-#[derive(Debug)]
-pub struct AreasBitmapAllocator {
-    areas: Locked<FreeBitmap>,
-}
-
-impl AreasBitmapAllocator {
-    /// Builds the allocator with every slot free and every area's index at 0.
-    ///
-    /// # Errors
-    /// [`Error::Config`](crate::Error::Config) for an inconsistent geometry.
-    pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom, false)?;
-        Ok(Self {
-            areas: Locked::per_area(geom, "areas-bitmap", FreeBitmap::new),
-        })
-    }
-}
-
-impl SlotAllocator for AreasBitmapAllocator {
-    fn kind(&self) -> AllocatorKind {
-        AllocatorKind::AreasBitmap
-    }
-
-    fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        let geom = &self.areas.geom;
-        self.areas.find_map(req.worker, |a| a.alloc(geom, req))
-    }
-
-    fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        self.areas.free(index, nslots);
-    }
-
-    report_ranges!(areas);
+/// Builds `areas-bitmap`: per-area locks, each protecting the area's bitmap, used count and
+/// rolling index; every slot free and every area's index at 0.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) for an inconsistent geometry.
+pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeBitmap>> {
+    Locked::per_area(AllocatorKind::AreasBitmap, geom, false, FreeBitmap::new)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::{SlotAllocator, SlotRequest};
     use crate::geometry::PoolConfig;
     use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
@@ -60,7 +34,7 @@ mod tests {
         c.areas = Some(4);
         c.workers = 4;
         let g = c.geometry().unwrap();
-        let a = AreasBitmapAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let seg = |w| SlotRequest::new(&g, 0, 128 * 2048, 0, 0, DEFAULT_SEG_BOUNDARY_MASK, w);
         let one = |w| SlotRequest::new(&g, 0, 1, 0, 0, DEFAULT_SEG_BOUNDARY_MASK, w);
         assert_eq!(a.alloc(&seg(3)), Some(384));

@@ -34,10 +34,11 @@
 use std::collections::VecDeque;
 
 use crate::alloc::areas::{FreeRuns, SearchStart};
-use crate::alloc::locked::{check_geometry, report_ranges, Locked, SlotRange};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::locked::{Locked, SlotRange};
+use crate::alloc::SlotRequest;
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// Released runs remembered per area.
 pub const RECENT_RUNS: usize = 8;
@@ -46,7 +47,7 @@ pub const RECENT_PROBE: usize = 8;
 
 /// One area: the `areas` state and the runs most recently released into it.
 #[derive(Debug)]
-struct LifoArea {
+pub(crate) struct LifoArea {
     runs: FreeRuns,
     /// `(first slot, slots)` of released runs, newest at the back.
     recent: VecDeque<(usize, usize)>,
@@ -87,6 +88,14 @@ impl LifoArea {
 }
 
 impl SlotRange for LifoArea {
+    /// A recent run first, else the `areas` search from the rolling index.
+    fn alloc(&mut self, geom: &Geometry, req: &SlotRequest) -> Option<usize> {
+        if req.nslots == 0 || req.nslots > self.runs.list.len() - self.runs.used {
+            return None;
+        }
+        self.reuse(geom, req).or_else(|| self.runs.alloc(geom, req))
+    }
+
     fn used(&self) -> usize {
         self.runs.used
     }
@@ -104,54 +113,22 @@ impl SlotRange for LifoArea {
     }
 }
 
-/// Per-area locks, free-run counts, freed runs reused first.
-#[derive(Debug)]
-pub struct AreasLifoAllocator {
-    areas: Locked<LifoArea>,
-}
-
-impl AreasLifoAllocator {
-    /// Builds the allocator, all slots free, every area's index at 0, no recent runs.
-    ///
-    /// # Errors
-    /// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
-    pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom, true)?;
-        Ok(Self {
-            areas: Locked::per_area(geom, "areas-lifo", |base, len| LifoArea {
-                runs: FreeRuns::new(base, len, geom.segsize),
-                recent: VecDeque::with_capacity(RECENT_RUNS),
-            }),
-        })
-    }
-}
-
-impl SlotAllocator for AreasLifoAllocator {
-    fn kind(&self) -> AllocatorKind {
-        AllocatorKind::AreasLifo
-    }
-
-    fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        let geom = &self.areas.geom;
-        self.areas.find_map(req.worker, |area| {
-            if req.nslots == 0 || req.nslots > area.runs.list.len() - area.runs.used {
-                return None;
-            }
-            area.reuse(geom, req)
-                .or_else(|| area.runs.alloc(geom, req, SearchStart::Index))
-        })
-    }
-
-    fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        self.areas.free(index, nslots);
-    }
-
-    report_ranges!(areas);
+/// Builds `areas-lifo`: per-area locks, free-run counts, freed runs reused first; all slots
+/// free, every area's index at 0, no recent runs.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
+pub(crate) fn new(geom: &Geometry) -> Result<Locked<LifoArea>> {
+    Locked::per_area(AllocatorKind::AreasLifo, geom, true, |base, len| LifoArea {
+        runs: FreeRuns::new(base, len, geom.segsize, SearchStart::Index),
+        recent: VecDeque::with_capacity(RECENT_RUNS),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::SlotAllocator;
     use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
     fn geom(slots: usize, areas: usize, base: u64) -> Geometry {
@@ -165,7 +142,7 @@ mod tests {
     #[test]
     fn a_freed_run_is_reused_first() {
         let g = geom(1024, 1, 0x4000_0000);
-        let a = AreasLifoAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let page = req(&g, 0, 4096, 0);
         let runs: Vec<_> = (0..9).map(|_| a.alloc(&page).unwrap()).collect();
         assert_eq!(runs, (0..18).step_by(2).collect::<Vec<_>>());
@@ -183,7 +160,7 @@ mod tests {
     #[test]
     fn reuse_keeps_every_placement_rule() {
         let g = geom(256, 1, 0x4000_0000);
-        let a = AreasLifoAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let one = |orig, min_align| req(&g, orig, 512, min_align);
         for i in 0..16 {
             assert_eq!(a.alloc(&one(0, 0)), Some(i));
@@ -204,7 +181,7 @@ mod tests {
         assert_eq!(a.area_used(), vec![18]);
 
         // A 64 KiB boundary (32 slots): a released 2-slot run at 31..33 crosses it.
-        let a = AreasLifoAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let two = req(&g, 0, 3000, 0);
         for i in 0..31 {
             assert_eq!(a.alloc(&one(0, 0)), Some(i));
@@ -222,7 +199,7 @@ mod tests {
     #[test]
     fn reuse_never_splits_a_free_extent() {
         let g = geom(256, 1, 0x4000_0000);
-        let a = AreasLifoAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let page = req(&g, 0, 4096, 0);
         let runs: Vec<_> = (0..8).map(|_| a.alloc(&page).unwrap()).collect();
         // 4..6 and 6..8 freed: one 4-slot extent. A page must not take either half, as a
@@ -240,7 +217,7 @@ mod tests {
     #[test]
     fn stale_recent_runs_are_skipped() {
         let g = geom(128, 1, 0x4000_0000);
-        let a = AreasLifoAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let one = req(&g, 0, 1, 0);
         let two = req(&g, 0, 4095, 0);
         for i in 0..128 {
@@ -255,7 +232,7 @@ mod tests {
         a.free(30, 1, 0); // refused: already free, not remembered twice
         a.free(40, 1, 0);
         let recent = || {
-            a.areas.ranges[0]
+            a.ranges[0]
                 .lock()
                 .recent
                 .iter()

@@ -19,10 +19,11 @@
 //! Unlike the free-run search, this one is complete: it fails only when no run anywhere in the
 //! range satisfies [`SlotRequest::fits`].
 
-use crate::alloc::locked::{check_geometry, report_ranges, Locked, SlotRange};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::locked::{Locked, SlotRange};
+use crate::alloc::SlotRequest;
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 const WORD_BITS: usize = u64::BITS as usize;
 
@@ -196,6 +197,10 @@ impl FreeBitmap {
 }
 
 impl SlotRange for FreeBitmap {
+    fn alloc(&mut self, geom: &Geometry, req: &SlotRequest) -> Option<usize> {
+        FreeBitmap::alloc(self, geom, req)
+    }
+
     fn used(&self) -> usize {
         self.used
     }
@@ -209,46 +214,19 @@ impl SlotRange for FreeBitmap {
     }
 }
 
-/// One lock, one bitmap over the whole pool, one rolling index.
-#[derive(Debug)]
-pub struct BitmapAllocator {
-    state: Locked<FreeBitmap>,
-}
-
-impl BitmapAllocator {
-    /// Builds the allocator with every slot free and the index at 0. Areas of the geometry are
-    /// ignored.
-    ///
-    /// # Errors
-    /// [`Error::Config`](crate::Error::Config) for an inconsistent geometry.
-    pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom, false)?;
-        Ok(Self {
-            state: Locked::whole(geom, "bitmap", FreeBitmap::new),
-        })
-    }
-}
-
-impl SlotAllocator for BitmapAllocator {
-    fn kind(&self) -> AllocatorKind {
-        AllocatorKind::Bitmap
-    }
-
-    fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        let geom = &self.state.geom;
-        self.state.find_map(req.worker, |s| s.alloc(geom, req))
-    }
-
-    fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        self.state.free(index, nslots);
-    }
-
-    report_ranges!(state);
+/// Builds `bitmap`: one lock, one bitmap over the whole pool, one rolling index, every slot
+/// free and the index at 0. Areas of the geometry are ignored.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) for an inconsistent geometry.
+pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeBitmap>> {
+    Locked::whole(AllocatorKind::Bitmap, geom, false, FreeBitmap::new)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::SlotAllocator;
     use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
     fn geom(slots: usize, base: u64) -> Geometry {
@@ -285,7 +263,7 @@ mod tests {
     #[test]
     fn alignment_rules() {
         let g = geom(256, 0x4000_0000);
-        let a = BitmapAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         assert_eq!(a.alloc(&req(&g, 0, 16, 0)), Some(0));
         // A page or more: page aligned.
         assert_eq!(a.alloc(&req(&g, 0, 4096, 0)), Some(2));
@@ -300,7 +278,7 @@ mod tests {
     #[test]
     fn segments_and_boundaries() {
         let g = geom(256, 0x4000_0000);
-        let a = BitmapAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         assert_eq!(a.alloc(&req(&g, 0, 100 * 2048, 0)), Some(0));
         assert_eq!(a.alloc(&req(&g, 0, 64 * 2048, 0)), Some(128));
         assert_eq!(a.alloc(&req(&g, 0, 128 * 2048, 0)), None);
@@ -320,7 +298,7 @@ mod tests {
     #[test]
     fn search_is_complete_behind_the_rolling_index() {
         let g = geom(128, 0x4000_0000);
-        let a = BitmapAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let one = req(&g, 0, 1, 0);
         for i in 0..128 {
             assert_eq!(a.alloc(&one), Some(i));
@@ -343,7 +321,7 @@ mod tests {
     #[test]
     fn impossible_requests_fail_without_panicking() {
         let g = geom(256, 0x4000_0000);
-        let a = BitmapAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let mut r = req(&g, 0, 1, 0);
         for n in [0, 129, 256, usize::MAX] {
             r.nslots = n;

@@ -17,8 +17,9 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use super::iova_rbtree::Placement;
-use super::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest};
+use super::{LockSnapshot, SlotAllocator, SlotRequest};
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// Bits per bitmap word.
 pub(crate) const WORD_BITS: usize = 64;

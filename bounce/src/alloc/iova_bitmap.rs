@@ -33,8 +33,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::genpool::{find_zero_area, word_mask, WORD_BITS};
 use super::iova_rbtree::{IovaTree, Placement};
-use super::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
+use super::{LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// The largest request, in bytes, served from the per-worker bitmaps.
 pub const SMALL_BYTES: u64 = 8192;

@@ -36,8 +36,9 @@
 
 use std::collections::BTreeMap;
 
-use super::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
+use super::{LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// The placement rules of one request, in the form the searches need: the run length, and
 /// "index ≡ phase (mod align)" with the allocator's size alignment folded in.
@@ -382,10 +383,11 @@ pub(crate) mod test_support {
 
     use rand::{Rng, SeedableRng};
 
-    use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
-    use crate::geometry::{Geometry, PoolConfig, PoolMode};
+    use crate::alloc::{SlotAllocator, SlotRequest};
+    use crate::geometry::{Geometry, PoolConfig};
     use crate::orig::HostMemory;
     use crate::pool::BouncePool;
+    use crate::types::{AllocatorKind, PoolMode};
     use crate::types::{Direction, DmaAttrs, MapRequest};
 
     /// An iova-mode geometry of `slots` granules and `workers` workers.

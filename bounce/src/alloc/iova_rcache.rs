@@ -32,8 +32,9 @@ use std::sync::MutexGuard;
 use std::time::{Duration, Instant};
 
 use super::iova_rbtree::{IovaTree, Placement};
-use super::{AllocatorKind, LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
+use super::{LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// log2 of the largest cached range size, plus one (Linux `IOVA_RANGE_CACHE_MAX_SIZE`).
 pub const IOVA_RANGE_CACHE_MAX_SIZE: usize = 6;

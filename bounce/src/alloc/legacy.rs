@@ -16,55 +16,26 @@
 //! could spin forever under the lock when the phase never came back to the start).
 
 use crate::alloc::areas::{FreeRuns, SearchStart};
-use crate::alloc::locked::{check_geometry, report_ranges, Locked};
-use crate::alloc::{AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::locked::Locked;
 use crate::error::Result;
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
-/// One lock, one free-run list over the whole pool, one rolling index.
-#[derive(Debug)]
-pub struct LegacyAllocator {
-    state: Locked<FreeRuns>,
-}
-
-impl LegacyAllocator {
-    /// Builds the allocator with every slot free and the index at 0. Areas of the geometry are
-    /// ignored (the old kernel had none).
-    ///
-    /// # Errors
-    /// [`Error::Config`](crate::Error::Config) for a geometry that is not whole segments.
-    pub fn new(geom: &Geometry) -> Result<Self> {
-        check_geometry(geom, true)?;
-        Ok(Self {
-            state: Locked::whole(geom, "legacy", |base, len| {
-                FreeRuns::new(base, len, geom.segsize)
-            }),
-        })
-    }
-}
-
-impl SlotAllocator for LegacyAllocator {
-    fn kind(&self) -> AllocatorKind {
-        AllocatorKind::Legacy
-    }
-
-    fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        let geom = &self.state.geom;
-        self.state.find_map(req.worker, |s| {
-            s.alloc(geom, req, SearchStart::AlignedIndex)
-        })
-    }
-
-    fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        self.state.free(index, nslots);
-    }
-
-    report_ranges!(state);
+/// Builds `legacy`: one lock, one free-run list over the whole pool, one rolling index, every
+/// slot free and the index at 0. Areas of the geometry are ignored (the old kernel had none).
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) for a geometry that is not whole segments.
+pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeRuns>> {
+    Locked::whole(AllocatorKind::Legacy, geom, true, |base, len| {
+        FreeRuns::new(base, len, geom.segsize, SearchStart::AlignedIndex)
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::{SlotAllocator, SlotRequest};
     use crate::geometry::PoolConfig;
     use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
@@ -87,7 +58,7 @@ mod tests {
     #[test]
     fn one_index_for_all_workers_and_areas() {
         let g = geom(512, 4);
-        let a = LegacyAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         assert_eq!(a.alloc(&req(&g, 0, 1, 0, 3)), Some(0));
         assert_eq!(a.alloc(&req(&g, 0, 1, 0, 1)), Some(1));
         assert_eq!(a.area_used(), vec![2]);
@@ -97,7 +68,7 @@ mod tests {
     #[test]
     fn rolling_index_is_rounded_up_to_the_stride() {
         let g = geom(256, 1);
-        let a = LegacyAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         assert_eq!(a.alloc(&req(&g, 0, 1, 0, 0)), Some(0));
         a.free(0, 1, 0);
         // Index 1, a page-aligned request: starts at 2, not at 0 (which is free).
@@ -111,7 +82,7 @@ mod tests {
     #[test]
     fn segment_crossing_wrap_and_merging() {
         let g = geom(256, 1);
-        let a = LegacyAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         assert_eq!(a.alloc(&req(&g, 0, 100 * 2048, 0, 0)), Some(0));
         assert_eq!(a.alloc(&req(&g, 0, 128 * 2048, 0, 0)), Some(128));
         assert_eq!(a.area_index(), vec![0]);
@@ -128,7 +99,7 @@ mod tests {
     #[test]
     fn impossible_requests_fail_without_panicking() {
         let g = geom(128, 1);
-        let a = LegacyAllocator::new(&g).unwrap();
+        let a = new(&g).unwrap();
         let mut r = req(&g, 0, 1, 0, 0);
         for n in [0, 129, usize::MAX] {
             r.nslots = n;

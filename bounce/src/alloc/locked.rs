@@ -1,18 +1,25 @@
-//! Ranges of slots behind their own locks: what every lock-based swiotlb allocator is made of.
+//! The lock-based allocators' one shell: ranges of slots, each behind its own lock.
 //!
-//! `areas`, `areas-bitmap`, `areas-lifo` and `magazine`'s depot keep one range per area; `legacy`
-//! and `bitmap` keep one range over the whole pool. [`Locked`] holds the ranges, walks them the
-//! way Linux walks areas (from the calling worker's, wrapping), routes a release to the range of
-//! its first slot, and reports per-range used counts, rolling indexes and lock counters.
+//! `areas`, `areas-bitmap` and `areas-lifo` keep one range per area; `legacy` and `bitmap` keep
+//! one range over the whole pool; `magazine` keeps its depot as one range per area. [`Locked`]
+//! holds the ranges, walks them the way Linux walks areas (from the calling worker's, wrapping),
+//! routes a release to the range of its first slot, and reports per-range used counts, rolling
+//! indexes and lock counters. With the range's own search ([`SlotRange::alloc`]) that is a whole
+//! [`SlotAllocator`]: each of those five allocators is a `Locked` of its range type, and what
+//! tells them apart is the range type and whether there is one range or one per area.
 
 use std::fmt;
 
-use crate::alloc::{LockSnapshot, TimedMutex};
+use crate::alloc::{LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
-/// The state one lock protects: a range of slots with a used count and a rolling index.
+/// The state one lock protects: a range of slots with its search, a used count and a rolling
+/// index.
 pub(crate) trait SlotRange: Send + fmt::Debug {
+    /// Finds and claims a run for `req` inside the range, returning its absolute first slot.
+    fn alloc(&mut self, geom: &Geometry, req: &SlotRequest) -> Option<usize>;
     /// Slots in use in the range.
     fn used(&self) -> usize;
     /// Where the next search starts, relative to the range.
@@ -29,8 +36,8 @@ pub(crate) struct Locked<T> {
     /// Slots per range.
     span: usize,
     pub ranges: Box<[TimedMutex<T>]>,
-    /// The allocator's name, for logs.
-    name: &'static str,
+    /// Which allocator this is (and its name in logs).
+    kind: AllocatorKind,
 }
 
 /// What a geometry must satisfy for ranges of whole areas.
@@ -61,27 +68,46 @@ pub(crate) fn check_geometry(geom: &Geometry, whole_segments: bool) -> Result<()
 }
 
 impl<T: SlotRange> Locked<T> {
-    /// One range per area of `geom`, built by `make(first slot, slots)`.
-    pub fn per_area(geom: &Geometry, name: &'static str, make: impl Fn(usize, usize) -> T) -> Self {
+    /// One range per area of `geom`, built by `make(first slot, slots)`; `whole_segments` as
+    /// for [`check_geometry`].
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a geometry [`check_geometry`] refuses.
+    pub fn per_area(
+        kind: AllocatorKind,
+        geom: &Geometry,
+        whole_segments: bool,
+        make: impl Fn(usize, usize) -> T,
+    ) -> Result<Self> {
+        check_geometry(geom, whole_segments)?;
         let span = geom.area_nslabs;
-        Self {
+        Ok(Self {
             geom: *geom,
             span,
             ranges: (0..geom.nareas)
                 .map(|a| TimedMutex::new(make(a * span, span)))
                 .collect(),
-            name,
-        }
+            kind,
+        })
     }
 
-    /// One range over the whole pool (the areas of `geom` are ignored).
-    pub fn whole(geom: &Geometry, name: &'static str, make: impl Fn(usize, usize) -> T) -> Self {
-        Self {
+    /// One range over the whole pool (the areas of `geom` are ignored, but must be consistent).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a geometry [`check_geometry`] refuses.
+    pub fn whole(
+        kind: AllocatorKind,
+        geom: &Geometry,
+        whole_segments: bool,
+        make: impl Fn(usize, usize) -> T,
+    ) -> Result<Self> {
+        check_geometry(geom, whole_segments)?;
+        Ok(Self {
             geom: *geom,
             span: geom.nslabs.max(1),
             ranges: Box::new([TimedMutex::new(make(0, geom.nslabs))]),
-            name,
-        }
+            kind,
+        })
     }
 
     /// Tries `f` on each range under its lock, from the calling worker's area and wrapping
@@ -102,69 +128,54 @@ impl<T: SlotRange> Locked<T> {
     }
 
     /// Releases a run into its range; a run outside the pool or not in use is logged and
-    /// ignored (false).
-    pub fn free(&self, index: usize, nslots: usize) -> bool {
+    /// ignored.
+    pub fn release(&self, index: usize, nslots: usize) {
         let Some(range) = self.ranges.get(self.range_of(index)) else {
             tracing::error!(
-                allocator = self.name,
+                allocator = self.kind.name(),
                 index,
                 nslots,
                 "free of a slot outside the pool ignored"
             );
-            return false;
+            return;
         };
-        let ok = range.lock().release(&self.geom, index, nslots);
-        if !ok {
+        if !range.lock().release(&self.geom, index, nslots) {
             tracing::error!(
-                allocator = self.name,
+                allocator = self.kind.name(),
                 index,
                 nslots,
                 "free of a run not in use ignored"
             );
         }
-        ok
+    }
+}
+
+impl<T: SlotRange> SlotAllocator for Locked<T> {
+    fn kind(&self) -> AllocatorKind {
+        self.kind
     }
 
-    /// Slots in use per range.
-    pub fn used(&self) -> Vec<usize> {
+    fn alloc(&self, req: &SlotRequest) -> Option<usize> {
+        self.find_map(req.worker, |r| r.alloc(&self.geom, req))
+    }
+
+    fn free(&self, index: usize, nslots: usize, _worker: usize) {
+        self.release(index, nslots);
+    }
+
+    fn area_used(&self) -> Vec<usize> {
         self.ranges.iter().map(|r| r.lock().used()).collect()
     }
 
-    /// Rolling index per range.
-    pub fn index(&self) -> Vec<usize> {
+    fn area_index(&self) -> Vec<usize> {
         self.ranges.iter().map(|r| r.lock().index()).collect()
     }
 
-    /// Lock counters per range.
-    pub fn lock_stats(&self) -> Vec<LockSnapshot> {
+    fn lock_stats(&self) -> Vec<LockSnapshot> {
         self.ranges.iter().map(TimedMutex::snapshot).collect()
     }
 
-    /// Zeroes the lock counters.
-    pub fn reset_lock_stats(&self) {
+    fn reset_lock_stats(&self) {
         self.ranges.iter().for_each(TimedMutex::reset_stats);
     }
 }
-
-/// The [`SlotAllocator`](crate::alloc::SlotAllocator) methods that report a [`Locked`]'s ranges:
-/// `area_used`, `area_index`, `lock_stats`, `reset_lock_stats`, from the field `$f`.
-macro_rules! report_ranges {
-    ($f:ident) => {
-        fn area_used(&self) -> Vec<usize> {
-            self.$f.used()
-        }
-
-        fn area_index(&self) -> Vec<usize> {
-            self.$f.index()
-        }
-
-        fn lock_stats(&self) -> Vec<crate::alloc::LockSnapshot> {
-            self.$f.lock_stats()
-        }
-
-        fn reset_lock_stats(&self) {
-            self.$f.reset_lock_stats();
-        }
-    };
-}
-pub(crate) use report_ranges;

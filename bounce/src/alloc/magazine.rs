@@ -64,10 +64,11 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::alloc::bitmap::FreeBitmap;
-use crate::alloc::locked::{check_geometry, report_ranges, Locked};
-use crate::alloc::{pow2, AllocatorKind, SlotAllocator, SlotRequest};
+use crate::alloc::locked::{check_geometry, Locked};
+use crate::alloc::{pow2, LockSnapshot, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
+use crate::types::AllocatorKind;
 
 /// The largest size class: runs of `2^MAX_CLASS` = 128 slots (a swiotlb segment).
 pub const MAX_CLASS: usize = 7;
@@ -295,7 +296,7 @@ impl MagazineAllocator {
                 geom.nslabs
             )));
         }
-        let depot = Locked::per_area(geom, "magazine", FreeBitmap::new);
+        let depot = Locked::per_area(AllocatorKind::Magazine, geom, false, FreeBitmap::new)?;
         let limit = geom.segsize.min(geom.area_nslabs);
         let max_class = (0..=MAX_CLASS)
             .take_while(|&c| 1usize << c <= limit)
@@ -504,7 +505,22 @@ impl SlotAllocator for MagazineAllocator {
         self.flush_all();
     }
 
-    report_ranges!(depot);
+    // What the depot holds is what is not in use: runs cached in magazines count as used.
+    fn area_used(&self) -> Vec<usize> {
+        self.depot.area_used()
+    }
+
+    fn area_index(&self) -> Vec<usize> {
+        self.depot.area_index()
+    }
+
+    fn lock_stats(&self) -> Vec<LockSnapshot> {
+        self.depot.lock_stats()
+    }
+
+    fn reset_lock_stats(&self) {
+        self.depot.reset_lock_stats();
+    }
 }
 
 impl MagazineAllocator {

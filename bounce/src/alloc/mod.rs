@@ -1,4 +1,4 @@
-//! Slot allocators: eight strategies behind one trait.
+//! Slot allocators: ten strategies behind one trait.
 //!
 //! A [`BouncePool`](crate::BouncePool) turns a map request into a [`SlotRequest`] (a number of
 //! slots and the placement rules of Linux swiotlb) and asks its [`SlotAllocator`] for the first
@@ -39,103 +39,18 @@ mod magazine;
 use std::fmt;
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-
-use crate::error::{Error, Result};
-use crate::geometry::{Geometry, PoolMode};
+use crate::error::Result;
+use crate::geometry::Geometry;
+use crate::types::{AllocatorKind, PoolMode};
 use crate::PAGE_SIZE;
 
-pub use areas::AreasAllocator;
-pub use areas_bitmap::AreasBitmapAllocator;
-pub use areas_lifo::{AreasLifoAllocator, RECENT_PROBE, RECENT_RUNS};
-pub use bitmap::BitmapAllocator;
+pub use areas_lifo::{RECENT_PROBE, RECENT_RUNS};
 pub use genpool::Genpool;
 pub use iova_bitmap::{IovaBitmap, SMALL_BYTES};
 pub use iova_rbtree::IovaRbtree;
 pub use iova_rcache::{IovaRcache, DEPOT_DELAY, IOVA_MAG_SIZE, IOVA_RANGE_CACHE_MAX_SIZE};
-pub use legacy::LegacyAllocator;
 pub use lock::{LockSnapshot, TimedMutex};
 pub use magazine::{class_capacity, MagazineAllocator, MAG_CLASS_SLOTS, MAX_CLASS};
-
-/// The ten allocators, selectable by name at run time.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum AllocatorKind {
-    /// One global lock, free-run counts, rolling index.
-    Legacy,
-    /// One lock, bitmap of free slots.
-    Bitmap,
-    /// Per-area locks with free-run counts: Linux 6.x.
-    Areas,
-    /// Per-area locks with bitmaps.
-    AreasBitmap,
-    /// Ordered-tree range allocator with a cached node, one lock.
-    IovaRbtree,
-    /// Per-worker magazines and a depot in front of the tree.
-    IovaRcache,
-    /// Lock-free first-fit bitmap.
-    Genpool,
-    /// Per-worker bitmaps for small requests, tree fallback.
-    IovaBitmap,
-    /// Per-area locks with free-run counts, freed runs reused first.
-    AreasLifo,
-    /// Per-worker magazines over per-area bitmap depots.
-    Magazine,
-}
-
-impl AllocatorKind {
-    /// All kinds, in the order of the table above.
-    pub const ALL: [AllocatorKind; 10] = [
-        Self::Legacy,
-        Self::Bitmap,
-        Self::Areas,
-        Self::AreasBitmap,
-        Self::IovaRbtree,
-        Self::IovaRcache,
-        Self::Genpool,
-        Self::IovaBitmap,
-        Self::AreasLifo,
-        Self::Magazine,
-    ];
-
-    /// The name used on command lines and in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Legacy => "legacy",
-            Self::Bitmap => "bitmap",
-            Self::Areas => "areas",
-            Self::AreasBitmap => "areas-bitmap",
-            Self::IovaRbtree => "iova-rbtree",
-            Self::IovaRcache => "iova-rcache",
-            Self::Genpool => "genpool",
-            Self::IovaBitmap => "iova-bitmap",
-            Self::AreasLifo => "areas-lifo",
-            Self::Magazine => "magazine",
-        }
-    }
-}
-
-impl fmt::Display for AllocatorKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for AllocatorKind {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|k| k.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<_> = Self::ALL.iter().map(|k| k.name()).collect();
-                Error::Config(format!(
-                    "unknown allocator '{s}' (expected one of: {})",
-                    names.join(", ")
-                ))
-            })
-    }
-}
 
 /// One allocation request in slot units, with Linux swiotlb's placement rules already derived
 /// (`swiotlb_search_pool_area`): the page-alignment rule, the slot-size floor on
@@ -326,18 +241,18 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
 /// Builds an allocator of `kind` for `geom`.
 ///
 /// # Errors
-/// [`Error::Config`] when the allocator cannot serve this geometry.
+/// [`Error::Config`](crate::Error::Config) when the allocator cannot serve this geometry.
 pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocator>> {
     match kind {
-        AllocatorKind::Legacy => Ok(Arc::new(LegacyAllocator::new(geom)?)),
-        AllocatorKind::Bitmap => Ok(Arc::new(BitmapAllocator::new(geom)?)),
-        AllocatorKind::Areas => Ok(Arc::new(AreasAllocator::new(geom)?)),
-        AllocatorKind::AreasBitmap => Ok(Arc::new(AreasBitmapAllocator::new(geom)?)),
+        AllocatorKind::Legacy => Ok(Arc::new(legacy::new(geom)?)),
+        AllocatorKind::Bitmap => Ok(Arc::new(bitmap::new(geom)?)),
+        AllocatorKind::Areas => Ok(Arc::new(areas::new(geom)?)),
+        AllocatorKind::AreasBitmap => Ok(Arc::new(areas_bitmap::new(geom)?)),
         AllocatorKind::IovaRbtree => Ok(Arc::new(IovaRbtree::new(geom, true))),
         AllocatorKind::IovaRcache => Ok(Arc::new(IovaRcache::new(geom))),
         AllocatorKind::Genpool => Ok(Arc::new(Genpool::new(geom))),
         AllocatorKind::IovaBitmap => Ok(Arc::new(IovaBitmap::new(geom))),
-        AllocatorKind::AreasLifo => Ok(Arc::new(AreasLifoAllocator::new(geom)?)),
+        AllocatorKind::AreasLifo => Ok(Arc::new(areas_lifo::new(geom)?)),
         AllocatorKind::Magazine => Ok(Arc::new(MagazineAllocator::new(geom)?)),
     }
 }

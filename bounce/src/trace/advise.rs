@@ -20,10 +20,11 @@ use serde::Serialize;
 use super::parse::{TraceHeader, TraceOp};
 use super::replay::{Outcome, ReplayOptions, Replayer};
 use super::Result;
-use crate::alloc::{self, AllocatorKind};
+use crate::alloc;
 use crate::error::Error;
-use crate::geometry::{Geometry, PoolConfig, PoolMode};
+use crate::geometry::{Geometry, PoolConfig};
 use crate::pool::BouncePool;
+use crate::types::{AllocatorKind, PoolMode};
 use crate::IO_TLB_SEGSIZE;
 
 /// Pool-full failures of one replay, by cause.

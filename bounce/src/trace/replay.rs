@@ -7,12 +7,11 @@ use vm_memory::VolatileSlice;
 
 use super::parse::{KernelDecision, MapOp, TraceHeader, TraceOp};
 use super::Result;
-use crate::alloc::AllocatorKind;
 use crate::error::Error;
-use crate::geometry::{PoolConfig, PoolMode, SizeLimit};
+use crate::geometry::{PoolConfig, SizeLimit};
 use crate::orig::OrigMemory;
 use crate::pool::{BouncePool, Mapping};
-use crate::types::MapRequest;
+use crate::types::{AllocatorKind, MapRequest, PoolMode};
 use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
 /// Original memory that is not there: every address is accessible, reads produce zeros, writes

@@ -47,8 +47,8 @@ use super::header::VnetHeader;
 use super::metrics::NetMetrics;
 use super::rate_limiter::{Dir, RateLimiter};
 use super::{features, MAX_BUFFER_LEN, MIN_FRAME_LEN, QUEUE_MAX_SIZE, VNET_HDR_LEN};
-use crate::block::io::{IoBufCollector, IoBufs};
 use crate::virtio::chain::{Chain, ChainHead, Seg, WalkRules};
+use crate::virtio::iobuf::{IoBufCollector, IoBufs};
 use crate::virtio::queue::{self, Step};
 use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
 

@@ -1,12 +1,14 @@
 //! What bouncevm's binaries share that is not device code: unix sockets bound safely
 //! ([`sock`]) and signals read through a signalfd ([`SignalFd`]), for `bouncevm` and
 //! `bouncevm-vhost`; the stderr logger ([`init_logging`], filter from [`LOG_ENV`]) for every
-//! `bouncevm*` binary.
+//! `bouncevm*` binary; clap parsing with a one-line usage error ([`cli`]) for every clap
+//! binary of the workspace (`bounce-*` too).
 //!
 //! No KVM and no architecture gate: the vhost-user back end builds anywhere Linux does.
 
 #![warn(missing_docs)]
 
+pub mod cli;
 pub mod signal;
 pub mod sock;
 

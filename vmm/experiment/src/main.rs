@@ -101,7 +101,7 @@ fn settings(cli: &Cli) -> Result<Settings, String> {
 }
 
 fn main() -> ExitCode {
-    let cli: Cli = match bounce_tools::cli::parse_args("bouncevm-experiment", " (see --help)") {
+    let cli: Cli = match bouncevm_common::cli::parse_args("bouncevm-experiment", " (see --help)") {
         Ok(c) => c,
         Err(code) => return code,
     };

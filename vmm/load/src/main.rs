@@ -106,7 +106,7 @@ fn config(cli: Cli) -> Result<(LoadConfig, bool), String> {
 }
 
 fn main() -> ExitCode {
-    let cli: Cli = match bounce_tools::cli::parse_args("bouncevm-load", "") {
+    let cli: Cli = match bouncevm_common::cli::parse_args("bouncevm-load", "") {
         Ok(c) => c,
         Err(code) => return code,
     };

@@ -280,7 +280,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let cli: Cli = match bounce_tools::cli::parse_args("bouncevm-vhost", " (see --help)") {
+    let cli: Cli = match bouncevm_common::cli::parse_args("bouncevm-vhost", " (see --help)") {
         Ok(c) => c,
         Err(code) => return code,
     };

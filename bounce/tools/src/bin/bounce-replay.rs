@@ -181,7 +181,7 @@ fn run(args: &Args) -> Result<bool, String> {
 }
 
 fn main() -> ExitCode {
-    let args: Args = match bounce_tools::cli::parse_args("bounce-replay", " (see --help)") {
+    let args: Args = match bouncevm_common::cli::parse_args("bounce-replay", " (see --help)") {
         Ok(a) => a,
         Err(code) => return code,
     };

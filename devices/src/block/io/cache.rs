@@ -19,9 +19,6 @@
 //!   that are not aligned for it go through an aligned bounce buffer of the engine's own.
 //! - `cache.no-flush` makes FLUSH requests complete at once without syncing anything.
 
-use std::fmt;
-use std::str::FromStr;
-
 /// `cache=`: how the host caches the image.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum CacheMode {
@@ -38,16 +35,17 @@ pub enum CacheMode {
     Unsafe,
 }
 
-impl CacheMode {
-    /// Every mode, in QEMU's documentation order.
-    pub const ALL: [CacheMode; 5] = [
-        Self::None,
-        Self::Writeback,
-        Self::Writethrough,
-        Self::DirectSync,
-        Self::Unsafe,
-    ];
+// QEMU's names, in its documentation's order.
+bounce::named_enum! {
+    CacheMode, "cache mode", err: String = String::from;
+    None => "none",
+    Writeback => "writeback",
+    Writethrough => "writethrough",
+    DirectSync => "directsync",
+    Unsafe => "unsafe",
+}
 
+impl CacheMode {
     /// `cache.direct`: open with O_DIRECT.
     pub fn direct(self) -> bool {
         matches!(self, Self::None | Self::DirectSync)
@@ -62,37 +60,6 @@ impl CacheMode {
     pub fn no_flush(self) -> bool {
         self == Self::Unsafe
     }
-
-    /// QEMU's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::None => "none",
-            Self::Writeback => "writeback",
-            Self::Writethrough => "writethrough",
-            Self::DirectSync => "directsync",
-            Self::Unsafe => "unsafe",
-        }
-    }
-}
-
-impl fmt::Display for CacheMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for CacheMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| {
-                format!(
-                    "unknown cache mode '{s}' (expected none, writeback, writethrough, directsync or unsafe)"
-                )
-            })
-    }
 }
 
 /// `aio=`: which engine does the host I/O.
@@ -106,34 +73,12 @@ pub enum AioMode {
     Sync,
 }
 
-impl AioMode {
-    /// Every mode.
-    pub const ALL: [AioMode; 3] = [Self::IoUring, Self::Threads, Self::Sync];
-
-    /// QEMU's name (`native` is not offered: Linux AIO is what io_uring replaces).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::IoUring => "io_uring",
-            Self::Threads => "threads",
-            Self::Sync => "sync",
-        }
-    }
-}
-
-impl fmt::Display for AioMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for AioMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| format!("unknown aio mode '{s}' (expected io_uring, threads or sync)"))
-    }
+// QEMU's names (`native` is not offered: Linux AIO is what io_uring replaces).
+bounce::named_enum! {
+    AioMode, "aio mode", err: String = String::from;
+    IoUring => "io_uring",
+    Threads => "threads",
+    Sync => "sync",
 }
 
 /// `on-full=` (a bounce option): what a request does when the bounce pool is momentarily
@@ -148,33 +93,10 @@ pub enum OnFull {
     Fail,
 }
 
-impl OnFull {
-    /// The option's name for this value.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Wait => "wait",
-            Self::Fail => "fail",
-        }
-    }
-}
-
-impl fmt::Display for OnFull {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for OnFull {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "wait" => Ok(Self::Wait),
-            "fail" => Ok(Self::Fail),
-            o => Err(format!(
-                "unknown on-full action '{o}' (expected wait or fail)"
-            )),
-        }
-    }
+bounce::named_enum! {
+    OnFull, "on-full action", err: String = String::from;
+    Wait => "wait",
+    Fail => "fail",
 }
 
 #[cfg(test)]

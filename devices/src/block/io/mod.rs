@@ -220,17 +220,10 @@ pub enum ImageFormat {
     Qcow2,
 }
 
-impl std::str::FromStr for ImageFormat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "raw" => Ok(Self::Raw),
-            "qcow2" => Ok(Self::Qcow2),
-            o => Err(format!(
-                "unknown image format '{o}' (expected raw or qcow2)"
-            )),
-        }
-    }
+bounce::named_enum! {
+    ImageFormat, "image format", err: String = String::from;
+    Raw => "raw",
+    Qcow2 => "qcow2",
 }
 
 /// Any of the backends, chosen at run time.

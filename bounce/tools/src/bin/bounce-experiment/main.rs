@@ -910,7 +910,7 @@ fn matrix(args: &Args) -> Result<bool, String> {
 }
 
 fn main() -> ExitCode {
-    let cli: Cli = match bounce_tools::cli::parse_args("bounce-experiment", " (see --help)") {
+    let cli: Cli = match bouncevm_common::cli::parse_args("bounce-experiment", " (see --help)") {
         Ok(c) => c,
         Err(code) => return code,
     };

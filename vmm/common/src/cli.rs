@@ -1,6 +1,6 @@
-//! Command-line parsing shared by the workspace's clap binaries (`bounce-*` here,
-//! `bouncevm-vhost`, `bouncevm-load`, `bouncevm-experiment`): a usage error is one line and
-//! exit status 2.
+//! Command-line parsing shared by the workspace's clap binaries (`bounce-experiment`,
+//! `bounce-replay`, `bouncevm-vhost`, `bouncevm-load`, `bouncevm-experiment`): a usage error is
+//! one line and exit status 2.
 
 /// A clap error as the one line the binaries print after `NAME: error: `: clap's message up
 /// to its usage section, joined, without clap's own `error: ` prefix.

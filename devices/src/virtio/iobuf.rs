@@ -1,0 +1,103 @@
+//! Device-visible memory as addresses and lengths, for I/O that happens after the mapping
+//! call returns: [`IoBufCollector`] records where a [`bounce::Dma`] buffer's bytes are (one
+//! piece for a bounced buffer, one per guest memory region otherwise) instead of copying them.
+//! The block device hands the pieces to its I/O engine; the net device gathers a frame from
+//! them.
+
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile};
+
+/// One contiguous piece of device-visible memory: an address and a length.
+///
+/// Holding one is harmless; the memory is only accessed by a block I/O engine after an
+/// `unsafe` [`IoEngine::submit`](crate::block::io::IoEngine::submit) whose caller vouched for
+/// it, or by a net worker while it holds the buffer's mapping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IoBuf {
+    /// Start address.
+    pub(crate) ptr: *mut u8,
+    /// Length in bytes.
+    pub(crate) len: usize,
+}
+
+// SAFETY: an `IoBuf` is an address and a length with no ownership; the memory it names is
+// only accessed under the contract of `IoEngine::submit` (or by the worker holding the mapping),
+// from whichever thread runs the I/O.
+unsafe impl Send for IoBuf {}
+
+impl IoBuf {
+    /// The piece `ptr..ptr + len`.
+    pub fn new(ptr: *mut u8, len: usize) -> Self {
+        Self { ptr, len }
+    }
+
+    /// Where a volatile slice's bytes are.
+    pub fn of_slice<B: BitmapSlice>(s: &VolatileSlice<'_, B>) -> Self {
+        Self {
+            ptr: s.ptr_guard_mut().as_ptr(),
+            len: s.len(),
+        }
+    }
+
+    /// Start address.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// True when the address and the length are multiples of `align` (a power of two).
+    pub fn is_aligned(&self, align: usize) -> bool {
+        (self.ptr as usize) % align == 0 && self.len % align == 0
+    }
+
+    /// The memory as a volatile slice.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be valid for reads and writes for the slice's whole use.
+    pub unsafe fn as_volatile(&self) -> VolatileSlice<'static> {
+        // SAFETY: validity for the slice's use is the caller's duty (see above).
+        unsafe { VolatileSlice::new(self.ptr, self.len) }
+    }
+}
+
+/// The pieces of one read or write: inline up to four (a 4 KiB request is one piece, or one
+/// per guest memory region it spans), so a request allocates nothing on the way to the host.
+pub type IoBufs = smallvec::SmallVec<[IoBuf; 4]>;
+
+/// A sink and source that records where the bytes of a device-visible buffer are instead of
+/// moving them: passed to [`bounce::Dma::read_to`] / [`bounce::Dma::write_from`], it collects
+/// the buffer's pieces (one for a bounced buffer, one per guest memory region otherwise) so an
+/// asynchronous engine, or the net worker, can transfer them later.
+#[derive(Debug)]
+pub struct IoBufCollector<'a>(pub &'a mut IoBufs);
+
+impl WriteVolatile for IoBufCollector<'_> {
+    fn write_volatile<B: BitmapSlice>(
+        &mut self,
+        buf: &VolatileSlice<B>,
+    ) -> Result<usize, VolatileMemoryError> {
+        self.0.push(IoBuf::of_slice(buf));
+        Ok(buf.len())
+    }
+}
+
+impl ReadVolatile for IoBufCollector<'_> {
+    fn read_volatile<B: BitmapSlice>(
+        &mut self,
+        buf: &mut VolatileSlice<B>,
+    ) -> Result<usize, VolatileMemoryError> {
+        self.0.push(IoBuf::of_slice(buf));
+        // The engine will write these bytes: they are dirty from the bitmap's point of view.
+        buf.bitmap().mark_dirty(0, buf.len());
+        Ok(buf.len())
+    }
+}
