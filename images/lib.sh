@@ -28,19 +28,28 @@ install_host_pkgs() {
     fi
 }
 
+# Sets DEB to the .deb of package $2 version $3 in the folder $1, downloading it with apt-get
+# unless that version is already there (the folder is the cache; other versions of the package
+# are removed from it).
+download_deb() {
+    local dir="$1" pkg="$2" ver="$3"
+    mkdir -p "$dir"
+    DEB="$(ls "$dir"/"${pkg}"_*.deb 2>/dev/null | head -n1 || true)"
+    if [ -z "$DEB" ] || [ "$(dpkg-deb -f "$DEB" Version)" != "$ver" ]; then
+        rm -f "$dir"/"${pkg}"_*.deb
+        log "downloading $pkg $ver"
+        (cd "$dir" && apt-get -qq -o APT::Sandbox::User=root download "$pkg=$ver" >&2) \
+            || { apt_update_once; (cd "$dir" && apt-get -qq -o APT::Sandbox::User=root download "$pkg=$ver" >&2); }
+        DEB="$(ls "$dir"/"${pkg}"_*.deb | head -n1)"
+    fi
+}
+
 # Downloads $KPKG=$KVER_PKG into the folder $1 (kept there as a cache) and extracts it with
 # dpkg-deb (never installed). Sets KROOT, KREL and MODDIR.
 fetch_kernel() {
     local kdir="$1" deb
-    mkdir -p "$kdir"
-    deb="$(ls "$kdir"/"${KPKG}"_*.deb 2>/dev/null | head -n1 || true)"
-    if [ -z "$deb" ] || [ "$(dpkg-deb -f "$deb" Version)" != "$KVER_PKG" ]; then
-        rm -f "$kdir"/*.deb
-        log "downloading $KPKG $KVER_PKG"
-        (cd "$kdir" && apt-get -qq -o APT::Sandbox::User=root download "$KPKG=$KVER_PKG" >&2) \
-            || { apt_update_once; (cd "$kdir" && apt-get -qq -o APT::Sandbox::User=root download "$KPKG=$KVER_PKG" >&2); }
-        deb="$(ls "$kdir"/"${KPKG}"_*.deb | head -n1)"
-    fi
+    download_deb "$kdir" "$KPKG" "$KVER_PKG"
+    deb="$DEB"
     KROOT="$kdir/root"
     rm -rf "$KROOT"
     dpkg-deb -x "$deb" "$KROOT"

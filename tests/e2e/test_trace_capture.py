@@ -1,9 +1,19 @@
-"""Live swiotlb trace capture (issue 9, point 6): a rig-1 guest with swiotlb=<slots>,1,force
-records every swiotlb map and unmap of its own kernel with kprobes while fio runs on a
-bouncevm-vhost vhost-user-blk disk (ACCESS_PLATFORM on, so the guest bounces), writes the
-trace in the kernel-trace format to a second, non-bouncing disk, and `bounce-replay --compare`
-must reproduce every decision of the live kernel: each returned bounce address, each "buffer is
-full", and the area's used count and rolling index after each map -- 0 mismatches.
+"""Live swiotlb trace capture: a rig-1 guest booted with swiotlb=<slots>,<areas>,force records
+every swiotlb decision of its own kernel while fio runs on a bouncing disk (ACCESS_PLATFORM on),
+writes the trace in the kernel-trace format to a second, non-bouncing disk, and a replay must
+reproduce every decision of the live kernel -- 0 mismatches.
+
+- Stock Debian 6.12 kernel, kprobes (swiotlb-kernel-trace/1): `bounce-replay --compare`
+  reproduces each returned bounce address, each "buffer is full", and the area's used count and
+  rolling index after each map.
+- The same kernel through its `dma:` trace events instead of kprobes (bvm.capture=dma-events):
+  `bounce-replay --compare` reproduces each address and failure (no area state in the events).
+- The kernel of images/build-dynamic-kernel.sh (CONFIG_SWIOTLB_DYNAMIC=y) with a pool small
+  enough that fio makes it grow (swiotlb-kernel-trace/2: transient pools, added pools, growth
+  requests, the allocator's counters at every map): bounce/traces/check_trace.py (Linux's rules
+  in Python, bounce/docs/dynamic-swiotlb.md) reproduces every decision, pool and counter.
+- Without a VM: every trace committed under bounce/traces/ checks with 0 mismatches, and a
+  dynamic trace whose pool additions are moved one map earlier or later does not.
 
 The guest side is images/swiotlb-capture.sh (bvm.test=swiotlb-capture). The test appends a
 second cpio archive holding the repository's images/init and the capture script to the built
@@ -12,13 +22,25 @@ cached image predates them, and never rebuilds the shared image.
 
 Binaries: `$BVM_VHOST` / `$BVM_REPLAY`, else target/release/{bouncevm-vhost,bounce-replay}
 (`$CARGO_TARGET_DIR` honoured); missing ones skip the test with the reason.
+
+Also a command line, which made the traces committed under bounce/traces/ (see its README):
+
+    python3 tests/e2e/test_trace_capture.py --name NAME --append "swiotlb=256,1,force" \\
+        [--dynamic] [--smp N] [--tcg single] [--param iodepth=32 ...] --out TRACE.jsonl.gz
 """
 
+from __future__ import annotations
+
+import argparse
+import copy
 import gzip
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import rig1
@@ -26,7 +48,12 @@ from rig1 import (Backend, Guest, blk_builtin, blk_vhost_user, images, make_raw_
                   require_qemu, require_root, skip_if_missing)
 
 REPO = Path(__file__).resolve().parents[2]
+TRACES = REPO / "bounce" / "traces"
 SLOTS = 1024  # small enough that 256 KiB requests at depth 16 fill it: failures get replayed too
+# Counts of the capture that must be 0 for an exact trace (BVM-RESULT keys).
+EXACT = ("unmatched", "unpaired", "interleaved", "pending", "live", "lost", "missed", "unparsed")
+EXACT_DYNAMIC = ("head_mismatch", "unknown_pool", "unknown_free", "unpaired_apool",
+                 "apool_unexpected")
 
 
 def _target_binary(name: str, env: str) -> str:
@@ -37,6 +64,17 @@ def _target_binary(name: str, env: str) -> str:
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)
     raise rig1.Missing(f"no {name} binary (cargo build --release --bins, or set {env})")
+
+
+def _check_trace_module():
+    spec = importlib.util.spec_from_file_location("check_trace", TRACES / "check_trace.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["check_trace"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+check_trace = _check_trace_module()
 
 
 def _cpio_newc(files: dict[str, tuple[bytes, int]]) -> bytes:
@@ -78,14 +116,41 @@ def _capture_initramfs() -> Path:
     return path
 
 
-class _OverlayGuest(Guest):
-    def __init__(self, *a, initrd: Path, **kw):
+@dataclass(frozen=True)
+class DynamicKernel:
+    vmlinuz: Path
+    release: str
+    visible_at: str
+
+
+def dynamic_kernel() -> DynamicKernel:
+    """images/build-dynamic-kernel.sh's kernel (built on first use, cached after)."""
+    try:
+        r = subprocess.run(["bash", str(REPO / "images" / "build-dynamic-kernel.sh")],
+                           capture_output=True, text=True, timeout=4 * 3600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise rig1.Missing(f"images/build-dynamic-kernel.sh failed: {e}")
+    kv = dict(line.split("=", 1) for line in r.stdout.splitlines() if line.startswith("DYN_"))
+    if r.returncode != 0 or "DYN_VMLINUZ" not in kv:
+        raise rig1.Missing(f"images/build-dynamic-kernel.sh failed (rc={r.returncode}): "
+                           f"{r.stderr.strip()[-500:]}")
+    return DynamicKernel(Path(kv["DYN_VMLINUZ"]), kv["DYN_KERNEL_RELEASE"], kv["DYN_VISIBLE_AT"])
+
+
+class _CaptureGuest(Guest):
+    """A rig-1 guest with the overlay initramfs and, optionally, another kernel and TCG mode."""
+
+    def __init__(self, *a, initrd: Path, kernel: Path | None = None, tcg: str | None = None, **kw):
         super().__init__(*a, **kw)
-        self.initrd = initrd
+        self.initrd, self.kernel, self.tcg = initrd, kernel, tcg
 
     def argv(self) -> list[str]:
         a = super().argv()
         a[a.index("-initrd") + 1] = str(self.initrd)
+        if self.kernel is not None:
+            a[a.index("-kernel") + 1] = str(self.kernel)
+        if self.tcg is not None:
+            a[a.index("-accel") + 1] = f"tcg,thread={self.tcg}"
         return a
 
 
@@ -100,57 +165,226 @@ def _read_trace_disk(img: Path) -> bytes:
     return gz
 
 
-@skip_if_missing
-def test_capture_fio_trace_and_replay_every_decision():
+@dataclass
+class Capture:
+    result: dict          # the BVM-RESULT line's fields
+    path: Path            # the trace (gzip)
+    lines: list[str]      # its JSON lines
+    header: dict
+    describe: str         # the guest run, for failure messages
+
+
+def capture(name: str, append: str, params: dict, *, dynamic: DynamicKernel | None = None,
+            smp: int = 1, tcg: str | None = None, backend: str = "vhost",
+            timeout: float = 300) -> Capture:
+    """Boots a capture guest and returns its trace, after asserting that the capture is exact
+    (no lost, unpaired or interleaved event; on a dynamic kernel no pool event it could not
+    place). backend: "vhost" (bouncevm-vhost, ACCESS_PLATFORM offered) or "builtin" (QEMU's
+    virtio-blk with iommu_platform=on). One vCPU by default: installing kprobes patches kernel
+    text, and under multi-threaded TCG a second vCPU can run a stale copy of patched code
+    (ENVIRONMENT.md, rig 2 int3); several vCPUs need tcg="single"."""
     require_root()
     require_qemu()
     images()
-    vhost = _target_binary("bouncevm-vhost", "BVM_VHOST")
-    replay = _target_binary("bounce-replay", "BVM_REPLAY")
     initrd = _capture_initramfs()
-    disk = make_raw_image(out_path("trace_capture_disk", ".img"), "128M")
-    trace_img = make_raw_image(out_path("trace_capture_out", ".img"), "64M")
-    sock = out_path("trace_capture", ".sock")
-    backend = Backend("trace_capture", [vhost, "blk", "--socket", str(sock), "--file", str(disk),
-                                        "--format", "raw"], socket=sock)
-    with backend:
-        guest = _OverlayGuest(
-            "trace_capture", "swiotlb-capture", initrd=initrd,
-            params={"runtime": 2, "size": "32M", "iodepth": 16, "bsrange": "512-256k"},
-            devices=blk_vhost_user(sock, num_queues=1, iommu=True)
-            + blk_builtin(trace_img, id="trace", extra=",serial=bvmtrace"),
-            append=f"swiotlb={SLOTS},1,force", timeout=240,
-            # One vCPU: installing kprobes patches kernel text, and under multi-threaded TCG a
-            # second vCPU can run a stale copy of patched code (ENVIRONMENT.md, rig 2 int3).
-            smp=1)
-        run = guest.run()
+    disk = make_raw_image(out_path(f"{name}_disk", ".img"), "128M")
+    trace_img = make_raw_image(out_path(f"{name}_out", ".img"), "64M")
+    params = dict(params)
+    if dynamic is not None:
+        params.setdefault("visible_at", dynamic.visible_at)
+    kw = dict(initrd=initrd, params=params, append=append, timeout=timeout, smp=smp, tcg=tcg,
+              kernel=dynamic.vmlinuz if dynamic else None)
+    trace_dev = blk_builtin(trace_img, id="trace", extra=",serial=bvmtrace")
+    if backend == "vhost":
+        vhost = _target_binary("bouncevm-vhost", "BVM_VHOST")
+        sock = out_path(name, ".sock")
+        with Backend(name, [vhost, "blk", "--socket", str(sock), "--file", str(disk),
+                            "--format", "raw"], socket=sock):
+            run = _CaptureGuest(name, "swiotlb-capture", devices=blk_vhost_user(
+                sock, num_queues=1, iommu=True) + trace_dev, **kw).run()
+    else:
+        # one queue, as the vhost-user disk: every map and unmap under one virtqueue lock
+        run = _CaptureGuest(name, "swiotlb-capture", devices=blk_builtin(
+            disk, iommu=True, extra=",num-queues=1") + trace_dev, **kw).run()
     r = run.ok("swiotlb-capture")
-    for k in ("unmatched", "unpaired", "interleaved", "pending", "live", "lost", "missed",
-              "unparsed"):
-        assert r[k] == "0", f"capture is not exact: {k}={r[k]}\n{run.describe()}"
-    assert (r["nslabs"], r["nareas"]) == (str(SLOTS), "1"), run.describe()
-    assert int(r["maps"]) > 1000, f"too few maps for a meaningful capture: {r}"
-
+    exact = EXACT + (EXACT_DYNAMIC if dynamic is not None else ())
+    for k in exact:
+        assert r.get(k) == "0", f"capture is not exact: {k}={r.get(k)}\n{run.describe()}"
     gz = _read_trace_disk(trace_img)
-    trace = out_path("trace_capture", ".jsonl.gz")
-    trace.write_bytes(gz)
+    path = out_path(name, ".jsonl.gz")
+    path.write_bytes(gz)
     lines = gzip.decompress(gz).decode().splitlines()
     header = json.loads(lines[0])
-    assert header["op"] == "header" and header["nslabs"] == SLOTS, header
+    assert header["op"] == "header", header
     assert header["counts"]["map"] == int(r["maps"]) == sum('"op":"map"' in l for l in lines)
     assert header["debugfs_before"]["io_tlb_used"] == 0, "the pool was not empty when tracing began"
-    assert header["area_used_at_start"] == [0] and len(header["area_index_at_start"]) == 1, header
+    return Capture(r, path, lines, header, run.describe())
 
-    p = subprocess.run([replay, str(trace), "--compare", "--quiet"], capture_output=True,
-                       text=True, timeout=120)
+
+def replay(trace: Path) -> dict:
+    """bounce-replay --compare --quiet on a trace: its final JSON report (asserting exit 0)."""
+    exe = _target_binary("bounce-replay", "BVM_REPLAY")
+    p = subprocess.run([exe, str(trace), "--compare", "--quiet"], capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0, f"bounce-replay rc={p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}"
-    report = json.loads(p.stdout.strip().splitlines()[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _assert_replayed(c: Capture, report: dict) -> None:
     s = report["replay"]
-    maps = int(r["maps"])
+    maps = int(c.result["maps"])
     assert s["compared"] == maps, s
     assert s["mismatches"] == 0, s
-    assert s["maps"] + s["pool_full"] == maps and s["pool_full"] == int(r["failed"]), s
+    assert s["maps"] + s["pool_full"] == maps and s["pool_full"] == int(c.result["failed"]), s
     assert (s["map_errors"], s["other_errors"]) == (0, 0), s
     assert report["live_at_end"] == 0 and report["pool"]["used"] == 0, report
-    print(f"captured {maps} maps ({r['failed']} buffer full), {r['unmaps']} unmaps; "
-          f"replayed with 0 mismatches; trace {trace} ({len(gz)} bytes)")
+
+
+@skip_if_missing
+def test_capture_fio_trace_and_replay_every_decision():
+    c = capture("trace_capture", f"swiotlb={SLOTS},1,force",
+                {"runtime": 2, "size": "32M", "iodepth": 16, "bsrange": "512-256k"})
+    r = c.result
+    assert (r["nslabs"], r["nareas"]) == (str(SLOTS), "1"), c.describe
+    assert int(r["maps"]) > 1000, f"too few maps for a meaningful capture: {r}"
+    assert c.header["nslabs"] == SLOTS and c.header["format"] == "swiotlb-kernel-trace/1"
+    assert c.header["area_used_at_start"] == [0] and len(c.header["area_index_at_start"]) == 1
+    _assert_replayed(c, replay(c.path))
+    print(f"captured {r['maps']} maps ({r['failed']} buffer full), {r['unmaps']} unmaps; "
+          f"replayed with 0 mismatches; trace {c.path}")
+
+
+@skip_if_missing
+def test_dma_events_capture_replays_every_address():
+    """No kprobes: swiotlb:swiotlb_bounced + dma:dma_map_page/dma_unmap_page of the stock 6.12
+    kernel carry the bounce address (dma_addr) and the failure; the replay reproduces both."""
+    c = capture("trace_capture_dma_events", f"swiotlb={SLOTS},1,force",
+                {"runtime": 2, "size": "32M", "iodepth": 16, "bsrange": "512-256k",
+                 "capture": "dma-events"})
+    r = c.result
+    assert r["capture"] == "dma-events" and r["outside_default"] == "0", c.describe
+    # 1 GiB guest: no "mapped [mem ...]" line, so the start comes from the bounce addresses
+    assert r["start_source"] in ("dmesg", "inferred-exact"), r
+    assert int(r["maps"]) > 1000, f"too few maps for a meaningful capture: {r}"
+    assert '"kernel_area_used"' not in c.lines[1], "dma events carry no area state"
+    _assert_replayed(c, replay(c.path))
+    assert check_trace.check(str(c.path))["mismatches"] == 0
+
+
+@skip_if_missing
+def test_dynamic_capture_growth_every_decision():
+    """CONFIG_SWIOTLB_DYNAMIC: a 256-slot default pool that fio at depth 16 with blocks up to
+    256 KiB outgrows -- maps fail the pools, transient pools serve them, the worker adds pools."""
+    dyn = dynamic_kernel()
+    c = capture("trace_capture_dynamic", "swiotlb=256,1,force",
+                {"runtime": 2, "size": "32M", "iodepth": 16, "bsrange": "512-256k"},
+                dynamic=dyn)
+    r, h = c.result, c.header
+    assert h["format"] == "swiotlb-kernel-trace/2" and r["dynamic"] == "1", h
+    assert int(r["pool_adds"]) >= 1 and int(r["transients"]) >= 1, r
+    assert int(r["in_added"]) > 0 and int(r["in_transient"]) > 0, r
+    assert int(r["transient_frees"]) == int(r["transients"]) - int(r["transient_search_failed"]), r
+    assert h["debugfs_after"]["io_tlb_nslabs"] == 256 + int(r["added_nslabs"]), h
+    assert h["debugfs_after"]["io_tlb_transient_nslabs"] == 0, h
+    rep = check_trace.check(str(c.path))
+    assert rep["mismatches"] == 0, rep
+    assert rep["compared"] == int(r["maps"]) and rep["pool_add"] == int(r["pool_adds"]), rep
+    print(f"dynamic: {r['maps']} maps, {r['pool_adds']} pools added, {r['transients']} transient "
+          f"pools; 0 mismatches; trace {c.path}")
+
+
+def _committed() -> list[Path]:
+    return sorted(TRACES.glob("*.jsonl.gz"))
+
+
+def test_committed_traces_check_with_no_mismatch():
+    """Every trace under bounce/traces/ replays through Linux's rules with 0 mismatches, and
+    is internally consistent (every unmap of a live map, every transient pool freed by its
+    map's unmap, every pool addition after a growth request, counters as debugfs showed)."""
+    traces = _committed()
+    assert traces, "no trace under bounce/traces/"
+    for t in traces:
+        rep = check_trace.check(str(t))
+        assert rep["mismatches"] == 0, (t.name, rep)
+        assert rep["compared"] == rep["maps"] > 1000, (t.name, rep)
+
+
+@skip_if_missing
+def test_committed_static_traces_replay_with_no_mismatch():
+    """bounce-replay --compare reproduces every committed swiotlb-kernel-trace/1."""
+    for t in _committed():
+        with gzip.open(t, "rt") as f:
+            header = json.loads(f.readline())
+        if header["format"] != "swiotlb-kernel-trace/1":
+            continue
+        s = replay(t)["replay"]
+        assert s["mismatches"] == 0 and s["compared"] > 1000, (t.name, s)
+
+
+def _moved(ops: list[dict], which: int, step: int) -> list[dict]:
+    """ops with the which-th pool_add moved `step` maps later (negative: earlier)."""
+    ops = copy.deepcopy(ops)
+    at = [i for i, o in enumerate(ops) if o["op"] == "pool_add"][which]
+    add = ops.pop(at)
+    maps = [i for i, o in enumerate(ops) if o["op"] == "map"]
+    later = [i for i in maps if i >= at]
+    earlier = [i for i in maps if i < at]
+    dest = later[step - 1] + 1 if step > 0 else earlier[step]
+    ops.insert(dest, add)
+    return ops
+
+
+def test_growth_applied_at_the_wrong_point_is_caught():
+    """The dynamic traces pin each added pool to its place in the op stream: a replay that
+    applies a pool addition one map early or one map late must disagree with the kernel."""
+    dyn = [t for t in _committed() if '"swiotlb-kernel-trace/2"' in gzip.open(t, "rt").readline()]
+    assert dyn, "no dynamic trace under bounce/traces/"
+    tried = 0
+    for t in dyn:
+        ops = list(check_trace.read_ops(str(t)))
+        header, ops = ops[0], ops[1:]
+        nadd = sum(o["op"] == "pool_add" for o in ops)
+        for which in range(nadd):
+            for step in (-1, 1):
+                try:
+                    mutated = _moved(ops, which, step)
+                except IndexError:
+                    continue  # no map on that side
+                rep = check_trace.Checker(header).run(iter(mutated))
+                assert rep["mismatches"] > 0, f"{t.name}: pool_add #{which} moved {step:+d} map: no mismatch"
+                tried += 1
+    assert tried > 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="Capture one swiotlb trace in a rig-1 guest.")
+    ap.add_argument("--name", required=True, help="name of the run (tests/out/NAME.*)")
+    ap.add_argument("--append", required=True, help='kernel words, e.g. "swiotlb=256,1,force"')
+    ap.add_argument("--dynamic", action="store_true", help="boot images/build-dynamic-kernel.sh's kernel")
+    ap.add_argument("--smp", type=int, default=1)
+    ap.add_argument("--tcg", choices=("multi", "single"), help="TCG threading (several vCPUs: single)")
+    ap.add_argument("--backend", choices=("vhost", "builtin"), default="vhost")
+    ap.add_argument("--param", action="append", default=[], metavar="K=V",
+                    help="bvm.K=V for the capture (runtime, size, iodepth, bsrange, rw, numjobs, capture)")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--out", type=Path, help="copy the trace there")
+    args = ap.parse_args()
+    params = {"runtime": 2, "size": "32M", "iodepth": 16, "bsrange": "512-256k"}
+    for p in args.param:
+        k, _, v = p.partition("=")
+        params[k] = v
+    try:
+        c = capture(args.name, args.append, params, dynamic=dynamic_kernel() if args.dynamic else None,
+                    smp=args.smp, tcg=args.tcg, backend=args.backend, timeout=args.timeout)
+    except rig1.Missing as e:
+        print(f"test_trace_capture: {e}", file=sys.stderr)
+        return 2
+    if args.out:
+        args.out.write_bytes(c.path.read_bytes())
+    print(json.dumps({"result": c.result, "trace": str(args.out or c.path),
+                      "bytes": c.path.stat().st_size, "header_counts": c.header["counts"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
