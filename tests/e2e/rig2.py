@@ -44,7 +44,9 @@ L1_IP = "192.168.100.1"          # tap0 inside L1 (L1's own isolated network)
 L2_IP = "192.168.100.2"
 DEFAULT_TIMEOUT = float(os.environ.get("BVM_RIG2_TIMEOUT", "480"))  # whole L1 run, host side
 L1_MEM = "2G"
-L1_SMP = 2
+# One vCPU: QEMU 7.2's multi-threaded TCG corrupts guest state now and then when two emulated
+# CPUs run nested SVM at the same time (README "L1 has one vCPU"); BVM_RIG2_L1_SMP=2 for two.
+L1_SMP = 1
 
 
 # ----------------------------------------------------------------------------- prerequisites
@@ -826,7 +828,7 @@ def tcg_thread_default() -> str:
 
 
 def l1_smp_default() -> int:
-    """L1's vCPU count: BVM_RIG2_L1_SMP, else L1_SMP (see README "Rig 2")."""
+    """L1's vCPU count: BVM_RIG2_L1_SMP, else L1_SMP (README "L1 has one vCPU")."""
     v = os.environ.get("BVM_RIG2_L1_SMP", str(L1_SMP))
     if v not in ("1", "2"):
         raise ValueError(f"BVM_RIG2_L1_SMP must be 1 or 2, not {v!r}")

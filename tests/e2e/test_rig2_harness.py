@@ -212,3 +212,17 @@ def test_bench_rig2_variants_and_summary():
     assert "qemu       1000 (900-1100, n=3)" in text
     assert "bvm-force  3000 (3000-3000, n=1)  3.00x qemu" in text
     assert "bvm-force  0.400 (0.400-0.400, n=1)  2.00x qemu" in text
+
+
+def test_l1_has_one_vcpu_unless_asked(monkeypatch):
+    monkeypatch.delenv("BVM_RIG2_L1_SMP", raising=False)
+    assert rig2.l1_smp_default() == 1 == rig2.L1_SMP
+    monkeypatch.setenv("BVM_RIG2_L1_SMP", "2")
+    assert rig2.l1_smp_default() == 2
+    monkeypatch.setenv("BVM_RIG2_L1_SMP", "4")
+    try:
+        rig2.l1_smp_default()
+    except ValueError as e:
+        assert "BVM_RIG2_L1_SMP" in str(e)
+    else:
+        raise AssertionError("BVM_RIG2_L1_SMP=4 accepted")
