@@ -42,7 +42,7 @@ __all__ = ["Missing", "skip_if_missing", "record_figures", "num", "require_root"
 
 L1_IP = "192.168.100.1"          # tap0 inside L1 (L1's own isolated network)
 L2_IP = "192.168.100.2"
-DEFAULT_TIMEOUT = float(os.environ.get("BVM_RIG2_TIMEOUT", "480"))  # whole L1 run, host side
+DEFAULT_TIMEOUT = float(os.environ.get("BVM_RIG2_TIMEOUT", "600"))  # whole L1 run, host side
 L1_MEM = "2G"
 # One vCPU: QEMU 7.2's multi-threaded TCG corrupts guest state now and then when two emulated
 # CPUs run nested SVM at the same time (README "L1 has one vCPU"); BVM_RIG2_L1_SMP=2 for two.

@@ -4,7 +4,7 @@ L1) run in L2, and the host side ends the VM the ways QEMU users do (QMP system_
 quit, SIGTERM). See tests/e2e/README.md ("Rig 2").
 
 These tests run by default (BVM_RIG2=0 opts out) and take about 2 minutes each on an idle 2-core
-machine. Hard timeout per test: BVM_RIG2_TIMEOUT (default 480 s) for the whole L1 run.
+machine. Hard timeout per test: BVM_RIG2_TIMEOUT (default 600 s) for the whole L1 run.
 When L1 itself fails before the VMM under test started (its kernel dies, its QEMU exits, it
 gets no /dev/kvm) it is booted once more; if it fails again rig 2 could not run: the test is
 reported as skipped with that reason, never as passed. Once the VMM started, anything that goes
