@@ -96,7 +96,8 @@ mknod -m 666 "$STAGE/dev/null" c 1 3
 # depends= field pulls in what it needs; the load order (dependencies first) goes to
 # /lib/modules/load-order, read by /init.
 index_modules
-for m in virtio_pci virtio_blk failover net_failover virtio_net; do resolve "$m"; done
+# button and evdev: the ACPI power button as an input device for acpid (images/init).
+for m in virtio_pci virtio_blk failover net_failover virtio_net button evdev; do resolve "$m"; done
 
 stage_modules
 

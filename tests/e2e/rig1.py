@@ -51,8 +51,8 @@ class Missing(Exception):
 
 
 class OptIn(Missing):
-    """Not a missing resource: a suite that runs only when asked for (rig 2 without
-    BVM_RIG2=1). Always a skip."""
+    """Not a missing resource: a suite left out on purpose (rig 2 with BVM_RIG2=0). Always a
+    skip."""
 
 
 def resources_required() -> bool:
@@ -172,7 +172,7 @@ def images() -> Images:
 _CRASH = re.compile(r"(Oops: .*|BUG: .*|Kernel panic - .*|general protection fault.*|"
                     r"watchdog: .*lockup.*|rcu: INFO: rcu_.*(?:stall|detected).*|"
                     r"INFO: task .* blocked for more than.*)")
-_BVM_LINE = re.compile(r"BVM-(RESULT|SWIOTLB|BOOT|INFO|DONE|LOG)(?:\s+(.*))?$")
+_BVM_LINE = re.compile(r"BVM-(RESULT|SWIOTLB|BOOT|INFO|POWERDOWN|DONE|LOG)(?:\s+(.*))?$")
 
 
 def parse_kv(text: str) -> dict[str, str]:
@@ -188,7 +188,8 @@ def parse_kv(text: str) -> dict[str, str]:
 def parse_log(text: str) -> dict[str, list]:
     """Collects the BVM-* lines of a serial log: {'RESULT': [dict, ...], 'SWIOTLB': [...], ...}.
     'LOG' entries are kept as plain strings."""
-    out: dict[str, list] = {k: [] for k in ("RESULT", "SWIOTLB", "BOOT", "INFO", "DONE", "LOG")}
+    out: dict[str, list] = {k: [] for k in ("RESULT", "SWIOTLB", "BOOT", "INFO", "POWERDOWN", "DONE",
+                                            "LOG")}
     for raw in text.splitlines():
         line = raw.replace("\r", "").rstrip()
         m = _BVM_LINE.search(line)

@@ -38,23 +38,28 @@ from rig1 import (IMAGES_DIR, REPO, Missing, OptIn, _kill_group, images, make_ra
 
 __all__ = ["Missing", "skip_if_missing", "record_figures", "num", "require_root", "l1_images",
            "l2_vmlinux", "Share", "L1", "L1Run", "qemu_l2_argv", "bouncevm_l2_argv", "run_l2",
-           "require_bouncevm", "require_rig2", "L2_IP", "L1_IP"]
+           "require_bouncevm", "require_rig2", "L2_IP", "L1_IP", "stage_l2", "l2_vmm_command"]
 
 L1_IP = "192.168.100.1"          # tap0 inside L1 (L1's own isolated network)
 L2_IP = "192.168.100.2"
-DEFAULT_TIMEOUT = float(os.environ.get("BVM_RIG2_TIMEOUT", "480"))  # whole L1 run, host side
+DEFAULT_TIMEOUT = float(os.environ.get("BVM_RIG2_TIMEOUT", "600"))  # whole L1 run, host side
 L1_MEM = "2G"
+# One vCPU: QEMU 7.2's multi-threaded TCG corrupts guest state now and then when two emulated
+# CPUs run nested SVM at the same time (README "L1 has one vCPU"); BVM_RIG2_L1_SMP=2 for two.
+L1_SMP = 1
 
 
 # ----------------------------------------------------------------------------- prerequisites
 
 def require_rig2() -> None:
-    """Rig-2 tests run only with BVM_RIG2=1: the rig itself flakes now and then (the
-    multi-threaded TCG code-patching race of ENVIRONMENT.md), which must not decide whether a
-    submission lands."""
-    if os.environ.get("BVM_RIG2") != "1":
-        raise OptIn("rig-2 (nested KVM under TCG) tests run only with BVM_RIG2=1: the rig "
-                      "flakes now and then (TCG code-patching race), about 1-2 min per test")
+    """Rig-2 tests run by default; BVM_RIG2=0 opts out (they then skip, saying so). Any other
+    value than 0 or 1 is an error, so a typo does not silently skip the rig."""
+    v = os.environ.get("BVM_RIG2", "1")
+    if v == "0":
+        raise OptIn("rig-2 (nested KVM under TCG) tests opted out with BVM_RIG2=0 "
+                    "(about 2 min per test)")
+    if v != "1":
+        raise ValueError(f"BVM_RIG2 must be 0 (skip rig 2) or 1 (run it, the default), not {v!r}")
 
 
 def bouncevm_path() -> Path:
@@ -331,6 +336,8 @@ class L1Run:
     l2: dict[str, list] = field(default_factory=dict)         # rig1.parse_log of the L2 console
     l2_times: dict[str, float] = field(default_factory=dict)  # L1 uptime of L2 marker lines
     retried: list["L1Run"] = field(default_factory=list)
+    # The host ends the VM (an --at action: QMP quit, a signal): L2 never prints BVM-DONE.
+    host_ends_vm: bool = False
 
     # ---- L1 facts
     def l1_event(self, kind: str) -> dict:
@@ -398,14 +405,19 @@ class L1Run:
 
     @property
     def unclean_end(self) -> str:
-        """Why the run did not end clean ('' if it did): L2 crashed or never reached BVM-DONE,
-        the VMM did not exit 0 (killed by the timeout, halted, crashed), the L2 watchdog fired,
-        or L1 failed (died, stalled, timed out, its QEMU exited) after the VMM started."""
+        """Why the run did not end clean ('' if it did): L2 crashed or never reached BVM-DONE
+        (or, when the host ends the VM, the host's action did not run), the VMM did not exit 0
+        (killed by the timeout, halted, crashed), the L2 watchdog fired, or L1 failed (died,
+        stalled, timed out, its QEMU exited) after the VMM started."""
         if self.l2_crash:
             return f"L2 kernel crash: {self.l2_crash}"
         if any(r.get("reason") == "guest-timeout" for r in self.results):
             return "the L2 watchdog fired (reason=guest-timeout)"
-        if not self.l2.get("DONE"):
+        if self.host_ends_vm:
+            acts = self.l1.get("at", [])
+            if not acts or any(a.get("ok") != "1" for a in acts):
+                return f"the host was to end the VM but its action did not run: {acts}"
+        elif not self.l2.get("DONE"):
             return "L2 never reached BVM-DONE"
         if self.vmm.get("timed_out") == "1":
             return "l1-vmm killed the VMM at its timeout"
@@ -438,6 +450,22 @@ class L1Run:
     def vmm_rc(self) -> int | None:
         v = self.vmm.get("rc")
         return int(v) if v not in (None, "") else None
+
+    @property
+    def vmm_syncs(self) -> list[str]:
+        """The fdatasync/fsync calls the VMM's main thread made (SYNC_TRACE_PREP/POST): the
+        flush of its disks on the way out (the guest's own FLUSH requests are served by the
+        device's I/O threads or io_uring, not the main thread)."""
+        pid = self.vmm.get("pid")
+        if not pid:
+            return []
+        out = []
+        for d in self.l1.get("log", []):
+            t = d.get("text", "")
+            m = re.match(r"trace:\s+\S*?-(\d+)\s+\[", t)
+            if m and m.group(1) == pid:
+                out.append(t)
+        return out
 
     @property
     def l2_halted(self) -> bool:
@@ -487,6 +515,27 @@ class L1Run:
                 start = num(d["uptime"])
         return self.l2_times.get("BOOT", float("nan")) - (start if start is not None else float("nan"))
 
+    def l2_line_time(self, text: str) -> float:
+        """L1 uptime at which the first L2 console line containing `text` arrived (nan if none)."""
+        for raw in self.log.splitlines():
+            m = _L2_LINE.match(_strip(raw))
+            if m and text in m.group(2):
+                return num(m.group(1))
+        return float("nan")
+
+    def qmp_polls(self) -> list[tuple[float, dict]]:
+        """Every answer l1-vmm's QMP polls got while the VMM ran: (L1 uptime, answer)."""
+        out = []
+        with contextlib.suppress(OSError):
+            # QMP answers end in \r\n and l1-vmm keeps the \r inside each record: records are
+            # split on \n only (no newline translation).
+            raw = (self.share / "out" / "qmp-polls.jsonl").read_bytes().decode("utf-8", "replace")
+            for line in raw.split("\n"):
+                with contextlib.suppress(ValueError):
+                    d = json.loads(line)
+                    out.append((num(d.get("uptime")), d.get("answer") or {}))
+        return out
+
     @property
     def qmp_done(self) -> dict | None:
         """The VMM's QMP answer taken right after L2 printed BVM-DONE (share/out/qmp-done.json)."""
@@ -508,7 +557,8 @@ class L1Run:
         extra = f" L1-problem={why!r}" if why else ""
         if self.l2_crash:
             extra += f" L2-crash={self.l2_crash!r}"
-        ret = (" after L1 boot crash(es): " + ", ".join(str(r.log_path) for r in self.retried)
+        ret = (" after L1 failure(s) before the VMM started: " +
+               ", ".join(f"{r.l1_failure} ({r.log_path})" for r in self.retried)
                if self.retried else "")
         return (f"rig2 {self.name}: rc={self.returncode} timed_out={self.timed_out} "
                 f"wall={self.wall_s:.1f}s vmm={self.vmm} log={self.log_path} "
@@ -568,8 +618,10 @@ class L1:
 
     def __init__(self, name: str, share: Share, cmd: str | None = None, iperf3: bool = False,
                  timeout: float = DEFAULT_TIMEOUT, tcg_thread: str = "multi", mem: str = L1_MEM,
-                 smp: int = 2, cpu: str = "max", append: str = "", hold: bool = True):
+                 smp: int = L1_SMP, cpu: str = "max", append: str = "", hold: bool = True,
+                 qemu_debug: str | None = None):
         self.name, self.share, self.cmd, self.iperf3 = name, share, cmd, iperf3
+        self.qemu_debug = qemu_debug if qemu_debug is not None else os.environ.get("BVM_RIG2_L1_DEBUG", "")
         self.timeout, self.tcg_thread, self.mem, self.smp, self.cpu = timeout, tcg_thread, mem, smp, cpu
         self.append, self.hold = append, hold
         self.log_path = out_path(name, ".l1.log")
@@ -597,7 +649,15 @@ class L1:
                 "-append", self.kernel_cmdline(),
                 "-nographic", "-no-reboot", "-display", "none", "-serial", "stdio",
                 "-monitor", "none", "-nic", "none",
-                "-virtfs", f"local,path={self.share.dir},mount_tag=host,security_model=none"]
+                "-virtfs", f"local,path={self.share.dir},mount_tag=host,security_model=none",
+                *self.debug_args()]
+
+    def debug_args(self) -> list[str]:
+        """QEMU's own log of L1 (`-d ITEMS -D NAME.l1-qemu.log`) when qemu_debug names items
+        (BVM_RIG2_L1_DEBUG, e.g. cpu_reset,guest_errors: what reset L1 and its registers)."""
+        if not self.qemu_debug:
+            return []
+        return ["-d", self.qemu_debug, "-D", str(self.log_path.with_suffix("").with_suffix(".l1-qemu.log"))]
 
     def _once(self) -> L1Run:
         if self._attempt:
@@ -647,15 +707,16 @@ class L1:
                      timed_out, wall, times, l1, l2, l2_times)
 
     def run(self, boot_retries: int = 1) -> L1Run:
-        """Boots L1 again (up to boot_retries times) only if its kernel died before running the
-        command (the TCG int3 race at boot); a death after that is reported, never retried."""
-        crashed: list[L1Run] = []
+        """Boots L1 again (up to boot_retries times) when L1 failed before the VMM under test
+        started (L1Run.skip_reason: its kernel died, its QEMU exited, no /dev/kvm, ...); a
+        failure after the VMM started is reported, never retried."""
+        failed: list[L1Run] = []
         while True:
             run = self._once()
-            if not (run.l1_crash and "cmd" not in run.l1) or len(crashed) >= boot_retries:
-                run.retried = crashed
+            if not run.skip_reason or len(failed) >= boot_retries:
+                run.retried = failed
                 return run
-            crashed.append(run)
+            failed.append(run)
             self._attempt += 1
 
 
@@ -675,14 +736,14 @@ def l2_cmdline(test: str, params: dict | None = None, append: str = "", timeout:
 
 def qemu_l2_argv(qemu: str, kernel: str, initrd: str, append: str, disk: str | None,
                  net: bool = True, qmp: str | None = "/tmp/qmp.sock", mem: str = L2_MEM,
-                 smp: int = 2) -> list[str]:
+                 smp: int = 2, aio: str = "threads") -> list[str]:
     """QEMU 7.2 with KVM inside L1: virtio-blk-pci on `disk`, virtio-net-pci on L1's tap0."""
     a = [qemu, "-machine", "q35,accel=kvm", "-cpu", "host", "-smp", str(smp), "-m", mem,
          "-kernel", kernel, "-initrd", initrd, "-append", append,
          "-nographic", "-no-reboot", "-display", "none", "-vga", "none", "-serial", "stdio",
          "-monitor", "none", "-nic", "none"]
     if disk:
-        a += ["-drive", f"file={disk},format=raw,if=none,id=d0,cache=writeback,aio=threads",
+        a += ["-drive", f"file={disk},format=raw,if=none,id=d0,cache=writeback,aio={aio}",
               "-device", "virtio-blk-pci,drive=d0"]
     if net:
         a += ["-netdev", "tap,id=n0,ifname=tap0,script=no,downscript=no",
@@ -694,11 +755,12 @@ def qemu_l2_argv(qemu: str, kernel: str, initrd: str, append: str, disk: str | N
 
 def bouncevm_l2_argv(bvm: str, kernel: str, initrd: str, append: str, disk: str | None,
                      net: bool = True, qmp: str | None = "/tmp/qmp.sock", mem: str = L2_MEM,
-                     smp: int = 2, bounce: str = "policy=force") -> list[str]:
-    """The bouncevm command line of issue 5 (QEMU-compatible)."""
+                     smp: int = 2, bounce: str = "policy=force", aio: str | None = None) -> list[str]:
+    """The bouncevm command line (QEMU-compatible; cache=writeback is bouncevm's default, as in
+    qemu_l2_argv)."""
     a = [bvm, "-m", mem, "-smp", str(smp), "-kernel", kernel, "-initrd", initrd, "-append", append]
     if disk:
-        a += ["-drive", f"file={disk},format=raw,if=virtio"]
+        a += ["-drive", f"file={disk},format=raw,if=virtio" + (f",aio={aio}" if aio else "")]
     if net:
         a += ["-netdev", "tap,id=n0,ifname=tap0", "-device", "virtio-net-pci,netdev=n0"]
     if bounce:
@@ -709,11 +771,76 @@ def bouncevm_l2_argv(bvm: str, kernel: str, initrd: str, append: str, disk: str 
     return a
 
 
+# l1_prep / l1_post of run_l2 for a test that wants to see the VMM flush its disks: every
+# fdatasync/fsync system call in L1 is traced (tracepoints enabled before the VMM starts, so no
+# kernel text is patched while it runs) and printed after it ended as "BVM-L1 log trace: ..."
+# (L1Run.vmm_syncs).
+SYNC_TRACE_PREP = """T=/sys/kernel/tracing
+mount -t tracefs nodev $T 2>/dev/null
+for e in sys_enter_fdatasync sys_enter_fsync; do
+    echo 1 > $T/events/syscalls/$e/enable || echo "BVM-L1 log cannot trace $e"
+done
+"""
+SYNC_TRACE_POST = """grep -E 'sys_(fdatasync|fsync)\\(' /sys/kernel/tracing/trace | sed 's/^/BVM-L1 log trace: /'
+"""
+
+
+def stage_l2(share: Share, kernel: str = "pvh") -> tuple[str, str]:
+    """Puts the L2 kernel ('pvh': the uncompressed vmlinux, PVH entry; 'bzimage': the Debian
+    vmlinuz as it is) and the fio/iperf3 initramfs into the share; returns their L1 paths."""
+    img = images()
+    if kernel == "bzimage":
+        k = share.add(img.vmlinuz, "l2/vmlinuz")
+    elif kernel == "pvh":
+        k = share.add(l2_vmlinux(), "l2/vmlinux")
+    else:
+        raise ValueError(f"kernel must be 'pvh' or 'bzimage', not {kernel!r}")
+    return k, share.add(img.initramfs, "l2/initramfs.cpio")
+
+
+def l2_vmm_command(share: Share, vmm: str, kernel: str, initrd: str, cmdline: str,
+                   disk: str | None, net: bool = True, query: str | None = None,
+                   bounce: str = "policy=force", at: Sequence[tuple[str, str]] = (),
+                   vmm_timeout: int = 360, out: str = "/host/out", aio: str | None = None,
+                   poll: bool = True) -> str:
+    """The l1-vmm line that runs one L2 VMM inside L1 (see run_l2; `out` is where l1-vmm writes
+    the L2 console and the QMP answers; `aio` the drive's aio= for either VMM, else each one's
+    rig default: threads for QEMU, bouncevm's own default; poll=False: no QMP polling, as a
+    benchmark wants, and no `at` actions over QMP)."""
+    if vmm == "qemu":
+        exe = share.add_qemu()
+        argv = qemu_l2_argv(exe, kernel, initrd, cmdline, disk, net=net, aio=aio or "threads")
+        query = query or "query-status"
+    else:
+        path = require_bouncevm() if vmm == "bouncevm" else Path(vmm)
+        exe = share.add_binary(path, "bouncevm")
+        argv = bouncevm_l2_argv(exe, kernel, initrd, cmdline, disk, net=net, bounce=bounce, aio=aio)
+        query = query or "x-query-bounce"
+    ats = "".join(f"--at {shlex.quote(m)} {shlex.quote(a)} " for m, a in at)
+    qmp = f"--qmp /tmp/qmp.sock --query {shlex.quote(query)} " if poll else ""
+    return (f"l1-vmm --timeout {vmm_timeout} {qmp}"
+            f"--log {out}/l2.serial.log --out {out} {ats}-- " + shlex.join(argv))
+
+
+def tcg_thread_default() -> str:
+    """L1's TCG threading: BVM_RIG2_TCG, else multi (see README "Rig 2")."""
+    return os.environ.get("BVM_RIG2_TCG", "multi")
+
+
+def l1_smp_default() -> int:
+    """L1's vCPU count: BVM_RIG2_L1_SMP, else L1_SMP (README "L1 has one vCPU")."""
+    v = os.environ.get("BVM_RIG2_L1_SMP", str(L1_SMP))
+    if v not in ("1", "2"):
+        raise ValueError(f"BVM_RIG2_L1_SMP must be 1 or 2, not {v!r}")
+    return int(v)
+
+
 def run_l2(name: str, vmm: str = "qemu", test: str = "fio-verify", params: dict | None = None,
            append: str = "", disk: str = "tmpfs", disk_size: str = "256M", net: bool = True,
            query: str | None = None, timeout: float = DEFAULT_TIMEOUT, vmm_timeout: int | None = None,
            bounce: str = "policy=force", boot_retries: int = 1, tcg_thread: str | None = None,
-           kernel: str = "pvh") -> L1Run:
+           kernel: str = "pvh", at: Sequence[tuple[str, str]] = (), host_ends_vm: bool = False,
+           l1_prep: str = "", l1_post: str = "", l1_debug: str | None = None) -> L1Run:
     """Boots L1, which runs `vmm` ('qemu' or 'bouncevm' or a path to a bouncevm-compatible
     binary) booting L2 = Debian cloud kernel (PVH vmlinux) + the fio/iperf3 initramfs with the
     images/init test(s) `test`.
@@ -723,18 +850,19 @@ def run_l2(name: str, vmm: str = "qemu", test: str = "fio-verify", params: dict 
     query: QMP command polled by l1-vmm (default: x-query-bounce for bouncevm, query-status
            for QEMU), answers in NAME.share/out/qmp-*.json (L1Run.qmp_done / qmp_last);
     kernel: 'pvh' (the uncompressed vmlinux, PVH entry) or 'bzimage' (the Debian vmlinuz as
-           it is: real-mode setup header, 64-bit entry, in-kernel decompression)."""
+           it is: real-mode setup header, 64-bit entry, in-kernel decompression);
+    at: (MARKER, ACTION) pairs for l1-vmm --at (ACTION qmp:CMD, qmp-wait:CMD or signal:SIG,
+        done once when an L2 console line contains MARKER; reported as L1Run.l1["at"]);
+    host_ends_vm: an `at` action ends the VM (QMP quit, SIGTERM), so L2 prints no BVM-DONE
+        (L1Run.unclean_end then asks for the action instead);
+    l1_prep / l1_post: shell lines run-l2.sh runs in L1 before the VMM / after it ended (with
+        $vmm_rc and $vmm_pid set);
+    l1_debug: QEMU -d items for L1 (default BVM_RIG2_L1_DEBUG; log in NAME.l1-qemu.log)."""
     require_root()
-    img = images()
+    images()
     l1_images()
     share = Share(name)
-    if kernel == "bzimage":
-        k = share.add(img.vmlinuz, "l2/vmlinuz")
-    elif kernel == "pvh":
-        k = share.add(l2_vmlinux(), "l2/vmlinux")
-    else:
-        raise ValueError(f"kernel must be 'pvh' or 'bzimage', not {kernel!r}")
-    i = share.add(img.initramfs, "l2/initramfs.cpio")
+    k, i = stage_l2(share, kernel)
     prep = ""
     if disk == "tmpfs":
         dpath = "/tmp/disk.img"
@@ -747,23 +875,14 @@ def run_l2(name: str, vmm: str = "qemu", test: str = "fio-verify", params: dict 
     ptimeout = int(vmm_timeout or max(60, timeout - 120))
     p = {"ip": f"{L2_IP}/24", "server": L1_IP, **(params or {})}
     cmdline = l2_cmdline(test, p, append, timeout=max(30, ptimeout - 30))
-    if vmm == "qemu":
-        exe = share.add_qemu()
-        argv = qemu_l2_argv(exe, k, i, cmdline, dpath, net=net)
-        query = query or "query-status"
-    else:
-        path = require_bouncevm() if vmm == "bouncevm" else Path(vmm)
-        exe = share.add_binary(path, "bouncevm")
-        argv = bouncevm_l2_argv(exe, k, i, cmdline, dpath, net=net, bounce=bounce)
-        query = query or "x-query-bounce"
-    script = ("#!/bin/sh\n# written by tests/e2e/rig2.py; run by L1's /init (l1.cmd)\n" + prep +
-              f"exec l1-vmm --timeout {ptimeout} --qmp /tmp/qmp.sock --query {shlex.quote(query)} "
-              f"--log /host/out/l2.serial.log --out /host/out -- " + shlex.join(argv) + "\n")
+    line = l2_vmm_command(share, vmm, k, i, cmdline, dpath, net=net, query=query, bounce=bounce,
+                          at=at, vmm_timeout=ptimeout)
+    script = ("#!/bin/sh\n# written by tests/e2e/rig2.py; run by L1's /init (l1.cmd)\n" + prep + l1_prep +
+              line + "\nvmm_rc=$?\nvmm_pid=\"$(cat /tmp/vmm.pid 2>/dev/null)\"\n" + l1_post +
+              "\nexit $vmm_rc\n")
     cmd = share.write_script("run-l2.sh", script)
-    # Multi-threaded TCG runs the two L1 vCPUs in parallel but lets a vCPU execute a stale copy
-    # of code that L1 or L2 just patched (ENVIRONMENT.md: L1 "Oops: int3"; an L2 silently
-    # triple-faulting mid-test was seen once). Single-threaded TCG cannot race but is far too
-    # slow (L2 did not reach /init in 6 minutes), so multi stays the default.
-    tcg_thread = tcg_thread or os.environ.get("BVM_RIG2_TCG", "multi")
-    return L1(name, share, cmd=cmd, iperf3=net, timeout=timeout,
-              tcg_thread=tcg_thread).run(boot_retries=boot_retries)
+    run = L1(name, share, cmd=cmd, iperf3=net, timeout=timeout,
+             tcg_thread=tcg_thread or tcg_thread_default(), smp=l1_smp_default(),
+             qemu_debug=l1_debug).run(boot_retries=boot_retries)
+    run.host_ends_vm = host_ends_vm
+    return run

@@ -115,3 +115,51 @@ def test_baseline_qsd_vhost_user_blk_fio_verify():
                    verify_read_iops=num(v["read_iops"]), verify_write_iops=num(v["write_iops"]),
                    randread_4k_iops=num(rr["read_iops"]))
     print(f"qsd vhost-user-blk: boot {run.boot_s:.1f}s, 4k randread {rr['read_iops']} IOPS")
+
+
+def _qmp(sock, *commands, timeout: float = 10.0) -> list[dict]:
+    """Connects to a QMP socket, negotiates, sends `commands` and returns every message read
+    until the last command's answer."""
+    import json
+    import socket as pysocket
+    out = []
+    with pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(sock))
+        f = s.makefile("rw")
+        out.append(json.loads(f.readline()))
+        for c in ("qmp_capabilities", *commands):
+            f.write(json.dumps({"execute": c}) + "\n")
+            f.flush()
+            while True:
+                m = json.loads(f.readline())
+                out.append(m)
+                if "return" in m or "error" in m:
+                    break
+    return out
+
+
+@skip_if_missing
+def test_baseline_power_button_powers_the_guest_off():
+    """QEMU's QMP system_powerdown presses the ACPI power button; the guest's acpid and init
+    (images/init) power it off cleanly. Rig 2 holds bouncevm to the same."""
+    import time
+    _prereqs()
+    sock = out_path("power_button", ".qmp")
+    sock.unlink(missing_ok=True)
+    g = Guest("power_button", "power-button", params={"wait": 60},
+              extra_qemu=["-qmp", f"unix:{sock},server=on,wait=off"])
+    with g:
+        deadline = time.monotonic() + g.timeout
+        while "power-button=armed" not in g.log_path.read_text(errors="replace"):
+            assert g.proc.poll() is None and time.monotonic() < deadline, \
+                g.log_path.read_text(errors="replace")[-2000:]
+            time.sleep(0.2)
+        answers = _qmp(sock, "system_powerdown")
+        run = g.wait()
+    assert answers[-1] == {"return": {}}, answers
+    run.assert_clean_end()
+    pb = run.ok("power-button")
+    assert run.parsed.get("POWERDOWN"), run.describe()
+    assert "reboot: Power down" in run.log, run.describe()
+    print(f"power button: acted on after {pb['waited_s']} s ({pb['input']}, acpid pid {pb['acpid']})")

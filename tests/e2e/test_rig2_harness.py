@@ -97,3 +97,132 @@ def test_clean_end_of_l2_and_vmm():
         assert str(e).startswith("fio-verify:")
     else:
         raise AssertionError("fio_verified passed without verify_kib")
+
+
+def test_rig2_runs_by_default_and_opts_out(monkeypatch):
+    monkeypatch.delenv("BVM_RIG2", raising=False)
+    rig2.require_rig2()
+    monkeypatch.setenv("BVM_RIG2", "1")
+    rig2.require_rig2()
+    monkeypatch.setenv("BVM_RIG2", "0")
+    try:
+        rig2.require_rig2()
+    except rig2.OptIn as e:
+        assert "BVM_RIG2=0" in str(e)
+    else:
+        raise AssertionError("BVM_RIG2=0 did not opt out")
+    monkeypatch.setenv("BVM_RIG2", "yes")
+    try:
+        rig2.require_rig2()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("BVM_RIG2=yes was accepted")
+
+
+BEFORE_VMM = SAMPLE[:SAMPLE.index("BVM-L1 vmm start")]
+
+
+def _l1_with(runs):
+    """An L1 whose boots return the given L1Runs in turn (no QEMU)."""
+    l1 = rig2.L1.__new__(rig2.L1)
+    l1._attempt = 0
+    seq = iter(runs)
+    l1._once = lambda: next(seq)
+    return l1
+
+
+def test_l1_failing_before_the_vmm_is_booted_once_more():
+    # its QEMU exits (no Oops) before the VMM started: retried, and the second boot counts
+    died = _run(BEFORE_VMM)
+    assert died.skip_reason.startswith("L1's QEMU exited")
+    good = _run(CLEAN)
+    r = _l1_with([died, good]).run(boot_retries=1)
+    assert r is good and r.retried == [died] and r.skip_reason == ""
+    # failing twice: reported (as a skip, by the tests) with the first failure remembered
+    died2 = _run(BEFORE_VMM + "[  11.0] Oops: int3 SMP NOPTI\n")
+    r = _l1_with([died, died2]).run(boot_retries=1)
+    assert r is died2 and r.retried == [died] and "L1 kernel died" in r.skip_reason
+    assert "before the VMM started" in r.describe()
+    # a death after the VMM started is never retried
+    late = _run(CLEAN.replace("BVM-L1 done uptime=120.28", "[  50.0] Oops: int3 SMP NOPTI"))
+    r = _l1_with([late, good]).run(boot_retries=1)
+    assert r is late and r.retried == [] and r.unclean_end
+
+
+def test_host_ended_vm_needs_its_action_not_bvm_done():
+    no_done = CLEAN.replace("L2 111.80| BVM-DONE uptime=61.45\n", "")
+    r = _run(no_done)
+    assert "BVM-DONE" in r.unclean_end
+    r.host_ends_vm = True
+    assert "action did not run" in r.unclean_end
+    acted = no_done.replace("BVM-L1 vmm rc=0",
+                            "BVM-L1 at n=1 marker=wait-host=armed action=qmp:quit ok=1 uptime=99\n"
+                            "BVM-L1 vmm rc=0")
+    r = _run(acted)
+    r.host_ends_vm = True
+    assert r.unclean_end == "" and r.l1["at"][0]["marker"] == "wait-host=armed"
+    r = _run(acted.replace("ok=1 uptime=99", "ok=0 uptime=99"))
+    r.host_ends_vm = True
+    assert "action did not run" in r.unclean_end
+
+
+def test_vmm_syncs_are_the_vmm_main_threads():
+    text = CLEAN.replace(
+        "timed_out=0\n", "timed_out=0 l2_halted=0 pid=206\n"
+        "BVM-L1 log trace:  ld-linux-x86-64-206     [001] .....   120.1: sys_fdatasync(fd: 0x7)\n"
+        "BVM-L1 log trace:  ld-linux-x86-64-211     [000] .....   60.0: sys_fdatasync(fd: 0x7)\n"
+        "BVM-L1 log trace:  busybox-2060     [000] .....   60.0: sys_fsync(fd: 0x3)\n")
+    r = _run(text)
+    assert r.vmm["pid"] == "206"
+    assert len(r.vmm_syncs) == 1 and "-206 " in r.vmm_syncs[0]
+    assert _run(CLEAN).vmm_syncs == []
+
+
+def test_l2_line_times_and_qmp_polls(tmp_path):
+    r = _run(SAMPLE)
+    assert r.l2_line_time("test=fio-verify status=ok") == 83.97
+    assert r.l2_line_time("no such line") != r.l2_line_time("no such line")  # nan
+    r.share = tmp_path
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "qmp-polls.jsonl").write_text(
+        '{"uptime": 80.5, "answer": {"return": []}\r}\nnot json\n'
+        '{"uptime": 82.0, "answer": {"return": [{"driver": "virtio-blk-pci"}]}}\n')
+    assert r.qmp_polls() == [(80.5, {"return": []}),
+                            (82.0, {"return": [{"driver": "virtio-blk-pci"}]})]
+
+
+def test_bench_rig2_variants_and_summary():
+    import bench_rig2
+    assert bench_rig2.parse_variants("bvm-force, qemu") == ["bvm-force", "qemu"]
+    for bad in ("", "qemu,qemu", "qemu,vhost"):
+        try:
+            bench_rig2.parse_variants(bad)
+        except SystemExit as e:
+            assert "--variants" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
+    s = {"qemu": [{"randread_iops": 900.0, "l2_to_l1_gbps": 0.1, "l1_to_l2_gbps": 0.2},
+                  {"randread_iops": 1100.0, "l2_to_l1_gbps": 0.3, "l1_to_l2_gbps": 0.2},
+                  {"randread_iops": 1000.0, "l2_to_l1_gbps": 0.2, "l1_to_l2_gbps": 0.2}],
+         "bvm-force": [{"randread_iops": 3000.0, "l2_to_l1_gbps": 0.1, "l1_to_l2_gbps": 0.4}]}
+    lines, med = bench_rig2.summary(s, ["qemu", "bvm-force"])
+    assert med[("qemu", "randread_iops")] == 1000.0
+    text = "\n".join(lines)
+    assert "qemu       1000 (900-1100, n=3)" in text
+    assert "bvm-force  3000 (3000-3000, n=1)  3.00x qemu" in text
+    assert "bvm-force  0.400 (0.400-0.400, n=1)  2.00x qemu" in text
+
+
+def test_l1_has_one_vcpu_unless_asked(monkeypatch):
+    monkeypatch.delenv("BVM_RIG2_L1_SMP", raising=False)
+    assert rig2.l1_smp_default() == 1 == rig2.L1_SMP
+    monkeypatch.setenv("BVM_RIG2_L1_SMP", "2")
+    assert rig2.l1_smp_default() == 2
+    monkeypatch.setenv("BVM_RIG2_L1_SMP", "4")
+    try:
+        rig2.l1_smp_default()
+    except ValueError as e:
+        assert "BVM_RIG2_L1_SMP" in str(e)
+    else:
+        raise AssertionError("BVM_RIG2_L1_SMP=4 accepted")

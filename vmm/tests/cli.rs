@@ -720,6 +720,11 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
         .unwrap_or_else(|| panic!("no final statistics line on stderr: {stderr}"));
     let d = &last["devices"][0];
     assert_eq!(d["id"], "blk0", "{last}");
+    // ... and the vCPUs' exits: the guest wrote to the serial port and the ACPI registers.
+    let vcpus = last["vcpus"].as_array().expect("a vcpus list");
+    assert!(!vcpus.is_empty(), "{last}");
+    assert!(vcpus[0]["pio_exits"].as_u64().unwrap() > 0, "{last}");
+    assert!(vcpus[0]["pio_unhandled"].as_u64().is_some(), "{last}");
     assert_eq!(d["driver"], "virtio-blk-pci");
     assert!(
         d["stats"]["bounce"]["nslabs"].as_u64().unwrap() >= 256,

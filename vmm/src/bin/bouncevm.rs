@@ -3,9 +3,11 @@
 //!
 //! SIGTERM and SIGINT end the VM as QMP `quit` does, as in QEMU: the vCPUs and device
 //! workers stop, the devices' final statistics are printed to stderr as one JSON line
-//! (`{"devices": [{"id", "driver", "stats"}]}`, as `x-query-bounce` answers and as
-//! `bouncevm-vhost` prints its own; on every exit, not only a signal), every disk is flushed, the terminal is restored, a `SHUTDOWN` event with
-//! cause `host-signal` goes to the QMP client, and the exit status is 0.
+//! (`{"devices": [{"id", "driver", "stats"}], "vcpus": [{"id", "pio_exits", "mmio_exits",
+//! "pio_unhandled", "mmio_unhandled", "interrupted"}]}`: the devices as `x-query-bounce`
+//! answers them and as `bouncevm-vhost` prints its own, the vCPUs' exits to the VMM; on every
+//! exit, not only a signal), every disk is flushed, the terminal is restored, a `SHUTDOWN`
+//! event with cause `host-signal` goes to the QMP client, and the exit status is 0.
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::Path;
@@ -23,6 +25,7 @@ use vmm::exit::{ExitHandle, ExitReason};
 use vmm::legacy::SerialConsole;
 use vmm::machine::MachineExit;
 use vmm::qmp::{self, BlockInfo, DeviceInfo, Monitor, QmpContext, ShutdownCause};
+use vmm::vcpu::VcpuStats;
 use vmm::virtio_pci::{SharedVirtioDevice, VirtioPciDevice, VirtioPciOptions};
 use vmm::{Machine, MachineConfig};
 
@@ -305,12 +308,13 @@ fn spawn_signal_thread(signals: SignalFd, exit: ExitHandle, monitor: Arc<Monitor
         });
 }
 
-/// Stops the device workers, prints the devices' final statistics and flushes every disk.
-fn quiesce(built: &Built) {
+/// Stops the device workers, prints the devices' and vCPUs' final statistics and flushes
+/// every disk.
+fn quiesce(built: &Built, vcpus: &[VcpuStats]) {
     for f in &built.functions {
         f.lock().unwrap_or_else(|e| e.into_inner()).stop_workers();
     }
-    eprintln!("{}", final_stats(&built.qmp_devices));
+    eprintln!("{}", final_stats(&built.qmp_devices, vcpus));
     for d in &built.disks {
         if let Err(e) = d.flush() {
             eprintln!("bouncevm: flushing a disk failed: {e}");
@@ -319,9 +323,10 @@ fn quiesce(built: &Built) {
     let _ = std::io::stdout().flush();
 }
 
-/// The devices' statistics as one JSON line (as `x-query-bounce` answers them, and as
-/// `bouncevm-vhost` prints its own on exit): `{"devices": [{"id", "driver", "stats"}]}`.
-fn final_stats(devices: &[DeviceInfo]) -> serde_json::Value {
+/// The devices' statistics (as `x-query-bounce` answers them, and as `bouncevm-vhost` prints
+/// its own on exit) and the vCPUs' exit counters, as one JSON line (see the module
+/// documentation).
+fn final_stats(devices: &[DeviceInfo], vcpus: &[VcpuStats]) -> serde_json::Value {
     let list: Vec<serde_json::Value> = devices
         .iter()
         .map(|d| {
@@ -333,7 +338,16 @@ fn final_stats(devices: &[DeviceInfo]) -> serde_json::Value {
             serde_json::json!({"id": d.id, "driver": d.driver, "stats": stats})
         })
         .collect();
-    serde_json::json!({ "devices": list })
+    let vcpus: Vec<serde_json::Value> = vcpus
+        .iter()
+        .enumerate()
+        .map(|(id, v)| {
+            serde_json::json!({"id": id, "pio_exits": v.pio_exits, "mmio_exits": v.mmio_exits,
+                "pio_unhandled": v.pio_unhandled, "mmio_unhandled": v.mmio_unhandled,
+                "interrupted": v.interrupted})
+        })
+        .collect();
+    serde_json::json!({ "devices": list, "vcpus": vcpus })
 }
 
 fn report(cfg: &Config, exit: &MachineExit) -> i32 {
@@ -368,7 +382,10 @@ fn run(cfg: Config, signals: SignalFd) -> Result<i32, String> {
         .start()
         .map_err(|e| format!("cannot start vCPUs: {e}"))?
         .wait();
-    quiesce(&built);
+    quiesce(
+        &built,
+        result.as_ref().map_or(&[], |e| e.vcpu_stats.as_slice()),
+    );
     drop(raw);
     if let Ok(e) = &result {
         monitor.shutdown_event(&e.reason);

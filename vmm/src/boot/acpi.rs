@@ -14,12 +14,21 @@
 //! ...     APIC (MADT), 16-byte aligned after the DSDT
 //! ```
 //!
-//! The FADT keeps the legacy PC: dual 8259 (MADT `PCAT_COMPAT`), i8042 and ISA devices in
+//! The FADT keeps the legacy PC: dual 8259 (MADT `PCAT_COMPAT`), ISA devices in
 //! `IAPC_BOOT_ARCH`, `SMI_CMD` 0 (always in ACPI mode: the PM1a control register reads with
 //! `SCI_EN` set), PM1a event block at [`PM1A_EVT_BLK`] (4 bytes), PM1a control block at
 //! [`PM1A_CNT_BLK`] (2 bytes), SCI on IRQ 9, no PM timer, no GPE blocks, a fixed-feature power
 //! button (QMP `system_powerdown`, see [`crate::legacy::PowerButton`]), no sleep button,
 //! C2/C3 latencies that disable those states.
+//!
+//! `IAPC_BOOT_ARCH` says what the machine lacks, so Linux does not go looking for it: no 8042
+//! (the [`crate::legacy::I8042`] is only a reset line, which Linux's `reboot=k` path uses
+//! without asking ACPI) and no CMOS RTC (wall-clock time comes from kvmclock). Declared
+//! present, both cost a Linux guest a storm of port I/O exits at boot, each a round trip to
+//! this VMM: the i8042 driver polls the status port 10,000 times for a controller that never
+//! answers, and rtc-cmos polls the update-in-progress bit through ports 0x70/0x71 (16,500
+//! accesses each were counted under nested KVM), both in long loops that do not schedule,
+//! which a slow or loaded host turns into soft lockups.
 //!
 //! The MADT matches the MP table of [`super::mptable`] and KVM's default GSI routing
 //! (which bouncevm keeps, see [`crate::irq::default_routes`]): one enabled local APIC per
@@ -82,6 +91,8 @@ const OEM_REVISION: u32 = 1;
 pub const IAPC_LEGACY_DEVICES: u16 = 1 << 0;
 /// `IAPC_BOOT_ARCH`: an 8042 keyboard controller is present.
 pub const IAPC_8042: u16 = 1 << 1;
+/// `IAPC_BOOT_ARCH`: no CMOS real-time clock at ports 0x70/0x71 (ACPI 5.0).
+pub const IAPC_NO_CMOS_RTC: u16 = 1 << 5;
 /// MADT flags: the system also has dual 8259 PICs.
 pub const MADT_PCAT_COMPAT: u32 = 1;
 /// MPS INTI flags of the SCI override: active high (bits 0-1 = 01), level (bits 2-3 = 11).
@@ -160,7 +171,8 @@ pub fn build_fadt(dsdt: u64, facs: u64) -> Vec<u8> {
     f.pm1_cnt_len = PM1_CNT_LEN;
     f.p_lvl2_lat = 101.into(); // > 100: C2 not supported
     f.p_lvl3_lat = 1001.into(); // > 1000: C3 not supported
-    f.iapc_boot_arch = (IAPC_LEGACY_DEVICES | IAPC_8042).into();
+                                // ISA devices (the 16550), but no 8042 and no CMOS RTC: see the module documentation.
+    f.iapc_boot_arch = (IAPC_LEGACY_DEVICES | IAPC_NO_CMOS_RTC).into();
     f.x_pm1a_evt_blk = gas_io(PM1A_EVT_BLK, PM1_EVT_LEN);
     f.x_pm1a_cnt_blk = gas_io(PM1A_CNT_BLK, PM1_CNT_LEN);
     // RESET_REG: none; Linux falls back to the i8042 reset.
@@ -381,7 +393,9 @@ mod tests {
         assert_eq!((u32_at(&f, 56), u32_at(&f, 64)), (0x600, 0x604));
         assert_eq!(u32_at(&f, 76), 0, "no PM timer");
         assert_eq!((f[88], f[89], f[91]), (4, 2, 0));
-        assert_eq!(u16_at(&f, 109) & IAPC_8042, IAPC_8042);
+        // ISA devices, no 8042 to probe, no CMOS RTC to poll.
+        assert_eq!(u16_at(&f, 109), IAPC_LEGACY_DEVICES | IAPC_NO_CMOS_RTC);
+        assert_eq!(u16_at(&f, 109) & IAPC_8042, 0);
         let flags = u32_at(&f, 112);
         assert_eq!(flags & Flags::HwReducedAcpi as u32, 0);
         assert_eq!(

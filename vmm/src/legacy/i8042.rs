@@ -3,7 +3,8 @@
 //! Writing 0xFE to the command port (0x64) pulses the reset line; like QEMU with
 //! `-no-reboot`, this ends the VM with [`ExitReason::Reset`] (status 0). Linux's default
 //! `reboot=k` path uses exactly this. Everything else reads as 0 (no data, controller ready)
-//! and is ignored, so Linux's i8042 driver finds no usable controller and moves on.
+//! and is ignored. The FADT declares no 8042 (see [`crate::boot::acpi`]), so Linux's i8042
+//! driver does not probe it (a probe would poll the status port 10,000 times in vain).
 
 use vm_superio::{I8042Device, Trigger};
 
