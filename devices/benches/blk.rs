@@ -13,8 +13,9 @@ use std::sync::Arc;
 
 use bounce::{AllocatorKind, BouncePool, Dma, Policy, PoolConfig};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use devices::block::{req_type, Block, BlockConfig, MemDisk};
+use devices::block::{Block, BlockConfig, MemDisk};
 use devices::testing::{first_fit_pool, Buf, TestDriver};
+use devices::virtio::spec::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 
 const BATCH: usize = 32;
 const DISK: u64 = 64 << 20;
@@ -37,7 +38,7 @@ fn rig(dma: Dma, t: u32) -> Rig {
             let hdr = drv.ram.alloc_bytes(&h);
             let data = drv.ram.alloc(4096, 4096);
             let st = drv.ram.alloc(1, 1);
-            let w = t == req_type::IN;
+            let w = t == VIRTIO_BLK_T_IN;
             [
                 Buf::ro(hdr, 16),
                 Buf {
@@ -108,7 +109,7 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("blk-4k");
     g.throughput(Throughput::Elements(BATCH as u64));
     for (name, dma) in dmas() {
-        for (op, t) in [("read", req_type::IN), ("write", req_type::OUT)] {
+        for (op, t) in [("read", VIRTIO_BLK_T_IN), ("write", VIRTIO_BLK_T_OUT)] {
             let mut r = rig(dma.clone(), t);
             g.bench_with_input(BenchmarkId::new(op, &name), &(), |b, _| {
                 b.iter(|| r.batch())

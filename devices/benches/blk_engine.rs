@@ -16,15 +16,16 @@ use std::time::{Duration, Instant};
 
 use bounce::{BouncePool, Dma, Policy, PoolConfig};
 use devices::block::io::{AioMode, CacheMode, RawDisk};
-use devices::block::{req_type, Block, BlockConfig};
+use devices::block::{Block, BlockConfig};
 use devices::testing::{Buf, TestDriver};
+use devices::virtio::spec::VIRTIO_BLK_T_IN;
 
 const DEPTH: usize = 32;
 const FILE: u64 = 256 << 20;
 
 fn header(sector: u64) -> [u8; 16] {
     let mut h = [0u8; 16];
-    h[0..4].copy_from_slice(&req_type::IN.to_le_bytes());
+    h[0..4].copy_from_slice(&VIRTIO_BLK_T_IN.to_le_bytes());
     h[8..16].copy_from_slice(&sector.to_le_bytes());
     h
 }

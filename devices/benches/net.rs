@@ -13,7 +13,7 @@ use bounce::{BouncePool, Dma, Policy, PoolConfig};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use devices::net::{Net, NetBackend, NetConfig, NullBackend, VnetHeader};
 use devices::testing::{Buf, TestDriver};
-use devices::virtio::features as vf;
+use devices::virtio::spec::{feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1};
 
 const BATCH: usize = 64;
 const TXQ: u16 = 1;
@@ -55,7 +55,7 @@ fn bench_tx(c: &mut Criterion) {
             let backends: Vec<Box<dyn NetBackend>> = vec![Box::new(NullBackend::default())];
             let dev = Net::new(NetConfig::default(), backends, dma).expect("device");
             let mut drv = TestDriver::new(dev, 64 << 20);
-            drv.negotiate(vf::VERSION_1 | vf::ACCESS_PLATFORM);
+            drv.negotiate(feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_F_ACCESS_PLATFORM));
             drv.activate(256).expect("activate");
             let hdr_bytes = VnetHeader::default().to_bytes();
             let hdr = drv.ram.alloc_bytes(&hdr_bytes);

@@ -63,16 +63,11 @@ use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::virtio::dispatch::{Dispatcher, Outcome};
 use crate::virtio::ring;
-use crate::virtio::{features, ActivateError, Signal, VirtioDevice, WorkerError, WorkerEvent};
-
-/// Descriptor flag: the chain continues at `next`.
-pub const VRING_DESC_F_NEXT: u16 = 1;
-/// Descriptor flag: the device writes this buffer.
-pub const VRING_DESC_F_WRITE: u16 = 2;
-/// Descriptor flag: the buffer is a table of descriptors.
-pub const VRING_DESC_F_INDIRECT: u16 = 4;
-/// Avail ring flag: the driver does not want interrupts.
-pub const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
+use crate::virtio::spec::{
+    feature, VIRTIO_RING_F_EVENT_IDX, VRING_AVAIL_F_NO_INTERRUPT, VRING_DESC_F_INDIRECT,
+    VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
+};
+use crate::virtio::{ActivateError, Signal, VirtioDevice, WorkerError, WorkerEvent};
 
 /// Guest memory with a bump allocator.
 #[derive(Debug)]
@@ -449,7 +444,7 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
     pub fn activate(&mut self, queue_size: u16) -> Result<(), ActivateError> {
         let n = self.device.num_queues();
         let max = self.device.queue_max_size();
-        let event_idx = self.acked & features::RING_EVENT_IDX != 0;
+        let event_idx = self.acked & feature(VIRTIO_RING_F_EVENT_IDX) != 0;
         self.vqs = (0..n)
             .map(|_| TestQueue::new(&mut self.ram, queue_size))
             .collect();

@@ -9,11 +9,17 @@ use std::process::Command;
 
 use bounce::Dma;
 use common::*;
-use devices::block::{
-    features as bf, req_type, status, BlockConfig, Disk, DiskImage, MemDisk, Qcow2Disk, RawDisk,
-};
+use devices::block::{BlockConfig, Disk, DiskImage, MemDisk, Qcow2Disk, RawDisk};
 use devices::testing::dma_matrix;
-use devices::virtio::{features as vf, VirtioDevice};
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_DISCARD,
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX,
+    VIRTIO_BLK_F_SIZE_MAX, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
+    VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
+use devices::virtio::VirtioDevice;
 use vm_memory::GuestMemoryMmap;
 
 const DISK: u64 = 4 << 20;
@@ -56,14 +62,14 @@ fn exercise_rw<D: Disk>(blk: &mut Blk<D>, check: &dyn Fn(u64, &[u8]), tag: &str)
         let len = 512 * (1 + 7 * i as u32);
         let data = pattern(1000 + i as u64, len as usize);
         let w = blk.write(sector, &data, layout);
-        assert_eq!(w.status, status::OK, "{tag} {layout:?} write");
+        assert_eq!(w.status, VIRTIO_BLK_S_OK, "{tag} {layout:?} write");
         assert_eq!(
             w.len, 1,
             "{tag} {layout:?}: used len of a write is the status byte"
         );
         check(sector * 512, &data);
         let r = blk.read(sector, len, layout);
-        assert_eq!(r.status, status::OK, "{tag} {layout:?} read");
+        assert_eq!(r.status, VIRTIO_BLK_S_OK, "{tag} {layout:?} read");
         assert_eq!(r.len, len + 1, "{tag} {layout:?}: used len of a read");
         assert!(r.data == data, "{tag} {layout:?}: read-back differs");
     }
@@ -165,21 +171,21 @@ fn qcow2_read_write_flush_discard_all_dma_policies() {
             exercise_rw(&mut blk, &check, &name);
             // Write zeroes (with and without unmap) and discard.
             let seg = discard_seg(8, 8, 0);
-            let d = blk.request(0, req_type::WRITE_ZEROES, 0, &seg, 0, Layout::Simple);
+            let d = blk.request(0, VIRTIO_BLK_T_WRITE_ZEROES, 0, &seg, 0, Layout::Simple);
             ok(&d);
             model.borrow_mut()[8 * 512..16 * 512].fill(0);
             let seg = discard_seg(48, 1, 1);
-            ok(&blk.request(0, req_type::WRITE_ZEROES, 0, &seg, 0, Layout::Simple));
+            ok(&blk.request(0, VIRTIO_BLK_T_WRITE_ZEROES, 0, &seg, 0, Layout::Simple));
             model.borrow_mut()[48 * 512..49 * 512].fill(0);
             let r = blk.read(0, 64 * 512, Layout::Simple);
             assert!(r.data == model.borrow()[..64 * 512], "{name}: zeroes");
             // Discard contents are unspecified: rewrite afterwards to keep the model exact.
             let seg = discard_seg(2048, 128, 0);
-            ok(&blk.request(0, req_type::DISCARD, 0, &seg, 0, Layout::Simple));
+            ok(&blk.request(0, VIRTIO_BLK_T_DISCARD, 0, &seg, 0, Layout::Simple));
             let fill = pattern(9, 128 * 512);
             ok(&blk.write(2048, &fill, Layout::Simple));
             check(2048 * 512, &fill);
-            assert_eq!(blk.flush(), status::OK);
+            assert_eq!(blk.flush(), VIRTIO_BLK_S_OK);
             assert_eq!(blk.metric("reqs_flush"), 1);
             // What the FLUSH completed must be in the file while the device is still open
             // (dropping it would flush again and hide a FLUSH that wrote nothing): metadata
@@ -224,21 +230,21 @@ fn features_and_config_space() {
     let dev = devices::block::Block::new(mem, cfg, Dma::direct()).unwrap();
     let f = VirtioDevice::<GuestMemoryMmap>::avail_features(&dev);
     for bit in [
-        vf::VERSION_1,
-        vf::ACCESS_PLATFORM,
-        vf::RING_EVENT_IDX,
-        vf::RING_INDIRECT_DESC,
-        bf::SEG_MAX,
-        bf::SIZE_MAX,
-        bf::BLK_SIZE,
-        bf::FLUSH,
-        bf::MQ,
-        bf::DISCARD,
-        bf::WRITE_ZEROES,
+        feature(VIRTIO_F_VERSION_1),
+        feature(VIRTIO_F_ACCESS_PLATFORM),
+        feature(VIRTIO_RING_F_EVENT_IDX),
+        feature(VIRTIO_RING_F_INDIRECT_DESC),
+        feature(VIRTIO_BLK_F_SEG_MAX),
+        feature(VIRTIO_BLK_F_SIZE_MAX),
+        feature(VIRTIO_BLK_F_BLK_SIZE),
+        feature(VIRTIO_BLK_F_FLUSH),
+        feature(VIRTIO_BLK_F_MQ),
+        feature(VIRTIO_BLK_F_DISCARD),
+        feature(VIRTIO_BLK_F_WRITE_ZEROES),
     ] {
         assert_ne!(f & bit, 0, "feature bit {bit:#x} not offered");
     }
-    assert_eq!(f & bf::RO, 0);
+    assert_eq!(f & feature(VIRTIO_BLK_F_RO), 0);
     let mut c = [0u8; 64];
     VirtioDevice::<GuestMemoryMmap>::read_config(&dev, 0, &mut c);
     let u32at = |o: usize| u32::from_le_bytes(c[o..o + 4].try_into().unwrap());
@@ -265,9 +271,9 @@ fn features_and_config_space() {
     };
     let dev = devices::block::Block::new(MemDisk::new(DISK).unwrap(), cfg, Dma::direct()).unwrap();
     let f = VirtioDevice::<GuestMemoryMmap>::avail_features(&dev);
-    assert_ne!(f & bf::RO, 0);
-    assert_eq!(f & vf::ACCESS_PLATFORM, 0);
-    assert_eq!(f & bf::MQ, 0);
+    assert_ne!(f & feature(VIRTIO_BLK_F_RO), 0);
+    assert_eq!(f & feature(VIRTIO_F_ACCESS_PLATFORM), 0);
+    assert_eq!(f & feature(VIRTIO_BLK_F_MQ), 0);
 
     // With a bounce pool, size_max is the pool's largest mapping.
     let dmas = dma_matrix(1024);
@@ -345,13 +351,13 @@ fn multiqueue_one_worker_per_queue() {
             assert_eq!(blk.drv.worker_queues(q as usize), vec![q]);
             let data = pattern(u64::from(q), 4096);
             let sector = 64 * u64::from(q);
-            ok(&blk.request(q, req_type::OUT, sector, &data, 0, Layout::Simple));
+            ok(&blk.request(q, VIRTIO_BLK_T_OUT, sector, &data, 0, Layout::Simple));
         }
         for q in 0..4u16 {
             // Read on another queue than the one that wrote.
             let r = blk.request(
                 (q + 1) % 4,
-                req_type::IN,
+                VIRTIO_BLK_T_IN,
                 64 * u64::from(q),
                 &[],
                 4096,
@@ -366,7 +372,12 @@ fn multiqueue_one_worker_per_queue() {
         num_queues: 4,
         ..BlockConfig::default()
     };
-    let blk = Blk::new(MemDisk::new(DISK).unwrap(), cfg, Dma::direct(), bf::MQ);
+    let blk = Blk::new(
+        MemDisk::new(DISK).unwrap(),
+        cfg,
+        Dma::direct(),
+        feature(VIRTIO_BLK_F_MQ),
+    );
     assert_eq!(blk.drv.num_workers(), 1);
 }
 
@@ -383,16 +394,16 @@ fn read_past_end_is_ioerr() {
             (cap + 1000, 4096),
         ] {
             let r = blk.read(sector, len, Layout::Simple);
-            assert_eq!(r.status, status::IOERR, "{name}: read {sector}+{len}");
+            assert_eq!(r.status, VIRTIO_BLK_S_IOERR, "{name}: read {sector}+{len}");
             assert_eq!(r.len, 1);
             let w = blk.write(sector, &vec![1u8; len as usize], Layout::Simple);
-            assert_eq!(w.status, status::IOERR, "{name}: write {sector}+{len}");
+            assert_eq!(w.status, VIRTIO_BLK_S_IOERR, "{name}: write {sector}+{len}");
         }
         // A length that is not a multiple of 512.
-        assert_eq!(blk.read(0, 100, Layout::Simple).status, status::IOERR);
+        assert_eq!(blk.read(0, 100, Layout::Simple).status, VIRTIO_BLK_S_IOERR);
         assert_eq!(
             blk.write(0, &[1u8; 700], Layout::Simple).status,
-            status::IOERR
+            VIRTIO_BLK_S_IOERR
         );
         assert!(blk.metric("err_out_of_range") >= 12);
         // And the device still serves.
@@ -409,27 +420,27 @@ fn readonly_refuses_writes() {
         ..BlockConfig::default()
     };
     let mut blk = Blk::new(RawDisk::open(&path, true).unwrap(), cfg, Dma::direct(), 0);
-    assert_ne!(blk.drv.acked() & bf::RO, 0);
+    assert_ne!(blk.drv.acked() & feature(VIRTIO_BLK_F_RO), 0);
     assert_eq!(
         blk.write(0, &[1u8; 512], Layout::Simple).status,
-        status::IOERR
+        VIRTIO_BLK_S_IOERR
     );
     let seg = discard_seg(0, 8, 0);
     assert_eq!(
-        blk.request(0, req_type::DISCARD, 0, &seg, 0, Layout::Simple)
+        blk.request(0, VIRTIO_BLK_T_DISCARD, 0, &seg, 0, Layout::Simple)
             .status,
-        status::IOERR
+        VIRTIO_BLK_S_IOERR
     );
     assert_eq!(
-        blk.request(0, req_type::WRITE_ZEROES, 0, &seg, 0, Layout::Simple)
+        blk.request(0, VIRTIO_BLK_T_WRITE_ZEROES, 0, &seg, 0, Layout::Simple)
             .status,
-        status::IOERR
+        VIRTIO_BLK_S_IOERR
     );
     assert_eq!(blk.metric("err_readonly"), 3);
     let r = blk.read(0, 4096, Layout::Simple);
     ok(&r);
     assert_eq!(r.data, file_bytes(&path, 0, 4096));
-    assert_eq!(blk.flush(), status::OK);
+    assert_eq!(blk.flush(), VIRTIO_BLK_S_OK);
     assert_eq!(
         std::fs::read(&path).unwrap(),
         pattern(2, DISK as usize),
@@ -443,23 +454,23 @@ fn unknown_and_unnegotiated_types_are_unsupp() {
         MemDisk::new(DISK).unwrap(),
         BlockConfig::default(),
         Dma::direct(),
-        bf::DISCARD | bf::WRITE_ZEROES,
+        feature(VIRTIO_BLK_F_DISCARD) | feature(VIRTIO_BLK_F_WRITE_ZEROES),
     );
     for t in [2u32, 3, 5, 7, 14, 15, 16, 0x8000_0000, u32::MAX] {
         let d = blk.request(0, t, 0, &[], 0, Layout::Simple);
-        assert_eq!(d.status, status::UNSUPP, "type {t}");
+        assert_eq!(d.status, VIRTIO_BLK_S_UNSUPP, "type {t}");
         assert_eq!(d.len, 1);
     }
     let seg = discard_seg(0, 8, 0);
     assert_eq!(
-        blk.request(0, req_type::DISCARD, 0, &seg, 0, Layout::Simple)
+        blk.request(0, VIRTIO_BLK_T_DISCARD, 0, &seg, 0, Layout::Simple)
             .status,
-        status::UNSUPP
+        VIRTIO_BLK_S_UNSUPP
     );
     assert_eq!(
-        blk.request(0, req_type::WRITE_ZEROES, 0, &seg, 0, Layout::Simple)
+        blk.request(0, VIRTIO_BLK_T_WRITE_ZEROES, 0, &seg, 0, Layout::Simple)
             .status,
-        status::UNSUPP
+        VIRTIO_BLK_S_UNSUPP
     );
     assert_eq!(blk.metric("reqs_unsupported"), 9);
     assert_eq!(blk.metric("err_unsupported"), 11);
@@ -473,7 +484,7 @@ fn get_id_returns_the_serial() {
             ..BlockConfig::default()
         };
         let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), cfg, dma, 0);
-        let d = blk.request(0, req_type::GET_ID, 0, &[], 20, Layout::Simple);
+        let d = blk.request(0, VIRTIO_BLK_T_GET_ID, 0, &[], 20, Layout::Simple);
         ok(&d);
         assert_eq!(&d.data, b"serial-0123456789-ab", "{name}");
         assert_eq!(d.len, 21);
@@ -483,10 +494,10 @@ fn get_id_returns_the_serial() {
             ..BlockConfig::default()
         };
         let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), cfg, Dma::direct(), 0);
-        let d = blk.request(0, req_type::GET_ID, 0, &[], 20, Layout::Merged);
+        let d = blk.request(0, VIRTIO_BLK_T_GET_ID, 0, &[], 20, Layout::Merged);
         ok(&d);
         assert_eq!(&d.data[..3], b"xy\0");
-        let d = blk.request(0, req_type::GET_ID, 0, &[], 1, Layout::Simple);
+        let d = blk.request(0, VIRTIO_BLK_T_GET_ID, 0, &[], 1, Layout::Simple);
         ok(&d);
         assert_eq!(d.data, b"x");
         assert_eq!(d.len, 2);
@@ -502,7 +513,10 @@ fn flush_reaches_the_file() {
     let dir = tempfile::tempdir().unwrap();
     // Writethrough: a driver that negotiates neither FLUSH nor CONFIG_WCE gets no write cache
     // (QEMU's rule; with CONFIG_WCE the driver would read and set `writeback` itself).
-    for drop in [0, bf::FLUSH | bf::CONFIG_WCE] {
+    for drop in [
+        0,
+        feature(VIRTIO_BLK_F_FLUSH) | feature(VIRTIO_BLK_F_CONFIG_WCE),
+    ] {
         let path = raw_file(dir.path(), "f.raw", DISK, 4);
         let mut blk = Blk::new(
             ProbeDisk::new(RawDisk::open(&path, false).unwrap()),
@@ -522,7 +536,7 @@ fn flush_reaches_the_file() {
                 "writeback flushed early: {after_write:?}"
             );
             assert!(after_write.unflushed >= 1);
-            assert_eq!(blk.flush(), status::OK);
+            assert_eq!(blk.flush(), VIRTIO_BLK_S_OK);
             let s = probe.state();
             assert_eq!(s.flushes, 1, "FLUSH did not reach the disk: {s:?}");
             assert_eq!(s.unflushed, 0, "{s:?}");
@@ -557,7 +571,7 @@ fn discard_and_write_zeroes_raw() {
         // Two segments in one request.
         let mut segs = discard_seg(8, 8, 0).to_vec();
         segs.extend_from_slice(&discard_seg(100, 16, 0));
-        ok(&blk.request(0, req_type::WRITE_ZEROES, 0, &segs, 0, Layout::Split(2)));
+        ok(&blk.request(0, VIRTIO_BLK_T_WRITE_ZEROES, 0, &segs, 0, Layout::Split(2)));
         assert!(
             file_bytes(&path, 8 * 512, 4096).iter().all(|&b| b == 0),
             "{name}"
@@ -573,7 +587,7 @@ fn discard_and_write_zeroes_raw() {
         // Unmap flag: punches a hole, reads back zeros.
         ok(&blk.request(
             0,
-            req_type::WRITE_ZEROES,
+            VIRTIO_BLK_T_WRITE_ZEROES,
             0,
             &discard_seg(256, 64, 1),
             0,
@@ -587,7 +601,7 @@ fn discard_and_write_zeroes_raw() {
         // Discard: raw files punch a hole.
         ok(&blk.request(
             0,
-            req_type::DISCARD,
+            VIRTIO_BLK_T_DISCARD,
             0,
             &discard_seg(512, 8, 0),
             0,
@@ -597,39 +611,39 @@ fn discard_and_write_zeroes_raw() {
         assert_eq!(std::fs::metadata(&path).unwrap().len(), DISK, "size kept");
         // The unmap flag on a discard, or reserved flags, are UNSUPP.
         assert_eq!(
-            simple_status(&mut blk, req_type::DISCARD, &discard_seg(0, 1, 1)),
-            status::UNSUPP
+            simple_status(&mut blk, VIRTIO_BLK_T_DISCARD, &discard_seg(0, 1, 1)),
+            VIRTIO_BLK_S_UNSUPP
         );
         assert_eq!(
-            simple_status(&mut blk, req_type::WRITE_ZEROES, &discard_seg(0, 1, 2)),
-            status::UNSUPP
+            simple_status(&mut blk, VIRTIO_BLK_T_WRITE_ZEROES, &discard_seg(0, 1, 2)),
+            VIRTIO_BLK_S_UNSUPP
         );
         // Past the end, too many segments, a ragged payload: IOERR.
         let cap = DISK / 512;
         assert_eq!(
-            simple_status(&mut blk, req_type::DISCARD, &discard_seg(cap - 1, 2, 0)),
-            status::IOERR
+            simple_status(&mut blk, VIRTIO_BLK_T_DISCARD, &discard_seg(cap - 1, 2, 0)),
+            VIRTIO_BLK_S_IOERR
         );
         assert_eq!(
             simple_status(
                 &mut blk,
-                req_type::WRITE_ZEROES,
+                VIRTIO_BLK_T_WRITE_ZEROES,
                 &discard_seg(u64::MAX, 2, 0)
             ),
-            status::IOERR
+            VIRTIO_BLK_S_IOERR
         );
         let many: Vec<u8> = (0..17).flat_map(|i| discard_seg(i * 8, 8, 0)).collect();
         assert_eq!(
-            simple_status(&mut blk, req_type::DISCARD, &many),
-            status::IOERR
+            simple_status(&mut blk, VIRTIO_BLK_T_DISCARD, &many),
+            VIRTIO_BLK_S_IOERR
         );
         assert_eq!(
-            simple_status(&mut blk, req_type::DISCARD, &[0u8; 10]),
-            status::IOERR
+            simple_status(&mut blk, VIRTIO_BLK_T_DISCARD, &[0u8; 10]),
+            VIRTIO_BLK_S_IOERR
         );
         assert_eq!(
-            simple_status(&mut blk, req_type::DISCARD, &[]),
-            status::IOERR
+            simple_status(&mut blk, VIRTIO_BLK_T_DISCARD, &[]),
+            VIRTIO_BLK_S_IOERR
         );
         assert_eq!(blk.metric("reqs_discard"), 6);
     }
@@ -643,10 +657,10 @@ fn event_idx_suppresses_and_re_arms() {
         Dma::direct(),
         0,
     );
-    assert_ne!(blk.drv.acked() & vf::RING_EVENT_IDX, 0);
+    assert_ne!(blk.drv.acked() & feature(VIRTIO_RING_F_EVENT_IDX), 0);
     // used_event = 0: the first completion (used idx 0 -> 1) notifies.
     blk.drv.vqs[0].set_used_event(&blk.drv.ram, 0);
-    let p = blk.post(0, req_type::IN, 0, &[], 512, Layout::Simple);
+    let p = blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     let sig = blk.drv.kick(0).unwrap();
     assert!(sig.has(0));
     blk.drv.reap(0);
@@ -656,7 +670,7 @@ fn event_idx_suppresses_and_re_arms() {
     // used_event far ahead: completions do not notify.
     blk.drv.vqs[0].set_used_event(&blk.drv.ram, 100);
     for _ in 0..3 {
-        blk.post(0, req_type::IN, 0, &[], 512, Layout::Simple);
+        blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     }
     let sig = blk.drv.kick(0).unwrap();
     assert!(!sig.has(0));
@@ -665,7 +679,7 @@ fn event_idx_suppresses_and_re_arms() {
     // used_event = 5: the batch 4 -> 8 crosses it and notifies once.
     blk.drv.vqs[0].set_used_event(&blk.drv.ram, 5);
     for _ in 0..4 {
-        blk.post(0, req_type::IN, 0, &[], 512, Layout::Simple);
+        blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     }
     assert!(blk.drv.kick(0).unwrap().has(0));
     assert_eq!(blk.drv.reap(0).len(), 4);
@@ -676,13 +690,13 @@ fn event_idx_suppresses_and_re_arms() {
         MemDisk::new(DISK).unwrap(),
         BlockConfig::default(),
         Dma::direct(),
-        vf::RING_EVENT_IDX,
+        feature(VIRTIO_RING_F_EVENT_IDX),
     );
     blk.drv.vqs[0].set_no_interrupt(&blk.drv.ram, true);
-    blk.post(0, req_type::IN, 0, &[], 512, Layout::Simple);
+    blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     assert!(!blk.drv.kick(0).unwrap().has(0));
     blk.drv.vqs[0].set_no_interrupt(&blk.drv.ram, false);
-    blk.post(0, req_type::IN, 0, &[], 512, Layout::Simple);
+    blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     assert!(blk.drv.kick(0).unwrap().has(0));
     // A kick with nothing new asks for no notification.
     assert!(!blk.drv.kick(0).unwrap().has(0));
@@ -702,7 +716,7 @@ fn full_queue_is_drained_in_one_kick() {
         heads.push(
             blk.post(
                 0,
-                req_type::OUT,
+                VIRTIO_BLK_T_OUT,
                 i * 8,
                 &pattern(i, 4096),
                 0,
@@ -783,17 +797,21 @@ fn disk_faults_fail_only_the_affected_request() {
                 }
                 let w = blk.write(8 * i, &block(i), Layout::Split(2));
                 let want = if op == DiskOp::Write && i == 3 {
-                    status::IOERR
+                    VIRTIO_BLK_S_IOERR
                 } else {
-                    status::OK
+                    VIRTIO_BLK_S_OK
                 };
                 assert_eq!((w.status, w.len), (want, 1), "{what}: write {i}");
             }
             if op == DiskOp::Flush {
                 probe.fail_nth(DiskOp::Flush, 1, errno);
-                assert_eq!(blk.flush(), status::IOERR, "{what}: the failed flush");
+                assert_eq!(blk.flush(), VIRTIO_BLK_S_IOERR, "{what}: the failed flush");
             }
-            assert_eq!(blk.flush(), status::OK, "{what}: flush after the fault");
+            assert_eq!(
+                blk.flush(),
+                VIRTIO_BLK_S_OK,
+                "{what}: flush after the fault"
+            );
             // Every acknowledged write reads back; the failed one left its sectors as they were.
             for i in 0..6u64 {
                 if op == DiskOp::Read && i == 2 {
@@ -801,7 +819,7 @@ fn disk_faults_fail_only_the_affected_request() {
                     let r = blk.read(8 * i, 4096, Layout::Simple);
                     assert_eq!(
                         (r.status, r.len),
-                        (status::IOERR, 1),
+                        (VIRTIO_BLK_S_IOERR, 1),
                         "{what}: the failed read"
                     );
                 }

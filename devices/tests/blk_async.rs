@@ -14,16 +14,16 @@ use std::sync::{mpsc, Arc, Mutex};
 use bounce::{Direction, Dma, Policy, PoolConfig};
 use common::{header, pattern, RAM};
 use devices::block::io::{AioMode, CacheMode, OnFull, RawDisk};
-use devices::block::{req_type, status, Block, BlockConfig, Disk, MemDisk};
+use devices::block::{Block, BlockConfig, Disk, MemDisk};
 use devices::testing::{dma_matrix, Buf, TestDriver, Used};
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
+    VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+};
 use devices::virtio::VirtioDevice;
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{GuestMemoryMmap, VolatileSlice};
 
-/// VIRTIO_BLK_F_CONFIG_WCE.
-const F_CONFIG_WCE: u64 = 1 << 11;
-/// VIRTIO_BLK_F_FLUSH.
-const F_FLUSH: u64 = 1 << 9;
 const DISK: u64 = 16 << 20;
 
 type Drv<D> = TestDriver<Block<D>>;
@@ -75,8 +75,8 @@ fn post<D: Disk>(
     drv.ram.write(st, &[0xee]);
     let mut bufs = vec![Buf::ro(h, 16)];
     match t {
-        req_type::IN => bufs.push(Buf::wo(data, len)),
-        req_type::OUT => {
+        VIRTIO_BLK_T_IN => bufs.push(Buf::wo(data, len)),
+        VIRTIO_BLK_T_OUT => {
             drv.ram.write(data, payload);
             bufs.push(Buf::ro(data, len));
         }
@@ -121,7 +121,7 @@ fn depth_32_verifies_for_every_allocator_and_pool_mode() {
                 .map(|i| {
                     post(
                         &mut drv,
-                        req_type::OUT,
+                        VIRTIO_BLK_T_OUT,
                         sector(i),
                         &pattern(i, 4096),
                         4096,
@@ -133,7 +133,7 @@ fn depth_32_verifies_for_every_allocator_and_pool_mode() {
             let used = settle(&mut drv, 32, Vec::new());
             assert_eq!(used.len(), 32);
             for w in &writes {
-                assert_eq!(status_of(&drv, *w), status::OK, "{aio} {name}");
+                assert_eq!(status_of(&drv, *w), VIRTIO_BLK_S_OK, "{aio} {name}");
             }
             if let Some(p) = dma.pool() {
                 let st = p.stats();
@@ -151,12 +151,12 @@ fn depth_32_verifies_for_every_allocator_and_pool_mode() {
                 assert_eq!(st.used, 0, "{aio} {name}: slots leaked");
             }
             let reads: Vec<Req> = (0..32)
-                .map(|i| post(&mut drv, req_type::IN, sector(i), &[], 4096, 0))
+                .map(|i| post(&mut drv, VIRTIO_BLK_T_IN, sector(i), &[], 4096, 0))
                 .collect();
             drv.kick(0).unwrap();
             let used = settle(&mut drv, 32, Vec::new());
             for (i, r) in reads.iter().enumerate() {
-                assert_eq!(status_of(&drv, *r), status::OK);
+                assert_eq!(status_of(&drv, *r), VIRTIO_BLK_S_OK);
                 assert_eq!(
                     drv.ram.read(r.data, 4096),
                     pattern(i as u64, 4096),
@@ -209,12 +209,12 @@ fn a_burst_reaches_the_kernel_in_doubling_batches() {
             256,
         );
         let reads: Vec<Req> = (0..32)
-            .map(|i| post(&mut drv, req_type::IN, i * 8, &[], 4096, 0))
+            .map(|i| post(&mut drv, VIRTIO_BLK_T_IN, i * 8, &[], 4096, 0))
             .collect();
         drv.kick(0).unwrap();
         settle(&mut drv, 32, Vec::new());
         for r in &reads {
-            assert_eq!(status_of(&drv, *r), status::OK, "{name}");
+            assert_eq!(status_of(&drv, *r), VIRTIO_BLK_S_OK, "{name}");
         }
         let s = stats(&drv);
         assert_eq!(s["engine"]["submitted"], 32, "{name}: {s}");
@@ -274,9 +274,9 @@ fn used_ring_follows_completion_order() {
             gate: Mutex::new(rx),
         };
         let mut drv = driver(disk, cfg(AioMode::Threads, CacheMode::Writeback), dma, 64);
-        let held = post(&mut drv, req_type::IN, 0, &[], 4096, 0);
+        let held = post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096, 0);
         let rest: Vec<Req> = (1..8)
-            .map(|i| post(&mut drv, req_type::IN, i * 8, &[], 4096, 0))
+            .map(|i| post(&mut drv, VIRTIO_BLK_T_IN, i * 8, &[], 4096, 0))
             .collect();
         drv.kick(0).unwrap();
         let used = settle(&mut drv, 7, Vec::new());
@@ -286,7 +286,7 @@ fn used_ring_follows_completion_order() {
         );
         assert_eq!(status_of(&drv, held), 0xee, "{name}: status written early");
         for r in &rest {
-            assert_eq!(status_of(&drv, *r), status::OK);
+            assert_eq!(status_of(&drv, *r), VIRTIO_BLK_S_OK);
         }
         assert!(drv.signals(0) >= 1);
         tx.send(()).unwrap();
@@ -354,23 +354,23 @@ fn cache_modes_decide_wce_and_flushes() {
             };
             let mut drv = driver(disk, cfg(aio, cache), Dma::direct(), 64);
             let offered = VirtioDevice::<GuestMemoryMmap>::avail_features(&drv.device);
-            assert_ne!(offered & F_CONFIG_WCE, 0);
-            assert_ne!(offered & F_FLUSH, 0);
+            assert_ne!(offered & feature(VIRTIO_BLK_F_CONFIG_WCE), 0);
+            assert_ne!(offered & feature(VIRTIO_BLK_F_FLUSH), 0);
             assert_eq!(
                 drv.read_config(32, 1)[0],
                 u8::from(cache.write_cache()),
                 "{cache}: writeback field"
             );
-            let w = one(&mut drv, req_type::OUT, 8, &pattern(1, 4096), 4096);
-            assert_eq!(status_of(&drv, w), status::OK);
+            let w = one(&mut drv, VIRTIO_BLK_T_OUT, 8, &pattern(1, 4096), 4096);
+            assert_eq!(status_of(&drv, w), VIRTIO_BLK_S_OK);
             let flushes = drv.device.disk().flushes.load(Ordering::SeqCst);
             assert_eq!(
                 flushes,
                 u64::from(!cache.write_cache()),
                 "{cache} {aio}: after a write"
             );
-            let f = one(&mut drv, req_type::FLUSH, 0, &[], 0);
-            assert_eq!(status_of(&drv, f), status::OK);
+            let f = one(&mut drv, VIRTIO_BLK_T_FLUSH, 0, &[], 0);
+            assert_eq!(status_of(&drv, f), VIRTIO_BLK_S_OK);
             let after = drv.device.disk().flushes.load(Ordering::SeqCst);
             assert_eq!(
                 after - flushes,
@@ -380,8 +380,8 @@ fn cache_modes_decide_wce_and_flushes() {
             // The guest turns the write cache off: writes are now synced one by one.
             VirtioDevice::<GuestMemoryMmap>::write_config(&mut drv.device, 32, &[0]);
             assert_eq!(drv.read_config(32, 1)[0], 0);
-            let w = one(&mut drv, req_type::OUT, 16, &pattern(2, 512), 512);
-            assert_eq!(status_of(&drv, w), status::OK);
+            let w = one(&mut drv, VIRTIO_BLK_T_OUT, 16, &pattern(2, 512), 512);
+            assert_eq!(status_of(&drv, w), VIRTIO_BLK_S_OK);
             assert_eq!(
                 drv.device.disk().flushes.load(Ordering::SeqCst),
                 after + 1,
@@ -405,14 +405,14 @@ fn every_cache_mode_with_unaligned_guest_buffers() {
             for (i, mis) in [0u64, 1, 3].into_iter().enumerate() {
                 let data = pattern(10 + i as u64, 8192);
                 let sector = 64 * (i as u64 + 1);
-                let w = post(&mut drv, req_type::OUT, sector, &data, 8192, mis);
+                let w = post(&mut drv, VIRTIO_BLK_T_OUT, sector, &data, 8192, mis);
                 drv.kick(0).unwrap();
                 settle(&mut drv, 1, Vec::new());
-                assert_eq!(status_of(&drv, w), status::OK, "{cache} {aio} +{mis}");
-                let back = post(&mut drv, req_type::IN, sector, &[], 8192, mis);
+                assert_eq!(status_of(&drv, w), VIRTIO_BLK_S_OK, "{cache} {aio} +{mis}");
+                let back = post(&mut drv, VIRTIO_BLK_T_IN, sector, &[], 8192, mis);
                 drv.kick(0).unwrap();
                 settle(&mut drv, 1, Vec::new());
-                assert_eq!(status_of(&drv, back), status::OK);
+                assert_eq!(status_of(&drv, back), VIRTIO_BLK_S_OK);
                 assert_eq!(drv.ram.read(back.data, 8192), data, "{cache} {aio} +{mis}");
             }
             let s = stats(&drv);
@@ -487,25 +487,45 @@ fn flush_covers_every_write_completed_before_it() {
         ] {
             let mut drv = driver(CrashDisk::new(), cfg(aio, cache), Dma::direct(), 64);
             let writes: Vec<Req> = (0..8)
-                .map(|i| post(&mut drv, req_type::OUT, i * 8, &pattern(i, 4096), 4096, 0))
+                .map(|i| {
+                    post(
+                        &mut drv,
+                        VIRTIO_BLK_T_OUT,
+                        i * 8,
+                        &pattern(i, 4096),
+                        4096,
+                        0,
+                    )
+                })
                 .collect();
             drv.kick(0).unwrap();
             settle(&mut drv, 8, Vec::new());
-            assert!(writes.iter().all(|w| status_of(&drv, *w) == status::OK));
+            assert!(writes
+                .iter()
+                .all(|w| status_of(&drv, *w) == VIRTIO_BLK_S_OK));
             let durable_before = drv.device.disk().durable(0, 4096) == pattern(0, 4096);
             assert_eq!(
                 durable_before,
                 cache == CacheMode::Writethrough,
                 "{cache}: before FLUSH"
             );
-            let f = post(&mut drv, req_type::FLUSH, 0, &[], 0, 0);
+            let f = post(&mut drv, VIRTIO_BLK_T_FLUSH, 0, &[], 0, 0);
             let later: Vec<Req> = (8..12)
-                .map(|i| post(&mut drv, req_type::OUT, i * 8, &pattern(i, 4096), 4096, 0))
+                .map(|i| {
+                    post(
+                        &mut drv,
+                        VIRTIO_BLK_T_OUT,
+                        i * 8,
+                        &pattern(i, 4096),
+                        4096,
+                        0,
+                    )
+                })
                 .collect();
             drv.kick(0).unwrap();
             settle(&mut drv, 5, Vec::new());
-            assert_eq!(status_of(&drv, f), status::OK);
-            assert!(later.iter().all(|w| status_of(&drv, *w) == status::OK));
+            assert_eq!(status_of(&drv, f), VIRTIO_BLK_S_OK);
+            assert!(later.iter().all(|w| status_of(&drv, *w) == VIRTIO_BLK_S_OK));
             for i in 0..8u64 {
                 let at = usize::try_from(i * 8 * 512).unwrap();
                 let durable = drv.device.disk().durable(at, 4096) == pattern(i, 4096);
@@ -544,13 +564,22 @@ fn back_pressure_wait_and_fail() {
             // 128 slots of 2 KiB: about 40 requests of 4 KiB + status fit at once.
             let mut drv = driver(disk, c, small_pool(128), 256);
             let reqs: Vec<Req> = (0..60)
-                .map(|i| post(&mut drv, req_type::OUT, i * 8, &pattern(i, 4096), 4096, 0))
+                .map(|i| {
+                    post(
+                        &mut drv,
+                        VIRTIO_BLK_T_OUT,
+                        i * 8,
+                        &pattern(i, 4096),
+                        4096,
+                        0,
+                    )
+                })
                 .collect();
             drv.kick(0).unwrap();
             settle(&mut drv, 60, Vec::new());
             let failed = reqs
                 .iter()
-                .filter(|r| status_of(&drv, **r) != status::OK)
+                .filter(|r| status_of(&drv, **r) != VIRTIO_BLK_S_OK)
                 .count();
             let s = stats(&drv);
             let m = &s["metrics"];
@@ -584,10 +613,10 @@ fn a_request_that_can_never_fit_fails() {
         64,
     );
     // 128 slots * 2 KiB = 256 KiB; ask for 384 KiB.
-    let big = one(&mut drv, req_type::IN, 0, &[], 384 << 10);
-    assert_eq!(status_of(&drv, big), status::IOERR);
-    let small = one(&mut drv, req_type::IN, 0, &[], 4096);
-    assert_eq!(status_of(&drv, small), status::OK);
+    let big = one(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 384 << 10);
+    assert_eq!(status_of(&drv, big), VIRTIO_BLK_S_IOERR);
+    let small = one(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096);
+    assert_eq!(status_of(&drv, small), VIRTIO_BLK_S_OK);
     assert_eq!(stats(&drv)["metrics"]["pool_full_failed"], 1);
 }
 
@@ -609,7 +638,7 @@ fn waiting_with_nothing_in_flight_retries_on_the_timer() {
     let held = dma
         .map(drv.ram.mem(), hog, 127 * 2048, Direction::ToDevice, 1)
         .unwrap();
-    let r = post(&mut drv, req_type::IN, 0, &[], 4096, 0);
+    let r = post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096, 0);
     drv.kick(0).unwrap();
     assert!(drv.reap(0).is_empty(), "completed on a full pool");
     assert_eq!(status_of(&drv, r), 0xee);
@@ -622,7 +651,7 @@ fn waiting_with_nothing_in_flight_retries_on_the_timer() {
     dma.unmap(drv.ram.mem(), held, 1).unwrap();
     let used = settle(&mut drv, 1, Vec::new());
     assert_eq!(used[0].id, u32::from(r.head));
-    assert_eq!(status_of(&drv, r), status::OK);
+    assert_eq!(status_of(&drv, r), VIRTIO_BLK_S_OK);
 }
 
 /// Hostile chains among 32 good requests in one batch: each bad one gets its IOERR, the good
@@ -639,15 +668,15 @@ fn hostile_chains_at_depth() {
             let mut good = Vec::new();
             let mut bad = Vec::new();
             for i in 0..32u64 {
-                good.push((i, post(&mut drv, req_type::IN, i * 8, &[], 4096, 0)));
+                good.push((i, post(&mut drv, VIRTIO_BLK_T_IN, i * 8, &[], 4096, 0)));
                 match i % 4 {
                     // Beyond the end of the disk.
-                    0 => bad.push(post(&mut drv, req_type::IN, DISK / 512, &[], 4096, 0)),
+                    0 => bad.push(post(&mut drv, VIRTIO_BLK_T_IN, DISK / 512, &[], 4096, 0)),
                     // Not a multiple of 512.
-                    1 => bad.push(post(&mut drv, req_type::IN, 0, &[], 700, 0)),
+                    1 => bad.push(post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 700, 0)),
                     // Data buffer outside guest memory.
                     2 => {
-                        let h = drv.ram.alloc_bytes(&header(req_type::IN, 0));
+                        let h = drv.ram.alloc_bytes(&header(VIRTIO_BLK_T_IN, 0));
                         let st = drv.ram.alloc(1, 1);
                         drv.ram.write(st, &[0xee]);
                         let head = drv
@@ -665,7 +694,7 @@ fn hostile_chains_at_depth() {
             drv.kick(0).unwrap();
             settle(&mut drv, 64, Vec::new());
             for (i, g) in &good {
-                assert_eq!(status_of(&drv, *g), status::OK, "{aio} {name}");
+                assert_eq!(status_of(&drv, *g), VIRTIO_BLK_S_OK, "{aio} {name}");
                 let at = usize::try_from(i * 8 * 512).unwrap();
                 assert_eq!(
                     drv.ram.read(g.data, 4096),
@@ -674,9 +703,9 @@ fn hostile_chains_at_depth() {
             }
             for (k, b) in bad.iter().enumerate() {
                 let want = if k % 4 == 3 {
-                    status::UNSUPP
+                    VIRTIO_BLK_S_UNSUPP
                 } else {
-                    status::IOERR
+                    VIRTIO_BLK_S_IOERR
                 };
                 assert_eq!(status_of(&drv, *b), want, "{aio} {name}: bad request {k}");
             }
@@ -703,9 +732,9 @@ fn reset_with_requests_in_flight_releases_the_pool() {
         dma.clone(),
         64,
     );
-    post(&mut drv, req_type::IN, 0, &[], 4096, 0);
+    post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096, 0);
     for i in 1..8 {
-        post(&mut drv, req_type::IN, i * 8, &[], 4096, 0);
+        post(&mut drv, VIRTIO_BLK_T_IN, i * 8, &[], 4096, 0);
     }
     drv.kick(0).unwrap();
     assert!(dma.pool().unwrap().used() > 0);

@@ -23,9 +23,13 @@ use common::fuzz::{
     assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets, Writable,
 };
 use common::*;
-use devices::block::{features as bf, req_type, status, BlockConfig, MemDisk};
+use devices::block::{BlockConfig, MemDisk};
 use devices::testing::{RawDesc, TestDriver};
-use devices::virtio::features as vf;
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
+    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
 use proptest::prelude::*;
 
 const QSIZE: u16 = 16;
@@ -106,7 +110,11 @@ fn case() -> impl Strategy<Value = Case> {
 fn run_case(c: &Case) {
     let (dname, dma, pool) = dma_for(c.bounce);
     let qsize = 1u16 << (1 + c.qsize_log2 % 4); // 2..16
-    let drop = [0, vf::RING_INDIRECT_DESC, vf::RING_EVENT_IDX][usize::from(c.features % 3)];
+    let drop = [
+        0,
+        feature(VIRTIO_RING_F_INDIRECT_DESC),
+        feature(VIRTIO_RING_F_EVENT_IDX),
+    ][usize::from(c.features % 3)];
     let mut blk = device(qsize, drop, dma);
     let what = format!("{dname} qsize={qsize} drop={drop:#x}");
     let hdrs: Vec<u64> = c
@@ -400,19 +408,19 @@ fn run_oracle(c: &OracleCase) {
     let qsize = 2u16 << (c.qsize_log2 % 8); // 2..256
     let mut drop = 0;
     if c.drop & 1 != 0 {
-        drop |= vf::RING_INDIRECT_DESC;
+        drop |= feature(VIRTIO_RING_F_INDIRECT_DESC);
     }
     if c.drop & 2 != 0 {
-        drop |= vf::RING_EVENT_IDX;
+        drop |= feature(VIRTIO_RING_F_EVENT_IDX);
     }
     if c.drop & 4 != 0 {
-        drop |= bf::FLUSH;
+        drop |= feature(VIRTIO_BLK_F_FLUSH);
     }
     let mut blk = device(qsize, drop, dma);
     let what = format!("{dname} qsize={qsize} drop={drop:#x}");
     let used_before = pool.as_ref().map_or(0, |p| p.used());
     let indirect = blk.indirect();
-    let flush = blk.drv.acked() & bf::FLUSH != 0;
+    let flush = blk.drv.acked() & feature(VIRTIO_BLK_F_FLUSH) != 0;
     let serial = {
         let mut v = b"bouncevm-blk".to_vec();
         v.resize(20, 0);
@@ -449,11 +457,11 @@ fn run_oracle(c: &OracleCase) {
                     let n = 512 * usize::from(*sectors);
                     let d = model[s as usize * 512..s as usize * 512 + n].to_vec();
                     (
-                        req_type::IN,
+                        VIRTIO_BLK_T_IN,
                         s,
                         vec![],
                         n as u32,
-                        status::OK,
+                        VIRTIO_BLK_S_OK,
                         n as u32 + 1,
                         d,
                     )
@@ -461,31 +469,33 @@ fn run_oracle(c: &OracleCase) {
                 Op::Write { off, sectors, seed } => {
                     let s = base + u64::from(*off);
                     let d = pattern(u64::from(*seed), 512 * usize::from(*sectors));
-                    (req_type::OUT, s, d, 0, status::OK, 1, vec![])
+                    (VIRTIO_BLK_T_OUT, s, d, 0, VIRTIO_BLK_S_OK, 1, vec![])
                 }
-                Op::Flush if flush => (req_type::FLUSH, 0, vec![], 0, status::OK, 1, vec![]),
+                Op::Flush if flush => {
+                    (VIRTIO_BLK_T_FLUSH, 0, vec![], 0, VIRTIO_BLK_S_OK, 1, vec![])
+                }
                 Op::Flush => (
-                    req_type::IN,
+                    VIRTIO_BLK_T_IN,
                     base,
                     vec![],
                     512,
-                    status::OK,
+                    VIRTIO_BLK_S_OK,
                     513,
                     model[base as usize * 512..base as usize * 512 + 512].to_vec(),
                 ),
                 Op::GetId { len } => {
                     let n = usize::from(*len).min(20);
                     (
-                        req_type::GET_ID,
+                        VIRTIO_BLK_T_GET_ID,
                         0,
                         vec![],
                         u32::from(*len),
-                        status::OK,
+                        VIRTIO_BLK_S_OK,
                         n as u32 + 1,
                         serial[..n].to_vec(),
                     )
                 }
-                Op::Unsupported(t) => (*t, base, vec![], 0, status::UNSUPP, 1, vec![]),
+                Op::Unsupported(t) => (*t, base, vec![], 0, VIRTIO_BLK_S_UNSUPP, 1, vec![]),
                 Op::OutOfRange {
                     write,
                     back,
@@ -499,9 +509,25 @@ fn run_oracle(c: &OracleCase) {
                     };
                     let n = 512 * usize::from(*sectors);
                     if *write {
-                        (req_type::OUT, s, pattern(7, n), 0, status::IOERR, 1, vec![])
+                        (
+                            VIRTIO_BLK_T_OUT,
+                            s,
+                            pattern(7, n),
+                            0,
+                            VIRTIO_BLK_S_IOERR,
+                            1,
+                            vec![],
+                        )
                     } else {
-                        (req_type::IN, s, vec![], n as u32, status::IOERR, 1, vec![])
+                        (
+                            VIRTIO_BLK_T_IN,
+                            s,
+                            vec![],
+                            n as u32,
+                            VIRTIO_BLK_S_IOERR,
+                            1,
+                            vec![],
+                        )
                     }
                 }
             };
@@ -524,7 +550,7 @@ fn run_oracle(c: &OracleCase) {
             }
             let p = blk.post(0, t, sector, &out, in_len, layout);
             canary(&blk.drv.ram, p.din, u64::from(in_len));
-            if t == req_type::OUT && status_ == status::OK {
+            if t == VIRTIO_BLK_T_OUT && status_ == VIRTIO_BLK_S_OK {
                 writes.push((sector as usize * 512, out.clone()));
             }
             expects.push(Expect {

@@ -11,11 +11,12 @@ use std::sync::Arc;
 
 use bounce::{Direction, Dma, Policy, PoolConfig};
 use common::*;
-use devices::block::{req_type, status, BlockConfig, Disk, MemDisk};
-use devices::testing::{
-    first_fit_pool, RawDesc, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
+use devices::block::{BlockConfig, Disk, MemDisk};
+use devices::testing::{first_fit_pool, RawDesc};
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_RING_F_INDIRECT_DESC, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
 };
-use devices::virtio::features as vf;
 
 const DISK: u64 = 1 << 20;
 const N: u16 = VRING_DESC_F_NEXT;
@@ -128,7 +129,7 @@ fn status_of(blk: &Blk<MemDisk>, b: &Bufs) -> u8 {
 fn descriptor_loop() {
     for (name, dma) in dmas() {
         let mut blk = dev(dma, 0);
-        let b = bufs(&mut blk, req_type::IN, 0);
+        let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
         // header -> data -> back to header, forever.
         unusable(
             &mut blk,
@@ -183,7 +184,7 @@ fn table(blk: &mut Blk<MemDisk>, entries: &[(u64, u32, u16)]) -> u64 {
 #[test]
 fn chain_longer_than_the_device_maximum() {
     let mut blk = dev(Dma::direct(), 0);
-    let b = bufs(&mut blk, req_type::IN, 0);
+    let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
     // An indirect table of 257 entries: more than the device's maximum queue size (256),
     // which bounds indirect tables.
     let mut e = vec![(b.hdr, 16, N)];
@@ -203,7 +204,7 @@ fn chain_longer_than_the_device_maximum() {
     descs.push(d(b.st, 1, W));
     let used = raw(&mut blk, 0, &descs);
     assert_eq!(used[0].len, 62 * 512 + 1);
-    assert_eq!(status_of(&blk, &b), status::OK);
+    assert_eq!(status_of(&blk, &b), VIRTIO_BLK_S_OK);
 }
 
 /// Issue 11 item 2: the device advertises `seg_max` = 254 (its maximum queue size less 2)
@@ -224,7 +225,7 @@ fn seg_max_segments_on_a_ring_smaller_than_seg_max() {
         assert_eq!(seg_max, 254);
         let disk = pattern(11, 254 * 512);
         blk.drv.device.disk().write_bytes(0, &disk).unwrap();
-        let b = bufs(&mut blk, req_type::IN, 0);
+        let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
         let data = blk.drv.ram.alloc(254 * 512, 4096);
         let mut e = vec![(b.hdr, 16, N)];
         e.extend((0..254u64).map(|i| (data + 512 * i, 512, N | W)));
@@ -233,7 +234,7 @@ fn seg_max_segments_on_a_ring_smaller_than_seg_max() {
         let used = raw(&mut blk, 0, &[d(t, 16 * 256, I)]);
         assert_eq!(
             (used[0].len, status_of(&blk, &b)),
-            (254 * 512 + 1, status::OK),
+            (254 * 512 + 1, VIRTIO_BLK_S_OK),
             "{name}"
         );
         assert!(blk.drv.ram.read(data, 254 * 512) == disk, "{name}: data");
@@ -248,7 +249,7 @@ fn addresses_outside_guest_memory() {
     for (name, dma) in dmas() {
         let mut blk = dev(dma.clone(), 0);
         let end = blk.drv.ram.size();
-        let b = bufs(&mut blk, req_type::IN, 0);
+        let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
         // Data entirely outside.
         let used = raw(
             &mut blk,
@@ -257,7 +258,7 @@ fn addresses_outside_guest_memory() {
         );
         assert_eq!(
             (used[0].len, status_of(&blk, &b)),
-            (1, status::IOERR),
+            (1, VIRTIO_BLK_S_IOERR),
             "{name}"
         );
         // Data straddling the end of RAM: nothing is written, not even the part inside.
@@ -270,7 +271,7 @@ fn addresses_outside_guest_memory() {
         );
         assert_eq!(
             (used[0].len, status_of(&blk, &b)),
-            (1, status::IOERR),
+            (1, VIRTIO_BLK_S_IOERR),
             "{name}"
         );
         assert_eq!(
@@ -284,7 +285,7 @@ fn addresses_outside_guest_memory() {
             40,
             &[d(end + 4096, 16, N), d(b.data, 512, N | W), d(b.st, 1, W)],
         );
-        assert_eq!((used[0].len, status_of(&blk, &b)), (1, status::IOERR));
+        assert_eq!((used[0].len, status_of(&blk, &b)), (1, VIRTIO_BLK_S_IOERR));
         // Status outside: no status can be written, the device stops.
         unusable(
             &mut blk,
@@ -294,13 +295,13 @@ fn addresses_outside_guest_memory() {
         // An indirect table outside.
         unusable(&mut blk, 40, &[d(end - 16, 64, I)]);
         // A write whose data is outside: the disk is untouched.
-        let wb = bufs(&mut blk, req_type::OUT, 0);
+        let wb = bufs(&mut blk, VIRTIO_BLK_T_OUT, 0);
         let used = raw(
             &mut blk,
             40,
             &[d(wb.hdr, 16, N), d(end - 256, 512, N), d(wb.st, 1, W)],
         );
-        assert_eq!((used[0].len, status_of(&blk, &wb)), (1, status::IOERR));
+        assert_eq!((used[0].len, status_of(&blk, &wb)), (1, VIRTIO_BLK_S_IOERR));
         assert!(blk.metric("err_guest_access") >= 4);
         still_works(&mut blk);
         if let Some(s) = dma.stats() {
@@ -313,7 +314,7 @@ fn addresses_outside_guest_memory() {
 fn lengths_that_overflow() {
     for (name, dma) in dmas() {
         let mut blk = dev(dma, 0);
-        let b = bufs(&mut blk, req_type::IN, 0);
+        let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
         for (addr, len) in [
             (u64::MAX - 100, 4096u32),
             (u64::MAX - 511, 512),
@@ -327,7 +328,7 @@ fn lengths_that_overflow() {
             );
             assert_eq!(
                 (used[0].len, status_of(&blk, &b)),
-                (1, status::IOERR),
+                (1, VIRTIO_BLK_S_IOERR),
                 "{name} {addr:#x}+{len:#x}"
             );
         }
@@ -344,13 +345,13 @@ fn lengths_that_overflow() {
         );
         assert!(used[0].len <= 1, "{name}");
         // A header claiming a huge sector.
-        let hb = bufs(&mut blk, req_type::IN, u64::MAX - 1);
+        let hb = bufs(&mut blk, VIRTIO_BLK_T_IN, u64::MAX - 1);
         let used = raw(
             &mut blk,
             40,
             &[d(hb.hdr, 16, N), d(hb.data, 1024, N | W), d(hb.st, 1, W)],
         );
-        assert_eq!((used[0].len, status_of(&blk, &hb)), (1, status::IOERR));
+        assert_eq!((used[0].len, status_of(&blk, &hb)), (1, VIRTIO_BLK_S_IOERR));
         // An indirect table length that is not a whole number of descriptors, or huge.
         unusable(&mut blk, 40, &[d(b.data, 17, I)]);
         unusable(&mut blk, 40, &[d(b.data, 0xffff_fff0, I)]);
@@ -364,7 +365,7 @@ fn lengths_that_overflow() {
 #[test]
 fn zero_length_buffers() {
     let mut blk = dev(Dma::direct(), 0);
-    let b = bufs(&mut blk, req_type::IN, 0);
+    let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
     for descs in [
         vec![d(b.hdr, 16, N), d(b.data, 0, N | W), d(b.st, 1, W)],
         vec![d(b.hdr, 0, N), d(b.data, 512, N | W), d(b.st, 1, W)],
@@ -373,7 +374,7 @@ fn zero_length_buffers() {
         let used = raw(&mut blk, 40, &descs);
         assert_eq!(
             (used[0].len, status_of(&blk, &b)),
-            (1, status::IOERR),
+            (1, VIRTIO_BLK_S_IOERR),
             "{descs:?}"
         );
     }
@@ -392,15 +393,15 @@ fn zero_length_buffers() {
 #[test]
 fn wrong_directions() {
     let mut blk = dev(Dma::direct(), 0);
-    let r = bufs(&mut blk, req_type::IN, 0);
-    let w = bufs(&mut blk, req_type::OUT, 0);
+    let r = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
+    let w = bufs(&mut blk, VIRTIO_BLK_T_OUT, 0);
     // A read whose data is device-readable: IOERR.
     let used = raw(
         &mut blk,
         40,
         &[d(r.hdr, 16, N), d(r.data, 512, N), d(r.st, 1, W)],
     );
-    assert_eq!((used[0].len, status_of(&blk, &r)), (1, status::IOERR));
+    assert_eq!((used[0].len, status_of(&blk, &r)), (1, VIRTIO_BLK_S_IOERR));
     assert_eq!(
         blk.drv.ram.read(r.data, 512),
         vec![0xaa; 512],
@@ -412,7 +413,7 @@ fn wrong_directions() {
         40,
         &[d(w.hdr, 16, N), d(w.data, 512, N | W), d(w.st, 1, W)],
     );
-    assert_eq!((used[0].len, status_of(&blk, &w)), (1, status::IOERR));
+    assert_eq!((used[0].len, status_of(&blk, &w)), (1, VIRTIO_BLK_S_IOERR));
     // A readable status byte: nothing is writable, no status: the device stops.
     unusable(
         &mut blk,
@@ -421,7 +422,7 @@ fn wrong_directions() {
     );
     assert_eq!(
         status_of(&blk, &w),
-        status::IOERR,
+        VIRTIO_BLK_S_IOERR,
         "untouched since the last request"
     );
     // A writable header: the request has no header, IOERR in the last writable byte.
@@ -431,7 +432,7 @@ fn wrong_directions() {
         40,
         &[d(r.hdr, 16, N | W), d(r.data, 512, N | W), d(r.st, 1, W)],
     );
-    assert_eq!((used[0].len, status_of(&blk, &r)), (1, status::IOERR));
+    assert_eq!((used[0].len, status_of(&blk, &r)), (1, VIRTIO_BLK_S_IOERR));
     // Readable after writable: the last descriptor, a status byte the device may not write,
     // is refused, so the status cannot be located.
     unusable(
@@ -450,7 +451,7 @@ fn wrong_directions() {
 #[test]
 fn indirect_tables_nested_unnegotiated_or_with_next() {
     let mut blk = dev(Dma::direct(), 0);
-    let b = bufs(&mut blk, req_type::IN, 0);
+    let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
     // Nested: an indirect table whose entry is itself indirect.
     let inner = blk.drv.ram.alloc(48, 16);
     let outer = blk.drv.ram.alloc(16, 16);
@@ -469,11 +470,11 @@ fn indirect_tables_nested_unnegotiated_or_with_next() {
     unusable(&mut blk, 40, &[d(outer, 16, I)]);
     // The inner table directly is a good request.
     let used = raw(&mut blk, 40, &[d(inner, 48, I)]);
-    assert_eq!((used[0].len, status_of(&blk, &b)), (513, status::OK));
+    assert_eq!((used[0].len, status_of(&blk, &b)), (513, VIRTIO_BLK_S_OK));
     // INDIRECT together with NEXT.
     unusable(&mut blk, 40, &[d(inner, 48, I | N), d(b.st, 1, W)]);
     // Not negotiated.
-    let mut blk2 = dev(Dma::direct(), vf::RING_INDIRECT_DESC);
+    let mut blk2 = dev(Dma::direct(), feature(VIRTIO_RING_F_INDIRECT_DESC));
     blk2.drv.ram.write(inner, &ent(b.hdr, 16, N, 1));
     unusable(&mut blk2, 40, &[d(inner, 48, I)]);
     assert_eq!(blk.metric("err_bad_chain"), 2);
@@ -484,7 +485,7 @@ fn indirect_tables_nested_unnegotiated_or_with_next() {
 #[test]
 fn descriptor_index_out_of_range() {
     let mut blk = dev(Dma::direct(), 0);
-    let b = bufs(&mut blk, req_type::IN, 0);
+    let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
     unusable(
         &mut blk,
         40,
@@ -503,11 +504,11 @@ fn sectors_past_the_end() {
     let mut blk = dev(Dma::direct(), 0);
     let cap = DISK / 512;
     for s in [cap, cap + 1, u64::MAX, u64::MAX >> 9] {
-        assert_eq!(blk.read(s, 512, Layout::Simple).status, status::IOERR);
+        assert_eq!(blk.read(s, 512, Layout::Simple).status, VIRTIO_BLK_S_IOERR);
     }
     assert_eq!(
         blk.read(cap - 1, 1024, Layout::Indirect).status,
-        status::IOERR
+        VIRTIO_BLK_S_IOERR
     );
     still_works(&mut blk);
 }
@@ -536,17 +537,17 @@ fn bounce_pool_full() {
         let mut blk = dev(dma, 0);
         // One request needing more than the whole pool at once.
         let big = 1024 << 10;
-        let r = blk.request(0, req_type::IN, 0, &[], big, Layout::Split(4));
-        assert_eq!((r.status, r.len), (status::IOERR, 1), "{mode}");
+        let r = blk.request(0, VIRTIO_BLK_T_IN, 0, &[], big, Layout::Split(4));
+        assert_eq!((r.status, r.len), (VIRTIO_BLK_S_IOERR, 1), "{mode}");
         let w = blk.request(
             0,
-            req_type::OUT,
+            VIRTIO_BLK_T_OUT,
             0,
             &vec![1u8; big as usize],
             0,
             Layout::Split(8),
         );
-        assert_eq!(w.status, status::IOERR, "{mode}");
+        assert_eq!(w.status, VIRTIO_BLK_S_IOERR, "{mode}");
         assert_eq!(blk.metric("err_bounce"), 2);
         assert_eq!(
             pool.used(),
@@ -575,7 +576,7 @@ fn bounce_pool_full() {
         let r = blk.read(0, 512, Layout::Simple);
         assert_eq!(
             (r.len, r.status),
-            (1, status::IOERR),
+            (1, VIRTIO_BLK_S_IOERR),
             "{mode}: the status still reaches the driver"
         );
         assert!(blk.metric("status_direct") >= 1);
@@ -614,7 +615,7 @@ fn avail_index_too_far_ahead_breaks_the_device() {
 #[test]
 fn kick_before_the_queue_is_ready() {
     let mut blk = dev(Dma::direct(), 0);
-    blk.post(0, req_type::IN, 0, &[], 512, Layout::Simple);
+    blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     virtio_queue::QueueT::set_ready(&mut blk.drv.queues[0], false);
     assert!(blk.drv.kick(0).unwrap().is_empty());
     assert!(blk.drv.reap(0).is_empty());
@@ -626,7 +627,7 @@ fn kick_before_the_queue_is_ready() {
 #[test]
 fn header_split_across_descriptors_is_fine() {
     let mut blk = dev(Dma::direct(), 0);
-    let b = bufs(&mut blk, req_type::IN, 1);
+    let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 1);
     let used = raw(
         &mut blk,
         40,
@@ -637,7 +638,7 @@ fn header_split_across_descriptors_is_fine() {
             d(b.st, 1, W),
         ],
     );
-    assert_eq!((used[0].len, status_of(&blk, &b)), (513, status::OK));
+    assert_eq!((used[0].len, status_of(&blk, &b)), (513, VIRTIO_BLK_S_OK));
     assert_eq!(blk.drv.ram.read(b.data, 512), pattern(3, 1024)[512..]);
 }
 
@@ -713,7 +714,7 @@ fn failed_read_leaks_no_stale_pool_bytes() {
             .fail
             .store(true, std::sync::atomic::Ordering::Relaxed);
         let r = blk.read(0, 8192, Layout::Simple);
-        assert_eq!((r.status, r.len), (status::IOERR, 1), "{name}");
+        assert_eq!((r.status, r.len), (VIRTIO_BLK_S_IOERR, 1), "{name}");
         assert!(
             !r.data.contains(&0x5e),
             "{name}: stale pool bytes reached the guest"

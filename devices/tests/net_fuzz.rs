@@ -30,12 +30,17 @@ use bounce::BouncePool;
 use common::fuzz::{
     assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets, Writable,
 };
-use devices::net::ctrl::{CLASS_MAC, CLASS_MQ, CLASS_RX, ERR, OK};
 use devices::net::worker::TOKEN_BACKEND;
-use devices::net::{features as nf, MemBackend, Net, NetBackend, NetConfig, VnetHeader};
+use devices::net::{MemBackend, Net, NetBackend, NetConfig, VnetHeader};
 use devices::net::{MAX_BUFFER_LEN, MIN_FRAME_LEN, VNET_HDR_LEN};
-use devices::testing::{Buf, RawDesc, TestDriver, Used, VRING_DESC_F_WRITE};
-use devices::virtio::features as vf;
+use devices::testing::{Buf, RawDesc, TestDriver, Used};
+use devices::virtio::spec::{
+    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_NET_CTRL_MAC, VIRTIO_NET_CTRL_MQ, VIRTIO_NET_CTRL_RX,
+    VIRTIO_NET_ERR, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_GUEST_CSUM,
+    VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6, VIRTIO_NET_F_HOST_TSO4,
+    VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_OK,
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC, VRING_DESC_F_WRITE,
+};
 use proptest::prelude::*;
 
 /// Entries of the random descriptor tables (the queue size is 2..=16).
@@ -110,11 +115,11 @@ struct Cmd {
 fn cmd() -> impl Strategy<Value = Cmd> {
     (
         prop_oneof![
-            Just(CLASS_RX),
-            Just(CLASS_MAC),
+            Just(VIRTIO_NET_CTRL_RX),
+            Just(VIRTIO_NET_CTRL_MAC),
             Just(2u8),
             Just(3),
-            Just(CLASS_MQ),
+            Just(VIRTIO_NET_CTRL_MQ),
             Just(5),
             any::<u8>()
         ],
@@ -202,18 +207,18 @@ struct NetCase {
 
 /// Features a case may drop.
 const DROPPABLE: [u64; 12] = [
-    vf::RING_INDIRECT_DESC,
-    vf::RING_EVENT_IDX,
-    nf::MRG_RXBUF,
-    nf::CSUM,
-    nf::GUEST_CSUM,
-    nf::HOST_TSO4,
-    nf::HOST_TSO6,
-    nf::GUEST_TSO4,
-    nf::GUEST_TSO6,
-    nf::CTRL_VQ,
-    nf::MQ,
-    vf::ACCESS_PLATFORM,
+    feature(VIRTIO_RING_F_INDIRECT_DESC),
+    feature(VIRTIO_RING_F_EVENT_IDX),
+    feature(VIRTIO_NET_F_MRG_RXBUF),
+    feature(VIRTIO_NET_F_CSUM),
+    feature(VIRTIO_NET_F_GUEST_CSUM),
+    feature(VIRTIO_NET_F_HOST_TSO4),
+    feature(VIRTIO_NET_F_HOST_TSO6),
+    feature(VIRTIO_NET_F_GUEST_TSO4),
+    feature(VIRTIO_NET_F_GUEST_TSO6),
+    feature(VIRTIO_NET_F_CTRL_VQ),
+    feature(VIRTIO_NET_F_MQ),
+    feature(VIRTIO_F_ACCESS_PLATFORM),
 ];
 
 fn net_case() -> impl Strategy<Value = NetCase> {
@@ -604,17 +609,19 @@ fn check_ctrl(
             continue;
         }
         let want = match (m.class, m.cmd) {
-            (CLASS_RX, 0..=5) if m.data.len() == 1 => OK,
-            (CLASS_MAC, 0) => OK,
-            (CLASS_MQ, 0) if acked & nf::MQ != 0 && m.data.len() == 2 => {
+            (VIRTIO_NET_CTRL_RX, 0..=5) if m.data.len() == 1 => VIRTIO_NET_OK,
+            (VIRTIO_NET_CTRL_MAC, 0) => VIRTIO_NET_OK,
+            (VIRTIO_NET_CTRL_MQ, 0)
+                if acked & feature(VIRTIO_NET_F_MQ) != 0 && m.data.len() == 2 =>
+            {
                 let p = u16::from_le_bytes([m.data[0], m.data[1]]);
                 if (1..=pairs).contains(&p) {
-                    OK
+                    VIRTIO_NET_OK
                 } else {
-                    ERR
+                    VIRTIO_NET_ERR
                 }
             }
-            _ => ERR,
+            _ => VIRTIO_NET_ERR,
         };
         assert_eq!(u.len, 1, "{tag}: head {head} ({m:?})");
         assert_eq!(
@@ -758,9 +765,13 @@ fn run_case(c: &NetCase) {
     let what = format!("{dname} qsize={qsize} pairs={pairs} acked={acked:#x}");
     let used_before = pool.as_ref().map_or(0, |p| p.used());
     // The control queue follows the pairs in use: queue 2 without MQ (virtio 1.2 5.1.2).
-    let ctrlq = if acked & nf::MQ != 0 { 2 * pairs } else { 2 };
+    let ctrlq = if acked & feature(VIRTIO_NET_F_MQ) != 0 {
+        2 * pairs
+    } else {
+        2
+    };
     let rxq = 0u16;
-    let ctrl = acked & nf::CTRL_VQ != 0;
+    let ctrl = acked & feature(VIRTIO_NET_F_CTRL_VQ) != 0;
 
     // Targets: TX headers (each followed by its frame), control commands, then the rest.
     let tx_frames: Vec<Vec<u8>> = c
@@ -905,7 +916,7 @@ fn run_case(c: &NetCase) {
         frames.len()
     );
     for u in used.iter().filter(|u| u.len > 0) {
-        if acked & nf::MRG_RXBUF == 0 {
+        if acked & feature(VIRTIO_NET_F_MRG_RXBUF) == 0 {
             assert!(
                 u.len as usize >= VNET_HDR_LEN + MIN_FRAME_LEN,
                 "{tag}: {u:?}"

@@ -20,11 +20,16 @@ use std::time::{Duration, Instant};
 
 use bounce::testing::Resource;
 use bounce::{BouncePool, Dma, Policy, PoolConfig};
-use devices::net::header::{self, VnetHeader};
+use devices::net::header::VnetHeader;
 use devices::net::worker::TOKEN_BACKEND;
-use devices::net::{features as nf, Net, NetConfig, MAX_FRAME_LEN, VNET_HDR_LEN};
+use devices::net::{Net, NetConfig, MAX_FRAME_LEN, VNET_HDR_LEN};
 use devices::testing::{Buf, TestDriver};
-use devices::virtio::features as vf;
+use devices::virtio::spec::{
+    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ,
+    VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_HOST_TSO4,
+    VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_TCPV4,
+    VIRTIO_RING_F_EVENT_IDX,
+};
 
 const SOL_PACKET: libc::c_int = 263;
 const PACKET_VNET_HDR: libc::c_int = 15;
@@ -266,14 +271,14 @@ fn check_tx(
     let got = sock.recv_matching(|f| ip_id(&f[10..]) == Some(0x1002));
     assert_eq!(&got[10..], &csum[..], "{name}: csum frame");
     assert_eq!(
-        got[0] & header::F_NEEDS_CSUM,
-        header::F_NEEDS_CSUM,
+        got[0] & VIRTIO_NET_HDR_F_NEEDS_CSUM,
+        VIRTIO_NET_HDR_F_NEEDS_CSUM,
         "{name}"
     );
     assert_eq!(u16::from_le_bytes([got[6], got[7]]), 34);
     let got = sock.recv_matching(|f| ip_id(&f[10..]) == Some(0x1003));
     assert_eq!(&got[10..], &tso[..], "{name}: tso frame");
-    assert_eq!(got[1], header::GSO_TCPV4, "{name}: gso type kept");
+    assert_eq!(got[1], VIRTIO_NET_HDR_GSO_TCPV4, "{name}: gso type kept");
     assert_eq!(
         u16::from_le_bytes([got[4], got[5]]),
         1448,
@@ -350,28 +355,28 @@ fn run(ns: &Netns, name: &str, dma: Dma) {
     ip(&["-n", &ns.0, "addr", "add", "10.99.0.1/24", "dev", TAP]);
     let sock = PacketSock::open(TAP);
     let mut drv = TestDriver::new(dev, 32 << 20);
-    let want = vf::VERSION_1
-        | vf::ACCESS_PLATFORM
-        | vf::RING_EVENT_IDX
-        | nf::MRG_RXBUF
-        | nf::CSUM
-        | nf::GUEST_CSUM
-        | nf::HOST_TSO4
-        | nf::GUEST_TSO4
-        | nf::CTRL_VQ;
+    let want = feature(VIRTIO_F_VERSION_1)
+        | feature(VIRTIO_F_ACCESS_PLATFORM)
+        | feature(VIRTIO_RING_F_EVENT_IDX)
+        | feature(VIRTIO_NET_F_MRG_RXBUF)
+        | feature(VIRTIO_NET_F_CSUM)
+        | feature(VIRTIO_NET_F_GUEST_CSUM)
+        | feature(VIRTIO_NET_F_HOST_TSO4)
+        | feature(VIRTIO_NET_F_GUEST_TSO4)
+        | feature(VIRTIO_NET_F_CTRL_VQ);
     assert_eq!(drv.negotiate(want), want);
     drv.activate(256).unwrap();
 
     // ---- TX: plain, CSUM-partial, TSO.
     let csum_hdr = VnetHeader {
-        flags: header::F_NEEDS_CSUM,
+        flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
         csum_start: 34,
         csum_offset: 6,
         ..Default::default()
     };
     let tso_hdr = VnetHeader {
-        flags: header::F_NEEDS_CSUM,
-        gso_type: header::GSO_TCPV4,
+        flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
+        gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
         hdr_len: 54,
         gso_size: 1448,
         csum_start: 34,
@@ -413,15 +418,14 @@ fn run(ns: &Netns, name: &str, dma: Dma) {
     let (h, f) = find(0x2002);
     assert_eq!(f, &rx_csum, "{name}: rx csum");
     assert_eq!(
-        h.flags & header::F_NEEDS_CSUM,
-        header::F_NEEDS_CSUM,
+        h.flags & VIRTIO_NET_HDR_F_NEEDS_CSUM,
+        VIRTIO_NET_HDR_F_NEEDS_CSUM,
         "{name}: csum offload delivered"
     );
     let (h, f) = find(0x2003);
     assert_eq!(f, &rx_tso, "{name}: rx tso");
     assert_eq!(
-        h.gso_type,
-        header::GSO_TCPV4,
+        h.gso_type, VIRTIO_NET_HDR_GSO_TCPV4,
         "{name}: tso delivered unsegmented"
     );
     assert!(
@@ -524,7 +528,7 @@ fn a_tap_deleted_under_the_device_drops_and_counts_and_keeps_serving() {
         let dev = Net::with_tap(NetConfig::default(), TAP, Dma::direct()).unwrap();
         ip(&["-n", &ns.0, "link", "set", TAP, "up"]);
         let mut drv = TestDriver::new(dev, 8 << 20);
-        let want = vf::VERSION_1 | nf::MRG_RXBUF;
+        let want = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_MRG_RXBUF);
         assert_eq!(drv.negotiate(want), want);
         drv.activate(64).unwrap();
         let tap_fd = drv

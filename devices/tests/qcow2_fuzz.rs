@@ -30,7 +30,8 @@ use std::time::Duration;
 use bounce::Dma;
 use common::*;
 use devices::block::io::Qcow2Disk;
-use devices::block::{status, BlockConfig};
+use devices::block::BlockConfig;
+use devices::virtio::spec::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use proptest::prelude::*;
 
 /// The v3 header's fields: (offset, width in bytes).
@@ -297,10 +298,10 @@ fn exercise(path: &Path, seed: u64) -> Result<String, String> {
     let sectors = cap / 512;
     let ok_or_err = |st: u8, what: &str| {
         assert!(
-            st == status::OK || st == status::IOERR,
+            st == VIRTIO_BLK_S_OK || st == VIRTIO_BLK_S_IOERR,
             "{what}: status {st}"
         );
-        st == status::OK
+        st == VIRTIO_BLK_S_OK
     };
     let mut log = format!("capacity {cap}");
     let n = 8u64.min(sectors);

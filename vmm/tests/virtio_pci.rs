@@ -16,11 +16,15 @@ use common::*;
 use devices::block::io::ImageFormat;
 use devices::block::{Block, BlockConfig, DiskImage};
 use devices::options::BounceOptions;
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_F_MQ, VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_VERSION_1,
+    VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_MQ,
+};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm::boot::regs::EntryState;
 use vmm::exit::ExitReason;
 use vmm::pci::PciDevice;
-use vmm::virtio_pci::{status, SharedVirtioDevice, VirtioPciDevice, VirtioPciOptions};
+use vmm::virtio_pci::{SharedVirtioDevice, VirtioPciDevice, VirtioPciOptions};
 use vmm::{Machine, MachineConfig};
 
 const EBX: u8 = 3;
@@ -345,7 +349,7 @@ fn refused_features_and_driver_ok_without_features_ok_set_needs_reset() {
     w(&f, 0x14, &[0x07]);
     assert_eq!(
         r(&f, 0x14, 1) as u8,
-        0x07 | status::DEVICE_NEEDS_RESET,
+        0x07 | VIRTIO_CONFIG_S_NEEDS_RESET,
         "needs reset"
     );
     assert_eq!(f.lock().unwrap().running_workers(), 0);
@@ -527,13 +531,20 @@ fn several_multi_queue_devices_at_once() {
     uniq.sort();
     uniq.dedup();
     assert_eq!(uniq.len(), 4, "{bars:x?}");
-    const VERSION_1: u64 = 1 << 32;
-    const BLK_MQ: u64 = 1 << 12;
-    const NET_CTRL_VQ: u64 = 1 << 17;
-    const NET_MQ: u64 = 1 << 22;
-    assert_eq!(bring_up(&fb, VERSION_1 | BLK_MQ, 0x10_0000), 2);
     assert_eq!(
-        bring_up(&fnet, VERSION_1 | NET_CTRL_VQ | NET_MQ, 0x20_0000),
+        bring_up(
+            &fb,
+            feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_BLK_F_MQ),
+            0x10_0000,
+        ),
+        2
+    );
+    assert_eq!(
+        bring_up(
+            &fnet,
+            feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_CTRL_VQ) | feature(VIRTIO_NET_F_MQ),
+            0x20_0000,
+        ),
         5
     );
     assert_eq!(

@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 
 use bounce::testing::qemu_img_available;
 use common::*;
-use devices::block::features as blk;
 use devices::testing::durable::{
     assert_acknowledged, assert_consistent, crash_offset, crash_pattern, create_image, read_back,
 };
+use devices::virtio::spec::{feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH};
 
 const BIN: &str = env!("CARGO_BIN_EXE_bouncevm");
 /// The virtio-blk-pci function of the only `-drive if=virtio`: 00:01.0.
@@ -112,7 +112,11 @@ fn kernel(flush: bool) -> Vec<u8> {
         .st8(EBX, 0x14, 1) // ACKNOWLEDGE
         .st8(EBX, 0x14, 3) // DRIVER
         .st32(EBX, 0x08, 0)
-        .st32(EBX, 0x0c, (blk::FLUSH | blk::CONFIG_WCE) as u32)
+        .st32(
+            EBX,
+            0x0c,
+            (feature(VIRTIO_BLK_F_FLUSH) | feature(VIRTIO_BLK_F_CONFIG_WCE)) as u32,
+        )
         .st32(EBX, 0x08, 1)
         .st32(EBX, 0x0c, 0x3) // VERSION_1, ACCESS_PLATFORM
         .st8(EBX, 0x14, 0x0b) // FEATURES_OK

@@ -14,13 +14,17 @@ use super::inflight::{MemPin, RetryTimer, Slab};
 use super::io::{new_engine, Disk, EngineStats, FixedRegion, IoDone, IoEngine, OnFull};
 use super::metrics::BlockMetrics;
 use super::request::{DiskParams, Pending, RequestCtx, Started, MAX_DISCARD_SEGS};
-use super::{features as blk, BlockConfig, BlockError, CONFIG_SPACE_LEN, ID_BYTES, SECTOR_SHIFT};
+use super::{BlockConfig, BlockError, CONFIG_SPACE_LEN, ID_BYTES, SECTOR_SHIFT};
 use crate::virtio::chain::Chain;
 use crate::virtio::queue::{self, Step};
-use crate::virtio::{
-    device_type, features as vf, ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError,
-    WorkerEvent,
+use crate::virtio::spec::{
+    feature, virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_CONFIG_WCE,
+    VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO,
+    VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX, VIRTIO_BLK_F_WRITE_ZEROES,
+    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_RING_F_INDIRECT_DESC,
 };
+use crate::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
 
 /// `max_discard_sectors` and `max_write_zeroes_sectors`: 2 GiB - 512 per segment (QEMU's
 /// `BDRV_REQUEST_MAX_SECTORS`), well inside a u32 and inside `off_t` arithmetic.
@@ -75,25 +79,25 @@ impl<D: Disk> Block<D> {
                 "the disk is smaller than one sector".into(),
             ));
         }
-        let mut f = vf::VERSION_1
-            | vf::RING_EVENT_IDX
-            | vf::RING_INDIRECT_DESC
-            | blk::SIZE_MAX
-            | blk::SEG_MAX
-            | blk::BLK_SIZE
-            | blk::FLUSH
-            | blk::CONFIG_WCE;
+        let mut f = feature(VIRTIO_F_VERSION_1)
+            | feature(VIRTIO_RING_F_EVENT_IDX)
+            | feature(VIRTIO_RING_F_INDIRECT_DESC)
+            | feature(VIRTIO_BLK_F_SIZE_MAX)
+            | feature(VIRTIO_BLK_F_SEG_MAX)
+            | feature(VIRTIO_BLK_F_BLK_SIZE)
+            | feature(VIRTIO_BLK_F_FLUSH)
+            | feature(VIRTIO_BLK_F_CONFIG_WCE);
         if config.access_platform {
-            f |= vf::ACCESS_PLATFORM;
+            f |= feature(VIRTIO_F_ACCESS_PLATFORM);
         }
         if config.readonly {
-            f |= blk::RO;
+            f |= feature(VIRTIO_BLK_F_RO);
         }
         if config.num_queues > 1 {
-            f |= blk::MQ;
+            f |= feature(VIRTIO_BLK_F_MQ);
         }
         if config.discard {
-            f |= blk::DISCARD | blk::WRITE_ZEROES;
+            f |= feature(VIRTIO_BLK_F_DISCARD) | feature(VIRTIO_BLK_F_WRITE_ZEROES);
         }
         let disk = Arc::new(disk);
         // Refuse an engine that cannot work here (aio=io_uring on qcow2 or on a kernel
@@ -193,22 +197,22 @@ impl<D: Disk> Block<D> {
             capacity: self.capacity(),
             readonly: self.config.readonly,
             no_flush: self.config.cache.no_flush(),
-            discard: acked & blk::DISCARD != 0,
-            write_zeroes: acked & blk::WRITE_ZEROES != 0,
+            discard: acked & feature(VIRTIO_BLK_F_DISCARD) != 0,
+            write_zeroes: acked & feature(VIRTIO_BLK_F_WRITE_ZEROES) != 0,
             may_unmap: true,
             max_discard_sectors: MAX_DISCARD_SECTORS,
             max_discard_seg: MAX_DISCARD_SEGS as u32,
             max_write_zeroes_sectors: MAX_DISCARD_SECTORS,
             max_write_zeroes_seg: MAX_DISCARD_SEGS as u32,
             serial,
-            indirect: acked & vf::RING_INDIRECT_DESC != 0,
+            indirect: acked & feature(VIRTIO_RING_F_INDIRECT_DESC) != 0,
             max_indirect: self.config.queue_size,
         }
     }
 }
 
-/// Offset of `writeback` in the configuration space.
-const WRITEBACK_OFFSET: u64 = 32;
+/// Offset of `writeback` (`wce`) in the configuration space.
+const WRITEBACK_OFFSET: u64 = std::mem::offset_of!(virtio_blk_config, wce) as u64;
 
 impl<D: Disk> Block<D> {
     /// The engines' counters, summed over the queues.
@@ -247,7 +251,7 @@ where
     D: Disk,
 {
     fn device_type(&self) -> u32 {
-        device_type::BLOCK
+        VIRTIO_ID_BLOCK
     }
 
     fn num_queues(&self) -> usize {
@@ -300,21 +304,21 @@ where
             return Err(ActivateError::AlreadyActive);
         }
         let acked = acked_features & self.avail_features;
-        if acked & vf::VERSION_1 == 0 {
+        if acked & feature(VIRTIO_F_VERSION_1) == 0 {
             return Err(ActivateError::Features(
                 "VERSION_1 not acknowledged (legacy drivers are not supported)".into(),
             ));
         }
-        let queues = if acked & blk::MQ != 0 {
+        let queues = if acked & feature(VIRTIO_BLK_F_MQ) != 0 {
             self.config.num_queues
         } else {
             1
         };
-        if acked & blk::CONFIG_WCE == 0 {
+        if acked & feature(VIRTIO_BLK_F_CONFIG_WCE) == 0 {
             // A driver that cannot read `writeback` gets the write cache it negotiated FLUSH
             // for (QEMU's virtio_blk_set_status).
             self.write_cache
-                .store(acked & blk::FLUSH != 0, Ordering::Relaxed);
+                .store(acked & feature(VIRTIO_BLK_F_FLUSH) != 0, Ordering::Relaxed);
         }
         let params = Arc::new(self.params(acked));
         let mut workers: Vec<Box<dyn QueueWorker<M>>> = Vec::new();

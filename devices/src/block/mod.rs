@@ -21,6 +21,13 @@ pub mod io;
 pub mod metrics;
 pub mod request;
 
+use std::mem::{offset_of, size_of};
+
+use crate::virtio::spec::{
+    virtio_blk_config, virtio_blk_discard_write_zeroes, virtio_blk_outhdr, VIRTIO_BLK_ID_BYTES,
+    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP,
+};
+
 pub use device::{Block, BlockWorker};
 pub use io::{Disk, DiskImage, MemDisk, Qcow2Disk, RawDisk};
 pub use metrics::BlockMetrics;
@@ -32,65 +39,14 @@ pub const SECTOR_SHIFT: u32 = 9;
 pub const SECTOR_SIZE: u64 = 1 << SECTOR_SHIFT;
 
 /// Length of the request header (`struct virtio_blk_outhdr`: type, reserved, sector).
-pub const REQ_HEADER_LEN: usize = 16;
+pub const REQ_HEADER_LEN: usize = size_of::<virtio_blk_outhdr>();
 /// Length of one discard / write-zeroes segment (`struct virtio_blk_discard_write_zeroes`).
-pub const DISCARD_SEG_LEN: usize = 16;
-/// Bytes of the id string answered to GET_ID (`VIRTIO_BLK_ID_BYTES`).
-pub const ID_BYTES: usize = 20;
+pub const DISCARD_SEG_LEN: usize = size_of::<virtio_blk_discard_write_zeroes>();
+/// Bytes of the id string answered to GET_ID (`VIRTIO_BLK_ID_BYTES`, a small `u32`).
+pub const ID_BYTES: usize = VIRTIO_BLK_ID_BYTES as usize;
 /// Size of the configuration space this device exposes (up to and including
 /// `write_zeroes_may_unmap` and its padding; the secure-erase and zoned fields are not offered).
-pub const CONFIG_SPACE_LEN: usize = 60;
-
-/// Device feature bits (virtio 1.2, 5.2.3).
-pub mod features {
-    /// Maximum size of any single segment is in `size_max`.
-    pub const SIZE_MAX: u64 = 1 << 1;
-    /// Maximum number of segments in a request is in `seg_max`.
-    pub const SEG_MAX: u64 = 1 << 2;
-    /// The device is read-only.
-    pub const RO: u64 = 1 << 5;
-    /// Logical block size of the disk is in `blk_size`.
-    pub const BLK_SIZE: u64 = 1 << 6;
-    /// Cache flush command support.
-    pub const FLUSH: u64 = 1 << 9;
-    /// The driver can read and set the write cache mode in `writeback`.
-    pub const CONFIG_WCE: u64 = 1 << 11;
-    /// The device supports more than one queue; `num_queues` holds the count.
-    pub const MQ: u64 = 1 << 12;
-    /// DISCARD command support.
-    pub const DISCARD: u64 = 1 << 13;
-    /// WRITE_ZEROES command support.
-    pub const WRITE_ZEROES: u64 = 1 << 14;
-}
-
-/// Request types (virtio 1.2, 5.2.6).
-pub mod req_type {
-    /// Read.
-    pub const IN: u32 = 0;
-    /// Write.
-    pub const OUT: u32 = 1;
-    /// Flush the write cache.
-    pub const FLUSH: u32 = 4;
-    /// Get the device id string.
-    pub const GET_ID: u32 = 8;
-    /// Discard sectors.
-    pub const DISCARD: u32 = 11;
-    /// Write zeroes to sectors.
-    pub const WRITE_ZEROES: u32 = 13;
-}
-
-/// Status values written in the last byte of a request.
-pub mod status {
-    /// Success.
-    pub const OK: u8 = 0;
-    /// Device or driver error.
-    pub const IOERR: u8 = 1;
-    /// Request unsupported by the device.
-    pub const UNSUPP: u8 = 2;
-}
-
-/// The `unmap` flag of a write-zeroes segment.
-pub const WRITE_ZEROES_FLAG_UNMAP: u32 = 1;
+pub const CONFIG_SPACE_LEN: usize = offset_of!(virtio_blk_config, max_secure_erase_sectors);
 
 /// Errors of the block device: each one decides a request's status and a counter.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -157,8 +113,8 @@ impl BlockError {
     /// The status byte this error completes a request with.
     pub fn status(&self) -> u8 {
         match self {
-            Self::Unsupported(_) => status::UNSUPP,
-            _ => status::IOERR,
+            Self::Unsupported(_) => VIRTIO_BLK_S_UNSUPP,
+            _ => VIRTIO_BLK_S_IOERR,
         }
     }
 }

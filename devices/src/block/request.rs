@@ -29,10 +29,14 @@ use vm_memory::GuestMemory;
 use super::io::{IoBufCollector, IoBufs, IoOp, Range};
 use super::metrics::BlockMetrics;
 use super::{
-    req_type, status, BlockError, Result, DISCARD_SEG_LEN, ID_BYTES, REQ_HEADER_LEN, SECTOR_SHIFT,
-    SECTOR_SIZE, WRITE_ZEROES_FLAG_UNMAP,
+    BlockError, Result, DISCARD_SEG_LEN, ID_BYTES, REQ_HEADER_LEN, SECTOR_SHIFT, SECTOR_SIZE,
 };
 use crate::virtio::chain::{self, for_each_piece, Chain, ChainHead, Seg, WalkRules};
+use crate::virtio::spec::{
+    VIRTIO_BLK_S_OK, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID,
+    VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
+    VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+};
 
 /// Discard/write-zeroes segments read at once (the advertised `max_*_seg` is at most this).
 pub const MAX_DISCARD_SEGS: usize = 16;
@@ -59,12 +63,12 @@ pub enum RequestType {
 impl From<u32> for RequestType {
     fn from(t: u32) -> Self {
         match t {
-            req_type::IN => Self::In,
-            req_type::OUT => Self::Out,
-            req_type::FLUSH => Self::Flush,
-            req_type::GET_ID => Self::GetId,
-            req_type::DISCARD => Self::Discard,
-            req_type::WRITE_ZEROES => Self::WriteZeroes,
+            VIRTIO_BLK_T_IN => Self::In,
+            VIRTIO_BLK_T_OUT => Self::Out,
+            VIRTIO_BLK_T_FLUSH => Self::Flush,
+            VIRTIO_BLK_T_GET_ID => Self::GetId,
+            VIRTIO_BLK_T_DISCARD => Self::Discard,
+            VIRTIO_BLK_T_WRITE_ZEROES => Self::WriteZeroes,
             t => Self::Unsupported(t),
         }
     }
@@ -281,7 +285,7 @@ impl RequestCtx<'_> {
             .map_err(BlockError::from)
             .and_then(|()| self.plan(mem, chain))
         {
-            Ok(Plan::Done(written)) => (status::OK, written),
+            Ok(Plan::Done(written)) => (VIRTIO_BLK_S_OK, written),
             Ok(Plan::Io {
                 op,
                 expected,
@@ -358,7 +362,7 @@ impl RequestCtx<'_> {
                     RequestType::Out => self.metrics.bytes_written.add(p.expected),
                     _ => {}
                 }
-                (status::OK, p.written)
+                (VIRTIO_BLK_S_OK, p.written)
             }
             Err(e) => {
                 tracing::debug!("virtio-blk request failed: {e}");
@@ -621,9 +625,9 @@ impl RequestCtx<'_> {
                 };
                 if !negotiated {
                     let t = if zeroes {
-                        req_type::WRITE_ZEROES
+                        VIRTIO_BLK_T_WRITE_ZEROES
                     } else {
-                        req_type::DISCARD
+                        VIRTIO_BLK_T_DISCARD
                     };
                     return Err(BlockError::Unsupported(t));
                 }
@@ -761,13 +765,13 @@ impl RequestCtx<'_> {
             let sector = u64::from_le_bytes(s);
             let num = u32::from_le_bytes(n);
             let flags = u32::from_le_bytes(f);
-            let unmap = flags & WRITE_ZEROES_FLAG_UNMAP != 0;
+            let unmap = flags & VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0;
             // virtio 1.2, 5.2.6.2: unmap on a discard, or any reserved flag, is UNSUPP.
-            if flags & !WRITE_ZEROES_FLAG_UNMAP != 0 || (!zeroes && unmap) {
+            if flags & !VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP != 0 || (!zeroes && unmap) {
                 let t = if zeroes {
-                    req_type::WRITE_ZEROES
+                    VIRTIO_BLK_T_WRITE_ZEROES
                 } else {
-                    req_type::DISCARD
+                    VIRTIO_BLK_T_DISCARD
                 };
                 return Err(BlockError::Unsupported(t));
             }

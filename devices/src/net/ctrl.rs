@@ -4,8 +4,8 @@
 //! an `ack: u8` in a device-writable one. What is answered:
 //! - `VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET` (MQ acked, 1..=max pairs): OK, and the tap queues of
 //!   the pairs beyond the new count are detached so the kernel steers nothing to them;
-//! - RX mode (`VIRTIO_NET_CTRL_RX_*`) and `MAC_TABLE_SET`: OK and ignored (a tap bridge sees
-//!   all traffic anyway);
+//! - RX mode (`VIRTIO_NET_CTRL_RX_*`) and `VIRTIO_NET_CTRL_MAC_TABLE_SET`: OK and ignored (a
+//!   tap bridge sees all traffic anyway);
 //! - everything else (VLAN, announce, MAC address set, guest offloads, RSS, unknown): ERR, as
 //!   the features they need were not offered.
 //!
@@ -18,27 +18,16 @@ use bounce::Dma;
 use virtio_queue::Queue;
 use vm_memory::GuestMemory;
 
-use super::features;
 use super::metrics::NetMetrics;
 use super::worker::{lock, walk_rules, SharedBackend};
 use crate::virtio::chain::{self, Chain, ChainHead, WalkRules};
 use crate::virtio::queue::{self, Step};
+use crate::virtio::spec::{
+    feature, VIRTIO_NET_CTRL_MAC, VIRTIO_NET_CTRL_MAC_TABLE_SET, VIRTIO_NET_CTRL_MQ,
+    VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET, VIRTIO_NET_CTRL_RX, VIRTIO_NET_ERR, VIRTIO_NET_F_MQ,
+    VIRTIO_NET_OK,
+};
 use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
-
-/// Class: receive filtering.
-pub const CLASS_RX: u8 = 0;
-/// Class: MAC filtering.
-pub const CLASS_MAC: u8 = 1;
-/// Class: multiqueue.
-pub const CLASS_MQ: u8 = 4;
-/// MAC command: set the filter table.
-pub const MAC_TABLE_SET: u8 = 0;
-/// MQ command: set the number of queue pairs.
-pub const MQ_VQ_PAIRS_SET: u8 = 0;
-/// Ack: success.
-pub const OK: u8 = 0;
-/// Ack: failure.
-pub const ERR: u8 = 1;
 
 /// Largest command accepted (a MAC table of 4096 entries); larger ones get ERR.
 const MAX_CMD: usize = 2 + 2 * (4 + 6 * 4096);
@@ -90,28 +79,30 @@ impl<M: GuestMemory> CtrlWorker<M> {
 
     fn execute(&self, class: u8, cmd: u8, data: &[u8]) -> u8 {
         match (class, cmd) {
-            (CLASS_RX, 0..=5) if data.len() == 1 => OK,
-            (CLASS_MAC, MAC_TABLE_SET) => OK,
-            (CLASS_MQ, MQ_VQ_PAIRS_SET) if self.acked & features::MQ != 0 => {
+            (VIRTIO_NET_CTRL_RX, 0..=5) if data.len() == 1 => VIRTIO_NET_OK,
+            (VIRTIO_NET_CTRL_MAC, VIRTIO_NET_CTRL_MAC_TABLE_SET) => VIRTIO_NET_OK,
+            (VIRTIO_NET_CTRL_MQ, VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET)
+                if self.acked & feature(VIRTIO_NET_F_MQ) != 0 =>
+            {
                 let Ok(b) = <[u8; 2]>::try_from(data) else {
-                    return ERR;
+                    return VIRTIO_NET_ERR;
                 };
                 let n = u16::from_le_bytes(b);
                 if n == 0 || usize::from(n) > self.backends.len() {
-                    return ERR;
+                    return VIRTIO_NET_ERR;
                 }
                 for (i, b) in self.backends.iter().enumerate() {
                     if let Err(e) = lock(b).set_enabled(i < usize::from(n)) {
                         tracing::warn!("queue pair {i}: {e}");
-                        return ERR;
+                        return VIRTIO_NET_ERR;
                     }
                 }
                 self.active_pairs.store(n, Ordering::Relaxed);
-                OK
+                VIRTIO_NET_OK
             }
             _ => {
                 tracing::debug!(class, cmd, "unsupported control command");
-                ERR
+                VIRTIO_NET_ERR
             }
         }
     }
@@ -140,7 +131,7 @@ impl<M: GuestMemory> CtrlWorker<M> {
         if chain::copy_to(&self.dma, mem, wid, &c.writable, 0, &[ack]).is_err() {
             return self.bad();
         }
-        if ack == OK {
+        if ack == VIRTIO_NET_OK {
             self.metrics.ctrl_ok.inc();
         } else {
             self.metrics.ctrl_err.inc();

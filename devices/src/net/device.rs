@@ -14,10 +14,16 @@ use super::rate_limiter::{RateLimiter, ShaperConfig};
 use super::tap::Tap;
 use super::worker::{lock, PairWorker, SharedBackend};
 use super::{
-    config_offset as off, features, Error, Result, DUPLEX_FULL, MAX_QUEUE_PAIRS, QUEUE_MAX_SIZE,
-    SPEED_MBPS, VIRTIO_NET_S_LINK_UP,
+    config_offset as off, Error, Result, DUPLEX_FULL, MAX_QUEUE_PAIRS, QUEUE_MAX_SIZE, SPEED_MBPS,
 };
-use crate::virtio::{device_type, features as vf, ActivateError, QueueWorker, VirtioDevice};
+use crate::virtio::spec::{
+    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_ID_NET, VIRTIO_NET_F_CSUM,
+    VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4,
+    VIRTIO_NET_F_GUEST_TSO6, VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC,
+    VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_F_SPEED_DUPLEX, VIRTIO_NET_F_STATUS,
+    VIRTIO_NET_S_LINK_UP, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
+use crate::virtio::{ActivateError, QueueWorker, VirtioDevice};
 
 /// How a net device is set up.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,23 +87,23 @@ pub struct Net {
 impl Net {
     /// The features a device with `config` offers.
     pub fn features_for(config: &NetConfig) -> u64 {
-        let mut f = vf::VERSION_1
-            | vf::RING_EVENT_IDX
-            | vf::RING_INDIRECT_DESC
-            | features::MAC
-            | features::STATUS
-            | features::SPEED_DUPLEX
-            | features::CTRL_VQ
-            | features::MQ
-            | features::MRG_RXBUF
-            | features::CSUM
-            | features::GUEST_CSUM
-            | features::HOST_TSO4
-            | features::HOST_TSO6
-            | features::GUEST_TSO4
-            | features::GUEST_TSO6;
+        let mut f = feature(VIRTIO_F_VERSION_1)
+            | feature(VIRTIO_RING_F_EVENT_IDX)
+            | feature(VIRTIO_RING_F_INDIRECT_DESC)
+            | feature(VIRTIO_NET_F_MAC)
+            | feature(VIRTIO_NET_F_STATUS)
+            | feature(VIRTIO_NET_F_SPEED_DUPLEX)
+            | feature(VIRTIO_NET_F_CTRL_VQ)
+            | feature(VIRTIO_NET_F_MQ)
+            | feature(VIRTIO_NET_F_MRG_RXBUF)
+            | feature(VIRTIO_NET_F_CSUM)
+            | feature(VIRTIO_NET_F_GUEST_CSUM)
+            | feature(VIRTIO_NET_F_HOST_TSO4)
+            | feature(VIRTIO_NET_F_HOST_TSO6)
+            | feature(VIRTIO_NET_F_GUEST_TSO4)
+            | feature(VIRTIO_NET_F_GUEST_TSO6);
         if config.access_platform {
-            f |= vf::ACCESS_PLATFORM;
+            f |= feature(VIRTIO_F_ACCESS_PLATFORM);
         }
         f
     }
@@ -187,26 +193,38 @@ impl Net {
     ) -> std::result::Result<(), ActivateError> {
         let deps = [
             (
-                features::GUEST_TSO4,
-                features::GUEST_CSUM,
+                feature(VIRTIO_NET_F_GUEST_TSO4),
+                feature(VIRTIO_NET_F_GUEST_CSUM),
                 "GUEST_TSO4 needs GUEST_CSUM",
             ),
             (
-                features::GUEST_TSO6,
-                features::GUEST_CSUM,
+                feature(VIRTIO_NET_F_GUEST_TSO6),
+                feature(VIRTIO_NET_F_GUEST_CSUM),
                 "GUEST_TSO6 needs GUEST_CSUM",
             ),
-            (features::HOST_TSO4, features::CSUM, "HOST_TSO4 needs CSUM"),
-            (features::HOST_TSO6, features::CSUM, "HOST_TSO6 needs CSUM"),
-            (features::MQ, features::CTRL_VQ, "MQ needs CTRL_VQ"),
+            (
+                feature(VIRTIO_NET_F_HOST_TSO4),
+                feature(VIRTIO_NET_F_CSUM),
+                "HOST_TSO4 needs CSUM",
+            ),
+            (
+                feature(VIRTIO_NET_F_HOST_TSO6),
+                feature(VIRTIO_NET_F_CSUM),
+                "HOST_TSO6 needs CSUM",
+            ),
+            (
+                feature(VIRTIO_NET_F_MQ),
+                feature(VIRTIO_NET_F_CTRL_VQ),
+                "MQ needs CTRL_VQ",
+            ),
         ];
-        if acked & vf::VERSION_1 == 0 {
+        if acked & feature(VIRTIO_F_VERSION_1) == 0 {
             return Err(ActivateError::Features(
                 "VERSION_1 is required (no legacy interface)".into(),
             ));
         }
         for (f, needs, what) in deps {
-            if f == features::MQ && frontend_steering {
+            if f == feature(VIRTIO_NET_F_MQ) && frontend_steering {
                 continue;
             }
             if acked & f != 0 && acked & needs == 0 {
@@ -219,7 +237,7 @@ impl Net {
 
 impl<M: GuestMemory + 'static> VirtioDevice<M> for Net {
     fn device_type(&self) -> u32 {
-        device_type::NET
+        VIRTIO_ID_NET
     }
 
     fn num_queues(&self) -> usize {
@@ -280,10 +298,10 @@ impl<M: GuestMemory + 'static> VirtioDevice<M> for Net {
         }
         let acked = acked_features & self.avail_features;
         Self::check_features(acked, self.config.frontend_steering)?;
-        let mq = acked & features::MQ != 0;
+        let mq = acked & feature(VIRTIO_NET_F_MQ) != 0;
         // MQ without a control queue of ours: the frontend steers through the rings' enable
         // state (only accepted with `frontend_steering`).
-        let ring_steered = mq && acked & features::CTRL_VQ == 0;
+        let ring_steered = mq && acked & feature(VIRTIO_NET_F_CTRL_VQ) == 0;
         let pairs = if mq { self.config.queue_pairs } else { 1 };
         let multi = self.backends.len() > 1;
         for (i, b) in self.backends.iter().enumerate() {
@@ -320,7 +338,7 @@ impl<M: GuestMemory + 'static> VirtioDevice<M> for Net {
                 worker
             }));
         }
-        if acked & features::CTRL_VQ != 0 {
+        if acked & feature(VIRTIO_NET_F_CTRL_VQ) != 0 {
             // The control queue follows the last pair's queues: 2N with MQ, else 2 (5.1.2).
             let index = 2 * pairs;
             workers.push(Box::new(CtrlWorker::<M>::new(

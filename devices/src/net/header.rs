@@ -9,24 +9,13 @@
 //! whose header asks for an offload the guest never acked, or whose checksum location lies
 //! outside the frame, is dropped (and counted) before it reaches the tap.
 
-use super::{features, VNET_HDR_LEN};
-
-/// `flags`: the checksum must be completed from `csum_start` at `csum_offset`.
-pub const F_NEEDS_CSUM: u8 = 1;
-/// `flags`: the checksum was verified (receive only).
-pub const F_DATA_VALID: u8 = 2;
-/// `gso_type`: not a GSO frame.
-pub const GSO_NONE: u8 = 0;
-/// `gso_type`: TCP over IPv4.
-pub const GSO_TCPV4: u8 = 1;
-/// `gso_type`: UDP fragmentation offload.
-pub const GSO_UDP: u8 = 3;
-/// `gso_type`: TCP over IPv6.
-pub const GSO_TCPV6: u8 = 4;
-/// `gso_type`: UDP segmentation (USO).
-pub const GSO_UDP_L4: u8 = 5;
-/// `gso_type` modifier: TCP with ECN.
-pub const GSO_ECN: u8 = 0x80;
+use super::VNET_HDR_LEN;
+use crate::virtio::spec::{
+    feature, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4,
+    VIRTIO_NET_F_GUEST_TSO6, VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6,
+    VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_ECN, VIRTIO_NET_HDR_GSO_NONE,
+    VIRTIO_NET_HDR_GSO_TCPV4, VIRTIO_NET_HDR_GSO_TCPV6,
+};
 
 /// Why a header was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -104,7 +93,7 @@ impl VnetHeader {
 
     /// True for a GSO frame.
     pub fn is_gso(&self) -> bool {
-        self.gso_type != GSO_NONE
+        self.gso_type != VIRTIO_NET_HDR_GSO_NONE
     }
 
     /// Checks a header the guest sent with a frame of `frame_len` bytes against the features
@@ -115,13 +104,13 @@ impl VnetHeader {
     /// # Errors
     /// The [`HeaderError`] that names the first problem found.
     pub fn check_tx(&self, acked: u64, frame_len: usize) -> Result<(), HeaderError> {
-        if self.gso_type & GSO_ECN != 0 {
+        if self.gso_type & VIRTIO_NET_HDR_GSO_ECN != 0 {
             return Err(HeaderError::UnsupportedGso(self.gso_type));
         }
         let needed = match self.gso_type {
-            GSO_NONE => 0,
-            GSO_TCPV4 => features::HOST_TSO4,
-            GSO_TCPV6 => features::HOST_TSO6,
+            VIRTIO_NET_HDR_GSO_NONE => 0,
+            VIRTIO_NET_HDR_GSO_TCPV4 => feature(VIRTIO_NET_F_HOST_TSO4),
+            VIRTIO_NET_HDR_GSO_TCPV6 => feature(VIRTIO_NET_F_HOST_TSO6),
             other => return Err(HeaderError::UnsupportedGso(other)),
         };
         if acked & needed != needed {
@@ -130,8 +119,8 @@ impl VnetHeader {
         if self.is_gso() && self.gso_size == 0 {
             return Err(HeaderError::ZeroGsoSize);
         }
-        if self.flags & F_NEEDS_CSUM != 0 {
-            if acked & features::CSUM == 0 {
+        if self.flags & VIRTIO_NET_HDR_F_NEEDS_CSUM != 0 {
+            if acked & feature(VIRTIO_NET_F_CSUM) == 0 {
                 return Err(HeaderError::CsumNotAcked);
             }
             // The 2-byte checksum field must lie inside the frame. u16 + u16 + 2 fits a usize.
@@ -154,17 +143,17 @@ impl VnetHeader {
     /// # Errors
     /// [`HeaderError::GsoNotAcked`], [`HeaderError::CsumNotAcked`].
     pub fn sanitize_rx(&mut self, acked: u64, num_buffers: u16) -> Result<(), HeaderError> {
-        let needed = match self.gso_type & !GSO_ECN {
-            GSO_NONE => 0,
-            GSO_TCPV4 => features::GUEST_TSO4,
-            GSO_TCPV6 => features::GUEST_TSO6,
+        let needed = match self.gso_type & !VIRTIO_NET_HDR_GSO_ECN {
+            VIRTIO_NET_HDR_GSO_NONE => 0,
+            VIRTIO_NET_HDR_GSO_TCPV4 => feature(VIRTIO_NET_F_GUEST_TSO4),
+            VIRTIO_NET_HDR_GSO_TCPV6 => feature(VIRTIO_NET_F_GUEST_TSO6),
             other => return Err(HeaderError::UnsupportedGso(other)),
         };
-        if self.gso_type & GSO_ECN != 0 || acked & needed != needed {
+        if self.gso_type & VIRTIO_NET_HDR_GSO_ECN != 0 || acked & needed != needed {
             return Err(HeaderError::GsoNotAcked(self.gso_type));
         }
-        if acked & features::GUEST_CSUM == 0 {
-            if self.flags & F_NEEDS_CSUM != 0 {
+        if acked & feature(VIRTIO_NET_F_GUEST_CSUM) == 0 {
+            if self.flags & VIRTIO_NET_HDR_F_NEEDS_CSUM != 0 {
                 return Err(HeaderError::CsumNotAcked);
             }
             self.flags = 0;
@@ -177,14 +166,19 @@ impl VnetHeader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::virtio::spec::{
+        VIRTIO_NET_HDR_F_DATA_VALID, VIRTIO_NET_HDR_GSO_UDP, VIRTIO_NET_HDR_GSO_UDP_L4,
+    };
 
-    const ALL: u64 = features::CSUM | features::HOST_TSO4 | features::HOST_TSO6;
+    const ALL: u64 = feature(VIRTIO_NET_F_CSUM)
+        | feature(VIRTIO_NET_F_HOST_TSO4)
+        | feature(VIRTIO_NET_F_HOST_TSO6);
 
     #[test]
     fn round_trip_little_endian() {
         let h = VnetHeader {
-            flags: F_NEEDS_CSUM,
-            gso_type: GSO_TCPV6,
+            flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
+            gso_type: VIRTIO_NET_HDR_GSO_TCPV6,
             hdr_len: 0x0102,
             gso_size: 1448,
             csum_start: 54,
@@ -205,14 +199,14 @@ mod tests {
     #[test]
     fn tso_needs_its_feature_and_a_size() {
         let mut h = VnetHeader {
-            gso_type: GSO_TCPV4,
+            gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
             gso_size: 1448,
             ..Default::default()
         };
         assert_eq!(h.check_tx(ALL, 9000), Ok(()));
         assert_eq!(
-            h.check_tx(features::HOST_TSO6, 9000),
-            Err(HeaderError::GsoNotAcked(GSO_TCPV4))
+            h.check_tx(feature(VIRTIO_NET_F_HOST_TSO6), 9000),
+            Err(HeaderError::GsoNotAcked(VIRTIO_NET_HDR_GSO_TCPV4))
         );
         h.gso_size = 0;
         assert_eq!(h.check_tx(ALL, 9000), Err(HeaderError::ZeroGsoSize));
@@ -220,7 +214,12 @@ mod tests {
 
     #[test]
     fn unoffered_gso_types_refused() {
-        for t in [GSO_UDP, GSO_UDP_L4, GSO_TCPV4 | GSO_ECN, 0x42] {
+        for t in [
+            VIRTIO_NET_HDR_GSO_UDP,
+            VIRTIO_NET_HDR_GSO_UDP_L4,
+            VIRTIO_NET_HDR_GSO_TCPV4 | VIRTIO_NET_HDR_GSO_ECN,
+            0x42,
+        ] {
             let h = VnetHeader {
                 gso_type: t,
                 gso_size: 100,
@@ -236,14 +235,14 @@ mod tests {
     #[test]
     fn csum_partial_checked_against_frame() {
         let h = VnetHeader {
-            flags: F_NEEDS_CSUM,
+            flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
             csum_start: 34,
             csum_offset: 6,
             ..Default::default()
         };
-        assert_eq!(h.check_tx(features::CSUM, 42), Ok(()));
+        assert_eq!(h.check_tx(feature(VIRTIO_NET_F_CSUM), 42), Ok(()));
         assert_eq!(
-            h.check_tx(features::CSUM, 41),
+            h.check_tx(feature(VIRTIO_NET_F_CSUM), 41),
             Err(HeaderError::CsumOutOfFrame {
                 start: 34,
                 offset: 6,
@@ -252,41 +251,46 @@ mod tests {
         );
         assert_eq!(h.check_tx(0, 42), Err(HeaderError::CsumNotAcked));
         let max = VnetHeader {
-            flags: F_NEEDS_CSUM,
+            flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
             csum_start: u16::MAX,
             csum_offset: u16::MAX,
             ..Default::default()
         };
-        assert!(max.check_tx(features::CSUM, 65_550).is_err());
+        assert!(max.check_tx(feature(VIRTIO_NET_F_CSUM), 65_550).is_err());
     }
 
     #[test]
     fn rx_header_sanitized() {
         let mut h = VnetHeader {
-            flags: F_DATA_VALID,
+            flags: VIRTIO_NET_HDR_F_DATA_VALID,
             ..Default::default()
         };
         h.sanitize_rx(0, 1).unwrap();
         assert_eq!(h.flags, 0);
         assert_eq!(h.num_buffers, 1);
         let mut h = VnetHeader {
-            flags: F_DATA_VALID,
+            flags: VIRTIO_NET_HDR_F_DATA_VALID,
             ..Default::default()
         };
-        h.sanitize_rx(features::GUEST_CSUM, 4).unwrap();
-        assert_eq!((h.flags, h.num_buffers), (F_DATA_VALID, 4));
+        h.sanitize_rx(feature(VIRTIO_NET_F_GUEST_CSUM), 4).unwrap();
+        assert_eq!((h.flags, h.num_buffers), (VIRTIO_NET_HDR_F_DATA_VALID, 4));
         let mut tso = VnetHeader {
-            flags: F_NEEDS_CSUM,
-            gso_type: GSO_TCPV4,
+            flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
+            gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
             gso_size: 1448,
             ..Default::default()
         };
-        assert!(tso.sanitize_rx(features::GUEST_CSUM, 1).is_err());
         assert!(tso
-            .sanitize_rx(features::GUEST_CSUM | features::GUEST_TSO4, 1)
+            .sanitize_rx(feature(VIRTIO_NET_F_GUEST_CSUM), 1)
+            .is_err());
+        assert!(tso
+            .sanitize_rx(
+                feature(VIRTIO_NET_F_GUEST_CSUM) | feature(VIRTIO_NET_F_GUEST_TSO4),
+                1
+            )
             .is_ok());
         let mut partial = VnetHeader {
-            flags: F_NEEDS_CSUM,
+            flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
             ..Default::default()
         };
         assert_eq!(partial.sanitize_rx(0, 1), Err(HeaderError::CsumNotAcked));

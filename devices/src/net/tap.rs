@@ -16,7 +16,10 @@ use smallvec::SmallVec;
 use vm_memory::VolatileSlice;
 use vmm_sys_util::ioctl::{ioctl_with_mut_ref, ioctl_with_ref, ioctl_with_val};
 
-use super::{features, Error, Result, VNET_HDR_LEN};
+use super::{Error, Result, VNET_HDR_LEN};
+use crate::virtio::spec::{
+    feature, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
+};
 
 /// The tun ioctl numbers (`<linux/if_tun.h>`), computed by vmm-sys-util's macros.
 mod sys {
@@ -64,14 +67,14 @@ struct IfReq {
 /// the tap may give us to deliver). TSO needs GUEST_CSUM too (virtio 1.2 5.1.3.1, and the tap
 /// refuses TSO without CSUM); ECN and UFO are never offered, so never set.
 pub fn offload_flags(acked: u64) -> u32 {
-    if acked & features::GUEST_CSUM == 0 {
+    if acked & feature(VIRTIO_NET_F_GUEST_CSUM) == 0 {
         return 0;
     }
     let mut f = TUN_F_CSUM;
-    if acked & features::GUEST_TSO4 != 0 {
+    if acked & feature(VIRTIO_NET_F_GUEST_TSO4) != 0 {
         f |= TUN_F_TSO4;
     }
-    if acked & features::GUEST_TSO6 != 0 {
+    if acked & feature(VIRTIO_NET_F_GUEST_TSO6) != 0 {
         f |= TUN_F_TSO6;
     }
     f
@@ -342,22 +345,31 @@ impl AsRawFd for Tap {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::virtio::spec::{VIRTIO_NET_F_CSUM, VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6};
 
     #[test]
     fn offloads_follow_acked_guest_features_only() {
         assert_eq!(offload_flags(0), 0);
         // Host-side features never turn tap offloads on.
         assert_eq!(
-            offload_flags(features::CSUM | features::HOST_TSO4 | features::HOST_TSO6),
+            offload_flags(
+                feature(VIRTIO_NET_F_CSUM)
+                    | feature(VIRTIO_NET_F_HOST_TSO4)
+                    | feature(VIRTIO_NET_F_HOST_TSO6)
+            ),
             0
         );
-        assert_eq!(offload_flags(features::GUEST_CSUM), TUN_F_CSUM);
+        assert_eq!(offload_flags(feature(VIRTIO_NET_F_GUEST_CSUM)), TUN_F_CSUM);
         assert_eq!(
-            offload_flags(features::GUEST_CSUM | features::GUEST_TSO4 | features::GUEST_TSO6),
+            offload_flags(
+                feature(VIRTIO_NET_F_GUEST_CSUM)
+                    | feature(VIRTIO_NET_F_GUEST_TSO4)
+                    | feature(VIRTIO_NET_F_GUEST_TSO6)
+            ),
             TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6
         );
         // TSO without GUEST_CSUM would be refused by the tap: nothing is applied.
-        assert_eq!(offload_flags(features::GUEST_TSO4), 0);
+        assert_eq!(offload_flags(feature(VIRTIO_NET_F_GUEST_TSO4)), 0);
     }
 
     #[test]

@@ -11,16 +11,28 @@ use bounce::Dma;
 use vm_memory::GuestMemoryMmap;
 
 use super::backend::{MemBackend, NetBackend};
-use super::ctrl::{self, CtrlWorker};
-use super::header::{self, VnetHeader};
+use super::ctrl::CtrlWorker;
+use super::header::VnetHeader;
 use super::metrics::NetMetrics;
 use super::rate_limiter::{ManualClock, RateLimiter, ShaperConfig};
 use super::test_utils::*;
 use super::worker::{PairWorker, SharedBackend, TOKEN_BACKEND, TOKEN_SHAPER};
 use super::*;
-use crate::virtio::{features as vf, QueueWorker, VirtioDevice, WorkerEvent};
+use crate::virtio::spec::{
+    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_CTRL_MAC,
+    VIRTIO_NET_CTRL_MAC_TABLE_SET, VIRTIO_NET_CTRL_MQ, VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET,
+    VIRTIO_NET_CTRL_RX, VIRTIO_NET_ERR, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ,
+    VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
+    VIRTIO_NET_F_GUEST_UFO, VIRTIO_NET_F_HOST_ECN, VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6,
+    VIRTIO_NET_F_HOST_UFO, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF,
+    VIRTIO_NET_F_MTU, VIRTIO_NET_F_SPEED_DUPLEX, VIRTIO_NET_F_STATUS, VIRTIO_NET_HDR_F_DATA_VALID,
+    VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_TCPV4, VIRTIO_NET_OK, VIRTIO_NET_S_LINK_UP,
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
+use crate::virtio::{QueueWorker, VirtioDevice, WorkerEvent};
 
-const BASE: u64 = vf::VERSION_1 | features::CSUM | features::GUEST_CSUM;
+const BASE: u64 =
+    feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_CSUM) | feature(VIRTIO_NET_F_GUEST_CSUM);
 const RXQ: usize = 0;
 const TXQ: usize = 1;
 
@@ -137,12 +149,12 @@ fn tx_header_split_mid_field_is_checked_and_num_buffers_cleared() {
 
 #[test]
 fn tx_64k_tso_and_csum_partial_frames_pass_with_features_acked() {
-    let acked = BASE | features::HOST_TSO4 | features::HOST_TSO6;
+    let acked = BASE | feature(VIRTIO_NET_F_HOST_TSO4) | feature(VIRTIO_NET_F_HOST_TSO6);
     for (name, dma) in dmas() {
         let mut p = Pair::new(acked, dma.clone());
         let tso = VnetHeader {
-            flags: header::F_NEEDS_CSUM,
-            gso_type: header::GSO_TCPV4,
+            flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
+            gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
             hdr_len: 54,
             gso_size: 1448,
             csum_start: 34,
@@ -152,7 +164,7 @@ fn tx_64k_tso_and_csum_partial_frames_pass_with_features_acked() {
         let big = frame(&tso, MAX_FRAME_LEN, 1);
         p.g.post_readable(TXQ, &[&big]);
         let partial = VnetHeader {
-            flags: header::F_NEEDS_CSUM,
+            flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
             csum_start: 34,
             csum_offset: 6,
             ..Default::default()
@@ -180,14 +192,14 @@ fn tx_oversized_frame_dropped_and_counted() {
 
 #[test]
 fn tx_offloads_not_acked_are_dropped() {
-    let mut p = Pair::new(vf::VERSION_1, Dma::direct());
+    let mut p = Pair::new(feature(VIRTIO_F_VERSION_1), Dma::direct());
     let tso = VnetHeader {
-        gso_type: header::GSO_TCPV4,
+        gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
         gso_size: 1448,
         ..Default::default()
     };
     let csum = VnetHeader {
-        flags: header::F_NEEDS_CSUM,
+        flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
         csum_start: 14,
         csum_offset: 2,
         ..Default::default()
@@ -301,7 +313,7 @@ fn rx_frame_into_one_buffer_with_num_buffers_1() {
 
 #[test]
 fn rx_mrg_rxbuf_scatters_over_chains_and_counts_buffers() {
-    let acked = BASE | features::MRG_RXBUF;
+    let acked = BASE | feature(VIRTIO_NET_F_MRG_RXBUF);
     for (name, dma) in dmas() {
         let mut p = Pair::new(acked, dma.clone());
         let mut bufs = Vec::new();
@@ -334,14 +346,14 @@ fn rx_mrg_rxbuf_scatters_over_chains_and_counts_buffers() {
 
 #[test]
 fn rx_64k_tso_frame_with_mrg_rxbuf() {
-    let acked = BASE | features::MRG_RXBUF | features::GUEST_TSO4;
+    let acked = BASE | feature(VIRTIO_NET_F_MRG_RXBUF) | feature(VIRTIO_NET_F_GUEST_TSO4);
     let mut p = Pair::new(acked, dmas().remove(1).1);
     for _ in 0..20 {
         p.g.post_writable(RXQ, &[4096]);
     }
     let tso = VnetHeader {
-        flags: header::F_NEEDS_CSUM,
-        gso_type: header::GSO_TCPV4,
+        flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
+        gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
         gso_size: 1448,
         csum_start: 34,
         csum_offset: 16,
@@ -358,7 +370,7 @@ fn rx_64k_tso_frame_with_mrg_rxbuf() {
 #[test]
 fn rx_waits_for_buffers_then_resumes_on_kick() {
     for (name, dma) in dmas() {
-        let mut p = Pair::new(BASE | features::MRG_RXBUF, dma.clone());
+        let mut p = Pair::new(BASE | feature(VIRTIO_NET_F_MRG_RXBUF), dma.clone());
         p.be.inject(frame(&plain(), 500, 1));
         p.be.inject(frame(&plain(), 500, 2));
         p.tap_readable();
@@ -391,10 +403,10 @@ fn rx_frame_too_big_without_mrg_is_dropped_and_the_buffer_kept() {
 
 #[test]
 fn rx_header_cleared_without_guest_csum() {
-    let mut p = Pair::new(vf::VERSION_1, Dma::direct());
+    let mut p = Pair::new(feature(VIRTIO_F_VERSION_1), Dma::direct());
     let (_, addrs) = p.g.post_writable(RXQ, &[256]);
     let valid = VnetHeader {
-        flags: header::F_DATA_VALID,
+        flags: VIRTIO_NET_HDR_F_DATA_VALID,
         ..Default::default()
     };
     p.be.inject(frame(&valid, 60, 0));
@@ -421,7 +433,7 @@ fn rx_chains_held_for_a_waiting_frame_go_back_on_the_ring_between_passes() {
     // counted in `next_avail`, which is what a vhost-user stop (GET_VRING_BASE) reports: the
     // frontend resumed after them and the guest lost those buffers.
     for (name, dma) in dmas() {
-        let mut p = Pair::new(BASE | features::MRG_RXBUF, dma.clone());
+        let mut p = Pair::new(BASE | feature(VIRTIO_NET_F_MRG_RXBUF), dma.clone());
         let (h0, a0) = p.g.post_writable(RXQ, &[600]);
         let (h1, a1) = p.g.post_writable(RXQ, &[600]);
         let f = frame(&plain(), 3000, 9);
@@ -477,7 +489,7 @@ fn rx_chains_held_for_a_waiting_frame_go_back_on_the_ring_between_passes() {
 fn rx_held_chains_before_a_refused_one_are_completed_empty() {
     // A chain held before a refused one cannot go back on the ring (the refused one is on the
     // used ring already): it is completed with length 0; the one after it goes back.
-    let mut p = Pair::new(BASE | features::MRG_RXBUF, Dma::direct());
+    let mut p = Pair::new(BASE | feature(VIRTIO_NET_F_MRG_RXBUF), Dma::direct());
     let b = p.g.alloc(4096, &[]);
     let heads = p.g.post_raw(
         RXQ,
@@ -503,7 +515,7 @@ fn rx_held_chains_before_a_refused_one_are_completed_empty() {
 #[test]
 fn hostile_rx_chains_completed_with_zero_and_good_buffers_used() {
     for (name, dma) in dmas() {
-        let mut p = Pair::new(BASE | features::MRG_RXBUF, dma.clone());
+        let mut p = Pair::new(BASE | feature(VIRTIO_NET_F_MRG_RXBUF), dma.clone());
         let b = p.g.alloc(4096, &[]);
         let heads = p.g.post_raw(
             RXQ,
@@ -657,50 +669,63 @@ fn ctrl_cmd(g: &mut Guest, class: u8, cmd: u8, data: &[u8]) -> u64 {
 
 #[test]
 fn ctrl_queue_mq_pairs_set_rx_mode_and_naks() {
-    let acked = BASE | features::CTRL_VQ | features::MQ;
+    let acked = BASE | feature(VIRTIO_NET_F_CTRL_VQ) | feature(VIRTIO_NET_F_MQ);
     let (mut w, bes, m) = ctrl_worker(acked, 4);
     let mut g = Guest::new(1);
     let cases: Vec<(u64, u8)> = vec![
         (
             ctrl_cmd(
                 &mut g,
-                ctrl::CLASS_MQ,
-                ctrl::MQ_VQ_PAIRS_SET,
+                VIRTIO_NET_CTRL_MQ,
+                VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET,
                 &3u16.to_le_bytes(),
             ),
-            ctrl::OK,
+            VIRTIO_NET_OK,
         ),
         (
             ctrl_cmd(
                 &mut g,
-                ctrl::CLASS_MQ,
-                ctrl::MQ_VQ_PAIRS_SET,
+                VIRTIO_NET_CTRL_MQ,
+                VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET,
                 &0u16.to_le_bytes(),
             ),
-            ctrl::ERR,
+            VIRTIO_NET_ERR,
         ),
         (
             ctrl_cmd(
                 &mut g,
-                ctrl::CLASS_MQ,
-                ctrl::MQ_VQ_PAIRS_SET,
+                VIRTIO_NET_CTRL_MQ,
+                VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET,
                 &5u16.to_le_bytes(),
             ),
-            ctrl::ERR,
+            VIRTIO_NET_ERR,
         ),
         (
-            ctrl_cmd(&mut g, ctrl::CLASS_MQ, ctrl::MQ_VQ_PAIRS_SET, &[1]),
-            ctrl::ERR,
+            ctrl_cmd(
+                &mut g,
+                VIRTIO_NET_CTRL_MQ,
+                VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET,
+                &[1],
+            ),
+            VIRTIO_NET_ERR,
         ),
-        (ctrl_cmd(&mut g, ctrl::CLASS_RX, 0, &[1]), ctrl::OK),
-        (ctrl_cmd(&mut g, ctrl::CLASS_RX, 1, &[0]), ctrl::OK),
+        (ctrl_cmd(&mut g, VIRTIO_NET_CTRL_RX, 0, &[1]), VIRTIO_NET_OK),
+        (ctrl_cmd(&mut g, VIRTIO_NET_CTRL_RX, 1, &[0]), VIRTIO_NET_OK),
         (
-            ctrl_cmd(&mut g, ctrl::CLASS_MAC, ctrl::MAC_TABLE_SET, &[0; 8]),
-            ctrl::OK,
+            ctrl_cmd(
+                &mut g,
+                VIRTIO_NET_CTRL_MAC,
+                VIRTIO_NET_CTRL_MAC_TABLE_SET,
+                &[0; 8],
+            ),
+            VIRTIO_NET_OK,
         ),
-        (ctrl_cmd(&mut g, ctrl::CLASS_MAC, 1, &[0; 6]), ctrl::ERR),
-        (ctrl_cmd(&mut g, 2, 0, &[0; 2]), ctrl::ERR),
-        (ctrl_cmd(&mut g, 0x7f, 9, &[]), ctrl::ERR),
+        (
+            ctrl_cmd(&mut g, VIRTIO_NET_CTRL_MAC, 1, &[0; 6]),
+            VIRTIO_NET_ERR,
+        ),
+        (ctrl_cmd(&mut g, 2, 0, &[0; 2]), VIRTIO_NET_ERR),
+        (ctrl_cmd(&mut g, 0x7f, 9, &[]), VIRTIO_NET_ERR),
     ];
     let (mem, mut qs) = g.split(&[0]);
     let sig = w.handle(WorkerEvent::Kick(0), mem, &mut qs).unwrap();
@@ -717,12 +742,12 @@ fn ctrl_queue_mq_pairs_set_rx_mode_and_naks() {
 
 #[test]
 fn ctrl_mq_refused_when_mq_not_acked_and_bad_chains_zero() {
-    let (mut w, _bes, m) = ctrl_worker(BASE | features::CTRL_VQ, 2);
+    let (mut w, _bes, m) = ctrl_worker(BASE | feature(VIRTIO_NET_F_CTRL_VQ), 2);
     let mut g = Guest::new(1);
     let ack = ctrl_cmd(
         &mut g,
-        ctrl::CLASS_MQ,
-        ctrl::MQ_VQ_PAIRS_SET,
+        VIRTIO_NET_CTRL_MQ,
+        VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET,
         &2u16.to_le_bytes(),
     );
     let c = g.alloc(4, &[0, 0, 1, 0]);
@@ -734,7 +759,7 @@ fn ctrl_mq_refused_when_mq_not_acked_and_bad_chains_zero() {
     g.post_raw(0, &[(c, 1, F_NEXT, 1), (c, 1, F_WRITE, 0)]);
     let (mem, mut qs) = g.split(&[0]);
     w.handle(WorkerEvent::Kick(0), mem, &mut qs).unwrap();
-    assert_eq!(g.read(ack, 1), vec![ctrl::ERR]);
+    assert_eq!(g.read(ack, 1), vec![VIRTIO_NET_ERR]);
     let lens: Vec<u32> = g.used(0).iter().map(|u| u.1).collect();
     assert_eq!(lens, vec![1, 0, 0, 0]);
     assert_eq!(m.ctrl_bad_chains.get(), 3);
@@ -785,30 +810,30 @@ fn features_offered_and_negotiation() {
     let (mut d, bes) = device(2);
     let f = <Net as VirtioDevice<GuestMemoryMmap>>::avail_features(&d);
     for bit in [
-        vf::VERSION_1,
-        vf::ACCESS_PLATFORM,
-        vf::RING_EVENT_IDX,
-        vf::RING_INDIRECT_DESC,
-        features::MAC,
-        features::STATUS,
-        features::SPEED_DUPLEX,
-        features::MQ,
-        features::CTRL_VQ,
-        features::MRG_RXBUF,
-        features::CSUM,
-        features::GUEST_CSUM,
-        features::HOST_TSO4,
-        features::HOST_TSO6,
-        features::GUEST_TSO4,
-        features::GUEST_TSO6,
+        feature(VIRTIO_F_VERSION_1),
+        feature(VIRTIO_F_ACCESS_PLATFORM),
+        feature(VIRTIO_RING_F_EVENT_IDX),
+        feature(VIRTIO_RING_F_INDIRECT_DESC),
+        feature(VIRTIO_NET_F_MAC),
+        feature(VIRTIO_NET_F_STATUS),
+        feature(VIRTIO_NET_F_SPEED_DUPLEX),
+        feature(VIRTIO_NET_F_MQ),
+        feature(VIRTIO_NET_F_CTRL_VQ),
+        feature(VIRTIO_NET_F_MRG_RXBUF),
+        feature(VIRTIO_NET_F_CSUM),
+        feature(VIRTIO_NET_F_GUEST_CSUM),
+        feature(VIRTIO_NET_F_HOST_TSO4),
+        feature(VIRTIO_NET_F_HOST_TSO6),
+        feature(VIRTIO_NET_F_GUEST_TSO4),
+        feature(VIRTIO_NET_F_GUEST_TSO6),
     ] {
         assert_ne!(f & bit, 0, "{bit:#x}");
     }
     for bit in [
-        features::GUEST_UFO,
-        features::HOST_UFO,
-        features::MTU,
-        features::HOST_ECN,
+        feature(VIRTIO_NET_F_GUEST_UFO),
+        feature(VIRTIO_NET_F_HOST_UFO),
+        feature(VIRTIO_NET_F_MTU),
+        feature(VIRTIO_NET_F_HOST_ECN),
     ] {
         assert_eq!(f & bit, 0);
     }
@@ -818,13 +843,21 @@ fn features_offered_and_negotiation() {
             .map(|w| w.iter().map(|w| w.queue_indexes()).collect::<Vec<_>>())
     };
     assert!(
-        act(&mut d, features::MRG_RXBUF).is_err(),
+        act(&mut d, feature(VIRTIO_NET_F_MRG_RXBUF)).is_err(),
         "VERSION_1 required"
     );
-    assert!(act(&mut d, vf::VERSION_1 | features::GUEST_TSO4).is_err());
-    assert!(act(&mut d, vf::VERSION_1 | features::MQ).is_err());
+    assert!(act(
+        &mut d,
+        feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_GUEST_TSO4)
+    )
+    .is_err());
+    assert!(act(
+        &mut d,
+        feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_MQ)
+    )
+    .is_err());
     // Everything offered, plus a bit never offered (dropped).
-    let q = act(&mut d, f | features::GUEST_UFO).unwrap();
+    let q = act(&mut d, f | feature(VIRTIO_NET_F_GUEST_UFO)).unwrap();
     assert_eq!(q, vec![vec![0, 1], vec![2, 3], vec![4]]);
     assert_eq!(d.acked_features(), f);
     // Offloads applied from acked guest features only; only pair 0 receives at first.
@@ -834,7 +867,11 @@ fn features_offered_and_negotiation() {
     <Net as VirtioDevice<GuestMemoryMmap>>::reset(&mut d);
     assert_eq!(bes[0].state().acked, Some(0));
     // Without MQ: one pair, control queue at 2.
-    let q = act(&mut d, vf::VERSION_1 | features::CTRL_VQ).unwrap();
+    let q = act(
+        &mut d,
+        feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_CTRL_VQ),
+    )
+    .unwrap();
     assert_eq!(q, vec![vec![0, 1], vec![2]]);
     let s = <Net as VirtioDevice<GuestMemoryMmap>>::stats(&d);
     assert_eq!(s["net"]["tx_frames"], 0);
@@ -857,11 +894,11 @@ fn mq_without_ctrl_vq_is_served_when_the_frontend_steers() {
         ..Default::default()
     };
     let mut d = Net::new(cfg, boxed(), Dma::direct()).unwrap();
-    let acked = BASE | features::MQ | features::MRG_RXBUF;
+    let acked = BASE | feature(VIRTIO_NET_F_MQ) | feature(VIRTIO_NET_F_MRG_RXBUF);
     // Still refused whatever the steering: no VERSION_1, TSO without CSUM.
     for bad in [
-        features::MQ,
-        vf::VERSION_1 | features::MQ | features::HOST_TSO4,
+        feature(VIRTIO_NET_F_MQ),
+        feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_MQ) | feature(VIRTIO_NET_F_HOST_TSO4),
     ] {
         assert!(<Net as VirtioDevice<GuestMemoryMmap>>::activate(&mut d, bad).is_err());
     }

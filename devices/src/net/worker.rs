@@ -46,10 +46,11 @@ use super::backend::NetBackend;
 use super::header::VnetHeader;
 use super::metrics::NetMetrics;
 use super::rate_limiter::{Dir, RateLimiter};
-use super::{features, MAX_BUFFER_LEN, MIN_FRAME_LEN, QUEUE_MAX_SIZE, VNET_HDR_LEN};
+use super::{MAX_BUFFER_LEN, MIN_FRAME_LEN, QUEUE_MAX_SIZE, VNET_HDR_LEN};
 use crate::virtio::chain::{Chain, ChainHead, Seg, WalkRules};
 use crate::virtio::iobuf::{IoBufCollector, IoBufs};
 use crate::virtio::queue::{self, Step};
+use crate::virtio::spec::{feature, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_RING_F_INDIRECT_DESC};
 use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
 
 /// Token of the backend's fd in [`QueueWorker::extra_fds`].
@@ -71,7 +72,7 @@ pub(crate) use crate::metrics::lock;
 /// largest queue size.
 pub(crate) fn walk_rules(acked: u64) -> WalkRules {
     WalkRules {
-        indirect: acked & crate::virtio::features::RING_INDIRECT_DESC != 0,
+        indirect: acked & feature(VIRTIO_RING_F_INDIRECT_DESC) != 0,
         max_indirect: QUEUE_MAX_SIZE,
     }
 }
@@ -154,7 +155,7 @@ impl<M: GuestMemory> PairWorker<M> {
         Self {
             pair,
             acked,
-            mrg: acked & features::MRG_RXBUF != 0,
+            mrg: acked & feature(VIRTIO_NET_F_MRG_RXBUF) != 0,
             backend,
             backend_fd,
             dma,

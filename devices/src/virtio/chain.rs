@@ -40,12 +40,8 @@ use bounce::Dma;
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions};
 
-/// VRING_DESC_F_NEXT.
-pub const VRING_DESC_F_NEXT: u16 = 1;
-/// VRING_DESC_F_WRITE.
-pub const VRING_DESC_F_WRITE: u16 = 2;
-/// VRING_DESC_F_INDIRECT.
-pub const VRING_DESC_F_INDIRECT: u16 = 4;
+use super::spec::{VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+
 /// Size of one split-ring descriptor.
 pub const DESC_SIZE: u64 = 16;
 

@@ -22,32 +22,12 @@ pub mod dispatch;
 pub mod iobuf;
 pub mod queue;
 pub mod ring;
+pub mod spec;
 
 use std::os::fd::RawFd;
 
 use virtio_queue::Queue;
 use vm_memory::GuestMemory;
-
-/// Feature bits shared by all device types (virtio 1.2, section 6).
-pub mod features {
-    /// VIRTIO_F_RING_INDIRECT_DESC.
-    pub const RING_INDIRECT_DESC: u64 = 1 << 28;
-    /// VIRTIO_F_RING_EVENT_IDX.
-    pub const RING_EVENT_IDX: u64 = 1 << 29;
-    /// VIRTIO_F_VERSION_1.
-    pub const VERSION_1: u64 = 1 << 32;
-    /// VIRTIO_F_ACCESS_PLATFORM: the device's DMA goes through the platform (an IOMMU or
-    /// bounce buffers) rather than to raw guest-physical addresses.
-    pub const ACCESS_PLATFORM: u64 = 1 << 33;
-}
-
-/// virtio device type ids.
-pub mod device_type {
-    /// Network card.
-    pub const NET: u32 = 1;
-    /// Block device.
-    pub const BLOCK: u32 = 2;
-}
 
 /// Errors of activation.
 #[derive(Debug, thiserror::Error)]
@@ -114,7 +94,7 @@ impl Signal {
 
 /// A device as its transport sees it: identity, features, configuration space, lifecycle.
 pub trait VirtioDevice<M: GuestMemory>: Send {
-    /// The virtio device type ([`device_type`]).
+    /// The virtio device type ([`spec::VIRTIO_ID_BLOCK`], [`spec::VIRTIO_ID_NET`]).
     fn device_type(&self) -> u32;
 
     /// Number of queues the device offers (for net: 2 per queue pair, plus the control queue).

@@ -50,10 +50,8 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 use super::chain::ChainHead;
+use super::spec::VRING_AVAIL_F_NO_INTERRUPT;
 use super::{Signal, WorkerError};
-
-/// VRING_AVAIL_F_NO_INTERRUPT.
-pub const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
 
 /// What the device did with a popped head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

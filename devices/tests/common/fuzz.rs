@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use bounce::{BouncePool, Dma, Policy, PoolConfig};
-use devices::testing::{first_fit_pool, GuestRam, RawDesc, VRING_DESC_F_WRITE};
+use devices::testing::{first_fit_pool, GuestRam, RawDesc};
+use devices::virtio::spec::VRING_DESC_F_WRITE;
 use proptest::prelude::*;
 
 /// The canary byte guest RAM is filled with where the device must not write.

@@ -5,9 +5,12 @@
 pub mod fuzz;
 
 use bounce::Dma;
-use devices::block::{req_type, status, Block, BlockConfig, Disk};
+use devices::block::{Block, BlockConfig, Disk};
 use devices::testing::{Buf, TestDriver};
-use devices::virtio::features as vf;
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_RING_F_INDIRECT_DESC,
+};
 
 /// Guest RAM of every harness.
 pub const RAM: u64 = 32 << 20;
@@ -87,7 +90,7 @@ impl<D: Disk> Blk<D> {
     }
 
     pub fn indirect(&self) -> bool {
-        self.drv.acked() & vf::RING_INDIRECT_DESC != 0
+        self.drv.acked() & feature(VIRTIO_RING_F_INDIRECT_DESC) != 0
     }
 
     /// Posts a request on queue `q` and kicks; returns the completion.
@@ -182,15 +185,15 @@ impl<D: Disk> Blk<D> {
     }
 
     pub fn read(&mut self, sector: u64, len: u32, layout: Layout) -> Done {
-        self.request(0, req_type::IN, sector, &[], len, layout)
+        self.request(0, VIRTIO_BLK_T_IN, sector, &[], len, layout)
     }
 
     pub fn write(&mut self, sector: u64, data: &[u8], layout: Layout) -> Done {
-        self.request(0, req_type::OUT, sector, data, 0, layout)
+        self.request(0, VIRTIO_BLK_T_OUT, sector, data, 0, layout)
     }
 
     pub fn flush(&mut self) -> u8 {
-        self.request(0, req_type::FLUSH, 0, &[], 0, Layout::Simple)
+        self.request(0, VIRTIO_BLK_T_FLUSH, 0, &[], 0, Layout::Simple)
             .status
     }
 
@@ -227,7 +230,7 @@ pub fn split(len: u32, n: usize) -> Vec<(u32, u32)> {
 
 /// Asserts a request succeeded.
 pub fn ok(d: &Done) {
-    assert_eq!(d.status, status::OK, "request failed: {d:?}");
+    assert_eq!(d.status, VIRTIO_BLK_S_OK, "request failed: {d:?}");
 }
 
 /// The disk operations a [`ProbeDisk`] counts and can fail.

@@ -23,7 +23,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use devices::block::{req_type, status, REQ_HEADER_LEN, SECTOR_SIZE};
+use devices::block::{REQ_HEADER_LEN, SECTOR_SIZE};
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_RING_F_EVENT_IDX,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -287,7 +290,7 @@ impl Job {
         watch: RawFd,
         stop: Arc<AtomicBool>,
     ) -> Result<Self> {
-        let event_idx = info.has(devices::virtio::features::RING_EVENT_IDX);
+        let event_idx = info.has(feature(VIRTIO_RING_F_EVENT_IDX));
         let ring = SplitRing::new(mem.clone(), queue.layout, event_idx)
             .map_err(|e| Error::Memory(e.to_string()))?;
         let blocks = len / u64::from(cfg.bs);
@@ -376,8 +379,8 @@ impl Job {
         let offset = self.start + block * u64::from(self.bs);
         let mut hdr = [0u8; REQ_HEADER_LEN];
         let t = match op {
-            Op::Read => req_type::IN,
-            Op::Write => req_type::OUT,
+            Op::Read => VIRTIO_BLK_T_IN,
+            Op::Write => VIRTIO_BLK_T_OUT,
         };
         hdr[0..4].copy_from_slice(&t.to_le_bytes());
         hdr[8..16].copy_from_slice(&(offset / SECTOR_SIZE).to_le_bytes());
@@ -693,7 +696,7 @@ impl Job {
                 f.op.name()
             )));
         }
-        if st != status::OK {
+        if st != VIRTIO_BLK_S_OK {
             return Err(Error::Io {
                 job: self.id,
                 op: f.op.name(),

@@ -44,6 +44,10 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_RING_F_INDIRECT_DESC,
+};
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -155,8 +159,8 @@ pub enum Error {
 
 fn status_name(s: u8) -> &'static str {
     match s {
-        devices::block::status::IOERR => "IOERR",
-        devices::block::status::UNSUPP => "UNSUPP",
+        VIRTIO_BLK_S_IOERR => "IOERR",
+        VIRTIO_BLK_S_UNSUPP => "UNSUPP",
         _ => "not a virtio-blk status",
     }
 }
@@ -423,7 +427,7 @@ fn plan(cfg: &LoadConfig, info: &DeviceInfo) -> Result<Plan> {
             ));
         }
     }
-    let indirect = info.has(devices::virtio::features::RING_INDIRECT_DESC);
+    let indirect = info.has(feature(VIRTIO_RING_F_INDIRECT_DESC));
     let descs_per_req = u64::from(segments) + 2;
     let need = if indirect {
         u64::from(cfg.iodepth)
@@ -603,7 +607,7 @@ fn report(cfg: &LoadConfig, plan: &Plan, info: DeviceInfo, done: &[JobOutcome]) 
         numjobs: cfg.numjobs,
         queue_size: plan.queue_size,
         indirect: plan.indirect,
-        event_idx: info.has(devices::virtio::features::RING_EVENT_IDX),
+        event_idx: info.has(feature(VIRTIO_RING_F_EVENT_IDX)),
         segments: plan.segments,
         device: info,
         jobs: job_reports,
@@ -798,7 +802,7 @@ mod tests {
     fn info() -> DeviceInfo {
         DeviceInfo {
             offered: 0,
-            acked: devices::virtio::features::RING_INDIRECT_DESC,
+            acked: feature(VIRTIO_RING_F_INDIRECT_DESC),
             protocol: 0,
             capacity: 1 << 30,
             blk_size: 512,

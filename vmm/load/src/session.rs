@@ -3,14 +3,18 @@
 //! vhost-user-blk device.
 
 use std::fs::File;
+use std::mem::offset_of;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use devices::block::features as blk;
-use devices::virtio::features as virtio;
+use devices::virtio::spec::{
+    feature, virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ,
+    VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX, VIRTIO_F_ACCESS_PLATFORM,
+    VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
 use serde::Serialize;
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
@@ -24,7 +28,7 @@ use crate::ring::RingLayout;
 use crate::{Error, Result};
 
 /// Bytes of the config space read: up to and including `num_queues` (virtio 1.2, 5.2.4).
-const CONFIG_LEN: u32 = 36;
+const CONFIG_LEN: usize = offset_of!(virtio_blk_config, max_discard_sectors);
 
 /// What the front end asks for beyond the basics.
 #[derive(Clone, Copy, Debug, Default)]
@@ -372,7 +376,7 @@ fn connect_retrying(path: &Path, deadline: Instant) -> Result<UnixStream> {
 /// Refuses a backend that does not offer what the job needs.
 fn check_offered(offered: u64, wanted: Wanted) -> Result<()> {
     let proto_bit = VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
-    if offered & virtio::VERSION_1 == 0 {
+    if offered & feature(VIRTIO_F_VERSION_1) == 0 {
         return Err(Error::Feature(
             "the backend does not offer VIRTIO_F_VERSION_1".into(),
         ));
@@ -382,12 +386,12 @@ fn check_offered(offered: u64, wanted: Wanted) -> Result<()> {
             "the backend does not offer VHOST_USER_F_PROTOCOL_FEATURES".into(),
         ));
     }
-    if wanted.access_platform && offered & virtio::ACCESS_PLATFORM == 0 {
+    if wanted.access_platform && offered & feature(VIRTIO_F_ACCESS_PLATFORM) == 0 {
         return Err(Error::Feature(
             "the backend does not offer VIRTIO_F_ACCESS_PLATFORM (--access-platform)".into(),
         ));
     }
-    if wanted.writes && offered & blk::RO != 0 {
+    if wanted.writes && offered & feature(VIRTIO_BLK_F_RO) != 0 {
         return Err(Error::Feature(
             "the device is read-only (VIRTIO_BLK_F_RO) and the job writes".into(),
         ));
@@ -429,22 +433,22 @@ fn negotiate_protocol(
 
 /// The features the load generator acknowledges of `offered`.
 fn acked_features(offered: u64, wanted: Wanted) -> u64 {
-    let mut acked = virtio::VERSION_1
+    let mut acked = feature(VIRTIO_F_VERSION_1)
         | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
-        | blk::SIZE_MAX
-        | blk::SEG_MAX
-        | blk::BLK_SIZE
-        | blk::FLUSH
-        | blk::MQ
-        | blk::RO;
+        | feature(VIRTIO_BLK_F_SIZE_MAX)
+        | feature(VIRTIO_BLK_F_SEG_MAX)
+        | feature(VIRTIO_BLK_F_BLK_SIZE)
+        | feature(VIRTIO_BLK_F_FLUSH)
+        | feature(VIRTIO_BLK_F_MQ)
+        | feature(VIRTIO_BLK_F_RO);
     if !wanted.no_event_idx {
-        acked |= virtio::RING_EVENT_IDX;
+        acked |= feature(VIRTIO_RING_F_EVENT_IDX);
     }
     if !wanted.no_indirect {
-        acked |= virtio::RING_INDIRECT_DESC;
+        acked |= feature(VIRTIO_RING_F_INDIRECT_DESC);
     }
     if wanted.access_platform {
-        acked |= virtio::ACCESS_PLATFORM;
+        acked |= feature(VIRTIO_F_ACCESS_PLATFORM);
     }
     acked & offered
 }
@@ -461,31 +465,37 @@ fn read_config(
     let (_, config) = wd.call("GET_CONFIG", || {
         frontend.get_config(
             0,
-            CONFIG_LEN,
+            CONFIG_LEN as u32,
             VhostUserConfigFlags::empty(),
-            &[0u8; CONFIG_LEN as usize],
+            &[0u8; CONFIG_LEN],
         )
     })?;
-    if config.len() < CONFIG_LEN as usize {
+    if config.len() < CONFIG_LEN {
         return Err(Error::Misbehaved(format!(
             "GET_CONFIG answered {} bytes of {CONFIG_LEN}",
             config.len()
         )));
     }
     let mut cap = [0u8; 8];
-    cap.copy_from_slice(&config[0..8]);
+    let at = offset_of!(virtio_blk_config, capacity);
+    cap.copy_from_slice(&config[at..at + 8]);
     let sectors = u64::from_le_bytes(cap);
     let capacity = sectors
         .checked_mul(devices::block::SECTOR_SIZE)
         .ok_or_else(|| Error::Misbehaved(format!("capacity of {sectors} sectors")))?;
     let limit = |f: u64, at: usize| (acked & f != 0).then(|| get_u32(&config, at));
-    let blk_size = limit(blk::BLK_SIZE, 20).unwrap_or(512);
+    let blk_size = limit(
+        feature(VIRTIO_BLK_F_BLK_SIZE),
+        offset_of!(virtio_blk_config, blk_size),
+    )
+    .unwrap_or(512);
     if !blk_size.is_power_of_two() || blk_size < 512 {
         return Err(Error::Misbehaved(format!("blk_size {blk_size}")));
     }
-    if acked & blk::MQ != 0 {
+    if acked & feature(VIRTIO_BLK_F_MQ) != 0 {
         let mut b = [0u8; 2];
-        b.copy_from_slice(&config[34..36]);
+        let at = offset_of!(virtio_blk_config, num_queues);
+        b.copy_from_slice(&config[at..at + 2]);
         queues = queues.min(u16::from_le_bytes(b).max(1));
     } else {
         queues = 1;
@@ -496,8 +506,16 @@ fn read_config(
         protocol: proto.bits(),
         capacity,
         blk_size,
-        size_max: limit(blk::SIZE_MAX, 8).filter(|&s| s > 0),
-        seg_max: limit(blk::SEG_MAX, 12).filter(|&s| s > 0),
+        size_max: limit(
+            feature(VIRTIO_BLK_F_SIZE_MAX),
+            offset_of!(virtio_blk_config, size_max),
+        )
+        .filter(|&s| s > 0),
+        seg_max: limit(
+            feature(VIRTIO_BLK_F_SEG_MAX),
+            offset_of!(virtio_blk_config, seg_max),
+        )
+        .filter(|&s| s > 0),
         queues,
     })
 }

@@ -16,10 +16,11 @@ use std::time::{Duration, Instant};
 use bounce::testing::workspace_bin;
 use bouncevm_load::{Error, LoadConfig, Rw};
 use bouncevm_vhost::{Memory, Server};
-use devices::block::{req_type, status};
-use devices::virtio::{
-    features, ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent,
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_F_ACCESS_PLATFORM,
+    VIRTIO_F_VERSION_1, VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
 };
+use devices::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
 use serde_json::Value;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes};
@@ -228,7 +229,7 @@ fn access_platform_is_negotiated_when_offered_and_refused_otherwise() {
         &["--access-platform", "--size", "1m", "--iodepth", "4"],
     );
     let acked = r["device"]["acked"].as_u64().unwrap();
-    assert_ne!(acked & features::ACCESS_PLATFORM, 0);
+    assert_ne!(acked & feature(VIRTIO_F_ACCESS_PLATFORM), 0);
     let (_q, qsock) = qsd(&d, &img, 1);
     let out = load(&["--socket", qsock.to_str().unwrap(), "--access-platform"]);
     assert!(!out.status.success());
@@ -385,7 +386,7 @@ struct FakeBlk {
 
 impl VirtioDevice<Memory> for FakeBlk {
     fn device_type(&self) -> u32 {
-        devices::virtio::device_type::BLOCK
+        VIRTIO_ID_BLOCK
     }
     fn num_queues(&self) -> usize {
         1
@@ -394,7 +395,7 @@ impl VirtioDevice<Memory> for FakeBlk {
         256
     }
     fn avail_features(&self) -> u64 {
-        features::VERSION_1 | features::RING_EVENT_IDX
+        feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX)
     }
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let mut c = [0u8; 60];
@@ -459,7 +460,7 @@ impl FakeWorker {
                 for d in &descs[1..descs.len() - 1] {
                     let len = d.len() as usize;
                     let range = at..at + len;
-                    if t == req_type::IN {
+                    if t == VIRTIO_BLK_T_IN {
                         mem.write_slice(&disk[range], d.addr())
                             .map_err(|e| broken(e.to_string()))?;
                     } else if self.fault != Fault::LoseWrites {
@@ -469,9 +470,9 @@ impl FakeWorker {
                     at += len;
                 }
                 let s = if self.fault == Fault::IoErr {
-                    status::IOERR
+                    VIRTIO_BLK_S_IOERR
                 } else {
-                    status::OK
+                    VIRTIO_BLK_S_OK
                 };
                 if self.fault != Fault::NoStatus {
                     mem.write_obj(s, st.addr())

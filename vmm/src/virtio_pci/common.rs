@@ -10,12 +10,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use devices::metrics::Counter;
-use devices::virtio::features as vf;
+use devices::virtio::spec::{
+    feature, VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
+    VIRTIO_F_VERSION_1,
+};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
 
 use super::msix::NO_VECTOR;
-use super::{status, Error, Result, COMMON_CFG_LEN};
+use super::{Error, Result, COMMON_CFG_LEN};
 
 /// Register offsets inside the structure.
 mod reg {
@@ -140,7 +143,7 @@ impl CommonConfig {
     pub fn status(&self) -> u8 {
         let mut s = self.status;
         if self.needs_reset.load(Ordering::SeqCst) {
-            s |= status::DEVICE_NEEDS_RESET;
+            s |= VIRTIO_CONFIG_S_NEEDS_RESET;
         }
         s
     }
@@ -318,7 +321,7 @@ impl CommonConfig {
     }
 
     fn write_driver_features(&mut self, v: u32) {
-        if self.status & status::FEATURES_OK != 0 {
+        if self.status & VIRTIO_CONFIG_S_FEATURES_OK != 0 {
             let sel = self.driver_feature_select;
             self.bad_write(
                 "feature write after FEATURES_OK",
@@ -355,7 +358,7 @@ impl CommonConfig {
             self.bad_write(what, format_args!("queue {i} does not exist"));
             return None;
         }
-        if self.queues[i].queue.ready() || self.status & status::DRIVER_OK != 0 {
+        if self.queues[i].queue.ready() || self.status & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
             self.bad_write(what, format_args!("queue {i} is already live"));
             return None;
         }
@@ -425,28 +428,33 @@ impl CommonConfig {
             );
             return None;
         }
-        let mut new = new & !status::DEVICE_NEEDS_RESET;
+        let mut new = new & !VIRTIO_CONFIG_S_NEEDS_RESET;
         let added = new & !old;
-        if added & status::FEATURES_OK != 0 && self.driver_features & vf::VERSION_1 == 0 {
+        if added & VIRTIO_CONFIG_S_FEATURES_OK != 0
+            && self.driver_features & feature(VIRTIO_F_VERSION_1) == 0
+        {
             // The device refuses: the driver re-reads status and sees FEATURES_OK clear. A
             // driver may retry forever: logged once, counted always.
             self.bad_write(
                 "features",
                 format_args!("VERSION_1 not accepted: FEATURES_OK refused"),
             );
-            new &= !status::FEATURES_OK;
+            new &= !VIRTIO_CONFIG_S_FEATURES_OK;
         }
         self.status = new;
-        (added & status::DRIVER_OK != 0).then_some(Effect::Activate)
+        (added & VIRTIO_CONFIG_S_DRIVER_OK != 0).then_some(Effect::Activate)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use devices::virtio::spec::{
+        VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_RING_F_EVENT_IDX,
+    };
     use vm_memory::GuestAddress;
 
-    const OFFERED: u64 = vf::VERSION_1 | vf::RING_EVENT_IDX | 1;
+    const OFFERED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX) | 1;
 
     fn setup() -> (CommonConfig, GuestMemoryMmap) {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
@@ -474,8 +482,13 @@ mod tests {
         w32(c, mem, reg::DRIVER_FEATURE_SELECT, 0);
         w32(c, mem, reg::DRIVER_FEATURE, 1);
         w32(c, mem, reg::DRIVER_FEATURE_SELECT, 1);
-        w32(c, mem, reg::DRIVER_FEATURE, (vf::VERSION_1 >> 32) as u32);
-        let s = status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK;
+        w32(
+            c,
+            mem,
+            reg::DRIVER_FEATURE,
+            (feature(VIRTIO_F_VERSION_1) >> 32) as u32,
+        );
+        let s = VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
         assert!(c.write(reg::DEVICE_STATUS, &[s], mem).is_empty());
     }
 
@@ -501,11 +514,11 @@ mod tests {
         assert_eq!(r(&c, reg::DRIVER_FEATURE, 4), 1, "bit 1 was never offered");
         assert_eq!(c.bad_writes(), 1);
         features_ok(&mut c, &mem);
-        assert_eq!(c.acked_features(), vf::VERSION_1 | 1);
+        assert_eq!(c.acked_features(), feature(VIRTIO_F_VERSION_1) | 1);
         // After FEATURES_OK the features are frozen.
         w32(&mut c, &mem, reg::DRIVER_FEATURE_SELECT, 0);
         w32(&mut c, &mem, reg::DRIVER_FEATURE, 0);
-        assert_eq!(c.acked_features(), vf::VERSION_1 | 1);
+        assert_eq!(c.acked_features(), feature(VIRTIO_F_VERSION_1) | 1);
         assert_eq!(c.bad_writes(), 2);
     }
 
@@ -513,7 +526,7 @@ mod tests {
     fn features_ok_without_version_1_is_refused() {
         let (mut c, mem) = setup();
         w32(&mut c, &mem, reg::DRIVER_FEATURE, 1);
-        c.write(reg::DEVICE_STATUS, &[status::FEATURES_OK], &mem);
+        c.write(reg::DEVICE_STATUS, &[VIRTIO_CONFIG_S_FEATURES_OK], &mem);
         assert_eq!(r(&c, reg::DEVICE_STATUS, 1), 0);
         assert_eq!(c.bad_writes(), 1);
     }
@@ -523,7 +536,10 @@ mod tests {
         let (mut c, mem) = setup();
         features_ok(&mut c, &mem);
         enable_queue(&mut c, &mem, 0, 0x1000);
-        let live = status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK;
+        let live = VIRTIO_CONFIG_S_ACKNOWLEDGE
+            | VIRTIO_CONFIG_S_DRIVER
+            | VIRTIO_CONFIG_S_FEATURES_OK
+            | VIRTIO_CONFIG_S_DRIVER_OK;
         assert_eq!(
             c.write(reg::DEVICE_STATUS, &[live], &mem),
             vec![Effect::Activate]
@@ -532,7 +548,7 @@ mod tests {
         assert!(c.write(reg::DEVICE_STATUS, &[live], &mem).is_empty());
         // Clearing a bit without a reset is refused.
         assert!(c
-            .write(reg::DEVICE_STATUS, &[status::ACKNOWLEDGE], &mem)
+            .write(reg::DEVICE_STATUS, &[VIRTIO_CONFIG_S_ACKNOWLEDGE], &mem)
             .is_empty());
         assert_eq!(r(&c, reg::DEVICE_STATUS, 1), u64::from(live));
         // The queue is live: its registers no longer change.
@@ -541,7 +557,7 @@ mod tests {
         c.set_needs_reset();
         assert_eq!(
             r(&c, reg::DEVICE_STATUS, 1),
-            u64::from(live | status::DEVICE_NEEDS_RESET)
+            u64::from(live | VIRTIO_CONFIG_S_NEEDS_RESET)
         );
         assert_eq!(c.write(reg::DEVICE_STATUS, &[0], &mem), vec![Effect::Reset]);
         c.reset();

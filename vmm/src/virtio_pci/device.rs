@@ -5,7 +5,10 @@ use devices::metrics::lock;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use devices::virtio::{features as vf, VirtioDevice};
+use devices::virtio::spec::{
+    feature, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_ID_BLOCK, VIRTIO_ID_NET, VIRTIO_RING_F_EVENT_IDX,
+};
+use devices::virtio::VirtioDevice;
 use kvm_ioctls::IoEventAddress;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryMmap;
@@ -86,8 +89,8 @@ fn vendor_cap(cfg_type: u8, offset: u64, length: u64, extra: Option<u32>) -> Vec
 /// The PCI identity of a virtio function of type `dev_type` (QEMU's, see the module doc).
 fn header(dev_type: u32) -> PciHeader {
     let (class, subclass) = match dev_type {
-        devices::virtio::device_type::NET => (0x02, 0x00),
-        devices::virtio::device_type::BLOCK => (0x01, 0x00),
+        VIRTIO_ID_NET => (0x02, 0x00),
+        VIRTIO_ID_BLOCK => (0x01, 0x00),
         _ => (0xff, 0x00),
     };
     PciHeader {
@@ -286,7 +289,7 @@ impl VirtioPciDevice {
     }
 
     fn activate(&mut self) {
-        if self.common.status() & status::FEATURES_OK == 0 {
+        if self.common.status() & VIRTIO_CONFIG_S_FEATURES_OK == 0 {
             self.fail_activation(format_args!("DRIVER_OK without FEATURES_OK"));
             return;
         }
@@ -303,7 +306,7 @@ impl VirtioPciDevice {
             }
         };
         self.activations += 1;
-        let event_idx = acked & vf::RING_EVENT_IDX != 0;
+        let event_idx = acked & feature(VIRTIO_RING_F_EVENT_IDX) != 0;
         let mut live = Vec::new();
         let mut setups = Vec::new();
         for w in workers {

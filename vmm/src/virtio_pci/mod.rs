@@ -84,22 +84,6 @@ pub mod cap_type {
     pub const DEVICE_CFG: u8 = 4;
 }
 
-/// Device status bits (virtio 1.2, 2.1).
-pub mod status {
-    /// The guest found the device.
-    pub const ACKNOWLEDGE: u8 = 1;
-    /// The guest has a driver for it.
-    pub const DRIVER: u8 = 2;
-    /// The driver is ready.
-    pub const DRIVER_OK: u8 = 4;
-    /// Feature negotiation is complete.
-    pub const FEATURES_OK: u8 = 8;
-    /// The device needs a reset.
-    pub const DEVICE_NEEDS_RESET: u8 = 0x40;
-    /// The driver gave up.
-    pub const FAILED: u8 = 0x80;
-}
-
 /// Errors building a virtio-pci function.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use devices::virtio::dispatch::{Dispatcher, Outcome};
+use devices::virtio::spec::{feature, VIRTIO_F_ACCESS_PLATFORM};
 use devices::virtio::{VirtioDevice, WorkerEvent};
 use serde_json::json;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -242,7 +243,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::RESET_DEVICE
             | VhostUserProtocolFeatures::STATUS;
-        if features & devices::virtio::features::ACCESS_PLATFORM != 0 {
+        if features & feature(VIRTIO_F_ACCESS_PLATFORM) != 0 {
             // QEMU refuses a backend that offers ACCESS_PLATFORM without the backend request
             // channel ("IOMMU support requires reply-ack and slave-req protocol features"):
             // it is where device-IOTLB misses would go with a vIOMMU. Without a vIOMMU QEMU
@@ -705,7 +706,8 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use devices::virtio::{features, ActivateError, QueueWorker, Signal, WorkerError};
+    use devices::virtio::spec::VIRTIO_F_VERSION_1;
+    use devices::virtio::{ActivateError, QueueWorker, Signal, WorkerError};
     use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
     use vm_memory::GuestAddress;
@@ -724,7 +726,7 @@ mod tests {
             16
         }
         fn avail_features(&self) -> u64 {
-            features::VERSION_1
+            feature(VIRTIO_F_VERSION_1)
         }
         fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
         fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
@@ -758,7 +760,7 @@ mod tests {
         let dev = Arc::new(VhostUserDevice::new(Counting(Arc::clone(&kicks))));
         let mem = AtomicMemory::new(Memory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap());
         dev.update_memory(mem.clone()).unwrap();
-        dev.acked_features(features::VERSION_1);
+        dev.acked_features(feature(VIRTIO_F_VERSION_1));
         let vring = <Vring as VringT<AtomicMemory>>::new(mem, 16).unwrap();
         vring.set_queue_size(16);
         vring.set_queue_info(0x1000, 0x2000, 0x3000).unwrap();

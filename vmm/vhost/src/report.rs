@@ -21,8 +21,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 
-/// virtio status bit DEVICE_NEEDS_RESET.
-pub const DEVICE_NEEDS_RESET: u8 = 0x40;
+use devices::virtio::spec::VIRTIO_CONFIG_S_NEEDS_RESET;
 
 /// Error reporting shared by the relay and the adapter of one connection.
 #[derive(Debug)]
@@ -113,7 +112,7 @@ impl Report {
     pub fn status(&self) -> u8 {
         let s = self.status.load(Ordering::Acquire);
         if self.needs_reset() {
-            s | DEVICE_NEEDS_RESET
+            s | VIRTIO_CONFIG_S_NEEDS_RESET
         } else {
             s
         }
@@ -170,7 +169,7 @@ mod tests {
         r.broken(&[0, 1]);
         assert_eq!(read(&e0), Some(1));
         assert_eq!(read(&e2), None, "queue 2's worker is not broken");
-        assert_eq!(r.status(), 0x0f | DEVICE_NEEDS_RESET);
+        assert_eq!(r.status(), 0x0f | VIRTIO_CONFIG_S_NEEDS_RESET);
         r.set_status(0);
         assert_eq!(r.status(), 0);
         r.broken(&[2]);

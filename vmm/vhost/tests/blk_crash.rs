@@ -11,11 +11,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bounce::testing::qemu_img_available;
-use devices::block::features as blk;
 use devices::testing::durable::{
     assert_acknowledged, crash_offset, crash_pattern, create_image, read_back,
 };
-use devices::virtio::features;
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX,
+};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::Driver;
 
@@ -23,7 +25,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
 /// What Linux's virtio_blk negotiates for the cache: FLUSH, and CONFIG_WCE so the device's
 /// cache mode decides the write cache (without CONFIG_WCE, negotiating FLUSH would turn the
 /// write cache on even with cache=writethrough, as in QEMU).
-const CACHE_FEATURES: u64 = blk::FLUSH | blk::CONFIG_WCE;
+const CACHE_FEATURES: u64 = feature(VIRTIO_BLK_F_FLUSH) | feature(VIRTIO_BLK_F_CONFIG_WCE);
 /// Writes in flight at once (the test driver's queue of 16 holds 8 two-descriptor chains).
 const WRITES: u64 = 8;
 
@@ -105,8 +107,10 @@ fn crash_after_acknowledged_writes(format: &str, cache: &str, aio: &str, flush: 
     let mut d = Driver::connect(&sock, 1);
     let offered = d.handshake().unwrap();
     assert_eq!(offered & CACHE_FEATURES, CACHE_FEATURES);
-    d.set_features(offered & (features::VERSION_1 | features::RING_EVENT_IDX | CACHE_FEATURES))
-        .unwrap();
+    d.set_features(
+        offered & (feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX) | CACHE_FEATURES),
+    )
+    .unwrap();
     d.setup_rings(1).unwrap();
     d.frontend.set_vring_enable(0, true).unwrap();
     for i in 0..WRITES {

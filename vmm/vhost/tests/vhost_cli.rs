@@ -3,6 +3,7 @@
 
 mod vhost_support;
 
+use devices::virtio::spec::{feature, VIRTIO_F_ACCESS_PLATFORM};
 use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -191,7 +192,7 @@ fn stats_socket_sigusr1_reconnect_and_sigterm() {
     for _ in 0..2 {
         let mut d = vhost_support::Driver::connect(&sock, 1);
         let offered = d.handshake().unwrap();
-        assert_ne!(offered & devices::virtio::features::ACCESS_PLATFORM, 0);
+        assert_ne!(offered & feature(VIRTIO_F_ACCESS_PLATFORM), 0);
         drop(d);
     }
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -257,7 +258,7 @@ fn no_access_platform_is_honoured() {
     ));
     let mut d = vhost_support::Driver::connect(&sock, 1);
     let offered = d.handshake().unwrap();
-    assert_eq!(offered & devices::virtio::features::ACCESS_PLATFORM, 0);
+    assert_eq!(offered & feature(VIRTIO_F_ACCESS_PLATFORM), 0);
 }
 
 /// --pidfile appears once the sockets accept connections and goes on exit; both sockets are

@@ -35,7 +35,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bouncevm_vhost::relay::{recv_message, send_message, Message, FLAG_NEED_REPLY, FLAG_VERSION};
-use devices::virtio::features;
+use devices::virtio::spec::{
+    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+};
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 use vhost_support::{blk_request, blk_session, blk_status, wait_used, BLK_DATA, BLK_IN, BLK_OUT};
@@ -114,8 +116,8 @@ fn num() -> impl Strategy<Value = u32> {
 
 fn feature_bits() -> impl Strategy<Value = u64> {
     prop_oneof![
-        Just(PROTOCOL_FEATURES | features::VERSION_1 | features::ACCESS_PLATFORM),
-        Just(PROTOCOL_FEATURES | features::VERSION_1 | features::RING_EVENT_IDX),
+        Just(PROTOCOL_FEATURES | feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_F_ACCESS_PLATFORM)),
+        Just(PROTOCOL_FEATURES | feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX)),
         any::<u64>(),
         any::<u32>().prop_map(|b| u64::from(b) | PROTOCOL_FEATURES),
     ]
@@ -199,7 +201,9 @@ fn start() -> Vec<(Msg, u32)> {
     [
         Msg::SetOwner,
         Msg::GetFeatures,
-        Msg::SetFeatures(PROTOCOL_FEATURES | features::VERSION_1 | features::RING_EVENT_IDX),
+        Msg::SetFeatures(
+            PROTOCOL_FEATURES | feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX),
+        ),
         Msg::GetProtocol,
         Msg::SetProtocol(REPLY_ACK | 0x200 | 0x1),
         Msg::MemTable(vec![good], 0),
@@ -630,7 +634,10 @@ fn run_case(server: &mut Server, s: &Session, case: u64) {
         std::thread::sleep(Duration::from_millis(5));
     }
     // A well-formed front end is served: 4 KiB written and read back.
-    let mut d = blk_session(&server.sock, features::VERSION_1 | features::RING_EVENT_IDX);
+    let mut d = blk_session(
+        &server.sock,
+        feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX),
+    );
     let sector = (case % 2000) * 8;
     let data: Vec<u8> = (0..4096u64).map(|i| (i ^ case) as u8).collect();
     blk_request(&mut d, 0, BLK_OUT, sector, Some(&data));

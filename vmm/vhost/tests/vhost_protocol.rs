@@ -14,7 +14,11 @@ use std::time::Duration;
 use bounce::Dma;
 use bouncevm_vhost::{Memory, Server, VhostUserDevice};
 use devices::net::{MemBackend, Net, NetBackend, NetConfig};
-use devices::virtio::{features, VirtioDevice};
+use devices::virtio::spec::{
+    feature, VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+    VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_RING_F_EVENT_IDX,
+};
+use devices::virtio::VirtioDevice;
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
@@ -106,11 +110,10 @@ fn wait_stats(
     }
 }
 
-const WANTED: u64 = features::VERSION_1 | features::RING_EVENT_IDX;
+const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
 const SET_VRING_ENABLE: u32 = 18;
 const FLAG_VERSION: u32 = 0x1;
 const FLAG_NEED_REPLY: u32 = 0x8;
-const NEEDS_RESET: u8 = 0x40;
 
 fn vring_state(index: u32, num: u32) -> Vec<u8> {
     let mut b = index.to_le_bytes().to_vec();
@@ -125,7 +128,7 @@ fn qemu_net_order(d: &mut Driver) -> vhost::Result<()> {
         offered & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits(),
         0
     );
-    assert_ne!(offered & features::ACCESS_PLATFORM, 0);
+    assert_ne!(offered & feature(VIRTIO_F_ACCESS_PLATFORM), 0);
     d.frontend.get_queue_num()?;
     d.raw_vring_enable(0, true);
     d.set_features(offered & WANTED)?;
@@ -355,7 +358,7 @@ fn rings_at_a_region_edge_break_the_worker_and_the_backend_keeps_answering() {
         let mut d = Driver::connect(&path, 1);
         d.handshake_with(VhostUserProtocolFeatures::STATUS).unwrap();
         // Without EVENT_IDX: re-arming notifications writes only the used flags, inside memory.
-        d.set_features(features::VERSION_1).unwrap();
+        d.set_features(feature(VIRTIO_F_VERSION_1)).unwrap();
         d.set_mem_table().unwrap();
         d.configure_ring(0, desc, avail, used).unwrap();
         d.frontend.set_vring_enable(0, true).unwrap();
@@ -369,7 +372,11 @@ fn rings_at_a_region_edge_break_the_worker_and_the_backend_keeps_answering() {
             d.wait_err(0, Duration::from_secs(10)),
             "{what}: the vring error fd was not signalled"
         );
-        assert_eq!(d.get_status() & NEEDS_RESET, NEEDS_RESET, "{what}");
+        assert_eq!(
+            d.get_status() & VIRTIO_CONFIG_S_NEEDS_RESET,
+            VIRTIO_CONFIG_S_NEEDS_RESET,
+            "{what}"
+        );
         let st = stats(&stats_path);
         assert_eq!(st["transport"]["broken_workers"], 1, "{what}: {st}");
         assert_eq!(st["report"]["needs_reset"], true, "{what}: {st}");
@@ -377,7 +384,7 @@ fn rings_at_a_region_edge_break_the_worker_and_the_backend_keeps_answering() {
         // The frontend stops the device: GET_VRING_BASE answers (nothing was consumed).
         assert_eq!(d.frontend.get_vring_base(0).unwrap(), 0, "{what}");
         // Restarted with good rings, the device serves again and the flag clears.
-        d.set_features(features::VERSION_1).unwrap();
+        d.set_features(feature(VIRTIO_F_VERSION_1)).unwrap();
         d.setup_rings(1).unwrap();
         d.frontend.set_vring_enable(0, true).unwrap();
         assert_eq!(
@@ -385,7 +392,7 @@ fn rings_at_a_region_edge_break_the_worker_and_the_backend_keeps_answering() {
             Some(&b"after"[..]),
             "{what}"
         );
-        assert_eq!(d.get_status() & NEEDS_RESET, 0, "{what}");
+        assert_eq!(d.get_status() & VIRTIO_CONFIG_S_NEEDS_RESET, 0, "{what}");
         drop(d);
         stop.stop();
         server.join().unwrap();
@@ -644,7 +651,7 @@ fn rx_buffers_a_waiting_frame_holds_survive_a_stop_and_are_served_after_it() {
     let (path, stats_path, server, stop) = start_server_with_stats("netstop.sock", net);
     let mut d = Driver::connect(&path, 3);
     let offered = d.handshake().unwrap();
-    let acked = offered & (features::VERSION_1 | devices::net::features::MRG_RXBUF);
+    let acked = offered & (feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_MRG_RXBUF));
     net_start(&mut d, &[(0, true), (1, true)], acked);
     d.setup_rings(2).unwrap();
     // One 600-byte buffer for a 3000-byte frame: the worker holds it and waits for more.
@@ -701,9 +708,9 @@ fn mq_net_is_served_as_qemu_negotiates_it_pairs_follow_vring_enable() {
     let mut d = Driver::connect(&path, 5);
     let offered = d.handshake().unwrap();
     assert_eq!(d.frontend.get_queue_num().unwrap(), 5);
-    let mq = devices::net::features::MQ;
+    let mq = feature(VIRTIO_NET_F_MQ);
     assert_ne!(offered & mq, 0);
-    let acked = offered & (features::VERSION_1 | mq);
+    let acked = offered & (feature(VIRTIO_F_VERSION_1) | mq);
     net_start(
         &mut d,
         &[(0, true), (1, true), (2, false), (3, false)],
@@ -832,7 +839,7 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
         let (path, stats_path, server, stop) = start_server_with_stats("nettapgone.sock", net);
         let mut d = Driver::connect(&path, 3);
         d.handshake().unwrap();
-        net_start(&mut d, &[(0, true), (1, true)], features::VERSION_1);
+        net_start(&mut d, &[(0, true), (1, true)], feature(VIRTIO_F_VERSION_1));
         d.setup_rings(2).unwrap();
         sync(&mut d);
         let tx = |d: &mut Driver, i: u16| {

@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bouncevm_vhost::Memory;
-use devices::virtio::{
-    features, ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent,
+use devices::virtio::spec::{
+    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
+use devices::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
@@ -78,7 +79,9 @@ impl VirtioDevice<Memory> for EchoDevice {
         vec![(0..self.queues as u16).collect()]
     }
     fn avail_features(&self) -> u64 {
-        features::VERSION_1 | features::RING_EVENT_IDX | features::ACCESS_PLATFORM
+        feature(VIRTIO_F_VERSION_1)
+            | feature(VIRTIO_RING_F_EVENT_IDX)
+            | feature(VIRTIO_F_ACCESS_PLATFORM)
     }
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         for (i, b) in data.iter_mut().enumerate() {
