@@ -14,7 +14,8 @@ use std::sync::Arc;
 use bounce::{AllocatorKind, BouncePool, Dma, Policy, PoolConfig};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use devices::block::{Block, BlockConfig, MemDisk};
-use devices::testing::{first_fit_pool, Buf, TestDriver};
+use devices::testing::{first_fit_pool, TestDriver};
+use devices::virtio::driver::Buf;
 use devices::virtio::spec::{VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT};
 
 const BATCH: usize = 32;

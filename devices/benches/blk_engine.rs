@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 use bounce::{BouncePool, Dma, Policy, PoolConfig};
 use devices::block::io::{AioMode, CacheMode, RawDisk};
 use devices::block::{Block, BlockConfig};
-use devices::testing::{Buf, TestDriver};
+use devices::testing::TestDriver;
+use devices::virtio::driver::Buf;
 use devices::virtio::spec::VIRTIO_BLK_T_IN;
 
 const DEPTH: usize = 32;

@@ -12,7 +12,8 @@ use std::time::Duration;
 use bounce::{BouncePool, Dma, Policy, PoolConfig};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use devices::net::{Net, NetBackend, NetConfig, NullBackend, VnetHeader};
-use devices::testing::{Buf, TestDriver};
+use devices::testing::TestDriver;
+use devices::virtio::driver::Buf;
 use devices::virtio::spec::{feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1};
 
 const BATCH: usize = 64;

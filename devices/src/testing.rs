@@ -1,16 +1,16 @@
-//! A test-side virtio driver: split virtqueues in a `GuestMemoryMmap`, feature negotiation,
-//! descriptor chains (direct, indirect, or raw and hostile), kicks and used-ring reaping.
+//! A test harness that drives a device in-process: guest memory, feature negotiation, the
+//! driver side of every queue ([`DriverQueue`]), kicks and used-ring reaping.
 //!
 //! Compiled for this crate's tests and, for other crates and integration tests, with the
-//! `test-utils` feature. It plays both the guest driver and the transport: it programs a
-//! [`virtio_queue::Queue`] the way virtio-pci or vhost-user would, and calls the device's
-//! workers the way the transport's event loop would.
+//! `test-utils` feature. It plays both the guest driver and the transport: it writes chains
+//! with [`crate::virtio::driver`], programs a [`virtio_queue::Queue`] the way virtio-pci or
+//! vhost-user would, and calls the device's workers the way the transport's event loop would.
 //!
 //! # Using it
 //! ```no_run
 //! # #[cfg(feature = "test-utils")] {
-//! use devices::testing::{Buf, TestDriver};
-//! use devices::virtio::features::VERSION_1;
+//! use devices::testing::TestDriver;
+//! use devices::virtio::driver::Buf;
 //! # fn dev() -> devices::block::Block<devices::block::MemDisk> { unimplemented!() }
 //! let mut drv = TestDriver::new(dev(), 1 << 24);          // 16 MiB of guest RAM
 //! drv.negotiate(u64::MAX);                                // ack everything offered
@@ -30,15 +30,11 @@
 //! - [`GuestRam`]: guest memory (one region at 0, or several with holes) with a bump
 //!   allocator ([`GuestRam::alloc`]) and byte helpers ([`GuestRam::write`],
 //!   [`GuestRam::read`]). Addresses at or above [`GuestRam::size`] are outside guest memory.
-//! - [`TestQueue`]: one split virtqueue's rings in guest memory and the driver's view of them
-//!   (free descriptors, shadow avail index, last seen used index). [`TestQueue::add_chain`] and
-//!   [`TestQueue::add_indirect`] write a chain and return its head; [`TestQueue::publish`]
-//!   puts a head on the available ring; [`TestQueue::write_desc`] writes any raw descriptor
-//!   (loops, bad indexes, nested indirect tables) for hostile tests; [`TestQueue::reap`] reads
-//!   new used entries and frees their descriptors; [`TestQueue::set_used_event`] and
-//!   [`TestQueue::avail_event`] handle EVENT_IDX from the driver's side.
+//!   [`GuestRam::new_queue`] lays out a queue and returns its [`DriverQueue`], which writes
+//!   chains (or any raw descriptor, for hostile tests), publishes heads and reads the used
+//!   ring; [`device_queue`] programs the device's [`virtio_queue::Queue`] for the same layout.
 //! - [`TestDriver`]: a device, its guest RAM, its queues (both the device's
-//!   [`virtio_queue::Queue`] and the driver's [`TestQueue`]) and its workers.
+//!   [`virtio_queue::Queue`] and the driver's [`DriverQueue`]) and its workers.
 //!   [`TestDriver::negotiate`] acks features, [`TestDriver::activate`] lays out the queues
 //!   and calls [`VirtioDevice::activate`], [`TestDriver::post`] / [`TestDriver::post_indirect`]
 //!   add and publish chains, [`TestDriver::kick`] runs the owning worker with
@@ -56,16 +52,15 @@
 pub mod durable;
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::virtio::dispatch::{Dispatcher, Outcome};
-use crate::virtio::ring;
+use crate::virtio::driver::{Buf, DriverQueue, Layout, Used};
 use crate::virtio::spec::{
-    feature, VIRTIO_RING_F_EVENT_IDX, VRING_AVAIL_F_NO_INTERRUPT, VRING_DESC_F_INDIRECT,
-    VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
+    feature, VIRTIO_RING_F_EVENT_IDX, VRING_AVAIL_ALIGN_SIZE, VRING_DESC_ALIGN_SIZE,
+    VRING_USED_ALIGN_SIZE,
 };
 use crate::virtio::{ActivateError, Signal, VirtioDevice, WorkerError, WorkerEvent};
 
@@ -123,6 +118,24 @@ impl GuestRam {
         a
     }
 
+    /// Lays out a queue of `size` (a power of two) in fresh guest RAM, each part with the
+    /// alignment the specification asks for, and returns the driver's view of it.
+    ///
+    /// # Panics
+    /// When guest RAM is exhausted or `size` is not a power of two (a test setup failure).
+    pub fn new_queue(&mut self, size: u16, event_idx: bool) -> DriverQueue {
+        let layout = Layout {
+            size,
+            desc: self.alloc(Layout::desc_table_bytes(size), VRING_DESC_ALIGN_SIZE.into()),
+            avail: self.alloc(
+                Layout::avail_ring_bytes(size),
+                VRING_AVAIL_ALIGN_SIZE.into(),
+            ),
+            used: self.alloc(Layout::used_ring_bytes(size), VRING_USED_ALIGN_SIZE.into()),
+        };
+        DriverQueue::new(layout, event_idx).expect("valid test queue layout")
+    }
+
     /// Writes `bytes` at `addr`.
     ///
     /// # Panics
@@ -146,242 +159,25 @@ impl GuestRam {
     }
 }
 
-/// One buffer of a chain as the driver posts it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Buf {
-    /// Guest address.
-    pub addr: u64,
-    /// Length.
-    pub len: u32,
-    /// The device writes it (VRING_DESC_F_WRITE).
-    pub writable: bool,
-}
-
-impl Buf {
-    /// A device-readable buffer.
-    pub fn ro(addr: u64, len: u32) -> Self {
-        Self {
-            addr,
-            len,
-            writable: false,
-        }
-    }
-
-    /// A device-writable buffer.
-    pub fn wo(addr: u64, len: u32) -> Self {
-        Self {
-            addr,
-            len,
-            writable: true,
-        }
-    }
-}
-
-/// A raw split-ring descriptor, written as is (the layout is [`crate::virtio::ring`]'s).
-pub use crate::virtio::ring::Desc as RawDesc;
-/// A used-ring entry.
-pub use crate::virtio::ring::Used;
-
-/// The driver side of one split virtqueue.
-#[derive(Debug)]
-pub struct TestQueue {
-    /// Queue size.
-    pub size: u16,
-    /// Descriptor table address.
-    pub desc: u64,
-    /// Available ring address.
-    pub avail: u64,
-    /// Used ring address.
-    pub used: u64,
-    free: Vec<u16>,
-    in_flight: HashMap<u16, Vec<u16>>,
-    avail_idx: u16,
-    last_used: u16,
-}
-
-impl TestQueue {
-    /// Lays out a queue of `size` (a power of two) in `ram`.
-    pub fn new(ram: &mut GuestRam, size: u16) -> Self {
-        let desc = ram.alloc(ring::desc_table_bytes(size), 16);
-        let avail = ram.alloc(ring::avail_ring_bytes(size), 2);
-        let used = ram.alloc(ring::used_ring_bytes(size), 4);
-        Self {
-            size,
-            desc,
-            avail,
-            used,
-            free: (0..size).rev().collect(),
-            in_flight: HashMap::new(),
-            avail_idx: 0,
-            last_used: 0,
-        }
-    }
-
-    /// A [`Queue`] programmed as a transport would: size, ring addresses, EVENT_IDX per the
-    /// negotiated features, ready.
-    ///
-    /// # Panics
-    /// When the device's maximum is smaller than this queue (a test setup failure).
-    pub fn to_queue(&self, max_size: u16, event_idx: bool) -> Queue {
-        let mut q = Queue::new(max_size).expect("valid max queue size");
-        q.try_set_size(self.size)
-            .expect("test queue size is a power of two within the device's maximum");
-        let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
-        let (l, h) = split(self.desc);
-        q.set_desc_table_address(l, h);
-        let (l, h) = split(self.avail);
-        q.set_avail_ring_address(l, h);
-        let (l, h) = split(self.used);
-        q.set_used_ring_address(l, h);
-        q.set_event_idx(event_idx);
-        q.set_ready(true);
-        q
-    }
-
-    /// Free descriptors left.
-    pub fn free_descs(&self) -> usize {
-        self.free.len()
-    }
-
-    /// Writes a raw descriptor at `index` of the table (no bookkeeping: for hostile tests).
-    pub fn write_desc(&self, ram: &GuestRam, index: u16, d: RawDesc) {
-        ram.write(self.desc + 16 * u64::from(index), &d.to_bytes());
-    }
-
-    /// Writes `bufs` as a chain of direct descriptors and returns its head (not yet
-    /// published). `None` when not enough descriptors are free.
-    pub fn add_chain(&mut self, ram: &GuestRam, bufs: &[Buf]) -> Option<u16> {
-        if bufs.is_empty() || bufs.len() > self.free.len() {
-            return None;
-        }
-        let idx: Vec<u16> = (0..bufs.len()).filter_map(|_| self.free.pop()).collect();
-        for (i, b) in bufs.iter().enumerate() {
-            let last = i + 1 == bufs.len();
-            let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
-            let next = if last {
-                0
-            } else {
-                flags |= VRING_DESC_F_NEXT;
-                idx[i + 1]
-            };
-            self.write_desc(
-                ram,
-                idx[i],
-                RawDesc {
-                    addr: b.addr,
-                    len: b.len,
-                    flags,
-                    next,
-                },
-            );
-        }
-        let head = idx[0];
-        self.in_flight.insert(head, idx);
-        Some(head)
-    }
-
-    /// Writes `bufs` as an indirect table in fresh guest memory and one descriptor pointing
-    /// to it; returns the head (not yet published).
-    pub fn add_indirect(&mut self, ram: &mut GuestRam, bufs: &[Buf]) -> Option<u16> {
-        if bufs.is_empty() {
-            return None;
-        }
-        let table = ram.alloc(16 * bufs.len() as u64, 16);
-        for (i, b) in bufs.iter().enumerate() {
-            let last = i + 1 == bufs.len();
-            let mut flags = if b.writable { VRING_DESC_F_WRITE } else { 0 };
-            if !last {
-                flags |= VRING_DESC_F_NEXT;
-            }
-            let d = RawDesc {
-                addr: b.addr,
-                len: b.len,
-                flags,
-                next: if last { 0 } else { (i + 1) as u16 },
-            };
-            ram.write(table + 16 * i as u64, &d.to_bytes());
-        }
-        let head = self.free.pop()?;
-        self.write_desc(
-            ram,
-            head,
-            RawDesc {
-                addr: table,
-                len: 16 * bufs.len() as u32,
-                flags: VRING_DESC_F_INDIRECT,
-                next: 0,
-            },
-        );
-        self.in_flight.insert(head, vec![head]);
-        Some(head)
-    }
-
-    /// Puts `head` on the available ring and publishes the new index.
-    pub fn publish(&mut self, ram: &GuestRam, head: u16) {
-        let at = self.avail + ring::avail_entry(self.size, self.avail_idx);
-        ram.write(at, &head.to_le_bytes());
-        self.avail_idx = self.avail_idx.wrapping_add(1);
-        self.set_avail_idx(ram, self.avail_idx);
-    }
-
-    /// Writes the available index as is (hostile tests may set any value).
-    pub fn set_avail_idx(&self, ram: &GuestRam, idx: u16) {
-        ram.mem()
-            .store(idx.to_le(), GuestAddress(self.avail + 2), Ordering::Release)
-            .expect("avail ring in guest memory");
-    }
-
-    /// The driver's shadow of the available index.
-    pub fn avail_idx(&self) -> u16 {
-        self.avail_idx
-    }
-
-    /// Sets `used_event` (the last word of the available ring): with EVENT_IDX the device
-    /// notifies when its used index passes this value.
-    pub fn set_used_event(&self, ram: &GuestRam, v: u16) {
-        ram.write(self.avail + ring::used_event(self.size), &v.to_le_bytes());
-    }
-
-    /// Sets or clears VRING_AVAIL_F_NO_INTERRUPT.
-    pub fn set_no_interrupt(&self, ram: &GuestRam, on: bool) {
-        let f: u16 = if on { VRING_AVAIL_F_NO_INTERRUPT } else { 0 };
-        ram.write(self.avail, &f.to_le_bytes());
-    }
-
-    /// `avail_event` (the last word of the used ring): with EVENT_IDX the driver kicks when
-    /// its available index passes this value.
-    pub fn avail_event(&self, ram: &GuestRam) -> u16 {
-        let b = ram.read(self.used + ring::avail_event(self.size), 2);
-        u16::from_le_bytes([b[0], b[1]])
-    }
-
-    /// The device's used index.
-    pub fn used_idx(&self, ram: &GuestRam) -> u16 {
-        let v: u16 = ram
-            .mem()
-            .load(GuestAddress(self.used + 2), Ordering::Acquire)
-            .expect("used ring in guest memory");
-        u16::from_le(v)
-    }
-
-    /// Reads the used entries added since the last call and frees their descriptors.
-    pub fn reap(&mut self, ram: &GuestRam) -> Vec<Used> {
-        let idx = self.used_idx(ram);
-        let mut out = Vec::new();
-        while self.last_used != idx {
-            let b = ram.read(self.used + ring::used_entry(self.size, self.last_used), 8);
-            let id = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            let len = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-            if let Ok(h) = u16::try_from(id) {
-                if let Some(descs) = self.in_flight.remove(&h) {
-                    self.free.extend(descs);
-                }
-            }
-            out.push(Used { id, len });
-            self.last_used = self.last_used.wrapping_add(1);
-        }
-        out
-    }
+/// A [`Queue`] programmed as a transport would for a queue at `layout`: size, ring
+/// addresses, EVENT_IDX per the negotiated features, ready.
+///
+/// # Panics
+/// When the device's maximum is smaller than the queue (a test setup failure).
+pub fn device_queue(layout: &Layout, max_size: u16, event_idx: bool) -> Queue {
+    let mut q = Queue::new(max_size).expect("valid max queue size");
+    q.try_set_size(layout.size)
+        .expect("test queue size is a power of two within the device's maximum");
+    let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
+    let (l, h) = split(layout.desc);
+    q.set_desc_table_address(l, h);
+    let (l, h) = split(layout.avail);
+    q.set_avail_ring_address(l, h);
+    let (l, h) = split(layout.used);
+    q.set_used_ring_address(l, h);
+    q.set_event_idx(event_idx);
+    q.set_ready(true);
+    q
 }
 
 /// A device, its guest RAM, queues and workers, driven synchronously.
@@ -391,7 +187,7 @@ pub struct TestDriver<D: VirtioDevice<GuestMemoryMmap>> {
     /// The device.
     pub device: D,
     /// The driver side of each queue.
-    pub vqs: Vec<TestQueue>,
+    pub vqs: Vec<DriverQueue>,
     /// The device side of each queue (what the transport holds).
     pub queues: Vec<Queue>,
     workers: Vec<Dispatcher<GuestMemoryMmap>>,
@@ -446,12 +242,12 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
         let max = self.device.queue_max_size();
         let event_idx = self.acked & feature(VIRTIO_RING_F_EVENT_IDX) != 0;
         self.vqs = (0..n)
-            .map(|_| TestQueue::new(&mut self.ram, queue_size))
+            .map(|_| self.ram.new_queue(queue_size, event_idx))
             .collect();
         self.queues = self
             .vqs
             .iter()
-            .map(|v| v.to_queue(max, event_idx))
+            .map(|v| device_queue(&v.layout(), max, event_idx))
             .collect();
         for q in &self.queues {
             assert!(q.is_valid(self.ram.mem()), "test queue layout is invalid");
@@ -515,27 +311,53 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
         self.signals.get(usize::from(q)).copied().unwrap_or(0)
     }
 
-    /// Adds and publishes a direct chain on queue `q`; returns its head, `None` when the queue
-    /// has too few free descriptors.
+    /// Adds and publishes a direct chain on queue `q`; returns its head, `None` when `bufs` is
+    /// empty or the queue has too few free descriptors.
+    ///
+    /// # Panics
+    /// When a ring is outside guest memory (a test setup failure).
     pub fn post(&mut self, q: u16, bufs: &[Buf]) -> Option<u16> {
         let vq = &mut self.vqs[usize::from(q)];
-        let head = vq.add_chain(&self.ram, bufs)?;
-        vq.publish(&self.ram, head);
+        if bufs.is_empty() || vq.free_descs() < bufs.len() {
+            return None;
+        }
+        let head = vq.add_chain(self.ram.mem(), bufs).expect("test chain");
+        self.publish_raw(q, head);
         Some(head)
     }
 
-    /// Adds and publishes an indirect chain on queue `q`.
+    /// Adds and publishes an indirect chain on queue `q` (its table in fresh guest RAM);
+    /// `None` when `bufs` is empty or the queue has no free descriptor.
+    ///
+    /// # Panics
+    /// As [`TestDriver::post`].
     pub fn post_indirect(&mut self, q: u16, bufs: &[Buf]) -> Option<u16> {
+        if bufs.is_empty() {
+            return None;
+        }
+        let table = self.ram.alloc(16 * bufs.len() as u64, 16);
         let vq = &mut self.vqs[usize::from(q)];
-        let head = vq.add_indirect(&mut self.ram, bufs)?;
-        vq.publish(&self.ram, head);
+        if vq.free_descs() == 0 {
+            return None;
+        }
+        let head = vq
+            .add_indirect(self.ram.mem(), table, bufs)
+            .expect("test chain");
+        self.publish_raw(q, head);
         Some(head)
     }
 
-    /// Publishes a head whose descriptors the test wrote itself with
-    /// [`TestQueue::write_desc`].
+    /// Puts `head` on queue `q`'s available ring and publishes it: for chains the test wrote
+    /// itself with [`DriverQueue::write_desc`].
+    ///
+    /// # Panics
+    /// When the ring is outside guest memory (a test setup failure).
     pub fn publish_raw(&mut self, q: u16, head: u16) {
-        self.vqs[usize::from(q)].publish(&self.ram, head);
+        let vq = &mut self.vqs[usize::from(q)];
+        vq.push(self.ram.mem(), head)
+            .expect("avail ring in guest memory");
+        vq.publish(self.ram.mem())
+            .expect("avail ring in guest memory");
     }
 
     /// Runs worker `w` through the transports' [`Dispatcher`], so tests run under the
@@ -598,9 +420,17 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
         self.run(w, WorkerEvent::Fd(token))
     }
 
-    /// New used entries of queue `q`.
+    /// New used entries of queue `q`; their descriptors are free again.
+    ///
+    /// # Panics
+    /// When the used ring is outside guest memory or its index runs away.
     pub fn reap(&mut self, q: u16) -> Vec<Used> {
-        self.vqs[usize::from(q)].reap(&self.ram)
+        let vq = &mut self.vqs[usize::from(q)];
+        let mut out = Vec::new();
+        while let Some(u) = vq.next_used(self.ram.mem()).expect("used ring") {
+            out.push(u);
+        }
+        out
     }
 
     /// Reaps queue `q` until `n` used entries arrived, running its worker on each of the

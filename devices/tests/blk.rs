@@ -659,25 +659,27 @@ fn event_idx_suppresses_and_re_arms() {
     );
     assert_ne!(blk.drv.acked() & feature(VIRTIO_RING_F_EVENT_IDX), 0);
     // used_event = 0: the first completion (used idx 0 -> 1) notifies.
-    blk.drv.vqs[0].set_used_event(&blk.drv.ram, 0);
+    blk.drv.vqs[0].set_used_event(blk.drv.ram.mem(), 0).unwrap();
     let p = blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     let sig = blk.drv.kick(0).unwrap();
     assert!(sig.has(0));
     blk.drv.reap(0);
     let _ = p;
     // The device re-armed: avail_event is where it will look next.
-    assert_eq!(blk.drv.vqs[0].avail_event(&blk.drv.ram), 1);
+    assert_eq!(blk.drv.vqs[0].avail_event(blk.drv.ram.mem()).unwrap(), 1);
     // used_event far ahead: completions do not notify.
-    blk.drv.vqs[0].set_used_event(&blk.drv.ram, 100);
+    blk.drv.vqs[0]
+        .set_used_event(blk.drv.ram.mem(), 100)
+        .unwrap();
     for _ in 0..3 {
         blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     }
     let sig = blk.drv.kick(0).unwrap();
     assert!(!sig.has(0));
     assert_eq!(blk.drv.reap(0).len(), 3);
-    assert_eq!(blk.drv.vqs[0].avail_event(&blk.drv.ram), 4);
+    assert_eq!(blk.drv.vqs[0].avail_event(blk.drv.ram.mem()).unwrap(), 4);
     // used_event = 5: the batch 4 -> 8 crosses it and notifies once.
-    blk.drv.vqs[0].set_used_event(&blk.drv.ram, 5);
+    blk.drv.vqs[0].set_used_event(blk.drv.ram.mem(), 5).unwrap();
     for _ in 0..4 {
         blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     }
@@ -692,10 +694,14 @@ fn event_idx_suppresses_and_re_arms() {
         Dma::direct(),
         feature(VIRTIO_RING_F_EVENT_IDX),
     );
-    blk.drv.vqs[0].set_no_interrupt(&blk.drv.ram, true);
+    blk.drv.vqs[0]
+        .set_no_interrupt(blk.drv.ram.mem(), true)
+        .unwrap();
     blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     assert!(!blk.drv.kick(0).unwrap().has(0));
-    blk.drv.vqs[0].set_no_interrupt(&blk.drv.ram, false);
+    blk.drv.vqs[0]
+        .set_no_interrupt(blk.drv.ram.mem(), false)
+        .unwrap();
     blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
     assert!(blk.drv.kick(0).unwrap().has(0));
     // A kick with nothing new asks for no notification.

@@ -15,7 +15,8 @@ use bounce::{Direction, Dma, Policy, PoolConfig};
 use common::{header, pattern, RAM};
 use devices::block::io::{AioMode, CacheMode, OnFull, RawDisk};
 use devices::block::{Block, BlockConfig, Disk, MemDisk};
-use devices::testing::{dma_matrix, Buf, TestDriver, Used};
+use devices::testing::{dma_matrix, TestDriver};
+use devices::virtio::driver::{Buf, Used};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
     VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,

@@ -24,7 +24,8 @@ use common::fuzz::{
 };
 use common::*;
 use devices::block::{BlockConfig, MemDisk};
-use devices::testing::{RawDesc, TestDriver};
+use devices::testing::TestDriver;
+use devices::virtio::driver::{self, Desc};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
@@ -128,7 +129,7 @@ fn run_case(c: &Case) {
     let resolve = |f: &FuzzDesc| tg.resolve(f);
     let status_area = blk.drv.ram.alloc(64, 1);
     canary(&blk.drv.ram, status_area, 64);
-    let mut descs: Vec<RawDesc> = Vec::new();
+    let mut descs: Vec<Desc> = Vec::new();
     let mut heads: Vec<u16> = c.heads.iter().map(|h| h % qsize).collect();
     if let Some(chains) = &c.structured {
         // Well-formed requests: header, data (direction by type), status.
@@ -145,21 +146,21 @@ fn run_case(c: &Case) {
                 let last = j + 1 == n;
                 let next = descs.len() as u16 + 1;
                 descs.push(if j == 0 {
-                    RawDesc {
+                    Desc {
                         addr: hdrs[k % hdrs.len()],
                         len: 16,
                         flags: 1,
                         next,
                     }
                 } else if last {
-                    RawDesc {
+                    Desc {
                         addr: status_area + k as u64,
                         len: 1,
                         flags: 2,
                         next: 0,
                     }
                 } else {
-                    RawDesc {
+                    Desc {
                         addr: data + 4096 * u64::from(j),
                         len: 512 * u32::from(j),
                         flags: 1 | w,
@@ -179,7 +180,7 @@ fn run_case(c: &Case) {
                 2 => d.flags = f.flags,
                 3 => d.next = f.next,
                 _ => {
-                    *d = RawDesc {
+                    *d = Desc {
                         addr,
                         len,
                         flags: f.flags,
@@ -197,18 +198,20 @@ fn run_case(c: &Case) {
     let mut w = Writable::default();
     for (i, f) in c.table.iter().take(usize::from(qsize)).enumerate() {
         let (addr, len) = resolve(f);
-        let d = descs.get(i).copied().unwrap_or(RawDesc {
+        let d = descs.get(i).copied().unwrap_or(Desc {
             addr,
             len,
             flags: f.flags,
             next: f.next,
         });
         w.note(&d);
-        blk.drv.vqs[0].write_desc(&blk.drv.ram, i as u16, d);
+        blk.drv.vqs[0]
+            .write_desc(blk.drv.ram.mem(), i as u16, d)
+            .unwrap();
     }
     for f in &c.indirect {
         let (addr, len) = resolve(f);
-        w.note(&RawDesc {
+        w.note(&Desc {
             addr,
             len,
             flags: f.flags,
@@ -219,10 +222,10 @@ fn run_case(c: &Case) {
         mut allowed,
         bytes: writable_bytes,
     } = w;
-    let vq = &blk.drv.vqs[0];
-    allowed.push((vq.used, vq.used + 6 + 8 * u64::from(qsize)));
+    let l = blk.drv.vqs[0].layout();
+    allowed.push((l.used, l.used + driver::Layout::used_ring_bytes(qsize)));
     // The avail ring: the test (the driver) publishes into it between kicks.
-    allowed.push((vq.avail, vq.avail + 6 + 2 * u64::from(qsize)));
+    allowed.push((l.avail, l.avail + driver::Layout::avail_ring_bytes(qsize)));
     let hw = blk.drv.ram.alloc(1, 1);
     let before = snapshot(&blk.drv.ram, hw);
     // The pools are shared by every case: count this case's slots only (a failed case, e.g.
@@ -572,8 +575,8 @@ fn run_oracle(c: &OracleCase) {
                 ]
             })
             .collect();
-        let vq = &blk.drv.vqs[0];
-        allowed.push((vq.used, vq.used + 6 + 8 * u64::from(qsize)));
+        let l = blk.drv.vqs[0].layout();
+        allowed.push((l.used, l.used + driver::Layout::used_ring_bytes(qsize)));
         let hw = blk.drv.ram.alloc(1, 1);
         let before = snapshot(&blk.drv.ram, hw);
         blk.drv

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use bounce::{Direction, Dma, Policy, PoolConfig};
 use common::*;
 use devices::block::{BlockConfig, Disk, MemDisk};
-use devices::testing::{first_fit_pool, RawDesc};
+use devices::testing::first_fit_pool;
+use devices::virtio::driver::{write_table_desc, Desc, Used};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
     VIRTIO_RING_F_INDIRECT_DESC, VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
@@ -47,19 +48,21 @@ fn dmas() -> Vec<(String, Dma)> {
 
 /// Writes `descs` at table indexes `base..`, links each to the next when it has NEXT and
 /// `next` is 0, and publishes `base`.
-fn publish(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) {
+fn publish(blk: &mut Blk<MemDisk>, base: u16, descs: &[Desc]) {
     for (i, d) in descs.iter().enumerate() {
         let mut d = *d;
         if d.flags & N != 0 && d.next == 0 {
             d.next = base + i as u16 + 1;
         }
-        blk.drv.vqs[0].write_desc(&blk.drv.ram, base + i as u16, d);
+        blk.drv.vqs[0]
+            .write_desc(blk.drv.ram.mem(), base + i as u16, d)
+            .unwrap();
     }
     blk.drv.publish_raw(0, base);
 }
 
 /// [`publish`], then kicks. Returns the used entries.
-fn raw(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) -> Vec<devices::testing::Used> {
+fn raw(blk: &mut Blk<MemDisk>, base: u16, descs: &[Desc]) -> Vec<Used> {
     publish(blk, base, descs);
     blk.drv.kick(0).expect("the device must keep serving");
     blk.drv.reap(0)
@@ -67,7 +70,7 @@ fn raw(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) -> Vec<devices::tes
 
 /// Writes `descs` as [`raw`] does, for a chain the device cannot serve: the kick must stop the
 /// device (DEVICE_NEEDS_RESET) with no used entry; the driver then resets and re-activates it.
-fn unusable(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) {
+fn unusable(blk: &mut Blk<MemDisk>, base: u16, descs: &[Desc]) {
     publish(blk, base, descs);
     let e = blk.drv.kick(0).expect_err("the device must stop");
     assert!(
@@ -80,8 +83,8 @@ fn unusable(blk: &mut Blk<MemDisk>, base: u16, descs: &[RawDesc]) {
     blk.drv.activate(64).expect("re-activate after a reset");
 }
 
-fn d(addr: u64, len: u32, flags: u16) -> RawDesc {
-    RawDesc {
+fn d(addr: u64, len: u32, flags: u16) -> Desc {
+    Desc {
         addr,
         len,
         flags,
@@ -136,7 +139,7 @@ fn descriptor_loop() {
             40,
             &[
                 d(b.hdr, 16, N),
-                RawDesc {
+                Desc {
                     addr: b.data,
                     len: 512,
                     flags: N | W,
@@ -148,17 +151,13 @@ fn descriptor_loop() {
         // A self-loop in an indirect table.
         let t = blk.drv.ram.alloc(16, 16);
         blk.drv.ram.write(t, &[0u8; 16]);
-        let ld = RawDesc {
+        let ld = Desc {
             addr: b.hdr,
             len: 16,
             flags: N,
             next: 0,
         };
-        let mut bytes = [0u8; 16];
-        bytes[0..8].copy_from_slice(&ld.addr.to_le_bytes());
-        bytes[8..12].copy_from_slice(&16u32.to_le_bytes());
-        bytes[12..14].copy_from_slice(&N.to_le_bytes());
-        blk.drv.ram.write(t, &bytes);
+        write_table_desc(blk.drv.ram.mem(), t, 0, ld).unwrap();
         unusable(&mut blk, 40, &[d(t, 16, I)]);
         assert_eq!(blk.metric("err_bad_chain"), 2);
         still_works(&mut blk);
@@ -170,13 +169,13 @@ fn table(blk: &mut Blk<MemDisk>, entries: &[(u64, u32, u16)]) -> u64 {
     let t = blk.drv.ram.alloc(16 * entries.len() as u64, 16);
     for (i, &(addr, len, flags)) in entries.iter().enumerate() {
         let next = if flags & N != 0 { i as u16 + 1 } else { 0 };
-        let e = RawDesc {
+        let e = Desc {
             addr,
             len,
             flags,
             next,
         };
-        blk.drv.ram.write(t + 16 * i as u64, &e.to_bytes());
+        write_table_desc(blk.drv.ram.mem(), t, i as u16, e).unwrap();
     }
     t
 }
@@ -489,7 +488,7 @@ fn descriptor_index_out_of_range() {
     unusable(
         &mut blk,
         40,
-        &[RawDesc {
+        &[Desc {
             addr: b.hdr,
             len: 16,
             flags: N,
@@ -604,7 +603,9 @@ fn head_out_of_range_breaks_the_device() {
 #[test]
 fn avail_index_too_far_ahead_breaks_the_device() {
     let mut blk = dev(Dma::direct(), 0);
-    blk.drv.vqs[0].set_avail_idx(&blk.drv.ram, 1000);
+    blk.drv.vqs[0]
+        .set_avail_idx(blk.drv.ram.mem(), 1000)
+        .unwrap();
     let e = blk.drv.kick(0).unwrap_err();
     assert!(
         matches!(e, devices::virtio::WorkerError::Broken(_)),

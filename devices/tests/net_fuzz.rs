@@ -33,7 +33,8 @@ use common::fuzz::{
 use devices::net::worker::TOKEN_BACKEND;
 use devices::net::{MemBackend, Net, NetBackend, NetConfig, VnetHeader};
 use devices::net::{MAX_BUFFER_LEN, MIN_FRAME_LEN, VNET_HDR_LEN};
-use devices::testing::{Buf, RawDesc, TestDriver, Used};
+use devices::testing::TestDriver;
+use devices::virtio::driver::{Buf, Desc, Layout, Used};
 use devices::virtio::spec::{
     feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_NET_CTRL_MAC, VIRTIO_NET_CTRL_MQ, VIRTIO_NET_CTRL_RX,
     VIRTIO_NET_ERR, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_GUEST_CSUM,
@@ -289,8 +290,8 @@ fn rx_len(sel: u8, raw: u32) -> usize {
 /// Lays `chains` (each a list of descriptors without NEXT/next) out in table order from
 /// index 0, chaining them; returns the descriptors and heads (chains that do not fit the
 /// queue are left out).
-fn lay_out(qsize: u16, chains: &[Vec<RawDesc>]) -> (Vec<RawDesc>, Vec<u16>, Vec<usize>) {
-    let mut descs: Vec<RawDesc> = Vec::new();
+fn lay_out(qsize: u16, chains: &[Vec<Desc>]) -> (Vec<Desc>, Vec<u16>, Vec<usize>) {
+    let mut descs: Vec<Desc> = Vec::new();
     let mut heads = Vec::new();
     let mut owner = Vec::new();
     for (k, chain) in chains.iter().enumerate() {
@@ -301,7 +302,7 @@ fn lay_out(qsize: u16, chains: &[Vec<RawDesc>]) -> (Vec<RawDesc>, Vec<u16>, Vec<
         for (j, d) in chain.iter().enumerate() {
             let last = j + 1 == chain.len();
             let next = descs.len() as u16 + 1;
-            descs.push(RawDesc {
+            descs.push(Desc {
                 flags: d.flags | if last { 0 } else { 1 },
                 next: if last { 0 } else { next },
                 ..*d
@@ -328,7 +329,7 @@ fn write_queue(
     q: u16,
     qsize: u16,
     input: &QueueInput,
-    chains: &[Vec<RawDesc>],
+    chains: &[Vec<Desc>],
     tg: &Targets,
     indirect: &[FuzzDesc],
 ) -> Laid {
@@ -368,7 +369,9 @@ fn write_queue(
     for (i, f) in input.table.iter().take(usize::from(qsize)).enumerate() {
         let d = descs.get(i).copied().unwrap_or_else(|| tg.raw(f));
         w.note(&d);
-        drv.vqs[usize::from(q)].write_desc(&drv.ram, i as u16, d);
+        drv.vqs[usize::from(q)]
+            .write_desc(drv.ram.mem(), i as u16, d)
+            .unwrap();
     }
     for f in indirect {
         w.note(&tg.raw(f));
@@ -390,11 +393,10 @@ fn write_queue(
 /// Queue `q`'s used ring (the device writes it) and avail ring (the test, as the driver,
 /// publishes into it during a case).
 fn rings(drv: &TestDriver<Net>, q: u16) -> [(u64, u64); 2] {
-    let vq = &drv.vqs[usize::from(q)];
-    let n = u64::from(vq.size);
+    let l = drv.vqs[usize::from(q)].layout();
     [
-        (vq.used, vq.used + 6 + 8 * n),
-        (vq.avail, vq.avail + 6 + 2 * n),
+        (l.used, l.used + Layout::used_ring_bytes(l.size)),
+        (l.avail, l.avail + Layout::avail_ring_bytes(l.size)),
     ]
 }
 
@@ -519,7 +521,7 @@ struct CtrlTargets<'a> {
 
 /// The control stage's chains: each a command cut in `pieces` readable descriptors followed
 /// by its one-byte writable ack.
-fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<RawDesc>> {
+fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<Desc>> {
     c.ctrl
         .structured
         .iter()
@@ -529,10 +531,10 @@ fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<RawDesc>> {
             let i = k % t.cmd_bytes.len();
             let (a, len) = (t.tg.hdrs[t.first + i], t.cmd_bytes[i].len() as u32);
             let n = u32::from(pieces).min(len).max(1);
-            let mut v: Vec<RawDesc> = (0..n)
+            let mut v: Vec<Desc> = (0..n)
                 .map(|j| {
                     let (s, e) = (len * j / n, len * (j + 1) / n);
-                    RawDesc {
+                    Desc {
                         addr: a + u64::from(s),
                         len: e - s,
                         flags: 0,
@@ -540,7 +542,7 @@ fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<RawDesc>> {
                     }
                 })
                 .collect();
-            v.push(RawDesc {
+            v.push(Desc {
                 addr: t.acks + (k as u64 % 64),
                 len: 1,
                 flags: VRING_DESC_F_WRITE,
@@ -652,7 +654,7 @@ fn check_tx(
     let txq = 1u16;
     let acked = drv.acked();
     let kicks = kicks(c);
-    let tx_chains: Vec<Vec<RawDesc>> =
+    let tx_chains: Vec<Vec<Desc>> =
         c.tx.structured
             .iter()
             .flat_map(|s| s.chains.iter())
@@ -664,7 +666,7 @@ fn check_tx(
                 (0..n)
                     .map(|i| {
                         let (s, e) = (len * i / n, len * (i + 1) / n);
-                        RawDesc {
+                        Desc {
                             addr: a + u64::from(s),
                             len: e - s,
                             flags: 0,
@@ -822,14 +824,14 @@ fn run_case(c: &NetCase) {
     let rx_area = drv.ram.alloc(total, 4096);
     canary(&drv.ram, rx_area, total);
     let mut next = rx_area;
-    let rx_chains: Vec<Vec<RawDesc>> = rx_lens
+    let rx_chains: Vec<Vec<Desc>> = rx_lens
         .iter()
         .map(|lens| {
             lens.iter()
                 .map(|&len| {
                     let a = next;
                     next += u64::from(len).next_multiple_of(64);
-                    RawDesc {
+                    Desc {
                         addr: a,
                         len,
                         flags: VRING_DESC_F_WRITE,

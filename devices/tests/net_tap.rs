@@ -23,7 +23,8 @@ use bounce::{BouncePool, Dma, Policy, PoolConfig};
 use devices::net::header::VnetHeader;
 use devices::net::worker::TOKEN_BACKEND;
 use devices::net::{Net, NetConfig, MAX_FRAME_LEN, VNET_HDR_LEN};
-use devices::testing::{Buf, TestDriver};
+use devices::testing::TestDriver;
+use devices::virtio::driver::Buf;
 use devices::virtio::spec::{
     feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ,
     VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_HOST_TSO4,

@@ -460,7 +460,8 @@ const _: () = assert!(size_of::<Descriptor>() == DESC_SIZE as usize);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{GuestRam, RawDesc};
+    use crate::testing::GuestRam;
+    use crate::virtio::driver::{write_table_desc, Desc};
 
     const N: u16 = VRING_DESC_F_NEXT;
     const W: u16 = VRING_DESC_F_WRITE;
@@ -479,14 +480,14 @@ mod tests {
             Self { ram, table, size }
         }
         fn put(&self, table: u64, descs: &[(u64, u32, u16, u16)]) {
-            for (i, &(addr, len, flags, next)) in descs.iter().enumerate() {
-                let d = RawDesc {
+            for (i, &(addr, len, flags, next)) in (0u16..).zip(descs) {
+                let d = Desc {
                     addr,
                     len,
                     flags,
                     next,
                 };
-                self.ram.write(table + 16 * i as u64, &d.to_bytes());
+                write_table_desc(self.ram.mem(), table, i, d).unwrap();
             }
         }
         fn walk(&self, rules: WalkRules) -> (Result<(), ChainError>, Chain) {

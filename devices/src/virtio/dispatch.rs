@@ -148,7 +148,7 @@ impl<M: GuestMemory> Dispatcher<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{GuestRam, TestQueue};
+    use crate::testing::{device_queue, GuestRam};
     use vm_memory::GuestMemoryMmap;
 
     /// Counts calls; breaks on `Fd(9)`.
@@ -180,7 +180,7 @@ mod tests {
         std::sync::Arc<std::sync::atomic::AtomicUsize>,
     ) {
         let mut ram = GuestRam::new(1 << 20);
-        let q = TestQueue::new(&mut ram, 8).to_queue(8, false);
+        let q = device_queue(&ram.new_queue(8, false).layout(), 8, false);
         let calls = std::sync::Arc::default();
         let d = Dispatcher::new(Box::new(Probe(std::sync::Arc::clone(&calls))));
         (ram, q, d, calls)

@@ -19,6 +19,7 @@
 
 pub mod chain;
 pub mod dispatch;
+pub mod driver;
 pub mod iobuf;
 pub mod queue;
 pub mod ring;

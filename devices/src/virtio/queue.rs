@@ -251,25 +251,31 @@ pub fn notify<M: GuestMemory>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{Buf, GuestRam, TestQueue};
+    use crate::testing::{device_queue, GuestRam};
+    use crate::virtio::driver::{Buf, DriverQueue, Used};
 
-    fn setup(event_idx: bool) -> (GuestRam, TestQueue, Queue) {
+    fn setup(event_idx: bool) -> (GuestRam, DriverQueue, Queue) {
         let mut ram = GuestRam::new(1 << 20);
-        let vq = TestQueue::new(&mut ram, 8);
-        let q = vq.to_queue(8, event_idx);
+        let vq = ram.new_queue(8, event_idx);
+        let q = device_queue(&vq.layout(), 8, event_idx);
         (ram, vq, q)
     }
 
-    fn post(ram: &GuestRam, vq: &mut TestQueue, n: usize) -> Vec<u16> {
+    fn post(ram: &GuestRam, vq: &mut DriverQueue, n: usize) -> Vec<u16> {
         (0..n)
             .map(|i| {
                 let h = vq
-                    .add_chain(ram, &[Buf::wo(0x8000 + 64 * i as u64, 64)])
+                    .add_chain(ram.mem(), &[Buf::wo(0x8000 + 64 * i as u64, 64)])
                     .unwrap();
-                vq.publish(ram, h);
+                vq.push(ram.mem(), h).unwrap();
+                vq.publish(ram.mem()).unwrap();
                 h
             })
             .collect()
+    }
+
+    fn reap(ram: &GuestRam, vq: &mut DriverQueue) -> Vec<Used> {
+        std::iter::from_fn(|| vq.next_used(ram.mem()).unwrap()).collect()
     }
 
     #[test]
@@ -284,7 +290,7 @@ mod tests {
         .unwrap();
         assert_eq!(seen, heads);
         assert_eq!((d.popped, d.used, d.deepest, d.stopped), (5, 5, 5, false));
-        let used = vq.reap(&ram);
+        let used = reap(&ram, &mut vq);
         assert_eq!(used.len(), 5);
         assert!(used.iter().all(|u| u.len == 7));
         let mut sig = Signal::NONE;
@@ -296,10 +302,10 @@ mod tests {
     fn no_interrupt_is_honoured_without_event_idx() {
         let (ram, mut vq, mut q) = setup(false);
         post(&ram, &mut vq, 1);
-        vq.set_no_interrupt(&ram, true);
+        vq.set_no_interrupt(ram.mem(), true).unwrap();
         drain(&mut q, ram.mem(), |_| Ok(Step::Used(0))).unwrap();
         assert!(!needs_notification(&mut q, ram.mem()).unwrap());
-        vq.set_no_interrupt(&ram, false);
+        vq.set_no_interrupt(ram.mem(), false).unwrap();
         assert!(needs_notification(&mut q, ram.mem()).unwrap());
     }
 
@@ -307,10 +313,10 @@ mod tests {
     fn event_idx_re_arms_at_the_next_head_and_used_event_decides() {
         let (ram, mut vq, mut q) = setup(true);
         post(&ram, &mut vq, 3);
-        vq.set_used_event(&ram, 5);
+        vq.set_used_event(ram.mem(), 5).unwrap();
         drain(&mut q, ram.mem(), |_| Ok(Step::Used(0))).unwrap();
         assert_eq!(
-            vq.avail_event(&ram),
+            vq.avail_event(ram.mem()).unwrap(),
             3,
             "avail_event re-armed at next_avail"
         );
@@ -318,7 +324,7 @@ mod tests {
             !needs_notification(&mut q, ram.mem()).unwrap(),
             "used index 3 has not passed used_event 5"
         );
-        vq.reap(&ram);
+        reap(&ram, &mut vq);
         post(&ram, &mut vq, 3);
         drain(&mut q, ram.mem(), |_| Ok(Step::Used(0))).unwrap();
         assert!(needs_notification(&mut q, ram.mem()).unwrap());
@@ -358,7 +364,7 @@ mod tests {
         assert_eq!(q.next_avail(), 2, "the deferred head is back on the ring");
         add_used(&mut q, ram.mem(), heads[1], 1).unwrap();
         add_used(&mut q, ram.mem(), heads[0], 1).unwrap();
-        let ids: Vec<u32> = vq.reap(&ram).iter().map(|u| u.id).collect();
+        let ids: Vec<u32> = reap(&ram, &mut vq).iter().map(|u| u.id).collect();
         assert_eq!(ids, vec![u32::from(heads[1]), u32::from(heads[0])]);
         let d = drain(&mut q, ram.mem(), |_| Ok(Step::Enough)).unwrap();
         assert_eq!((d.popped, d.stopped), (1, true));
@@ -368,14 +374,15 @@ mod tests {
     fn hostile_rings_break_instead_of_spinning() {
         // An available index far ahead.
         let (ram, vq, mut q) = setup(true);
-        vq.set_avail_idx(&ram, 100);
+        vq.set_avail_idx(ram.mem(), 100).unwrap();
         assert!(matches!(
             drain(&mut q, ram.mem(), |_| Ok(Step::Used(0))),
             Err(WorkerError::Broken(_))
         ));
         // A head index outside the queue.
         let (ram, mut vq, mut q) = setup(true);
-        vq.publish(&ram, 200);
+        vq.push(ram.mem(), 200).unwrap();
+        vq.publish(ram.mem()).unwrap();
         assert!(matches!(
             drain(&mut q, ram.mem(), |_| Ok(Step::Used(0))),
             Err(WorkerError::Broken(_))

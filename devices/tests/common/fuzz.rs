@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use bounce::{BouncePool, Dma, Policy, PoolConfig};
-use devices::testing::{first_fit_pool, GuestRam, RawDesc};
+use devices::testing::{first_fit_pool, GuestRam};
+use devices::virtio::driver::{write_table_desc, Desc};
 use devices::virtio::spec::VRING_DESC_F_WRITE;
 use proptest::prelude::*;
 
@@ -58,7 +59,7 @@ pub struct Writable {
 
 impl Writable {
     /// Adds `d` if it is device-writable.
-    pub fn note(&mut self, d: &RawDesc) {
+    pub fn note(&mut self, d: &Desc) {
         if d.flags & VRING_DESC_F_WRITE != 0 {
             self.allowed
                 .push((d.addr, d.addr.saturating_add(u64::from(d.len))));
@@ -159,9 +160,9 @@ impl Targets {
     }
 
     /// `f` as a raw descriptor.
-    pub fn raw(&self, f: &FuzzDesc) -> RawDesc {
+    pub fn raw(&self, f: &FuzzDesc) -> Desc {
         let (addr, len) = self.resolve(f);
-        RawDesc {
+        Desc {
             addr,
             len,
             flags: f.flags,
@@ -171,8 +172,8 @@ impl Targets {
 
     /// Writes `entries` (at most `table_len`) as the indirect table.
     pub fn write_table(&self, ram: &GuestRam, entries: &[FuzzDesc]) {
-        for (i, f) in entries.iter().enumerate() {
-            ram.write(self.table + 16 * i as u64, &self.raw(f).to_bytes());
+        for (i, f) in (0u16..).zip(entries) {
+            write_table_desc(ram.mem(), self.table, i, self.raw(f)).unwrap();
         }
     }
 }

@@ -6,7 +6,8 @@ pub mod fuzz;
 
 use bounce::Dma;
 use devices::block::{Block, BlockConfig, Disk};
-use devices::testing::{Buf, TestDriver};
+use devices::testing::TestDriver;
+use devices::virtio::driver::Buf;
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
     VIRTIO_RING_F_INDIRECT_DESC,
