@@ -1,5 +1,5 @@
-//! Helpers for the net unit tests: guest memory with split rings laid out through
-//! `virtio-queue`'s mock driver, and DMA handles (direct, forced swiotlb, forced iova, always
+//! Helpers for the net unit tests: guest memory with split rings driven by
+//! [`crate::virtio::driver`], and DMA handles (direct, forced swiotlb, forced iova, always
 //! full) built on [`crate::testing`]'s test allocator.
 
 #![allow(missing_docs)]
@@ -7,15 +7,15 @@
 use std::sync::Arc;
 
 use bounce::{BouncePool, Dma, Policy, PoolConfig};
-use virtio_queue::desc::{split::Descriptor, RawDescriptor};
-use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
+use crate::testing::device_queue;
+use crate::virtio::driver::{Desc, DriverQueue, Layout};
+pub use crate::virtio::spec::{VRING_DESC_F_NEXT as F_NEXT, VRING_DESC_F_WRITE as F_WRITE};
+
 pub const MEM_SIZE: usize = 16 << 20;
 pub const QSIZE: u16 = 256;
-pub const F_NEXT: u16 = 1;
-pub const F_WRITE: u16 = 2;
 /// Not a virtio flag: marks the last descriptor of an avail entry even though NEXT is set
 /// (to post loops). Stripped before the descriptor is written.
 pub const LAST: u16 = 0x8000;
@@ -54,10 +54,12 @@ pub fn dmas() -> Vec<(&'static str, Dma)> {
     ]
 }
 
-/// Guest memory, rings for `nqueues` queues, and a bump allocator for data buffers.
+/// Guest memory, rings for `nqueues` queues (the driver's and the device's side of each),
+/// and a bump allocator for data buffers.
 pub struct Guest {
     pub mem: GuestMemoryMmap,
     pub queues: Vec<Queue>,
+    vqs: Vec<DriverQueue>,
     next_desc: Vec<u16>,
     next_data: u64,
 }
@@ -65,22 +67,25 @@ pub struct Guest {
 impl Guest {
     pub fn new(nqueues: usize) -> Self {
         let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap();
-        let queues = (0..nqueues)
+        // Each part aligned to what the specification asks (16 / 2 / 4) as in a packed
+        // window: the avail ring right after the table, the used ring right after it.
+        let vqs: Vec<DriverQueue> = (0..nqueues)
             .map(|i| {
-                let m = MockSplitQueue::create(&mem, Self::ring(i), QSIZE);
-                m.create_queue::<Queue>().unwrap()
+                let l = Layout::packed(RING_BASE + RING_STRIDE * i as u64, QSIZE, 4);
+                DriverQueue::new(l, false).unwrap()
             })
+            .collect();
+        let queues = vqs
+            .iter()
+            .map(|v| device_queue(&v.layout(), QSIZE, false))
             .collect();
         Self {
             mem,
             queues,
+            vqs,
             next_desc: vec![0; nqueues],
             next_data: DATA_BASE,
         }
-    }
-
-    fn ring(i: usize) -> GuestAddress {
-        GuestAddress(RING_BASE + RING_STRIDE * i as u64)
     }
 
     /// Allocates `len` bytes of guest memory (16-byte aligned) holding `data` (zeros if
@@ -99,47 +104,37 @@ impl Guest {
         a
     }
 
-    /// Ring addresses of queue `q`: (descriptor table, avail ring, used ring).
-    pub fn rings(&self, q: usize) -> (u64, u64, u64) {
-        let qu = &self.queues[q];
-        (qu.desc_table(), qu.avail_ring(), qu.used_ring())
-    }
-
     /// Posts raw descriptors `(addr, len, flags, next)`, with `next` relative to the first
     /// one; a descriptor without NEXT (or with [`LAST`]) ends a chain and the next one starts another. Returns
     /// the head indexes.
     pub fn post_raw(&mut self, q: usize, descs: &[(u64, u32, u16, u16)]) -> Vec<u16> {
         let base = self.next_desc[q];
-        let (dt, avail, _) = self.rings(q);
+        let vq = &mut self.vqs[q];
         let mut heads = vec![base];
-        for (i, &(a, l, f, n)) in descs.iter().enumerate() {
+        for (i, &(addr, len, f, n)) in descs.iter().enumerate() {
             let idx = (base + i as u16) % QSIZE;
-            let d = Descriptor::new(a, l, f & !LAST, (base + n) % QSIZE);
-            self.mem
-                .write_obj(
-                    RawDescriptor::from(d),
-                    GuestAddress(dt + 16 * u64::from(idx)),
-                )
-                .unwrap();
+            let d = Desc {
+                addr,
+                len,
+                flags: f & !LAST,
+                next: (base + n) % QSIZE,
+            };
+            vq.write_desc(&self.mem, idx, d).unwrap();
             if (f & F_NEXT == 0 || f & LAST != 0) && i + 1 < descs.len() {
                 heads.push((base + i as u16 + 1) % QSIZE);
             }
         }
-        let mut aidx: u16 = self.mem.read_obj(GuestAddress(avail + 2)).unwrap();
         for &h in &heads {
-            let slot = avail + 4 + 2 * u64::from(aidx % QSIZE);
-            self.mem.write_obj(h, GuestAddress(slot)).unwrap();
-            aidx = aidx.wrapping_add(1);
+            vq.push(&self.mem, h).unwrap();
         }
-        self.mem.write_obj(aidx, GuestAddress(avail + 2)).unwrap();
+        vq.publish(&self.mem).unwrap();
         self.next_desc[q] = base + descs.len() as u16;
         heads
     }
 
     /// Sets the avail index of queue `q` (hostile tests).
     pub fn set_avail_idx(&self, q: usize, idx: u16) {
-        let (_, avail, _) = self.rings(q);
-        self.mem.write_obj(idx, GuestAddress(avail + 2)).unwrap();
+        self.vqs[q].set_avail_idx(&self.mem, idx).unwrap();
     }
 
     /// Posts a device-readable chain holding `parts` (one descriptor each).
@@ -175,14 +170,11 @@ impl Guest {
 
     /// The used ring of queue `q` so far: `(id, len)`.
     pub fn used(&self, q: usize) -> Vec<(u32, u32)> {
-        let (_, _, base) = self.rings(q);
-        let idx: u16 = self.mem.read_obj(GuestAddress(base + 2)).unwrap();
-        (0..idx)
+        let vq = &self.vqs[q];
+        (0..vq.used_idx(&self.mem).unwrap())
             .map(|i| {
-                let e = base + 4 + 8 * u64::from(i % QSIZE);
-                let id: u32 = self.mem.read_obj(GuestAddress(e)).unwrap();
-                let len: u32 = self.mem.read_obj(GuestAddress(e + 4)).unwrap();
-                (id, len)
+                let u = vq.used_entry(&self.mem, i).unwrap();
+                (u.id, u.len)
             })
             .collect()
     }
