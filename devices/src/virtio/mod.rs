@@ -22,7 +22,6 @@ pub mod dispatch;
 pub mod driver;
 pub mod iobuf;
 pub mod queue;
-pub mod ring;
 pub mod spec;
 
 use std::os::fd::RawFd;

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use devices::block::{REQ_HEADER_LEN, SECTOR_SIZE};
+use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_RING_F_EVENT_IDX,
 };
@@ -34,12 +35,17 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::pattern::Pattern;
-use crate::ring::{Desc, RingLayout, SplitRing, DESC_F_INDIRECT, DESC_F_NEXT, DESC_F_WRITE};
 use crate::session::{DeviceInfo, QueueSetup};
 use crate::stats::DirStats;
 use crate::{Error, LoadConfig, Result, Rw};
 
 const PAGE: u64 = 4096;
+
+/// Where the rings of a queue of `size` starting at `base` (page aligned) are: each part
+/// starts on a page of its own, so a ring never shares a page with data buffers.
+pub fn ring_layout(base: u64, size: u16) -> Layout {
+    Layout::packed(base, size, PAGE)
+}
 /// Status byte written before submission: a completion that leaves it is a back end that
 /// completed a request without a status.
 const STATUS_UNSET: u8 = 0xff;
@@ -67,14 +73,14 @@ impl JobArea {
     /// Bytes of one job's area.
     pub fn bytes(queue_size: u16, iodepth: u16, bs: u32, segments: u32) -> u64 {
         let meta = (u64::from(iodepth) * Self::meta_stride(segments)).next_multiple_of(PAGE);
-        RingLayout::bytes(queue_size)
+        Layout::packed_bytes(queue_size, PAGE)
             + meta
             + u64::from(iodepth) * u64::from(bs).next_multiple_of(PAGE)
     }
 
     /// The area starting at `base` (page aligned).
     pub fn at(base: u64, queue_size: u16, iodepth: u16, bs: u32, segments: u32) -> Self {
-        let reqs = base + RingLayout::bytes(queue_size);
+        let reqs = base + Layout::packed_bytes(queue_size, PAGE);
         let req_stride = Self::meta_stride(segments);
         let data = reqs + (u64::from(iodepth) * req_stride).next_multiple_of(PAGE);
         Self {
@@ -240,7 +246,9 @@ pub struct Job {
     runtime: Option<Duration>,
     timeout: Duration,
     mem: GuestMemoryMmap,
-    ring: SplitRing,
+    ring: DriverQueue,
+    /// The buffers of the request being written (capacity for a whole chain, reused).
+    chain: Vec<Buf>,
     area: JobArea,
     indirect: bool,
     segment: u32,
@@ -291,8 +299,8 @@ impl Job {
         stop: Arc<AtomicBool>,
     ) -> Result<Self> {
         let event_idx = info.has(feature(VIRTIO_RING_F_EVENT_IDX));
-        let ring = SplitRing::new(mem.clone(), queue.layout, event_idx)
-            .map_err(|e| Error::Memory(e.to_string()))?;
+        let ring = DriverQueue::new(queue.layout, event_idx).map_err(Self::mem_err)?;
+        ring.clear_rings(&mem).map_err(Self::mem_err)?;
         let blocks = len / u64::from(cfg.bs);
         let pattern = Pattern::new(cfg.seed ^ (u64::from(id) << 56) ^ now_nanos());
         let segment = info.size_max.unwrap_or(cfg.bs).min(cfg.bs);
@@ -306,6 +314,7 @@ impl Job {
             runtime: cfg.runtime,
             timeout: cfg.timeout,
             ring,
+            chain: Vec::with_capacity(usize::from(area.descs_per_req)),
             area,
             indirect,
             segment,
@@ -394,53 +403,31 @@ impl Job {
             mem.write_slice(&self.scratch, GuestAddress(self.area.data(req)))
                 .map_err(Self::mem_err)?;
         }
-        // Descriptors: header, data segments, status.
-        let data_flags = if op == Op::Read { DESC_F_WRITE } else { 0 };
-        let n = self.area.descs_per_req;
-        let (table, first) = if self.indirect {
-            (self.area.table(req), 0)
-        } else {
-            (self.ring.layout().desc, self.head(req))
-        };
-        let put = |i: u16, addr: u64, len: u32, flags: u16| {
-            let last = i + 1 == n;
-            self.ring.write_desc(
-                table,
-                first + i,
-                Desc {
-                    addr,
-                    len,
-                    flags: if last { flags } else { flags | DESC_F_NEXT },
-                    next: if last { 0 } else { first + i + 1 },
-                },
-            )
-        };
-        let map = |e: crate::ring::RingError| Error::Memory(e.to_string());
-        put(0, self.area.header(req), REQ_HEADER_LEN as u32, 0).map_err(map)?;
+        // Descriptors: header, data segments, status; in the request's indirect table or at
+        // its fixed indexes of the queue's table.
+        let head = self.head(req);
+        let chain = &mut self.chain;
+        chain.clear();
+        chain.push(Buf::ro(self.area.header(req), REQ_HEADER_LEN as u32));
         let mut done = 0u32;
-        let mut i = 1;
         while done < self.bs {
             let len = self.segment.min(self.bs - done);
-            put(i, self.area.data(req) + u64::from(done), len, data_flags).map_err(map)?;
+            let addr = self.area.data(req) + u64::from(done);
+            chain.push(Buf {
+                addr,
+                len,
+                writable: op == Op::Read,
+            });
             done += len;
-            i += 1;
         }
-        put(i, self.area.status(req), 1, DESC_F_WRITE).map_err(map)?;
-        let head = self.head(req);
+        chain.push(Buf::wo(self.area.status(req), 1));
         if self.indirect {
-            self.ring
-                .write_desc(
-                    self.ring.layout().desc,
-                    head,
-                    Desc {
-                        addr: table,
-                        len: u32::from(n) * 16,
-                        flags: DESC_F_INDIRECT,
-                        next: 0,
-                    },
-                )
-                .map_err(map)?;
+            let table = self.area.table(req);
+            self.ring.write_indirect(&self.mem, head, table, chain)
+        } else {
+            self.ring.write_chain(&self.mem, head, chain)
         }
+        .map_err(Self::mem_err)?;
         if let Some(b) = self
             .busy
             .get_mut(usize::try_from(block).unwrap_or(usize::MAX))
@@ -454,7 +441,7 @@ impl Job {
             submitted: Instant::now(),
         });
         self.in_flight += 1;
-        self.ring.push(head).map_err(map)
+        self.ring.push(&self.mem, head).map_err(Self::mem_err)
     }
 
     fn block_busy(&self, block: u64) -> bool {
@@ -512,7 +499,7 @@ impl Job {
             }
             if self
                 .ring
-                .arm()
+                .arm(&self.mem)
                 .map_err(|e| Error::Misbehaved(e.to_string()))?
             {
                 continue;
@@ -580,12 +567,7 @@ impl Job {
                 }
             }
         }
-        if pushed
-            && self
-                .ring
-                .publish()
-                .map_err(|e| Error::Memory(e.to_string()))?
-        {
+        if pushed && self.ring.publish(&self.mem).map_err(Self::mem_err)? {
             self.kick.write(1).map_err(|source| Error::Os {
                 what: "kicking the queue",
                 source,
@@ -599,7 +581,7 @@ impl Job {
         let mut reaped = 0;
         while let Some(u) = self
             .ring
-            .next_used()
+            .next_used(&self.mem)
             .map_err(|e| Error::Misbehaved(e.to_string()))?
         {
             reaped += 1;

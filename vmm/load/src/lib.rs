@@ -8,9 +8,9 @@
 //! bounce setting) side by side with qemu-storage-daemon.
 //!
 //! - [`session`]: the vhost-user conversation (features, config space, memory, rings).
-//! - [`ring`]: the driver's side of a split virtqueue.
 //! - [`job`]: one job = one queue + one thread: submission up to the depth, completions in
-//!   any order, the verify bookkeeping.
+//!   any order, the verify bookkeeping. The driver's side of its split virtqueue is
+//!   [`devices::virtio::driver::DriverQueue`], each request with fixed descriptors.
 //! - [`pattern`]: the verify pattern (offset + generation + run seed in every sector).
 //! - [`stats`]: latency histogram and report figures.
 //!
@@ -35,7 +35,6 @@
 
 pub mod job;
 pub mod pattern;
-pub mod ring;
 pub mod session;
 pub mod stats;
 
@@ -51,8 +50,7 @@ use devices::virtio::spec::{
 use serde::Serialize;
 use vmm_sys_util::eventfd::EventFd;
 
-use self::job::{Job, JobArea, JobOutcome};
-use self::ring::RingLayout;
+use self::job::{ring_layout, Job, JobArea, JobOutcome};
 use self::session::{DeviceInfo, QueueSetup, Session, Wanted};
 use self::stats::{DirReport, DirStats};
 
@@ -501,7 +499,7 @@ pub fn run(cfg: &LoadConfig) -> Result<Report> {
             plan.segments,
         );
         setups.push(QueueSetup {
-            layout: RingLayout::at(area.base, plan.queue_size),
+            layout: ring_layout(area.base, plan.queue_size),
             kick: EventFd::new(libc::EFD_NONBLOCK).map_err(os("creating a kick eventfd"))?,
             call: EventFd::new(libc::EFD_NONBLOCK).map_err(os("creating a call eventfd"))?,
         });

@@ -10,6 +10,7 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use devices::virtio::driver::Layout;
 use devices::virtio::spec::{
     feature, virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ,
     VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX, VIRTIO_F_ACCESS_PLATFORM,
@@ -24,7 +25,6 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::ring::RingLayout;
 use crate::{Error, Result};
 
 /// Bytes of the config space read: up to and including `num_queues` (virtio 1.2, 5.2.4).
@@ -75,7 +75,7 @@ impl DeviceInfo {
 #[derive(Debug)]
 pub struct QueueSetup {
     /// The rings in guest memory.
-    pub layout: RingLayout,
+    pub layout: Layout,
     /// Kick eventfd (front end writes).
     pub kick: EventFd,
     /// Call eventfd (backend writes).
