@@ -36,11 +36,12 @@ use std::time::{Duration, Instant};
 
 use bouncevm_vhost::relay::{recv_message, send_message, Message, FLAG_NEED_REPLY, FLAG_VERSION};
 use devices::virtio::spec::{
-    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
-use vhost_support::{blk_request, blk_session, blk_status, wait_used, BLK_DATA, BLK_IN, BLK_OUT};
+use vhost_support::{blk_request, blk_session, blk_status, wait_used, BLK_DATA};
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -640,14 +641,14 @@ fn run_case(server: &mut Server, s: &Session, case: u64) {
     );
     let sector = (case % 2000) * 8;
     let data: Vec<u8> = (0..4096u64).map(|i| (i ^ case) as u8).collect();
-    blk_request(&mut d, 0, BLK_OUT, sector, Some(&data));
+    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, sector, Some(&data));
     wait_used(&mut d, 1);
     assert_eq!(
         blk_status(&d, 0),
         0,
         "{what}: the write after the session failed"
     );
-    blk_request(&mut d, 1, BLK_IN, sector, None);
+    blk_request(&mut d, 1, VIRTIO_BLK_T_IN, sector, None);
     wait_used(&mut d, 1);
     assert_eq!(
         blk_status(&d, 1),

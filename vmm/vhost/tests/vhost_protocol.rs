@@ -15,8 +15,9 @@ use bounce::Dma;
 use bouncevm_vhost::{Memory, Server, VhostUserDevice};
 use devices::net::{MemBackend, Net, NetBackend, NetConfig};
 use devices::virtio::spec::{
-    feature, VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
-    VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_NEEDS_RESET,
+    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF,
+    VIRTIO_RING_F_EVENT_IDX,
 };
 use devices::virtio::VirtioDevice;
 use vhost::vhost_user::message::{
@@ -27,7 +28,7 @@ use vhost::VhostBackend;
 use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::{
     blk_request, blk_session, blk_status, block_pattern, data_addr, poll_now, wait_fd, wait_used,
-    Driver, EchoDevice, BATCH, BLK_DATA, BLK_IN, BLK_OUT, CONFIG, EXTRA_TOKEN, MEM_SIZE, QSIZE,
+    Driver, EchoDevice, BATCH, BLK_DATA, CONFIG, EXTRA_TOKEN, MEM_SIZE, QSIZE,
 };
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
@@ -514,7 +515,7 @@ fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_sl
     let sector = |batch: u16, slot: u16| u64::from(batch * BATCH + slot) * 8;
     for slot in 0..BATCH {
         let data = block_pattern(sector(0, slot), 1);
-        blk_request(&mut d, slot, BLK_OUT, sector(0, slot), Some(&data));
+        blk_request(&mut d, slot, VIRTIO_BLK_T_OUT, sector(0, slot), Some(&data));
     }
     wait_used(&mut d, usize::from(BATCH));
     for slot in 0..BATCH {
@@ -526,7 +527,7 @@ fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_sl
     }
     for slot in 0..BATCH {
         let data = block_pattern(sector(1, slot), 2);
-        blk_request(&mut d, slot, BLK_OUT, sector(1, slot), Some(&data));
+        blk_request(&mut d, slot, VIRTIO_BLK_T_OUT, sector(1, slot), Some(&data));
     }
     d.raw.shutdown(std::net::Shutdown::Both).unwrap();
     let st = wait_stats(&stats_path, "session end", |st| {
@@ -566,7 +567,7 @@ fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_sl
     );
     for chunk in expect.chunks(usize::from(BATCH)) {
         for (slot, (sec, _)) in (0u16..).zip(chunk) {
-            blk_request(&mut d, slot, BLK_IN, *sec, None);
+            blk_request(&mut d, slot, VIRTIO_BLK_T_IN, *sec, None);
         }
         wait_used(&mut d, chunk.len());
         for (slot, (sec, want)) in (0u16..).zip(chunk) {

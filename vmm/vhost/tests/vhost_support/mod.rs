@@ -1,8 +1,10 @@
-//! Test helpers: a small echo device and a vhost-user frontend driving one split virtqueue.
+//! Test helpers: a small echo device and a vhost-user frontend driving split virtqueues with
+//! [`devices::virtio::driver`].
 #![allow(dead_code, clippy::undocumented_unsafe_blocks)]
 
 use std::fs::File;
 use std::io::Write;
+use std::mem::offset_of;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -11,8 +13,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bouncevm_vhost::Memory;
+use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
-    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    feature, virtio_blk_outhdr, VIRTIO_BLK_T_IN, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX,
 };
 use devices::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -20,8 +24,7 @@ use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{
-    Address, Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap,
-    GuestMemoryRegion,
+    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
 };
 use vmm_sys_util::eventfd::EventFd;
 
@@ -202,14 +205,9 @@ impl QueueWorker<Memory> for EchoWorker {
 pub const MEM_SIZE: usize = 4 << 20;
 pub const QSIZE: u16 = 16;
 
-fn desc_addr(q: usize) -> u64 {
-    (q as u64) * 0x10000
-}
-fn avail_addr(q: usize) -> u64 {
-    desc_addr(q) + 0x1000
-}
-fn used_addr(q: usize) -> u64 {
-    desc_addr(q) + 0x2000
+/// Where queue `q`'s rings are: its 0x10000 block, each part on a page of its own.
+fn layout(q: usize) -> Layout {
+    Layout::packed(q as u64 * 0x10000, QSIZE, 0x1000)
 }
 /// Data buffers of queue `q`.
 pub fn data_addr(q: usize) -> u64 {
@@ -227,8 +225,8 @@ pub struct Driver {
     pub calls: Vec<EventFd>,
     /// Vring error eventfds (SET_VRING_ERR), one per queue.
     pub errs: Vec<EventFd>,
-    avail_idx: Vec<u16>,
-    used_seen: Vec<u16>,
+    /// The driver side of each queue.
+    vqs: Vec<DriverQueue>,
 }
 
 fn memfd(size: usize) -> File {
@@ -280,9 +278,14 @@ impl Driver {
             errs: (0..queues)
                 .map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap())
                 .collect(),
-            avail_idx: vec![0; queues],
-            used_seen: vec![0; queues],
+            vqs: (0..queues).map(Self::fresh_queue).collect(),
         }
+    }
+
+    /// The driver's view of queue `q` with nothing posted (EVENT_IDX fields are written
+    /// whether or not it was negotiated).
+    fn fresh_queue(q: usize) -> DriverQueue {
+        DriverQueue::new(layout(q), true).unwrap()
     }
 
     /// Sends SET_VRING_ENABLE on the raw socket, whatever was negotiated (QEMU 7.2's order).
@@ -361,12 +364,10 @@ impl Driver {
         self.set_mem_table()?;
         for q in 0..n {
             // Zero the rings (a previous session may have left indexes behind).
-            self.mem
-                .write_slice(&[0u8; 0x3000], GuestAddress(desc_addr(q)))
-                .unwrap();
-            self.avail_idx[q] = 0;
-            self.used_seen[q] = 0;
-            self.configure_ring(q, desc_addr(q), avail_addr(q), used_addr(q))?;
+            self.vqs[q] = Self::fresh_queue(q);
+            self.vqs[q].clear_rings(&self.mem).unwrap();
+            let l = layout(q);
+            self.configure_ring(q, l.desc, l.avail, l.used)?;
         }
         Ok(())
     }
@@ -408,7 +409,8 @@ impl Driver {
     /// Restarts queue `q` after a stop (GET_VRING_BASE) at ring position `base`, with its
     /// rings where they were and their contents kept (what QEMU does on `cont`).
     pub fn resume_ring(&mut self, q: usize, base: u16) -> vhost::Result<()> {
-        self.configure_ring(q, desc_addr(q), avail_addr(q), used_addr(q))?;
+        let l = layout(q);
+        self.configure_ring(q, l.desc, l.avail, l.used)?;
         self.frontend.set_vring_base(q, base)
     }
 
@@ -420,26 +422,13 @@ impl Driver {
     /// Posts a chain (one readable buffer with `data`, one writable of `out_len`) on queue
     /// `q` and kicks it. Returns the head index.
     pub fn post(&mut self, q: usize, data: &[u8], out_len: u32) -> u16 {
-        let slot = self.avail_idx[q] % QSIZE;
+        let slot = self.vqs[q].avail_idx() % QSIZE;
         let head = (slot * 2) % QSIZE;
-        let next = head + 1;
         let inbuf = data_addr(q) + u64::from(head) * 0x800;
         let outbuf = inbuf + 0x400;
         self.mem.write_slice(data, GuestAddress(inbuf)).unwrap();
-        let d = |i: u16| GuestAddress(desc_addr(q) + u64::from(i) * 16);
-        // addr, len, flags (1 = NEXT, 2 = WRITE), next
-        self.mem.write_obj(inbuf, d(head)).unwrap();
-        self.mem
-            .write_obj(data.len() as u32, d(head).unchecked_add(8))
-            .unwrap();
-        self.mem.write_obj(1u16, d(head).unchecked_add(12)).unwrap();
-        self.mem.write_obj(next, d(head).unchecked_add(14)).unwrap();
-        self.mem.write_obj(outbuf, d(next)).unwrap();
-        self.mem
-            .write_obj(out_len, d(next).unchecked_add(8))
-            .unwrap();
-        self.mem.write_obj(2u16, d(next).unchecked_add(12)).unwrap();
-        self.mem.write_obj(0u16, d(next).unchecked_add(14)).unwrap();
+        let bufs = [Buf::ro(inbuf, data.len() as u32), Buf::wo(outbuf, out_len)];
+        self.vqs[q].write_chain(&self.mem, head, &bufs).unwrap();
         self.publish(q, head);
         head
     }
@@ -452,40 +441,26 @@ impl Driver {
             n > 0 && first + n <= QSIZE,
             "descriptors {first}+{n} out of the table"
         );
-        for (i, &(addr, len, write)) in (first..).zip(bufs) {
-            let d = GuestAddress(desc_addr(q) + u64::from(i) * 16);
-            let last = i + 1 == first + n;
-            let flags = u16::from(!last) | if write { 2 } else { 0 };
-            self.mem.write_obj(addr, d).unwrap();
-            self.mem.write_obj(len, d.unchecked_add(8)).unwrap();
-            self.mem.write_obj(flags, d.unchecked_add(12)).unwrap();
-            self.mem
-                .write_obj(if last { 0 } else { i + 1 }, d.unchecked_add(14))
-                .unwrap();
-        }
+        let bufs: Vec<Buf> = bufs
+            .iter()
+            .map(|&(addr, len, writable)| Buf {
+                addr,
+                len,
+                writable,
+            })
+            .collect();
+        self.vqs[q].write_chain(&self.mem, first, &bufs).unwrap();
         self.publish(q, first);
         first
     }
 
-    /// Adds `head` to the avail ring of queue `q` and kicks.
+    /// Adds `head` to the avail ring of queue `q`, asks for an interrupt at the next used
+    /// entry (`used_event`) and kicks, whether or not the device asked for one.
     fn publish(&mut self, q: usize, head: u16) {
-        let slot = self.avail_idx[q] % QSIZE;
-        let avail = GuestAddress(avail_addr(q));
-        self.mem
-            .write_obj(head, avail.unchecked_add(4 + 2 * u64::from(slot)))
-            .unwrap();
-        self.mem
-            .write_obj(
-                self.used_seen[q],
-                avail.unchecked_add(4 + 2 * u64::from(QSIZE)),
-            )
-            .unwrap();
-        std::sync::atomic::fence(Ordering::SeqCst);
-        self.avail_idx[q] = self.avail_idx[q].wrapping_add(1);
-        self.mem
-            .write_obj(self.avail_idx[q], avail.unchecked_add(2))
-            .unwrap();
-        std::sync::atomic::fence(Ordering::SeqCst);
+        let vq = &mut self.vqs[q];
+        vq.push(&self.mem, head).unwrap();
+        vq.set_used_event(&self.mem, vq.last_used()).unwrap();
+        vq.publish(&self.mem).unwrap();
         self.kicks[q].write(1).unwrap();
     }
 
@@ -501,17 +476,8 @@ impl Driver {
 
     /// The next used element of queue `q` (id, len), if the device has produced one.
     pub fn next_used(&mut self, q: usize) -> Option<(u32, u32)> {
-        let used = GuestAddress(used_addr(q));
-        let idx: u16 = self.mem.read_obj(used.unchecked_add(2)).unwrap();
-        if idx == self.used_seen[q] {
-            return None;
-        }
-        let slot = u64::from(self.used_seen[q] % QSIZE);
-        let e = used.unchecked_add(4 + 8 * slot);
-        let id: u32 = self.mem.read_obj(e).unwrap();
-        let len: u32 = self.mem.read_obj(e.unchecked_add(4)).unwrap();
-        self.used_seen[q] = self.used_seen[q].wrapping_add(1);
-        Some((id, len))
+        let u = self.vqs[q].next_used(&self.mem).unwrap()?;
+        Some((u.id, u.len))
     }
 
     /// Reads what the device wrote for the chain with head `head` on queue `q`.
@@ -568,8 +534,6 @@ pub fn poll_now(fd: RawFd) -> i16 {
 pub const BLK_HDRS: u64 = 0x30_0000;
 pub const BLK_STATUS: u64 = 0x30_8000;
 pub const BLK_DATA: u64 = 0x31_0000;
-pub const BLK_IN: u32 = 0;
-pub const BLK_OUT: u32 = 1;
 /// Requests per batch: 3 descriptors each in a 16-entry table.
 pub const BATCH: u16 = 5;
 
@@ -586,9 +550,16 @@ pub fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Opti
     let hdr = BLK_HDRS + u64::from(slot) * 16;
     let status = BLK_STATUS + u64::from(slot);
     let buf = BLK_DATA + u64::from(slot) * 4096;
-    d.mem.write_obj(kind, GuestAddress(hdr)).unwrap();
-    d.mem.write_obj(0u32, GuestAddress(hdr + 4)).unwrap();
-    d.mem.write_obj(sector, GuestAddress(hdr + 8)).unwrap();
+    let at = |field: usize| GuestAddress(hdr + field as u64);
+    d.mem
+        .write_obj(kind, at(offset_of!(virtio_blk_outhdr, type_)))
+        .unwrap();
+    d.mem
+        .write_obj(0u32, at(offset_of!(virtio_blk_outhdr, ioprio)))
+        .unwrap();
+    d.mem
+        .write_obj(sector, at(offset_of!(virtio_blk_outhdr, sector)))
+        .unwrap();
     d.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
     match data {
         Some(bytes) => d.mem.write_slice(bytes, GuestAddress(buf)).unwrap(),
@@ -599,7 +570,7 @@ pub fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Opti
         3 * slot,
         &[
             (hdr, 16, false),
-            (buf, 4096, kind == BLK_IN),
+            (buf, 4096, kind == VIRTIO_BLK_T_IN),
             (status, 1, true),
         ],
     )
