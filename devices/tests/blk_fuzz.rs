@@ -28,8 +28,9 @@ use devices::testing::TestDriver;
 use devices::virtio::driver::{self, Desc};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP,
-    VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
-    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+    VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_RING_F_INDIRECT_DESC, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE,
 };
 use proptest::prelude::*;
 
@@ -141,7 +142,17 @@ fn run_case(c: &Case) {
             }
             heads.push(start);
             let (t, _) = c.headers[k % c.headers.len()];
-            let w = if t == 1 || t == 11 || t == 13 { 0 } else { 2 };
+            // Data buffers are device-readable for the types that carry data to the device.
+            let reads_data = [
+                VIRTIO_BLK_T_OUT,
+                VIRTIO_BLK_T_DISCARD,
+                VIRTIO_BLK_T_WRITE_ZEROES,
+            ];
+            let w = if reads_data.contains(&t) {
+                0
+            } else {
+                VRING_DESC_F_WRITE
+            };
             for j in 0..n {
                 let last = j + 1 == n;
                 let next = descs.len() as u16 + 1;
@@ -149,21 +160,21 @@ fn run_case(c: &Case) {
                     Desc {
                         addr: hdrs[k % hdrs.len()],
                         len: 16,
-                        flags: 1,
+                        flags: VRING_DESC_F_NEXT,
                         next,
                     }
                 } else if last {
                     Desc {
                         addr: status_area + k as u64,
                         len: 1,
-                        flags: 2,
+                        flags: VRING_DESC_F_WRITE,
                         next: 0,
                     }
                 } else {
                     Desc {
                         addr: data + 4096 * u64::from(j),
                         len: 512 * u32::from(j),
-                        flags: 1 | w,
+                        flags: VRING_DESC_F_NEXT | w,
                         next,
                     }
                 });

@@ -16,9 +16,12 @@ use common::*;
 use devices::block::io::ImageFormat;
 use devices::block::{Block, BlockConfig, DiskImage};
 use devices::options::BounceOptions;
+use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_F_MQ, VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_VERSION_1,
-    VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_MQ,
+    feature, VIRTIO_BLK_F_MQ, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_ACKNOWLEDGE,
+    VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
+    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_CTRL_VQ,
+    VIRTIO_NET_F_MQ,
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm::boot::regs::EntryState;
@@ -94,26 +97,24 @@ fn add_blk(
 /// Writes the request (OUT of one sector at SECTOR) and the rings into guest memory.
 fn prepare_request(mem: &GuestMemoryMmap, pattern: &[u8]) {
     let mut hdr = Vec::new();
-    hdr.extend(1u32.to_le_bytes()); // VIRTIO_BLK_T_OUT
+    hdr.extend(VIRTIO_BLK_T_OUT.to_le_bytes());
     hdr.extend(0u32.to_le_bytes());
     hdr.extend(SECTOR.to_le_bytes());
     mem.write_slice(&hdr, GuestAddress(HDR)).unwrap();
     mem.write_slice(pattern, GuestAddress(DATA)).unwrap();
     mem.write_slice(&[0xff], GuestAddress(STATUS)).unwrap();
-    let desc = |addr: u64, len: u32, flags: u16, next: u16| {
-        let mut d = addr.to_le_bytes().to_vec();
-        d.extend(len.to_le_bytes());
-        d.extend(flags.to_le_bytes());
-        d.extend(next.to_le_bytes());
-        d
+    let layout = Layout {
+        size: 8,
+        desc: DESC,
+        avail: AVAIL,
+        used: USED,
     };
-    let mut t = desc(HDR, 16, 1, 1);
-    t.extend(desc(DATA, 512, 1, 2));
-    t.extend(desc(STATUS, 1, 2, 0));
-    mem.write_slice(&t, GuestAddress(DESC)).unwrap();
-    // avail: flags 0, idx 1, ring[0] = head 0.
-    mem.write_slice(&[0, 0, 1, 0, 0, 0], GuestAddress(AVAIL))
-        .unwrap();
+    let mut vq = DriverQueue::new(layout, false).unwrap();
+    let bufs = [Buf::ro(HDR, 16), Buf::ro(DATA, 512), Buf::wo(STATUS, 1)];
+    // Head 0, published before the device is set up (the guest program only kicks).
+    let head = vq.add_chain(mem, &bufs).unwrap();
+    vq.push(mem, head).unwrap();
+    vq.publish(mem).unwrap();
 }
 
 fn enable_lapic_and_idt(m: &Machine) {
@@ -169,8 +170,12 @@ fn driver_program() -> (Asm, Asm) {
         .and_eax(!0xf)
         .mov_ebx_eax()
         .st8(EBX, 0x14, 0) // reset
-        .st8(EBX, 0x14, 1) // ACKNOWLEDGE
-        .st8(EBX, 0x14, 3) // DRIVER
+        .st8(EBX, 0x14, VIRTIO_CONFIG_S_ACKNOWLEDGE)
+        .st8(
+            EBX,
+            0x14,
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
+        )
         .st32(EBX, 0x00, 0)
         .ld32(EBX, 0x04)
         .report_eax(REPORT_PORT) // device features 0..31
@@ -178,10 +183,18 @@ fn driver_program() -> (Asm, Asm) {
         .ld32(EBX, 0x04)
         .report_eax(REPORT_PORT) // device features 32..63
         .st32(EBX, 0x08, 1)
-        .st32(EBX, 0x0c, 0x7) // VERSION_1 | ACCESS_PLATFORM | bit 34 (not offered)
+        .st32(
+            EBX,
+            0x0c,
+            high_word(&[
+                VIRTIO_F_VERSION_1,
+                VIRTIO_F_ACCESS_PLATFORM,
+                VIRTIO_F_RING_PACKED,
+            ]),
+        ) // RING_PACKED is not offered
         .ld32(EBX, 0x0c)
         .report_eax(REPORT_PORT) // driver features 32..63 as kept
-        .st8(EBX, 0x14, 0x0b) // FEATURES_OK
+        .st8(EBX, 0x14, DRIVER_FEATURES_OK)
         .ld8(EBX, 0x14)
         .report_eax(REPORT_PORT) // status
         .ld16(EBX, 0x12)
@@ -204,7 +217,7 @@ fn driver_program() -> (Asm, Asm) {
         .st16(EBX, 0x1c, 1)
         .ld16(EBX, 0x1c)
         .report_eax(REPORT_PORT) // queue enable
-        .st8(EBX, 0x14, 0x0f) // DRIVER_OK
+        .st8(EBX, 0x14, DRIVER_FEATURES_OK | VIRTIO_CONFIG_S_DRIVER_OK)
         .raw(&[0x0f, 0x01, 0x1d])
         .raw(&(IDTR as u32).to_le_bytes()) // lidt
         .st16(EBX, 0x3000, 0) // notify queue 0

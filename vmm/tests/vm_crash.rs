@@ -24,7 +24,13 @@ use common::*;
 use devices::testing::durable::{
     assert_acknowledged, assert_consistent, crash_offset, crash_pattern, create_image, read_back,
 };
-use devices::virtio::spec::{feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH};
+use devices::virtio::driver::{Buf, DriverQueue, Layout};
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_OUT,
+    VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
+    VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 const BIN: &str = env!("CARGO_BIN_EXE_bouncevm");
 /// The virtio-blk-pci function of the only `-drive if=virtio`: 00:01.0.
@@ -109,8 +115,12 @@ fn kernel(flush: bool) -> Vec<u8> {
         .and_eax(!0xf)
         .mov_ebx_eax()
         .st8(EBX, 0x14, 0) // reset
-        .st8(EBX, 0x14, 1) // ACKNOWLEDGE
-        .st8(EBX, 0x14, 3) // DRIVER
+        .st8(EBX, 0x14, VIRTIO_CONFIG_S_ACKNOWLEDGE)
+        .st8(
+            EBX,
+            0x14,
+            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
+        )
         .st32(EBX, 0x08, 0)
         .st32(
             EBX,
@@ -118,10 +128,14 @@ fn kernel(flush: bool) -> Vec<u8> {
             (feature(VIRTIO_BLK_F_FLUSH) | feature(VIRTIO_BLK_F_CONFIG_WCE)) as u32,
         )
         .st32(EBX, 0x08, 1)
-        .st32(EBX, 0x0c, 0x3) // VERSION_1, ACCESS_PLATFORM
-        .st8(EBX, 0x14, 0x0b) // FEATURES_OK
+        .st32(
+            EBX,
+            0x0c,
+            high_word(&[VIRTIO_F_VERSION_1, VIRTIO_F_ACCESS_PLATFORM]),
+        )
+        .st8(EBX, 0x14, DRIVER_FEATURES_OK)
         .ld8(EBX, 0x14)
-        .and_eax(0x08);
+        .and_eax(u32::from(VIRTIO_CONFIG_S_FEATURES_OK));
     let ok = a.jnz_fwd();
     a.print(b"features refused\n").raw(&[0xfa]).hlt_forever();
     a.patch_to_here(ok);
@@ -134,7 +148,7 @@ fn kernel(flush: bool) -> Vec<u8> {
         .st32(EBX, 0x30, USED as u32)
         .st32(EBX, 0x34, 0)
         .st16(EBX, 0x1c, 1)
-        .st8(EBX, 0x14, 0x0f); // DRIVER_OK
+        .st8(EBX, 0x14, DRIVER_FEATURES_OK | VIRTIO_CONFIG_S_DRIVER_OK);
     publish(&mut a, WRITES);
     for k in 0..WRITES {
         print_completion(&mut a, k);
@@ -149,49 +163,46 @@ fn kernel(flush: bool) -> Vec<u8> {
 
     let mut img = vec![0u8; usize::try_from(END - K).unwrap()];
     put(&mut img, K, &a.code);
-    let desc = |addr: u64, len: usize, flags: u16, next: u16| {
-        let mut d = addr.to_le_bytes().to_vec();
-        d.extend(u32::try_from(len).unwrap().to_le_bytes());
-        d.extend(flags.to_le_bytes());
-        d.extend(next.to_le_bytes());
-        d
-    };
     let header = |kind: u32, sector: u64| {
         let mut h = kind.to_le_bytes().to_vec();
         h.extend(0u32.to_le_bytes());
         h.extend(sector.to_le_bytes());
         h
     };
-    let (next, write) = (1u16, 2u16);
+    // The driver writes the chains and the avail entries (not the avail index: the program
+    // publishes) into memory laid out as the image, then they are copied in.
+    let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(K), img.len())]).unwrap();
+    let layout = Layout {
+        size: QUEUE_SIZE,
+        desc: DESC,
+        avail: AVAIL,
+        used: USED,
+    };
+    let mut vq = DriverQueue::new(layout, false).unwrap();
+    let len = u32::try_from(LEN).unwrap();
     for i in 0..=WRITES {
         let h = head(i);
         let hdr = HDR + 16 * i;
         let status = STATUS + 16 * u64::from(h);
-        put(&mut img, AVAIL + 4 + 2 * i, &h.to_le_bytes());
         put(&mut img, status, &[0xff]);
         let chain = if i == WRITES {
-            put(&mut img, hdr, &header(4, 0)); // VIRTIO_BLK_T_FLUSH
-            vec![(hdr, 16, 0), (status, 1, write)]
+            put(&mut img, hdr, &header(VIRTIO_BLK_T_FLUSH, 0));
+            vec![Buf::ro(hdr, 16), Buf::wo(status, 1)]
         } else {
             let data = DATA + LEN as u64 * i;
-            put(&mut img, hdr, &header(1, crash_offset(i) / 512)); // VIRTIO_BLK_T_OUT
-            put(&mut img, data, &crash_pattern(i, LEN));
-            vec![(hdr, 16, 0), (data, LEN, 0), (status, 1, write)]
-        };
-        for (j, &(addr, len, flags)) in chain.iter().enumerate() {
-            let d = h + u16::try_from(j).unwrap();
-            let (flags, link) = if j + 1 < chain.len() {
-                (flags | next, d + 1)
-            } else {
-                (flags, 0)
-            };
             put(
                 &mut img,
-                DESC + 16 * u64::from(d),
-                &desc(addr, len, flags, link),
+                hdr,
+                &header(VIRTIO_BLK_T_OUT, crash_offset(i) / 512),
             );
-        }
+            put(&mut img, data, &crash_pattern(i, LEN));
+            vec![Buf::ro(hdr, 16), Buf::ro(data, len), Buf::wo(status, 1)]
+        };
+        vq.write_chain(&mem, h, &chain).unwrap();
+        vq.push(&mem, h).unwrap();
     }
+    let rings = usize::try_from(DESC - K).unwrap()..usize::try_from(USED - K).unwrap();
+    mem.read_slice(&mut img[rings], GuestAddress(DESC)).unwrap();
     build_elf(&img, true)
 }
 

@@ -25,7 +25,9 @@ pub use virtio_bindings::bindings::virtio_blk::{
     VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
     VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
 };
-pub use virtio_bindings::bindings::virtio_config::{VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1};
+pub use virtio_bindings::bindings::virtio_config::{
+    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
+};
 pub use virtio_bindings::bindings::virtio_net::{
     virtio_net_config, virtio_net_hdr_v1, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_GUEST_OFFLOADS,
     VIRTIO_NET_F_CTRL_RX, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_ECN,

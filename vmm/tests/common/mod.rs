@@ -6,6 +6,9 @@
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
+use devices::virtio::spec::{
+    feature, VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_FEATURES_OK,
+};
 use vmm::bus::BusDevice;
 use vmm::exit::{ExitHandle, ExitReason};
 
@@ -478,4 +481,16 @@ pub fn idt_gate(m: &vmm::Machine, idt: u64, idtr: u64, handler: u64, vector: u64
     let mut image = 0x7ffu16.to_le_bytes().to_vec();
     image.extend((idt as u32).to_le_bytes());
     m.memory().write_slice(&image, GuestAddress(idtr)).unwrap();
+}
+
+/// The device status a driver writes once its features are set: ACKNOWLEDGE, DRIVER and
+/// FEATURES_OK.
+pub const DRIVER_FEATURES_OK: u8 =
+    VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER | VIRTIO_CONFIG_S_FEATURES_OK;
+
+/// The upper feature word (bits 32..63, what a driver writes with feature select 1) with the
+/// feature bits `bits` set.
+pub fn high_word(bits: &[u32]) -> u32 {
+    let mask = bits.iter().fold(0, |m, &b| m | feature(b));
+    (mask >> 32) as u32
 }
