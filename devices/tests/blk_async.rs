@@ -88,6 +88,11 @@ fn post<D: Disk>(
     Req { head, data, st }
 }
 
+/// Posts write `i`: 4 KiB of `pattern(i, 4096)` at 4 KiB block `i`.
+fn write_block<D: Disk>(drv: &mut Drv<D>, i: u64) -> Req {
+    post(drv, VIRTIO_BLK_T_OUT, i * 8, &pattern(i, 4096), 4096, 0)
+}
+
 fn status_of<D: Disk>(drv: &Drv<D>, r: Req) -> u8 {
     drv.ram.read(r.st, 1)[0]
 }
@@ -487,18 +492,7 @@ fn flush_covers_every_write_completed_before_it() {
             CacheMode::Writethrough,
         ] {
             let mut drv = driver(CrashDisk::new(), cfg(aio, cache), Dma::direct(), 64);
-            let writes: Vec<Req> = (0..8)
-                .map(|i| {
-                    post(
-                        &mut drv,
-                        VIRTIO_BLK_T_OUT,
-                        i * 8,
-                        &pattern(i, 4096),
-                        4096,
-                        0,
-                    )
-                })
-                .collect();
+            let writes: Vec<Req> = (0..8).map(|i| write_block(&mut drv, i)).collect();
             drv.kick(0).unwrap();
             settle(&mut drv, 8, Vec::new());
             assert!(writes
@@ -511,18 +505,7 @@ fn flush_covers_every_write_completed_before_it() {
                 "{cache}: before FLUSH"
             );
             let f = post(&mut drv, VIRTIO_BLK_T_FLUSH, 0, &[], 0, 0);
-            let later: Vec<Req> = (8..12)
-                .map(|i| {
-                    post(
-                        &mut drv,
-                        VIRTIO_BLK_T_OUT,
-                        i * 8,
-                        &pattern(i, 4096),
-                        4096,
-                        0,
-                    )
-                })
-                .collect();
+            let later: Vec<Req> = (8..12).map(|i| write_block(&mut drv, i)).collect();
             drv.kick(0).unwrap();
             settle(&mut drv, 5, Vec::new());
             assert_eq!(status_of(&drv, f), VIRTIO_BLK_S_OK);
@@ -564,18 +547,7 @@ fn back_pressure_wait_and_fail() {
             };
             // 128 slots of 2 KiB: about 40 requests of 4 KiB + status fit at once.
             let mut drv = driver(disk, c, small_pool(128), 256);
-            let reqs: Vec<Req> = (0..60)
-                .map(|i| {
-                    post(
-                        &mut drv,
-                        VIRTIO_BLK_T_OUT,
-                        i * 8,
-                        &pattern(i, 4096),
-                        4096,
-                        0,
-                    )
-                })
-                .collect();
+            let reqs: Vec<Req> = (0..60).map(|i| write_block(&mut drv, i)).collect();
             drv.kick(0).unwrap();
             settle(&mut drv, 60, Vec::new());
             let failed = reqs

@@ -810,31 +810,35 @@ fn features_offered_and_negotiation() {
     let (mut d, bes) = device(2);
     let f = <Net as VirtioDevice<GuestMemoryMmap>>::avail_features(&d);
     for bit in [
-        feature(VIRTIO_F_VERSION_1),
-        feature(VIRTIO_F_ACCESS_PLATFORM),
-        feature(VIRTIO_RING_F_EVENT_IDX),
-        feature(VIRTIO_RING_F_INDIRECT_DESC),
-        feature(VIRTIO_NET_F_MAC),
-        feature(VIRTIO_NET_F_STATUS),
-        feature(VIRTIO_NET_F_SPEED_DUPLEX),
-        feature(VIRTIO_NET_F_MQ),
-        feature(VIRTIO_NET_F_CTRL_VQ),
-        feature(VIRTIO_NET_F_MRG_RXBUF),
-        feature(VIRTIO_NET_F_CSUM),
-        feature(VIRTIO_NET_F_GUEST_CSUM),
-        feature(VIRTIO_NET_F_HOST_TSO4),
-        feature(VIRTIO_NET_F_HOST_TSO6),
-        feature(VIRTIO_NET_F_GUEST_TSO4),
-        feature(VIRTIO_NET_F_GUEST_TSO6),
-    ] {
+        VIRTIO_F_VERSION_1,
+        VIRTIO_F_ACCESS_PLATFORM,
+        VIRTIO_RING_F_EVENT_IDX,
+        VIRTIO_RING_F_INDIRECT_DESC,
+        VIRTIO_NET_F_MAC,
+        VIRTIO_NET_F_STATUS,
+        VIRTIO_NET_F_SPEED_DUPLEX,
+        VIRTIO_NET_F_MQ,
+        VIRTIO_NET_F_CTRL_VQ,
+        VIRTIO_NET_F_MRG_RXBUF,
+        VIRTIO_NET_F_CSUM,
+        VIRTIO_NET_F_GUEST_CSUM,
+        VIRTIO_NET_F_HOST_TSO4,
+        VIRTIO_NET_F_HOST_TSO6,
+        VIRTIO_NET_F_GUEST_TSO4,
+        VIRTIO_NET_F_GUEST_TSO6,
+    ]
+    .map(feature)
+    {
         assert_ne!(f & bit, 0, "{bit:#x}");
     }
     for bit in [
-        feature(VIRTIO_NET_F_GUEST_UFO),
-        feature(VIRTIO_NET_F_HOST_UFO),
-        feature(VIRTIO_NET_F_MTU),
-        feature(VIRTIO_NET_F_HOST_ECN),
-    ] {
+        VIRTIO_NET_F_GUEST_UFO,
+        VIRTIO_NET_F_HOST_UFO,
+        VIRTIO_NET_F_MTU,
+        VIRTIO_NET_F_HOST_ECN,
+    ]
+    .map(feature)
+    {
         assert_eq!(f & bit, 0);
     }
     assert_eq!(<Net as VirtioDevice<GuestMemoryMmap>>::num_queues(&d), 5);
