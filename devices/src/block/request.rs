@@ -265,7 +265,7 @@ impl RequestCtx<'_> {
         let status_buf =
             match self
                 .dma
-                .map_checked(mem, status_addr, 1, Direction::FromDevice, self.worker)
+                .map_prevalidated(mem, status_addr, 1, Direction::FromDevice, self.worker)
             {
                 Err(e)
                     if waits
@@ -492,7 +492,7 @@ impl RequestCtx<'_> {
         let worker = self.worker;
         let mapped = &mut *self.mapped;
         let r = for_each_piece(segs, start, len, self.max_map as u64, |addr, n| {
-            mapped.push(dma.map_checked(mem, addr, n, dir, worker)?);
+            mapped.push(dma.map_prevalidated(mem, addr, n, dir, worker)?);
             Ok::<(), BlockError>(())
         });
         if r.is_err() {
