@@ -9,16 +9,28 @@ use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile}
 
 /// One contiguous piece of device-visible memory: an address and a length.
 ///
+/// Laid out as a `struct iovec`, so a list of them is the iovec array of a vectored
+/// transfer as it is (io_uring `READV`/`WRITEV` take an op's pieces in place).
+///
 /// Holding one is harmless; the memory is only accessed by a block I/O engine after an
 /// `unsafe` [`IoEngine::submit`](crate::block::io::IoEngine::submit) whose caller vouched for
 /// it, or by a net worker while it holds the buffer's mapping.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
 pub struct IoBuf {
     /// Start address.
     pub(crate) ptr: *mut u8,
     /// Length in bytes.
     pub(crate) len: usize,
 }
+
+// `IoBuf` is `struct iovec`: same size, alignment and field offsets.
+const _: () = {
+    assert!(std::mem::size_of::<IoBuf>() == std::mem::size_of::<libc::iovec>());
+    assert!(std::mem::align_of::<IoBuf>() == std::mem::align_of::<libc::iovec>());
+    assert!(std::mem::offset_of!(IoBuf, ptr) == std::mem::offset_of!(libc::iovec, iov_base));
+    assert!(std::mem::offset_of!(IoBuf, len) == std::mem::offset_of!(libc::iovec, iov_len));
+};
 
 // SAFETY: an `IoBuf` is an address and a length with no ownership; the memory it names is
 // only accessed under the contract of `IoEngine::submit` (or by the worker holding the mapping),
@@ -52,6 +64,14 @@ impl IoBuf {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Drops the first `n` bytes of the piece (all of it when `n` is larger): what is left
+    /// after a transfer that moved `n` bytes.
+    pub fn advance(&mut self, n: usize) {
+        let n = n.min(self.len);
+        self.ptr = self.ptr.wrapping_add(n);
+        self.len -= n;
     }
 
     /// True when the address and the length are multiples of `align` (a power of two).
