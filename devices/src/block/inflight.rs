@@ -8,7 +8,9 @@ use std::time::Duration;
 use vm_memory::{GuestMemory, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 use vmm_sys_util::timerfd::TimerFd;
 
-/// A table of in-flight entries indexed by small integers (the engine tags).
+/// A table of in-flight entries indexed by small integers (the engine tags). A released
+/// index is reused by the next entry, so the table grows only to the most entries ever held
+/// at once.
 #[derive(Debug)]
 pub struct Slab<T> {
     entries: Vec<Option<T>>,
@@ -27,27 +29,35 @@ impl<T> Default for Slab<T> {
 }
 
 impl<T> Slab<T> {
-    /// Stores `v`; returns its index.
-    pub fn insert(&mut self, v: T) -> usize {
+    /// A fresh entry, built in place; returns its index and the entry.
+    pub fn acquire(&mut self) -> (usize, &mut T)
+    where
+        T: Default,
+    {
         self.len += 1;
-        match self.free.pop() {
-            Some(i) => {
-                self.entries[i] = Some(v);
-                i
-            }
-            None => {
-                self.entries.push(Some(v));
-                self.entries.len() - 1
-            }
-        }
+        let i = self.free.pop().unwrap_or_else(|| {
+            self.entries.push(None);
+            self.entries.len() - 1
+        });
+        (i, self.entries[i].insert(T::default()))
     }
 
-    /// Takes the entry at `i` out, if there is one.
-    pub fn remove(&mut self, i: usize) -> Option<T> {
-        let v = self.entries.get_mut(i)?.take()?;
+    /// The entry at `i`, if there is one.
+    pub fn get_mut(&mut self, i: usize) -> Option<&mut T> {
+        self.entries.get_mut(i)?.as_mut()
+    }
+
+    /// Drops the entry at `i`; false when there was none.
+    pub fn release(&mut self, i: usize) -> bool {
+        let Some(slot) = self.entries.get_mut(i) else {
+            return false;
+        };
+        if slot.take().is_none() {
+            return false;
+        }
         self.free.push(i);
         self.len -= 1;
-        Some(v)
+        true
     }
 
     /// Entries stored.
@@ -58,13 +68,6 @@ impl<T> Slab<T> {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// Takes every entry out.
-    pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
-        self.free.clear();
-        self.len = 0;
-        self.entries.drain(..).flatten()
     }
 }
 
@@ -226,6 +229,24 @@ impl Default for RetryTimer {
 mod tests {
     use super::*;
     use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+    #[test]
+    fn the_slab_builds_entries_in_place_and_reuses_released_indexes() {
+        let mut slab = Slab::<Vec<u8>>::default();
+        let (a, e) = slab.acquire();
+        e.push(1);
+        let (b, _) = slab.acquire();
+        assert_ne!(a, b);
+        assert_eq!(slab.get_mut(a).map(|e| e.len()), Some(1));
+        assert!(slab.release(a));
+        assert!(!slab.release(a), "released twice");
+        assert!(slab.get_mut(a).is_none() && slab.get_mut(99).is_none());
+        // The freed index comes back, with a fresh entry.
+        let (c, e) = slab.acquire();
+        assert_eq!((c, e.len()), (a, 0));
+        assert_eq!(slab.len(), 2);
+        assert!(slab.release(b) && slab.release(c) && slab.is_empty());
+    }
 
     #[test]
     fn mem_pin_reuses_its_arc_until_the_layout_changes() {
