@@ -5,8 +5,10 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use vm_memory::{GuestMemory, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+use vm_memory::GuestMemory;
 use vmm_sys_util::timerfd::TimerFd;
+
+use crate::virtio::memlayout::MemLayout;
 
 /// A table of in-flight entries indexed by small integers (the engine tags). A released
 /// index is reused by the next entry, so the table grows only to the most entries ever held
@@ -81,11 +83,8 @@ impl<T> Slab<T> {
 /// address), not per request.
 #[derive(Debug)]
 pub struct MemPin<M> {
-    current: Option<(Layout, Arc<M>)>,
+    current: Option<(MemLayout, Arc<M>)>,
 }
-
-/// A memory's regions: guest address, length, host address.
-type Layout = Vec<(u64, u64, usize)>;
 
 impl<M> Default for MemPin<M> {
     fn default() -> Self {
@@ -93,49 +92,18 @@ impl<M> Default for MemPin<M> {
     }
 }
 
-/// One region's entry of a [`Layout`].
-fn region_entry<R: GuestMemoryRegion>(r: &R) -> (u64, u64, usize) {
-    (
-        r.start_addr().0,
-        r.len(),
-        r.get_host_address(MemoryRegionAddress(0))
-            .map_or(0, |p| p as usize),
-    )
-}
-
-/// True when `mem`'s regions are exactly `layout` (compared in place: no allocation on the
-/// submission path).
-fn same_layout<M: GuestMemory>(mem: &M, layout: &Layout) -> bool {
-    let Some(phys) = mem.physical_memory() else {
-        return false;
-    };
-    let mut n = 0;
-    for r in phys.iter() {
-        if layout.get(n) != Some(&region_entry(r)) {
-            return false;
-        }
-        n += 1;
-    }
-    n == layout.len()
-}
-
-fn fingerprint<M: GuestMemory>(mem: &M) -> Option<Layout> {
-    let phys = mem.physical_memory()?;
-    Some(phys.iter().map(region_entry).collect())
-}
-
 impl<M: GuestMemory + Clone> MemPin<M> {
     /// An `Arc` of `mem` to keep with a request submitted now.
     pub fn pin(&mut self, mem: &M) -> Arc<M> {
         if let Some((old, arc)) = &self.current {
-            if same_layout(mem, old) {
+            if old.matches(mem) {
                 return Arc::clone(arc);
             }
         }
-        match fingerprint(mem) {
-            Some(fp) => {
+        match MemLayout::of(mem) {
+            Some(layout) => {
                 let arc = Arc::new(mem.clone());
-                self.current = Some((fp, Arc::clone(&arc)));
+                self.current = Some((layout, Arc::clone(&arc)));
                 arc
             }
             // No physical view to compare: a clone per request.
@@ -228,7 +196,7 @@ impl Default for RetryTimer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vm_memory::{GuestAddress, GuestMemoryMmap};
+    use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
     #[test]
     fn the_slab_builds_entries_in_place_and_reuses_released_indexes() {

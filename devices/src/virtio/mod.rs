@@ -20,6 +20,7 @@
 pub mod chain;
 pub mod dispatch;
 pub mod iobuf;
+pub mod memlayout;
 pub mod queue;
 pub mod ring;
 

@@ -14,8 +14,8 @@
 //!
 //! Every event reaches its worker through the shared [`Dispatcher`], which enforces the worker
 //! contract as for virtio-pci and the test driver: only ready, valid (`Queue::is_valid`,
-//! checked before every event: a ring at a region's edge made workers spin) and enabled
-//! queues; a worker that reports [`WorkerError::Broken`] or whose rings are not inside guest
+//! checked again whenever the ring addresses or the memory table change, so a ring at a
+//! region's edge is refused before a worker can spin on it) and enabled queues; a worker that reports [`WorkerError::Broken`] or whose rings are not inside guest
 //! memory is logged once and parked (its kicks are consumed and ignored) until the device is
 //! reset, and reported to the frontend through the [`Report`] (vring error eventfds,
 //! DEVICE_NEEDS_RESET in `GET_STATUS`). Nothing the guest or the frontend controls may stop the
