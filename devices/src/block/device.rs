@@ -320,14 +320,14 @@ where
             .map_err(|e| ActivateError::Backend(format!("queue {q}: {e}")))?;
             self.engine_name = engine.name();
             self.engines.push(Arc::clone(engine.stats()));
-            let ctx = RequestCtx::new(
-                self.dma.clone(),
-                Arc::clone(&params),
-                Arc::clone(&self.metrics),
-                usize::from(q),
-                self.max_map,
-                Arc::clone(&self.write_cache),
-            );
+            let ctx = RequestCtx {
+                dma: self.dma.clone(),
+                params: Arc::clone(&params),
+                metrics: Arc::clone(&self.metrics),
+                worker: usize::from(q),
+                max_map: self.max_map,
+                write_cache: Arc::clone(&self.write_cache),
+            };
             workers.push(Box::new(BlockWorker::new(
                 q,
                 ctx,

@@ -61,7 +61,9 @@ impl KickPacer {
 /// Each event reaps the engine once, after any submission: completions that arrived while
 /// the pass submitted (the synchronous engine's, a fast disk's) are used in the same event.
 /// The reap resets the engine's eventfd before it looks for completions, so one posted after
-/// it raises the (edge-triggered) eventfd again and comes with the next event.
+/// it raises the (edge-triggered) eventfd again and comes with the next event. Only a queue
+/// waiting for bounce slots reaps before it submits too, so that the slots its completions
+/// release are free when the pass runs again.
 #[derive(Debug)]
 pub struct BlockWorker<M: GuestMemory> {
     queue_index: u16,
@@ -235,13 +237,19 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
             _ => return Err(WorkerError::UnexpectedEvent(event)),
         };
         let mut used = 0;
+        if self.deferred {
+            // A pass stopped on a full pool: the completions waiting free the slots it needs,
+            // so they are reaped before it runs again.
+            used += self.complete(mem, queue)?;
+        }
         if pass || self.deferred {
             used += self.submit(mem, queue)?;
         }
         loop {
-            // The one reap of the event. If a pass stopped on a full pool and these
-            // completions freed slots, the next pass must run now: the eventfd they raised
-            // was consumed by this reap, so no event would bring it.
+            // The reap after the submission (the only one of an event unless a pass was
+            // waiting for slots). If a pass stopped on a full pool and these completions
+            // freed slots, the next pass must run now: the eventfd they raised was consumed
+            // by this reap, so no event would bring it.
             let freed = self.complete(mem, queue)?;
             used += freed;
             if !(self.deferred && freed > 0) {

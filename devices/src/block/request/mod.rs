@@ -129,23 +129,23 @@ pub enum Started {
     PoolFull,
 }
 
-/// What executes a queue's requests: built once per worker, at activation.
+/// What executes a queue's requests: built once per worker, by the device at activation.
 #[derive(Debug)]
 pub struct RequestCtx {
     /// The DMA handle.
-    dma: Dma,
+    pub(in crate::block) dma: Dma,
     /// Limits and switches.
-    params: Arc<DiskParams>,
+    pub(in crate::block) params: Arc<DiskParams>,
     /// Counters.
-    metrics: Arc<BlockMetrics>,
+    pub(in crate::block) metrics: Arc<BlockMetrics>,
     /// The bounce worker id (the queue index).
-    worker: usize,
+    pub(in crate::block) worker: usize,
     /// Largest single mapping ([`bounce::Dma::max_mapping_size`]); larger buffers are
     /// mapped in pieces.
-    max_map: usize,
+    pub(in crate::block) max_map: usize,
     /// The write cache the guest sees (config `writeback`), read per request: the driver
     /// may switch it at any time.
-    write_cache: Arc<AtomicBool>,
+    pub(in crate::block) write_cache: Arc<AtomicBool>,
 }
 
 /// True for a mapping that failed because the bounce pool is momentarily full.
@@ -154,25 +154,6 @@ fn is_pool_full(e: &BlockError) -> bool {
 }
 
 impl RequestCtx {
-    /// The context of bounce worker `worker`.
-    pub fn new(
-        dma: Dma,
-        params: Arc<DiskParams>,
-        metrics: Arc<BlockMetrics>,
-        worker: usize,
-        max_map: usize,
-        write_cache: Arc<AtomicBool>,
-    ) -> Self {
-        Self {
-            dma,
-            params,
-            metrics,
-            worker,
-            max_map,
-            write_cache,
-        }
-    }
-
     /// The counters.
     pub fn metrics(&self) -> &BlockMetrics {
         &self.metrics
