@@ -11,7 +11,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use vm_memory::bitmap::BitmapSlice;
+use vm_memory::bitmap::{Bitmap, BitmapSlice};
 use vm_memory::{
     GuestAddress, GuestMemory, Permissions, ReadVolatile, VolatileSlice, WriteVolatile,
 };
@@ -159,7 +159,7 @@ pub struct Dma {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum RangeCheck {
     Here,
-    Done,
+    Prevalidated,
 }
 
 impl Dma {
@@ -244,7 +244,7 @@ impl Dma {
     ///
     /// # Errors
     /// As [`Dma::map`].
-    pub fn map_checked<M: GuestMemory + ?Sized>(
+    pub fn map_prevalidated<M: GuestMemory + ?Sized>(
         &self,
         mem: &M,
         gpa: u64,
@@ -252,7 +252,7 @@ impl Dma {
         dir: Direction,
         worker: usize,
     ) -> Result<DmaBuffer> {
-        self.map_range(mem, gpa, len, dir, worker, RangeCheck::Done)
+        self.map_range(mem, gpa, len, dir, worker, RangeCheck::Prevalidated)
     }
 
     fn map_range<M: GuestMemory + ?Sized>(
@@ -288,7 +288,7 @@ impl Dma {
                     worker,
                 };
                 // The range was checked above or by the caller: the pool does not again.
-                Some(pool.map_checked(mem, &req)?)
+                Some(pool.map_prevalidated(mem, &req)?)
             }
             _ => None,
         };
@@ -334,18 +334,18 @@ impl Dma {
         self.small_read(mem, gpa, dst, worker, RangeCheck::Here)
     }
 
-    /// As [`Dma::read_guest`] for a range the caller has checked ([`Dma::map_checked`]).
+    /// As [`Dma::read_guest`] for a range the caller has checked ([`Dma::map_prevalidated`]).
     ///
     /// # Errors
     /// As [`Dma::read_guest`].
-    pub fn read_guest_checked<M: GuestMemory + ?Sized>(
+    pub fn read_guest_prevalidated<M: GuestMemory + ?Sized>(
         &self,
         mem: &M,
         gpa: u64,
         dst: &mut [u8],
         worker: usize,
     ) -> Result<()> {
-        self.small_read(mem, gpa, dst, worker, RangeCheck::Done)
+        self.small_read(mem, gpa, dst, worker, RangeCheck::Prevalidated)
     }
 
     /// A small device write of `src` to guest address `gpa` (a status byte, an ack, an id
@@ -363,18 +363,18 @@ impl Dma {
         self.small_write(mem, gpa, src, worker, RangeCheck::Here)
     }
 
-    /// As [`Dma::write_guest`] for a range the caller has checked ([`Dma::map_checked`]).
+    /// As [`Dma::write_guest`] for a range the caller has checked ([`Dma::map_prevalidated`]).
     ///
     /// # Errors
     /// As [`Dma::read_guest`].
-    pub fn write_guest_checked<M: GuestMemory + ?Sized>(
+    pub fn write_guest_prevalidated<M: GuestMemory + ?Sized>(
         &self,
         mem: &M,
         gpa: u64,
         src: &[u8],
         worker: usize,
     ) -> Result<()> {
-        self.small_write(mem, gpa, src, worker, RangeCheck::Done)
+        self.small_write(mem, gpa, src, worker, RangeCheck::Prevalidated)
     }
 
     fn small_read<M: GuestMemory + ?Sized>(
@@ -565,6 +565,31 @@ impl Dma {
         })
     }
 
+    /// Calls `f(ptr, len)` for each contiguous host piece where the device sees `buf`, in
+    /// order: one piece in the bounce pool, or one per guest memory region the buffer spans.
+    /// For I/O that the caller runs later on those addresses (an asynchronous engine, a
+    /// vectored `write`), while the mapping lives. When the device writes the buffer, the
+    /// pieces of guest memory are marked dirty now (a bounced buffer's guest bytes are
+    /// marked when [`Dma::unmap`] copies them back).
+    ///
+    /// # Errors
+    /// [`Error::OrigAccess`] when a direct buffer is not guest memory.
+    pub fn device_pieces<M, F>(&self, mem: &M, buf: &DmaBuffer, mut f: F) -> Result<()>
+    where
+        M: GuestMemory + ?Sized,
+        F: FnMut(*mut u8, usize),
+    {
+        let device_writes = buf.dir.device_writes();
+        self.for_each_slice(mem, buf, 0, buf.len, device_writes, |p| {
+            let (ptr, len) = p.host_piece();
+            if device_writes {
+                p.mark_dirty();
+            }
+            f(ptr, len);
+            Ok(())
+        })
+    }
+
     /// Device sends `len` bytes of the buffer at `offset` to `sink` (a file, a tap), until
     /// the sink stops taking bytes. Returns the bytes sent.
     ///
@@ -660,6 +685,19 @@ impl<M: GuestMemory + ?Sized> Piece<'_, '_, M> {
         }
     }
 
+    fn host_piece(&self) -> (*mut u8, usize) {
+        match self {
+            Self::Pool(s) => (s.ptr_guard_mut().as_ptr(), s.len()),
+            Self::Guest(s) => (s.ptr_guard_mut().as_ptr(), s.len()),
+        }
+    }
+
+    fn mark_dirty(&self) {
+        if let Self::Guest(s) = self {
+            s.bitmap().mark_dirty(0, s.len());
+        }
+    }
+
     fn write_all_to<W: WriteVolatile>(&self, sink: &mut W) -> Result<usize> {
         match self {
             Self::Pool(s) => write_slice(s, sink),
@@ -738,7 +776,7 @@ mod tests {
     }
 
     #[test]
-    fn map_checks_the_range_once_and_map_checked_still_fails_safely() {
+    fn map_checks_the_range_once_and_map_prevalidated_still_fails_safely() {
         let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(64)).unwrap());
         let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
@@ -752,17 +790,17 @@ mod tests {
         // A caller that claims to have checked and did not: the copy-in fails, the slots are
         // given back.
         assert!(matches!(
-            dma.map_checked(&mem, outside, 16, Direction::ToDevice, 0),
+            dma.map_prevalidated(&mem, outside, 16, Direction::ToDevice, 0),
             Err(Error::OrigAccess { .. })
         ));
         assert!(matches!(
-            dma.read_guest_checked(&mem, outside, &mut [0u8; 16], 0),
+            dma.read_guest_prevalidated(&mem, outside, &mut [0u8; 16], 0),
             Err(Error::OrigAccess { .. })
         ));
         // Direct (no pool): the transfer fails instead.
         let direct = Dma::direct();
         let b = direct
-            .map_checked(&mem, outside, 16, Direction::FromDevice, 0)
+            .map_prevalidated(&mem, outside, 16, Direction::FromDevice, 0)
             .unwrap();
         assert!(matches!(
             direct.write(&mem, &b, 0, &[1; 16]),
@@ -770,9 +808,11 @@ mod tests {
         ));
         assert_eq!(pool.stats().used, 0, "no slot leaked");
         // Checked ranges inside memory work as with `map`.
-        dma.write_guest_checked(&mem, 0x1000, &[7; 4], 0).unwrap();
+        dma.write_guest_prevalidated(&mem, 0x1000, &[7; 4], 0)
+            .unwrap();
         let mut got = [0u8; 4];
-        dma.read_guest_checked(&mem, 0x1000, &mut got, 0).unwrap();
+        dma.read_guest_prevalidated(&mem, 0x1000, &mut got, 0)
+            .unwrap();
         assert_eq!(got, [7; 4]);
     }
 
@@ -861,6 +901,57 @@ mod tests {
             assert!(got[..3000].iter().all(|&x| x == 0x11));
             assert!(got[3000..].iter().all(|&x| x == 0x5a));
         }
+        assert_eq!(pool.used(), 0);
+    }
+
+    #[test]
+    fn device_pieces_name_where_the_device_sees_a_mapping() {
+        use vm_memory::bitmap::{AtomicBitmap, Bitmap};
+        use vm_memory::GuestMemoryRegion;
+        let mem = GuestMemoryMmap::<AtomicBitmap>::from_ranges(&[
+            (GuestAddress(0), 0x10000),
+            (GuestAddress(0x10000), 0x10000),
+        ])
+        .unwrap();
+        let dirty = |a: u64| {
+            let r = mem.find_region(GuestAddress(a)).unwrap();
+            r.bitmap().dirty_at((a - r.start_addr().0) as usize)
+        };
+        // Direct, across the region boundary: one piece per region, in order, at the guest
+        // bytes' host addresses; a device write marks them dirty now.
+        let direct = Dma::direct();
+        let b = direct
+            .map(&mem, 0x10000 - 0x800, 0x1000, Direction::FromDevice, 0)
+            .unwrap();
+        let mut pieces = Vec::new();
+        direct
+            .device_pieces(&mem, &b, |p, n| pieces.push((p as usize, n)))
+            .unwrap();
+        let host = |a: u64| mem.get_host_address(GuestAddress(a)).unwrap() as usize;
+        assert_eq!(
+            pieces,
+            [(host(0x10000 - 0x800), 0x800), (host(0x10000), 0x800)]
+        );
+        assert!(dirty(0x10000 - 0x800) && dirty(0x10000));
+        // A device read marks nothing.
+        let b = direct
+            .map(&mem, 0x4000, 0x1000, Direction::ToDevice, 0)
+            .unwrap();
+        direct.device_pieces(&mem, &b, |_, _| {}).unwrap();
+        assert!(!dirty(0x4000));
+        // Bounced: one piece inside the pool, at the mapping's device address.
+        let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(64)).unwrap());
+        let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
+        let b = dma
+            .map(&mem, 0x10000 - 0x800, 0x1000, Direction::FromDevice, 0)
+            .unwrap();
+        let mut pieces = Vec::new();
+        dma.device_pieces(&mem, &b, |p, n| pieces.push((p as usize, n)))
+            .unwrap();
+        let (base, _) = pool.host_memory();
+        let at = base as usize + (b.dev_addr() - pool.geometry().base) as usize;
+        assert_eq!(pieces, [(at, 0x1000)]);
+        dma.unmap(&mem, b, 0).unwrap();
         assert_eq!(pool.used(), 0);
     }
 

@@ -346,7 +346,7 @@ impl BouncePool {
     /// already (the path's one check): the range is not checked again. An original that is
     /// not accessible after all still fails the copy with [`Error::OrigAccess`] and releases
     /// the slots.
-    pub(crate) fn map_checked<M: OrigMemory + ?Sized>(
+    pub(crate) fn map_prevalidated<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
         req: &MapRequest,

@@ -1,22 +1,18 @@
-//! The virtio-blk device: features, configuration space, lifecycle, and the per-queue
-//! workers.
+//! The virtio-blk device: features, configuration space, lifecycle; activation hands each
+//! queue to a [`BlockWorker`].
 
-use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use bounce::{Dma, DmaBuffer};
+use bounce::Dma;
 use serde_json::json;
-use virtio_queue::Queue;
 use vm_memory::GuestMemory;
 
-use super::inflight::{MemPin, RetryTimer, Slab};
-use super::io::{new_engine, Disk, EngineStats, FixedRegion, IoDone, IoEngine, OnFull};
+use super::io::{new_engine, Disk, EngineStats, FixedRegion};
 use super::metrics::BlockMetrics;
-use super::request::{DiskParams, Pending, RequestCtx, Started, MAX_DISCARD_SEGS};
+use super::request::{DiskParams, RequestCtx, MAX_DISCARD_SEGS};
+use super::worker::BlockWorker;
 use super::{BlockConfig, BlockError, CONFIG_SPACE_LEN, ID_BYTES, SECTOR_SHIFT};
-use crate::virtio::chain::Chain;
-use crate::virtio::queue::{self, Step};
 use crate::virtio::spec::{
     feature, virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_CONFIG_WCE,
     VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO,
@@ -24,7 +20,7 @@ use crate::virtio::spec::{
     VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
     VIRTIO_RING_F_INDIRECT_DESC,
 };
-use crate::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
+use crate::virtio::{ActivateError, QueueWorker, VirtioDevice};
 
 /// `max_discard_sectors` and `max_write_zeroes_sectors`: 2 GiB - 512 per segment (QEMU's
 /// `BDRV_REQUEST_MAX_SECTORS`), well inside a u32 and inside `off_t` arithmetic.
@@ -60,11 +56,6 @@ pub struct Block<D: Disk> {
     /// The `aio=` name of those engines.
     engine_name: &'static str,
 }
-
-/// Worker fd token of the engine's completion eventfd.
-pub const ENGINE_TOKEN: u32 = 0;
-/// Worker fd token of the retry timer (a queue waiting for bounce slots).
-pub const RETRY_TOKEN: u32 = 1;
 
 impl<D: Disk> Block<D> {
     /// A device serving `disk` with `config`, whose every buffer goes through `dma`.
@@ -336,23 +327,20 @@ where
             .map_err(|e| ActivateError::Backend(format!("queue {q}: {e}")))?;
             self.engine_name = engine.name();
             self.engines.push(Arc::clone(engine.stats()));
-            workers.push(Box::new(BlockWorker {
-                queue_index: q,
+            let ctx = RequestCtx {
                 dma: self.dma.clone(),
                 params: Arc::clone(&params),
                 metrics: Arc::clone(&self.metrics),
+                worker: usize::from(q),
                 max_map: self.max_map,
-                chain: Chain::default(),
-                mapped: Vec::new(),
-                engine,
-                pending: Slab::default(),
-                mem: MemPin::default(),
-                done: Vec::new(),
                 write_cache: Arc::clone(&self.write_cache),
-                on_full: self.config.on_full,
-                deferred: false,
-                retry: RetryTimer::new(),
-            }) as Box<dyn QueueWorker<M>>);
+            };
+            workers.push(Box::new(BlockWorker::new(
+                q,
+                ctx,
+                engine,
+                self.config.on_full,
+            )));
         }
         self.state = DeviceState::Activated {
             acked_features: acked,
@@ -387,327 +375,5 @@ where
             "engine": self.engine_stats(),
             "bounce": self.dma.stats(),
         })
-    }
-}
-
-/// A request whose host I/O is in flight.
-#[derive(Debug)]
-struct InFlight<M: GuestMemory> {
-    head: u16,
-    req: Pending,
-    /// The guest memory its buffers point into, kept mapped until it completes.
-    mem: Arc<M>,
-}
-
-/// When a drain pass hands its prepared requests to the kernel: after the 1st, 2nd, 4th,
-/// 8th, ... request of the pass, and the rest at its end.
-///
-/// One submission per pass made a burst a convoy: a driver that refills the ring a whole
-/// completion batch at a time and a disk that completes in batches lock into step, and every
-/// request of the burst waited until the last one was mapped before any reached the disk, so
-/// the device's own time per burst was added whole to each cycle (with 32 in flight, every
-/// request was submitted 32 at a time). Handing over the first request at once starts the
-/// disk while the rest are mapped; doubling keeps a burst of n to about log2(n) + 1 system
-/// calls.
-#[derive(Debug, Default)]
-struct KickPacer {
-    /// Requests prepared since the last hand-over.
-    waiting: usize,
-    /// Requests handed over in this pass.
-    handed: usize,
-}
-
-impl KickPacer {
-    /// One more request prepared; true when the engine should be kicked now.
-    fn prepared(&mut self) -> bool {
-        self.waiting += 1;
-        if self.waiting < self.handed.max(1) {
-            return false;
-        }
-        self.handed += self.waiting;
-        self.waiting = 0;
-        true
-    }
-}
-
-/// Serves one request queue through the shared queue-service loop ([`queue::drain`]) and an
-/// [`IoEngine`]: a kick pops chains, maps them and submits their I/O (up to the queue size in
-/// flight); the engine's eventfd brings completions, which are unmapped, given their status
-/// and put on the used ring in completion order, one notification per batch. A request that
-/// finds the bounce pool full stays on the ring (`on-full=wait`) until completions release
-/// slots, or the retry timer fires when none of this queue's requests is in flight.
-#[derive(Debug)]
-pub struct BlockWorker<M: GuestMemory> {
-    queue_index: u16,
-    dma: Dma,
-    params: Arc<DiskParams>,
-    metrics: Arc<BlockMetrics>,
-    max_map: usize,
-    chain: Chain,
-    mapped: Vec<DmaBuffer>,
-    engine: Box<dyn IoEngine>,
-    pending: Slab<InFlight<M>>,
-    mem: MemPin<M>,
-    done: Vec<IoDone>,
-    write_cache: Arc<AtomicBool>,
-    on_full: OnFull,
-    /// A submission pass stopped on a full pool: run one again when slots may be free.
-    deferred: bool,
-    retry: RetryTimer,
-}
-
-fn broken(e: impl std::fmt::Display) -> WorkerError {
-    WorkerError::Broken(format!("virtio-blk: {e}"))
-}
-
-impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
-    fn ctx(&mut self, may_wait: bool) -> (RequestCtx<'_>, &mut Chain) {
-        (
-            RequestCtx {
-                dma: &self.dma,
-                params: &self.params,
-                metrics: &self.metrics,
-                worker: usize::from(self.queue_index),
-                max_map: self.max_map,
-                mapped: &mut self.mapped,
-                write_cache: self.write_cache.load(Ordering::Relaxed),
-                may_wait,
-            },
-            &mut self.chain,
-        )
-    }
-
-    /// Pops chains and submits them; returns the used entries added (requests finished at
-    /// once).
-    fn submit(&mut self, mem: &M, queue: &mut Queue) -> Result<usize, WorkerError> {
-        self.deferred = false;
-        let pin = self.mem.pin(mem);
-        let wait_mode = self.on_full == OnFull::Wait;
-        let write_cache = self.write_cache.load(Ordering::Relaxed);
-        let Self {
-            queue_index,
-            dma,
-            params,
-            metrics,
-            max_map,
-            chain,
-            mapped,
-            engine,
-            pending,
-            deferred,
-            retry,
-            ..
-        } = self;
-        let mut ctx = RequestCtx {
-            dma,
-            params,
-            metrics,
-            worker: usize::from(*queue_index),
-            max_map: *max_map,
-            mapped,
-            write_cache,
-            may_wait: false,
-        };
-        let mut pacer = KickPacer::default();
-        let drained = queue::drain(queue, mem, |at| {
-            // Waiting needs something that will retry: one of our own requests completing,
-            // or the retry timer.
-            ctx.may_wait = wait_mode && (!pending.is_empty() || retry.can_arm());
-            match ctx.start(mem, &at, chain) {
-                Ok(Started::Done(c)) => Ok(Step::Used(c.used_len)),
-                Ok(Started::Submit(req, op)) => {
-                    let tag = pending.insert(InFlight {
-                        head: at.head,
-                        req,
-                        mem: Arc::clone(&pin),
-                    });
-                    // SAFETY: the op's buffers are the device-visible side of the mappings
-                    // now owned by `pending[tag]` (bounce slots, or guest memory kept mapped
-                    // by its `mem`); they are unmapped only after the engine returned this
-                    // tag's completion, or after the engine is dropped (which waits).
-                    unsafe { engine.submit(tag as u64, op) };
-                    if pacer.prepared() {
-                        engine.kick();
-                    }
-                    Ok(Step::Held)
-                }
-                Ok(Started::PoolFull) => {
-                    if pending.is_empty() {
-                        retry.arm();
-                    }
-                    *deferred = true;
-                    Ok(Step::Defer)
-                }
-                Err(e) => Err(broken(format_args!("head {}: {e}", at.head))),
-            }
-        });
-        // What the pacer left waiting, and anything an engine holds back.
-        engine.kick();
-        let drained = drained.map_err(|e| match e {
-            WorkerError::Broken(why) if !why.starts_with("virtio-blk") => broken(why),
-            e => e,
-        })?;
-        if drained.popped > 0 {
-            retry.progressed();
-        }
-        metrics.drains.add(drained.passes as u64);
-        metrics.queue_depth_hiwater.max(u64::from(drained.deepest));
-        metrics.inflight_hiwater.max(pending.len() as u64);
-        Ok(drained.used)
-    }
-
-    /// Reaps the engine's completions and puts them on the used ring, in completion order;
-    /// returns how many.
-    fn complete(&mut self, mem: &M, queue: &mut Queue) -> Result<usize, WorkerError> {
-        let mut done = std::mem::take(&mut self.done);
-        done.clear();
-        self.engine.reap(&mut done);
-        let mut used = 0;
-        let mut result = Ok(());
-        for d in done.drain(..) {
-            let Some(f) = self
-                .pending
-                .remove(usize::try_from(d.tag).unwrap_or(usize::MAX))
-            else {
-                tracing::error!("virtio-blk: completion for unknown tag {}", d.tag);
-                continue;
-            };
-            if result.is_err() {
-                // The device is already broken: release what is left.
-                let (mut ctx, _) = self.ctx(false);
-                ctx.release(mem, f.req);
-                continue;
-            }
-            let (mut ctx, _) = self.ctx(false);
-            match ctx.finish(mem, f.req, d.result) {
-                Ok(c) => match queue::add_used(queue, mem, f.head, c.used_len) {
-                    Ok(()) => used += 1,
-                    Err(e) => result = Err(e),
-                },
-                Err(e) => result = Err(broken(format_args!("head {}: {e}", f.head))),
-            }
-        }
-        self.done = done;
-        result.map(|()| used)
-    }
-}
-
-impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWorker<M> {
-    fn queue_indexes(&self) -> Vec<u16> {
-        vec![self.queue_index]
-    }
-
-    fn extra_fds(&self) -> Vec<(RawFd, u32)> {
-        let mut v = Vec::new();
-        if let Some(fd) = self.engine.notifier() {
-            v.push((fd, ENGINE_TOKEN));
-        }
-        if let Some(fd) = self.retry.fd() {
-            v.push((fd, RETRY_TOKEN));
-        }
-        v
-    }
-
-    fn handle(
-        &mut self,
-        event: WorkerEvent,
-        mem: &M,
-        queues: &mut [&mut Queue],
-    ) -> Result<Signal, WorkerError> {
-        let [queue] = queues else {
-            return Err(WorkerError::UnexpectedEvent(event));
-        };
-        let pass = match event {
-            WorkerEvent::Kick(0) => true,
-            WorkerEvent::Fd(ENGINE_TOKEN) => false,
-            WorkerEvent::Fd(RETRY_TOKEN) => {
-                self.retry.fired();
-                true
-            }
-            _ => return Err(WorkerError::UnexpectedEvent(event)),
-        };
-        // Completions first: they release bounce slots a submission may need.
-        let mut used = self.complete(mem, queue)?;
-        if pass || self.deferred {
-            loop {
-                used += self.submit(mem, queue)?;
-                // Engines that finish inside submit (aio=sync), or very fast I/O. Their
-                // eventfd was consumed by this reap, so if the pass stopped on a full pool
-                // and these completions freed slots, the next pass must run now: no event
-                // would bring it.
-                let freed = self.complete(mem, queue)?;
-                used += freed;
-                if !(self.deferred && freed > 0) {
-                    break;
-                }
-            }
-        }
-        let mut signal = Signal::NONE;
-        if used > 0 {
-            queue::notify(queue, mem, 0, &mut signal)?;
-        }
-        Ok(signal)
-    }
-
-    fn stats(&self) -> serde_json::Value {
-        json!({ "queue": self.queue_index, "in_flight": self.pending.len() })
-    }
-}
-
-impl<M: GuestMemory> Drop for BlockWorker<M> {
-    fn drop(&mut self) {
-        // Device reset or teardown with I/O in flight: wait for the host to finish with the
-        // buffers, then release every mapping (nothing is written to the guest any more).
-        let mut done = Vec::new();
-        let mut rounds = 0u32;
-        while !self.pending.is_empty() && rounds < 100_000 {
-            rounds += 1;
-            self.engine.kick();
-            self.engine.wait();
-            self.engine.reap(&mut done);
-            for d in done.drain(..) {
-                if let Some(f) = self
-                    .pending
-                    .remove(usize::try_from(d.tag).unwrap_or(usize::MAX))
-                {
-                    let mut ctx = RequestCtx {
-                        dma: &self.dma,
-                        params: &self.params,
-                        metrics: &self.metrics,
-                        worker: usize::from(self.queue_index),
-                        max_map: self.max_map,
-                        mapped: &mut self.mapped,
-                        write_cache: false,
-                        may_wait: false,
-                    };
-                    ctx.release(&*f.mem, f.req);
-                }
-            }
-            if self.engine.in_flight() == 0 {
-                break;
-            }
-        }
-        if !self.pending.is_empty() {
-            tracing::error!(
-                "virtio-blk: {} requests still pending at reset; their mappings are leaked",
-                self.pending.len()
-            );
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::KickPacer;
-
-    #[test]
-    fn the_pacer_hands_over_the_first_request_at_once_then_doubling_batches() {
-        let mut p = KickPacer::default();
-        let kicked_after: Vec<usize> = (1..=40).filter(|_| p.prepared()).collect();
-        // Requests 33-40 wait for the end of the pass.
-        assert_eq!(kicked_after, [1, 2, 4, 8, 16, 32]);
-        // A new pass starts over.
-        let mut p = KickPacer::default();
-        assert!(p.prepared());
     }
 }

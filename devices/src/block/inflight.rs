@@ -5,10 +5,14 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
-use vm_memory::{GuestMemory, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+use vm_memory::GuestMemory;
 use vmm_sys_util::timerfd::TimerFd;
 
-/// A table of in-flight entries indexed by small integers (the engine tags).
+use crate::virtio::memlayout::MemLayout;
+
+/// A table of in-flight entries indexed by small integers (the engine tags). A released
+/// index is reused by the next entry, so the table grows only to the most entries ever held
+/// at once.
 #[derive(Debug)]
 pub struct Slab<T> {
     entries: Vec<Option<T>>,
@@ -27,27 +31,35 @@ impl<T> Default for Slab<T> {
 }
 
 impl<T> Slab<T> {
-    /// Stores `v`; returns its index.
-    pub fn insert(&mut self, v: T) -> usize {
+    /// A fresh entry, built in place; returns its index and the entry.
+    pub fn acquire(&mut self) -> (usize, &mut T)
+    where
+        T: Default,
+    {
         self.len += 1;
-        match self.free.pop() {
-            Some(i) => {
-                self.entries[i] = Some(v);
-                i
-            }
-            None => {
-                self.entries.push(Some(v));
-                self.entries.len() - 1
-            }
-        }
+        let i = self.free.pop().unwrap_or_else(|| {
+            self.entries.push(None);
+            self.entries.len() - 1
+        });
+        (i, self.entries[i].insert(T::default()))
     }
 
-    /// Takes the entry at `i` out, if there is one.
-    pub fn remove(&mut self, i: usize) -> Option<T> {
-        let v = self.entries.get_mut(i)?.take()?;
+    /// The entry at `i`, if there is one.
+    pub fn get_mut(&mut self, i: usize) -> Option<&mut T> {
+        self.entries.get_mut(i)?.as_mut()
+    }
+
+    /// Drops the entry at `i`; false when there was none.
+    pub fn release(&mut self, i: usize) -> bool {
+        let Some(slot) = self.entries.get_mut(i) else {
+            return false;
+        };
+        if slot.take().is_none() {
+            return false;
+        }
         self.free.push(i);
         self.len -= 1;
-        Some(v)
+        true
     }
 
     /// Entries stored.
@@ -58,13 +70,6 @@ impl<T> Slab<T> {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// Takes every entry out.
-    pub fn drain(&mut self) -> impl Iterator<Item = T> + '_ {
-        self.free.clear();
-        self.len = 0;
-        self.entries.drain(..).flatten()
     }
 }
 
@@ -78,11 +83,8 @@ impl<T> Slab<T> {
 /// address), not per request.
 #[derive(Debug)]
 pub struct MemPin<M> {
-    current: Option<(Layout, Arc<M>)>,
+    current: Option<(MemLayout, Arc<M>)>,
 }
-
-/// A memory's regions: guest address, length, host address.
-type Layout = Vec<(u64, u64, usize)>;
 
 impl<M> Default for MemPin<M> {
     fn default() -> Self {
@@ -90,49 +92,18 @@ impl<M> Default for MemPin<M> {
     }
 }
 
-/// One region's entry of a [`Layout`].
-fn region_entry<R: GuestMemoryRegion>(r: &R) -> (u64, u64, usize) {
-    (
-        r.start_addr().0,
-        r.len(),
-        r.get_host_address(MemoryRegionAddress(0))
-            .map_or(0, |p| p as usize),
-    )
-}
-
-/// True when `mem`'s regions are exactly `layout` (compared in place: no allocation on the
-/// submission path).
-fn same_layout<M: GuestMemory>(mem: &M, layout: &Layout) -> bool {
-    let Some(phys) = mem.physical_memory() else {
-        return false;
-    };
-    let mut n = 0;
-    for r in phys.iter() {
-        if layout.get(n) != Some(&region_entry(r)) {
-            return false;
-        }
-        n += 1;
-    }
-    n == layout.len()
-}
-
-fn fingerprint<M: GuestMemory>(mem: &M) -> Option<Layout> {
-    let phys = mem.physical_memory()?;
-    Some(phys.iter().map(region_entry).collect())
-}
-
 impl<M: GuestMemory + Clone> MemPin<M> {
     /// An `Arc` of `mem` to keep with a request submitted now.
     pub fn pin(&mut self, mem: &M) -> Arc<M> {
         if let Some((old, arc)) = &self.current {
-            if same_layout(mem, old) {
+            if old.matches(mem) {
                 return Arc::clone(arc);
             }
         }
-        match fingerprint(mem) {
-            Some(fp) => {
+        match MemLayout::of(mem) {
+            Some(layout) => {
                 let arc = Arc::new(mem.clone());
-                self.current = Some((fp, Arc::clone(&arc)));
+                self.current = Some((layout, Arc::clone(&arc)));
                 arc
             }
             // No physical view to compare: a clone per request.
@@ -225,7 +196,25 @@ impl Default for RetryTimer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use vm_memory::{GuestAddress, GuestMemoryMmap};
+    use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+
+    #[test]
+    fn the_slab_builds_entries_in_place_and_reuses_released_indexes() {
+        let mut slab = Slab::<Vec<u8>>::default();
+        let (a, e) = slab.acquire();
+        e.push(1);
+        let (b, _) = slab.acquire();
+        assert_ne!(a, b);
+        assert_eq!(slab.get_mut(a).map(|e| e.len()), Some(1));
+        assert!(slab.release(a));
+        assert!(!slab.release(a), "released twice");
+        assert!(slab.get_mut(a).is_none() && slab.get_mut(99).is_none());
+        // The freed index comes back, with a fresh entry.
+        let (c, e) = slab.acquire();
+        assert_eq!((c, e.len()), (a, 0));
+        assert_eq!(slab.len(), 2);
+        assert!(slab.release(b) && slab.release(c) && slab.is_empty());
+    }
 
     #[test]
     fn mem_pin_reuses_its_arc_until_the_layout_changes() {

@@ -2,10 +2,11 @@
 //!
 //! Layout, as in Firecracker's block device:
 //! - this file: protocol constants, the error enum, the device configuration;
-//! - [`device`]: the [`Block`] device (features, configuration space, lifecycle) and its
-//!   per-queue [`BlockWorker`]s;
-//! - [`request`]: descriptor-chain walking, parsing into [`request::RequestType`], execution and
-//!   completion;
+//! - [`device`]: the [`Block`] device (features, configuration space, lifecycle);
+//! - [`worker`]: its per-queue [`BlockWorker`]s (submission, completion, back-pressure);
+//! - [`request`]: one [`request::Request`] from its descriptor chain to its status: parsing
+//!   into a [`request::RequestType`], mapping and planning its host I/O, the status byte;
+//! - [`inflight`]: the table of requests in flight, the guest-memory pin, the retry timer;
 //! - [`io`]: disk backends behind the [`io::Disk`] trait (raw file, qcow2 through `imago`,
 //!   memory);
 //! - [`metrics`]: per-device counters, serialisable to JSON.
@@ -20,6 +21,7 @@ pub mod inflight;
 pub mod io;
 pub mod metrics;
 pub mod request;
+pub mod worker;
 
 use std::mem::{offset_of, size_of};
 
@@ -28,9 +30,10 @@ use crate::virtio::spec::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_UNSUPP,
 };
 
-pub use device::{Block, BlockWorker};
+pub use device::Block;
 pub use io::{Disk, DiskImage, MemDisk, Qcow2Disk, RawDisk};
 pub use metrics::BlockMetrics;
+pub use worker::BlockWorker;
 
 /// Sector size of the virtio-blk protocol: sector numbers and capacity are in these units
 /// whatever the logical block size.

@@ -48,7 +48,7 @@ use super::metrics::NetMetrics;
 use super::rate_limiter::{Dir, RateLimiter};
 use super::{MAX_BUFFER_LEN, MIN_FRAME_LEN, QUEUE_MAX_SIZE, VNET_HDR_LEN};
 use crate::virtio::chain::{Chain, ChainHead, Seg, WalkRules};
-use crate::virtio::iobuf::{IoBufCollector, IoBufs};
+use crate::virtio::iobuf::{IoBuf, IoBufs};
 use crate::virtio::queue::{self, Step};
 use crate::virtio::spec::{feature, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_RING_F_INDIRECT_DESC};
 use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
@@ -288,10 +288,13 @@ impl<M: GuestMemory> PairWorker<M> {
         self.tx_pieces.clear();
         let mut mapped = Ok(());
         for seg in &c.readable {
-            match self
-                .dma
-                .map_checked(mem, seg.addr, seg.len as usize, Direction::ToDevice, worker)
-            {
+            match self.dma.map_prevalidated(
+                mem,
+                seg.addr,
+                seg.len as usize,
+                Direction::ToDevice,
+                worker,
+            ) {
                 Ok(b) => self.tx_mapped.push(b),
                 Err(e) => {
                     mapped = Err(e);
@@ -301,8 +304,11 @@ impl<M: GuestMemory> PairWorker<M> {
         }
         if mapped.is_ok() {
             for b in &self.tx_mapped {
-                let mut sink = IoBufCollector(&mut self.tx_pieces);
-                if let Err(e) = self.dma.read_to(mem, b, 0, b.len(), &mut sink) {
+                let pieces = &mut self.tx_pieces;
+                let found = self
+                    .dma
+                    .device_pieces(mem, b, |ptr, len| pieces.push(IoBuf::new(ptr, len)));
+                if let Err(e) = found {
                     mapped = Err(e);
                     break;
                 }
@@ -501,7 +507,7 @@ impl<M: GuestMemory> PairWorker<M> {
                 }
                 let n = (seg.len as usize).min(len - off);
                 // The walk checked the buffer (writable guest memory): no second check.
-                let r = self.dma.write_guest_checked(
+                let r = self.dma.write_guest_prevalidated(
                     mem,
                     seg.addr,
                     &self.rx_buf[off..off + n],

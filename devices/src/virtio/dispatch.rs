@@ -3,7 +3,11 @@
 //! through it, so the worker contract is enforced in one place:
 //!
 //! **`handle` only sees queues that are set up (`Queue::ready`), valid (`Queue::is_valid`:
-//! every ring inside guest memory) and enabled.** An event for a worker whose queues are not
+//! every ring inside guest memory) and enabled.** The rings are checked when the worker first
+//! runs and again whenever a queue's ring addresses or size, or the guest memory's regions,
+//! differ from the last check (a transport may move either at any time: vhost-user
+//! `SET_VRING_ADDR`, `SET_MEM_TABLE`), not on every event: what was inside the memory stays
+//! inside while neither changes. An event for a worker whose queues are not
 //! all ready and enabled yet is dropped ([`Outcome::NotReady`]: a tap can become readable
 //! before the vhost-user front end has configured the rings; nothing is lost, worker fds are
 //! edge-triggered and a kick follows); a queue that is ready and enabled but whose rings are
@@ -22,6 +26,7 @@ use std::os::fd::RawFd;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemory;
 
+use super::memlayout::MemLayout;
 use super::{QueueWorker, Signal, WorkerError, WorkerEvent};
 
 /// What became of one event.
@@ -40,12 +45,38 @@ pub enum Outcome {
     Refused(WorkerEvent),
 }
 
+/// A queue's descriptor table, available and used ring addresses and size.
+type Rings = (u64, u64, u64, u16);
+
+fn rings(q: &Queue) -> Rings {
+    (q.desc_table(), q.avail_ring(), q.used_ring(), q.size())
+}
+
+/// The rings of a worker's queues as last found inside guest memory, and that memory.
+#[derive(Debug)]
+struct CheckedRings {
+    rings: Vec<Rings>,
+    mem: MemLayout,
+}
+
+impl CheckedRings {
+    /// True when neither the rings nor the memory moved since the check.
+    fn still_hold<M: GuestMemory>(&self, mem: &M, queues: &[&mut Queue]) -> bool {
+        self.rings.len() == queues.len()
+            && self.rings.iter().zip(queues).all(|(r, q)| *r == rings(q))
+            && self.mem.matches(mem)
+    }
+}
+
 /// A worker as a transport holds it.
 pub struct Dispatcher<M: GuestMemory> {
     worker: Box<dyn QueueWorker<M>>,
     indexes: Vec<u16>,
     broken: Option<String>,
     refused_logged: bool,
+    /// The last ring check that passed (none before the first, or for a memory without a
+    /// physical view to compare: then every event checks).
+    checked: Option<CheckedRings>,
 }
 
 impl<M: GuestMemory> std::fmt::Debug for Dispatcher<M> {
@@ -66,6 +97,7 @@ impl<M: GuestMemory> Dispatcher<M> {
             indexes,
             broken: None,
             refused_logged: false,
+            checked: None,
         }
     }
 
@@ -119,11 +151,22 @@ impl<M: GuestMemory> Dispatcher<M> {
             }
             return Outcome::NotReady;
         }
-        if let Some(pos) = queues.iter().position(|q| !q.is_valid(mem)) {
-            return self.break_with(format!(
-                "queue {} has rings outside guest memory or misaligned",
-                self.indexes[pos]
-            ));
+        if !self
+            .checked
+            .as_ref()
+            .is_some_and(|c| c.still_hold(mem, queues))
+        {
+            self.checked = None;
+            if let Some(pos) = queues.iter().position(|q| !q.is_valid(mem)) {
+                return self.break_with(format!(
+                    "queue {} has rings outside guest memory or misaligned",
+                    self.indexes[pos]
+                ));
+            }
+            self.checked = MemLayout::of(mem).map(|mem| CheckedRings {
+                rings: queues.iter().map(|q| rings(q)).collect(),
+                mem,
+            });
         }
         match self.worker.handle(event, mem, queues) {
             Ok(sig) => Outcome::Served(sig),
@@ -221,6 +264,28 @@ mod tests {
         );
         assert_eq!(calls(&c), 1, "never called with an invalid queue");
         assert!(d.broken().is_some());
+    }
+
+    #[test]
+    fn rings_are_checked_again_when_the_memory_changes() {
+        let (ram, mut q, mut d, c) = setup();
+        let ev = WorkerEvent::Kick(0);
+        assert_eq!(
+            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
+            Outcome::Served(Signal(1))
+        );
+        // The same rings, in a new memory table that ends where the used ring starts: the
+        // ring sits at the region's edge, outside it.
+        let short = GuestMemoryMmap::<()>::from_ranges(&[(
+            vm_memory::GuestAddress(0),
+            usize::try_from(q.used_ring()).unwrap(),
+        )])
+        .unwrap();
+        assert!(matches!(
+            d.dispatch(ev, &short, &mut [&mut q], true),
+            Outcome::Broken(_)
+        ));
+        assert_eq!(calls(&c), 1, "never called with rings outside memory");
     }
 
     #[test]

@@ -1,24 +1,35 @@
 //! Device-visible memory as addresses and lengths, for I/O that happens after the mapping
-//! call returns: [`IoBufCollector`] records where a [`bounce::Dma`] buffer's bytes are (one
-//! piece for a bounced buffer, one per guest memory region otherwise) instead of copying them.
-//! The block device hands the pieces to its I/O engine; the net device gathers a frame from
-//! them.
+//! call returns: [`bounce::Dma::device_pieces`] says where a mapping's bytes are (one piece
+//! for a bounced buffer, one per guest memory region otherwise), and an [`IoBuf`] holds one
+//! such piece. The block device hands the pieces to its I/O engine; the net device gathers a
+//! frame from them.
 
-use vm_memory::bitmap::BitmapSlice;
-use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile};
+use vm_memory::VolatileSlice;
 
 /// One contiguous piece of device-visible memory: an address and a length.
+///
+/// Laid out as a `struct iovec`, so a list of them is the iovec array of a vectored
+/// transfer as it is (io_uring `READV`/`WRITEV` take an op's pieces in place).
 ///
 /// Holding one is harmless; the memory is only accessed by a block I/O engine after an
 /// `unsafe` [`IoEngine::submit`](crate::block::io::IoEngine::submit) whose caller vouched for
 /// it, or by a net worker while it holds the buffer's mapping.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
 pub struct IoBuf {
     /// Start address.
     pub(crate) ptr: *mut u8,
     /// Length in bytes.
     pub(crate) len: usize,
 }
+
+// `IoBuf` is `struct iovec`: same size, alignment and field offsets.
+const _: () = {
+    assert!(std::mem::size_of::<IoBuf>() == std::mem::size_of::<libc::iovec>());
+    assert!(std::mem::align_of::<IoBuf>() == std::mem::align_of::<libc::iovec>());
+    assert!(std::mem::offset_of!(IoBuf, ptr) == std::mem::offset_of!(libc::iovec, iov_base));
+    assert!(std::mem::offset_of!(IoBuf, len) == std::mem::offset_of!(libc::iovec, iov_len));
+};
 
 // SAFETY: an `IoBuf` is an address and a length with no ownership; the memory it names is
 // only accessed under the contract of `IoEngine::submit` (or by the worker holding the mapping),
@@ -29,14 +40,6 @@ impl IoBuf {
     /// The piece `ptr..ptr + len`.
     pub fn new(ptr: *mut u8, len: usize) -> Self {
         Self { ptr, len }
-    }
-
-    /// Where a volatile slice's bytes are.
-    pub fn of_slice<B: BitmapSlice>(s: &VolatileSlice<'_, B>) -> Self {
-        Self {
-            ptr: s.ptr_guard_mut().as_ptr(),
-            len: s.len(),
-        }
     }
 
     /// Start address.
@@ -52,6 +55,14 @@ impl IoBuf {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Drops the first `n` bytes of the piece (all of it when `n` is larger): what is left
+    /// after a transfer that moved `n` bytes.
+    pub fn advance(&mut self, n: usize) {
+        let n = n.min(self.len);
+        self.ptr = self.ptr.wrapping_add(n);
+        self.len -= n;
     }
 
     /// True when the address and the length are multiples of `align` (a power of two).
@@ -72,32 +83,3 @@ impl IoBuf {
 /// The pieces of one read or write: inline up to four (a 4 KiB request is one piece, or one
 /// per guest memory region it spans), so a request allocates nothing on the way to the host.
 pub type IoBufs = smallvec::SmallVec<[IoBuf; 4]>;
-
-/// A sink and source that records where the bytes of a device-visible buffer are instead of
-/// moving them: passed to [`bounce::Dma::read_to`] / [`bounce::Dma::write_from`], it collects
-/// the buffer's pieces (one for a bounced buffer, one per guest memory region otherwise) so an
-/// asynchronous engine, or the net worker, can transfer them later.
-#[derive(Debug)]
-pub struct IoBufCollector<'a>(pub &'a mut IoBufs);
-
-impl WriteVolatile for IoBufCollector<'_> {
-    fn write_volatile<B: BitmapSlice>(
-        &mut self,
-        buf: &VolatileSlice<B>,
-    ) -> Result<usize, VolatileMemoryError> {
-        self.0.push(IoBuf::of_slice(buf));
-        Ok(buf.len())
-    }
-}
-
-impl ReadVolatile for IoBufCollector<'_> {
-    fn read_volatile<B: BitmapSlice>(
-        &mut self,
-        buf: &mut VolatileSlice<B>,
-    ) -> Result<usize, VolatileMemoryError> {
-        self.0.push(IoBuf::of_slice(buf));
-        // The engine will write these bytes: they are dirty from the bitmap's point of view.
-        buf.bitmap().mark_dirty(0, buf.len());
-        Ok(buf.len())
-    }
-}

@@ -21,6 +21,7 @@ pub mod chain;
 pub mod dispatch;
 pub mod driver;
 pub mod iobuf;
+pub mod memlayout;
 pub mod queue;
 pub mod spec;
 

@@ -14,8 +14,8 @@
 //!
 //! Every event reaches its worker through the shared [`Dispatcher`], which enforces the worker
 //! contract as for virtio-pci and the test driver: only ready, valid (`Queue::is_valid`,
-//! checked before every event: a ring at a region's edge made workers spin) and enabled
-//! queues; a worker that reports [`WorkerError::Broken`] or whose rings are not inside guest
+//! checked again whenever the ring addresses or the memory table change, so a ring at a
+//! region's edge is refused before a worker can spin on it) and enabled queues; a worker that reports [`WorkerError::Broken`] or whose rings are not inside guest
 //! memory is logged once and parked (its kicks are consumed and ignored) until the device is
 //! reset, and reported to the frontend through the [`Report`] (vring error eventfds,
 //! DEVICE_NEEDS_RESET in `GET_STATUS`). Nothing the guest or the frontend controls may stop the
@@ -201,6 +201,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Locks the event path of this thread took (the lock-count test reads it).
+    pub(crate) static EVENT_LOCKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts one lock taken on the event path (in tests; nothing otherwise).
+#[inline(always)]
+fn event_lock() {
+    #[cfg(test)]
+    EVENT_LOCKS.with(|c| c.set(c.get() + 1));
+}
+
 impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
     /// Wraps `device`, with its queues grouped onto threads by the device's [`VirtioDevice::queue_groups`].
     pub fn new(device: D) -> Self {
@@ -295,10 +308,17 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
     /// Gives the adapter the epoll handlers of a new daemon (one per layout group), so that
     /// worker file descriptors can be registered on them.
     pub fn attach(&self, handlers: Vec<Arc<EpollHandler<D>>>) {
-        *lock(&self.handlers) = handlers
-            .into_iter()
-            .map(|h| h as Arc<dyn Listeners>)
-            .collect();
+        self.attach_listeners(
+            handlers
+                .into_iter()
+                .map(|h| h as Arc<dyn Listeners>)
+                .collect(),
+        );
+    }
+
+    /// Gives the adapter what registers worker file descriptors, one per layout group.
+    pub(crate) fn attach_listeners(&self, listeners: Vec<Arc<dyn Listeners>>) {
+        *lock(&self.handlers) = listeners;
     }
 
     /// Ends a connection: drops the workers, resets the device and forgets the negotiation,
@@ -487,6 +507,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         };
         self.ensure_active();
         let mut group = lock(group);
+        event_lock();
         let Some((index, event)) =
             self.find_worker(&mut group, device_event, evset, vrings, thread_id)
         else {
@@ -504,7 +525,12 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         let Some(mut states) = w
             .positions
             .iter()
-            .map(|&p| vrings.get(p).map(VringT::get_mut))
+            .map(|&p| {
+                vrings.get(p).map(|v| {
+                    event_lock();
+                    v.get_mut()
+                })
+            })
             .collect::<Option<Vec<_>>>()
         else {
             Counters::inc(&self.counters.ignored_events);

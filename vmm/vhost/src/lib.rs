@@ -16,6 +16,8 @@
 
 pub mod backend;
 pub mod layout;
+#[cfg(test)]
+mod lock_count;
 pub mod relay;
 pub mod report;
 pub mod server;

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::Disk;
-pub use crate::virtio::iobuf::{IoBuf, IoBufCollector, IoBufs};
+pub use crate::virtio::iobuf::{IoBuf, IoBufs};
 
 /// Identifies a submitted op in its completion (the caller's choice; unique while in flight).
 pub type Tag = u64;

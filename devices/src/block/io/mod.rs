@@ -36,8 +36,8 @@ use vm_memory::{ReadVolatile, VolatileMemoryError, VolatileSlice, WriteVolatile}
 
 pub use cache::{AioMode, CacheMode, OnFull};
 pub use engine::{
-    AlignedBuf, AlignedEngine, DirectAlign, EngineStats, FixedRegion, IoBuf, IoBufCollector,
-    IoBufs, IoDone, IoEngine, IoOp, Range, SyncEngine, Tag,
+    AlignedBuf, AlignedEngine, DirectAlign, EngineStats, FixedRegion, IoBuf, IoBufs, IoDone,
+    IoEngine, IoOp, Range, SyncEngine, Tag,
 };
 pub use mem::MemDisk;
 pub use qcow2::Qcow2Disk;

@@ -88,9 +88,9 @@ enum Stage {
 #[derive(Debug)]
 struct Inflight {
     tag: Tag,
+    /// The op, whose pieces are the iovec array of its `READV`/`WRITEV` (a piece is advanced
+    /// in place after a short transfer).
     op: IoOp,
-    /// The remaining pieces of a read or write (the first possibly advanced into).
-    iovecs: Vec<libc::iovec>,
     /// Index of the first remaining piece.
     iov: usize,
     /// Bytes transferred so far.
@@ -98,16 +98,18 @@ struct Inflight {
     stage: Stage,
 }
 
-// SAFETY: the iovecs are addresses covered by the submit contract (see `IoBuf`); the entry
-// is only touched by the thread that owns the engine.
-unsafe impl Send for Inflight {}
+/// The pieces of a read or write (none for the other ops).
+fn pieces(op: &IoOp) -> &[IoBuf] {
+    match op {
+        IoOp::Read { bufs, .. } | IoOp::Write { bufs, .. } => bufs,
+        _ => &[],
+    }
+}
 
-/// An empty iovec array kept for reuse.
-#[derive(Debug, Default)]
-struct SpareIovecs(Vec<libc::iovec>);
-
-// SAFETY: the array is empty (it only keeps its capacity): it names no memory.
-unsafe impl Send for SpareIovecs {}
+/// One in-flight op's place. Boxed so that it never moves while the kernel may read the
+/// iovec array inside it, whatever the table does; a finished op's box is reused by the
+/// next one.
+type Slot = Box<Option<Inflight>>;
 
 /// An io_uring engine on a raw file.
 pub struct UringEngine<D: Disk> {
@@ -120,9 +122,7 @@ pub struct UringEngine<D: Disk> {
     /// alive by this field, which drops after `ring`.
     fixed: Option<FixedRegion>,
     eventfd: EventFd,
-    entries: Vec<Option<Inflight>>,
-    /// Iovec arrays of finished ops, reused by the next ones (no allocation per request).
-    spare_iovecs: Vec<SpareIovecs>,
+    entries: Vec<Slot>,
     /// Completions of one reap pass (kept to reuse its storage).
     cqes: Vec<(usize, i32)>,
     free: Vec<usize>,
@@ -225,7 +225,6 @@ impl<D: Disk> UringEngine<D> {
             fixed,
             eventfd,
             entries: Vec::new(),
-            spare_iovecs: Vec::new(),
             cqes: Vec::new(),
             free: Vec::new(),
             backlog: VecDeque::new(),
@@ -264,76 +263,38 @@ impl<D: Disk> UringEngine<D> {
         (index == last).then(|| u16::try_from(index).ok()).flatten()
     }
 
+    /// The op in flight in `entry`.
+    fn entry(&self, entry: usize) -> Option<&Inflight> {
+        Option::as_ref(self.entries.get(entry)?)
+    }
+
+    /// The op in flight in `entry`, to move it on.
+    fn entry_mut(&mut self, entry: usize) -> Option<&mut Inflight> {
+        Option::as_mut(self.entries.get_mut(entry)?)
+    }
+
     /// Builds the next SQE of the op in `entry` for its current stage.
     fn prepare(&mut self, entry: usize) {
-        let Some(e) = self.entries[entry].as_ref() else {
+        let Some(e) = self.entry(entry) else {
             return;
         };
         let file = self.file;
         let sqe = match e.stage {
-            Stage::Data => {
-                let rest = &e.iovecs[e.iov..];
-                let (offset, read) = match &e.op {
-                    IoOp::Read { offset, .. } => (*offset, true),
-                    IoOp::Write { offset, .. } => (*offset, false),
-                    _ => (0, true),
-                };
-                let at = offset.saturating_add(e.done);
-                let first = e.iov == 0 && e.done == 0;
-                match rest {
-                    [one] if u32::try_from(one.iov_len).is_ok() => {
-                        let (ptr, len) = (one.iov_base.cast::<u8>(), one.iov_len as u32);
-                        let fixed = self.fixed_buffer(&IoBuf::new(ptr, one.iov_len));
-                        if fixed.is_some() && first {
-                            self.stats.fixed_ops.fetch_add(1, Ordering::Relaxed);
-                        }
-                        match (fixed, read) {
-                            (Some(i), true) => {
-                                on_file!(file, |t| opcode::ReadFixed::new(t, ptr, len, i)
-                                    .offset(at)
-                                    .build())
-                            }
-                            (Some(i), false) => {
-                                on_file!(file, |t| opcode::WriteFixed::new(t, ptr, len, i)
-                                    .offset(at)
-                                    .build())
-                            }
-                            (None, true) => on_file!(file, |t| opcode::Read::new(t, ptr, len)
-                                .offset(at)
-                                .build()),
-                            (None, false) => on_file!(file, |t| opcode::Write::new(t, ptr, len)
-                                .offset(at)
-                                .build()),
-                        }
-                    }
-                    _ => {
-                        // rest.len() <= IOV_MAX fits a u32.
-                        let n = rest.len().min(IOV_MAX) as u32;
-                        let iov = rest.as_ptr();
-                        if read {
-                            on_file!(file, |t| opcode::Readv::new(t, iov, n).offset(at).build())
-                        } else {
-                            on_file!(file, |t| opcode::Writev::new(t, iov, n).offset(at).build())
-                        }
-                    }
-                }
-            }
+            Stage::Data => self.data_sqe(e),
             Stage::Sync => on_file!(file, |t| opcode::Fsync::new(t)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build()),
             Stage::Range(i) => {
                 let (r, zeroes) = match &e.op {
-                    IoOp::Discard { ranges, .. } => (ranges[i], false),
-                    IoOp::WriteZeroes { ranges, .. } => (ranges[i], true),
-                    _ => (
-                        Range {
-                            offset: 0,
-                            len: 0,
-                            unmap: false,
-                        },
-                        false,
-                    ),
+                    IoOp::Discard { ranges, .. } => (ranges.get(i), false),
+                    IoOp::WriteZeroes { ranges, .. } => (ranges.get(i), true),
+                    _ => (None, false),
                 };
+                let r = r.copied().unwrap_or(Range {
+                    offset: 0,
+                    len: 0,
+                    unmap: false,
+                });
                 let mode = if zeroes && !r.unmap {
                     libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
                 } else {
@@ -348,24 +309,66 @@ impl<D: Disk> UringEngine<D> {
         self.backlog.push_back(sqe.user_data(entry as u64));
     }
 
+    /// The SQE that moves the remaining pieces of a read or write: a plain or fixed-buffer
+    /// `READ`/`WRITE` for one piece, a `READV`/`WRITEV` on the op's own pieces (at most
+    /// `IOV_MAX`) for more.
+    fn data_sqe(&self, e: &Inflight) -> squeue::Entry {
+        let file = self.file;
+        let (offset, read) = match &e.op {
+            IoOp::Write { offset, .. } => (*offset, false),
+            IoOp::Read { offset, .. } => (*offset, true),
+            _ => (0, true),
+        };
+        let rest = pieces(&e.op).get(e.iov..).unwrap_or_default();
+        let at = offset.saturating_add(e.done);
+        if let [one] = rest {
+            if let Ok(len) = u32::try_from(one.len()) {
+                let ptr = one.ptr();
+                let fixed = self.fixed_buffer(one);
+                if fixed.is_some() && e.iov == 0 && e.done == 0 {
+                    self.stats.fixed_ops.fetch_add(1, Ordering::Relaxed);
+                }
+                return match (fixed, read) {
+                    (Some(i), true) => on_file!(file, |t| opcode::ReadFixed::new(t, ptr, len, i)
+                        .offset(at)
+                        .build()),
+                    (Some(i), false) => {
+                        on_file!(file, |t| opcode::WriteFixed::new(t, ptr, len, i)
+                            .offset(at)
+                            .build())
+                    }
+                    (None, true) => {
+                        on_file!(file, |t| opcode::Read::new(t, ptr, len).offset(at).build())
+                    }
+                    (None, false) => {
+                        on_file!(file, |t| opcode::Write::new(t, ptr, len).offset(at).build())
+                    }
+                };
+            }
+        }
+        // rest.len() <= IOV_MAX fits a u32; `IoBuf` is laid out as `struct iovec`.
+        let n = rest.len().min(IOV_MAX) as u32;
+        let iov = rest.as_ptr().cast::<libc::iovec>();
+        if read {
+            on_file!(file, |t| opcode::Readv::new(t, iov, n).offset(at).build())
+        } else {
+            on_file!(file, |t| opcode::Writev::new(t, iov, n).offset(at).build())
+        }
+    }
+
     fn finish(&mut self, entry: usize, result: io::Result<u64>) {
-        if let Some(mut e) = self.entries[entry].take() {
+        // The kernel is done with the op's pieces: its last SQE completed.
+        if let Some(e) = self.entries.get_mut(entry).and_then(|s| s.take()) {
             self.free.push(entry);
             self.ops -= 1;
             self.ready.push(IoDone { tag: e.tag, result });
-            e.iovecs.clear();
-            if e.iovecs.capacity() > 0 && self.spare_iovecs.len() < self.cq_cap {
-                // The kernel is done with this array: its op completed.
-                self.spare_iovecs
-                    .push(SpareIovecs(std::mem::take(&mut e.iovecs)));
-            }
         }
     }
 
     /// After the data or range stages: sync when asked, else done.
     fn after_data(&mut self, entry: usize, fua: bool, done: u64) {
         if fua {
-            if let Some(e) = self.entries[entry].as_mut() {
+            if let Some(e) = self.entry_mut(entry) {
                 e.stage = Stage::Sync;
             }
             self.prepare(entry);
@@ -376,7 +379,7 @@ impl<D: Disk> UringEngine<D> {
 
     /// Moves the op in `entry` on by one completion with result `res`.
     fn complete(&mut self, entry: usize, res: i32) {
-        let Some(e) = self.entries.get_mut(entry).and_then(Option::as_mut) else {
+        let Some(e) = self.entry_mut(entry) else {
             tracing::warn!("io_uring: completion for unknown entry {entry}");
             return;
         };
@@ -385,52 +388,8 @@ impl<D: Disk> UringEngine<D> {
             self.prepare(entry);
             return;
         }
-        let stage = e.stage;
-        match stage {
-            Stage::Data => {
-                if res < 0 {
-                    return self.finish(entry, Err(io::Error::from_raw_os_error(-res)));
-                }
-                // res >= 0 here.
-                let mut n = res as usize;
-                e.done += n as u64;
-                while n > 0 && e.iov < e.iovecs.len() {
-                    let v = &mut e.iovecs[e.iov];
-                    if n >= v.iov_len {
-                        n -= v.iov_len;
-                        e.iov += 1;
-                    } else {
-                        // SAFETY: n < iov_len, so the advanced base stays inside the piece.
-                        v.iov_base = unsafe { v.iov_base.cast::<u8>().add(n).cast() };
-                        v.iov_len -= n;
-                        n = 0;
-                    }
-                }
-                let (fua, read) = match &e.op {
-                    IoOp::Write { fua, .. } => (*fua, false),
-                    _ => (false, true),
-                };
-                let done = e.done;
-                if e.iov < e.iovecs.len() {
-                    if res == 0 {
-                        // End of file: a read returns what it got, a write cannot go on.
-                        return if read {
-                            self.finish(entry, Ok(done))
-                        } else {
-                            self.finish(
-                                entry,
-                                Err(io::Error::new(
-                                    io::ErrorKind::WriteZero,
-                                    "write took no bytes",
-                                )),
-                            )
-                        };
-                    }
-                    self.stats.resubmitted.fetch_add(1, Ordering::Relaxed);
-                    return self.prepare(entry);
-                }
-                self.after_data(entry, fua, done);
-            }
+        match e.stage {
+            Stage::Data => self.data_done(entry, res),
             Stage::Sync => {
                 let done = e.done;
                 if res < 0 {
@@ -439,38 +398,91 @@ impl<D: Disk> UringEngine<D> {
                     self.finish(entry, Ok(done))
                 }
             }
-            Stage::Range(i) => {
-                let (ranges, fua, zeroes) = match &e.op {
-                    IoOp::Discard { ranges, fua } => (ranges, *fua, false),
-                    IoOp::WriteZeroes { ranges, fua } => (ranges, *fua, true),
-                    _ => return self.finish(entry, Ok(0)),
-                };
-                let r = ranges[i];
-                let nranges = ranges.len();
-                if res < 0 {
-                    let unsupported = res == -libc::EOPNOTSUPP || res == -libc::ENOSYS;
-                    if !unsupported {
-                        return self.finish(entry, Err(io::Error::from_raw_os_error(-res)));
-                    }
-                    if zeroes {
-                        // No fallocate mode for it: write the zeros the blocking way (rare:
-                        // every Linux file system with O_DIRECT has ZERO_RANGE or holes).
-                        if let Err(err) = self.disk.write_zeroes(r.offset, r.len, r.unmap) {
-                            return self.finish(entry, Err(err));
-                        }
-                    }
-                    // A discard is a hint: a file system that cannot punch holes keeps the
-                    // blocks, and the request still succeeds.
-                }
-                if let Some(e) = self.entries[entry].as_mut() {
-                    if i + 1 < nranges {
-                        e.stage = Stage::Range(i + 1);
-                        return self.prepare(entry);
-                    }
-                }
-                self.after_data(entry, fua, 0);
+            Stage::Range(i) => self.range_done(entry, i, res),
+        }
+    }
+
+    /// A data SQE moved `res` bytes (or failed): the op's pieces are advanced past them in
+    /// place, and what is left is resubmitted (QEMU's `luring_resubmit_short_read`).
+    fn data_done(&mut self, entry: usize, res: i32) {
+        let Some(e) = self.entry_mut(entry) else {
+            return;
+        };
+        // A negative result is an errno.
+        let Ok(mut n) = usize::try_from(res) else {
+            return self.finish(entry, Err(io::Error::from_raw_os_error(-res)));
+        };
+        e.done += n as u64;
+        let (fua, read, bufs) = match &mut e.op {
+            IoOp::Write { fua, bufs, .. } => (*fua, false, &mut bufs[..]),
+            IoOp::Read { bufs, .. } => (false, true, &mut bufs[..]),
+            _ => (false, true, &mut [][..]),
+        };
+        while n > 0 && e.iov < bufs.len() {
+            let b = &mut bufs[e.iov];
+            if n >= b.len() {
+                n -= b.len();
+                e.iov += 1;
+            } else {
+                b.advance(n);
+                n = 0;
             }
         }
+        let (done, left) = (e.done, e.iov < bufs.len());
+        if !left {
+            return self.after_data(entry, fua, done);
+        }
+        if res == 0 {
+            // End of file: a read returns what it got, a write cannot go on.
+            let result = if read {
+                Ok(done)
+            } else {
+                Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "write took no bytes",
+                ))
+            };
+            return self.finish(entry, result);
+        }
+        self.stats.resubmitted.fetch_add(1, Ordering::Relaxed);
+        self.prepare(entry);
+    }
+
+    /// The fallocate of range `i` of a discard or write-zeroes ended with `res`.
+    fn range_done(&mut self, entry: usize, i: usize, res: i32) {
+        let Some(e) = self.entry(entry) else {
+            return;
+        };
+        let (ranges, fua, zeroes) = match &e.op {
+            IoOp::Discard { ranges, fua } => (ranges, *fua, false),
+            IoOp::WriteZeroes { ranges, fua } => (ranges, *fua, true),
+            _ => return self.finish(entry, Ok(0)),
+        };
+        let (Some(&r), nranges) = (ranges.get(i), ranges.len()) else {
+            return self.finish(entry, Ok(0));
+        };
+        if res < 0 {
+            let unsupported = res == -libc::EOPNOTSUPP || res == -libc::ENOSYS;
+            if !unsupported {
+                return self.finish(entry, Err(io::Error::from_raw_os_error(-res)));
+            }
+            if zeroes {
+                // No fallocate mode for it: write the zeros the blocking way (rare: every
+                // Linux file system with O_DIRECT has ZERO_RANGE or holes).
+                if let Err(err) = self.disk.write_zeroes(r.offset, r.len, r.unmap) {
+                    return self.finish(entry, Err(err));
+                }
+            }
+            // A discard is a hint: a file system that cannot punch holes keeps the blocks,
+            // and the request still succeeds.
+        }
+        if i + 1 < nranges {
+            if let Some(e) = self.entry_mut(entry) {
+                e.stage = Stage::Range(i + 1);
+            }
+            return self.prepare(entry);
+        }
+        self.after_data(entry, fua, 0);
     }
 
     /// Moves backlog SQEs into the submission ring while the completion ring has room.
@@ -482,8 +494,8 @@ impl<D: Disk> UringEngine<D> {
                 break;
             };
             // SAFETY: every pointer in the SQE (iovec arrays, buffers) stays valid until its
-            // completion: iovec arrays live in `self.entries` (their heap storage does not move
-            // when the entry vector grows), buffers by the submit contract.
+            // completion: iovec arrays are the pieces of ops in `self.entries`, boxed so they
+            // do not move when the table grows; buffers by the submit contract.
             if unsafe { sq.push(sqe) }.is_err() {
                 break;
             }
@@ -502,18 +514,11 @@ impl<D: Disk> IoEngine for UringEngine<D> {
     }
 
     unsafe fn submit(&mut self, tag: Tag, op: IoOp) {
-        let (iovecs, stage, empty) = match &op {
-            IoOp::Read { bufs, .. } | IoOp::Write { bufs, .. } => {
-                let mut v = self.spare_iovecs.pop().unwrap_or_default().0;
-                v.extend(bufs.iter().map(|b: &IoBuf| libc::iovec {
-                    iov_base: b.ptr().cast(),
-                    iov_len: b.len(),
-                }));
-                (v, Stage::Data, bufs.is_empty())
-            }
-            IoOp::Flush => (Vec::new(), Stage::Sync, false),
+        let (stage, empty) = match &op {
+            IoOp::Read { bufs, .. } | IoOp::Write { bufs, .. } => (Stage::Data, bufs.is_empty()),
+            IoOp::Flush => (Stage::Sync, false),
             IoOp::Discard { ranges, .. } | IoOp::WriteZeroes { ranges, .. } => {
-                (Vec::new(), Stage::Range(0), ranges.is_empty())
+                (Stage::Range(0), ranges.is_empty())
             }
         };
         let fua = matches!(
@@ -523,13 +528,13 @@ impl<D: Disk> IoEngine for UringEngine<D> {
                 | IoOp::WriteZeroes { fua: true, .. }
         );
         let entry = self.free.pop().unwrap_or_else(|| {
-            self.entries.push(None);
+            self.entries.push(Box::new(None));
             self.entries.len() - 1
         });
-        self.entries[entry] = Some(Inflight {
+        // Written into the entry's box: the op's pieces stay where the kernel will read them.
+        *self.entries[entry] = Some(Inflight {
             tag,
             op,
-            iovecs,
             iov: 0,
             done: 0,
             stage,

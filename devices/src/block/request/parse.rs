@@ -1,0 +1,181 @@
+//! The header and what it asks for: the request type, checked against the chain's layout,
+//! the negotiated features and the disk's switches.
+
+use bounce::Direction;
+use vm_memory::GuestMemory;
+
+use super::RequestCtx;
+use crate::block::{BlockError, Result, ID_BYTES, REQ_HEADER_LEN};
+use crate::virtio::chain::{self, Chain};
+use crate::virtio::spec::{
+    VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
+};
+
+/// What a request asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestType {
+    /// Read sectors.
+    In,
+    /// Write sectors.
+    Out,
+    /// Flush the write cache.
+    Flush,
+    /// Get the id string.
+    GetId,
+    /// Discard ranges.
+    Discard,
+    /// Zero ranges.
+    WriteZeroes,
+    /// Anything else (the raw type).
+    Unsupported(u32),
+}
+
+impl From<u32> for RequestType {
+    fn from(t: u32) -> Self {
+        match t {
+            VIRTIO_BLK_T_IN => Self::In,
+            VIRTIO_BLK_T_OUT => Self::Out,
+            VIRTIO_BLK_T_FLUSH => Self::Flush,
+            VIRTIO_BLK_T_GET_ID => Self::GetId,
+            VIRTIO_BLK_T_DISCARD => Self::Discard,
+            VIRTIO_BLK_T_WRITE_ZEROES => Self::WriteZeroes,
+            t => Self::Unsupported(t),
+        }
+    }
+}
+
+/// A parsed request header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RequestHeader {
+    /// The request type.
+    pub kind: RequestType,
+    /// The first sector (512-byte units).
+    pub sector: u64,
+}
+
+impl RequestHeader {
+    /// Parses the 16 header bytes (little endian: type, reserved, sector).
+    pub fn parse(bytes: &[u8; REQ_HEADER_LEN]) -> Self {
+        let mut t = [0u8; 4];
+        t.copy_from_slice(&bytes[0..4]);
+        let mut s = [0u8; 8];
+        s.copy_from_slice(&bytes[8..16]);
+        Self {
+            kind: RequestType::from(u32::from_le_bytes(t)),
+            sector: u64::from_le_bytes(s),
+        }
+    }
+}
+
+/// A request whose header was read and whose layout fits its type: what [`super::plan`]
+/// turns into mappings and host I/O.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Parsed {
+    /// Move `len` bytes between the disk at `sector` and the data buffers, in `dir`.
+    Data {
+        sector: u64,
+        len: u64,
+        dir: Direction,
+    },
+    /// Flush the write cache.
+    Flush,
+    /// Answer the id string into the first `len` device-writable bytes.
+    GetId { len: usize },
+    /// Discard (or, with `zeroes`, write zeroes to) the segments in the `payload` bytes after
+    /// the header.
+    Ranges { payload: u64, zeroes: bool },
+}
+
+impl RequestCtx {
+    /// Reads the header of `chain` through the DMA handle, counts the request by type and
+    /// checks its data lengths, directions and feature against its type.
+    pub(super) fn parse<M: GuestMemory + ?Sized>(&self, mem: &M, chain: &Chain) -> Result<Parsed> {
+        if chain.readable_len < REQ_HEADER_LEN as u64 {
+            return Err(BlockError::BadChain("request header shorter than 16 bytes"));
+        }
+        let mut hdr = [0u8; REQ_HEADER_LEN];
+        chain::copy_from(&self.dma, mem, self.worker, &chain.readable, 0, &mut hdr)?;
+        let hdr = RequestHeader::parse(&hdr);
+        // Bytes after the header (device-readable) and before the status (device-writable).
+        let out_len = chain.readable_len - REQ_HEADER_LEN as u64;
+        let in_len = chain.writable_len - 1;
+        let m = &self.metrics;
+        let p = &self.params;
+        let (sector, kind) = (hdr.sector, hdr.kind);
+        let refuse = |what| Err(BlockError::BadChain(what));
+        match kind {
+            RequestType::In => {
+                m.reqs_in.inc();
+                if out_len != 0 {
+                    return refuse("device-readable data in a read");
+                }
+                Ok(Parsed::Data {
+                    sector,
+                    len: in_len,
+                    dir: Direction::FromDevice,
+                })
+            }
+            RequestType::Out => {
+                m.reqs_out.inc();
+                if in_len != 0 {
+                    return refuse("device-writable data in a write");
+                }
+                if p.readonly {
+                    return Err(BlockError::ReadOnly);
+                }
+                Ok(Parsed::Data {
+                    sector,
+                    len: out_len,
+                    dir: Direction::ToDevice,
+                })
+            }
+            RequestType::Flush => {
+                m.reqs_flush.inc();
+                if out_len != 0 || in_len != 0 {
+                    return refuse("data buffers in a flush");
+                }
+                Ok(Parsed::Flush)
+            }
+            RequestType::GetId => {
+                m.reqs_get_id.inc();
+                if out_len != 0 {
+                    return refuse("device-readable data in GET_ID");
+                }
+                let len = usize::try_from(in_len.min(ID_BYTES as u64)).unwrap_or(ID_BYTES);
+                Ok(Parsed::GetId { len })
+            }
+            RequestType::Discard | RequestType::WriteZeroes => {
+                self.parse_ranges(kind == RequestType::WriteZeroes, out_len, in_len)
+            }
+            RequestType::Unsupported(t) => {
+                m.reqs_unsupported.inc();
+                Err(BlockError::Unsupported(t))
+            }
+        }
+    }
+
+    /// The checks of a DISCARD or WRITE_ZEROES request before its segments are read.
+    fn parse_ranges(&self, zeroes: bool, out_len: u64, in_len: u64) -> Result<Parsed> {
+        let (negotiated, t) = if zeroes {
+            self.metrics.reqs_write_zeroes.inc();
+            (self.params.write_zeroes, VIRTIO_BLK_T_WRITE_ZEROES)
+        } else {
+            self.metrics.reqs_discard.inc();
+            (self.params.discard, VIRTIO_BLK_T_DISCARD)
+        };
+        if !negotiated {
+            return Err(BlockError::Unsupported(t));
+        }
+        if in_len != 0 {
+            return Err(BlockError::BadChain("device-writable data in a discard"));
+        }
+        if self.params.readonly {
+            return Err(BlockError::ReadOnly);
+        }
+        Ok(Parsed::Ranges {
+            payload: out_len,
+            zeroes,
+        })
+    }
+}
