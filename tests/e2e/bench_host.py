@@ -172,32 +172,35 @@ def cpu_seconds(pid):
     return stat_ticks(f"/proc/{pid}/stat") / os.sysconf("SC_CLK_TCK")
 
 
-def worker_ticks(pid):
-    """{tid: user + system clock ticks} of the process's io_uring worker threads (`iou-wrk-*`,
-    `iou-sqp-*`) alive now."""
+def thread_runtimes(pid):
+    """{tid: (name, ns on a CPU so far)} of the process's threads alive now, from the
+    scheduler's own count (/proc/PID/task/TID/schedstat, nanoseconds; /proc's stat ticks are
+    10 ms apart)."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            if not (task / "comm").read_text().startswith("iou-"):
-                continue
-            out[task.name] = stat_ticks(task / "stat")
-        except OSError:
+            out[task.name] = ((task / "comm").read_text().strip(),
+                              int((task / "schedstat").read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
             continue  # the thread exited meanwhile
     return out
 
 
-def workers_share(pid, t0, t1):
-    """Share of the process's CPU time spent in its io_uring workers between the monotonic
-    instants t0 and t1 (inside the run: the workers exit with the ring when the front end
-    disconnects, so their time cannot be read after it). None if the process used none."""
-    time.sleep(max(0.0, t0 - time.monotonic()))
-    cpu0, w0 = cpu_seconds(pid), worker_ticks(pid)
-    time.sleep(max(0.0, t1 - time.monotonic()))
-    cpu1, w1 = cpu_seconds(pid), worker_ticks(pid)
-    # A worker born in between counts from zero; one that exited in between is lost (rare:
-    # workers leave after seconds of idleness).
-    wrk = sum(v - w0.get(tid, 0) for tid, v in w1.items()) / os.sysconf("SC_CLK_TCK")
-    return wrk / (cpu1 - cpu0) if cpu1 > cpu0 else None
+def workers_share(pid, running, every=0.05):
+    """Share of the back end's CPU time spent in its io_uring worker threads (`iou-wrk-*`,
+    `iou-sqp-*`) while running() holds, or None if its threads spent no time on a CPU then.
+    The threads are read every `every` seconds and each one's last reading counts: workers
+    come and go, and they exit with the ring when the front end disconnects, so they cannot be
+    read after the run (a worker's last moments before it exits are missed)."""
+    first = thread_runtimes(pid)
+    last = dict(first)
+    while running():
+        time.sleep(every)
+        last.update(thread_runtimes(pid))
+    spent = {tid: ns - first.get(tid, ("", 0))[1] for tid, (_, ns) in last.items()}
+    total = sum(spent.values())
+    workers = sum(ns for tid, ns in spent.items() if last[tid][0].startswith("iou-"))
+    return workers / total if total > 0 else None
 
 
 def children_cpu_seconds():
@@ -213,18 +216,21 @@ def measure(variant, img, sock, jobs, args, backends):
                 "--bs", "4k", "--iodepth", "32", "--numjobs", str(jobs),
                 "--runtime", str(args.runtime), "--size", args.size]
         cpu0, load0 = cpu_seconds(p.pid), children_cpu_seconds()
-        begin = time.monotonic()
-        load = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=pinned(args.pin_load))
-        # The io_uring workers' share, read over the middle of the run.
-        edge = min(0.5, args.runtime * 0.2)
-        share = workers_share(p.pid, begin + edge, begin + args.runtime - edge)
-        try:
-            out, err = load.communicate(timeout=args.runtime + 60)
-        except subprocess.TimeoutExpired:
-            load.kill()
-            load.communicate()
-            die(f"{variant}: bouncevm-load did not finish")
+        deadline = time.monotonic() + args.runtime + 60
+        # Its output goes to files: the io_uring workers' share is read while it runs, from
+        # its start to its exit (connection set-up included, a few ms).
+        with tempfile.TemporaryFile("w+") as outf, tempfile.TemporaryFile("w+") as errf:
+            load = subprocess.Popen(argv, stdout=outf, stderr=errf, text=True,
+                                    preexec_fn=pinned(args.pin_load))
+            share = workers_share(p.pid, lambda: load.poll() is None
+                                  and time.monotonic() < deadline)
+            if load.poll() is None:
+                load.kill()
+                load.wait()
+                die(f"{variant}: bouncevm-load did not finish")
+            outf.seek(0)
+            errf.seek(0)
+            out, err = outf.read(), errf.read()
         cpu1, load1 = cpu_seconds(p.pid), children_cpu_seconds()
         if load.returncode != 0:
             die(f"{variant}: {err.strip()}")
@@ -243,7 +249,8 @@ def measure(variant, img, sock, jobs, args, backends):
         return {"iops": t["iops"], "p50_us": t["lat_ns"]["p50"] / 1000,
                 "p99_us": t["lat_ns"]["p99"] / 1000,
                 "cpu_us": cpu_us,
-                "workers_cpu_us": cpu_us * share if share is not None else float("nan"),
+                # None (JSON null, "n/a" in the table): its threads were never seen on a CPU.
+                "workers_cpu_us": cpu_us * share if share is not None else None,
                 "load_cpu_us": per_io(load1 - load0)}
     finally:
         stop(p)
@@ -273,6 +280,17 @@ def fmt_row(name, xs, ref_q, ref_off):
     cells.append(f"{med / ref_q:.2f}x" if ref_q else "-")
     cells.append(f"{med / ref_off:.2f}x" if ref_off and name != "qsd" else "-")
     return cells
+
+
+def median_measured(xs):
+    """Median of the values that are not None; None if there are none."""
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fmt_us(x):
+    """Microseconds with two decimals, or n/a for a figure that could not be measured."""
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 def parse_backend_bins(specs):
@@ -355,7 +373,7 @@ def main():
                         print(f"round {r + 1}/{args.rounds} {d} jobs={j} {v}: "
                               f"{m['iops']:,.0f} IOPS p50 {m['p50_us']:.0f} us p99 {m['p99_us']:.0f} us, "
                               f"backend {m['cpu_us']:.2f} us CPU/IO "
-                              f"({m['workers_cpu_us']:.2f} in io_uring workers), "
+                              f"({fmt_us(m['workers_cpu_us'])} in io_uring workers), "
                               f"load gen {m['load_cpu_us']:.2f}",
                               file=sys.stderr)
     finally:
@@ -407,7 +425,7 @@ def main():
                 cells = fmt_row(v, [s["iops"] for s in ss], med.get("qsd"), med.get(off))
                 cs = [s["cpu_us"] for s in ss]
                 cells += [f"{statistics.median(cs):.2f}", f"{min(cs):.2f}-{max(cs):.2f}",
-                          f"{statistics.median(s['workers_cpu_us'] for s in ss):.2f}",
+                          fmt_us(median_measured(s["workers_cpu_us"] for s in ss)),
                           f"{statistics.median(s['load_cpu_us'] for s in ss):.2f}",
                           f"{ceil[v]:,.0f}",
                           f"{ceil[v] / ceil[off]:.2f}x" if off in ceil and v != "qsd" else "-"]
@@ -415,6 +433,10 @@ def main():
     print(f"Ceiling: {ceiling_rule}, the IOPS the machine could reach if its CPUs were kept "
           "busy and nothing else ran; its ratio to off bounds the bounced variants' ratio "
           "whenever the run is CPU-bound.")
+    if any(s["workers_cpu_us"] is None for ss in samples.values() for s in ss):
+        print("n/a in io_uring workers: no thread of the back end showed time on a CPU in "
+              "/proc/PID/task/TID/schedstat while the load ran (a kernel without "
+              "CONFIG_SCHED_INFO has no such file).")
     for line in bounce_variants.defined_lines(VARIANTS, KNOWN):
         print(line)
     if args.json:

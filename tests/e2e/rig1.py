@@ -10,6 +10,7 @@ network traffic only goes to loopback or to namespaces created here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import itertools
 import json
@@ -19,6 +20,7 @@ import shlex
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -312,6 +314,107 @@ def net_tap(ifname: str, id: str = "n0", mac: str = "52:54:00:12:34:56", iommu: 
             "-device", f"virtio-net-pci,netdev={id},mac={mac}{vec}{_iommu(iommu)}{extra}"]
 
 
+# ----------------------------------------------------------------------------- guest clock
+
+# The host kernel's figure for its TSC rate, in the words its log prints it: the refined
+# calibration when there is one, else the rate it detected (a "MHz TSC" line follows the
+# "MHz processor" one when the two differ).
+_HOST_TSC_LOG = (re.compile(r"tsc: Refined TSC clocksource calibration: (\d+)\.(\d{3}) MHz"),
+                 re.compile(r"tsc: Detected (\d+)\.(\d{3}) MHz TSC"),
+                 re.compile(r"tsc: Detected (\d+)\.(\d{3}) MHz processor"))
+_NR_PERF_EVENT_OPEN_X86_64 = 298
+
+
+def tsc_khz_from_kernel_log(text: str) -> int | None:
+    """The TSC rate (kHz) a kernel log states, or None (see _HOST_TSC_LOG)."""
+    for pattern in _HOST_TSC_LOG:
+        found = pattern.findall(text)
+        if found:
+            mhz, frac = found[-1]
+            return int(mhz) * 1000 + int(frac)
+    return None
+
+
+def _tsc_khz_counted(seconds: float = 0.2) -> int | None:
+    """The host TSC's rate (kHz) counted by perf's msr PMU (event tsc, CPU 0) against
+    CLOCK_MONOTONIC_RAW over `seconds`; None where that cannot be done (not x86-64, no msr PMU,
+    perf_event_open refused) or the clock reads around the counts were too far apart."""
+    try:
+        pmu = int(Path("/sys/bus/event_source/devices/msr/type").read_text())
+    except (OSError, ValueError):
+        return None
+    if os.uname().machine != "x86_64":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = struct.pack("IIQ", pmu, 64, 0).ljust(64, b"\0")  # perf_event_attr v0, config 0: tsc
+    fd = libc.syscall(_NR_PERF_EVENT_OPEN_X86_64, attr, -1, 0, -1, 0)  # every task on CPU 0
+    if fd < 0:
+        return None
+
+    def sample() -> tuple[int, int, int]:
+        """(count, ns at the middle of the clock reads around it, ns between them): the
+        narrowest of a few tries."""
+        best = (0, 0, 1 << 62)
+        for _ in range(5):
+            t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC_RAW)
+            count = struct.unpack("Q", os.read(fd, 8))[0]
+            t1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC_RAW)
+            if t1 - t0 < best[2]:
+                best = (count, (t0 + t1) // 2, t1 - t0)
+        return best
+
+    try:
+        c0, t0, e0 = sample()
+        time.sleep(seconds)
+        c1, t1, e1 = sample()
+    finally:
+        os.close(fd)
+    if c1 <= c0 or (e0 + e1) * 1000 > t1 - t0:  # no count, or more than 0.1 % uncertain
+        return None
+    return round((c1 - c0) * 1_000_000 / (t1 - t0))
+
+
+@functools.lru_cache(maxsize=None)
+def host_tsc_khz() -> tuple[int | None, str]:
+    """(the host TSC's rate in kHz, where it comes from), or (None, why it is unknown).
+
+    A TCG guest's TSC is the host's (QEMU's rdtsc reads the host counter), but the guest kernel
+    measures its rate at boot against the PIT, and the PIT's start and the first TSC read are two
+    steps: a vCPU thread descheduled between them (a loaded host) measures too short a window and
+    too low a rate, and the kernel trusts the PIT when it disagrees with the HPET. The guest's
+    clock then runs fast by that factor (1.5x-10x) until its clocksource watchdog drops the TSC,
+    and its soft-lockup and RCU-stall detectors take seconds of host time for minutes.
+    tsc_words() passes this rate as tsc_early_khz=, which skips that measurement (the guest
+    still refines the rate against its HPET, within 1 %).
+
+    From, in order: BVM_HOST_TSC_KHZ; the host kernel's log (dmesg); a count of the TSC (perf's
+    msr PMU) over 0.2 s."""
+    env = os.environ.get("BVM_HOST_TSC_KHZ")
+    if env:
+        if not env.isdigit() or int(env) == 0:
+            raise ValueError(f"BVM_HOST_TSC_KHZ={env!r}: expected the host TSC's rate in kHz")
+        return int(env), "BVM_HOST_TSC_KHZ"
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        log = ""
+    khz = tsc_khz_from_kernel_log(log)
+    if khz:
+        return khz, "the host kernel's log"
+    khz = _tsc_khz_counted()
+    if khz:
+        return khz, "counted with perf's msr/tsc/ event"
+    return None, ("not in the host kernel's log and perf's msr/tsc/ event unavailable: the guest "
+                  "measures it, which a loaded host can disturb (set BVM_HOST_TSC_KHZ)")
+
+
+def tsc_words() -> list[str]:
+    """The kernel command-line words that give a TCG guest the host TSC's rate (host_tsc_khz),
+    for every rig-1 guest; none when that rate is unknown."""
+    khz, _ = host_tsc_khz()
+    return [f"tsc_early_khz={khz}"] if khz else []
+
+
 # ----------------------------------------------------------------------------- guest
 
 @dataclass
@@ -355,6 +458,14 @@ class GuestRun:
         """Seconds from kernel start to /init (the guest's own clock)."""
         b = self.parsed.get("BOOT")
         return num(b[0].get("uptime")) if b else float("nan")
+
+    @property
+    def uptime_s(self) -> float:
+        """The guest's uptime at BVM-DONE (its own clock; nan without BVM-DONE). Above wall_s
+        (the host's, which also counts QEMU's start and the firmware), the guest clock ran
+        fast."""
+        d = self.parsed.get("DONE")
+        return num(d[0].get("uptime")) if d else float("nan")
 
     @property
     def done(self) -> bool:
@@ -413,9 +524,12 @@ class GuestRun:
         crash = f" kernel_crash={self.kernel_crash!r}" if self.kernel_crash else ""
         retried = (f" after {len(self.retried)} boot crash(es) (logs: "
                    + ", ".join(str(r.log_path) for r in self.retried) + ")") if self.retried else ""
+        tsc = "" if any("tsc_early_khz=" in a for a in self.argv) else \
+            f"guest TSC rate: {host_tsc_khz()[1]}\n"
         return (f"guest {self.name}: rc={self.returncode} timed_out={self.timed_out} "
-                f"wall={self.wall_s:.1f}s log={self.log_path}{crash}{retried}\n"
-                f"argv: {shlex.join(self.argv)}\n{self._crash_block(lines, tail)}"
+                f"wall={self.wall_s:.1f}s guest_uptime={self.uptime_s:.1f}s "
+                f"log={self.log_path}{crash}{retried}\n"
+                f"argv: {shlex.join(self.argv)}\n{tsc}{self._crash_block(lines, tail)}"
                 f"--- last {tail} log lines ---\n" + "\n".join(lines[-tail:]))
 
     def _crash_block(self, lines: list[str], tail: int, most: int = 120) -> str:
@@ -463,6 +577,7 @@ class Guest:
 
     def kernel_cmdline(self) -> str:
         words = ["console=ttyS0", "quiet", "panic=-1", f"bvm.test={self.test}"]
+        words += tsc_words()
         # guest-side watchdog a little before the host-side timeout, so a hang still reports
         params = {"timeout": max(10, int(self.timeout) - 10), **self.params}
         for k, v in params.items():

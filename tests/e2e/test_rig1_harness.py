@@ -199,3 +199,67 @@ def test_a_retried_boot_gets_fresh_back_ends(tmp_path):
         "the crashed boot never reached the back end: nothing was tested"
     assert st["server"]["connections"] == 1 and not st["server"]["connected"], st["server"]
     assert backend.log_path != first_log, "the back end was not restarted"
+
+
+def test_the_tsc_rate_is_read_from_a_kernel_log():
+    detected = "[    0.000057] tsc: Detected 2600.000 MHz processor\n"
+    assert rig1.tsc_khz_from_kernel_log(detected) == 2600000
+    # The refined calibration wins; a separate TSC rate wins over the processor's.
+    assert rig1.tsc_khz_from_kernel_log(
+        detected + "[    1.2] tsc: Refined TSC clocksource calibration: 2599.987 MHz\n") == 2599987
+    assert rig1.tsc_khz_from_kernel_log(
+        "tsc: Detected 3000.000 MHz processor\ntsc: Detected 2899.998 MHz TSC\n") == 2899998
+    assert rig1.tsc_khz_from_kernel_log("[    0.1] clocksource: tsc-early: mask: 0xff\n") is None
+
+
+def test_the_guest_command_line_carries_the_host_tsc_rate(monkeypatch):
+    monkeypatch.setenv("BVM_HOST_TSC_KHZ", "2345678")
+    rig1.host_tsc_khz.cache_clear()
+    try:
+        assert rig1.host_tsc_khz() == (2345678, "BVM_HOST_TSC_KHZ")
+        assert "tsc_early_khz=2345678" in rig1.Guest("x", "none").kernel_cmdline().split()
+        for bad in ("2.6GHz", "0", "-5"):
+            monkeypatch.setenv("BVM_HOST_TSC_KHZ", bad)
+            rig1.host_tsc_khz.cache_clear()
+            try:
+                rig1.host_tsc_khz()
+            except ValueError as e:
+                assert "BVM_HOST_TSC_KHZ" in str(e)
+            else:
+                raise AssertionError(f"BVM_HOST_TSC_KHZ={bad} was accepted")
+    finally:
+        rig1.host_tsc_khz.cache_clear()
+
+
+@rig1.skip_if_missing
+def test_the_host_tsc_rate_is_the_counted_one():
+    """The host kernel's figure and a count of the TSC against the host clock agree (each is
+    the fallback of the other)."""
+    rig1.require_root()
+    import subprocess
+
+    logged = rig1.tsc_khz_from_kernel_log(subprocess.run(["dmesg"], capture_output=True,
+                                                         text=True).stdout)
+    if logged is None:
+        raise rig1.Missing("the host kernel's log no longer holds its TSC rate")
+    counted = rig1._tsc_khz_counted()
+    if counted is None:
+        raise rig1.Missing("perf's msr/tsc/ event cannot be read here")
+    assert abs(counted - logged) <= logged / 1000, (counted, logged)
+
+
+@rig1.skip_if_missing
+def test_the_guest_takes_its_tsc_rate_from_the_host():
+    """The guest kernel does not measure its TSC rate (a loaded host disturbs that measurement
+    and the guest clock then runs fast): it uses the host's, and its clock never runs ahead of
+    the host's."""
+    rig1.require_root()
+    rig1.require_qemu()
+    rig1.images()
+    khz, source = rig1.host_tsc_khz()
+    if khz is None:
+        raise rig1.Missing(f"the host TSC's rate: {source}")
+    run = rig1.run_guest("harness_tsc", "none", append="loglevel=7")
+    assert f"tsc: Detected {khz // 1000}.{khz % 1000:03d} MHz processor" in run.log, run.describe()
+    assert "PIT calibration" not in run.log, run.describe()
+    assert run.uptime_s < run.wall_s, run.describe()
