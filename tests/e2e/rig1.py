@@ -410,7 +410,7 @@ def host_tsc_khz() -> tuple[int | None, str]:
 
 def tsc_words() -> list[str]:
     """The kernel command-line words that give a TCG guest the host TSC's rate (host_tsc_khz),
-    for every rig-1 guest; none when that rate is unknown."""
+    for every rig-1 guest and rig 2's L1; none when that rate is unknown."""
     khz, _ = host_tsc_khz()
     return [f"tsc_early_khz={khz}"] if khz else []
 

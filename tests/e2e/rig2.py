@@ -628,7 +628,9 @@ class L1:
         self._attempt = 0
 
     def kernel_cmdline(self) -> str:
-        w = ["console=ttyS0", "quiet", "panic=-1",
+        # L1 is a TCG guest like rig 1's: it gets the host TSC's rate rather than measuring it
+        # on a loaded host (its clock, and the kvmclock L2 reads from it, would run fast).
+        w = ["console=ttyS0", "quiet", "panic=-1", *rig1.tsc_words(),
              f"l1.timeout={max(30, int(self.timeout) - 15)}"]
         if self.cmd:
             w.append(f"l1.cmd={self.cmd}")

@@ -226,3 +226,9 @@ def test_l1_has_one_vcpu_unless_asked(monkeypatch):
         assert "BVM_RIG2_L1_SMP" in str(e)
     else:
         raise AssertionError("BVM_RIG2_L1_SMP=4 accepted")
+
+
+def test_l1_gets_the_host_tsc_rate(monkeypatch):
+    monkeypatch.setenv("BVM_HOST_TSC_KHZ", "2600000")
+    l1 = rig2.L1("tsc", rig2.Share("tsc"), cmd="/host/run-l2.sh")
+    assert "tsc_early_khz=2600000" in l1.kernel_cmdline().split()
