@@ -774,7 +774,7 @@ fn stats_are_json_with_bounce_pool() {
     assert!(s["bounce"].is_null());
 }
 
-/// Issue 11 item 16 (disk part): a backend that fails one write (EIO, ENOSPC), one read or one
+/// A backend that fails one write (EIO, ENOSPC), one read or one
 /// flush. The guest sees IOERR for exactly that request; every request acknowledged before and
 /// after it is on the disk; a read that failed succeeds when retried; the device keeps serving;
 /// a bounced run holds no slot after the error path.
@@ -851,7 +851,7 @@ fn disk_faults_fail_only_the_affected_request() {
     }
 }
 
-/// Issue 13 item 4: the device DMA-mask path works end to end. A device with an alignment
+/// The device DMA-mask path works end to end. A device with an alignment
 /// mask (Linux `min_align_mask`) can map less in one piece; `size_max` says so, and a request
 /// larger than that is mapped in pieces the pool accepts, with the data intact and no slot
 /// leaked. `-bounce mask=` (Policy::Mask) is tested in bounce/src/dma.rs.

@@ -402,7 +402,7 @@ fn oracle_case() -> impl Strategy<Value = OracleCase> {
 
 const DISK_SECTORS: u64 = (1 << 20) / 512;
 
-/// Issue 11 item 2: a correct driver may build an indirect table longer than a small ring
+/// A correct driver may build an indirect table longer than a small ring
 /// (Linux bounds it by seg_max). The device refuses it today; turn this on with the fix.
 const INDIRECT_LONGER_THAN_RING: bool = false;
 
@@ -548,7 +548,7 @@ fn run_oracle(c: &OracleCase) {
             let has_data = !out.is_empty() || in_len > 0;
             if need(layout, has_data) > usize::from(qsize) {
                 // An indirect table of header + 2 data + status is 4 entries; the device
-                // refuses tables longer than the ring (issue 11 item 2, found by this test:
+                // refuses tables longer than the ring (found by this test:
                 // used.len 0, status byte untouched), so a ring of 2 gets Merged until then.
                 layout = if indirect && (qsize >= 4 || INDIRECT_LONGER_THAN_RING) {
                     Layout::Indirect

@@ -206,7 +206,7 @@ fn chain_longer_than_the_device_maximum() {
     assert_eq!(status_of(&blk, &b), VIRTIO_BLK_S_OK);
 }
 
-/// Issue 11 item 2: the device advertises `seg_max` = 254 (its maximum queue size less 2)
+/// The device advertises `seg_max` = 254 (its maximum queue size less 2)
 /// whatever ring size the driver picks; QEMU's vhost-user-blk-pci uses 128-entry rings, and
 /// Linux bounds segments by `seg_max`. A 254-segment read through one indirect table on a
 /// 128-entry ring must be served (it was refused with "indirect table longer than the queue").
@@ -358,7 +358,7 @@ fn lengths_that_overflow() {
     }
 }
 
-/// Issue 11 item 1: a chain with a zero-length descriptor was completed with `used.len` 0
+/// A chain with a zero-length descriptor was completed with `used.len` 0
 /// and the status byte left as it was (a stale 0 reads as OK to Linux). Now IOERR is written
 /// wherever the status byte can be located, and the device stops where it cannot.
 #[test]
@@ -560,9 +560,9 @@ fn bounce_pool_full() {
         );
         still_works(&mut blk);
 
-        // A pool that is completely full: not even the status byte can be mapped. Issue 11
-        // item 1: this completed with used.len 0 and a stale status; now the status byte is
-        // written directly and the driver sees IOERR.
+        // A pool that is completely full: not even the status byte can be mapped. The status
+        // byte is then written directly (never a completion with used.len 0 and a stale
+        // status) and the driver sees IOERR.
         let mut backing = vec![0u8; 1 << 20];
         let host = bounce::HostMemory::new(0, &mut backing);
         let mut held = Vec::new();
@@ -690,7 +690,7 @@ impl Disk for FailingDisk {
     }
 }
 
-/// Issue 11 item 4: in IOVA mode a device-write mapping is not filled from the guest, so the
+/// In IOVA mode a device-write mapping is not filled from the guest, so the
 /// pool buffer holds whatever an earlier mapping left there. A read that fails part-way used
 /// to copy the whole pool buffer back: another request's (in bouncevm-vhost, another
 /// client's) bytes reached the guest. Now a failed read copies nothing back.

@@ -1,5 +1,5 @@
 //! Property tests of the net device core with hostile descriptor chains, vnet headers and
-//! control commands (issue 11 item 15), through the test driver and an in-memory backend.
+//! control commands, through the test driver and an in-memory backend.
 //!
 //! `hostile_tx_rx_and_control_chains`: per case, one device (1 or 2 queue pairs, queue sizes
 //! 2..16, a random subset of INDIRECT, EVENT_IDX, MRG_RXBUF, the offloads, CTRL_VQ and MQ;

@@ -510,7 +510,7 @@ fn a_kernel_named_tap_reports_its_name_and_every_queue_joins_it() {
     }
 }
 
-/// Issue 11 item 16: the tap is deleted under a running device (`ip link del`, or its
+/// The tap is deleted under a running device (`ip link del`, or its
 /// namespace removed). Its fd then reports an error on poll (a transport stops polling it: no
 /// busy loop on EPOLLERR), every read and write fails: the guest's frames are dropped and
 /// counted, RX buffers stay the guest's, and the device keeps answering every event.

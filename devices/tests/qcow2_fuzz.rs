@@ -1,4 +1,4 @@
-//! Property test of qcow2 images with hostile headers and metadata (issue 11 item 15):
+//! Property test of qcow2 images with hostile headers and metadata:
 //! images made by `qemu-img` (64 KiB, 4 KiB and 512-byte clusters, v2 and v3, 1-bit
 //! refcounts, lazy refcounts, a backing file; data written by `qemu-img convert`) get random
 //! header fields (every field of the v3 header, at its width), L1 / L2 / refcount-table

@@ -19,7 +19,7 @@ io_uring workers included: steadier than IOPS on a loaded machine) and the part 
 io_uring workers, the load generator's CPU per I/O, and the CPU ceiling: the IOPS the
 machine's CPUs allow at those costs, and its ratio to off. Variants: qsd, off,
 swiotlb, iova, and swiotlb-untimed / iova-untimed (the pool's time accounting off,
-bounce option timing=off), and swiotlb with the reusing allocators of issue 10
+bounce option timing=off), and swiotlb with the reusing allocators
 (swiotlb-magazine, swiotlb-areas-lifo, swiotlb-magazine-untimed), and each mode with the
 other's copy rule on map (iova-copy-in: iova copying every original in, as swiotlb does;
 swiotlb-magazine-no-copy-in: swiotlb copying in only what the device reads, as VDUSE does).

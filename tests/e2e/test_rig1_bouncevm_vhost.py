@@ -1,6 +1,6 @@
 """Rig 1 with bouncevm's own devices: `bouncevm-vhost` serving QEMU 7.2 over vhost-user.
 
-Issue 4, point 3: fio --verify over vhost-user-blk with bounce forced (host statistics show the
+Tests: fio --verify over vhost-user-blk with bounce forced (host statistics show the
 maps and the bytes), the double bounce (guest swiotlb=force + iommu_platform=on), a qcow2 image
 written by the guest, every allocator in turn, and iperf3 both ways over vhost-user-net.
 
@@ -180,7 +180,7 @@ def test_bvm_vhost_blk_qcow2_written_by_guest():
 
 @skip_if_missing
 def test_bvm_vhost_blk_qemu_stderr_stays_clean():
-    """Issue 11 item 11: every QEMU 7.2 run with bouncevm-vhost blk printed "Unexpected
+    """Every QEMU 7.2 run with bouncevm-vhost blk printed "Unexpected
     end-of-file before all data were read". The backend dropped the backend-request channel
     (SET_BACKEND_REQ_FD, negotiated because ACCESS_PLATFORM is offered) as soon as it arrived,
     and QEMU read EOF on it. A boot with I/O and a guest power-off must leave QEMU silent, and
@@ -316,7 +316,7 @@ class _StatsPoller:
 
 @skip_if_missing
 def test_bvm_vhost_net_two_queue_pairs_iperf3_parallel():
-    """Issue 11 item 9: multi-queue net over vhost-user with QEMU. QEMU acks MQ but not CTRL_VQ
+    """Multi-queue net over vhost-user with QEMU. QEMU acks MQ but not CTRL_VQ
     to the backend (it keeps the control queue and enables the pairs' rings); the device used
     to refuse that and the guest had no network. Both queue pairs must carry traffic both ways
     (per-pair worker statistics) under iperf3 -P 4."""
@@ -356,7 +356,7 @@ def test_bvm_vhost_net_two_queue_pairs_iperf3_parallel():
 
 @skip_if_missing
 def test_bvm_vhost_blk_two_queues_two_fio_jobs():
-    """Issue 14 point 10: --queues 2 with QEMU num-queues=2; two fio jobs (each its own region)
+    """--queues 2 with QEMU num-queues=2; two fio jobs (each its own region)
     verify at once; the guest sees 2 hardware queues; bounce forced."""
     binary = _prereqs()
     img = make_raw_image(out_path("bvm_blk_mq", ".img"), "128M")
@@ -375,7 +375,7 @@ def test_bvm_vhost_blk_two_queues_two_fio_jobs():
 @pytest.mark.parametrize("qsize", [16, 256])
 @skip_if_missing
 def test_bvm_vhost_blk_non_default_queue_size(qsize):
-    """Issue 14 point 10: QEMU's queue-size (default 128) at 16 (fio's iodepth 16 x bounce
+    """QEMU's queue-size (default 128) at 16 (fio's iodepth 16 x bounce
     fills the ring) and 256 (the device's maximum): the guest's tag depth follows, fio verifies."""
     binary = _prereqs()
     img = make_raw_image(out_path(f"bvm_blk_q{qsize}", ".img"), "64M")
@@ -392,7 +392,7 @@ def test_bvm_vhost_blk_non_default_queue_size(qsize):
 
 @skip_if_missing
 def test_bvm_vhost_blk_readonly():
-    """Issue 14 point 10: --readonly over vhost-user: the guest sees a read-only disk (RO), its
+    """--readonly over vhost-user: the guest sees a read-only disk (RO), its
     writes fail (even after blockdev --setrw), reads return the image's data, the image is
     unchanged and no write request reached the backend."""
     import hashlib

@@ -1,4 +1,4 @@
-//! Property test of the QMP monitor with hostile input (issue 11 item 15), in process: the
+//! Property test of the QMP monitor with hostile input, in process: the
 //! real [`vmm::qmp::serve`] on a unix socket, with a block device behind `query-blockstats`
 //! and `x-query-bounce` / `x-reset-bounce`.
 //!

@@ -524,7 +524,7 @@ mod tests {
 
     #[test]
     fn an_rx_flood_does_not_hold_tx_back() {
-        // Regression (issue 11 item 14): one `armed` flag for both directions, so a throttled
+        // Regression: one `armed` flag for both directions, so a throttled
         // RX direction made TX wait for the RX refill.
         let clock = ManualClock::default();
         let cfg = ShaperConfig {

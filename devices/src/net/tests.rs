@@ -429,7 +429,7 @@ fn rx_bounce_failure_drops_frame_and_keeps_buffers() {
 
 #[test]
 fn rx_chains_held_for_a_waiting_frame_go_back_on_the_ring_between_passes() {
-    // Regression (issue 11 item 6): chains held for a frame that waits for more buffers were
+    // Regression: chains held for a frame that waits for more buffers were
     // counted in `next_avail`, which is what a vhost-user stop (GET_VRING_BASE) reports: the
     // frontend resumed after them and the guest lost those buffers.
     for (name, dma) in dmas() {
@@ -607,7 +607,7 @@ fn shaper_holds_rx_frame_pending() {
 
 #[test]
 fn shaper_rx_flood_does_not_throttle_tx() {
-    // Regression (issue 11 item 14): one `armed` flag for both directions, so a throttled RX
+    // Regression: one `armed` flag for both directions, so a throttled RX
     // frame made the TX path stop too, until RX's refill.
     let clock = ManualClock::default();
     let cfg = ShaperConfig {
@@ -884,7 +884,7 @@ fn features_offered_and_negotiation() {
 
 #[test]
 fn mq_without_ctrl_vq_is_served_when_the_frontend_steers() {
-    // Regression (issue 11 item 9): QEMU acks MQ but not CTRL_VQ to a vhost-user-net
+    // Regression: QEMU acks MQ but not CTRL_VQ to a vhost-user-net
     // backend (it keeps the control queue), and the device refused to activate.
     let bes: Vec<MemBackend> = (0..2).map(|_| MemBackend::new().unwrap()).collect();
     let boxed = || {
