@@ -187,6 +187,17 @@ impl Encoder {
     }
 
     /// Appends the records of the operation read from `line` (`text`: the line itself).
+    /// The compact form holds what a `swiotlb-kernel-trace/1` replay reads; the dynamic
+    /// pools' ops and decisions of `/2` have no records in it.
+    fn dynamic_refused(line: u64) -> TraceError {
+        TraceError::Parse {
+            line,
+            reason: "the compact form holds swiotlb-kernel-trace/1 only; keep a /2 trace \
+                     (dynamic pools) as JSON lines"
+                .into(),
+        }
+    }
+
     fn op(&mut self, line: u64, op: &TraceOp, text: &str) -> Result<()> {
         let gap = line.saturating_sub(self.line.saturating_add(1));
         if gap > 0 {
@@ -197,6 +208,10 @@ impl Encoder {
         self.line = line;
         self.records += 1;
         match op {
+            TraceOp::Header(h) if h.version > 1 => return Err(Self::dynamic_refused(line)),
+            TraceOp::PoolAdd { .. }
+            | TraceOp::TransientAlloc { .. }
+            | TraceOp::TransientFree { .. } => return Err(Self::dynamic_refused(line)),
             TraceOp::Header(_) => {
                 let text = text.trim();
                 let n = text.len() as u64;
@@ -553,6 +568,9 @@ impl<R: BufRead> CompactReader<R> {
                 tlb_addr,
                 area_used: area_used?,
                 area_index: area_index?,
+                pool: None,
+                grow: false,
+                counters: None,
             })
         } else {
             None
@@ -568,6 +586,7 @@ impl<R: BufRead> CompactReader<R> {
             alloc_align_mask,
             seg_boundary_mask,
             kernel,
+            time: None,
         }))
     }
 

@@ -38,7 +38,10 @@ pub mod reader;
 pub mod replay;
 
 pub use compact::{write_compact, CompactReader, CompactSummary};
-pub use parse::{parse_line, KernelDecision, MapOp, TraceHeader, TraceOp};
+pub use parse::{
+    parse_line, DebugfsCounters, DynamicHeader, KernelCounters, KernelDecision, MapOp, TraceHeader,
+    TraceOp, FORMAT_VERSION,
+};
 pub use reader::{open, TraceFile, TraceReader};
 pub use replay::{Mismatch, NullMemory, Outcome, ReplayOptions, ReplaySummary, Replayer};
 
