@@ -47,6 +47,10 @@ use crate::{IO_TLB_SEGSIZE, IO_TLB_SHIFT, PAGE_SHIFT};
 pub const MAX_POOL_SLABS: usize = (1 << (PAGE_SHIFT - IO_TLB_SHIFT)) << 10;
 /// The fewest slots the worker halves down to (`IO_TLB_MIN_SLABS`: 1 MiB).
 pub const MIN_POOL_SLABS: usize = (1 << 20) >> IO_TLB_SHIFT;
+/// The most pools a pool list holds besides the default one (at least 1 GiB of added pools;
+/// Linux has no such bound, its memory is one). A worker run or a replayed addition beyond it
+/// fails.
+pub const MAX_ADDED_POOLS: usize = 4096;
 
 /// Where the memory of added and transient pools comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -398,6 +402,11 @@ impl DynamicPools {
         }
         let default_bytes = geom.bytes() as u64;
         let (wbase, wbytes) = window;
+        let Some(wend) = wbase.checked_add(wbytes) else {
+            return Err(Error::Config(format!(
+                "a window of {wbytes} bytes at {wbase:#x} overflows"
+            )));
+        };
         if geom.base < wbase
             || (geom.base - wbase)
                 .checked_add(default_bytes)
@@ -411,7 +420,7 @@ impl DynamicPools {
         }
         let pages = match config.pages {
             PoolPages::Host { .. } => {
-                let mut b = Blocks::new(wbase, wbase + wbytes);
+                let mut b = Blocks::new(wbase, wend);
                 b.reserve(geom.base, default_bytes);
                 Pages::Host(Mutex::new(b))
             }
@@ -701,10 +710,12 @@ impl DynamicPools {
         let _g = self.add_lock.lock().unwrap_or_else(|p| p.into_inner());
         let n = self.published.load(Ordering::Relaxed);
         let info = pool.info(PoolKind::Added);
-        let slot = self
-            .added
-            .get(n)
-            .ok_or_else(|| Error::Config(format!("no room for a pool {} in the list", n + 1)))?;
+        let slot = self.added.get(n).ok_or_else(|| {
+            Error::Config(format!(
+                "no room for pool {} in the list (at most {MAX_ADDED_POOLS} added pools)",
+                n + 1
+            ))
+        })?;
         if slot.set(Box::new(pool)).is_err() {
             return Err(Error::Config("pool list slot taken twice".into()));
         }

@@ -171,6 +171,16 @@ impl<'a> CopyAt<'a> {
     }
 }
 
+/// What an unmap was asked ([`BouncePool::unmap_single`]'s arguments).
+#[derive(Clone, Copy, Debug)]
+struct UnmapArgs {
+    addr: u64,
+    size: usize,
+    dir: Direction,
+    attrs: DmaAttrs,
+    worker: usize,
+}
+
 /// Where a mapping's data sits in its allocation.
 #[derive(Clone, Copy, Debug)]
 struct Layout {
@@ -947,50 +957,51 @@ impl BouncePool {
         worker: usize,
     ) -> Result<()> {
         let t0 = self.timing.start(TimedOp::Unmap);
-        let r = self.unmap_untimed(mem, addr, size, dir, attrs, worker);
+        let r = self.unmap_untimed(
+            mem,
+            UnmapArgs {
+                addr,
+                size,
+                dir,
+                attrs,
+                worker,
+            },
+        );
         self.timing.record(TimedOp::Unmap, dir, t0, &self.counters);
         r.map_err(|e| *e)
     }
 
     #[inline(always)]
-    fn unmap_untimed<M: OrigMemory + ?Sized>(
-        &self,
-        mem: &M,
-        addr: u64,
-        size: usize,
-        dir: Direction,
-        attrs: DmaAttrs,
-        worker: usize,
-    ) -> Fast<()> {
+    fn unmap_untimed<M: OrigMemory + ?Sized>(&self, mem: &M, u: UnmapArgs) -> Fast<()> {
         if let Some(d) = &self.dynamic {
-            return self.unmap_dynamic(&d.pools, mem, addr, size, dir, attrs, worker);
+            return self.unmap_dynamic(&d.pools, mem, u);
         }
-        if !self.contains(addr, 1) {
-            self.counters.add(Stat::BadUnmaps, 1);
-            return fail(Error::NotMapped { addr });
+        if !self.contains(u.addr, 1) {
+            return self.bad_unmap(u.addr);
         }
-        self.unmap_in(&self.tlb, mem, addr, size, dir, attrs, worker)
+        self.unmap_in(&self.tlb, mem, u)
+    }
+
+    /// Counts and refuses an unmap of an address that is no live mapping.
+    #[cold]
+    fn bad_unmap(&self, addr: u64) -> Fast<()> {
+        self.counters.add(Stat::BadUnmaps, 1);
+        fail(Error::NotMapped { addr })
     }
 
     /// The unmap of a dynamic pool: in the pool `addr` is in (Linux `swiotlb_find_pool`);
     /// a transient pool goes with its mapping (`swiotlb_del_transient`).
     #[inline(never)]
-    #[allow(clippy::too_many_arguments)]
     fn unmap_dynamic<M: OrigMemory + ?Sized>(
         &self,
         d: &DynamicPools,
         mem: &M,
-        addr: u64,
-        size: usize,
-        dir: Direction,
-        attrs: DmaAttrs,
-        worker: usize,
+        u: UnmapArgs,
     ) -> Fast<()> {
-        let Some(found) = d.pool_of(&self.tlb, addr) else {
-            self.counters.add(Stat::BadUnmaps, 1);
-            return fail(Error::NotMapped { addr });
+        let Some(found) = d.pool_of(&self.tlb, u.addr) else {
+            return self.bad_unmap(u.addr);
         };
-        let r = self.unmap_in(&found, mem, addr, size, dir, attrs, worker);
+        let r = self.unmap_in(&found, mem, u);
         if let Found::Transient(t) = &found {
             let released = !matches!(&r, Err(e) if matches!(**e, Error::NotMapped { .. }));
             if released {
@@ -1000,19 +1011,16 @@ impl BouncePool {
         r
     }
 
-    /// Copies back and releases the mapping at `addr` in `tlb`, which holds `addr`.
+    /// Copies back and releases the mapping at `u.addr` in `tlb`, which holds `u.addr`.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn unmap_in<M: OrigMemory + ?Sized>(
-        &self,
-        tlb: &TlbPool,
-        mem: &M,
-        addr: u64,
-        size: usize,
-        dir: Direction,
-        attrs: DmaAttrs,
-        worker: usize,
-    ) -> Fast<()> {
+    fn unmap_in<M: OrigMemory + ?Sized>(&self, tlb: &TlbPool, mem: &M, u: UnmapArgs) -> Fast<()> {
+        let UnmapArgs {
+            addr,
+            size,
+            dir,
+            attrs,
+            worker,
+        } = u;
         let slot = ((addr - tlb.geom.base) >> tlb.geom.slot_shift) as usize;
         let in_slot = (addr & (tlb.geom.slot_size() - 1)) as u32;
         let m = tlb.meta.slot(slot);
@@ -1020,8 +1028,7 @@ impl BouncePool {
             .compare_exchange(in_slot + 1, 0, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
         {
-            self.counters.add(Stat::BadUnmaps, 1);
-            return fail(Error::NotMapped { addr });
+            return self.bad_unmap(addr);
         }
         let shard = self.counters.shard();
         // The head slot's metadata, read once for the copy back and the release.

@@ -168,11 +168,16 @@ fn eventually(what: &str, f: impl Fn() -> bool) {
     }
 }
 
+/// A dynamic pool of 128 slots in one area growing into a window of `window` slots.
+fn host_pool(window: usize) -> BouncePool {
+    let mut c = config(128, 1, 1);
+    c.dynamic = Some(DynamicConfig::host(window));
+    BouncePool::new(&c).unwrap()
+}
+
 #[test]
 fn grows_into_its_own_memory() {
-    let mut c = config(128, 1, 1);
-    c.dynamic = Some(DynamicConfig::host(1024));
-    let pool = BouncePool::new(&c).unwrap();
+    let pool = host_pool(1024);
     let d = pool.dynamic().unwrap();
     let mut orig = vec![0u8; 1 << 20];
     for (i, b) in orig.iter_mut().enumerate() {
@@ -253,10 +258,8 @@ fn grows_into_its_own_memory() {
 
 #[test]
 fn a_full_window_fails_maps_and_the_worker() {
-    let mut c = config(128, 1, 1);
     // Room for the default pool and nothing else.
-    c.dynamic = Some(DynamicConfig::host(128));
-    let pool = BouncePool::new(&c).unwrap();
+    let pool = host_pool(128);
     let d = pool.dynamic().unwrap();
     let mem = bounce::trace::NullMemory;
     let seg = MapRequest::new(0, 128 * 2048, Direction::ToDevice);

@@ -39,8 +39,8 @@ pub mod replay;
 
 pub use compact::{write_compact, CompactReader, CompactSummary};
 pub use parse::{
-    parse_line, DebugfsCounters, DynamicHeader, KernelCounters, KernelDecision, MapOp, TraceHeader,
-    TraceOp, FORMAT_VERSION,
+    parse_line, DebugfsCounters, DynamicHeader, KernelCounters, KernelDecision, MapOp,
+    SwiotlbCounters, TraceHeader, TraceOp, FORMAT_VERSION,
 };
 pub use reader::{open, TraceFile, TraceReader};
 pub use replay::{Mismatch, NullMemory, Outcome, ReplayOptions, ReplaySummary, Replayer};

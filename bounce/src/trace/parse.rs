@@ -52,31 +52,24 @@ pub struct DynamicHeader {
     pub phys_limit: u64,
 }
 
-/// The swiotlb counters debugfs shows; each one when the trace has it.
+/// The swiotlb counters debugfs shows (`T`: each one's value, or whether the trace has it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DebugfsCounters {
+pub struct SwiotlbCounters<T> {
     /// `io_tlb_nslabs`.
-    pub nslabs: Option<u64>,
+    pub nslabs: T,
     /// `io_tlb_used`.
-    pub used: Option<u64>,
+    pub used: T,
     /// `io_tlb_used_hiwater`.
-    pub hiwater: Option<u64>,
+    pub hiwater: T,
     /// `io_tlb_transient_nslabs`.
-    pub transient_nslabs: Option<u64>,
+    pub transient_nslabs: T,
 }
 
 /// The four counters at a map's return (format 2).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KernelCounters {
-    /// `io_tlb_nslabs`.
-    pub nslabs: u64,
-    /// `io_tlb_used`.
-    pub used: u64,
-    /// `io_tlb_used_hiwater`.
-    pub hiwater: u64,
-    /// `io_tlb_transient_nslabs`.
-    pub transient_nslabs: u64,
-}
+pub type KernelCounters = SwiotlbCounters<u64>;
+
+/// The counters of a header's `debugfs_before`/`debugfs_after`, each when the capture read it.
+pub type DebugfsCounters = SwiotlbCounters<Option<u64>>;
 
 /// What the kernel decided for a map, when the trace recorded it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -332,6 +325,14 @@ fn parse_dir(raw: Option<&RawDir>) -> std::result::Result<Direction, String> {
     }
 }
 
+/// `v`, or the error of an `op` line without `field`.
+fn required<T>(v: Option<T>, line: u64, op: &str, field: &str) -> Result<T> {
+    v.ok_or_else(|| TraceError::Parse {
+        line,
+        reason: format!("{op} without {field}"),
+    })
+}
+
 fn pool_kind(s: &str) -> std::result::Result<PoolKind, String> {
     match s {
         "default" => Ok(PoolKind::Default),
@@ -446,43 +447,25 @@ pub fn parse_line(line_no: u64, line: &str) -> Result<Option<TraceOp>> {
             })
         }
         "pool_add" => TraceOp::PoolAdd {
-            start: raw
-                .start
-                .ok_or_else(|| err("pool_add without start".into()))?,
-            nslabs: raw
-                .nslabs
-                .ok_or_else(|| err("pool_add without nslabs".into()))?,
-            nareas: raw
-                .nareas
-                .ok_or_else(|| err("pool_add without nareas".into()))?,
+            start: required(raw.start, line_no, &raw.op, "start")?,
+            nslabs: required(raw.nslabs, line_no, &raw.op, "nslabs")?,
+            nareas: required(raw.nareas, line_no, &raw.op, "nareas")?,
             worker_ts: raw.worker_ts.as_ref().and_then(serde_json::Value::as_u64),
         },
-        "transient_alloc" => {
-            let failed = raw.failed.unwrap_or(false);
-            TraceOp::TransientAlloc {
-                id: need_id()?,
-                start: if failed {
-                    None
-                } else {
-                    Some(
-                        raw.start
-                            .ok_or_else(|| err("transient_alloc without start".into()))?,
-                    )
-                },
-                nslabs: raw
-                    .nslabs
-                    .ok_or_else(|| err("transient_alloc without nslabs".into()))?,
-                nareas: raw.nareas.unwrap_or(1),
-            }
-        }
+        "transient_alloc" => TraceOp::TransientAlloc {
+            id: need_id()?,
+            start: if raw.failed.unwrap_or(false) {
+                None
+            } else {
+                Some(required(raw.start, line_no, &raw.op, "start")?)
+            },
+            nslabs: required(raw.nslabs, line_no, &raw.op, "nslabs")?,
+            nareas: raw.nareas.unwrap_or(1),
+        },
         "transient_free" => TraceOp::TransientFree {
             id: need_id()?,
-            start: raw
-                .start
-                .ok_or_else(|| err("transient_free without start".into()))?,
-            nslabs: raw
-                .nslabs
-                .ok_or_else(|| err("transient_free without nslabs".into()))?,
+            start: required(raw.start, line_no, &raw.op, "start")?,
+            nslabs: required(raw.nslabs, line_no, &raw.op, "nslabs")?,
             search_failed: raw.search_failed.unwrap_or(false),
         },
         "unmap" => TraceOp::Unmap {
@@ -563,6 +546,77 @@ mod tests {
             r#"{"op":"unmap"}"#,
         ] {
             assert!(parse_line(7, bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn parses_the_dynamic_format() {
+        let h = r#"{"op":"header","format":"swiotlb-kernel-trace/2","nslabs":512,"nareas":4,"debugfs_before":{"io_tlb_used_hiwater":"5","io_tlb_nslabs":512},"debugfs_after":{"io_tlb_used":0,"io_tlb_used_hiwater":"na"},"dynamic":{"default_nareas":4,"default_nslabs":512,"can_grow":1,"phys_limit":4294967295}}"#;
+        let Some(TraceOp::Header(h)) = parse_line(1, h).unwrap() else {
+            panic!("not a header");
+        };
+        assert_eq!(h.version, 2);
+        assert_eq!(h.hiwater_at_start, Some(5));
+        let end = h.counters_at_end.unwrap();
+        assert_eq!((end.used, end.hiwater, end.nslabs), (Some(0), None, None));
+        let d = h.dynamic.unwrap();
+        assert_eq!(
+            (d.default_nareas, d.default_nslabs, d.can_grow),
+            (4, 512, true)
+        );
+        let m = r#"{"op":"map","id":9,"orig":1,"size":4096,"cpu":1,"dir":2,"ts":10,"ret_ts":12,"kernel_tlb_addr":8192,"kernel_pool":8192,"kernel_pool_kind":"transient","kernel_grow":true,"kernel_nslabs":512,"kernel_used":2,"kernel_hiwater":5,"kernel_transient_nslabs":2}"#;
+        let Some(TraceOp::Map(m)) = parse_line(2, m).unwrap() else {
+            panic!("not a map");
+        };
+        assert_eq!(m.time, Some((10, 12)));
+        let k = m.kernel.unwrap();
+        assert_eq!((k.pool, k.grow), (Some((8192, PoolKind::Transient)), true));
+        assert_eq!(
+            k.counters.map(|c| (c.used, c.transient_nslabs)),
+            Some((2, 2))
+        );
+        assert_eq!(
+            parse_line(
+                3,
+                r#"{"op":"pool_add","start":4096,"nslabs":512,"nareas":4,"worker_ts":7}"#
+            )
+            .unwrap(),
+            Some(TraceOp::PoolAdd {
+                start: 4096,
+                nslabs: 512,
+                nareas: 4,
+                worker_ts: Some(7)
+            })
+        );
+        assert_eq!(
+            parse_line(
+                4,
+                r#"{"op":"transient_alloc","id":3,"failed":true,"nslabs":2}"#
+            )
+            .unwrap(),
+            Some(TraceOp::TransientAlloc {
+                id: 3,
+                start: None,
+                nslabs: 2,
+                nareas: 1
+            })
+        );
+        let free = r#"{"op":"transient_free","id":3,"start":8192,"nslabs":2,"search_failed":true}"#;
+        assert!(matches!(
+            parse_line(5, free).unwrap(),
+            Some(TraceOp::TransientFree {
+                search_failed: true,
+                ..
+            })
+        ));
+        for bad in [
+            r#"{"op":"header","format":"swiotlb-kernel-trace/3"}"#,
+            r#"{"op":"header","format":"something-else/1"}"#,
+            r#"{"op":"pool_add","start":4096,"nareas":4}"#,
+            r#"{"op":"transient_alloc","id":3,"nslabs":2}"#,
+            r#"{"op":"map","id":1,"orig":0,"size":1,"dir":1,"kernel_tlb_addr":0,"kernel_pool":0,"kernel_pool_kind":"borrowed"}"#,
+        ] {
+            assert!(parse_line(6, bad).is_err(), "{bad}");
         }
     }
 }
