@@ -261,7 +261,10 @@ fn items(trace: impl Iterator<Item = trace::Result<(u64, TraceOp)>>) -> Vec<(u64
 #[test]
 fn compact_kernel_trace_starts_as_the_json_excerpt() {
     let excerpt = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/trace-head.jsonl");
-    let want = items(trace::open(&excerpt).unwrap());
+    let want: Vec<_> = items(trace::open(&excerpt).unwrap())
+        .into_iter()
+        .map(|(line, op)| (line, trace::as_stored(op)))
+        .collect();
     let compact = trace::open(&full_trace()).unwrap();
     assert!(matches!(compact, TraceFile::Compact(_)), "{compact:?}");
     let got = items(compact.take(want.len()));
@@ -313,6 +316,7 @@ fn compact_kernel_trace_reproduces_from_the_json_original() {
     let (mut ops, mut unmaps) = (0u64, 0u64);
     while let Some(item) = reader.next() {
         let (line, op) = item.expect("JSON line");
+        let op = trace::as_stored(op);
         let (cline, cop) = compact
             .next()
             .expect("compact trace too short")

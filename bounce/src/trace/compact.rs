@@ -312,6 +312,15 @@ impl Encoder {
     }
 }
 
+/// `op` as a compact trace gives it back: a map without its timestamps (`MapOp::time`), which
+/// only a `swiotlb-kernel-trace/2` replay reads (the compact form holds `/1` only).
+pub fn as_stored(op: TraceOp) -> TraceOp {
+    match op {
+        TraceOp::Map(m) => TraceOp::Map(MapOp { time: None, ..m }),
+        other => other,
+    }
+}
+
 /// Writes every operation of the JSON-lines trace `json` to `out` as a compact trace (gzip'd
 /// record stream, see the module documentation). `out_name` names `out` in errors. The same
 /// input always gives the same bytes.
@@ -732,8 +741,10 @@ mod tests {
 {"op":"map","id":0,"orig":0,"size":2048,"dir":1,"kernel_tlb_addr":0,"kernel_area_used":[3]}
 "#;
 
+    /// The JSON reader's items, as the compact form stores them.
     fn json_items(text: &str) -> Vec<(u64, TraceOp)> {
         TraceReader::from_reader(text.as_bytes(), "json".into())
+            .map(|i| i.map(|(line, op)| (line, as_stored(op))))
             .collect::<Result<_>>()
             .unwrap()
     }
@@ -790,11 +801,12 @@ mod tests {
             "an uncompressed stream"
         );
         assert_eq!(compact(MIXED), file, "deterministic");
-        assert_eq!(
-            read_file(MIXED.as_bytes()).unwrap(),
-            want,
-            "JSON still read"
-        );
+        let json: Vec<_> = read_file(MIXED.as_bytes())
+            .unwrap()
+            .into_iter()
+            .map(|(line, op)| (line, as_stored(op)))
+            .collect();
+        assert_eq!(json, want, "JSON still read");
     }
 
     #[test]

@@ -37,7 +37,7 @@ pub mod parse;
 pub mod reader;
 pub mod replay;
 
-pub use compact::{write_compact, CompactReader, CompactSummary};
+pub use compact::{as_stored, write_compact, CompactReader, CompactSummary};
 pub use parse::{
     parse_line, DebugfsCounters, DynamicHeader, KernelCounters, KernelDecision, MapOp,
     SwiotlbCounters, TraceHeader, TraceOp, FORMAT_VERSION,
