@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::dynamic::DynamicConfig;
 use crate::error::{Error, Result};
 use crate::types::{AllocatorKind, CopyOnMap, PoolMode};
 use crate::IO_TLB_SEGSIZE;
@@ -26,6 +27,10 @@ pub struct PoolConfig {
     /// Which mappings map accepts by size.
     #[serde(default)]
     pub size_limit: SizeLimit,
+    /// Dynamic pools (Linux `CONFIG_SWIOTLB_DYNAMIC`, [`crate::dynamic`]): `None` for one
+    /// static pool. The pool above is then the default pool.
+    #[serde(default)]
+    pub dynamic: Option<DynamicConfig>,
 }
 
 /// Which mapping sizes a pool accepts.
@@ -66,6 +71,7 @@ impl PoolConfig {
             allocator: AllocatorKind::Areas,
             copy_on_map: None,
             size_limit: SizeLimit::MaxMappingSize,
+            dynamic: None,
         }
     }
 
@@ -80,7 +86,21 @@ impl PoolConfig {
             allocator: AllocatorKind::IovaRcache,
             copy_on_map: None,
             size_limit: SizeLimit::MaxMappingSize,
+            dynamic: None,
         }
+    }
+
+    /// The area count asked for, rounded up to a power of two (0 counts as 1; none given: one
+    /// per worker): Linux's `default_nareas`, before `limit_nareas` fits it to the pool.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when it overflows.
+    pub fn requested_nareas(&self) -> Result<usize> {
+        self.areas
+            .unwrap_or(self.workers)
+            .max(1)
+            .checked_next_power_of_two()
+            .ok_or_else(|| Error::Config("area count overflows".into()))
     }
 
     /// Resolves the request into a geometry.
@@ -114,10 +134,7 @@ impl PoolConfig {
             PoolMode::Swiotlb => {
                 let mut nslabs = round_up(self.slots, IO_TLB_SEGSIZE)
                     .ok_or_else(|| Error::Config("slot count overflows".into()))?;
-                let mut nareas = self.areas.unwrap_or(self.workers).max(1);
-                nareas = nareas
-                    .checked_next_power_of_two()
-                    .ok_or_else(|| Error::Config("area count overflows".into()))?;
+                let mut nareas = self.requested_nareas()?;
                 // round_up_default_nslabs()
                 let min = IO_TLB_SEGSIZE
                     .checked_mul(nareas)

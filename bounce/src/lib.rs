@@ -30,6 +30,7 @@
 
 pub mod alloc;
 pub mod dma;
+pub mod dynamic;
 pub mod error;
 pub mod geometry;
 pub mod names;
@@ -43,6 +44,9 @@ pub mod types;
 
 pub use alloc::{SlotAllocator, SlotRequest};
 pub use dma::{DeviceDmaParams, Dma, DmaBuffer, Policy};
+pub use dynamic::{
+    DynamicConfig, DynamicEvents, DynamicPools, DynamicStats, PoolInfo, PoolKind, PoolPages,
+};
 pub use error::{Error, Result};
 pub use geometry::{Geometry, PoolConfig, SizeLimit};
 pub use orig::{HostMemory, NoCopyMemory, OrigMemory};

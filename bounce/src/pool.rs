@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use vm_memory::{MmapRegion, VolatileMemory, VolatileSlice};
 
 use crate::alloc::{self, SlotAllocator, SlotRequest};
+use crate::dynamic::{Dynamic, DynamicPools, Found, Placed, PoolInfo, PoolKind, PoolPages};
 use crate::error::{Error, Result};
 use crate::geometry::{Geometry, PoolConfig, SizeLimit};
 use crate::orig::OrigMemory;
@@ -155,6 +156,31 @@ struct SlotView {
     offset: u32,
 }
 
+/// Where a copy happens: the pool its device address is in, and the metadata of the slot the
+/// address falls in when the caller has read it already (`None`: the copy reads it).
+#[derive(Clone, Copy, Debug)]
+struct CopyAt<'a> {
+    tlb: &'a TlbPool,
+    view: Option<SlotView>,
+}
+
+impl<'a> CopyAt<'a> {
+    /// A copy in `tlb` that reads the slot's metadata itself (a sync).
+    fn read(tlb: &'a TlbPool) -> Self {
+        Self { tlb, view: None }
+    }
+}
+
+/// What an unmap was asked ([`BouncePool::unmap_single`]'s arguments).
+#[derive(Clone, Copy, Debug)]
+struct UnmapArgs {
+    addr: u64,
+    size: usize,
+    dir: Direction,
+    attrs: DmaAttrs,
+    worker: usize,
+}
+
 /// Where a mapping's data sits in its allocation.
 #[derive(Clone, Copy, Debug)]
 struct Layout {
@@ -164,15 +190,74 @@ struct Layout {
     alloc_size: u64,
 }
 
+/// One pool of slots (Linux `struct io_tlb_pool`): its geometry (device address, slots,
+/// areas), the per-slot metadata and the allocator of its free slots. A static
+/// [`BouncePool`] has one; a dynamic one has its default pool and the pools it adds
+/// ([`crate::dynamic`]). The memory behind its device addresses is the [`BouncePool`]'s.
+#[derive(Debug)]
+pub(crate) struct TlbPool {
+    pub geom: Geometry,
+    meta: SlotTable,
+    pub alloc: Arc<dyn SlotAllocator>,
+}
+
+impl TlbPool {
+    /// A pool of `geom` with the `areas` allocator (Linux's); `single_run`: one area of
+    /// any length up to a segment (a transient pool, sized to its one mapping).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a geometry the allocator cannot serve.
+    pub fn new(geom: Geometry, single_run: bool) -> Result<Self> {
+        let alloc: Arc<dyn SlotAllocator> = if single_run {
+            Arc::new(alloc::single_area(&geom)?)
+        } else {
+            alloc::build(crate::types::AllocatorKind::Areas, &geom)?
+        };
+        Ok(Self::with_allocator(geom, alloc))
+    }
+
+    fn with_allocator(geom: Geometry, alloc: Arc<dyn SlotAllocator>) -> Self {
+        Self {
+            meta: SlotTable::new(geom.nslabs),
+            geom,
+            alloc,
+        }
+    }
+
+    /// True when device address `addr` is one of this pool's slots.
+    #[inline]
+    pub fn holds(&self, addr: u64) -> bool {
+        addr >= self.geom.base && addr - self.geom.base < self.geom.bytes() as u64
+    }
+
+    /// Where this pool is.
+    pub fn info(&self, kind: PoolKind) -> PoolInfo {
+        PoolInfo {
+            start: self.geom.base,
+            nslabs: self.geom.nslabs,
+            nareas: self.geom.nareas,
+            kind,
+        }
+    }
+}
+
 /// A pool of bounce slots in one host mapping, usable from any thread.
+///
+/// Static (the default): one [`TlbPool`] filling the mapping. Dynamic
+/// ([`PoolConfig::dynamic`]): the mapping is a window holding the default pool and the pools
+/// [`crate::dynamic`] adds and frees.
 #[derive(Debug)]
 pub struct BouncePool {
-    geom: Geometry,
+    /// The default pool (the only one of a static pool).
+    tlb: TlbPool,
+    /// Device address of the first byte of `memory`.
+    window_base: u64,
+    /// The memory behind every device address of the pool.
+    memory: MmapRegion,
+    /// Added and transient pools, with their growth worker; `None` for a static pool.
+    dynamic: Option<Box<Dynamic>>,
     copy_on_map: CopyOnMap,
     size_limit: SizeLimit,
-    memory: MmapRegion,
-    meta: SlotTable,
-    alloc: Arc<dyn SlotAllocator>,
     counters: Counters,
     /// Time accounting; its hooks are the three wrappers `map`, `bounce`, `unmap_single`.
     timing: Timing,
@@ -184,16 +269,49 @@ pub struct BouncePool {
 }
 
 impl BouncePool {
-    /// Builds a pool: resolves the geometry, maps the memory (zeroed), builds the allocator.
+    /// Builds a pool: resolves the geometry, maps the memory (zeroed), builds the allocator;
+    /// for a dynamic pool also its window and, with memory of its own, its growth worker.
     ///
     /// # Errors
     /// [`Error::Config`] for a configuration that cannot be built, [`Error::PoolMemory`] when
     /// the memory cannot be mapped.
     pub fn new(config: &PoolConfig) -> Result<Self> {
         let geom = config.geometry()?;
-        let alloc = alloc::build(config.allocator, &geom)?;
-        let mut pool = Self::with_allocator(geom, alloc, config.copy_on_map)?;
+        let Some(dynamic) = &config.dynamic else {
+            let alloc = alloc::build(config.allocator, &geom)?;
+            let mut pool = Self::with_allocator(geom, alloc, config.copy_on_map)?;
+            pool.size_limit = config.size_limit;
+            return Ok(pool);
+        };
+        if config.allocator != crate::types::AllocatorKind::Areas {
+            return Err(Error::Config(format!(
+                "dynamic pools search areas as Linux does: alloc=areas, not {}",
+                config.allocator
+            )));
+        }
+        let window = match dynamic.pages {
+            PoolPages::Host { slots } => {
+                let bytes = (slots as u64)
+                    .checked_shl(geom.slot_shift)
+                    .filter(|b| b >> geom.slot_shift == slots as u64)
+                    .ok_or_else(|| Error::Config("window size overflows".into()))?;
+                (geom.base, bytes)
+            }
+            PoolPages::Given {
+                window_base,
+                window_bytes,
+            } => (window_base, window_bytes),
+        };
+        let pools = DynamicPools::new(&geom, config.requested_nareas()?, dynamic, window)?;
+        let memory = Self::map_memory(window.1)?;
+        let tlb = TlbPool::new(geom, false)?;
+        let mut pool = Self::assemble(tlb, window.0, memory, config.copy_on_map);
+        // Inside the window: DynamicPools::new checked it.
+        let default_off = usize::try_from(geom.base - window.0)
+            .map_err(|_| Error::Config("default pool offset overflows".into()))?;
+        pool.touch(default_off, geom.bytes());
         pool.size_limit = config.size_limit;
+        pool.dynamic = Some(Box::new(Dynamic::new(pools)?));
         Ok(pool)
     }
 
@@ -207,47 +325,96 @@ impl BouncePool {
         copy_on_map: Option<CopyOnMap>,
     ) -> Result<Self> {
         let bytes = geom.bytes();
-        let memory = MmapRegion::new(bytes).map_err(|e| Error::PoolMemory {
-            bytes,
-            reason: e.to_string(),
-        })?;
-        // Touch every page now, as Linux's pool is resident memory: otherwise the first pass
-        // of a rolling index over fresh anonymous memory pays a page fault per 4 KiB and
-        // skews every measurement taken during it.
-        let zeros = [0u8; 65536];
-        let whole = memory.as_volatile_slice();
-        let mut off = 0;
-        while off < bytes {
-            let n = (bytes - off).min(zeros.len());
-            if let Ok(part) = whole.subslice(off, n) {
-                part.copy_from(&zeros[..n]);
-            }
-            off += n;
-        }
-        let meta = SlotTable::new(geom.nslabs);
-        Ok(Self {
-            geom,
-            copy_on_map: copy_on_map.unwrap_or(geom.mode.default_copy_on_map()),
-            size_limit: SizeLimit::MaxMappingSize,
+        let memory = Self::map_memory(bytes as u64)?;
+        let pool = Self::assemble(
+            TlbPool::with_allocator(geom, alloc),
+            geom.base,
             memory,
-            meta,
-            alloc,
+            copy_on_map,
+        );
+        pool.touch(0, bytes);
+        Ok(pool)
+    }
+
+    /// Maps `bytes` of anonymous memory (reserved lazily: a dynamic pool's window is touched
+    /// only where pools are).
+    fn map_memory(bytes: u64) -> Result<MmapRegion> {
+        let len = usize::try_from(bytes).map_err(|_| Error::PoolMemory {
+            bytes: usize::MAX,
+            reason: "larger than the address space".into(),
+        })?;
+        MmapRegion::new(len).map_err(|e| Error::PoolMemory {
+            bytes: len,
+            reason: e.to_string(),
+        })
+    }
+
+    fn assemble(
+        tlb: TlbPool,
+        window_base: u64,
+        memory: MmapRegion,
+        copy_on_map: Option<CopyOnMap>,
+    ) -> Self {
+        Self {
+            copy_on_map: copy_on_map.unwrap_or(tlb.geom.mode.default_copy_on_map()),
+            tlb,
+            window_base,
+            memory,
+            dynamic: None,
+            size_limit: SizeLimit::MaxMappingSize,
             counters: Counters::default(),
             timing: Timing::default(),
             created: Instant::now(),
             last_full_warn_ms: AtomicU64::new(u64::MAX),
             clamp_warned: AtomicU32::new(0),
-        })
+        }
+    }
+
+    /// Writes zeros over `bytes` of the memory from offset `off`: Linux's pool is resident
+    /// memory; without this the first pass of a rolling index over fresh anonymous memory pays
+    /// a page fault per 4 KiB and skews every measurement taken during it.
+    fn touch(&self, off: usize, bytes: usize) {
+        let zeros = [0u8; 65536];
+        let whole = self.memory.as_volatile_slice();
+        let mut done = 0;
+        while done < bytes {
+            let n = (bytes - done).min(zeros.len());
+            if let Ok(part) = whole.subslice(off + done, n) {
+                part.copy_from(&zeros[..n]);
+            }
+            done += n;
+        }
+    }
+
+    /// The dynamic pools, for a pool built with [`PoolConfig::dynamic`].
+    pub fn dynamic(&self) -> Option<&DynamicPools> {
+        self.dynamic.as_deref().map(|d| &*d.pools)
+    }
+
+    /// The pool device address `addr` is in: the default pool, or for a dynamic pool an added
+    /// or live transient one. `None` when it is in none.
+    pub fn pool_of(&self, addr: u64) -> Option<PoolInfo> {
+        match self.dynamic() {
+            None => self
+                .tlb
+                .holds(addr)
+                .then(|| self.tlb.info(PoolKind::Default)),
+            Some(d) => d.pool_of(&self.tlb, addr).map(|p| match p {
+                Found::Listed(t) if std::ptr::eq(t, &self.tlb) => t.info(PoolKind::Default),
+                Found::Listed(t) => t.info(PoolKind::Added),
+                Found::Transient(t) => t.info(PoolKind::Transient),
+            }),
+        }
     }
 
     /// The pool's geometry.
     pub fn geometry(&self) -> &Geometry {
-        &self.geom
+        &self.tlb.geom
     }
 
     /// The pool's allocator.
     pub fn allocator(&self) -> &Arc<dyn SlotAllocator> {
-        &self.alloc
+        &self.tlb.alloc
     }
 
     /// The copy rule on map.
@@ -272,19 +439,22 @@ impl BouncePool {
     pub fn max_mapping_size(&self, min_align_mask: u64) -> usize {
         // The mask rounded up to a slot, with a shift (this is on every map).
         let min_align = self
+            .tlb
             .geom
             .nr_slots(min_align_mask)
-            .saturating_mul(self.geom.slot_size());
-        let seg = (self.geom.segsize as u64) << self.geom.slot_shift;
+            .saturating_mul(self.tlb.geom.slot_size());
+        let seg = (self.tlb.geom.segsize as u64) << self.tlb.geom.slot_shift;
         usize::try_from(seg.saturating_sub(min_align)).unwrap_or(usize::MAX)
     }
 
-    /// True when `addr..addr + len` lies inside the pool's device address range.
+    /// True when `addr..addr + len` lies inside the pool's device address range (a dynamic
+    /// pool's: its whole window).
+    #[inline]
     pub fn contains(&self, addr: u64, len: usize) -> bool {
-        addr >= self.geom.base
-            && (addr - self.geom.base)
+        addr >= self.window_base
+            && (addr - self.window_base)
                 .checked_add(len as u64)
-                .is_some_and(|end| end <= self.geom.bytes() as u64)
+                .is_some_and(|end| end <= self.memory.size() as u64)
     }
 
     /// The pool memory behind device addresses `addr..addr + len`: what a device reads and
@@ -296,7 +466,7 @@ impl BouncePool {
         if !self.contains(addr, len) {
             return Err(Error::OutOfPool { addr, len });
         }
-        let off = (addr - self.geom.base) as usize;
+        let off = (addr - self.window_base) as usize;
         self.memory
             .get_slice(off, len)
             .map_err(|_| Error::OutOfPool { addr, len })
@@ -385,12 +555,60 @@ impl BouncePool {
             });
         }
         let sreq = self.request_of(req, &layout);
+        if let Some(d) = &self.dynamic {
+            return self.map_dynamic(&d.pools, mem, req, &sreq, &layout);
+        }
         let index = self.claim(&sreq, layout.alloc_size, req.attrs.no_warn)?;
+        self.fill(&self.tlb, index, mem, req, &sreq, &layout)
+    }
+
+    /// The map of a dynamic pool after its checks: the run from the pool list or a transient
+    /// pool ([`DynamicPools::find_slots`]), then as a static map.
+    #[inline(never)]
+    fn map_dynamic<M: OrigMemory + ?Sized>(
+        &self,
+        d: &DynamicPools,
+        mem: &M,
+        req: &MapRequest,
+        sreq: &SlotRequest,
+        layout: &Layout,
+    ) -> Fast<Mapping> {
+        match d.find_slots(&self.tlb, sreq) {
+            Some(Placed::Listed(tlb, index)) => {
+                let index = self.checked_run(tlb, sreq, index)?;
+                self.fill(tlb, index, mem, req, sreq, layout)
+            }
+            Some(Placed::Transient(tlb, index)) => {
+                let start = tlb.geom.base;
+                let r = self
+                    .checked_run(&tlb, sreq, index)
+                    .and_then(|index| self.fill(&tlb, index, mem, req, sreq, layout));
+                if r.is_err() {
+                    d.delete_transient(start);
+                }
+                r
+            }
+            None => fail(self.full(layout.alloc_size, req.attrs.no_warn)),
+        }
+    }
+
+    /// Records, counts and copies in a map whose run `index..index + sreq.nslots` of `tlb` is
+    /// claimed (Linux `swiotlb_tbl_map_single` after `swiotlb_find_slots`).
+    #[inline(always)]
+    fn fill<M: OrigMemory + ?Sized>(
+        &self,
+        tlb: &TlbPool,
+        index: usize,
+        mem: &M,
+        req: &MapRequest,
+        sreq: &SlotRequest,
+        layout: &Layout,
+    ) -> Fast<Mapping> {
         let nslots = sreq.nslots;
         // The thread's counter shard, looked up once for the whole map.
         let shard = self.counters.shard();
         self.counters.inc_used_on(shard, nslots);
-        let (head, dev_addr) = self.record(index, nslots, req.orig, &layout);
+        let (head, dev_addr) = Self::record(tlb, index, nslots, req.orig, layout);
         let copy_in = match self.copy_on_map {
             CopyOnMap::Always => true,
             CopyOnMap::WhenDeviceReads => req.dir.device_reads() && !req.attrs.skip_cpu_sync,
@@ -400,20 +618,17 @@ impl BouncePool {
             let view = SlotView {
                 orig: req.orig,
                 alloc_size: layout.alloc_size - layout.offset,
-                offset: (layout.offset & (self.geom.slot_size() - 1)) as u32,
+                offset: (layout.offset & (tlb.geom.slot_size() - 1)) as u32,
             };
-            let copied = self.bounce(
-                mem,
-                dev_addr,
-                req.size,
-                Direction::ToDevice,
-                Some(view),
-                shard,
-            );
+            let at = CopyAt {
+                tlb,
+                view: Some(view),
+            };
+            let copied = self.bounce(mem, at, dev_addr, req.size, Direction::ToDevice, shard);
             if let Err(e) = copied {
                 // The original vanished between the check and the copy: give the slots back.
-                self.meta.slot(head).head.store(0, Ordering::Relaxed);
-                self.release(index, nslots, req.worker, shard);
+                tlb.meta.slot(head).head.store(0, Ordering::Relaxed);
+                self.release(tlb, index, nslots, req.worker, shard);
                 return Err(e);
             }
         }
@@ -445,7 +660,7 @@ impl BouncePool {
     #[inline(always)]
     fn request_of(&self, req: &MapRequest, layout: &Layout) -> SlotRequest {
         SlotRequest::new(
-            &self.geom,
+            &self.tlb.geom,
             req.orig,
             layout.alloc_size,
             req.alloc_align_mask,
@@ -478,7 +693,7 @@ impl BouncePool {
         {
             return fail(Self::mask_error(req));
         }
-        let slot = self.geom.slot_size();
+        let slot = self.tlb.geom.slot_size();
         if req.seg_boundary_mask < slot - 1 {
             return fail(Error::BadAlignment {
                 reason: "segment boundary is smaller than a slot",
@@ -491,7 +706,7 @@ impl BouncePool {
         let alloc_size = (size as u64 + offset)
             .checked_add(req.alloc_align_mask)
             .map_or(u64::MAX, |x| x & !req.alloc_align_mask);
-        let seg_bytes = (self.geom.segsize as u64) << self.geom.slot_shift;
+        let seg_bytes = (self.tlb.geom.segsize as u64) << self.tlb.geom.slot_shift;
         let over_max = self.size_limit == SizeLimit::MaxMappingSize && size > max;
         if over_max || alloc_size > seg_bytes {
             return fail(Error::TooLarge { size, max });
@@ -502,27 +717,44 @@ impl BouncePool {
     /// Asks the allocator for a run and checks its answer; counts and reports a full pool.
     #[inline]
     fn claim(&self, sreq: &SlotRequest, alloc_size: u64, no_warn: bool) -> Fast<usize> {
-        let Some(index) = self.alloc.alloc(sreq) else {
-            self.counters.add(Stat::MapFailures, 1);
-            let err = Error::PoolFull {
-                size: usize::try_from(alloc_size).unwrap_or(usize::MAX),
-                total: self.geom.nslabs,
-                used: self.counters.used() as usize,
-            };
-            if !no_warn {
-                self.warn_full(&err);
-            }
-            return fail(err);
+        let Some(index) = self.tlb.alloc.alloc(sreq) else {
+            return fail(self.full(alloc_size, no_warn));
         };
-        if !sreq.fits(&self.geom, index) {
-            // An allocator bug: never hand out a run that breaks the rules.
+        self.checked_run(&self.tlb, sreq, index)
+    }
+
+    /// Counts and reports (rate-limited, unless `no_warn`) a map that found no run.
+    #[cold]
+    fn full(&self, alloc_size: u64, no_warn: bool) -> Error {
+        self.counters.add(Stat::MapFailures, 1);
+        let total = match self.dynamic() {
+            Some(d) => usize::try_from(d.nslabs()).unwrap_or(usize::MAX),
+            None => self.tlb.geom.nslabs,
+        };
+        let err = Error::PoolFull {
+            size: usize::try_from(alloc_size).unwrap_or(usize::MAX),
+            total,
+            used: self.counters.used() as usize,
+        };
+        if !no_warn {
+            self.warn_full(&err);
+        }
+        err
+    }
+
+    /// `index`, when the run the allocator of `tlb` returned for `sreq` there keeps every
+    /// placement rule; else the run goes back and the map fails (an allocator bug: never hand
+    /// out a run that breaks the rules).
+    #[inline(always)]
+    fn checked_run(&self, tlb: &TlbPool, sreq: &SlotRequest, index: usize) -> Fast<usize> {
+        if !sreq.fits(&tlb.geom, index) {
             tracing::error!(
-                allocator = %self.alloc.kind(),
+                allocator = %tlb.alloc.kind(),
                 index,
                 nslots = sreq.nslots,
                 "allocator returned a run that breaks the placement rules"
             );
-            self.alloc.free(index, sreq.nslots, sreq.worker);
+            tlb.alloc.free(index, sreq.nslots, sreq.worker);
             return fail(Error::BadAlignment {
                 reason: "allocator returned a misplaced run",
             });
@@ -534,9 +766,15 @@ impl BouncePool {
     /// `alloc_size` loop of `swiotlb_search_pool_area` and the `orig_addr` loop of
     /// `swiotlb_tbl_map_single`) and returns the head slot and the device address.
     #[inline]
-    fn record(&self, index: usize, nslots: usize, orig: u64, layout: &Layout) -> (usize, u64) {
-        let shift = self.geom.slot_shift;
-        let slot = self.geom.slot_size();
+    fn record(
+        tlb: &TlbPool,
+        index: usize,
+        nslots: usize,
+        orig: u64,
+        layout: &Layout,
+    ) -> (usize, u64) {
+        let shift = tlb.geom.slot_shift;
+        let slot = tlb.geom.slot_size();
         let pad_slots = (layout.offset >> shift) as usize;
         let in_slot = layout.offset & (slot - 1);
         // One pass over the run's metadata, bounds checked once. Per slot `i`: the bytes from
@@ -544,7 +782,7 @@ impl BouncePool {
         // unsigned int there, this wraps below zero for a last slot whose data ends before the
         // in-slot offset; `bounce` reads it back as signed), and from the head on the original
         // address it shadows (`orig + (i - pad_slots) * slot`; padding slots keep `INVALID`).
-        let run = self.meta.run(index, nslots);
+        let run = tlb.meta.run(index, nslots);
         let mut left = layout.alloc_size.wrapping_sub(in_slot);
         let mut shadow = orig.wrapping_sub((pad_slots as u64) << shift);
         for (i, m) in run.iter().enumerate() {
@@ -561,7 +799,7 @@ impl BouncePool {
         head.pad_slots.store(pad_slots as u32, Ordering::Relaxed);
         head.head.store(in_slot as u32 + 1, Ordering::Release);
         let head = index + pad_slots;
-        (head, self.geom.slot_addr(head) + in_slot)
+        (head, tlb.geom.slot_addr(head) + in_slot)
     }
 
     fn warn_full(&self, err: &Error) {
@@ -574,7 +812,7 @@ impl BouncePool {
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
-            tracing::warn!(allocator = %self.alloc.kind(), "{err}");
+            tracing::warn!(allocator = %self.tlb.alloc.kind(), "{err}");
         }
     }
 
@@ -584,20 +822,20 @@ impl BouncePool {
     /// sub-range of a mapping works; a copy running past the allocation is clamped (and logged
     /// once).
     ///
-    /// `view` is the metadata of the slot `addr` falls in when the caller has it (map and unmap
-    /// pass their head slot's); `None` reads it.
+    /// `at` is the pool `addr` is in, with the metadata of the slot `addr` falls in when the
+    /// caller has it (map and unmap pass their head slot's).
     #[inline(always)]
     fn bounce<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
+        at: CopyAt<'_>,
         addr: u64,
         size: usize,
         dir: Direction,
-        view: Option<SlotView>,
         shard: ShardRef<'_>,
     ) -> Fast<()> {
         let t0 = self.timing.start(TimedOp::Copy);
-        let r = self.bounce_untimed(mem, addr, size, dir, view, shard);
+        let r = self.bounce_untimed(mem, at, addr, size, dir, shard);
         self.timing.record(TimedOp::Copy, dir, t0, &self.counters);
         r
     }
@@ -606,20 +844,21 @@ impl BouncePool {
     fn bounce_untimed<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
+        at: CopyAt<'_>,
         addr: u64,
         size: usize,
         dir: Direction,
-        view: Option<SlotView>,
         shard: ShardRef<'_>,
     ) -> Fast<()> {
         if !self.contains(addr, size) {
             return fail(Error::OutOfPool { addr, len: size });
         }
-        let v = match view {
+        let tlb = at.tlb;
+        let v = match at.view {
             Some(v) => v,
             None => {
-                let index = ((addr - self.geom.base) >> self.geom.slot_shift) as usize;
-                let m = self.meta.slot(index);
+                let index = ((addr - tlb.geom.base) >> tlb.geom.slot_shift) as usize;
+                let m = tlb.meta.slot(index);
                 let orig = m.orig.load(Ordering::Relaxed);
                 if orig == INVALID {
                     return fail(Error::NotMapped { addr });
@@ -633,7 +872,7 @@ impl BouncePool {
         };
         let (orig, alloc_size) = (v.orig, v.alloc_size);
         // May be negative: addr can point into the first `offset` bytes of a later slot.
-        let tlb_offset = (addr & (self.geom.slot_size() - 1)) as i64 - i64::from(v.offset);
+        let tlb_offset = (addr & (tlb.geom.slot_size() - 1)) as i64 - i64::from(v.offset);
         let orig = orig.wrapping_add(tlb_offset as u64);
         let avail = (alloc_size as i64).saturating_sub(tlb_offset).max(0) as u64;
         let mut size = size;
@@ -655,7 +894,7 @@ impl BouncePool {
         // Inside the pool: checked above for the larger unclamped size.
         let slice = self
             .memory
-            .get_slice((addr - self.geom.base) as usize, size)
+            .get_slice((addr - self.window_base) as usize, size)
             .map_err(|_| Error::OutOfPool { addr, len: size })?;
         if dir == Direction::ToDevice {
             mem.read_orig(orig, &slice)?;
@@ -674,11 +913,18 @@ impl BouncePool {
     /// anything else is read), and the next map of a slot writes all its other fields before it
     /// publishes the head.
     #[inline]
-    fn release(&self, index: usize, nslots: usize, worker: usize, shard: ShardRef<'_>) {
-        for m in self.meta.run(index, nslots) {
+    fn release(
+        &self,
+        tlb: &TlbPool,
+        index: usize,
+        nslots: usize,
+        worker: usize,
+        shard: ShardRef<'_>,
+    ) {
+        for m in tlb.meta.run(index, nslots) {
             m.orig.store(INVALID, Ordering::Relaxed);
         }
-        self.alloc.free(index, nslots, worker);
+        tlb.alloc.free(index, nslots, worker);
         self.counters.dec_used_on(shard, nslots);
     }
 
@@ -711,34 +957,78 @@ impl BouncePool {
         worker: usize,
     ) -> Result<()> {
         let t0 = self.timing.start(TimedOp::Unmap);
-        let r = self.unmap_untimed(mem, addr, size, dir, attrs, worker);
+        let r = self.unmap_untimed(
+            mem,
+            UnmapArgs {
+                addr,
+                size,
+                dir,
+                attrs,
+                worker,
+            },
+        );
         self.timing.record(TimedOp::Unmap, dir, t0, &self.counters);
         r.map_err(|e| *e)
     }
 
     #[inline(always)]
-    fn unmap_untimed<M: OrigMemory + ?Sized>(
-        &self,
-        mem: &M,
-        addr: u64,
-        size: usize,
-        dir: Direction,
-        attrs: DmaAttrs,
-        worker: usize,
-    ) -> Fast<()> {
-        if !self.contains(addr, 1) {
-            self.counters.add(Stat::BadUnmaps, 1);
-            return fail(Error::NotMapped { addr });
+    fn unmap_untimed<M: OrigMemory + ?Sized>(&self, mem: &M, u: UnmapArgs) -> Fast<()> {
+        if let Some(d) = &self.dynamic {
+            return self.unmap_dynamic(&d.pools, mem, u);
         }
-        let slot = ((addr - self.geom.base) >> self.geom.slot_shift) as usize;
-        let in_slot = (addr & (self.geom.slot_size() - 1)) as u32;
-        let m = self.meta.slot(slot);
+        if !self.contains(u.addr, 1) {
+            return self.bad_unmap(u.addr);
+        }
+        self.unmap_in(&self.tlb, mem, u)
+    }
+
+    /// Counts and refuses an unmap of an address that is no live mapping.
+    #[cold]
+    fn bad_unmap(&self, addr: u64) -> Fast<()> {
+        self.counters.add(Stat::BadUnmaps, 1);
+        fail(Error::NotMapped { addr })
+    }
+
+    /// The unmap of a dynamic pool: in the pool `addr` is in (Linux `swiotlb_find_pool`);
+    /// a transient pool goes with its mapping (`swiotlb_del_transient`).
+    #[inline(never)]
+    fn unmap_dynamic<M: OrigMemory + ?Sized>(
+        &self,
+        d: &DynamicPools,
+        mem: &M,
+        u: UnmapArgs,
+    ) -> Fast<()> {
+        let Some(found) = d.pool_of(&self.tlb, u.addr) else {
+            return self.bad_unmap(u.addr);
+        };
+        let r = self.unmap_in(&found, mem, u);
+        if let Found::Transient(t) = &found {
+            let released = !matches!(&r, Err(e) if matches!(**e, Error::NotMapped { .. }));
+            if released {
+                d.delete_transient(t.geom.base);
+            }
+        }
+        r
+    }
+
+    /// Copies back and releases the mapping at `u.addr` in `tlb`, which holds `u.addr`.
+    #[inline(always)]
+    fn unmap_in<M: OrigMemory + ?Sized>(&self, tlb: &TlbPool, mem: &M, u: UnmapArgs) -> Fast<()> {
+        let UnmapArgs {
+            addr,
+            size,
+            dir,
+            attrs,
+            worker,
+        } = u;
+        let slot = ((addr - tlb.geom.base) >> tlb.geom.slot_shift) as usize;
+        let in_slot = (addr & (tlb.geom.slot_size() - 1)) as u32;
+        let m = tlb.meta.slot(slot);
         if m.head
             .compare_exchange(in_slot + 1, 0, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
         {
-            self.counters.add(Stat::BadUnmaps, 1);
-            return fail(Error::NotMapped { addr });
+            return self.bad_unmap(addr);
         }
         let shard = self.counters.shard();
         // The head slot's metadata, read once for the copy back and the release.
@@ -749,17 +1039,21 @@ impl BouncePool {
         };
         let pad_slots = m.pad_slots.load(Ordering::Relaxed) as usize;
         let copied = if !attrs.skip_cpu_sync && dir.device_writes() {
-            self.bounce(mem, addr, size, Direction::FromDevice, Some(view), shard)
+            let at = CopyAt {
+                tlb,
+                view: Some(view),
+            };
+            self.bounce(mem, at, addr, size, Direction::FromDevice, shard)
         } else {
             Ok(())
         };
         // swiotlb_release_slots: Linux reads `alloc_size` of the first (padding) slot, which
         // `record` made the head's plus the padding: the same number without another line.
         let index = slot - pad_slots;
-        let nslots = self.geom.nr_slots(
-            view.alloc_size + ((pad_slots as u64) << self.geom.slot_shift) + u64::from(view.offset),
+        let nslots = tlb.geom.nr_slots(
+            view.alloc_size + ((pad_slots as u64) << tlb.geom.slot_shift) + u64::from(view.offset),
         ) as usize;
-        self.release(index, nslots, worker, shard);
+        self.release(tlb, index, nslots, worker, shard);
         shard.add(Stat::Unmaps, 1);
         copied
     }
@@ -781,8 +1075,7 @@ impl BouncePool {
         let shard = self.counters.shard();
         shard.add(Stat::SyncsForDevice, 1);
         if dir.device_reads() {
-            self.bounce(mem, addr, size, Direction::ToDevice, None, shard)
-                .map_err(|e| *e)
+            self.sync(mem, addr, size, Direction::ToDevice, shard)
         } else {
             Ok(())
         }
@@ -804,11 +1097,29 @@ impl BouncePool {
         let shard = self.counters.shard();
         shard.add(Stat::SyncsForCpu, 1);
         if dir.device_writes() {
-            self.bounce(mem, addr, size, Direction::FromDevice, None, shard)
-                .map_err(|e| *e)
+            self.sync(mem, addr, size, Direction::FromDevice, shard)
         } else {
             Ok(())
         }
+    }
+
+    /// A sync's copy, in the pool `addr` is in.
+    fn sync<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        addr: u64,
+        size: usize,
+        dir: Direction,
+        shard: ShardRef<'_>,
+    ) -> Result<()> {
+        let r = match self.dynamic() {
+            None => self.bounce(mem, CopyAt::read(&self.tlb), addr, size, dir, shard),
+            Some(d) => match d.pool_of(&self.tlb, addr) {
+                Some(tlb) => self.bounce(mem, CopyAt::read(&tlb), addr, size, dir, shard),
+                None => fail(Error::NotMapped { addr }),
+            },
+        };
+        r.map_err(|e| *e)
     }
 
     /// Slots in use.
@@ -816,11 +1127,16 @@ impl BouncePool {
         self.counters.used() as usize
     }
 
+    /// The high-water mark of [`BouncePool::used`] (`io_tlb_used_hiwater`).
+    pub fn hiwater(&self) -> u64 {
+        self.counters.hiwater()
+    }
+
     /// Resets the high-water mark to zero (Linux only allows writing 0 to
     /// `io_tlb_used_hiwater`), the lock counters and the time histograms.
     pub fn reset_hiwater(&self) {
         self.counters.reset_hiwater();
-        self.alloc.reset_lock_stats();
+        self.tlb.alloc.reset_lock_stats();
         self.timing.reset(&self.counters);
     }
 
@@ -838,17 +1154,20 @@ impl BouncePool {
     /// A snapshot of the statistics.
     pub fn stats(&self) -> PoolStats {
         let c = &self.counters;
-        let locks = self.alloc.lock_stats();
+        let locks = self.tlb.alloc.lock_stats();
         PoolStats {
-            mode: self.geom.mode,
+            mode: self.tlb.geom.mode,
             copy_on_map: self.copy_on_map,
-            allocator: self.alloc.kind(),
-            nslabs: self.geom.nslabs as u64,
-            slot_size: self.geom.slot_size(),
-            nareas: self.geom.nareas as u64,
+            allocator: self.tlb.alloc.kind(),
+            nslabs: self
+                .dynamic()
+                .map_or(self.tlb.geom.nslabs as u64, DynamicPools::nslabs),
+            slot_size: self.tlb.geom.slot_size(),
+            nareas: self.tlb.geom.nareas as u64,
             used: c.used(),
             used_hiwater: c.hiwater(),
             area_used: self
+                .tlb
                 .alloc
                 .area_used()
                 .into_iter()
@@ -866,12 +1185,19 @@ impl BouncePool {
             lock_wait_ns: locks.iter().map(|l| l.wait_ns).sum(),
             locks,
             timing: self.timing.stats(&self.counters),
+            dynamic: self.dynamic().map(|d| d.stats(&self.tlb)),
         }
+    }
+
+    /// Raises the high-water mark to `n` slots when it is lower (a replay starts it where the
+    /// kernel's stood when the capture began).
+    pub fn raise_hiwater(&self, n: u64) {
+        self.counters.raise_hiwater(n);
     }
 
     /// True when the pool's mode is iova.
     pub fn is_iova(&self) -> bool {
-        self.geom.mode == PoolMode::Iova
+        self.tlb.geom.mode == PoolMode::Iova
     }
 }
 

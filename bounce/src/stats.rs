@@ -335,6 +335,18 @@ impl Counters {
         self.occupancy.hiwater.load(Ordering::Relaxed)
     }
 
+    /// Raises the high-water mark to `n` when it is lower: the quota it adds is free, so
+    /// `used` does not change.
+    pub fn raise_hiwater(&self, n: u64) {
+        let o = &self.occupancy;
+        let _g = o.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let hw = o.hiwater.load(Ordering::Relaxed);
+        if n > hw {
+            o.free.fetch_add((n - hw) as i64, Ordering::Relaxed);
+            o.hiwater.store(n, Ordering::Relaxed);
+        }
+    }
+
     /// Restarts the high-water mark at the current occupancy (Linux accepts only 0 for
     /// `io_tlb_used_hiwater`; see the type's docs).
     pub fn reset_hiwater(&self) {
@@ -393,6 +405,9 @@ pub struct PoolStats {
     /// Map, copy and unmap durations per direction since creation or the last reset.
     #[serde(default)]
     pub timing: TimingStats,
+    /// A dynamic pool's pools and counters (`None` for a static pool).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic: Option<crate::dynamic::DynamicStats>,
 }
 
 impl PoolStats {

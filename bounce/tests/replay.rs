@@ -8,6 +8,14 @@
 //!   fail only with "pool full" and return every slot.
 //! - `trace_head_excerpt_reproduces_every_decision`: the first 2000 lines as JSON, in
 //!   `tests/data`.
+//! - `live_captures_reproduce_every_decision`: every rig-1 capture in `traces/`, the stock
+//!   kernel's and the `CONFIG_SWIOTLB_DYNAMIC` kernel's (`swiotlb-kernel-trace/2`), with 0
+//!   mismatches: addresses, failures, area state, and for the dynamic ones each map's pool and
+//!   kind, growth request and counters, transient pools, pool additions and the counters at the
+//!   end; the replay's own counts of added and transient pools, growth requests and maps per
+//!   kind equal the capture's.
+//! - `growth_applied_one_map_early_or_late_is_caught`: each pool addition of the dynamic
+//!   captures moved one map earlier or later makes the replay disagree with the kernel.
 //!
 //! The whole trace is committed in the compact form (`traces/*.bvmtrace.gz`, read by
 //! `bounce::trace::open` like any trace), so these tests run on every clone. Two tests tie it
@@ -253,7 +261,10 @@ fn items(trace: impl Iterator<Item = trace::Result<(u64, TraceOp)>>) -> Vec<(u64
 #[test]
 fn compact_kernel_trace_starts_as_the_json_excerpt() {
     let excerpt = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/trace-head.jsonl");
-    let want = items(trace::open(&excerpt).unwrap());
+    let want: Vec<_> = items(trace::open(&excerpt).unwrap())
+        .into_iter()
+        .map(|(line, op)| (line, trace::as_stored(op)))
+        .collect();
     let compact = trace::open(&full_trace()).unwrap();
     assert!(matches!(compact, TraceFile::Compact(_)), "{compact:?}");
     let got = items(compact.take(want.len()));
@@ -305,6 +316,7 @@ fn compact_kernel_trace_reproduces_from_the_json_original() {
     let (mut ops, mut unmaps) = (0u64, 0u64);
     while let Some(item) = reader.next() {
         let (line, op) = item.expect("JSON line");
+        let op = trace::as_stored(op);
         let (cline, cop) = compact
             .next()
             .expect("compact trace too short")
@@ -521,4 +533,172 @@ fn advisor_answer_holds_on_the_kernel_trace() {
     let a = check_advice(&sizer, AllocatorKind::Areas);
     assert_eq!(a.current.failures.pool_full, KERNEL_FAILURES);
     eprintln!("kernel trace: {a:?}");
+}
+
+/// The committed live captures of the rig-1 guest (`traces/rig1-*.jsonl.gz`): the stock
+/// kernel's (`swiotlb-kernel-trace/1`) and the dynamic kernel's (`/2`).
+fn live_traces() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("traces/")
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("rig1-") && n.ends_with(".jsonl.gz"))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// A whole trace as (line, op) pairs, header first.
+fn load_ops(path: &Path) -> Vec<(u64, TraceOp)> {
+    trace::open(path)
+        .expect("open trace")
+        .map(|i| i.expect("trace line"))
+        .collect()
+}
+
+/// Replays `ops` (header first) with compare on, to the end check included.
+fn replay_ops(ops: &[(u64, TraceOp)]) -> (Replayer, Vec<Mismatch>) {
+    let TraceOp::Header(header) = &ops[0].1 else {
+        panic!("no header");
+    };
+    let opts = ReplayOptions {
+        compare: true,
+        ..ReplayOptions::default()
+    };
+    let mut r = Replayer::new(&opts, Some(header)).expect("replay pool");
+    let mut mismatches = Vec::new();
+    for (line, op) in &ops[1..] {
+        r.apply(*line, op, &mut mismatches);
+    }
+    r.finish(&mut mismatches);
+    (r, mismatches)
+}
+
+/// The capture's own counts (the header's `counts`), which the replay must reach by itself.
+fn header_counts(path: &Path) -> serde_json::Value {
+    let ops = trace::open(path).expect("open trace");
+    let TraceFile::Json(mut reader) = ops else {
+        panic!("{}: not JSON lines", path.display());
+    };
+    reader.next().expect("header").expect("header line");
+    let h: serde_json::Value = serde_json::from_str(reader.last_line()).expect("header JSON");
+    h["counts"].clone()
+}
+
+#[test]
+fn live_captures_reproduce_every_decision() {
+    let traces = live_traces();
+    let dynamic: Vec<&PathBuf> = traces
+        .iter()
+        .filter(|t| {
+            let ops = load_ops(t);
+            matches!(&ops[0].1, TraceOp::Header(h) if h.version == 2)
+        })
+        .collect();
+    assert!(dynamic.len() >= 3, "the dynamic captures are committed");
+    for t in &traces {
+        let ops = load_ops(t);
+        let (r, mismatches) = replay_ops(&ops);
+        for m in mismatches.iter().take(5) {
+            eprintln!("{}: line {} map {}: {}", t.display(), m.line, m.id, m.what);
+        }
+        let s = r.summary();
+        let maps = ops
+            .iter()
+            .filter(|(_, o)| matches!(o, TraceOp::Map(_)))
+            .count() as u64;
+        assert!(
+            mismatches.is_empty(),
+            "{}: {} mismatches",
+            t.display(),
+            s.mismatches
+        );
+        assert_eq!(s.compared, maps, "{}: every map compared", t.display());
+        assert_eq!((s.map_errors, s.other_errors), (0, 0), "{}", t.display());
+        assert_eq!((r.live(), r.pool().used()), (0, 0), "{}", t.display());
+        let Some(d) = r.pool().dynamic() else {
+            continue;
+        };
+        // What the replay did by itself equals what the capture counted in the kernel.
+        let c = header_counts(t);
+        let n = |k: &str| c[k].as_u64().unwrap_or_else(|| panic!("counts.{k}"));
+        assert_eq!(s.pools_added, n("pool_add"), "{}", t.display());
+        assert_eq!(s.transient_pools, n("transient_alloc"), "{}", t.display());
+        assert_eq!(s.grow_requests, n("grow_requests"), "{}", t.display());
+        assert_eq!(s.maps_in_added, n("maps_in_added"), "{}", t.display());
+        assert_eq!(
+            s.maps_in_transient,
+            n("maps_in_transient"),
+            "{}",
+            t.display()
+        );
+        assert!(
+            s.pools_added > 0 && s.transient_pools > 0,
+            "{}",
+            t.display()
+        );
+        let stats = r.pool().stats();
+        let ds = stats.dynamic.expect("dynamic stats");
+        assert_eq!(ds.pools_added, s.pools_added);
+        assert_eq!(ds.added_nslabs, n("added_nslabs"), "{}", t.display());
+        assert_eq!((ds.transient_live, d.transient_nslabs()), (0, 0));
+    }
+}
+
+/// The `which`-th `pool_add` of `ops` moved `step` maps later (negative: earlier); `None`
+/// when there is no map on that side.
+fn moved(ops: &[(u64, TraceOp)], which: usize, step: isize) -> Option<Vec<(u64, TraceOp)>> {
+    let mut ops = ops.to_vec();
+    let at = ops
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, o))| matches!(o, TraceOp::PoolAdd { .. }))
+        .nth(which)?
+        .0;
+    let add = ops.remove(at);
+    let maps: Vec<usize> = ops
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, o))| matches!(o, TraceOp::Map(_)))
+        .map(|(i, _)| i)
+        .collect();
+    let dest = if step > 0 {
+        maps.iter().filter(|&&i| i >= at).nth(step as usize - 1)? + 1
+    } else {
+        let earlier: Vec<usize> = maps.iter().copied().filter(|&i| i < at).collect();
+        *earlier.get(earlier.len().checked_sub(step.unsigned_abs())?)?
+    };
+    ops.insert(dest, add);
+    Some(ops)
+}
+
+#[test]
+fn growth_applied_one_map_early_or_late_is_caught() {
+    let mut tried = 0;
+    for t in live_traces() {
+        let ops = load_ops(&t);
+        let adds = ops
+            .iter()
+            .filter(|(_, o)| matches!(o, TraceOp::PoolAdd { .. }))
+            .count();
+        for which in 0..adds {
+            for step in [-1, 1] {
+                let Some(mutated) = moved(&ops, which, step) else {
+                    continue;
+                };
+                let (r, mismatches) = replay_ops(&mutated);
+                assert!(
+                    !mismatches.is_empty() && r.summary().mismatches > 0,
+                    "{}: pool_add #{which} moved {step:+} map: no mismatch",
+                    t.display()
+                );
+                tried += 1;
+            }
+        }
+    }
+    assert!(tried >= 20, "pool additions moved: {tried}");
 }

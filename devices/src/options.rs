@@ -24,7 +24,17 @@
 //!                              sampling check of every call
 //! timing-every=N               time one call in N of each kind per thread (default 16;
 //!                              1 times every call); call counts stay exact either way
+//! dynamic=on|off               Linux's dynamic pools (CONFIG_SWIOTLB_DYNAMIC): a map the
+//!                              pool cannot serve gets a transient pool of its own and a
+//!                              background worker adds pools (swiotlb mode, alloc=areas;
+//!                              default off)
+//! dynamic-slots=N              with dynamic=on: the slots all pools may take together,
+//!                              the default pool included (default 8 times the pool's)
 //! ```
+//!
+//! A dynamic pool's statistics carry a `dynamic` section: `io_tlb_nslabs` and
+//! `io_tlb_transient_nslabs` as Linux's debugfs shows them, the pools (default and added,
+//! newest first), transient pools made and live, growth requests and worker runs.
 //!
 //! ```
 //! use devices::options::BounceOptions;
@@ -46,7 +56,7 @@ pub enum OptionsError {
     #[error("'{0}' is not key=value")]
     NotKeyValue(String),
     /// An unknown key.
-    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers, on-full, copy-on-map, timing, timing-every)")]
+    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers, on-full, copy-on-map, timing, timing-every, dynamic, dynamic-slots)")]
     UnknownKey(String),
     /// A key given twice.
     #[error("bounce option '{0}' given twice")]
@@ -89,6 +99,10 @@ pub struct BounceOptions {
     pub timing: bool,
     /// One call in how many is timed ([`BouncePool::set_timing_sample_every`]).
     pub timing_every: u32,
+    /// Dynamic pools ([`bounce::dynamic`]).
+    pub dynamic: bool,
+    /// The slots a dynamic pool's pools may take together, if given.
+    pub dynamic_slots: Option<usize>,
 }
 
 impl Default for BounceOptions {
@@ -107,7 +121,17 @@ impl Default for BounceOptions {
             copy_on_map: None,
             timing: true,
             timing_every: bounce::stats::DEFAULT_SAMPLE_EVERY,
+            dynamic: false,
+            dynamic_slots: None,
         }
+    }
+}
+
+fn on_off(value: &str) -> Result<bool, String> {
+    match value {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err("expected on or off".into()),
     }
 }
 
@@ -170,13 +194,9 @@ impl FromStr for BounceOptions {
                             .map_err(|e: bounce::Error| bad(e.to_string()))?,
                     )
                 }
-                "timing" => {
-                    o.timing = match value {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(bad("expected on or off".into())),
-                    }
-                }
+                "timing" => o.timing = on_off(value).map_err(bad)?,
+                "dynamic" => o.dynamic = on_off(value).map_err(bad)?,
+                "dynamic-slots" => o.dynamic_slots = Some(positive(key, value)?),
                 "timing-every" => {
                     o.timing_every = positive(key, value)?
                         .try_into()
@@ -185,6 +205,13 @@ impl FromStr for BounceOptions {
                 _ => return Err(OptionsError::UnknownKey(key.into())),
             }
             seen.push(key);
+        }
+        if o.dynamic_slots.is_some() && !o.dynamic {
+            return Err(OptionsError::BadValue {
+                key: "dynamic-slots".into(),
+                value: o.dynamic_slots.unwrap_or(0).to_string(),
+                reason: "needs dynamic=on".into(),
+            });
         }
         Ok(o)
     }
@@ -213,6 +240,15 @@ impl BounceOptions {
             c.allocator = k;
         }
         c.copy_on_map = self.copy_on_map;
+        if self.dynamic {
+            // The pool's slots as Linux rounds them (a configuration that does not resolve
+            // fails when the pool is built).
+            let default = c.geometry().map_or(c.slots, |g| g.nslabs);
+            let window = self
+                .dynamic_slots
+                .unwrap_or(default.saturating_mul(bounce::DynamicConfig::DEFAULT_WINDOW_FACTOR));
+            c.dynamic = Some(bounce::DynamicConfig::host(window));
+        }
         c
     }
 
@@ -298,6 +334,53 @@ mod tests {
         assert_eq!(c.allocator, AllocatorKind::Areas);
         let iova = "mode=iova".parse::<BounceOptions>().unwrap().pool_config(1);
         assert_eq!(iova.allocator, AllocatorKind::IovaRcache);
+    }
+
+    #[test]
+    fn dynamic_pools_are_an_option() {
+        let o: BounceOptions = "slots=1000,areas=2,dynamic=on".parse().unwrap();
+        let c = o.pool_config(1);
+        // The window holds eight default pools of the rounded 1024 slots.
+        assert_eq!(
+            c.dynamic.map(|d| d.pages),
+            Some(bounce::PoolPages::Host { slots: 8192 })
+        );
+        let (dma, pool) = o.build(1).unwrap();
+        let pool = pool.unwrap();
+        assert!(pool.dynamic().is_some());
+        let stats = dma.stats().unwrap();
+        let d = stats.dynamic.as_ref().expect("dynamic statistics");
+        assert_eq!(
+            (d.io_tlb_nslabs, d.default_nareas, d.pools.len()),
+            (1024, 2, 1)
+        );
+        let json = stats.to_json();
+        assert!(json.contains("\"io_tlb_transient_nslabs\":0"), "{json}");
+        let sized: BounceOptions = "dynamic=on,dynamic-slots=4096".parse().unwrap();
+        assert_eq!(
+            sized.pool_config(1).dynamic.map(|d| d.pages),
+            Some(bounce::PoolPages::Host { slots: 4096 })
+        );
+        let off: BounceOptions = "dynamic=off".parse().unwrap();
+        assert_eq!(off.pool_config(1).dynamic, None);
+        assert!(""
+            .parse::<BounceOptions>()
+            .unwrap()
+            .build(1)
+            .unwrap()
+            .1
+            .unwrap()
+            .dynamic()
+            .is_none());
+        let e = |s: &str| s.parse::<BounceOptions>().unwrap_err();
+        assert!(matches!(e("dynamic=yes"), OptionsError::BadValue { .. }));
+        assert!(e("dynamic-slots=4096")
+            .to_string()
+            .contains("needs dynamic=on"));
+        let build = |s: &str| s.parse::<BounceOptions>().unwrap().build(1).map(|_| ());
+        assert!(build("dynamic=on,mode=iova").is_err());
+        assert!(build("dynamic=on,alloc=magazine").is_err());
+        assert!(build("dynamic=on,slots=4096,dynamic-slots=128").is_err());
     }
 
     #[test]

@@ -310,15 +310,20 @@ def test_committed_traces_check_with_no_mismatch():
 
 
 @skip_if_missing
-def test_committed_static_traces_replay_with_no_mismatch():
-    """bounce-replay --compare reproduces every committed swiotlb-kernel-trace/1."""
+def test_committed_traces_replay_with_no_mismatch():
+    """bounce-replay --compare reproduces every committed trace: swiotlb-kernel-trace/1 through
+    the static pool, /2 through bounce's dynamic pools (pools and their kinds, growth requests,
+    transient pools, pool additions, counters), reaching the capture's own counts."""
     for t in _committed():
         with gzip.open(t, "rt") as f:
             header = json.loads(f.readline())
-        if header["format"] != "swiotlb-kernel-trace/1":
-            continue
         s = replay(t)["replay"]
         assert s["mismatches"] == 0 and s["compared"] > 1000, (t.name, s)
+        if header["format"] == "swiotlb-kernel-trace/2":
+            c = header["counts"]
+            got = (s["pools_added"], s["transient_pools"], s["grow_requests"], s["maps_in_added"])
+            assert got == (c["pool_add"], c["transient_alloc"], c["grow_requests"],
+                           c["maps_in_added"]), (t.name, s)
 
 
 def _moved(ops: list[dict], which: int, step: int) -> list[dict]:

@@ -262,6 +262,17 @@ pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeRuns>> {
     })
 }
 
+/// Builds `areas` for a geometry whose areas need not be whole segments (a transient pool's
+/// one area, shorter than a segment: its free-run counts end at the pool's end).
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) when the areas do not split the pool evenly.
+pub(crate) fn partial(geom: &Geometry) -> Result<Locked<FreeRuns>> {
+    Locked::per_area(AllocatorKind::Areas, geom, false, |base, len| {
+        FreeRuns::new(base, len, geom.segsize, SearchStart::Index)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -159,6 +159,13 @@ impl<T: SlotRange> SlotAllocator for Locked<T> {
         self.find_map(req.worker, |r| r.alloc(&self.geom, req))
     }
 
+    fn alloc_in_area(&self, area: usize, req: &SlotRequest) -> Option<usize> {
+        if self.ranges.len() != self.geom.nareas {
+            return None;
+        }
+        self.ranges.get(area)?.lock().alloc(&self.geom, req)
+    }
+
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
         self.release(index, nslots);
     }

@@ -215,6 +215,13 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
     /// `nslots` slots. `worker` is the releasing worker (per-worker caches free into its own).
     fn free(&self, index: usize, nslots: usize, worker: usize);
 
+    /// Finds and claims a run for `req` in area `area` alone (Linux
+    /// `swiotlb_search_pool_area`), for allocators with one range per area; `None` when the
+    /// run is not there or the allocator has no such areas. Dynamic pools search this way.
+    fn alloc_in_area(&self, _area: usize, _req: &SlotRequest) -> Option<usize> {
+        None
+    }
+
     /// Slots in use per area (one entry for allocators without areas). Slots held in
     /// per-worker caches count as used.
     fn area_used(&self) -> Vec<usize>;
@@ -236,6 +243,21 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
 
     /// Resets the lock statistics.
     fn reset_lock_stats(&self);
+}
+
+/// `areas` for a pool of one area of any length up to a segment: a transient pool, sized to
+/// its one mapping.
+///
+/// # Errors
+/// [`Error::Config`](crate::Error::Config) for a geometry of more than one area.
+pub(crate) fn single_area(geom: &Geometry) -> Result<impl SlotAllocator> {
+    if geom.nareas != 1 || geom.nslabs > geom.segsize {
+        return Err(crate::Error::Config(format!(
+            "a single run of {} slots in {} areas",
+            geom.nslabs, geom.nareas
+        )));
+    }
+    areas::partial(geom)
 }
 
 /// Builds an allocator of `kind` for `geom`.

@@ -103,6 +103,20 @@ impl Sizer {
         opts: &ReplayOptions,
     ) -> Result<Self> {
         let ops: Vec<(u64, TraceOp)> = ops.into_iter().collect::<Result<_>>()?;
+        // The advisor sizes one static pool; a dynamic kernel's trace answers how much it
+        // grew instead (a replay's statistics).
+        if let Some((line, op)) = ops.iter().find(|(_, op)| {
+            op.is_dynamic() || matches!(op, TraceOp::Header(h) if h.dynamic.is_some())
+        }) {
+            return Err(super::TraceError::Parse {
+                line: *line,
+                reason: format!(
+                    "{}: a dynamic-pool trace (swiotlb-kernel-trace/2); the advisor sizes \
+                     static pools, replay it to see how the pools grew",
+                    op.name()
+                ),
+            });
+        }
         let header = ops.iter().find_map(|(_, op)| match op {
             TraceOp::Header(h) => Some(h.clone()),
             _ => None,

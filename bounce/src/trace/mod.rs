@@ -37,8 +37,11 @@ pub mod parse;
 pub mod reader;
 pub mod replay;
 
-pub use compact::{write_compact, CompactReader, CompactSummary};
-pub use parse::{parse_line, KernelDecision, MapOp, TraceHeader, TraceOp};
+pub use compact::{as_stored, write_compact, CompactReader, CompactSummary};
+pub use parse::{
+    parse_line, DebugfsCounters, DynamicHeader, KernelCounters, KernelDecision, MapOp,
+    SwiotlbCounters, TraceHeader, TraceOp, FORMAT_VERSION,
+};
 pub use reader::{open, TraceFile, TraceReader};
 pub use replay::{Mismatch, NullMemory, Outcome, ReplayOptions, ReplaySummary, Replayer};
 

@@ -3,7 +3,11 @@
 use serde::Deserialize;
 
 use super::{Result, TraceError};
+use crate::dynamic::PoolKind;
 use crate::types::{Direction, DmaAttrs};
+
+/// The newest kernel trace format this reader knows (`swiotlb-kernel-trace/2`: dynamic pools).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// The pool geometry a kernel trace was recorded with (its `header` line).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -25,7 +29,47 @@ pub struct TraceHeader {
     pub area_index_at_start: Option<Vec<usize>>,
     /// Each area's used count when the capture began.
     pub area_used_at_start: Option<Vec<usize>>,
+    /// The format's version (`swiotlb-kernel-trace/N`; 1 when the header does not say).
+    pub version: u32,
+    /// The kernel's dynamic pools (format 2).
+    pub dynamic: Option<DynamicHeader>,
+    /// `io_tlb_used_hiwater` when the capture began.
+    pub hiwater_at_start: Option<u64>,
+    /// The counters debugfs showed when the capture ended.
+    pub counters_at_end: Option<DebugfsCounters>,
 }
+
+/// What a dynamic kernel fixed at boot (the header's `dynamic`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DynamicHeader {
+    /// Linux `default_nareas`: the search loop's bound, the area count asked of added pools.
+    pub default_nareas: usize,
+    /// Linux `default_nslabs`: what the growth worker asks for.
+    pub default_nslabs: usize,
+    /// Linux `mem->can_grow`.
+    pub can_grow: bool,
+    /// The highest physical address pools may use.
+    pub phys_limit: u64,
+}
+
+/// The swiotlb counters debugfs shows (`T`: each one's value, or whether the trace has it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SwiotlbCounters<T> {
+    /// `io_tlb_nslabs`.
+    pub nslabs: T,
+    /// `io_tlb_used`.
+    pub used: T,
+    /// `io_tlb_used_hiwater`.
+    pub hiwater: T,
+    /// `io_tlb_transient_nslabs`.
+    pub transient_nslabs: T,
+}
+
+/// The four counters at a map's return (format 2).
+pub type KernelCounters = SwiotlbCounters<u64>;
+
+/// The counters of a header's `debugfs_before`/`debugfs_after`, each when the capture read it.
+pub type DebugfsCounters = SwiotlbCounters<Option<u64>>;
 
 /// What the kernel decided for a map, when the trace recorded it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,6 +80,12 @@ pub struct KernelDecision {
     pub area_used: Option<Vec<usize>>,
     /// Each area's rolling index right after the allocation.
     pub area_index: Option<Vec<usize>>,
+    /// Start and kind of the pool the bounce buffer is in (format 2, successful maps).
+    pub pool: Option<(u64, PoolKind)>,
+    /// The map asked the growth worker for a pool (format 2).
+    pub grow: bool,
+    /// The counters at the map's return (format 2, when no other operation overlapped it).
+    pub counters: Option<KernelCounters>,
 }
 
 /// A map operation.
@@ -61,6 +111,8 @@ pub struct MapOp {
     pub seg_boundary_mask: Option<u64>,
     /// The kernel's decision, in kernel traces.
     pub kernel: Option<KernelDecision>,
+    /// When the map was entered and when it returned (kernel clock), when the trace says.
+    pub time: Option<(u64, u64)>,
 }
 
 /// One operation of a trace.
@@ -90,6 +142,68 @@ pub enum TraceOp {
         /// Bytes; `None` means to the end of the mapping.
         size: Option<usize>,
     },
+    /// The growth worker's pool became visible to maps here (format 2): every later map
+    /// searches it first.
+    PoolAdd {
+        /// Start address.
+        start: u64,
+        /// Slots.
+        nslabs: usize,
+        /// Areas.
+        nareas: usize,
+        /// When the worker run that made it started (kernel clock).
+        worker_ts: Option<u64>,
+    },
+    /// The transient pool the kernel's page allocator gave the next map `id` (format 2): an
+    /// input of that map, as its CPU is.
+    TransientAlloc {
+        /// The map it is for.
+        id: u64,
+        /// Start address; `None` when the allocation failed.
+        start: Option<u64>,
+        /// Slots.
+        nslabs: usize,
+        /// Areas.
+        nareas: usize,
+    },
+    /// The kernel freed the transient pool of map `id` (format 2): after its unmap, or with
+    /// `search_failed` right before the map, whose slot search failed in the fresh pool.
+    TransientFree {
+        /// The map it was for.
+        id: u64,
+        /// Start address.
+        start: u64,
+        /// Slots.
+        nslabs: usize,
+        /// No slot fitted in the fresh pool (the map failed).
+        search_failed: bool,
+    },
+}
+
+impl TraceOp {
+    /// The op's name in the format: `header`, `map`, ...
+    pub fn name(&self) -> &'static str {
+        match self {
+            TraceOp::Header(_) => "header",
+            TraceOp::Map(_) => "map",
+            TraceOp::Unmap { .. } => "unmap",
+            TraceOp::Sync { for_cpu: true, .. } => "sync_for_cpu",
+            TraceOp::Sync { .. } => "sync_for_device",
+            TraceOp::PoolAdd { .. } => "pool_add",
+            TraceOp::TransientAlloc { .. } => "transient_alloc",
+            TraceOp::TransientFree { .. } => "transient_free",
+        }
+    }
+
+    /// True for the ops of format 2 (dynamic pools).
+    pub fn is_dynamic(&self) -> bool {
+        matches!(
+            self,
+            TraceOp::PoolAdd { .. }
+                | TraceOp::TransientAlloc { .. }
+                | TraceOp::TransientFree { .. }
+        )
+    }
 }
 
 #[derive(Deserialize)]
@@ -123,6 +237,77 @@ struct RawLine {
     cpus: Option<usize>,
     area_index_at_start: Option<Vec<usize>>,
     area_used_at_start: Option<Vec<usize>>,
+    format: Option<String>,
+    dynamic: Option<RawDynamic>,
+    debugfs_before: Option<RawDebugfs>,
+    debugfs_after: Option<RawDebugfs>,
+    kernel_pool: Option<u64>,
+    kernel_pool_kind: Option<String>,
+    kernel_grow: Option<bool>,
+    kernel_nslabs: Option<u64>,
+    kernel_used: Option<u64>,
+    kernel_hiwater: Option<u64>,
+    kernel_transient_nslabs: Option<u64>,
+    failed: Option<bool>,
+    search_failed: Option<bool>,
+    ts: Option<serde_json::Value>,
+    ret_ts: Option<serde_json::Value>,
+    worker_ts: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct RawDynamic {
+    default_nareas: usize,
+    default_nslabs: usize,
+    can_grow: serde_json::Value,
+    phys_limit: Option<u64>,
+}
+
+/// debugfs values as the capture wrote them: numbers, or the file's text.
+#[derive(Deserialize)]
+struct RawDebugfs {
+    io_tlb_nslabs: Option<serde_json::Value>,
+    io_tlb_used: Option<serde_json::Value>,
+    io_tlb_used_hiwater: Option<serde_json::Value>,
+    io_tlb_transient_nslabs: Option<serde_json::Value>,
+}
+
+/// A counter as a number, or as the decimal text debugfs printed; anything else (`"na"`) is
+/// none.
+fn counter(v: Option<&serde_json::Value>) -> Option<u64> {
+    match v? {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::String(s) => s.trim().parse().ok(),
+        _ => None,
+    }
+}
+
+impl RawDebugfs {
+    fn counters(&self) -> DebugfsCounters {
+        DebugfsCounters {
+            nslabs: counter(self.io_tlb_nslabs.as_ref()),
+            used: counter(self.io_tlb_used.as_ref()),
+            hiwater: counter(self.io_tlb_used_hiwater.as_ref()),
+            transient_nslabs: counter(self.io_tlb_transient_nslabs.as_ref()),
+        }
+    }
+}
+
+/// The version of a `format` string: `swiotlb-kernel-trace/N`.
+fn format_version(format: Option<&str>) -> std::result::Result<u32, String> {
+    let Some(f) = format else {
+        return Ok(1);
+    };
+    let v = f
+        .strip_prefix("swiotlb-kernel-trace/")
+        .and_then(|v| v.parse::<u32>().ok())
+        .ok_or_else(|| format!("unknown trace format '{f}'"))?;
+    if v == 0 || v > FORMAT_VERSION {
+        return Err(format!(
+            "trace format '{f}': this reader knows swiotlb-kernel-trace/1 to /{FORMAT_VERSION}"
+        ));
+    }
+    Ok(v)
 }
 
 fn parse_dir(raw: Option<&RawDir>) -> std::result::Result<Direction, String> {
@@ -137,6 +322,23 @@ fn parse_dir(raw: Option<&RawDir>) -> std::result::Result<Direction, String> {
             "from-device" => Ok(Direction::FromDevice),
             other => Err(format!("bad dir '{other}'")),
         },
+    }
+}
+
+/// `v`, or the error of an `op` line without `field`.
+fn required<T>(v: Option<T>, line: u64, op: &str, field: &str) -> Result<T> {
+    v.ok_or_else(|| TraceError::Parse {
+        line,
+        reason: format!("{op} without {field}"),
+    })
+}
+
+fn pool_kind(s: &str) -> std::result::Result<PoolKind, String> {
+    match s {
+        "default" => Ok(PoolKind::Default),
+        "added" => Ok(PoolKind::Added),
+        "transient" => Ok(PoolKind::Transient),
+        other => Err(format!("bad kernel_pool_kind '{other}'")),
     }
 }
 
@@ -169,14 +371,52 @@ pub fn parse_line(line_no: u64, line: &str) -> Result<Option<TraceOp>> {
             cpus: raw.cpus,
             area_index_at_start: raw.area_index_at_start,
             area_used_at_start: raw.area_used_at_start,
+            version: format_version(raw.format.as_deref()).map_err(err)?,
+            dynamic: raw.dynamic.as_ref().map(|d| DynamicHeader {
+                default_nareas: d.default_nareas,
+                default_nslabs: d.default_nslabs,
+                can_grow: match &d.can_grow {
+                    serde_json::Value::Bool(b) => *b,
+                    v => v.as_u64().is_some_and(|n| n != 0),
+                },
+                phys_limit: d.phys_limit.unwrap_or(u64::from(u32::MAX)),
+            }),
+            hiwater_at_start: raw
+                .debugfs_before
+                .as_ref()
+                .and_then(|d| counter(d.io_tlb_used_hiwater.as_ref())),
+            counters_at_end: raw.debugfs_after.as_ref().map(RawDebugfs::counters),
         }),
         "map" => {
             let id = need_id()?;
             let kernel = if raw.kernel_tlb_addr.is_some() || raw.kernel_error.is_some() {
+                let pool = match (raw.kernel_pool, raw.kernel_pool_kind.as_deref()) {
+                    (Some(start), Some(kind)) => Some((start, pool_kind(kind).map_err(err)?)),
+                    _ => None,
+                };
+                let counters = match (
+                    raw.kernel_nslabs,
+                    raw.kernel_used,
+                    raw.kernel_hiwater,
+                    raw.kernel_transient_nslabs,
+                ) {
+                    (Some(nslabs), Some(used), Some(hiwater), Some(transient_nslabs)) => {
+                        Some(KernelCounters {
+                            nslabs,
+                            used,
+                            hiwater,
+                            transient_nslabs,
+                        })
+                    }
+                    _ => None,
+                };
                 Some(KernelDecision {
                     tlb_addr: raw.kernel_tlb_addr,
                     area_used: raw.kernel_area_used,
                     area_index: raw.kernel_area_index,
+                    pool,
+                    grow: raw.kernel_grow.unwrap_or(false),
+                    counters,
                 })
             } else {
                 None
@@ -196,8 +436,38 @@ pub fn parse_line(line_no: u64, line: &str) -> Result<Option<TraceOp>> {
                 alloc_align_mask: raw.alloc_align_mask.unwrap_or(0),
                 seg_boundary_mask: raw.seg_boundary_mask,
                 kernel,
+                time: raw
+                    .ts
+                    .as_ref()
+                    .and_then(serde_json::Value::as_u64)
+                    .map(|ts| {
+                        let ret = raw.ret_ts.as_ref().and_then(serde_json::Value::as_u64);
+                        (ts, ret.unwrap_or(ts))
+                    }),
             })
         }
+        "pool_add" => TraceOp::PoolAdd {
+            start: required(raw.start, line_no, &raw.op, "start")?,
+            nslabs: required(raw.nslabs, line_no, &raw.op, "nslabs")?,
+            nareas: required(raw.nareas, line_no, &raw.op, "nareas")?,
+            worker_ts: raw.worker_ts.as_ref().and_then(serde_json::Value::as_u64),
+        },
+        "transient_alloc" => TraceOp::TransientAlloc {
+            id: need_id()?,
+            start: if raw.failed.unwrap_or(false) {
+                None
+            } else {
+                Some(required(raw.start, line_no, &raw.op, "start")?)
+            },
+            nslabs: required(raw.nslabs, line_no, &raw.op, "nslabs")?,
+            nareas: raw.nareas.unwrap_or(1),
+        },
+        "transient_free" => TraceOp::TransientFree {
+            id: need_id()?,
+            start: required(raw.start, line_no, &raw.op, "start")?,
+            nslabs: required(raw.nslabs, line_no, &raw.op, "nslabs")?,
+            search_failed: raw.search_failed.unwrap_or(false),
+        },
         "unmap" => TraceOp::Unmap {
             id: need_id()?,
             worker: raw.worker.or(raw.cpu),
@@ -276,6 +546,77 @@ mod tests {
             r#"{"op":"unmap"}"#,
         ] {
             assert!(parse_line(7, bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn parses_the_dynamic_format() {
+        let h = r#"{"op":"header","format":"swiotlb-kernel-trace/2","nslabs":512,"nareas":4,"debugfs_before":{"io_tlb_used_hiwater":"5","io_tlb_nslabs":512},"debugfs_after":{"io_tlb_used":0,"io_tlb_used_hiwater":"na"},"dynamic":{"default_nareas":4,"default_nslabs":512,"can_grow":1,"phys_limit":4294967295}}"#;
+        let Some(TraceOp::Header(h)) = parse_line(1, h).unwrap() else {
+            panic!("not a header");
+        };
+        assert_eq!(h.version, 2);
+        assert_eq!(h.hiwater_at_start, Some(5));
+        let end = h.counters_at_end.unwrap();
+        assert_eq!((end.used, end.hiwater, end.nslabs), (Some(0), None, None));
+        let d = h.dynamic.unwrap();
+        assert_eq!(
+            (d.default_nareas, d.default_nslabs, d.can_grow),
+            (4, 512, true)
+        );
+        let m = r#"{"op":"map","id":9,"orig":1,"size":4096,"cpu":1,"dir":2,"ts":10,"ret_ts":12,"kernel_tlb_addr":8192,"kernel_pool":8192,"kernel_pool_kind":"transient","kernel_grow":true,"kernel_nslabs":512,"kernel_used":2,"kernel_hiwater":5,"kernel_transient_nslabs":2}"#;
+        let Some(TraceOp::Map(m)) = parse_line(2, m).unwrap() else {
+            panic!("not a map");
+        };
+        assert_eq!(m.time, Some((10, 12)));
+        let k = m.kernel.unwrap();
+        assert_eq!((k.pool, k.grow), (Some((8192, PoolKind::Transient)), true));
+        assert_eq!(
+            k.counters.map(|c| (c.used, c.transient_nslabs)),
+            Some((2, 2))
+        );
+        assert_eq!(
+            parse_line(
+                3,
+                r#"{"op":"pool_add","start":4096,"nslabs":512,"nareas":4,"worker_ts":7}"#
+            )
+            .unwrap(),
+            Some(TraceOp::PoolAdd {
+                start: 4096,
+                nslabs: 512,
+                nareas: 4,
+                worker_ts: Some(7)
+            })
+        );
+        assert_eq!(
+            parse_line(
+                4,
+                r#"{"op":"transient_alloc","id":3,"failed":true,"nslabs":2}"#
+            )
+            .unwrap(),
+            Some(TraceOp::TransientAlloc {
+                id: 3,
+                start: None,
+                nslabs: 2,
+                nareas: 1
+            })
+        );
+        let free = r#"{"op":"transient_free","id":3,"start":8192,"nslabs":2,"search_failed":true}"#;
+        assert!(matches!(
+            parse_line(5, free).unwrap(),
+            Some(TraceOp::TransientFree {
+                search_failed: true,
+                ..
+            })
+        ));
+        for bad in [
+            r#"{"op":"header","format":"swiotlb-kernel-trace/3"}"#,
+            r#"{"op":"header","format":"something-else/1"}"#,
+            r#"{"op":"pool_add","start":4096,"nareas":4}"#,
+            r#"{"op":"transient_alloc","id":3,"nslabs":2}"#,
+            r#"{"op":"map","id":1,"orig":0,"size":1,"dir":1,"kernel_tlb_addr":0,"kernel_pool":0,"kernel_pool_kind":"borrowed"}"#,
+        ] {
+            assert!(parse_line(6, bad).is_err(), "{bad}");
         }
     }
 }

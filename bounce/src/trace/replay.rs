@@ -5,8 +5,9 @@ use std::collections::HashMap;
 
 use vm_memory::VolatileSlice;
 
-use super::parse::{KernelDecision, MapOp, TraceHeader, TraceOp};
+use super::parse::{KernelCounters, KernelDecision, MapOp, TraceHeader, TraceOp};
 use super::Result;
+use crate::dynamic::{worker_sizes, DynamicConfig, DynamicEvents, PoolKind, PoolPages};
 use crate::error::Error;
 use crate::geometry::{PoolConfig, SizeLimit};
 use crate::orig::OrigMemory;
@@ -99,6 +100,19 @@ impl ReplayOptions {
         if let Some(base) = self.base.or(h.start) {
             c.base = base;
         }
+        if let Some(d) = h.dynamic.filter(|_| self.mode == PoolMode::Swiotlb) {
+            // The kernel's dynamic pools: its area count before limit_nareas, every address
+            // up to its physical limit backed, and the page allocator's answers given by the
+            // trace.
+            c.areas = Some(self.areas.unwrap_or(d.default_nareas));
+            c.dynamic = Some(DynamicConfig {
+                pages: PoolPages::Given {
+                    window_base: 0,
+                    window_bytes: d.phys_limit.saturating_add(1),
+                },
+                can_grow: d.can_grow,
+            });
+        }
         c
     }
 }
@@ -136,6 +150,21 @@ pub enum Outcome {
         /// The map's id.
         id: u64,
     },
+    /// A pool was added (format 2).
+    PoolAdded {
+        /// Start address.
+        start: u64,
+        /// Slots.
+        nslabs: usize,
+        /// Areas.
+        nareas: usize,
+    },
+    /// A transient pool allocation or free of the kernel was noted for the map `id` (format
+    /// 2).
+    Transient {
+        /// The map's id.
+        id: u64,
+    },
     /// An unmap or sync failed (unknown id, or a pool error).
     Failed {
         /// The map's id.
@@ -145,12 +174,12 @@ pub enum Outcome {
     },
 }
 
-/// A map whose result differs from the kernel's.
+/// A map whose result differs from the kernel's (or, in a dynamic trace, a pool event).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mismatch {
     /// Trace line.
     pub line: u64,
-    /// The map's id.
+    /// The map's id (0 for a pool addition).
     pub id: u64,
     /// What differs.
     pub what: String,
@@ -181,6 +210,41 @@ pub struct ReplaySummary {
     /// for them (the driver gave up on that request and retried it later, which the trace
     /// shows as new maps), so they are unmapped at once.
     pub kernel_failures_released: u64,
+    /// Pools added where the trace published them (format 2).
+    pub pools_added: u64,
+    /// Transient pools the replay made (format 2).
+    pub transient_pools: u64,
+    /// Maps that asked for growth in the replay (format 2).
+    pub grow_requests: u64,
+    /// Maps placed in added pools (format 2).
+    pub maps_in_added: u64,
+    /// Maps placed in transient pools (format 2).
+    pub maps_in_transient: u64,
+}
+
+/// What the kernel's page allocator gave a map's transient pool (a `transient_alloc`, and the
+/// `transient_free` of a failed slot search).
+#[derive(Clone, Copy, Debug)]
+struct GivenTransient {
+    start: Option<u64>,
+    nslabs: usize,
+    nareas: usize,
+    search_failed: bool,
+}
+
+/// A dynamic replay's view of the pool events around the maps.
+#[derive(Debug, Default)]
+struct DynamicReplay {
+    /// `transient_alloc`s waiting for their map.
+    pending: HashMap<u64, GivenTransient>,
+    /// The transient pool the last unmap deleted.
+    last_freed: Option<u64>,
+    /// The replay's growth requests: when each map that made one ran (entry, return).
+    requests: Vec<Option<(u64, u64)>>,
+    /// When the last worker run started.
+    last_worker_ts: Option<u64>,
+    /// The last map asked for growth.
+    grew: bool,
 }
 
 /// Replays operations through a pool, keeping the live mappings by id.
@@ -192,6 +256,11 @@ pub struct Replayer {
     seg_boundary_mask: u64,
     compare: bool,
     summary: ReplaySummary,
+    /// For a dynamic pool.
+    dynamic: Option<DynamicReplay>,
+    /// The counters debugfs showed at the end of the capture, compared by
+    /// [`Replayer::finish`].
+    counters_at_end: Option<super::parse::DebugfsCounters>,
 }
 
 impl Replayer {
@@ -218,7 +287,12 @@ impl Replayer {
                 .unwrap_or(DEFAULT_SEG_BOUNDARY_MASK),
             compare,
             summary: ReplaySummary::default(),
+            dynamic: None,
+            counters_at_end: header.and_then(|h| h.counters_at_end),
         };
+        if r.pool.dynamic().is_some() {
+            r.dynamic = Some(DynamicReplay::default());
+        }
         if let Some(index) = header.and_then(|h| h.area_index_at_start.as_deref()) {
             let used = header.and_then(|h| h.area_used_at_start.as_deref());
             if used.is_some_and(|u| u.iter().any(|&n| n != 0)) {
@@ -229,6 +303,9 @@ impl Replayer {
             } else {
                 r.start_areas_at(index);
             }
+        }
+        if let Some(hw) = header.and_then(|h| h.hiwater_at_start) {
+            r.pool.raise_hiwater(hw);
         }
         r
     }
@@ -288,6 +365,38 @@ impl Replayer {
         match op {
             TraceOp::Header(_) => Outcome::Header,
             TraceOp::Map(m) => self.map(line, m, mismatches),
+            TraceOp::PoolAdd {
+                start,
+                nslabs,
+                nareas,
+                worker_ts,
+            } => self.pool_add(line, *start, *nslabs, *nareas, *worker_ts, mismatches),
+            TraceOp::TransientAlloc {
+                id,
+                start,
+                nslabs,
+                nareas,
+            } => {
+                let given = GivenTransient {
+                    start: *start,
+                    nslabs: *nslabs,
+                    nareas: *nareas,
+                    search_failed: false,
+                };
+                match &mut self.dynamic {
+                    Some(d) => {
+                        d.pending.insert(*id, given);
+                        Outcome::Transient { id: *id }
+                    }
+                    None => self.not_dynamic(*id, op),
+                }
+            }
+            TraceOp::TransientFree {
+                id,
+                start,
+                search_failed,
+                ..
+            } => self.transient_free(line, *id, *start, *search_failed, mismatches),
             TraceOp::Unmap { id, worker, attrs } => {
                 let Some(mapping) = self.live.remove(id) else {
                     self.summary.other_errors += 1;
@@ -297,6 +406,11 @@ impl Replayer {
                     };
                 };
                 let worker = worker.unwrap_or(0);
+                let transient = self
+                    .dynamic
+                    .as_ref()
+                    .and_then(|_| self.pool.pool_of(mapping.dev_addr))
+                    .filter(|p| p.kind == PoolKind::Transient);
                 let r = self.pool.unmap_single(
                     &NullMemory,
                     mapping.dev_addr,
@@ -305,6 +419,9 @@ impl Replayer {
                     attrs.unwrap_or(mapping.attrs),
                     worker,
                 );
+                if let Some(d) = &mut self.dynamic {
+                    d.last_freed = transient.filter(|_| r.is_ok()).map(|p| p.start);
+                }
                 match r {
                     Ok(()) => {
                         self.summary.unmaps += 1;
@@ -373,7 +490,15 @@ impl Replayer {
             seg_boundary_mask: m.seg_boundary_mask.unwrap_or(self.seg_boundary_mask),
             worker: m.worker,
         };
+        let given = self.dynamic.as_mut().and_then(|d| d.pending.remove(&m.id));
+        let before = self.pool.dynamic().map(|d| d.events());
+        if let (Some(d), Some(g)) = (self.pool.dynamic(), given) {
+            d.give_transient(g.start);
+        }
         let result = self.pool.map(&NullMemory, &req);
+        if self.dynamic.is_some() {
+            self.after_dynamic_map(line, m, given, before, &result, mismatches);
+        }
         if self.compare {
             if let Some(k) = &m.kernel {
                 self.compare_map(line, m.id, k, &result, mismatches);
@@ -415,6 +540,243 @@ impl Replayer {
         }
     }
 
+    /// A map's pool events in a dynamic replay: whether it asked for growth, whether it took
+    /// the transient pool the trace gave it (and only then), and where it landed.
+    fn after_dynamic_map(
+        &mut self,
+        line: u64,
+        m: &MapOp,
+        given: Option<GivenTransient>,
+        before: Option<DynamicEvents>,
+        result: &crate::Result<Mapping>,
+        mismatches: &mut Vec<Mismatch>,
+    ) {
+        let (Some(d), Some(before), Some(r)) = (self.pool.dynamic(), before, self.dynamic.as_mut())
+        else {
+            return;
+        };
+        let after = d.events();
+        let unused = d.take_unused_given();
+        r.grew = after.grow_requests > before.grow_requests;
+        let mut what = Vec::new();
+        if r.grew {
+            self.summary.grow_requests += 1;
+            r.requests.push(m.time);
+            if given.is_none() {
+                what.push("the replay needs a transient pool; the trace has none for it".into());
+            }
+        }
+        if unused > 0 {
+            what.push(
+                "the kernel made a transient pool; the replay served the map from its pools".into(),
+            );
+        }
+        if let Some(g) = given.filter(|_| unused == 0) {
+            let want = result.as_ref().map_or(0, |mm| mm.nslots);
+            if g.start.is_some() && (g.nslabs, g.nareas) != (want, 1) && result.is_ok() {
+                what.push(format!(
+                    "transient pool: kernel {} slots in {} areas, replay {want} in 1",
+                    g.nslabs, g.nareas
+                ));
+            }
+            let search_failed = after.transient_search_failed > before.transient_search_failed;
+            if search_failed != g.search_failed {
+                what.push(format!(
+                    "slot search in the fresh transient pool failed: kernel {}, replay \
+                     {search_failed}",
+                    g.search_failed
+                ));
+            }
+        }
+        if after.transient_pools > before.transient_pools {
+            self.summary.transient_pools += 1;
+        }
+        if let Ok(mm) = result {
+            match self.pool.pool_of(mm.dev_addr).map(|p| p.kind) {
+                Some(PoolKind::Added) => self.summary.maps_in_added += 1,
+                Some(PoolKind::Transient) => self.summary.maps_in_transient += 1,
+                _ => {}
+            }
+        }
+        if !what.is_empty() {
+            self.summary.mismatches += 1;
+            mismatches.push(Mismatch {
+                line,
+                id: m.id,
+                what: what.join("; "),
+            });
+        }
+    }
+
+    /// A `pool_add`: checked against the growth worker's rules (sizes, areas, a request it
+    /// answers), then applied here, so every later map searches it first.
+    fn pool_add(
+        &mut self,
+        line: u64,
+        start: u64,
+        nslabs: usize,
+        nareas: usize,
+        worker_ts: Option<u64>,
+        mismatches: &mut Vec<Mismatch>,
+    ) -> Outcome {
+        let (Some(d), Some(r)) = (self.pool.dynamic(), self.dynamic.as_mut()) else {
+            return self.not_dynamic(
+                0,
+                &TraceOp::PoolAdd {
+                    start,
+                    nslabs,
+                    nareas,
+                    worker_ts,
+                },
+            );
+        };
+        let mut what = Vec::new();
+        let sizes = worker_sizes(d.default_nslabs(), d.default_nareas());
+        if !sizes.contains(&(nslabs, nareas)) {
+            what.push(format!(
+                "pool {start:#x} of {nslabs} slots in {nareas} areas; the worker makes one of \
+                 {sizes:?}"
+            ));
+        }
+        // The work's PENDING bit is cleared when a run starts: a run answers a request whose
+        // map returned after the previous run started and was entered before this one did.
+        let answered = match worker_ts {
+            Some(w) => r.requests.iter().any(|t| match t {
+                Some((ts, ret)) => r.last_worker_ts.is_none_or(|l| *ret > l) && *ts < w,
+                None => true,
+            }),
+            None => !r.requests.is_empty(),
+        };
+        if !answered {
+            what.push(format!(
+                "pool {start:#x} added by a worker run that no growth request of the replay \
+                 asked for"
+            ));
+        }
+        r.last_worker_ts = worker_ts.or(r.last_worker_ts);
+        if let Err(e) = d.add_pool(start, nslabs, nareas) {
+            what.push(format!("pool {start:#x} cannot be added: {e}"));
+        } else {
+            self.summary.pools_added += 1;
+        }
+        if !what.is_empty() {
+            self.summary.mismatches += 1;
+            mismatches.push(Mismatch {
+                line,
+                id: 0,
+                what: what.join("; "),
+            });
+        }
+        Outcome::PoolAdded {
+            start,
+            nslabs,
+            nareas,
+        }
+    }
+
+    /// A `transient_free`: a failed slot search is an input of the map it precedes; any
+    /// other must be the pool the last unmap deleted.
+    fn transient_free(
+        &mut self,
+        line: u64,
+        id: u64,
+        start: u64,
+        search_failed: bool,
+        mismatches: &mut Vec<Mismatch>,
+    ) -> Outcome {
+        let Some(r) = self.dynamic.as_mut() else {
+            return self.not_dynamic(
+                id,
+                &TraceOp::TransientFree {
+                    id,
+                    start,
+                    nslabs: 0,
+                    search_failed,
+                },
+            );
+        };
+        let what = if search_failed {
+            match r.pending.get_mut(&id) {
+                Some(g) if g.start == Some(start) => {
+                    g.search_failed = true;
+                    None
+                }
+                _ => Some(format!(
+                    "transient pool {start:#x} freed after a failed search without its \
+                     transient_alloc"
+                )),
+            }
+        } else if r.last_freed != Some(start) {
+            Some(format!(
+                "the kernel freed transient pool {start:#x} at this unmap; the replay freed {}",
+                r.last_freed
+                    .map_or_else(|| "none".to_string(), |s| format!("{s:#x}"))
+            ))
+        } else {
+            None
+        };
+        if let Some(what) = what {
+            self.summary.mismatches += 1;
+            mismatches.push(Mismatch { line, id, what });
+        }
+        Outcome::Transient { id }
+    }
+
+    /// A format-2 op in a replay without dynamic pools.
+    fn not_dynamic(&mut self, id: u64, op: &TraceOp) -> Outcome {
+        self.summary.other_errors += 1;
+        Outcome::Failed {
+            id,
+            reason: format!(
+                "{} needs a dynamic pool (a swiotlb-kernel-trace/2 header)",
+                op.name()
+            ),
+        }
+    }
+
+    /// Ends a replay: in a dynamic replay, `transient_alloc`s no map took, and the counters
+    /// debugfs showed at the end against the replay's (`io_tlb_used` only when nothing is
+    /// live). Returns the mismatches found, also counted in the summary.
+    pub fn finish(&mut self, mismatches: &mut Vec<Mismatch>) -> u64 {
+        let (Some(d), Some(r)) = (self.pool.dynamic(), self.dynamic.as_mut()) else {
+            return 0;
+        };
+        let mut what = Vec::new();
+        if !r.pending.is_empty() {
+            let mut ids: Vec<u64> = r.pending.keys().copied().collect();
+            ids.sort_unstable();
+            what.push(format!("transient_alloc without its map: {ids:?}"));
+        }
+        if let Some(end) = self.counters_at_end {
+            let got = [
+                ("io_tlb_nslabs", end.nslabs, d.nslabs()),
+                (
+                    "io_tlb_transient_nslabs",
+                    end.transient_nslabs,
+                    d.transient_nslabs(),
+                ),
+                (
+                    "io_tlb_used",
+                    end.used.filter(|_| self.live.is_empty()),
+                    self.pool.used() as u64,
+                ),
+            ];
+            for (name, want, got) in got {
+                if want.is_some_and(|w| w != got) {
+                    what.push(format!("{name} at the end: kernel {want:?}, got {got}"));
+                }
+            }
+        }
+        let n = what.len() as u64;
+        self.summary.mismatches += n;
+        mismatches.extend(what.into_iter().map(|what| Mismatch {
+            line: 0,
+            id: 0,
+            what,
+        }));
+        n
+    }
+
     fn compare_map(
         &mut self,
         line: u64,
@@ -446,6 +808,46 @@ impl Replayer {
             let got = alloc.area_index();
             if !got.is_empty() && *want != got {
                 what.push(format!("area index: kernel {want:?}, got {got:?}"));
+            }
+        }
+        if let Some(d) = self.pool.dynamic() {
+            if let (Some((start, kind)), Ok(got)) = (k.pool, result) {
+                match self.pool.pool_of(got.dev_addr) {
+                    Some(p) if p.start == start && p.kind == kind => {}
+                    Some(p) => what.push(format!(
+                        "pool: kernel {} {start:#x}, got {} {:#x}",
+                        kind.name(),
+                        p.kind.name(),
+                        p.start
+                    )),
+                    None => what.push(format!("pool: kernel {} {start:#x}, got none", kind.name())),
+                }
+            }
+            let grew = self.dynamic.as_ref().is_some_and(|r| r.grew);
+            if k.grow != grew {
+                what.push(format!("growth request: kernel {}, got {grew}", k.grow));
+            }
+            if let Some(want) = k.counters {
+                let got = KernelCounters {
+                    nslabs: d.nslabs(),
+                    used: self.pool.used() as u64,
+                    hiwater: self.pool.hiwater(),
+                    transient_nslabs: d.transient_nslabs(),
+                };
+                if want != got {
+                    what.push(format!(
+                        "counters nslabs/used/hiwater/transient: kernel {}/{}/{}/{}, got \
+                         {}/{}/{}/{}",
+                        want.nslabs,
+                        want.used,
+                        want.hiwater,
+                        want.transient_nslabs,
+                        got.nslabs,
+                        got.used,
+                        got.hiwater,
+                        got.transient_nslabs
+                    ));
+                }
             }
         }
         if !what.is_empty() {

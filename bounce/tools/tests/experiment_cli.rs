@@ -118,6 +118,47 @@ fn every_cell_of_the_matrix_is_measured_and_split_adds_the_allocator_alone() {
 }
 
 #[test]
+fn dynamic_both_measures_the_static_and_the_dynamic_pool_side_by_side() {
+    let doc: Value = serde_json::from_str(&ok(&[
+        "--alloc",
+        "areas",
+        "--threads",
+        "1,2",
+        "--size",
+        "4k",
+        "--copy",
+        "nocopy",
+        "--rounds",
+        "2",
+        "--seconds",
+        "0.02",
+        "--dynamic",
+        "both",
+        "--json",
+    ]))
+    .expect("one JSON document");
+    assert_eq!(doc["config"]["dynamic"], serde_json::json!([false, true]));
+    let cells = doc["cells"].as_array().expect("cells");
+    assert_eq!(cells.len(), 2 * 2, "{cells:#?}");
+    for c in cells {
+        let name = c["alloc"].as_str().expect("alloc name");
+        positive(&c["mops"]["median"], &format!("{name} M pairs/s"));
+        let stats = &c["pool"];
+        assert_eq!(stats["maps"], stats["unmaps"], "{name}: every map unmapped");
+        match name {
+            "areas" => assert!(stats.get("dynamic").is_none(), "{name}"),
+            "areas (dynamic)" => {
+                // Every map fitted the default pool: the dynamic fast path, no growth.
+                let d = &stats["dynamic"];
+                assert_eq!(d["grow_requests"], 0, "{name}");
+                assert_eq!(d["io_tlb_nslabs"], stats["nslabs"], "{name}");
+            }
+            other => panic!("unexpected cell {other}"),
+        }
+    }
+}
+
+#[test]
 fn without_split_there_are_no_allocator_alone_figures() {
     let doc = smoke_json(&[]);
     assert_eq!(doc["config"]["split"], false);
@@ -246,6 +287,11 @@ fn bad_usage_is_one_line_and_a_failure() {
         (&["--copy", "maybe"], "bad copy mode 'maybe'"),
         (&["--seconds", "0"], "--seconds must be in (0, 60)"),
         (&["--timing", "sometimes"], "--timing: unknown 'sometimes'"),
+        (&["--dynamic", "maybe"], "--dynamic: unknown 'maybe'"),
+        (
+            &["--alloc", "areas,magazine", "--dynamic", "on"],
+            "--dynamic: dynamic pools search areas",
+        ),
         (
             &["--alloc", "areas", "--baseline", "legacy"],
             "baseline legacy is not among --alloc",

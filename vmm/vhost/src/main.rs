@@ -69,7 +69,7 @@ struct Common {
     /// Do not offer VIRTIO_F_ACCESS_PLATFORM (then QEMU refuses iommu_platform=on).
     #[arg(long)]
     no_access_platform: bool,
-    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N][,on-full=wait|fail].
+    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N][,on-full=wait|fail][,dynamic=on|off][,dynamic-slots=N].
     #[arg(long, value_name = "OPTS")]
     bounce: Option<BounceOptions>,
     /// Also answer one JSON line of statistics to each connection on this unix socket.

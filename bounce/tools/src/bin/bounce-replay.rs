@@ -1,10 +1,15 @@
 //! `bounce-replay`: replays a JSON-lines trace of DMA map/unmap/sync operations (plain or gzip)
 //! through a bounce pool, prints what each operation got and, at the end, the pool statistics
 //! as JSON. With `--compare`, each map of a kernel trace is checked against the kernel's
-//! decision and the exit status is non-zero on any mismatch. With `--advise`, it replays the
-//! trace at many pool sizes instead and prints, per allocator, the smallest pool with no
-//! "buffer full" (as a guest `swiotlb=` value and a host `--bounce slots=`), and why each
-//! failure at the current size happened. See bounce/README.md for the formats.
+//! decision and the exit status is non-zero on any mismatch. A `swiotlb-kernel-trace/2` trace
+//! (a `CONFIG_SWIOTLB_DYNAMIC` kernel) replays through a dynamic pool: its pool additions
+//! applied where the kernel published them, its transient pools where the kernel's page
+//! allocator put them; `--compare` then also checks each map's pool and kind, growth request
+//! and counters, every pool addition and transient free, and the counters at the end.
+//! With `--advise`, it replays the trace at many pool sizes instead and prints, per allocator,
+//! the smallest pool with no "buffer full" (as a guest `swiotlb=` value and a host `--bounce
+//! slots=`), and why each failure at the current size happened. See bounce/README.md for the
+//! formats.
 
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
@@ -92,6 +97,15 @@ fn print_outcome(out: &mut impl Write, line: u64, o: &Outcome) -> std::io::Resul
         Outcome::MapFailed { id, error } => writeln!(out, "{line} map {id} error: {error}"),
         Outcome::Unmapped { id } => writeln!(out, "{line} unmap {id}"),
         Outcome::Synced { id } => writeln!(out, "{line} sync {id}"),
+        Outcome::PoolAdded {
+            start,
+            nslabs,
+            nareas,
+        } => writeln!(
+            out,
+            "{line} pool_add start={start:#x} nslabs={nslabs} nareas={nareas}"
+        ),
+        Outcome::Transient { id } => writeln!(out, "{line} transient pool of map {id}"),
         Outcome::Failed { id, reason } => writeln!(out, "{line} op on {id} error: {reason}"),
     }
 }
@@ -163,6 +177,13 @@ fn run(args: &Args) -> Result<bool, String> {
                 writeln!(out, "MISMATCH line {} map {}: {}", m.line, m.id, m.what).map_err(io)?;
                 shown += 1;
             }
+        }
+    }
+    replayer.finish(&mut mismatches);
+    for m in mismatches.drain(..) {
+        if shown < args.show_mismatches {
+            writeln!(out, "MISMATCH at the end: {}", m.what).map_err(io)?;
+            shown += 1;
         }
     }
     let elapsed = started.elapsed();

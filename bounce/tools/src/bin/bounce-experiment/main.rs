@@ -19,6 +19,7 @@
 //! ```text
 //! bounce-experiment --alloc legacy,areas,areas-bitmap --threads 1,2,4,8 --size 4k,64k
 //! bounce-experiment --alloc all --mode iova --json
+//! bounce-experiment --alloc areas --dynamic both --threads 1,2
 //! bounce-experiment map-benchmark -t 2 -s 1 -g 1 --alloc all
 //! ```
 
@@ -106,6 +107,12 @@ struct Args {
     /// costs).
     #[arg(long, default_value = "off")]
     timing: String,
+    /// Dynamic pools (Linux CONFIG_SWIOTLB_DYNAMIC, bounce::dynamic): "off" (the default: one
+    /// static pool), "on" (a dynamic pool whose window holds 8 pools' worth: maps that fit
+    /// are served by its default pool, the dynamic fast path), or "both" (each allocator twice,
+    /// static and dynamic, in the same rounds). Dynamic pools use the areas allocator.
+    #[arg(long, default_value = "off")]
+    dynamic: String,
     /// Also measure each allocator alone, in the same rounds: the same threads, ring depth and
     /// allocator requests (built by the pool as a map builds them), calling only the
     /// allocator's alloc and free. Adds "allocator alone" and "rest" (the pair minus the
@@ -426,6 +433,9 @@ struct Plan {
     /// Time accounting per entry of `kinds` (an allocator appears twice with `--timing both`).
     timing: Vec<bool>,
     both: bool,
+    /// Dynamic pool per entry of `kinds` (twice with `--dynamic both`).
+    dynamic: Vec<bool>,
+    dynamic_both: bool,
     threads: Vec<usize>,
     sizes: Vec<usize>,
     copies: Vec<bool>,
@@ -464,10 +474,24 @@ fn plan(args: &Args) -> Result<Plan, String> {
         "both" => &[true, false],
         other => return Err(format!("--timing: unknown '{other}' (on, off or both)")),
     };
-    let (kinds, timing): (Vec<_>, Vec<_>) = kinds
+    let dynamic_modes: &[bool] = match args.dynamic.as_str() {
+        "on" => &[true],
+        "off" => &[false],
+        "both" => &[false, true],
+        other => return Err(format!("--dynamic: unknown '{other}' (on, off or both)")),
+    };
+    if dynamic_modes.contains(&true) && kinds.iter().any(|&k| k != AllocatorKind::Areas) {
+        return Err("--dynamic: dynamic pools search areas as Linux does (--alloc areas)".into());
+    }
+    let (kinds, variants): (Vec<_>, Vec<_>) = kinds
         .iter()
-        .flat_map(|&k| modes.iter().map(move |&m| (k, m)))
+        .flat_map(|&k| {
+            modes
+                .iter()
+                .flat_map(move |&m| dynamic_modes.iter().map(move |&d| (k, (m, d))))
+        })
         .unzip();
+    let (timing, dynamic): (Vec<bool>, Vec<bool>) = variants.into_iter().unzip();
     if !(args.seconds > 0.0 && args.seconds < 60.0) || args.rounds == 0 {
         return Err("--seconds must be in (0, 60) and --rounds at least 1".into());
     }
@@ -475,6 +499,8 @@ fn plan(args: &Args) -> Result<Plan, String> {
         kinds,
         timing,
         both: modes.len() == 2,
+        dynamic,
+        dynamic_both: dynamic_modes.len() == 2,
         threads,
         sizes,
         copies,
@@ -488,8 +514,8 @@ fn plan(args: &Args) -> Result<Plan, String> {
 fn build_pools(args: &Args, p: &Plan, t: usize) -> Result<Vec<Arc<BouncePool>>, String> {
     p.kinds
         .iter()
-        .zip(&p.timing)
-        .map(|(&k, &timing)| {
+        .zip(p.timing.iter().zip(&p.dynamic))
+        .map(|(&k, (&timing, &dynamic))| {
             let mut cfg = match p.mode {
                 PoolMode::Swiotlb => PoolConfig::swiotlb(args.slots),
                 PoolMode::Iova => PoolConfig::iova(args.slots),
@@ -500,6 +526,12 @@ fn build_pools(args: &Args, p: &Plan, t: usize) -> Result<Vec<Arc<BouncePool>>, 
                 PoolMode::Swiotlb => Some(t),
                 PoolMode::Iova => Some(1),
             });
+            if dynamic {
+                let window = args
+                    .slots
+                    .saturating_mul(bounce::DynamicConfig::DEFAULT_WINDOW_FACTOR);
+                cfg.dynamic = Some(bounce::DynamicConfig::host(window));
+            }
             BouncePool::new(&cfg)
                 .map(|pool| {
                     pool.set_timing(timing);
@@ -675,11 +707,20 @@ fn cells_of(
             .map(|a| Summary::of(a));
         let alone_ns = alone.as_ref().map(|a| ns(a.median));
         cells.push(Cell {
-            alloc: if p.both && !p.timing[i] {
-                format!("{} (no timing)", k.name())
-            } else {
-                k.name().to_string()
-            },
+            alloc: format!(
+                "{}{}{}",
+                k.name(),
+                if p.dynamic_both && p.dynamic[i] {
+                    " (dynamic)"
+                } else {
+                    ""
+                },
+                if p.both && !p.timing[i] {
+                    " (no timing)"
+                } else {
+                    ""
+                }
+            ),
             threads: t,
             size,
             copy,
@@ -802,7 +843,7 @@ fn setup_line(args: &Args, report: &Report) -> String {
         .find_map(|c| c.geometry.map(|_| c.mode))
         .unwrap_or(PoolMode::Swiotlb);
     format!(
-        "{} pool of {} {}, {}, each thread keeping {} mappings live; {} of {} of {} s per cell (median shown); the pool's time accounting {}.",
+        "{} pool of {} {}, {}, each thread keeping {} mappings live; {} of {} of {} s per cell (median shown); the pool's time accounting {}; dynamic pools {}.",
         if mode == PoolMode::Iova { "An iova" } else { "A swiotlb" },
         args.slots,
         if mode == PoolMode::Iova { "granules" } else { "slots" },
@@ -813,6 +854,7 @@ fn setup_line(args: &Args, report: &Report) -> String {
         report::count(args.rounds, "interleaved round"),
         args.seconds,
         args.timing,
+        args.dynamic,
     )
 }
 
@@ -897,6 +939,7 @@ fn matrix(args: &Args) -> Result<bool, String> {
         config: serde_json::json!({
             "alloc": p.kinds.iter().map(|k| k.name()).collect::<Vec<_>>(),
             "timing": p.timing,
+            "dynamic": p.dynamic,
             "threads": p.threads, "sizes": p.sizes, "copy": p.copies, "mode": p.mode,
             "slots": args.slots, "areas": args.areas, "depth": args.depth,
             "seconds": args.seconds, "rounds": args.rounds, "baseline": p.baseline.name(),
