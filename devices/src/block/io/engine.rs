@@ -73,9 +73,14 @@ impl FixedRegion {
         }
     }
 
-    /// The bounce pool of `dma`, when it has one.
+    /// The bounce pool of `dma`, when it has a static one. A dynamic pool's window is mostly
+    /// pages no pool uses yet; registering it would pin all of them, so it is not registered
+    /// (its I/O goes through plain READV/WRITEV).
     pub fn of_dma(dma: &bounce::Dma) -> Option<Self> {
         let pool = dma.pool()?;
+        if pool.dynamic().is_some() {
+            return None;
+        }
         let (ptr, len) = pool.host_memory();
         let owner: Arc<dyn Send + Sync> = Arc::clone(pool) as Arc<dyn Send + Sync>;
         // SAFETY: a pool's memory is one mapping, readable and writable, that lives as long
