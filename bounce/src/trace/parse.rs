@@ -123,7 +123,11 @@ struct RawLine {
     cpus: Option<usize>,
     area_index_at_start: Option<Vec<usize>>,
     area_used_at_start: Option<Vec<usize>>,
+    format: Option<String>,
 }
+
+/// The kernel trace format this build reads (a header without `format` is taken as it).
+pub const KERNEL_TRACE_FORMAT: &str = "swiotlb-kernel-trace/1";
 
 fn parse_dir(raw: Option<&RawDir>) -> std::result::Result<Direction, String> {
     match raw {
@@ -160,16 +164,23 @@ pub fn parse_line(line_no: u64, line: &str) -> Result<Option<TraceOp>> {
     let raw: RawLine = serde_json::from_str(line).map_err(|e| err(e.to_string()))?;
     let need_id = || raw.id.ok_or_else(|| err(format!("{} without id", raw.op)));
     let op = match raw.op.as_str() {
-        "header" => TraceOp::Header(TraceHeader {
-            nslabs: raw.nslabs,
-            nareas: raw.nareas,
-            start: raw.start,
-            min_align_mask: raw.min_align_mask,
-            seg_boundary_mask: raw.seg_boundary_mask,
-            cpus: raw.cpus,
-            area_index_at_start: raw.area_index_at_start,
-            area_used_at_start: raw.area_used_at_start,
-        }),
+        "header" => {
+            if let Some(f) = raw.format.as_deref().filter(|f| *f != KERNEL_TRACE_FORMAT) {
+                return Err(err(format!(
+                    "trace format '{f}' is not one this build reads ({KERNEL_TRACE_FORMAT})"
+                )));
+            }
+            TraceOp::Header(TraceHeader {
+                nslabs: raw.nslabs,
+                nareas: raw.nareas,
+                start: raw.start,
+                min_align_mask: raw.min_align_mask,
+                seg_boundary_mask: raw.seg_boundary_mask,
+                cpus: raw.cpus,
+                area_index_at_start: raw.area_index_at_start,
+                area_used_at_start: raw.area_used_at_start,
+            })
+        }
         "map" => {
             let id = need_id()?;
             let kernel = if raw.kernel_tlb_addr.is_some() || raw.kernel_error.is_some() {
@@ -274,6 +285,7 @@ mod tests {
             r#"{"op":"map","id":1,"orig":0,"size":1,"dir":"sideways"}"#,
             r#"{"op":"frobnicate"}"#,
             r#"{"op":"unmap"}"#,
+            r#"{"op":"header","format":"swiotlb-kernel-trace/2"}"#,
         ] {
             assert!(parse_line(7, bad).is_err(), "{bad}");
         }
