@@ -161,7 +161,8 @@ pub fn parse_line(line_no: u64, line: &str) -> Result<Option<TraceOp>> {
         line: line_no,
         reason,
     };
-    let raw: RawLine = serde_json::from_str(line).map_err(|e| err(e.to_string()))?;
+    let raw: RawLine =
+        serde_json::from_str(line).map_err(|e| err(format!("not a trace operation: {e}")))?;
     let need_id = || raw.id.ok_or_else(|| err(format!("{} without id", raw.op)));
     let op = match raw.op.as_str() {
         "header" => {

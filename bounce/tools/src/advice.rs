@@ -152,7 +152,7 @@ pub fn table(r: &Report) -> String {
         ));
     } else {
         out.push_str(&format!(
-            "{} failures of mappings over {LARGE_MAP_SLOTS} slots in the static pools' replays.\n\n",
+            "Up to {} failures of mappings over {LARGE_MAP_SLOTS} slots in one static pool.\n\n",
             r.segments.large_failures
         ));
         let rows: Vec<Vec<String>> = r

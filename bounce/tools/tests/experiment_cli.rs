@@ -299,7 +299,7 @@ fn bounce_replay_usage_errors_are_one_line_too() {
         ),
         (
             &[][..],
-            "the following required arguments were not provided: <TRACE>",
+            "the following required arguments were not provided: <TRACES>",
         ),
     ] {
         let out = Command::new(REPLAY)

@@ -491,7 +491,11 @@ impl Sizer {
         mut timeline: Option<&mut Timeline>,
     ) -> Result<SizeReport> {
         let allocator = alloc::build(alloc, geom)?;
-        let pool = BouncePool::with_allocator(*geom, allocator, self.config(alloc).copy_on_map)?;
+        let config = self.config(alloc);
+        let mut pool = BouncePool::with_allocator(*geom, allocator, config.copy_on_map)?;
+        // What the kernel's map accepted, as a replay of the same trace through the
+        // configured pool does (`ReplayOptions::pool_config`).
+        pool.set_size_limit(config.size_limit);
         pool.set_timing(false);
         // The starting area indices of a capture only mean something in a pool whose areas
         // hold them.

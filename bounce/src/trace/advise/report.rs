@@ -117,7 +117,7 @@ pub struct SegmentRow {
 /// The segment-size what-if, or why it is left out.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Segments {
-    /// Pool-full failures of mappings over half a segment, over the static rows' replays.
+    /// Pool-full failures of mappings over half a segment in the static pool that had most.
     pub large_failures: u64,
     /// One row per segment size (empty when no large mapping failed).
     pub rows: Vec<SegmentRow>,
@@ -289,7 +289,11 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
     }
 
     // Segment sizes, when a large mapping failed in a static row.
-    let large_failures = static_pools.iter().map(|r| r.replay.failures.large).sum();
+    let large_failures = static_pools
+        .iter()
+        .map(|r| r.replay.failures.large)
+        .max()
+        .unwrap_or(0);
     let mut segments = Segments {
         large_failures,
         rows: Vec::new(),
