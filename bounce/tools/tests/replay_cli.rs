@@ -330,3 +330,43 @@ fn a_closed_stdout_is_an_error_not_a_panic() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     let _ = std::io::stderr().flush();
 }
+
+/// The commands of the study's first sh block, each with its printed table: the page shows
+/// exactly what the advisor prints (charts are not redrawn).
+#[test]
+fn the_study_shows_what_the_advisor_prints() {
+    let top = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let study = std::fs::read_to_string(top.join("docs/studies/sizing-advisor.md")).unwrap();
+    let block = study
+        .split("```sh\n")
+        .nth(1)
+        .unwrap()
+        .split("```")
+        .next()
+        .unwrap();
+    let mut n = 0;
+    for line in block.lines().filter(|l| !l.trim().is_empty()) {
+        let mut argv: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(argv[0], "target/release/bounce-replay", "{line}");
+        if let Some(i) = argv.iter().position(|a| *a == "--chart") {
+            argv.drain(i..i + 2);
+        }
+        let out = Command::new(REPLAY)
+            .args(&argv[1..])
+            .current_dir(&top)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{line}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(
+            study.contains(text.trim_end()),
+            "docs/studies/sizing-advisor.md does not show what `{line}` prints now:\n{text}"
+        );
+        n += 1;
+    }
+    assert_eq!(n, 4);
+}

@@ -324,11 +324,16 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
         ));
     }
     if sizer.traces().len() > 1 {
-        notes.push(
+        notes.push(format!(
             "several traces share one pool: their operations are interleaved in proportion \
-             to their position in each (their clocks are not comparable)"
-                .into(),
-        );
+             to their position in each (their clocks are not comparable); the trace's pool is \
+             their pools added up, {} slots, as the kernel rounds it",
+            sizer
+                .traces()
+                .iter()
+                .filter_map(|t| t.nslabs)
+                .sum::<usize>()
+        ));
     }
     let recommendation = recommend(&areas, &static_pools, &guest)?;
     Ok(Report {
