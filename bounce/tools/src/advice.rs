@@ -7,15 +7,7 @@ use bounce::trace::advise::report::{mib, Dynamic, Report, StaticKind};
 use bounce::trace::advise::{SizeReport, Timeline, LARGE_MAP_SLOTS};
 
 use crate::chart::{write_chart, Chart, Line, Panel, Series, XScale};
-use crate::report::markdown_table;
-
-fn plural(n: usize, one: &str) -> String {
-    if n == 1 {
-        format!("1 {one}")
-    } else {
-        format!("{n} {one}s")
-    }
-}
+use crate::report::{count, markdown_table};
 
 /// The failure columns of a replay: total, capacity, fragmentation, high-water.
 fn failure_cells(r: &SizeReport) -> [String; 4] {
@@ -52,7 +44,7 @@ pub fn table(r: &Report) -> String {
         "{maps} maps ({kernel_failed} failed in the capturing kernel), {unmaps} unmaps, {live} \
          live at the end; allocator `{}`; guest: {} ({}), {mem}, {}.\n\n",
         r.alloc,
-        plural(r.guest.cpus, "CPU"),
+        count(r.guest.cpus, "CPU"),
         r.cpus_from,
         if r.guest.confidential {
             "confidential"

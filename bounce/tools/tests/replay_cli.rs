@@ -5,6 +5,8 @@
 //! the value, a non-zero exit and nothing on stdout (never a partial table). A trace that ends
 //! with mappings live is replayed and the table says so.
 
+mod support;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -23,21 +25,11 @@ fn sample() -> String {
 }
 
 fn run(args: &[&str]) -> Output {
-    Command::new(REPLAY)
-        .args(args)
-        .output()
-        .expect("bounce-replay runs")
+    support::run(REPLAY, args)
 }
 
 fn ok(args: &[&str]) -> String {
-    let out = run(args);
-    assert!(
-        out.status.success(),
-        "{args:?}: {:?}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
+    support::ok(REPLAY, args)
 }
 
 /// A file of this test's own in the temporary directory.
