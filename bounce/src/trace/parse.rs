@@ -286,7 +286,7 @@ mod tests {
             r#"{"op":"map","id":1,"orig":0,"size":1,"dir":"sideways"}"#,
             r#"{"op":"frobnicate"}"#,
             r#"{"op":"unmap"}"#,
-            r#"{"op":"header","format":"swiotlb-kernel-trace/2"}"#,
+            r#"{"op":"header","format":"swiotlb-kernel-trace/9"}"#,
         ] {
             assert!(parse_line(7, bad).is_err(), "{bad}");
         }

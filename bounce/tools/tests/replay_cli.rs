@@ -220,9 +220,14 @@ fn malformed_and_unknown_format_traces_are_refused_at_their_line() {
             "line 2: unknown op 'frobnicate'",
         ),
         (
-            "format2.jsonl",
-            r#"{"op":"header","format":"swiotlb-kernel-trace/2","nslabs":256}"#.to_string() + "\n",
-            "line 1: trace format 'swiotlb-kernel-trace/2'",
+            "format9.jsonl",
+            r#"{"op":"header","format":"swiotlb-kernel-trace/9","nslabs":256}"#.to_string() + "\n",
+            "line 1: trace format 'swiotlb-kernel-trace/9'",
+        ),
+        (
+            "other-format.jsonl",
+            r#"{"op":"header","format":"perf-script/1","nslabs":256}"#.to_string() + "\n",
+            "'perf-script/1'",
         ),
         (
             "binary.bin",
@@ -234,7 +239,10 @@ fn malformed_and_unknown_format_traces_are_refused_at_their_line() {
         let t = temp(name, text.as_bytes());
         let err = refused(&t, &[]);
         let _ = std::fs::remove_file(&t);
-        assert!(err.contains(says), "{name}: {err}");
+        assert!(
+            err.contains(says) && err.contains(", line "),
+            "{name}: {err}"
+        );
     }
 }
 
