@@ -168,6 +168,13 @@ fn check_report(name: &str, inputs: &Inputs) -> Report {
         assert_eq!(format!("{},{}", k.nslabs, k.nareas), a.swiotlb, "{what}");
         same(&path, kind, &k, &a.kernel, &what);
         assert_eq!(a.kernel.failures.pool_full, 0, "{what}");
+        // The next smaller pool the kernel makes at this area count fails: this is the
+        // smallest.
+        if k.nslabs / 2 >= IO_TLB_SEGSIZE * a.areas {
+            let half = kernel_geometry(&path, k.nslabs / 2, a.areas, cpus);
+            assert_eq!((half.nslabs, half.nareas), (k.nslabs / 2, a.areas));
+            assert!(replay(&path, kind, &half).pool_full > 0, "{what}: {half:?}");
+        }
         if let Some(t) = &a.at_trace_size {
             same(
                 &path,

@@ -91,9 +91,17 @@ pub fn table(r: &Report) -> String {
         {
             out.push_str(&format!(
                 "\n`swiotlb=` is rounded by Linux (a multiple of 128 slots, at least 128 per \
-                 area, then a power of two): `swiotlb={},{}` gives {} slots.\n",
-                m.replay.slots, m.replay.areas, k.replay.slots
+                 area, then a power of two): `swiotlb={},{}` gives {} slots",
+                m.replay.slots, m.replay.areas, r.kernel_of_minimum
             ));
+            if r.kernel_of_minimum != k.replay.slots {
+                out.push_str(&format!(
+                    ", which fail (placement changes with the size); {} is the first power of \
+                     two above that replays clean",
+                    k.replay.slots
+                ));
+            }
+            out.push_str(".\n");
         }
     }
 

@@ -159,8 +159,9 @@ impl Timeline {
 /// Where a sizing search stops: pools larger than this many slots are not tried.
 pub const DEFAULT_MAX_SLOTS: usize = 1 << 20;
 
-/// What a replay result is cached under: the allocator and the geometry's shape.
-type ReplayKey = (AllocatorKind, usize, usize, usize);
+/// What a replay result is cached under: the allocator and what of the geometry placement
+/// depends on (slots, areas, segment, workers, base).
+type ReplayKey = (AllocatorKind, usize, usize, usize, usize, u64);
 
 /// Traces loaded once and replayed at many sizes.
 #[derive(Debug)]
@@ -455,7 +456,14 @@ impl Sizer {
     /// # Errors
     /// When the pool cannot be built.
     pub fn replay(&self, alloc: AllocatorKind, geom: &Geometry) -> Result<SizeReport> {
-        let key = (alloc, geom.nslabs, geom.nareas, geom.segsize);
+        let key = (
+            alloc,
+            geom.nslabs,
+            geom.nareas,
+            geom.segsize,
+            geom.nworkers,
+            geom.base,
+        );
         if let Some(r) = self.replays.borrow().get(&key) {
             return Ok(r.clone());
         }

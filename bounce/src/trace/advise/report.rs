@@ -161,6 +161,9 @@ pub struct Report {
     pub areas: Vec<AreaRow>,
     /// The segment-size what-if.
     pub segments: Segments,
+    /// What Linux makes of `swiotlb=<smallest>,<areas>` (the trace's areas): the kernel row's
+    /// size, unless that pool failed and the kernel row is a doubling of it.
+    pub kernel_of_minimum: usize,
     /// Dynamic pools.
     pub dynamic: Dynamic,
     /// The command line.
@@ -240,6 +243,9 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
             linux::is_kernel_geometry(g.nslabs, g.nareas),
         )?);
     }
+    let kernel_of_minimum = sizer
+        .kernel_geometry(alloc, s.min_slots, Some(cur.nareas), cpus)?
+        .nslabs;
     let (kernel, _) = sizer.kernel_pool(alloc, s.min_slots, Some(cur.nareas), cpus)?;
     static_pools.push(row(StaticKind::Kernel, &kernel, true)?);
     let default = sizer.kernel_geometry(alloc, linux::default_slots(false, 0), None, cpus)?;
@@ -344,6 +350,7 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
         static_pools,
         areas,
         segments,
+        kernel_of_minimum,
         dynamic: Dynamic::NotModelled,
         recommendation,
         notes,
