@@ -80,6 +80,17 @@ pub enum TraceError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A trace is well-formed but cannot be replayed as it stands: an unmap or sync of a map
+    /// it never made, a map id reused while live, a header Linux could not have written.
+    #[error("{path}, line {line}: {reason}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// 1-based line number.
+        line: u64,
+        /// What is wrong.
+        reason: String,
+    },
     /// The pool described by the trace and the options cannot be built.
     #[error("cannot build the replay pool: {0}")]
     Pool(#[from] Error),

@@ -310,6 +310,9 @@ fn format_version(format: Option<&str>) -> std::result::Result<u32, String> {
     Ok(v)
 }
 
+/// The kernel trace format this build reads (a header without `format` is taken as it).
+pub const KERNEL_TRACE_FORMAT: &str = "swiotlb-kernel-trace/1";
+
 fn parse_dir(raw: Option<&RawDir>) -> std::result::Result<Direction, String> {
     match raw {
         None => Err("missing dir".into()),
@@ -359,7 +362,8 @@ pub fn parse_line(line_no: u64, line: &str) -> Result<Option<TraceOp>> {
         line: line_no,
         reason,
     };
-    let raw: RawLine = serde_json::from_str(line).map_err(|e| err(e.to_string()))?;
+    let raw: RawLine =
+        serde_json::from_str(line).map_err(|e| err(format!("not a trace operation: {e}")))?;
     let need_id = || raw.id.ok_or_else(|| err(format!("{} without id", raw.op)));
     let op = match raw.op.as_str() {
         "header" => TraceOp::Header(TraceHeader {
@@ -544,6 +548,7 @@ mod tests {
             r#"{"op":"map","id":1,"orig":0,"size":1,"dir":"sideways"}"#,
             r#"{"op":"frobnicate"}"#,
             r#"{"op":"unmap"}"#,
+            r#"{"op":"header","format":"swiotlb-kernel-trace/9"}"#,
         ] {
             assert!(parse_line(7, bad).is_err(), "{bad}");
         }

@@ -116,10 +116,13 @@ impl<R: BufRead> Iterator for TraceReader<R> {
             match self.inner.read_line(&mut self.buf) {
                 Ok(0) => return None,
                 Ok(_) => {}
+                // A truncated gzip stream or bytes that are not text end here: name the line
+                // the reader was on.
                 Err(source) => {
-                    return Some(Err(TraceError::Io {
+                    return Some(Err(TraceError::Invalid {
                         path: self.name.clone(),
-                        source,
+                        line: self.line_no + 1,
+                        reason: format!("cannot read it: {source}"),
                     }))
                 }
             }

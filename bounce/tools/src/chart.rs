@@ -1,5 +1,7 @@
 //! SVG line charts made to be read: x ticks only at the measured x values, labelled as
-//! integers (job counts, queue pairs, bytes) on an evenly spaced or a log2 axis; SI-prefixed y
+//! integers (job counts, queue pairs, bytes) on an evenly spaced or a log2 axis (or, for
+//! thousands of points such as a trace's operations, a few round ticks and thin lines, with
+//! events as crosses); SI-prefixed y
 //! labels (`450k`, `2.3 GB/s`, `590 ns`) in a label area sized to the widest of them, so the
 //! axis title never overlaps them; solid and dashed lines in one colour per allocator (what was
 //! measured and a reference, such as a seed's figures, on the same axes); the legend beside
@@ -22,6 +24,10 @@ pub enum XScale {
     /// Each doubling of x is the same distance (1, 2, 4, 8 jobs; 64 B to 4 KiB). Needs x > 0;
     /// a panel with any other x falls back to linear.
     Log2,
+    /// Equal steps are equal distances, with about six ticks at round values (1, 2 or 5 times
+    /// a power of ten) instead of one per point: for thousands of points, such as the
+    /// operations of a trace.
+    Span,
 }
 
 /// How a series is drawn.
@@ -31,6 +37,10 @@ pub enum Line {
     Solid,
     /// A dashed line with hollow markers: a reference (a seed's figures, a memcpy).
     Dashed,
+    /// A thin line without markers: a quantity over thousands of points.
+    Thin,
+    /// Crosses only, no line: events (a failure at an operation).
+    Marks,
 }
 
 /// One line of a panel.
@@ -189,10 +199,10 @@ impl Panel {
     /// The spacing actually used: log2 only when every x is positive.
     fn scale(&self) -> XScale {
         let positive = self.points().all(|(x, _)| x > 0.0);
-        if self.x_scale == XScale::Log2 && positive {
-            XScale::Log2
-        } else {
-            XScale::Linear
+        match self.x_scale {
+            XScale::Log2 if positive => XScale::Log2,
+            XScale::Span => XScale::Span,
+            _ => XScale::Linear,
         }
     }
 
@@ -204,17 +214,52 @@ impl Panel {
     fn place(&self, x: f64) -> f64 {
         match self.scale() {
             XScale::Log2 => x.log2(),
-            XScale::Linear => x,
+            XScale::Linear | XScale::Span => x,
         }
     }
 
     /// The x ticks: (position on the axis, label), one per distinct x value, in order.
     pub fn x_ticks(&self) -> Vec<(f64, String)> {
+        if self.scale() == XScale::Span {
+            return self.span_ticks();
+        }
         let mut xs: Vec<f64> = self.points().map(|(x, _)| x).collect();
         xs.sort_by(f64::total_cmp);
         xs.dedup_by(|a, b| (*a - *b).abs() < 1e-9);
         xs.into_iter()
             .map(|x| (self.place(x), x_label(x)))
+            .collect()
+    }
+
+    /// Round ticks from the smallest to the largest x: the step is the 1, 2 or 5 times a power
+    /// of ten that gives at most seven.
+    fn span_ticks(&self) -> Vec<(f64, String)> {
+        let (lo, hi) = self
+            .points()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), (x, _)| {
+                (a.min(x), b.max(x))
+            });
+        if !(lo.is_finite() && hi.is_finite()) || hi <= lo {
+            return if lo.is_finite() {
+                vec![(lo, x_label(lo))]
+            } else {
+                Vec::new()
+            };
+        }
+        let raw = (hi - lo) / 6.0;
+        let pow = 10f64.powi(raw.log10().floor() as i32);
+        let step = [1.0, 2.0, 5.0, 10.0]
+            .iter()
+            .map(|m| m * pow)
+            .find(|&st| (hi - lo) / st <= 7.0)
+            .unwrap_or(10.0 * pow);
+        let first = (lo / step).ceil() as i64;
+        let last = (hi / step).floor() as i64;
+        (first..=last)
+            .map(|k| {
+                let x = k as f64 * step;
+                (x, si(x, ""))
+            })
             .collect()
     }
 
@@ -422,6 +467,12 @@ fn draw_panel<DB: DrawingBackend>(
                 ))?;
                 chart.draw_series(pts.iter().map(|&q| Circle::new(q, 5, c.stroke_width(2))))?;
             }
+            Line::Thin => {
+                chart.draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(1)))?;
+            }
+            Line::Marks => {
+                chart.draw_series(pts.iter().map(|&q| Cross::new(q, 4, c.stroke_width(2))))?;
+            }
         }
     }
     draw_legend(&legend, p)
@@ -448,6 +499,12 @@ fn draw_legend<DB: DrawingBackend>(
                     ))?;
                 }
                 area.draw(&Circle::new((21, y), 5, c.stroke_width(2)))?;
+            }
+            Line::Thin => {
+                area.draw(&PathElement::new(vec![(6, y), (36, y)], c.stroke_width(1)))?;
+            }
+            Line::Marks => {
+                area.draw(&Cross::new((21, y), 4, c.stroke_width(2)))?;
             }
         }
         area.draw(&Text::new(
@@ -512,6 +569,18 @@ mod tests {
         assert_eq!(pos, [0.0, 1.0, 2.0, 3.0]);
         let lin = panel(&[1.0, 4.0], XScale::Linear).x_ticks();
         assert_eq!(lin, [(1.0, "1".to_string()), (4.0, "4".to_string())]);
+    }
+
+    #[test]
+    fn span_ticks_are_few_and_round() {
+        let mut p = panel(&[0.0, 1.0], XScale::Span);
+        p.series[0].points = (0..=617_338).step_by(97).map(|x| (x as f64, 1.0)).collect();
+        let t = p.x_ticks();
+        let labels: Vec<&str> = t.iter().map(|(_, l)| l.as_str()).collect();
+        assert_eq!(
+            labels,
+            ["0", "100k", "200k", "300k", "400k", "500k", "600k"]
+        );
     }
 
     #[test]

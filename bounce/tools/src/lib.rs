@@ -4,6 +4,7 @@
 //! * [`report`]: what every experiment prints and writes: machine metadata and conditions,
 //!   sample summaries, a progress bar, a Ctrl-C that stops cleanly, size labels and the
 //!   Markdown report file (`--report`);
+//! * [`advice`]: the sizing advisor's table and occupancy chart (`bounce-replay --advise`);
 //! * [`chart`]: SVG line charts (integer x ticks, SI-prefixed y labels, solid and dashed lines,
 //!   a caption with the conditions).
 //!
@@ -15,5 +16,6 @@
 
 #![warn(missing_docs)]
 
+pub mod advice;
 pub mod chart;
 pub mod report;

@@ -146,6 +146,60 @@ pub fn count(n: usize, noun: &str) -> String {
     }
 }
 
+/// A Markdown table whose columns are padded to their widest cell, so that it reads as well
+/// in a terminal as rendered. Numbers are right-aligned (`---:`) when every cell of the column
+/// starts with a digit or is `-`.
+pub fn markdown_table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let cols = header.len();
+    let width = |c: usize| {
+        rows.iter()
+            .filter_map(|r| r.get(c))
+            .map(|x| x.chars().count())
+            .chain([header[c].chars().count(), 3])
+            .max()
+            .unwrap_or(3)
+    };
+    let widths: Vec<usize> = (0..cols).map(width).collect();
+    let numeric: Vec<bool> = (0..cols)
+        .map(|c| {
+            !rows.is_empty()
+                && rows.iter().all(|r| {
+                    r.get(c)
+                        .is_some_and(|x| x == "-" || x.starts_with(|ch: char| ch.is_ascii_digit()))
+                })
+        })
+        .collect();
+    let line = |cells: &mut dyn Iterator<Item = (usize, &str)>| {
+        let mut s = String::from("|");
+        for (c, x) in cells {
+            let pad = widths[c] - x.chars().count();
+            if numeric[c] {
+                s.push_str(&format!(" {}{x} |", " ".repeat(pad)));
+            } else {
+                s.push_str(&format!(" {x}{} |", " ".repeat(pad)));
+            }
+        }
+        s.push('\n');
+        s
+    };
+    let mut out = line(&mut header.iter().copied().enumerate());
+    out.push('|');
+    for (w, num) in widths.iter().zip(&numeric) {
+        if *num {
+            out.push_str(&format!("{}:|", "-".repeat(w + 1)));
+        } else {
+            out.push_str(&format!("{}|", "-".repeat(w + 2)));
+        }
+    }
+    out.push('\n');
+    for r in rows {
+        out.push_str(&line(
+            &mut (0..cols).map(|c| (c, r.get(c).map_or("", String::as_str))),
+        ));
+    }
+    out
+}
+
 /// `word` as a shell reads it back: unchanged when it holds only safe characters, else in
 /// single quotes.
 fn shell_quote(word: &str) -> String {

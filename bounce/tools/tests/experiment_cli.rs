@@ -4,6 +4,8 @@
 //! them without it), `map-benchmark` prints the kernel tool's lines, and bad usage is one line
 //! and a non-zero exit. The figures themselves are not checked (benchmarks, not tests).
 
+mod support;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -13,21 +15,11 @@ const BIN: &str = env!("CARGO_BIN_EXE_bounce-experiment");
 const REPLAY: &str = env!("CARGO_BIN_EXE_bounce-replay");
 
 fn run(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .output()
-        .expect("bounce-experiment runs")
+    support::run(BIN, args)
 }
 
 fn ok(args: &[&str]) -> String {
-    let out = run(args);
-    assert!(
-        out.status.success(),
-        "{args:?}: {:?}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
+    support::ok(BIN, args)
 }
 
 /// The smoke matrix: two allocators, one and two threads, 4 KiB, with and without copies.
@@ -345,7 +337,7 @@ fn bounce_replay_usage_errors_are_one_line_too() {
         ),
         (
             &[][..],
-            "the following required arguments were not provided: <TRACE>",
+            "the following required arguments were not provided: <TRACES>",
         ),
     ] {
         let out = Command::new(REPLAY)

@@ -1,0 +1,264 @@
+//! The sizing advisor's output: the table a person reads and the occupancy chart, from a
+//! [`bounce::trace::advise::report::Report`] (the rows are computed by the library).
+
+use std::path::Path;
+
+use bounce::trace::advise::report::{mib, Dynamic, Report, StaticKind};
+use bounce::trace::advise::{SizeReport, Timeline, LARGE_MAP_SLOTS};
+
+use crate::chart::{write_chart, Chart, Line, Panel, Series, XScale};
+use crate::report::{count, markdown_table};
+
+/// The failure columns of a replay: total, capacity, fragmentation, high-water.
+fn failure_cells(r: &SizeReport) -> [String; 4] {
+    let f = &r.failures;
+    [
+        f.pool_full.to_string(),
+        f.capacity.to_string(),
+        f.fragmentation.to_string(),
+        r.hiwater.to_string(),
+    ]
+}
+
+fn no_cells() -> [String; 4] {
+    ["-".into(), "-".into(), "-".into(), "-".into()]
+}
+
+/// The report as Markdown: a line on the inputs, then one table per section, the
+/// recommendation and the notes.
+pub fn table(r: &Report) -> String {
+    let mut out = String::new();
+    let names: Vec<&str> = r.traces.iter().map(|t| t.name.as_str()).collect();
+    out.push_str(&format!("## Sizing `{}`\n\n", names.join("` + `")));
+    let maps: u64 = r.traces.iter().map(|t| t.maps).sum();
+    let unmaps: u64 = r.traces.iter().map(|t| t.unmaps).sum();
+    let kernel_failed: u64 = r.traces.iter().map(|t| t.kernel_failures).sum();
+    let live: usize = r.traces.iter().map(|t| t.live_at_end).sum();
+    let mem = r
+        .guest
+        .mem_bytes
+        .map_or("memory not given".to_string(), |m| {
+            format!("{} of memory", mib(m))
+        });
+    out.push_str(&format!(
+        "{maps} maps ({kernel_failed} failed in the capturing kernel), {unmaps} unmaps, {live} \
+         live at the end; allocator `{}`; guest: {} ({}), {mem}, {}.\n\n",
+        r.alloc,
+        count(r.guest.cpus, "CPU"),
+        r.cpus_from,
+        if r.guest.confidential {
+            "confidential"
+        } else {
+            "not confidential"
+        }
+    ));
+
+    out.push_str("### Static pools\n\n");
+    let rows: Vec<Vec<String>> = r
+        .static_pools
+        .iter()
+        .map(|s| {
+            let mut row = vec![
+                s.kind.label().to_string(),
+                s.swiotlb.clone().unwrap_or_else(|| "-".into()),
+                s.replay.slots.to_string(),
+                s.replay.areas.to_string(),
+                mib(s.pool_bytes),
+            ];
+            row.extend(failure_cells(&s.replay));
+            row
+        })
+        .collect();
+    out.push_str(&markdown_table(
+        &[
+            "pool",
+            "swiotlb=",
+            "slots",
+            "areas",
+            "memory",
+            "failures",
+            "capacity",
+            "fragmentation",
+            "high-water",
+        ],
+        &rows,
+    ));
+    if let Some(k) = r.static_pools.iter().find(|s| s.kind == StaticKind::Kernel) {
+        if let Some(m) = r
+            .static_pools
+            .iter()
+            .find(|s| s.kind == StaticKind::Minimum)
+        {
+            out.push_str(&format!(
+                "\n`swiotlb=` is rounded by Linux (a multiple of 128 slots, at least 128 per \
+                 area, then a power of two): `swiotlb={},{}` gives {} slots",
+                m.replay.slots, m.replay.areas, r.kernel_of_minimum
+            ));
+            if r.kernel_of_minimum != k.replay.slots {
+                out.push_str(&format!(
+                    ", which fail (placement changes with the size); {} is the first power of \
+                     two above that replays clean",
+                    k.replay.slots
+                ));
+            }
+            out.push_str(".\n");
+        }
+    }
+
+    out.push_str("\n### Areas\n\nEach area count with the smallest pool that has no failure, as the kernel rounds it; its memory is the slots and the bookkeeping (24 bytes of `struct io_tlb_slot` per slot, page-aligned, and 16 of `struct io_tlb_area` per area). Failures and high-water: at the trace's pool size.\n\n");
+    let rows: Vec<Vec<String>> = r
+        .areas
+        .iter()
+        .map(|a| {
+            let mut row = vec![
+                a.areas.to_string(),
+                a.min_slots.to_string(),
+                a.swiotlb.clone(),
+                mib(a.pool_bytes),
+                format!("{} KiB", a.metadata_bytes.div_ceil(1024)),
+            ];
+            row.extend(
+                a.at_trace_size
+                    .as_ref()
+                    .map_or_else(no_cells, failure_cells),
+            );
+            row
+        })
+        .collect();
+    out.push_str(&markdown_table(
+        &[
+            "areas",
+            "smallest",
+            "swiotlb=",
+            "pool",
+            "metadata",
+            "failures",
+            "capacity",
+            "fragmentation",
+            "high-water",
+        ],
+        &rows,
+    ));
+
+    out.push_str(
+        "\n### Segment size\n\nLinux builds `IO_TLB_SEGSIZE` in: 128 slots (256 KiB), the \
+         largest mapping and the unit no mapping crosses; 256 and 512 need a rebuilt kernel.\n\n",
+    );
+    if r.segments.rows.is_empty() {
+        out.push_str(&format!(
+            "Not shown: no mapping over {LARGE_MAP_SLOTS} slots ({} KiB) failed in the static \
+             pools' replays.\n",
+            LARGE_MAP_SLOTS * 2
+        ));
+    } else {
+        out.push_str(&format!(
+            "Up to {} failures of mappings over {LARGE_MAP_SLOTS} slots in one static pool.\n\n",
+            r.segments.large_failures
+        ));
+        let rows: Vec<Vec<String>> = r
+            .segments
+            .rows
+            .iter()
+            .map(|s| {
+                let mut row = vec![s.segsize.to_string()];
+                row.extend(
+                    s.at_trace_size
+                        .as_ref()
+                        .map_or_else(no_cells, failure_cells),
+                );
+                row.push(s.min_slots.to_string());
+                row
+            })
+            .collect();
+        out.push_str(&markdown_table(
+            &[
+                "slots per segment",
+                "failures",
+                "capacity",
+                "fragmentation",
+                "high-water",
+                "smallest without failure",
+            ],
+            &rows,
+        ));
+    }
+
+    out.push_str("\n### Dynamic pools (`CONFIG_SWIOTLB_DYNAMIC`)\n\n");
+    match r.dynamic {
+        Dynamic::NotModelled => out.push_str(
+            "Not modelled yet: transient pools, pools added, their peak memory and the \
+             failures that remain need the dynamic-pool model.\n",
+        ),
+    }
+
+    out.push_str(&format!(
+        "\n### Recommendation\n\n`{}`: {}\n",
+        r.recommendation.cmdline, r.recommendation.reason
+    ));
+    if !r.notes.is_empty() {
+        out.push('\n');
+        for n in &r.notes {
+            out.push_str(&format!("- {n}\n"));
+        }
+    }
+    out
+}
+
+/// Draws the occupancy of each replay in `runs` (a short name such as `trace 1024,1`, the
+/// pool's slots, its timeline) over the trace, with its failures as crosses, into an SVG at
+/// `path`.
+///
+/// # Errors
+/// A message naming the file when it cannot be written.
+pub fn occupancy_chart(
+    path: &Path,
+    title: &str,
+    runs: &[(String, usize, Timeline)],
+    caption: Vec<String>,
+) -> Result<(), String> {
+    let mut series = Vec::new();
+    for (i, (name, slots, t)) in runs.iter().enumerate() {
+        let last = t.occupancy.last().map_or(0, |p| p.0 + t.ops_per_bucket);
+        series.push(Series {
+            name: format!("{name}: in use"),
+            points: t
+                .occupancy
+                .iter()
+                .map(|&(x, y)| (x as f64, y as f64))
+                .collect(),
+            line: Line::Thin,
+            color: 2 * i,
+        });
+        series.push(Series {
+            name: format!("{name}: pool size"),
+            points: vec![(0.0, *slots as f64), (last as f64, *slots as f64)],
+            line: Line::Thin,
+            color: 7 + i,
+        });
+        if !t.failures.is_empty() {
+            series.push(Series {
+                name: format!("{name}: {} failed", t.failures.len()),
+                points: t
+                    .failures
+                    .iter()
+                    .map(|&(x, used, _)| (x as f64, used as f64))
+                    .collect(),
+                line: Line::Marks,
+                color: if i % 2 == 0 { 3 } else { 1 },
+            });
+        }
+    }
+    let chart = Chart {
+        title: title.to_string(),
+        panels: vec![Panel {
+            title: "pool occupancy over the trace".into(),
+            x_label: "operation".into(),
+            x_scale: XScale::Span,
+            y_label: "slots".into(),
+            y_unit: String::new(),
+            series,
+        }],
+        caption,
+    };
+    write_chart(path, &chart)
+}
