@@ -286,6 +286,14 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         self.num_queues
     }
 
+    /// What the relay checks this device's messages against.
+    pub fn limits(&self) -> crate::relay::Limits {
+        crate::relay::Limits {
+            num_queues: self.num_queues,
+            max_queue_size: self.max_queue_size,
+        }
+    }
+
     /// The thread layout.
     pub fn layout(&self) -> &QueueLayout {
         &self.layout

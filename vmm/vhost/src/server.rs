@@ -30,7 +30,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::backend::{Memory, VhostUserDevice};
 use crate::layout::{check_queue_count, LayoutError};
-use crate::relay::{Relay, RelayStats};
+use crate::relay::{Relay, RelayCounters};
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -117,7 +117,7 @@ struct Connection {
 struct ServerCounters {
     connections: AtomicU64,
     failed_connections: AtomicU64,
-    relay: Mutex<RelayStats>,
+    relay: Arc<RelayCounters>,
 }
 
 /// A vhost-user server for one device.
@@ -261,7 +261,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
             None => json!({ "device": lock(&self.device).stats() }),
         };
         let c = &self.counters;
-        let relay = *lock(&c.relay);
+        let relay = c.relay.snapshot();
         v["server"] = json!({
             "name": self.name,
             "socket": self.socket,
@@ -409,8 +409,9 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         let relay = match Relay::start(
             frontend,
             backend,
-            adapter.num_queues_offered(),
+            adapter.limits(),
             adapter.report(),
+            self.counters.relay.clone(),
         ) {
             Ok(r) => r,
             Err(e) => {
@@ -421,13 +422,12 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         let handle = relay.frontend_handle()?;
         let done = EventFd::new(EFD_NONBLOCK)?;
         let done2 = done.try_clone()?;
-        let counters = self.counters.clone();
         let session_adapter = adapter.clone();
         let thread = thread::Builder::new()
             .name(format!("vu-session-{n}"))
             .spawn(move || {
                 let result = daemon.wait();
-                let stats = relay.join();
+                relay.join();
                 end_daemon(daemon, &session_adapter);
                 match result {
                     Ok(())
@@ -438,14 +438,6 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
                     )) => tracing::debug!("session {n} ended"),
                     Err(e) => tracing::warn!("session {n} ended: {e}"),
                 }
-                let mut total = lock(&counters.relay);
-                total.to_backend += stats.to_backend;
-                total.to_frontend += stats.to_frontend;
-                total.early_enables_held += stats.early_enables_held;
-                total.early_enables_replayed += stats.early_enables_replayed;
-                total.early_enables_dropped += stats.early_enables_dropped;
-                total.early_enables_refused += stats.early_enables_refused;
-                drop(total);
                 let _ = done2.write(1);
             })?;
         self.current = Some(adapter);

@@ -1,0 +1,218 @@
+//! Front ends that break the rules against `bouncevm-vhost blk` (the binary, bounce forced):
+//! each hostile session costs only itself, and the next front end is served.
+//!
+//! - kick, call and error fds that are not eventfds (a pipe holding one byte, a regular file,
+//!   a socket) are refused;
+//! - a call or error eventfd whose counter is full (a blocking write would never return)
+//!   blocks nothing: the request completes, GET_VRING_BASE answers, the session ends;
+//! - SET_VRING_NUM with a size that is not a power of two, or above the maximum, is refused;
+//! - a memory region reaching past the end of its file is refused (never mapped: no SIGBUS);
+//! - a memory table listing its regions out of address order is served.
+//!
+//! The same for net is in `vhost_protocol.rs` (an in-process server over memory backends).
+
+mod vhost_support;
+
+use std::time::Duration;
+
+use devices::virtio::features;
+use vhost::vhost_user::VhostUserFrontend;
+use vhost_support::child::Server;
+use vhost_support::{
+    assert_blk_served, blk_request, blk_status, full_eventfd, mem_table_body, refused, Driver,
+    NotEventFd, BLK_DATA, BLK_IN, BLK_OUT, MEM_SIZE,
+};
+use vm_memory::{Bytes, GuestAddress};
+
+const WANTED: u64 = features::VERSION_1 | features::RING_EVENT_IDX;
+const SET_MEM_TABLE: u32 = 5;
+const SET_VRING_NUM: u32 = 8;
+const NEEDS_RESET: u8 = 0x40;
+
+/// Connects and negotiates (REPLY_ACK, STATUS) up to SET_FEATURES.
+fn negotiated(server: &Server) -> Driver {
+    let mut d = Driver::connect(&server.sock, 1);
+    let offered = d
+        .handshake_with(vhost::vhost_user::message::VhostUserProtocolFeatures::STATUS)
+        .unwrap();
+    d.set_features(offered & WANTED).unwrap();
+    d
+}
+
+/// Waits for the session to end (the server noticed the disconnect).
+fn wait_disconnected(server: &Server, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = server.stats();
+        if st["server"]["connected"] == false {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: the session never ended: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn kick_call_and_error_fds_that_are_not_eventfds_are_refused() {
+    let mut server = Server::start();
+    let mut seed = 0;
+    for (code, name) in [(12u32, "kick"), (13, "call"), (14, "error")] {
+        for kind in NotEventFd::ALL {
+            let what = format!("{name} fd {kind:?}");
+            let mut d = negotiated(&server);
+            d.set_mem_table().unwrap();
+            let (fd, _other_end) = kind.make();
+            assert!(
+                refused(&d, code, &0u64.to_le_bytes(), vec![fd]),
+                "{what} was accepted"
+            );
+            drop(d);
+            wait_disconnected(&server, &what);
+            server.assert_alive(&what);
+            seed += 1;
+            assert_blk_served(&server.sock, seed);
+        }
+    }
+    let st = server.stats();
+    assert_eq!(st["server"]["relay"]["refused_fds"], 9, "{st}");
+}
+
+#[test]
+fn a_call_eventfd_whose_counter_is_full_blocks_nothing() {
+    let mut server = Server::start();
+    let mut d = negotiated(&server);
+    d.calls[0] = full_eventfd();
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    let data = vec![0x5a; 4096];
+    blk_request(&mut d, 0, BLK_OUT, 8, Some(&data));
+    assert!(d.poll_used(0).is_some(), "the write never completed");
+    assert_eq!(blk_status(&d, 0), 0);
+    // The worker did not block signalling the full counter: the stop answers.
+    assert_eq!(d.stop_ring(0), 1);
+    let st = server.stats();
+    assert!(
+        st["transport"]["signal_errors"].as_u64() >= Some(1),
+        "the full counter was not counted: {st}"
+    );
+    drop(d);
+    wait_disconnected(&server, "full call counter");
+    server.assert_alive("full call counter");
+    assert_blk_served(&server.sock, 1);
+}
+
+#[test]
+fn an_error_eventfd_whose_counter_is_full_blocks_nothing() {
+    let mut server = Server::start();
+    let mut d = negotiated(&server);
+    d.errs[0] = full_eventfd();
+    d.set_mem_table().unwrap();
+    // The avail ring in the last 4 bytes of guest memory: the worker is broken at the first
+    // kick, and the report signals the (full) error fd.
+    let end = MEM_SIZE as u64;
+    d.configure_ring(0, 0, end - 4, 0x2000).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d.mem.write_obj(1u16, GuestAddress(end - 2)).unwrap();
+    d.kicks[0].write(1).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = server.stats();
+        if st["transport"]["broken_workers"] == 1 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never broken: {st}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(d.get_status() & NEEDS_RESET, NEEDS_RESET);
+    assert_eq!(d.stop_ring(0), 0);
+    drop(d);
+    wait_disconnected(&server, "full error counter");
+    server.assert_alive("full error counter");
+    assert_blk_served(&server.sock, 2);
+}
+
+#[test]
+fn queue_sizes_that_are_not_powers_of_two_or_above_the_maximum_are_refused() {
+    let mut server = Server::start();
+    for (seed, num) in [3u32, 100, 255, 512, 65535].into_iter().enumerate() {
+        let what = format!("queue size {num}");
+        let mut d = negotiated(&server);
+        d.set_mem_table().unwrap();
+        let mut body = 0u32.to_le_bytes().to_vec();
+        body.extend_from_slice(&num.to_le_bytes());
+        assert!(
+            refused(&d, SET_VRING_NUM, &body, vec![]),
+            "{what} was accepted"
+        );
+        drop(d);
+        wait_disconnected(&server, &what);
+        server.assert_alive(&what);
+        assert_blk_served(&server.sock, seed as u64);
+    }
+    // The largest size is accepted.
+    let d = negotiated(&server);
+    let mut body = 0u32.to_le_bytes().to_vec();
+    body.extend_from_slice(&256u32.to_le_bytes());
+    assert!(!refused(&d, SET_VRING_NUM, &body, vec![]));
+    let st = server.stats();
+    assert_eq!(st["server"]["relay"]["refused_queue_sizes"], 5, "{st}");
+}
+
+#[test]
+fn a_region_past_the_end_of_its_file_is_refused() {
+    let mut server = Server::start();
+    let size = MEM_SIZE as u64;
+    // (size, offset): one page past the end, or reaching it through the offset.
+    for (seed, (len, offset)) in [(size + 4096, 0), (size, 4096), (4096, size)]
+        .into_iter()
+        .enumerate()
+    {
+        let what = format!("region of {len:#x} at offset {offset:#x}");
+        let d = negotiated(&server);
+        let (file, base) = d.memfd_and_base();
+        let body = mem_table_body(&[(0, len, base, offset)]);
+        assert!(
+            refused(&d, SET_MEM_TABLE, &body, vec![file]),
+            "{what} was accepted"
+        );
+        drop(d);
+        wait_disconnected(&server, &what);
+        server.assert_alive(&what);
+        assert_blk_served(&server.sock, seed as u64);
+    }
+    let st = server.stats();
+    assert_eq!(st["server"]["relay"]["refused_mem_tables"], 3, "{st}");
+}
+
+#[test]
+fn a_memory_table_out_of_address_order_is_served() {
+    let server = Server::start();
+    let mut d = negotiated(&server);
+    let (file, base) = d.memfd_and_base();
+    let half = MEM_SIZE as u64 / 2;
+    // The upper half (data buffers) listed before the lower half (rings).
+    let body = mem_table_body(&[(half, half, base + half, half), (0, half, base, 0)]);
+    let other = file.try_clone().unwrap();
+    assert!(!refused(&d, SET_MEM_TABLE, &body, vec![file, other]));
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    assert!(BLK_DATA >= half, "the data buffers are in the upper region");
+    blk_request(&mut d, 0, BLK_OUT, 64, Some(&data));
+    assert!(d.poll_used(0).is_some());
+    assert_eq!(blk_status(&d, 0), 0);
+    blk_request(&mut d, 1, BLK_IN, 64, None);
+    assert!(d.poll_used(0).is_some());
+    assert_eq!(blk_status(&d, 1), 0);
+    let mut got = vec![0u8; 4096];
+    d.mem
+        .read_slice(&mut got, GuestAddress(BLK_DATA + 4096))
+        .unwrap();
+    assert!(got == data, "read back differs");
+    let st = server.stats();
+    assert_eq!(st["server"]["relay"]["mem_tables_sorted"], 1, "{st}");
+}
