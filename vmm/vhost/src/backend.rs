@@ -237,7 +237,10 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         // MQ is offered whatever the queue count: it is what lets the frontend ask for it
         // (GET_QUEUE_NUM), and QEMU checks its own queue count against the answer.
         // STATUS: SET_STATUS/GET_STATUS are answered by the relay (see `report`).
+        // CONFIGURE_MEM_SLOTS: libblkio registers memory only with ADD_MEM_REG/REM_MEM_REG
+        // (vhost-user-backend maps and unmaps them; the relay checks each added region).
         let mut protocol_features = VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::RESET_DEVICE

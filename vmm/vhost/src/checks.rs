@@ -19,7 +19,9 @@
 //! - [`mem_table`]: each region is non-empty, does not wrap, and fits inside its file
 //!   (`fstat`: a regular file, memfds and hugetlbfs included, must hold `mmap_offset + size`
 //!   bytes; a character device is left to `mmap`; anything else is refused); the regions are
-//!   sorted by guest address, their fds with them.
+//!   sorted by guest address, their fds with them;
+//! - [`add_mem_reg`]: the region of an `ADD_MEM_REG` (`CONFIGURE_MEM_SLOTS`), checked as one of
+//!   a table (overlap with the regions already added is refused by `vm-memory`).
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -29,6 +31,8 @@ use std::os::unix::fs::FileTypeExt;
 const MEM_TABLE_HEADER: usize = 8;
 /// Bytes of one region (guest address, size, user address, mmap offset; little-endian u64s).
 const REGION_LEN: usize = 32;
+/// Bytes of the ADD_MEM_REG header (padding) before its one region.
+const SINGLE_REGION_HEADER: usize = 8;
 /// What `readlink("/proc/self/fd/N")` answers for an eventfd.
 const EVENTFD_LINK: &str = "anon_inode:[eventfd]";
 
@@ -289,6 +293,28 @@ pub fn mem_table(body: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<(), CheckErr
     Ok(())
 }
 
+/// ADD_MEM_REG: its one region, checked against its one fd.
+///
+/// # Errors
+/// [`CheckError::MalformedTable`] when the body is not one region or there is not one fd, and
+/// what [`Region::check`] finds.
+pub fn add_mem_reg(body: &[u8], fds: &[OwnedFd]) -> Result<(), CheckError> {
+    let malformed = || CheckError::MalformedTable {
+        regions: 1,
+        body: body.len(),
+        fds: fds.len(),
+    };
+    let region = body
+        .get(SINGLE_REGION_HEADER..)
+        .filter(|r| r.len() == REGION_LEN)
+        .and_then(Region::decode)
+        .ok_or_else(malformed)?;
+    match fds {
+        [fd] => region.check(0, fd),
+        _ => Err(malformed()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -408,5 +434,21 @@ mod tests {
         assert!(mem_table(&mut body, &mut vec![]).is_err());
         assert!(mem_table(&mut body[..20], &mut vec![memfd(mib)]).is_err());
         assert!(mem_table(&mut [], &mut vec![]).is_err());
+    }
+
+    #[test]
+    fn an_added_region_is_checked_as_one_of_a_table() {
+        let mib = 1 << 20;
+        let single = |r: Region| {
+            let mut b = vec![0; SINGLE_REGION_HEADER];
+            b.extend_from_slice(&table(&[r])[MEM_TABLE_HEADER..]);
+            b
+        };
+        assert_eq!(add_mem_reg(&single(region(0, mib)), &[memfd(mib)]), Ok(()));
+        let err = add_mem_reg(&single(region(0, mib + 1)), &[memfd(mib)]).unwrap_err();
+        assert!(matches!(err, CheckError::PastEndOfFile { .. }), "{err}");
+        assert!(add_mem_reg(&single(region(0, 0)), &[memfd(mib)]).is_err());
+        assert!(add_mem_reg(&single(region(0, 4096)), &[]).is_err());
+        assert!(add_mem_reg(&single(region(0, 4096))[..39], &[memfd(mib)]).is_err());
     }
 }

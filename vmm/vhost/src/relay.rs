@@ -23,7 +23,8 @@
 //! - `SET_STATUS` and `GET_STATUS` (`VHOST_USER_PROTOCOL_F_STATUS`) are answered by the relay
 //!   from the [`Report`], which adds DEVICE_NEEDS_RESET while a worker is broken;
 //! - `RESET_OWNER` and `RESET_DEVICE` return the relay to its initial state;
-//! - `SET_VRING_NUM`, `SET_VRING_KICK`/`CALL`/`ERR` and `SET_MEM_TABLE` pass the [`checks`]
+//! - `SET_VRING_NUM`, `SET_VRING_KICK`/`CALL`/`ERR`, `SET_MEM_TABLE` and `ADD_MEM_REG` pass
+//!   the [`checks`]
 //!   (queue sizes, eventfds made non-blocking, regions inside their files and sorted) or are
 //!   refused: a failure reply if one was asked for, then the end of the session, as the
 //!   backend ends it on its own errors.
@@ -351,6 +352,7 @@ const SET_VRING_NUM: u32 = FrontendReq::SET_VRING_NUM as u32;
 const SET_VRING_KICK: u32 = FrontendReq::SET_VRING_KICK as u32;
 const SET_VRING_CALL: u32 = FrontendReq::SET_VRING_CALL as u32;
 const SET_MEM_TABLE: u32 = FrontendReq::SET_MEM_TABLE as u32;
+const ADD_MEM_REG: u32 = FrontendReq::ADD_MEM_REG as u32;
 /// SET_VRING_ERR/KICK/CALL body: the queue index's bits.
 const VRING_INDEX_MASK: u64 = 0xff;
 /// SET_VRING_ERR/KICK/CALL body: no fd attached.
@@ -403,6 +405,7 @@ impl Sequencer {
                 }
                 Ok(())
             }
+            ADD_MEM_REG => checks::add_mem_reg(&msg.body, &msg.fds),
             _ => Ok(()),
         }
     }

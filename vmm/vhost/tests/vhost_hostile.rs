@@ -6,7 +6,8 @@
 //! - a call or error eventfd whose counter is full (a blocking write would never return)
 //!   blocks nothing: the request completes, GET_VRING_BASE answers, the session ends;
 //! - SET_VRING_NUM with a size that is not a power of two, or above the maximum, is refused;
-//! - a memory region reaching past the end of its file is refused (never mapped: no SIGBUS);
+//! - a memory region reaching past the end of its file, in a table or added alone
+//!   (ADD_MEM_REG), is refused (never mapped: no SIGBUS);
 //! - a memory table listing its regions out of address order is served.
 //!
 //! The same for net is in `vhost_protocol.rs` (an in-process server over memory backends).
@@ -16,6 +17,7 @@ mod vhost_support;
 use std::time::Duration;
 
 use devices::virtio::features;
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::child::Server;
 use vhost_support::{
@@ -27,13 +29,16 @@ use vm_memory::{Bytes, GuestAddress};
 const WANTED: u64 = features::VERSION_1 | features::RING_EVENT_IDX;
 const SET_MEM_TABLE: u32 = 5;
 const SET_VRING_NUM: u32 = 8;
+const ADD_MEM_REG: u32 = 37;
 const NEEDS_RESET: u8 = 0x40;
 
 /// Connects and negotiates (REPLY_ACK, STATUS) up to SET_FEATURES.
 fn negotiated(server: &Server) -> Driver {
     let mut d = Driver::connect(&server.sock, 1);
     let offered = d
-        .handshake_with(vhost::vhost_user::message::VhostUserProtocolFeatures::STATUS)
+        .handshake_with(
+            VhostUserProtocolFeatures::STATUS | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+        )
         .unwrap();
     d.set_features(offered & WANTED).unwrap();
     d
@@ -166,26 +171,33 @@ fn queue_sizes_that_are_not_powers_of_two_or_above_the_maximum_are_refused() {
 fn a_region_past_the_end_of_its_file_is_refused() {
     let mut server = Server::start();
     let size = MEM_SIZE as u64;
-    // (size, offset): one page past the end, or reaching it through the offset.
-    for (seed, (len, offset)) in [(size + 4096, 0), (size, 4096), (4096, size)]
-        .into_iter()
-        .enumerate()
-    {
-        let what = format!("region of {len:#x} at offset {offset:#x}");
-        let d = negotiated(&server);
-        let (file, base) = d.memfd_and_base();
-        let body = mem_table_body(&[(0, len, base, offset)]);
-        assert!(
-            refused(&d, SET_MEM_TABLE, &body, vec![file]),
-            "{what} was accepted"
-        );
-        drop(d);
-        wait_disconnected(&server, &what);
-        server.assert_alive(&what);
-        assert_blk_served(&server.sock, seed as u64);
+    // (size, offset): one page past the end, or reaching it through the offset; in a memory
+    // table, and added alone (ADD_MEM_REG, as libblkio and QEMU with CONFIGURE_MEM_SLOTS do).
+    let cases = [(size + 4096, 0), (size, 4096), (4096, size)];
+    let mut seed = 0;
+    for (code, name) in [
+        (SET_MEM_TABLE, "SET_MEM_TABLE"),
+        (ADD_MEM_REG, "ADD_MEM_REG"),
+    ] {
+        for (len, offset) in cases {
+            let what = format!("{name} of {len:#x} at offset {offset:#x}");
+            let d = negotiated(&server);
+            let (file, base) = d.memfd_and_base();
+            let mut body = mem_table_body(&[(0, len, base, offset)]);
+            if code == ADD_MEM_REG {
+                // One region after 8 bytes of padding, where a table has its count.
+                body[..8].fill(0);
+            }
+            assert!(refused(&d, code, &body, vec![file]), "{what} was accepted");
+            drop(d);
+            wait_disconnected(&server, &what);
+            server.assert_alive(&what);
+            seed += 1;
+            assert_blk_served(&server.sock, seed);
+        }
     }
     let st = server.stats();
-    assert_eq!(st["server"]["relay"]["refused_mem_tables"], 3, "{st}");
+    assert_eq!(st["server"]["relay"]["refused_mem_tables"], 6, "{st}");
 }
 
 #[test]
