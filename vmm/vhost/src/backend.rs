@@ -103,6 +103,8 @@ struct Counters {
     broken_workers: AtomicU64,
     ignored_events: AtomicU64,
     not_ready_events: AtomicU64,
+    /// A front end may ask for features the device refuses, again and again.
+    activation_failure_logged: devices::metrics::LogOnce,
 }
 
 impl Counters {
@@ -311,8 +313,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             .collect();
     }
 
-    /// Ends a connection: drops the workers, resets the device and forgets the negotiation,
-    /// the memory and the epoll handlers. The daemon's threads must have been told to exit.
+    /// Ends a connection: drops the workers, resets the device, forgets the negotiation, the
+    /// memory and the epoll handlers, and closes the kept error fds (no front-end fd outlives
+    /// its session). The daemon's threads must have been told to exit.
     pub fn detach(&self) {
         let mut neg = lock(&self.neg);
         self.deactivate(&mut neg);
@@ -320,6 +323,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         drop(neg);
         lock(&self.handlers).clear();
         *lock(&self.backend_req) = None;
+        self.report.close_fds();
         for g in &self.groups {
             lock(g).mem = None;
         }
@@ -386,7 +390,13 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         let workers = match lock(&self.device).activate(device_features) {
             Ok(w) => w,
             Err(e) => {
-                tracing::error!("activating the device failed: {e}");
+                if self.counters.activation_failure_logged.first() {
+                    tracing::error!(
+                        "activating the device failed: {e} (logged once per session, counted in activation_failures)"
+                    );
+                } else {
+                    tracing::debug!("activating the device failed: {e}");
+                }
                 Counters::inc(&self.counters.activation_failures);
                 neg.failed = true;
                 return;

@@ -229,6 +229,8 @@ pub struct RelayStats {
     pub refused_mem_tables: u64,
     /// Memory tables whose regions were not in guest-address order (sorted, then served).
     pub mem_tables_sorted: u64,
+    /// SET_STATUS messages without a status (ignored).
+    pub malformed_status: u64,
 }
 
 /// The relay counters of a server, shared by its sessions, with the latches that keep each
@@ -245,7 +247,9 @@ pub struct RelayCounters {
     refused_fds: AtomicU64,
     refused_mem_tables: AtomicU64,
     mem_tables_sorted: AtomicU64,
+    malformed_status: AtomicU64,
     early_enable_logged: LogOnce,
+    status_logged: LogOnce,
     queue_size_logged: LogOnce,
     fd_logged: LogOnce,
     mem_table_logged: LogOnce,
@@ -267,6 +271,7 @@ impl RelayCounters {
             refused_fds: g(&self.refused_fds),
             refused_mem_tables: g(&self.refused_mem_tables),
             mem_tables_sorted: g(&self.mem_tables_sorted),
+            malformed_status: g(&self.malformed_status),
         }
     }
 
@@ -499,7 +504,14 @@ impl Sequencer {
                 match msg.body_u64() {
                     // virtio status is one byte; higher bits mean nothing.
                     Some(v) => self.report.set_status((v & 0xff) as u8),
-                    None => tracing::warn!("SET_STATUS without a status: ignored"),
+                    None => {
+                        add(&stats.malformed_status, 1);
+                        if stats.status_logged.first() {
+                            tracing::warn!(
+                                "SET_STATUS without a status: ignored (logged once, counted in the relay statistics)"
+                            );
+                        }
+                    }
                 }
                 if msg.flags & FLAG_NEED_REPLY != 0 && self.acks() {
                     Action::Reply(u64_reply(msg.request, 0))

@@ -31,6 +31,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::backend::{Memory, VhostUserDevice};
 use crate::layout::{check_queue_count, LayoutError};
 use crate::relay::{Relay, RelayCounters};
+use devices::metrics::LogOnce;
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -117,6 +118,9 @@ struct Connection {
 struct ServerCounters {
     connections: AtomicU64,
     failed_connections: AtomicU64,
+    /// Sessions the backend ended on a front end's protocol error (logged once).
+    failed_sessions: AtomicU64,
+    failed_session_logged: LogOnce,
     relay: Arc<RelayCounters>,
 }
 
@@ -268,6 +272,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
             "uptime_s": self.started.elapsed().as_secs_f64(),
             "connections": c.connections.load(Ordering::Relaxed),
             "failed_connections": c.failed_connections.load(Ordering::Relaxed),
+            "failed_sessions": c.failed_sessions.load(Ordering::Relaxed),
             "connected": self.connected,
             "relay": relay,
         });
@@ -422,6 +427,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         let handle = relay.frontend_handle()?;
         let done = EventFd::new(EFD_NONBLOCK)?;
         let done2 = done.try_clone()?;
+        let counters = self.counters.clone();
         let session_adapter = adapter.clone();
         let thread = thread::Builder::new()
             .name(format!("vu-session-{n}"))
@@ -436,7 +442,16 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
                         | VhostUserError::PartialMessage
                         | VhostUserError::SocketBroken(_),
                     )) => tracing::debug!("session {n} ended"),
-                    Err(e) => tracing::warn!("session {n} ended: {e}"),
+                    Err(e) => {
+                        counters.failed_sessions.fetch_add(1, Ordering::Relaxed);
+                        if counters.failed_session_logged.first() {
+                            tracing::warn!(
+                                "session {n} ended: {e} (logged once, counted in failed_sessions)"
+                            );
+                        } else {
+                            tracing::debug!("session {n} ended: {e}");
+                        }
+                    }
                 }
                 let _ = done2.write(1);
             })?;

@@ -8,7 +8,9 @@
 //! - SET_VRING_NUM with a size that is not a power of two, or above the maximum, is refused;
 //! - a memory region reaching past the end of its file, in a table or added alone
 //!   (ADD_MEM_REG), is refused (never mapped: no SIGBUS);
-//! - a memory table listing its regions out of address order is served.
+//! - a memory table listing its regions out of address order is served;
+//! - conditions a front end can repeat at will are logged once and counted always, and no
+//!   front-end fd outlives its session.
 //!
 //! The same for net is in `vhost_protocol.rs` (an in-process server over memory backends).
 
@@ -227,4 +229,92 @@ fn a_memory_table_out_of_address_order_is_served() {
     assert!(got == data, "read back differs");
     let st = server.stats();
     assert_eq!(st["server"]["relay"]["mem_tables_sorted"], 1, "{st}");
+}
+
+/// Lines of the server's log containing `needle`.
+fn log_lines(server: &Server, needle: &str) -> usize {
+    std::fs::read_to_string(&server.log)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .count()
+}
+
+#[test]
+fn conditions_a_front_end_repeats_are_logged_once_and_counted_always() {
+    let mut server = Server::start();
+    const REPEATS: usize = 2000;
+    for session in 0..2 {
+        let mut d = Driver::connect(&server.sock, 1);
+        d.handshake().unwrap();
+        // Before SET_FEATURES: an enable for a queue the device does not have, and a
+        // SET_STATUS without its status, over and over.
+        let mut bad_enable = 4000u32.to_le_bytes().to_vec();
+        bad_enable.extend_from_slice(&1u32.to_le_bytes());
+        for _ in 0..REPEATS {
+            d.raw_request(18, 0x1, &bad_enable, false);
+            d.raw_request(39, 0x1, &[], false);
+        }
+        // Answered after everything before it was handled.
+        d.raw_request(1, 0x1, &[], true);
+        drop(d);
+        wait_disconnected(&server, &format!("session {session}"));
+    }
+    // Sessions the backend ends on a protocol error: features it never offered.
+    for session in 0..3 {
+        let mut d = Driver::connect(&server.sock, 1);
+        d.handshake().unwrap();
+        d.raw_request(2, 0x1, &u64::MAX.to_le_bytes(), false);
+        wait_disconnected(&server, &format!("refused features {session}"));
+    }
+    server.assert_alive("after the repeats");
+    let st = server.stats();
+    let relay = &st["server"]["relay"];
+    assert_eq!(relay["early_enables_refused"], 2 * REPEATS, "{st}");
+    assert_eq!(relay["malformed_status"], 2 * REPEATS, "{st}");
+    assert_eq!(st["server"]["failed_sessions"], 3, "{st}");
+    assert_eq!(log_lines(&server, "refusing early SET_VRING_ENABLE"), 1);
+    assert_eq!(log_lines(&server, "SET_STATUS without a status"), 1);
+    assert_eq!(log_lines(&server, "ended:"), 1);
+    assert_blk_served(&server.sock, 7);
+}
+
+/// The server's open eventfds (`/proc/PID/fd`).
+fn eventfds(server: &Server) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", server.child.id()))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy() == "anon_inode:[eventfd]")
+        .count()
+}
+
+#[test]
+fn no_front_end_fd_outlives_its_session() {
+    let server = Server::start();
+    // A session without fds first (whatever the device creates once and keeps is counted).
+    let mut d = negotiated(&server);
+    d.set_mem_table().unwrap();
+    drop(d);
+    wait_disconnected(&server, "first session");
+    let baseline = eventfds(&server);
+    // A session with kick, call and error eventfds on its queue, its worker broken (the error
+    // fd signalled), then gone.
+    let mut d = negotiated(&server);
+    d.set_mem_table().unwrap();
+    let end = MEM_SIZE as u64;
+    d.configure_ring(0, 0, end - 4, 0x2000).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d.mem.write_obj(1u16, GuestAddress(end - 2)).unwrap();
+    d.kicks[0].write(1).unwrap();
+    assert!(
+        d.wait_err(0, Duration::from_secs(10)),
+        "the error fd was not signalled"
+    );
+    drop(d);
+    wait_disconnected(&server, "session with an error fd");
+    assert_eq!(
+        eventfds(&server),
+        baseline,
+        "the server keeps a front end's eventfd after its session ended"
+    );
 }
