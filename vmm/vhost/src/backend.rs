@@ -140,6 +140,8 @@ struct Group {
     workers: Vec<Placed>,
     extra: Vec<ExtraFd>,
     mem: Option<AtomicMemory>,
+    /// The thread's vrings (from its first event), for a stop to let workers finish.
+    vrings: Vec<Vring>,
 }
 
 /// Negotiation state of the current connection.
@@ -325,7 +327,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         *lock(&self.backend_req) = None;
         self.report.close_fds();
         for g in &self.groups {
-            lock(g).mem = None;
+            let mut g = lock(g);
+            g.mem = None;
+            g.vrings.clear();
         }
         self.event_idx.store(false, Ordering::Relaxed);
     }
@@ -507,6 +511,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         };
         self.ensure_active();
         let mut group = lock(group);
+        if group.vrings.is_empty() {
+            group.vrings = vrings.to_vec();
+        }
         let Some((index, event)) =
             self.find_worker(&mut group, device_event, evset, vrings, thread_id)
         else {
@@ -539,6 +546,44 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         let mut queues: Vec<&mut Queue> = states.iter_mut().map(|s| s.get_queue_mut()).collect();
         let outcome = w.worker.dispatch(event, &*mem, &mut queues, enabled);
         drop(queues);
+        self.act(outcome, &states, &w.worker);
+    }
+
+    /// Lets every worker finish the requests it popped ([`Dispatcher::quiesce`]) and signals
+    /// what they completed: before a stop or a reset drops them, so the ring positions the
+    /// frontend gets back count only requests it got back. Called with the negotiation lock.
+    fn quiesce(&self) {
+        for g in &self.groups {
+            let mut group = lock(g);
+            let Some(mem) = group.mem.as_ref().map(GuestAddressSpace::memory) else {
+                continue;
+            };
+            let vrings = group.vrings.clone();
+            for w in &mut group.workers {
+                let Some(mut states) = w
+                    .positions
+                    .iter()
+                    .map(|&p| vrings.get(p).map(VringT::get_mut))
+                    .collect::<Option<Vec<_>>>()
+                else {
+                    continue;
+                };
+                let mut queues: Vec<&mut Queue> =
+                    states.iter_mut().map(|s| s.get_queue_mut()).collect();
+                let outcome = w.worker.quiesce(&*mem, &mut queues);
+                drop(queues);
+                self.act(outcome, &states, &w.worker);
+            }
+        }
+    }
+
+    /// Acts on a worker's outcome: signals the queues it asks for, reports it broken.
+    fn act<S: std::ops::Deref<Target = vhost_user_backend::VringState<AtomicMemory>>>(
+        &self,
+        outcome: Outcome,
+        states: &[S],
+        worker: &Dispatcher<Memory>,
+    ) {
         match outcome {
             Outcome::Served(signal) => {
                 for (i, state) in states.iter().enumerate() {
@@ -561,7 +606,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 // and the error eventfds of its queues (so the guest's I/O fails instead of
                 // hanging).
                 Counters::inc(&self.counters.broken_workers);
-                self.report.broken(w.worker.queue_indexes());
+                self.report.broken(worker.queue_indexes());
             }
         }
     }
@@ -651,6 +696,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
 
     fn reset_device(&self) {
         let mut neg = lock(&self.neg);
+        if neg.active {
+            self.quiesce();
+        }
         self.deactivate(&mut neg);
         *neg = NegState::default();
     }
@@ -706,7 +754,12 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
         // GET_VRING_BASE: the frontend stops the device (guest reset, driver unload, VM
         // stop). Drop the workers so no request runs on rings being torn down; the next
         // SET_FEATURES (QEMU sends it on every start) or kick activates the device again.
+        // Requests in flight are finished first: the base the frontend gets back counts
+        // them, so their status and used entry must be written before it is.
         let mut neg = lock(&self.neg);
+        if neg.active {
+            self.quiesce();
+        }
         self.deactivate(&mut neg);
         Ok(())
     }

@@ -9,6 +9,8 @@
 //! - a memory region reaching past the end of its file, in a table or added alone
 //!   (ADD_MEM_REG), is refused (never mapped: no SIGBUS);
 //! - a memory table listing its regions out of address order is served;
+//! - GET_VRING_BASE with requests in flight at depth (every cache mode, bounce off and forced)
+//!   answers only once every request it counts has its status and used entry;
 //! - conditions a front end can repeat at will are logged once and counted always, and no
 //!   front-end fd outlives its session.
 //!
@@ -23,8 +25,8 @@ use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::child::Server;
 use vhost_support::{
-    assert_blk_served, blk_request, blk_status, full_eventfd, mem_table_body, refused, Driver,
-    NotEventFd, BLK_DATA, BLK_IN, BLK_OUT, MEM_SIZE,
+    assert_blk_served, blk_request, blk_request_at, blk_status, full_eventfd, mem_table_body,
+    refused, Driver, NotEventFd, BATCH, BLK_DATA, BLK_IN, BLK_OUT, MEM_SIZE,
 };
 use vm_memory::{Bytes, GuestAddress};
 
@@ -317,4 +319,98 @@ fn no_front_end_fd_outlives_its_session() {
         baseline,
         "the server keeps a front end's eventfd after its session ended"
     );
+}
+
+/// Bytes of each request of [`a_stop_with_requests_in_flight_returns_every_one_it_counts`]:
+/// [`BATCH`] of them fill the data area.
+const LARGE: u32 = 192 << 10;
+
+/// The bytes written at `slot` in `round`.
+fn large_pattern(slot: u16, round: u8) -> Vec<u8> {
+    (0..LARGE)
+        .map(|i| (i as u8).wrapping_mul(13) ^ (slot as u8).wrapping_mul(71) ^ round)
+        .collect()
+}
+
+#[test]
+fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
+    // QEMU sends GET_VRING_BASE on `stop`, on migration and on a device reset, and resumes
+    // the ring at the index it gets back: every request that index counts must be back in
+    // the used ring with its status by then, or the guest never sees it complete.
+    let caches = ["none", "writeback", "writethrough", "directsync", "unsafe"];
+    let bounces: [&[&str]; 2] = [&[], &["--bounce", "policy=force"]];
+    for cache in caches {
+        for bounce in bounces {
+            let mut args = vec!["--cache", cache];
+            args.extend_from_slice(bounce);
+            let server = Server::start_with(&args);
+            let sector = |slot: u16| u64::from(slot) * u64::from(LARGE / 512);
+            let buf = |slot: u16| BLK_DATA + u64::from(slot) * u64::from(LARGE);
+            for round in 0..3u8 {
+                let what = format!("cache={cache} {bounce:?} round {round}");
+                let mut d = negotiated(&server);
+                d.set_mem_table().unwrap();
+                d.configure_default_ring(0).unwrap();
+                d.frontend.set_vring_enable(0, true).unwrap();
+                // Writes at depth, stopped at once: whatever the base counts is complete.
+                for slot in 0..BATCH {
+                    let data = large_pattern(slot, round);
+                    d.mem.write_slice(&data, GuestAddress(buf(slot))).unwrap();
+                    blk_request_at(&mut d, slot, BLK_OUT, sector(slot), buf(slot), LARGE);
+                }
+                let base = d.stop_ring(0);
+                let mut used = 0;
+                while let Some((id, _)) = d.next_used(0) {
+                    let slot = u16::try_from(id / 3).unwrap();
+                    assert_eq!(blk_status(&d, slot), 0, "{what}: write {slot}");
+                    used += 1;
+                }
+                assert_eq!(used, base, "{what}: writes counted but not returned");
+                drop(d);
+                wait_disconnected(&server, &what);
+                // Reads at depth of what every write put there (each write the stop did not
+                // count is written again first), stopped at once, checked byte for byte.
+                let mut d = negotiated(&server);
+                d.set_mem_table().unwrap();
+                d.configure_default_ring(0).unwrap();
+                d.frontend.set_vring_enable(0, true).unwrap();
+                for slot in u16::try_from(base).unwrap()..BATCH {
+                    let data = large_pattern(slot, round);
+                    d.mem.write_slice(&data, GuestAddress(buf(slot))).unwrap();
+                    blk_request_at(&mut d, slot, BLK_OUT, sector(slot), buf(slot), LARGE);
+                    assert!(d.poll_used(0).is_some(), "{what}: rewrite {slot}");
+                    assert_eq!(blk_status(&d, slot), 0, "{what}: rewrite {slot}");
+                }
+                drop(d);
+                wait_disconnected(&server, &what);
+                let mut d = negotiated(&server);
+                d.set_mem_table().unwrap();
+                d.configure_default_ring(0).unwrap();
+                d.frontend.set_vring_enable(0, true).unwrap();
+                for slot in 0..BATCH {
+                    d.mem
+                        .write_slice(&vec![0u8; LARGE as usize], GuestAddress(buf(slot)))
+                        .unwrap();
+                    blk_request_at(&mut d, slot, BLK_IN, sector(slot), buf(slot), LARGE);
+                }
+                let base = d.stop_ring(0);
+                let mut used = 0;
+                while let Some((id, len)) = d.next_used(0) {
+                    let slot = u16::try_from(id / 3).unwrap();
+                    assert_eq!(blk_status(&d, slot), 0, "{what}: read {slot}");
+                    assert_eq!(len, LARGE + 1, "{what}: read {slot}");
+                    let mut got = vec![0u8; LARGE as usize];
+                    d.mem.read_slice(&mut got, GuestAddress(buf(slot))).unwrap();
+                    assert!(
+                        got == large_pattern(slot, round),
+                        "{what}: read {slot} differs"
+                    );
+                    used += 1;
+                }
+                assert_eq!(used, base, "{what}: reads counted but not returned");
+                drop(d);
+                wait_disconnected(&server, &what);
+            }
+        }
+    }
 }

@@ -573,23 +573,36 @@ pub fn block_pattern(sector: u64, generation: u8) -> Vec<u8> {
 /// Posts a 4 KiB IN or OUT request in request slot `slot` (descriptors 3 slot..3 slot + 2);
 /// its status byte starts as 0xff (untouched).
 pub fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Option<&[u8]>) -> u16 {
-    let hdr = BLK_HDRS + u64::from(slot) * 16;
-    let status = BLK_STATUS + u64::from(slot);
     let buf = BLK_DATA + u64::from(slot) * 4096;
-    d.mem.write_obj(kind, GuestAddress(hdr)).unwrap();
-    d.mem.write_obj(0u32, GuestAddress(hdr + 4)).unwrap();
-    d.mem.write_obj(sector, GuestAddress(hdr + 8)).unwrap();
-    d.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
     match data {
         Some(bytes) => d.mem.write_slice(bytes, GuestAddress(buf)).unwrap(),
         None => d.mem.write_slice(&[0u8; 4096], GuestAddress(buf)).unwrap(),
     }
+    blk_request_at(d, slot, kind, sector, buf, 4096)
+}
+
+/// Posts an IN or OUT request in request slot `slot` whose data buffer is `len` bytes at
+/// guest address `buf` (as they are); its status byte starts as 0xff (untouched).
+pub fn blk_request_at(
+    d: &mut Driver,
+    slot: u16,
+    kind: u32,
+    sector: u64,
+    buf: u64,
+    len: u32,
+) -> u16 {
+    let hdr = BLK_HDRS + u64::from(slot) * 16;
+    let status = BLK_STATUS + u64::from(slot);
+    d.mem.write_obj(kind, GuestAddress(hdr)).unwrap();
+    d.mem.write_obj(0u32, GuestAddress(hdr + 4)).unwrap();
+    d.mem.write_obj(sector, GuestAddress(hdr + 8)).unwrap();
+    d.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
     d.post_descs(
         0,
         3 * slot,
         &[
             (hdr, 16, false),
-            (buf, 4096, kind == BLK_IN),
+            (buf, len, kind == BLK_IN),
             (status, 1, true),
         ],
     )
