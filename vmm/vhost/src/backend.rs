@@ -10,7 +10,9 @@
 //!   descriptors (tap, timers) are registered on that thread's epoll handler with tokens above
 //!   the range `vhost-user-backend` reserves;
 //! - `GET_VRING_BASE` on every queue (the frontend stopped the device, e.g. on a guest reset)
-//!   drops the workers and resets the device; the next `SET_FEATURES` or kick re-activates it.
+//!   and `RESET_DEVICE` let the workers finish what they popped ([`QueueWorker::quiesce`]:
+//!   the base the frontend gets back counts only requests it got back), then drop them and
+//!   reset the device; the next `SET_FEATURES` or kick re-activates it.
 //!
 //! Every event reaches its worker through the shared [`Dispatcher`], which enforces the worker
 //! contract as for virtio-pci and the test driver: only ready, valid (`Queue::is_valid`,
@@ -118,6 +120,21 @@ impl Counters {
 struct Placed {
     worker: Dispatcher<Memory>,
     positions: Vec<usize>,
+}
+
+impl Placed {
+    /// Locks the worker's vrings among its thread's `vrings`, in the worker's queue order;
+    /// `None` when one is missing.
+    fn lock_vrings<'a>(
+        &self,
+        vrings: &'a [Vring],
+    ) -> Option<Vec<std::sync::RwLockWriteGuard<'a, vhost_user_backend::VringState<AtomicMemory>>>>
+    {
+        self.positions
+            .iter()
+            .map(|&p| vrings.get(p).map(VringT::get_mut))
+            .collect()
+    }
 }
 
 /// A worker file descriptor registered on a thread's epoll handler.
@@ -528,12 +545,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         let Some(w) = group.workers.get_mut(index) else {
             return;
         };
-        let Some(mut states) = w
-            .positions
-            .iter()
-            .map(|&p| vrings.get(p).map(VringT::get_mut))
-            .collect::<Option<Vec<_>>>()
-        else {
+        let Some(mut states) = w.lock_vrings(vrings) else {
             Counters::inc(&self.counters.ignored_events);
             return;
         };
@@ -560,12 +572,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             };
             let vrings = group.vrings.clone();
             for w in &mut group.workers {
-                let Some(mut states) = w
-                    .positions
-                    .iter()
-                    .map(|&p| vrings.get(p).map(VringT::get_mut))
-                    .collect::<Option<Vec<_>>>()
-                else {
+                let Some(mut states) = w.lock_vrings(&vrings) else {
                     continue;
                 };
                 let mut queues: Vec<&mut Queue> =

@@ -64,6 +64,52 @@ fn wait_disconnected(server: &Server, what: &str) {
     }
 }
 
+/// Sends `message` (request, body, fds) on `d`, which the server must refuse, ending the
+/// session; then the server is alive and the next front end is served (`seed`).
+fn refused_then_next_served(
+    server: &mut Server,
+    d: Driver,
+    message: (u32, &[u8], Vec<std::os::fd::OwnedFd>),
+    what: &str,
+    seed: u64,
+) {
+    let (code, body, fds) = message;
+    assert!(refused(&d, code, body, fds), "{what} was accepted");
+    ended_then_next_served(server, d, what, seed);
+}
+
+/// Ends `d`'s session; the server notices, is alive, and serves the next front end (`seed`).
+fn ended_then_next_served(server: &mut Server, d: Driver, what: &str, seed: u64) {
+    drop(d);
+    wait_disconnected(server, what);
+    server.assert_alive(what);
+    assert_blk_served(&server.sock, seed);
+}
+
+/// Starts queue 0 with its avail ring in the last 4 bytes of guest memory, publishes a
+/// request and kicks: the worker is broken, and the error fd signalled.
+fn break_queue_0(d: &mut Driver) {
+    let end = MEM_SIZE as u64;
+    d.configure_ring(0, 0, end - 4, 0x2000).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d.mem.write_obj(1u16, GuestAddress(end - 2)).unwrap();
+    d.kicks[0].write(1).unwrap();
+}
+
+/// SET_MEM_TABLE and queue 0 configured and enabled (with whatever fds the driver holds).
+fn start_queue_0(d: &mut Driver) {
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+}
+
+/// A SET_VRING_NUM body.
+fn vring_num(index: u32, num: u32) -> Vec<u8> {
+    let mut body = index.to_le_bytes().to_vec();
+    body.extend_from_slice(&num.to_le_bytes());
+    body
+}
+
 #[test]
 fn kick_call_and_error_fds_that_are_not_eventfds_are_refused() {
     let mut server = Server::start();
@@ -74,15 +120,9 @@ fn kick_call_and_error_fds_that_are_not_eventfds_are_refused() {
             let mut d = negotiated(&server);
             d.set_mem_table().unwrap();
             let (fd, _other_end) = kind.make();
-            assert!(
-                refused(&d, code, &0u64.to_le_bytes(), vec![fd]),
-                "{what} was accepted"
-            );
-            drop(d);
-            wait_disconnected(&server, &what);
-            server.assert_alive(&what);
             seed += 1;
-            assert_blk_served(&server.sock, seed);
+            let message = (code, &0u64.to_le_bytes()[..], vec![fd]);
+            refused_then_next_served(&mut server, d, message, &what, seed);
         }
     }
     let st = server.stats();
@@ -108,10 +148,7 @@ fn a_call_eventfd_whose_counter_is_full_blocks_nothing() {
         st["transport"]["signal_errors"].as_u64() >= Some(1),
         "the full counter was not counted: {st}"
     );
-    drop(d);
-    wait_disconnected(&server, "full call counter");
-    server.assert_alive("full call counter");
-    assert_blk_served(&server.sock, 1);
+    ended_then_next_served(&mut server, d, "full call counter", 1);
 }
 
 #[test]
@@ -120,13 +157,8 @@ fn an_error_eventfd_whose_counter_is_full_blocks_nothing() {
     let mut d = negotiated(&server);
     d.errs[0] = full_eventfd();
     d.set_mem_table().unwrap();
-    // The avail ring in the last 4 bytes of guest memory: the worker is broken at the first
-    // kick, and the report signals the (full) error fd.
-    let end = MEM_SIZE as u64;
-    d.configure_ring(0, 0, end - 4, 0x2000).unwrap();
-    d.frontend.set_vring_enable(0, true).unwrap();
-    d.mem.write_obj(1u16, GuestAddress(end - 2)).unwrap();
-    d.kicks[0].write(1).unwrap();
+    // The report signals the (full) error fd of the broken worker.
+    break_queue_0(&mut d);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let st = server.stats();
@@ -138,10 +170,7 @@ fn an_error_eventfd_whose_counter_is_full_blocks_nothing() {
     }
     assert_eq!(d.get_status() & NEEDS_RESET, NEEDS_RESET);
     assert_eq!(d.stop_ring(0), 0);
-    drop(d);
-    wait_disconnected(&server, "full error counter");
-    server.assert_alive("full error counter");
-    assert_blk_served(&server.sock, 2);
+    ended_then_next_served(&mut server, d, "full error counter", 2);
 }
 
 #[test]
@@ -151,22 +180,13 @@ fn queue_sizes_that_are_not_powers_of_two_or_above_the_maximum_are_refused() {
         let what = format!("queue size {num}");
         let mut d = negotiated(&server);
         d.set_mem_table().unwrap();
-        let mut body = 0u32.to_le_bytes().to_vec();
-        body.extend_from_slice(&num.to_le_bytes());
-        assert!(
-            refused(&d, SET_VRING_NUM, &body, vec![]),
-            "{what} was accepted"
-        );
-        drop(d);
-        wait_disconnected(&server, &what);
-        server.assert_alive(&what);
-        assert_blk_served(&server.sock, seed as u64);
+        let body = vring_num(0, num);
+        let message = (SET_VRING_NUM, &body[..], vec![]);
+        refused_then_next_served(&mut server, d, message, &what, seed as u64);
     }
     // The largest size is accepted.
     let d = negotiated(&server);
-    let mut body = 0u32.to_le_bytes().to_vec();
-    body.extend_from_slice(&256u32.to_le_bytes());
-    assert!(!refused(&d, SET_VRING_NUM, &body, vec![]));
+    assert!(!refused(&d, SET_VRING_NUM, &vring_num(0, 256), vec![]));
     let st = server.stats();
     assert_eq!(st["server"]["relay"]["refused_queue_sizes"], 5, "{st}");
 }
@@ -192,12 +212,9 @@ fn a_region_past_the_end_of_its_file_is_refused() {
                 // One region after 8 bytes of padding, where a table has its count.
                 body[..8].fill(0);
             }
-            assert!(refused(&d, code, &body, vec![file]), "{what} was accepted");
-            drop(d);
-            wait_disconnected(&server, &what);
-            server.assert_alive(&what);
             seed += 1;
-            assert_blk_served(&server.sock, seed);
+            let message = (code, &body[..], vec![file]);
+            refused_then_next_served(&mut server, d, message, &what, seed);
         }
     }
     let st = server.stats();
@@ -303,11 +320,7 @@ fn no_front_end_fd_outlives_its_session() {
     // fd signalled), then gone.
     let mut d = negotiated(&server);
     d.set_mem_table().unwrap();
-    let end = MEM_SIZE as u64;
-    d.configure_ring(0, 0, end - 4, 0x2000).unwrap();
-    d.frontend.set_vring_enable(0, true).unwrap();
-    d.mem.write_obj(1u16, GuestAddress(end - 2)).unwrap();
-    d.kicks[0].write(1).unwrap();
+    break_queue_0(&mut d);
     assert!(
         d.wait_err(0, Duration::from_secs(10)),
         "the error fd was not signalled"
@@ -346,17 +359,18 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
             let server = Server::start_with(&args);
             let sector = |slot: u16| u64::from(slot) * u64::from(LARGE / 512);
             let buf = |slot: u16| BLK_DATA + u64::from(slot) * u64::from(LARGE);
+            let write = |d: &mut Driver, slot: u16, round: u8| {
+                let data = large_pattern(slot, round);
+                d.mem.write_slice(&data, GuestAddress(buf(slot))).unwrap();
+                blk_request_at(d, slot, BLK_OUT, sector(slot), buf(slot), LARGE);
+            };
             for round in 0..3u8 {
                 let what = format!("cache={cache} {bounce:?} round {round}");
                 let mut d = negotiated(&server);
-                d.set_mem_table().unwrap();
-                d.configure_default_ring(0).unwrap();
-                d.frontend.set_vring_enable(0, true).unwrap();
+                start_queue_0(&mut d);
                 // Writes at depth, stopped at once: whatever the base counts is complete.
                 for slot in 0..BATCH {
-                    let data = large_pattern(slot, round);
-                    d.mem.write_slice(&data, GuestAddress(buf(slot))).unwrap();
-                    blk_request_at(&mut d, slot, BLK_OUT, sector(slot), buf(slot), LARGE);
+                    write(&mut d, slot, round);
                 }
                 let base = d.stop_ring(0);
                 let mut used = 0;
@@ -371,22 +385,16 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 // Reads at depth of what every write put there (each write the stop did not
                 // count is written again first), stopped at once, checked byte for byte.
                 let mut d = negotiated(&server);
-                d.set_mem_table().unwrap();
-                d.configure_default_ring(0).unwrap();
-                d.frontend.set_vring_enable(0, true).unwrap();
+                start_queue_0(&mut d);
                 for slot in u16::try_from(base).unwrap()..BATCH {
-                    let data = large_pattern(slot, round);
-                    d.mem.write_slice(&data, GuestAddress(buf(slot))).unwrap();
-                    blk_request_at(&mut d, slot, BLK_OUT, sector(slot), buf(slot), LARGE);
+                    write(&mut d, slot, round);
                     assert!(d.poll_used(0).is_some(), "{what}: rewrite {slot}");
                     assert_eq!(blk_status(&d, slot), 0, "{what}: rewrite {slot}");
                 }
                 drop(d);
                 wait_disconnected(&server, &what);
                 let mut d = negotiated(&server);
-                d.set_mem_table().unwrap();
-                d.configure_default_ring(0).unwrap();
-                d.frontend.set_vring_enable(0, true).unwrap();
+                start_queue_0(&mut d);
                 for slot in 0..BATCH {
                     d.mem
                         .write_slice(&vec![0u8; LARGE as usize], GuestAddress(buf(slot)))
