@@ -37,6 +37,8 @@ pub enum Resource {
     Python3,
     /// DPDK's `dpdk-testpmd` on PATH (`tests/setup.sh` installs it).
     Dpdk,
+    /// `qemu-storage-daemon` on PATH (the peer vhost-user-blk back end).
+    QemuStorageDaemon,
 }
 
 impl Resource {
@@ -50,6 +52,7 @@ impl Resource {
             Resource::KernelTraceJson => "kernel-trace-json",
             Resource::Python3 => "python3",
             Resource::Dpdk => "dpdk",
+            Resource::QemuStorageDaemon => "qemu-storage-daemon",
         }
     }
 }

@@ -264,10 +264,34 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
         Ok(signal)
     }
 
+    fn quiesce(&mut self, mem: &M, queues: &mut [&mut Queue]) -> Result<Signal, WorkerError> {
+        let [queue] = queues else {
+            return Ok(Signal::NONE);
+        };
+        // Every popped request is in `requests` (a chain deferred on a full pool was given
+        // back to the ring); the same bound on waits as the drop's.
+        let mut used = self.complete(mem, queue)?;
+        let mut rounds = 0u32;
+        while !self.requests.is_empty() && rounds < QUIESCE_ROUNDS {
+            rounds += 1;
+            self.engine.kick();
+            self.engine.wait();
+            used += self.complete(mem, queue)?;
+        }
+        let mut signal = Signal::NONE;
+        if used > 0 {
+            queue::notify(queue, mem, 0, &mut signal)?;
+        }
+        Ok(signal)
+    }
+
     fn stats(&self) -> serde_json::Value {
         json!({ "queue": self.queue_index, "in_flight": self.requests.len() })
     }
 }
+
+/// Engine waits a quiesce or a drop spends on requests in flight before giving up on them.
+const QUIESCE_ROUNDS: u32 = 100_000;
 
 impl<M: GuestMemory> Drop for BlockWorker<M> {
     fn drop(&mut self) {
@@ -275,7 +299,7 @@ impl<M: GuestMemory> Drop for BlockWorker<M> {
         // buffers, then release every mapping (nothing is written to the guest any more).
         let mut done = Vec::new();
         let mut rounds = 0u32;
-        while !self.requests.is_empty() && rounds < 100_000 {
+        while !self.requests.is_empty() && rounds < QUIESCE_ROUNDS {
             rounds += 1;
             self.engine.kick();
             self.engine.wait();

@@ -181,6 +181,24 @@ impl<M: GuestMemory> Dispatcher<M> {
         }
     }
 
+    /// Lets the worker finish what it popped before its queues stop
+    /// ([`QueueWorker::quiesce`]); nothing for a parked worker or queues it was not lent.
+    /// The queues may already be marked not ready (the transport is stopping them): only
+    /// used entries are written, each through a checked guest-memory access.
+    pub fn quiesce(&mut self, mem: &M, queues: &mut [&mut Queue]) -> Outcome {
+        if self.broken.is_some() {
+            return Outcome::Parked;
+        }
+        if queues.len() != self.indexes.len() {
+            return Outcome::NotReady;
+        }
+        match self.worker.quiesce(mem, queues) {
+            Ok(sig) => Outcome::Served(sig),
+            Err(WorkerError::Broken(why)) => self.break_with(why),
+            Err(WorkerError::UnexpectedEvent(ev)) => Outcome::Refused(ev),
+        }
+    }
+
     fn break_with(&mut self, why: String) -> Outcome {
         tracing::error!(queues = ?self.indexes, "device worker broken, parked until reset: {why}");
         self.broken = Some(why.clone());

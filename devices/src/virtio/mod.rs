@@ -185,6 +185,19 @@ pub trait QueueWorker<M: GuestMemory>: Send {
     /// default does nothing.
     fn queues_disabled(&mut self) {}
 
+    /// The transport is about to stop the worker's queues and report their ring positions
+    /// (vhost-user `GET_VRING_BASE`, `RESET_DEVICE`): finishes every request popped so far
+    /// (waits for its host I/O, writes its status and used entry), so the position reported
+    /// counts only requests the driver got back. Returns the queues to notify. The default,
+    /// for workers that finish or give back what they pop within [`QueueWorker::handle`],
+    /// does nothing.
+    ///
+    /// # Errors
+    /// [`WorkerError::Broken`] when a used entry cannot be written.
+    fn quiesce(&mut self, _mem: &M, _queues: &mut [&mut Queue]) -> Result<Signal, WorkerError> {
+        Ok(Signal::NONE)
+    }
+
     /// The worker's statistics as JSON (merged into the device's by the transport if it
     /// wants them).
     fn stats(&self) -> serde_json::Value {

@@ -10,7 +10,9 @@
 //!   descriptors (tap, timers) are registered on that thread's epoll handler with tokens above
 //!   the range `vhost-user-backend` reserves;
 //! - `GET_VRING_BASE` on every queue (the frontend stopped the device, e.g. on a guest reset)
-//!   drops the workers and resets the device; the next `SET_FEATURES` or kick re-activates it.
+//!   and `RESET_DEVICE` let the workers finish what they popped ([`QueueWorker::quiesce`]:
+//!   the base the frontend gets back counts only requests it got back), then drop them and
+//!   reset the device; the next `SET_FEATURES` or kick re-activates it.
 //!
 //! Every event reaches its worker through the shared [`Dispatcher`], which enforces the worker
 //! contract as for virtio-pci and the test driver: only ready, valid (`Queue::is_valid`,
@@ -104,6 +106,8 @@ struct Counters {
     broken_workers: AtomicU64,
     ignored_events: AtomicU64,
     not_ready_events: AtomicU64,
+    /// A front end may ask for features the device refuses, again and again.
+    activation_failure_logged: devices::metrics::LogOnce,
 }
 
 impl Counters {
@@ -117,6 +121,26 @@ impl Counters {
 struct Placed {
     worker: Dispatcher<Memory>,
     positions: Vec<usize>,
+}
+
+impl Placed {
+    /// Locks the worker's vrings among its thread's `vrings`, in the worker's queue order;
+    /// `None` when one is missing.
+    fn lock_vrings<'a>(
+        &self,
+        vrings: &'a [Vring],
+    ) -> Option<Vec<std::sync::RwLockWriteGuard<'a, vhost_user_backend::VringState<AtomicMemory>>>>
+    {
+        self.positions
+            .iter()
+            .map(|&p| {
+                vrings.get(p).map(|v| {
+                    event_lock();
+                    v.get_mut()
+                })
+            })
+            .collect()
+    }
 }
 
 /// A worker file descriptor registered on a thread's epoll handler.
@@ -139,6 +163,8 @@ struct Group {
     workers: Vec<Placed>,
     extra: Vec<ExtraFd>,
     mem: Option<AtomicMemory>,
+    /// The thread's vrings (from its first event), for a stop to let workers finish.
+    vrings: Vec<Vring>,
 }
 
 /// Negotiation state of the current connection.
@@ -251,7 +277,10 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         // MQ is offered whatever the queue count: it is what lets the frontend ask for it
         // (GET_QUEUE_NUM), and QEMU checks its own queue count against the answer.
         // STATUS: SET_STATUS/GET_STATUS are answered by the relay (see `report`).
+        // CONFIGURE_MEM_SLOTS: libblkio registers memory only with ADD_MEM_REG/REM_MEM_REG
+        // (vhost-user-backend maps and unmaps them; the relay checks each added region).
         let mut protocol_features = VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::RESET_DEVICE
@@ -300,6 +329,14 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         self.num_queues
     }
 
+    /// What the relay checks this device's messages against.
+    pub fn limits(&self) -> crate::relay::Limits {
+        crate::relay::Limits {
+            num_queues: self.num_queues,
+            max_queue_size: self.max_queue_size,
+        }
+    }
+
     /// The thread layout.
     pub fn layout(&self) -> &QueueLayout {
         &self.layout
@@ -321,8 +358,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         *lock(&self.handlers) = listeners;
     }
 
-    /// Ends a connection: drops the workers, resets the device and forgets the negotiation,
-    /// the memory and the epoll handlers. The daemon's threads must have been told to exit.
+    /// Ends a connection: drops the workers, resets the device, forgets the negotiation, the
+    /// memory and the epoll handlers, and closes the kept error fds (no front-end fd outlives
+    /// its session). The daemon's threads must have been told to exit.
     pub fn detach(&self) {
         let mut neg = lock(&self.neg);
         self.deactivate(&mut neg);
@@ -330,8 +368,11 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         drop(neg);
         lock(&self.handlers).clear();
         *lock(&self.backend_req) = None;
+        self.report.close_fds();
         for g in &self.groups {
-            lock(g).mem = None;
+            let mut g = lock(g);
+            g.mem = None;
+            g.vrings.clear();
         }
         self.event_idx.store(false, Ordering::Relaxed);
     }
@@ -396,7 +437,13 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         let workers = match lock(&self.device).activate(device_features) {
             Ok(w) => w,
             Err(e) => {
-                tracing::error!("activating the device failed: {e}");
+                if self.counters.activation_failure_logged.first() {
+                    tracing::error!(
+                        "activating the device failed: {e} (logged once per session, counted in activation_failures)"
+                    );
+                } else {
+                    tracing::debug!("activating the device failed: {e}");
+                }
                 Counters::inc(&self.counters.activation_failures);
                 neg.failed = true;
                 return;
@@ -508,6 +555,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         self.ensure_active();
         let mut group = lock(group);
         event_lock();
+        if group.vrings.is_empty() {
+            group.vrings = vrings.to_vec();
+        }
         let Some((index, event)) =
             self.find_worker(&mut group, device_event, evset, vrings, thread_id)
         else {
@@ -522,17 +572,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         let Some(w) = group.workers.get_mut(index) else {
             return;
         };
-        let Some(mut states) = w
-            .positions
-            .iter()
-            .map(|&p| {
-                vrings.get(p).map(|v| {
-                    event_lock();
-                    v.get_mut()
-                })
-            })
-            .collect::<Option<Vec<_>>>()
-        else {
+        let Some(mut states) = w.lock_vrings(vrings) else {
             Counters::inc(&self.counters.ignored_events);
             return;
         };
@@ -545,6 +585,39 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         let mut queues: Vec<&mut Queue> = states.iter_mut().map(|s| s.get_queue_mut()).collect();
         let outcome = w.worker.dispatch(event, &*mem, &mut queues, enabled);
         drop(queues);
+        self.act(outcome, &states, &w.worker);
+    }
+
+    /// Lets every worker finish the requests it popped ([`Dispatcher::quiesce`]) and signals
+    /// what they completed: before a stop or a reset drops them, so the ring positions the
+    /// frontend gets back count only requests it got back. Called with the negotiation lock.
+    fn quiesce(&self) {
+        for g in &self.groups {
+            let mut group = lock(g);
+            let Some(mem) = group.mem.as_ref().map(GuestAddressSpace::memory) else {
+                continue;
+            };
+            let vrings = group.vrings.clone();
+            for w in &mut group.workers {
+                let Some(mut states) = w.lock_vrings(&vrings) else {
+                    continue;
+                };
+                let mut queues: Vec<&mut Queue> =
+                    states.iter_mut().map(|s| s.get_queue_mut()).collect();
+                let outcome = w.worker.quiesce(&*mem, &mut queues);
+                drop(queues);
+                self.act(outcome, &states, &w.worker);
+            }
+        }
+    }
+
+    /// Acts on a worker's outcome: signals the queues it asks for, reports it broken.
+    fn act<S: std::ops::Deref<Target = vhost_user_backend::VringState<AtomicMemory>>>(
+        &self,
+        outcome: Outcome,
+        states: &[S],
+        worker: &Dispatcher<Memory>,
+    ) {
         match outcome {
             Outcome::Served(signal) => {
                 for (i, state) in states.iter().enumerate() {
@@ -567,7 +640,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 // and the error eventfds of its queues (so the guest's I/O fails instead of
                 // hanging).
                 Counters::inc(&self.counters.broken_workers);
-                self.report.broken(w.worker.queue_indexes());
+                self.report.broken(worker.queue_indexes());
             }
         }
     }
@@ -657,6 +730,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
 
     fn reset_device(&self) {
         let mut neg = lock(&self.neg);
+        if neg.active {
+            self.quiesce();
+        }
         self.deactivate(&mut neg);
         *neg = NegState::default();
     }
@@ -712,7 +788,12 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
         // GET_VRING_BASE: the frontend stops the device (guest reset, driver unload, VM
         // stop). Drop the workers so no request runs on rings being torn down; the next
         // SET_FEATURES (QEMU sends it on every start) or kick activates the device again.
+        // Requests in flight are finished first: the base the frontend gets back counts
+        // them, so their status and used entry must be written before it is.
         let mut neg = lock(&self.neg);
+        if neg.active {
+            self.quiesce();
+        }
         self.deactivate(&mut neg);
         Ok(())
     }

@@ -6,6 +6,8 @@
 //! - [`backend`]: [`VhostUserDevice`], the adapter between a device core and
 //!   `vhost-user-backend` (features, configuration space, one thread per queue group, worker
 //!   file descriptors, signalling);
+//! - [`checks`]: what a front end's control messages must satisfy (queue sizes, eventfds,
+//!   memory regions inside their files, in any order);
 //! - [`layout`]: which queues share a thread;
 //! - [`relay`]: passes the control messages between the frontend and `vhost-user-backend`,
 //!   accepting QEMU 7.2's `SET_VRING_ENABLE` before `SET_FEATURES`;
@@ -15,6 +17,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod checks;
 pub mod layout;
 #[cfg(test)]
 mod lock_count;

@@ -22,7 +22,15 @@
 //!   so a broken worker can signal it (`vhost-user-backend` keeps its copy private);
 //! - `SET_STATUS` and `GET_STATUS` (`VHOST_USER_PROTOCOL_F_STATUS`) are answered by the relay
 //!   from the [`Report`], which adds DEVICE_NEEDS_RESET while a worker is broken;
-//! - `RESET_OWNER` and `RESET_DEVICE` return the relay to its initial state.
+//! - `RESET_OWNER` and `RESET_DEVICE` return the relay to its initial state;
+//! - `SET_VRING_NUM`, `SET_VRING_KICK`/`CALL`/`ERR`, `SET_MEM_TABLE` and `ADD_MEM_REG` pass
+//!   the [`checks`]
+//!   (queue sizes, eventfds made non-blocking, regions inside their files and sorted) or are
+//!   refused: a failure reply if one was asked for, then the end of the session, as the
+//!   backend ends it on its own errors.
+//!
+//! The counters ([`RelayCounters`]) belong to the server and add up over its sessions; each
+//! condition a front end can trigger at will is logged once per server and counted always.
 //!
 //! Only the control path goes through the relay: the rings, kicks and calls are shared memory
 //! and eventfds between the frontend and the backend.
@@ -38,7 +46,9 @@ use std::thread::{self, JoinHandle};
 
 use serde::Serialize;
 
+use crate::checks::{self, CheckError};
 use crate::report::Report;
+use devices::metrics::LogOnce;
 use vhost::vhost_user::message::{
     FrontendReq, VhostUserProtocolFeatures, VhostUserVirtioFeatures, MAX_ATTACHED_FD_ENTRIES,
 };
@@ -211,20 +221,44 @@ pub struct RelayStats {
     pub early_enables_dropped: u64,
     /// Early requests refused (queue index out of range, or a value other than 0/1).
     pub early_enables_refused: u64,
+    /// Messages refused by the [`checks`] (each ended its session): queue sizes.
+    pub refused_queue_sizes: u64,
+    /// Kick, call or error fds that are not eventfds.
+    pub refused_fds: u64,
+    /// Memory tables (a region past its file, empty, wrapping, or not a file).
+    pub refused_mem_tables: u64,
+    /// Memory tables whose regions were not in guest-address order (sorted, then served).
+    pub mem_tables_sorted: u64,
+    /// SET_STATUS messages without a status (ignored).
+    pub malformed_status: u64,
 }
 
+/// The relay counters of a server, shared by its sessions, with the latches that keep each
+/// front-end-triggered warning to one line per server.
 #[derive(Debug, Default)]
-struct AtomicStats {
+pub struct RelayCounters {
     to_backend: AtomicU64,
     to_frontend: AtomicU64,
     held: AtomicU64,
     replayed: AtomicU64,
     dropped: AtomicU64,
     refused: AtomicU64,
+    refused_queue_sizes: AtomicU64,
+    refused_fds: AtomicU64,
+    refused_mem_tables: AtomicU64,
+    mem_tables_sorted: AtomicU64,
+    malformed_status: AtomicU64,
+    early_enable_logged: LogOnce,
+    status_logged: LogOnce,
+    queue_size_logged: LogOnce,
+    fd_logged: LogOnce,
+    mem_table_logged: LogOnce,
+    sorted_logged: LogOnce,
 }
 
-impl AtomicStats {
-    fn snapshot(&self) -> RelayStats {
+impl RelayCounters {
+    /// The counters so far.
+    pub fn snapshot(&self) -> RelayStats {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         RelayStats {
             to_backend: g(&self.to_backend),
@@ -233,6 +267,30 @@ impl AtomicStats {
             early_enables_replayed: g(&self.replayed),
             early_enables_dropped: g(&self.dropped),
             early_enables_refused: g(&self.refused),
+            refused_queue_sizes: g(&self.refused_queue_sizes),
+            refused_fds: g(&self.refused_fds),
+            refused_mem_tables: g(&self.refused_mem_tables),
+            mem_tables_sorted: g(&self.mem_tables_sorted),
+            malformed_status: g(&self.malformed_status),
+        }
+    }
+
+    /// Counts a refusal and logs the first of its kind (later ones at debug level).
+    fn refusal(&self, request: u32, e: &CheckError) {
+        let (counter, latch) = match e {
+            CheckError::QueueSize { .. } => (&self.refused_queue_sizes, &self.queue_size_logged),
+            CheckError::NotAnEventFd { .. } | CheckError::NonBlocking { .. } => {
+                (&self.refused_fds, &self.fd_logged)
+            }
+            _ => (&self.refused_mem_tables, &self.mem_table_logged),
+        };
+        add(counter, 1);
+        if latch.first() {
+            tracing::warn!(
+                "refusing request {request} of a front end: {e}; its session ends (logged once, counted in the relay statistics)"
+            );
+        } else {
+            tracing::debug!("refusing request {request}: {e}");
         }
     }
 }
@@ -260,6 +318,8 @@ struct Sequencer {
     /// Early `SET_VRING_ENABLE` values by queue index (indexes below `num_queues`, values 0
     /// or 1: at most `num_queues` entries).
     held: BTreeMap<u32, u32>,
+    /// The device's largest queue size (SET_VRING_NUM above it is refused).
+    max_queue_size: usize,
 }
 
 /// A reply to `request` carrying the u64 `value` (REPLY_ACK: 0 success, else failure).
@@ -280,6 +340,8 @@ enum Action {
     Reply(Message),
     /// Nothing to send.
     Nothing,
+    /// Refuse the message: send the failure reply if there is one, then end the session.
+    Refuse(Option<Message>),
 }
 
 const SET_FEATURES: u32 = FrontendReq::SET_FEATURES as u32;
@@ -291,13 +353,18 @@ const RESET_DEVICE: u32 = FrontendReq::RESET_DEVICE as u32;
 const SET_VRING_ERR: u32 = FrontendReq::SET_VRING_ERR as u32;
 const SET_STATUS: u32 = FrontendReq::SET_STATUS as u32;
 const GET_STATUS: u32 = FrontendReq::GET_STATUS as u32;
+const SET_VRING_NUM: u32 = FrontendReq::SET_VRING_NUM as u32;
+const SET_VRING_KICK: u32 = FrontendReq::SET_VRING_KICK as u32;
+const SET_VRING_CALL: u32 = FrontendReq::SET_VRING_CALL as u32;
+const SET_MEM_TABLE: u32 = FrontendReq::SET_MEM_TABLE as u32;
+const ADD_MEM_REG: u32 = FrontendReq::ADD_MEM_REG as u32;
 /// SET_VRING_ERR/KICK/CALL body: the queue index's bits.
 const VRING_INDEX_MASK: u64 = 0xff;
 /// SET_VRING_ERR/KICK/CALL body: no fd attached.
 const VRING_NOFD_MASK: u64 = 0x100;
 
 impl Sequencer {
-    fn new(num_queues: usize, report: Arc<Report>) -> Self {
+    fn new(num_queues: usize, max_queue_size: usize, report: Arc<Report>) -> Self {
         Self {
             report,
             num_queues: u32::try_from(num_queues).unwrap_or(u32::MAX),
@@ -305,6 +372,46 @@ impl Sequencer {
             reply_ack: false,
             features_asked: false,
             held: BTreeMap::new(),
+            max_queue_size,
+        }
+    }
+
+    /// The reply that refuses `msg` (failure), if the front end asked for one.
+    fn failure(&self, msg: &Message) -> Option<Message> {
+        (msg.flags & FLAG_NEED_REPLY != 0 && self.acks()).then(|| u64_reply(msg.request, 1))
+    }
+
+    /// Runs the [`checks`] that apply to `msg` (it may be rewritten: a sorted memory table).
+    fn check(&self, msg: &mut Message, stats: &RelayCounters) -> Result<(), CheckError> {
+        match msg.request {
+            SET_VRING_NUM => match msg.body_u32(4) {
+                Some(num) => checks::vring_num(num, self.max_queue_size),
+                // Malformed: the backend's dispatcher rejects it.
+                None => Ok(()),
+            },
+            SET_VRING_KICK | SET_VRING_CALL | SET_VRING_ERR => {
+                let what = match msg.request {
+                    SET_VRING_KICK => "kick",
+                    SET_VRING_CALL => "call",
+                    _ => "error",
+                };
+                msg.fds.iter().try_for_each(|fd| checks::vring_fd(what, fd))
+            }
+            SET_MEM_TABLE => {
+                let before = msg.body.clone();
+                checks::mem_table(&mut msg.body, &mut msg.fds)?;
+                if msg.body != before {
+                    add(&stats.mem_tables_sorted, 1);
+                    if stats.sorted_logged.first() {
+                        tracing::info!(
+                            "a memory table's regions came out of address order; served sorted (logged once)"
+                        );
+                    }
+                }
+                Ok(())
+            }
+            ADD_MEM_REG => checks::add_mem_reg(&msg.body, &msg.fds),
+            _ => Ok(()),
         }
     }
 
@@ -313,7 +420,11 @@ impl Sequencer {
         self.reply_ack && self.features_asked
     }
 
-    fn on_message(&mut self, msg: Message, stats: &AtomicStats) -> Action {
+    fn on_message(&mut self, mut msg: Message, stats: &RelayCounters) -> Action {
+        if let Err(e) = self.check(&mut msg, stats) {
+            stats.refusal(msg.request, &e);
+            return Action::Refuse(self.failure(&msg));
+        }
         match msg.request {
             SET_VRING_ENABLE if !self.features_set => {
                 let (Some(index), Some(num)) = (msg.body_u32(0), msg.body_u32(4)) else {
@@ -323,11 +434,13 @@ impl Sequencer {
                 let need_reply = msg.flags & FLAG_NEED_REPLY != 0 && self.acks();
                 if index >= self.num_queues || num > 1 {
                     // What the backend refuses once features are set: refused now too, and
-                    // never held.
-                    tracing::warn!(
-                        "refusing early SET_VRING_ENABLE({index}, {num}): the device has {} queues and the value must be 0 or 1",
-                        self.num_queues
-                    );
+                    // never held. A front end can send these at will: logged once.
+                    if stats.early_enable_logged.first() {
+                        tracing::warn!(
+                            "refusing early SET_VRING_ENABLE({index}, {num}): the device has {} queues and the value must be 0 or 1 (logged once, counted in the relay statistics)",
+                            self.num_queues
+                        );
+                    }
                     add(&stats.refused, 1);
                     return if need_reply {
                         Action::Reply(u64_reply(msg.request, 1))
@@ -355,7 +468,7 @@ impl Sequencer {
                 let mut out = vec![msg];
                 if protocol {
                     for (index, num) in held {
-                        tracing::info!(
+                        tracing::debug!(
                             "applying early SET_VRING_ENABLE({index}, {num}) after SET_FEATURES"
                         );
                         let mut body = index.to_le_bytes().to_vec();
@@ -391,7 +504,14 @@ impl Sequencer {
                 match msg.body_u64() {
                     // virtio status is one byte; higher bits mean nothing.
                     Some(v) => self.report.set_status((v & 0xff) as u8),
-                    None => tracing::warn!("SET_STATUS without a status: ignored"),
+                    None => {
+                        add(&stats.malformed_status, 1);
+                        if stats.status_logged.first() {
+                            tracing::warn!(
+                                "SET_STATUS without a status: ignored (logged once, counted in the relay statistics)"
+                            );
+                        }
+                    }
                 }
                 if msg.flags & FLAG_NEED_REPLY != 0 && self.acks() {
                     Action::Reply(u64_reply(msg.request, 0))
@@ -427,24 +547,33 @@ impl Sequencer {
 pub struct Relay {
     frontend: UnixStream,
     backend: UnixStream,
-    stats: Arc<AtomicStats>,
+    stats: Arc<RelayCounters>,
     threads: Vec<JoinHandle<()>>,
+}
+
+/// What the relay checks messages against: the device's queue count and largest queue size.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Queues of the device.
+    pub num_queues: usize,
+    /// Largest queue size the device accepts.
+    pub max_queue_size: usize,
 }
 
 impl Relay {
     /// Starts relaying between `frontend` (the VMM's connection) and `backend` (the request
-    /// handler's connection) for a device of `num_queues` queues, keeping error fds and the
-    /// status in `report`.
+    /// handler's connection) for a device of `limits`, keeping error fds and the status in
+    /// `report`, counting in `stats`.
     ///
     /// # Errors
     /// Socket cloning or thread creation failed.
     pub fn start(
         frontend: UnixStream,
         backend: UnixStream,
-        num_queues: usize,
+        limits: Limits,
         report: Arc<Report>,
+        stats: Arc<RelayCounters>,
     ) -> io::Result<Self> {
-        let stats = Arc::new(AtomicStats::default());
         let fe_writer = Arc::new(Mutex::new(frontend.try_clone()?));
 
         let (fe_in, be_out, st, writer) = (
@@ -456,7 +585,7 @@ impl Relay {
         let down = thread::Builder::new()
             .name("vu-relay-req".into())
             .spawn(move || {
-                let mut seq = Sequencer::new(num_queues, report);
+                let mut seq = Sequencer::new(limits.num_queues, limits.max_queue_size, report);
                 loop {
                     let msg = match recv_message(&fe_in) {
                         Ok(Some(m)) => m,
@@ -476,6 +605,13 @@ impl Relay {
                             send_message(&w, &reply)
                         }
                         Action::Nothing => Ok(()),
+                        Action::Refuse(reply) => {
+                            if let Some(reply) = reply {
+                                let w = writer.lock().unwrap_or_else(|e| e.into_inner());
+                                let _ = send_message(&w, &reply);
+                            }
+                            break;
+                        }
                     };
                     if let Err(e) = result {
                         tracing::debug!("relaying a request: {e}");
@@ -540,18 +676,17 @@ impl Relay {
         self.frontend.try_clone()
     }
 
-    /// The counters so far.
+    /// The counters so far (of every session sharing them).
     pub fn stats(&self) -> RelayStats {
         self.stats.snapshot()
     }
 
     /// Shuts down and waits for both threads.
-    pub fn join(mut self) -> RelayStats {
+    pub fn join(mut self) {
         self.shutdown();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        self.stats.snapshot()
     }
 }
 
@@ -571,8 +706,8 @@ mod tests {
 
     #[test]
     fn early_enable_is_held_and_replayed_after_features() {
-        let st = AtomicStats::default();
-        let mut seq = Sequencer::new(4, Arc::new(Report::new(4)));
+        let st = RelayCounters::default();
+        let mut seq = Sequencer::new(4, 256, Arc::new(Report::new(4)));
         assert!(matches!(
             seq.on_message(enable(0, 1, FLAG_VERSION), &st),
             Action::Nothing
@@ -613,7 +748,7 @@ mod tests {
     }
 
     /// GET_FEATURES, then SET_PROTOCOL_FEATURES acknowledging REPLY_ACK.
-    fn ack_reply_ack(seq: &mut Sequencer, st: &AtomicStats) {
+    fn ack_reply_ack(seq: &mut Sequencer, st: &RelayCounters) {
         let get = Message::new(GET_FEATURES, FLAG_VERSION, vec![]);
         assert!(matches!(seq.on_message(get, st), Action::Forward(v) if v.len() == 1));
         let bits = VhostUserProtocolFeatures::REPLY_ACK.bits();
@@ -627,8 +762,8 @@ mod tests {
 
     #[test]
     fn early_enable_needing_a_reply_is_acknowledged_by_the_relay() {
-        let st = AtomicStats::default();
-        let mut seq = Sequencer::new(4, Arc::new(Report::new(4)));
+        let st = RelayCounters::default();
+        let mut seq = Sequencer::new(4, 256, Arc::new(Report::new(4)));
         // Without REPLY_ACK acknowledged, NEED_REPLY asks for nothing (found by vhost_fuzz:
         // the frontend took the unasked-for ack as the answer to its next request).
         assert!(matches!(
@@ -647,8 +782,8 @@ mod tests {
 
     #[test]
     fn held_enables_are_dropped_without_protocol_features_or_on_reset() {
-        let st = AtomicStats::default();
-        let mut seq = Sequencer::new(4, Arc::new(Report::new(4)));
+        let st = RelayCounters::default();
+        let mut seq = Sequencer::new(4, 256, Arc::new(Report::new(4)));
         seq.on_message(enable(0, 1, FLAG_VERSION), &st);
         let Action::Forward(out) = seq.on_message(features(1 << 32), &st) else {
             panic!();
@@ -664,8 +799,8 @@ mod tests {
     fn early_enables_the_backend_would_refuse_are_refused_and_not_held() {
         // Regression (issue 11 item 7): vring 4000 before SET_FEATURES was held (without bound)
         // and acknowledged as a success.
-        let st = AtomicStats::default();
-        let mut seq = Sequencer::new(2, Arc::new(Report::new(2)));
+        let st = RelayCounters::default();
+        let mut seq = Sequencer::new(2, 256, Arc::new(Report::new(2)));
         ack_reply_ack(&mut seq, &st);
         let need = FLAG_VERSION | FLAG_NEED_REPLY;
         for (index, num) in [(2, 1), (4000, 1), (u32::MAX, 0), (0, 2), (1, u32::MAX)] {
@@ -690,15 +825,16 @@ mod tests {
 
     #[test]
     fn status_is_answered_with_needs_reset_and_error_fds_are_kept() {
-        use std::io::Read;
         let report = Arc::new(Report::new(2));
-        let st = AtomicStats::default();
-        let mut seq = Sequencer::new(2, report.clone());
+        let st = RelayCounters::default();
+        let mut seq = Sequencer::new(2, 256, report.clone());
         ack_reply_ack(&mut seq, &st);
-        // A socket stands in for the eventfd: the 8 bytes written come out of the other end.
-        let (ev, theirs) = UnixStream::pair().unwrap();
+        let ev = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let mut m = Message::new(SET_VRING_ERR, FLAG_VERSION, 1u64.to_le_bytes().to_vec());
-        m.fds.push(OwnedFd::from(theirs));
+        // SAFETY: the clone is a new descriptor; the OwnedFd takes it over from the EventFd.
+        m.fds.push(unsafe {
+            OwnedFd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(ev.try_clone().unwrap()))
+        });
         assert!(matches!(seq.on_message(m, &st), Action::Forward(v) if v.len() == 1));
         assert!(report.has_err_fd(1));
         let set = Message::new(
@@ -712,9 +848,7 @@ mod tests {
             matches!(seq.on_message(get(), &st), Action::Reply(r) if r.body_u64() == Some(0x0f))
         );
         report.broken(&[1]);
-        let mut b = [0u8; 8];
-        (&ev).read_exact(&mut b).unwrap();
-        assert_eq!(u64::from_ne_bytes(b), 1);
+        assert_eq!(ev.read().unwrap(), 1);
         assert!(
             matches!(seq.on_message(get(), &st), Action::Reply(r) if r.body_u64() == Some(0x4f))
         );

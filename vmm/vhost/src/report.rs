@@ -121,6 +121,11 @@ impl Report {
     /// A frontend reset (`RESET_OWNER`, `RESET_DEVICE`): status 0, error fds forgotten.
     pub fn reset(&self) {
         self.set_status(0);
+        self.close_fds();
+    }
+
+    /// Closes the error fds (the session ended: none may outlive it).
+    pub fn close_fds(&self) {
         for fd in self.fds().iter_mut() {
             *fd = None;
         }

@@ -30,7 +30,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::backend::{Memory, VhostUserDevice};
 use crate::layout::{check_queue_count, LayoutError};
-use crate::relay::{Relay, RelayStats};
+use crate::relay::{Relay, RelayCounters};
+use devices::metrics::LogOnce;
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -117,7 +118,10 @@ struct Connection {
 struct ServerCounters {
     connections: AtomicU64,
     failed_connections: AtomicU64,
-    relay: Mutex<RelayStats>,
+    /// Sessions the backend ended on a front end's protocol error (logged once).
+    failed_sessions: AtomicU64,
+    failed_session_logged: LogOnce,
+    relay: Arc<RelayCounters>,
 }
 
 /// A vhost-user server for one device.
@@ -261,13 +265,14 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
             None => json!({ "device": lock(&self.device).stats() }),
         };
         let c = &self.counters;
-        let relay = *lock(&c.relay);
+        let relay = c.relay.snapshot();
         v["server"] = json!({
             "name": self.name,
             "socket": self.socket,
             "uptime_s": self.started.elapsed().as_secs_f64(),
             "connections": c.connections.load(Ordering::Relaxed),
             "failed_connections": c.failed_connections.load(Ordering::Relaxed),
+            "failed_sessions": c.failed_sessions.load(Ordering::Relaxed),
             "connected": self.connected,
             "relay": relay,
         });
@@ -409,8 +414,9 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         let relay = match Relay::start(
             frontend,
             backend,
-            adapter.num_queues_offered(),
+            adapter.limits(),
             adapter.report(),
+            self.counters.relay.clone(),
         ) {
             Ok(r) => r,
             Err(e) => {
@@ -427,7 +433,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
             .name(format!("vu-session-{n}"))
             .spawn(move || {
                 let result = daemon.wait();
-                let stats = relay.join();
+                relay.join();
                 end_daemon(daemon, &session_adapter);
                 match result {
                     Ok(())
@@ -436,16 +442,17 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
                         | VhostUserError::PartialMessage
                         | VhostUserError::SocketBroken(_),
                     )) => tracing::debug!("session {n} ended"),
-                    Err(e) => tracing::warn!("session {n} ended: {e}"),
+                    Err(e) => {
+                        counters.failed_sessions.fetch_add(1, Ordering::Relaxed);
+                        if counters.failed_session_logged.first() {
+                            tracing::warn!(
+                                "session {n} ended: {e} (logged once, counted in failed_sessions)"
+                            );
+                        } else {
+                            tracing::debug!("session {n} ended: {e}");
+                        }
+                    }
                 }
-                let mut total = lock(&counters.relay);
-                total.to_backend += stats.to_backend;
-                total.to_frontend += stats.to_frontend;
-                total.early_enables_held += stats.early_enables_held;
-                total.early_enables_replayed += stats.early_enables_replayed;
-                total.early_enables_dropped += stats.early_enables_dropped;
-                total.early_enables_refused += stats.early_enables_refused;
-                drop(total);
                 let _ = done2.write(1);
             })?;
         self.current = Some(adapter);

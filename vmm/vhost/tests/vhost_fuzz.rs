@@ -27,25 +27,21 @@
 mod vhost_support;
 
 use std::fs::File;
-use std::io::Read;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use bouncevm_vhost::relay::{recv_message, send_message, Message, FLAG_NEED_REPLY, FLAG_VERSION};
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
-    VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
-use vhost_support::{blk_request, blk_session, blk_status, wait_used, BLK_DATA};
-use vm_memory::{Bytes, GuestAddress};
+use vhost_support::assert_blk_served;
+use vhost_support::child::Server;
 use vmm_sys_util::eventfd::EventFd;
 
-const BIN: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
 /// The memfd behind every region the hostile front end declares.
 const MEMFD: u64 = 1 << 20;
 /// Request codes.
@@ -53,10 +49,6 @@ const GET_FEATURES: u32 = 1;
 const GET_PROTOCOL_FEATURES: u32 = 15;
 const PROTOCOL_FEATURES: u64 = 1 << 30;
 const REPLY_ACK: u64 = 1 << 3;
-/// Descriptors a server may hold beyond its count after the first session (statistics
-/// clients in flight, a session winding down); a leak of one per session passes it within a
-/// few dozen sessions.
-const FD_SLACK: usize = 16;
 /// Requests the backend always answers.
 const ANSWERED: [u32; 8] = [GET_FEATURES, 11, 15, 17, 24, 31, 36, 40];
 
@@ -488,104 +480,6 @@ impl Hostile {
     }
 }
 
-/// The server under test, killed when the test ends.
-struct Server {
-    child: Child,
-    sock: PathBuf,
-    stats: PathBuf,
-    /// Its stderr (a file: a pipe nobody reads would fill and stall it).
-    log: PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    fn start() -> Self {
-        // One directory per server: the tests of this file run in parallel.
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir =
-            std::env::temp_dir().join(format!("bouncevm-vhost-fuzz-{}.{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let img = dir.join("disk.img");
-        File::create(&img).unwrap().set_len(16 << 20).unwrap();
-        let (sock, stats) = (dir.join("vhost.sock"), dir.join("vhost.stats"));
-        let log = dir.join("vhost.log");
-        let _ = std::fs::remove_file(&sock);
-        let _ = std::fs::remove_file(&stats);
-        let child = Command::new(BIN)
-            .args(["blk", "--socket"])
-            .arg(&sock)
-            .arg("--file")
-            .arg(&img)
-            .args(["--bounce", "policy=force,slots=1024", "--stats-socket"])
-            .arg(&stats)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !stats.exists() {
-            assert!(Instant::now() < deadline, "the server never started");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Self {
-            child,
-            sock,
-            stats,
-            log,
-        }
-    }
-
-    /// Panics with the server's stderr if it is gone.
-    fn assert_alive(&mut self, what: &str) {
-        if let Some(st) = self.child.try_wait().unwrap() {
-            let err = std::fs::read_to_string(&self.log).unwrap_or_default();
-            panic!("{what}: the server died ({st}): {err}");
-        }
-    }
-
-    /// The server's open file descriptors once no session is connected (`/proc/PID/fd`).
-    fn idle_fds(&self) -> usize {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.stats()["server"]["connected"] != false {
-            assert!(Instant::now() < deadline, "a session never ended");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
-            .expect("the server's /proc/PID/fd")
-            .count()
-    }
-
-    /// Fails when the server holds more than [`FD_SLACK`] descriptors beyond `baseline`
-    /// (its count after the first session).
-    fn assert_no_fd_leak(&self, baseline: usize, sessions: u64) {
-        let now = self.idle_fds();
-        assert!(
-            now <= baseline + FD_SLACK,
-            "the server holds {now} file descriptors after {sessions} sessions, {baseline} after \
-             the first: descriptors leak per session (see /proc/{}/fd)",
-            self.child.id()
-        );
-    }
-
-    /// The statistics JSON.
-    fn stats(&self) -> serde_json::Value {
-        let mut s = UnixStream::connect(&self.stats).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let mut line = String::new();
-        s.read_to_string(&mut line)
-            .expect("the stats socket answers within 5 s");
-        serde_json::from_str(line.trim()).unwrap()
-    }
-}
-
 fn run_case(server: &mut Server, s: &Session, case: u64) {
     let what = format!("case {case}");
     let connections = server.stats()["server"]["connections"].as_u64().unwrap();
@@ -635,32 +529,7 @@ fn run_case(server: &mut Server, s: &Session, case: u64) {
         std::thread::sleep(Duration::from_millis(5));
     }
     // A well-formed front end is served: 4 KiB written and read back.
-    let mut d = blk_session(
-        &server.sock,
-        feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX),
-    );
-    let sector = (case % 2000) * 8;
-    let data: Vec<u8> = (0..4096u64).map(|i| (i ^ case) as u8).collect();
-    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, sector, Some(&data));
-    wait_used(&mut d, 1);
-    assert_eq!(
-        blk_status(&d, 0),
-        0,
-        "{what}: the write after the session failed"
-    );
-    blk_request(&mut d, 1, VIRTIO_BLK_T_IN, sector, None);
-    wait_used(&mut d, 1);
-    assert_eq!(
-        blk_status(&d, 1),
-        0,
-        "{what}: the read after the session failed"
-    );
-    let mut got = vec![0u8; 4096];
-    d.mem
-        .read_slice(&mut got, GuestAddress(BLK_DATA + 4096))
-        .unwrap();
-    assert!(got == data, "{what}: 4 KiB read back differ");
-    drop(d);
+    assert_blk_served(&server.sock, case);
     server.assert_alive(&what);
 }
 

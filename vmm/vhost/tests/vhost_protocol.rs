@@ -27,8 +27,9 @@ use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
 use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::{
-    blk_request, blk_session, blk_status, block_pattern, data_addr, poll_now, wait_fd, wait_used,
-    Driver, EchoDevice, BATCH, BLK_DATA, CONFIG, EXTRA_TOKEN, MEM_SIZE, QSIZE,
+    blk_request, blk_session, blk_status, block_pattern, data_addr, full_eventfd, poll_now,
+    refused, wait_fd, wait_used, Driver, EchoDevice, NotEventFd, BATCH, BLK_DATA, CONFIG,
+    EXTRA_TOKEN, MEM_SIZE, QSIZE,
 };
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
@@ -764,6 +765,73 @@ fn mq_net_is_served_as_qemu_negotiates_it_pairs_follow_vring_enable() {
     });
     assert!(!bes[1].state().enabled);
     assert!(bes[0].state().enabled);
+    drop(d);
+    stop.stop();
+    server.join().unwrap();
+}
+
+#[test]
+fn hostile_net_front_ends_cost_only_their_session() {
+    // A front end's kick, call or error fd that is not an eventfd is refused; a call eventfd
+    // whose counter is full (a blocking write would never return) blocks neither the
+    // worker nor the stop; after each such session the next front end is served.
+    let (net, bes) = net_device(1);
+    let (path, stats_path, server, stop) = start_server_with_stats("nethostile.sock", net);
+    let ended = |what: &str| {
+        wait_stats(&stats_path, what, |st| st["server"]["connected"] == false);
+    };
+    let start = |d: &mut Driver| {
+        d.handshake().unwrap();
+        net_start(d, &[(0, true), (1, true)], feature(VIRTIO_F_VERSION_1));
+    };
+    // TX of one frame on a started session; the chain completes (read from the used ring).
+    let tx = |d: &mut Driver, seed: u8| {
+        let f = net_frame(100, seed);
+        d.mem.write_slice(&f, GuestAddress(data_addr(1))).unwrap();
+        d.post_descs(1, 0, &[(data_addr(1), f.len() as u32, false)]);
+        assert_eq!(d.poll_used(1), Some((0, 0)), "TX chain {seed}");
+        assert_eq!(bes[0].take_sent(), vec![f], "frame {seed}");
+    };
+    for (code, kind) in [
+        (12u32, NotEventFd::PipeWithByte),
+        (13, NotEventFd::Socket),
+        (14, NotEventFd::File),
+    ] {
+        let mut d = Driver::connect(&path, 3);
+        start(&mut d);
+        d.set_mem_table().unwrap();
+        let (fd, _other_end) = kind.make();
+        assert!(
+            refused(&d, code, &1u64.to_le_bytes(), vec![fd]),
+            "{kind:?} accepted"
+        );
+        drop(d);
+        ended(&format!("{kind:?}"));
+    }
+    let mut d = Driver::connect(&path, 3);
+    start(&mut d);
+    d.calls[0] = full_eventfd();
+    d.calls[1] = full_eventfd();
+    d.setup_rings(2).unwrap();
+    sync(&mut d);
+    tx(&mut d, 1);
+    // RX too: a frame into the guest's buffer, signalled into the full counter.
+    d.post_descs(0, 0, &[(data_addr(0), 2048, true)]);
+    bes[0].inject(net_frame(64, 2));
+    assert_eq!(d.poll_used(0), Some((0, 76)));
+    assert_eq!(d.stop_ring(0), 1);
+    assert_eq!(d.stop_ring(1), 1);
+    let st = stats(&stats_path);
+    assert!(st["transport"]["signal_errors"].as_u64() >= Some(2), "{st}");
+    drop(d);
+    ended("full call counters");
+    let mut d = Driver::connect(&path, 3);
+    start(&mut d);
+    d.setup_rings(2).unwrap();
+    sync(&mut d);
+    tx(&mut d, 3);
+    let st = stats(&stats_path);
+    assert_eq!(st["server"]["relay"]["refused_fds"], 3, "{st}");
     drop(d);
     stop.stop();
     server.join().unwrap();

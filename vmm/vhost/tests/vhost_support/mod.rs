@@ -2,6 +2,8 @@
 //! [`devices::virtio::driver`].
 #![allow(dead_code, clippy::undocumented_unsafe_blocks)]
 
+pub mod child;
+
 use std::fs::File;
 use std::io::Write;
 use std::mem::offset_of;
@@ -15,8 +17,8 @@ use std::time::{Duration, Instant};
 use bouncevm_vhost::Memory;
 use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
-    feature, virtio_blk_outhdr, VIRTIO_BLK_T_IN, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
-    VIRTIO_RING_F_EVENT_IDX,
+    feature, virtio_blk_outhdr, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_ACCESS_PLATFORM,
+    VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
 use devices::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -362,14 +364,7 @@ impl Driver {
     /// SET_MEM_TABLE and the rings of queues `0..n` (num, base, addr, kick, call, err).
     pub fn setup_rings(&mut self, n: usize) -> vhost::Result<()> {
         self.set_mem_table()?;
-        for q in 0..n {
-            // Zero the rings (a previous session may have left indexes behind).
-            self.vqs[q] = Self::fresh_queue(q);
-            self.vqs[q].clear_rings(&self.mem).unwrap();
-            let l = layout(q);
-            self.configure_ring(q, l.desc, l.avail, l.used)?;
-        }
-        Ok(())
+        (0..n).try_for_each(|q| self.configure_default_ring(q))
     }
 
     /// SET_VRING_NUM/BASE/ADDR/KICK/CALL/ERR of queue `q` with its rings at the given guest
@@ -547,9 +542,26 @@ pub fn block_pattern(sector: u64, generation: u8) -> Vec<u8> {
 /// Posts a 4 KiB IN or OUT request in request slot `slot` (descriptors 3 slot..3 slot + 2);
 /// its status byte starts as 0xff (untouched).
 pub fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Option<&[u8]>) -> u16 {
+    let buf = BLK_DATA + u64::from(slot) * 4096;
+    match data {
+        Some(bytes) => d.mem.write_slice(bytes, GuestAddress(buf)).unwrap(),
+        None => d.mem.write_slice(&[0u8; 4096], GuestAddress(buf)).unwrap(),
+    }
+    blk_request_at(d, slot, kind, sector, buf, 4096)
+}
+
+/// Posts an IN or OUT request in request slot `slot` whose data buffer is `len` bytes at
+/// guest address `buf` (as they are); its status byte starts as 0xff (untouched).
+pub fn blk_request_at(
+    d: &mut Driver,
+    slot: u16,
+    kind: u32,
+    sector: u64,
+    buf: u64,
+    len: u32,
+) -> u16 {
     let hdr = BLK_HDRS + u64::from(slot) * 16;
     let status = BLK_STATUS + u64::from(slot);
-    let buf = BLK_DATA + u64::from(slot) * 4096;
     let at = |field: usize| GuestAddress(hdr + field as u64);
     d.mem
         .write_obj(kind, at(offset_of!(virtio_blk_outhdr, type_)))
@@ -561,16 +573,12 @@ pub fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Opti
         .write_obj(sector, at(offset_of!(virtio_blk_outhdr, sector)))
         .unwrap();
     d.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
-    match data {
-        Some(bytes) => d.mem.write_slice(bytes, GuestAddress(buf)).unwrap(),
-        None => d.mem.write_slice(&[0u8; 4096], GuestAddress(buf)).unwrap(),
-    }
     d.post_descs(
         0,
         3 * slot,
         &[
             (hdr, 16, false),
-            (buf, 4096, kind == VIRTIO_BLK_T_IN),
+            (buf, len, kind == VIRTIO_BLK_T_IN),
             (status, 1, true),
         ],
     )
@@ -609,4 +617,152 @@ pub fn blk_session(path: &Path, wanted: u64) -> Driver {
     d.setup_rings(1).unwrap();
     d.frontend.set_vring_enable(0, true).unwrap();
     d
+}
+
+/// A well-formed front end connecting to the block server at `path` writes 4 KiB (a pattern
+/// of `seed`, at a sector of `seed`) and reads them back.
+pub fn assert_blk_served(path: &Path, seed: u64) {
+    let mut d = blk_session(
+        path,
+        feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX),
+    );
+    let sector = (seed % 2000) * 8;
+    let data: Vec<u8> = (0..4096u64).map(|i| (i ^ seed) as u8).collect();
+    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, sector, Some(&data));
+    wait_used(&mut d, 1);
+    assert_eq!(blk_status(&d, 0), 0, "seed {seed}: the write failed");
+    blk_request(&mut d, 1, VIRTIO_BLK_T_IN, sector, None);
+    wait_used(&mut d, 1);
+    assert_eq!(blk_status(&d, 1), 0, "seed {seed}: the read failed");
+    let mut got = vec![0u8; 4096];
+    d.mem
+        .read_slice(&mut got, GuestAddress(BLK_DATA + 4096))
+        .unwrap();
+    assert!(got == data, "seed {seed}: 4 KiB read back differ");
+}
+
+/// A kick, call or error fd a front end may hand over instead of an eventfd.
+#[derive(Clone, Copy, Debug)]
+pub enum NotEventFd {
+    /// A pipe holding one byte (its write end kept open: a read of eight bytes blocks).
+    PipeWithByte,
+    /// A regular file.
+    File,
+    /// One end of a socket pair.
+    Socket,
+}
+
+impl NotEventFd {
+    pub const ALL: [NotEventFd; 3] = [Self::PipeWithByte, Self::File, Self::Socket];
+
+    /// The fd, and what keeps its other end open.
+    pub fn make(self) -> (std::os::fd::OwnedFd, Option<std::os::fd::OwnedFd>) {
+        match self {
+            Self::PipeWithByte => {
+                let mut fds = [-1; 2];
+                assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+                let (r, w) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+                (&w).write_all(&[1]).unwrap();
+                (r.into(), Some(w.into()))
+            }
+            Self::File => (memfd(8).into(), None),
+            Self::Socket => {
+                let (a, b) = UnixStream::pair().unwrap();
+                (a.into(), Some(b.into()))
+            }
+        }
+    }
+}
+
+/// A blocking eventfd whose counter is at its maximum: a write to it blocks.
+pub fn full_eventfd() -> EventFd {
+    let e = EventFd::new(0).unwrap();
+    e.write(u64::MAX - 1).unwrap();
+    e
+}
+
+/// Sends `request` with NEED_REPLY and `fds` on the driver's socket; true when the backend
+/// refused it: a failure reply, then the end of the connection (both within the socket's
+/// 10 s timeout). False when it was accepted (a success reply).
+pub fn refused(d: &Driver, request: u32, body: &[u8], fds: Vec<std::os::fd::OwnedFd>) -> bool {
+    use bouncevm_vhost::relay::{recv_message, send_message, Message};
+    let msg = Message {
+        request,
+        flags: 0x1 | 0x8,
+        body: body.to_vec(),
+        fds,
+    };
+    send_message(&d.raw, &msg).unwrap();
+    let reply = recv_message(&d.raw)
+        .expect("a reply or the end of the connection within 10 s")
+        .expect("a reply before the end of the connection (REPLY_ACK was negotiated)");
+    assert_eq!(reply.request, request, "reply to another request");
+    let value = u64::from_le_bytes(reply.body[..8].try_into().unwrap());
+    if value == 0 {
+        return false;
+    }
+    match recv_message(&d.raw) {
+        Ok(None) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => true,
+        other => panic!("request {request} refused but the session goes on: {other:?}"),
+    }
+}
+
+/// SET_MEM_TABLE body of `regions` (guest address, size, front end address, file offset).
+pub fn mem_table_body(regions: &[(u64, u64, u64, u64)]) -> Vec<u8> {
+    let mut b = (regions.len() as u32).to_le_bytes().to_vec();
+    b.extend_from_slice(&[0; 4]);
+    for &(gpa, size, uaddr, offset) in regions {
+        for v in [gpa, size, uaddr, offset] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    b
+}
+
+impl Driver {
+    /// The memfd behind the driver's memory and the front end's address of its start.
+    pub fn memfd_and_base(&self) -> (std::os::fd::OwnedFd, u64) {
+        let region = self.mem.find_region(GuestAddress(0)).unwrap();
+        let file = region.file_offset().unwrap().file().try_clone().unwrap();
+        let base = region
+            .get_host_address(vm_memory::MemoryRegionAddress(0))
+            .unwrap() as u64;
+        (file.into(), base)
+    }
+
+    /// SET_VRING_NUM/BASE/ADDR of queue `q` at its usual rings, zeroed (a previous session
+    /// may have left indexes behind), then kick, call and error fds (the driver's, or hostile
+    /// ones put in their place).
+    pub fn configure_default_ring(&mut self, q: usize) -> vhost::Result<()> {
+        // Zero the rings (a previous session may have left indexes behind).
+        self.vqs[q] = Self::fresh_queue(q);
+        self.vqs[q].clear_rings(&self.mem).unwrap();
+        let l = layout(q);
+        self.configure_ring(q, l.desc, l.avail, l.used)
+    }
+
+    /// GET_VRING_BASE of queue `q` on the raw socket; panics when it is not answered within
+    /// 10 s (a worker blocked on a front end's fd holds what the stop needs).
+    pub fn stop_ring(&mut self, q: u32) -> u32 {
+        let mut body = q.to_le_bytes().to_vec();
+        body.extend_from_slice(&[0; 4]);
+        let r = self.raw_request(11, 0x1, &body, true).unwrap();
+        u32::from_le_bytes(r.body[4..8].try_into().unwrap())
+    }
+
+    /// Waits up to 10 s for the next used element of queue `q` by reading the used ring,
+    /// without relying on the call fd.
+    pub fn poll_used(&mut self, q: usize) -> Option<(u32, u32)> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(u) = self.next_used(q) {
+                return Some(u);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }

@@ -1,0 +1,433 @@
+//! Front ends that break the rules against `bouncevm-vhost blk` (the binary, bounce forced):
+//! each hostile session costs only itself, and the next front end is served.
+//!
+//! - kick, call and error fds that are not eventfds (a pipe holding one byte, a regular file,
+//!   a socket) are refused;
+//! - a call or error eventfd whose counter is full (a blocking write would never return)
+//!   blocks nothing: the request completes, GET_VRING_BASE answers, the session ends;
+//! - SET_VRING_NUM with a size that is not a power of two, or above the maximum, is refused;
+//! - a memory region reaching past the end of its file, in a table or added alone
+//!   (ADD_MEM_REG), is refused (never mapped: no SIGBUS);
+//! - a memory table listing its regions out of address order is served;
+//! - GET_VRING_BASE with requests in flight at depth (every cache mode, bounce off and forced)
+//!   answers only once every request it counts has its status and used entry;
+//! - conditions a front end can repeat at will are logged once and counted always, and no
+//!   front-end fd outlives its session.
+//!
+//! The same for net is in `vhost_protocol.rs` (an in-process server over memory backends).
+
+mod vhost_support;
+
+use std::time::Duration;
+
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+};
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::VhostUserFrontend;
+use vhost_support::child::Server;
+use vhost_support::{
+    assert_blk_served, blk_request, blk_request_at, blk_status, full_eventfd, mem_table_body,
+    refused, Driver, NotEventFd, BATCH, BLK_DATA, MEM_SIZE,
+};
+use vm_memory::{Bytes, GuestAddress};
+
+const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
+const SET_MEM_TABLE: u32 = 5;
+const SET_VRING_NUM: u32 = 8;
+const ADD_MEM_REG: u32 = 37;
+const NEEDS_RESET: u8 = 0x40;
+
+/// Connects and negotiates (REPLY_ACK, STATUS) up to SET_FEATURES.
+fn negotiated(server: &Server) -> Driver {
+    let mut d = Driver::connect(&server.sock, 1);
+    let offered = d
+        .handshake_with(
+            VhostUserProtocolFeatures::STATUS | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+        )
+        .unwrap();
+    d.set_features(offered & WANTED).unwrap();
+    d
+}
+
+/// Waits for the session to end (the server noticed the disconnect).
+fn wait_disconnected(server: &Server, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = server.stats();
+        if st["server"]["connected"] == false {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: the session never ended: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Sends `message` (request, body, fds) on `d`, which the server must refuse, ending the
+/// session; then the server is alive and the next front end is served (`seed`).
+fn refused_then_next_served(
+    server: &mut Server,
+    d: Driver,
+    message: (u32, &[u8], Vec<std::os::fd::OwnedFd>),
+    what: &str,
+    seed: u64,
+) {
+    let (code, body, fds) = message;
+    assert!(refused(&d, code, body, fds), "{what} was accepted");
+    ended_then_next_served(server, d, what, seed);
+}
+
+/// Ends `d`'s session; the server notices, is alive, and serves the next front end (`seed`).
+fn ended_then_next_served(server: &mut Server, d: Driver, what: &str, seed: u64) {
+    drop(d);
+    wait_disconnected(server, what);
+    server.assert_alive(what);
+    assert_blk_served(&server.sock, seed);
+}
+
+/// Starts queue 0 with its avail ring in the last 4 bytes of guest memory, publishes a
+/// request and kicks: the worker is broken, and the error fd signalled.
+fn break_queue_0(d: &mut Driver) {
+    let end = MEM_SIZE as u64;
+    d.configure_ring(0, 0, end - 4, 0x2000).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d.mem.write_obj(1u16, GuestAddress(end - 2)).unwrap();
+    d.kicks[0].write(1).unwrap();
+}
+
+/// SET_MEM_TABLE and queue 0 configured and enabled (with whatever fds the driver holds).
+fn start_queue_0(d: &mut Driver) {
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+}
+
+/// A SET_VRING_NUM body.
+fn vring_num(index: u32, num: u32) -> Vec<u8> {
+    let mut body = index.to_le_bytes().to_vec();
+    body.extend_from_slice(&num.to_le_bytes());
+    body
+}
+
+#[test]
+fn kick_call_and_error_fds_that_are_not_eventfds_are_refused() {
+    let mut server = Server::start();
+    let mut seed = 0;
+    for (code, name) in [(12u32, "kick"), (13, "call"), (14, "error")] {
+        for kind in NotEventFd::ALL {
+            let what = format!("{name} fd {kind:?}");
+            let mut d = negotiated(&server);
+            d.set_mem_table().unwrap();
+            let (fd, _other_end) = kind.make();
+            seed += 1;
+            let message = (code, &0u64.to_le_bytes()[..], vec![fd]);
+            refused_then_next_served(&mut server, d, message, &what, seed);
+        }
+    }
+    let st = server.stats();
+    assert_eq!(st["server"]["relay"]["refused_fds"], 9, "{st}");
+}
+
+#[test]
+fn a_call_eventfd_whose_counter_is_full_blocks_nothing() {
+    let mut server = Server::start();
+    let mut d = negotiated(&server);
+    d.calls[0] = full_eventfd();
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    let data = vec![0x5a; 4096];
+    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&data));
+    assert!(d.poll_used(0).is_some(), "the write never completed");
+    assert_eq!(blk_status(&d, 0), 0);
+    // The worker did not block signalling the full counter: the stop answers.
+    assert_eq!(d.stop_ring(0), 1);
+    let st = server.stats();
+    assert!(
+        st["transport"]["signal_errors"].as_u64() >= Some(1),
+        "the full counter was not counted: {st}"
+    );
+    ended_then_next_served(&mut server, d, "full call counter", 1);
+}
+
+#[test]
+fn an_error_eventfd_whose_counter_is_full_blocks_nothing() {
+    let mut server = Server::start();
+    let mut d = negotiated(&server);
+    d.errs[0] = full_eventfd();
+    d.set_mem_table().unwrap();
+    // The report signals the (full) error fd of the broken worker.
+    break_queue_0(&mut d);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = server.stats();
+        if st["transport"]["broken_workers"] == 1 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never broken: {st}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(d.get_status() & NEEDS_RESET, NEEDS_RESET);
+    assert_eq!(d.stop_ring(0), 0);
+    ended_then_next_served(&mut server, d, "full error counter", 2);
+}
+
+#[test]
+fn queue_sizes_that_are_not_powers_of_two_or_above_the_maximum_are_refused() {
+    let mut server = Server::start();
+    for (seed, num) in [3u32, 100, 255, 512, 65535].into_iter().enumerate() {
+        let what = format!("queue size {num}");
+        let mut d = negotiated(&server);
+        d.set_mem_table().unwrap();
+        let body = vring_num(0, num);
+        let message = (SET_VRING_NUM, &body[..], vec![]);
+        refused_then_next_served(&mut server, d, message, &what, seed as u64);
+    }
+    // The largest size is accepted.
+    let d = negotiated(&server);
+    assert!(!refused(&d, SET_VRING_NUM, &vring_num(0, 256), vec![]));
+    let st = server.stats();
+    assert_eq!(st["server"]["relay"]["refused_queue_sizes"], 5, "{st}");
+}
+
+#[test]
+fn a_region_past_the_end_of_its_file_is_refused() {
+    let mut server = Server::start();
+    let size = MEM_SIZE as u64;
+    // (size, offset): one page past the end, or reaching it through the offset; in a memory
+    // table, and added alone (ADD_MEM_REG, as libblkio and QEMU with CONFIGURE_MEM_SLOTS do).
+    let cases = [(size + 4096, 0), (size, 4096), (4096, size)];
+    let mut seed = 0;
+    for (code, name) in [
+        (SET_MEM_TABLE, "SET_MEM_TABLE"),
+        (ADD_MEM_REG, "ADD_MEM_REG"),
+    ] {
+        for (len, offset) in cases {
+            let what = format!("{name} of {len:#x} at offset {offset:#x}");
+            let d = negotiated(&server);
+            let (file, base) = d.memfd_and_base();
+            let mut body = mem_table_body(&[(0, len, base, offset)]);
+            if code == ADD_MEM_REG {
+                // One region after 8 bytes of padding, where a table has its count.
+                body[..8].fill(0);
+            }
+            seed += 1;
+            let message = (code, &body[..], vec![file]);
+            refused_then_next_served(&mut server, d, message, &what, seed);
+        }
+    }
+    let st = server.stats();
+    assert_eq!(st["server"]["relay"]["refused_mem_tables"], 6, "{st}");
+}
+
+#[test]
+fn a_memory_table_out_of_address_order_is_served() {
+    let server = Server::start();
+    let mut d = negotiated(&server);
+    let (file, base) = d.memfd_and_base();
+    let half = MEM_SIZE as u64 / 2;
+    // The upper half (data buffers) listed before the lower half (rings).
+    let body = mem_table_body(&[(half, half, base + half, half), (0, half, base, 0)]);
+    let other = file.try_clone().unwrap();
+    assert!(!refused(&d, SET_MEM_TABLE, &body, vec![file, other]));
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    assert!(BLK_DATA >= half, "the data buffers are in the upper region");
+    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 64, Some(&data));
+    assert!(d.poll_used(0).is_some());
+    assert_eq!(blk_status(&d, 0), 0);
+    blk_request(&mut d, 1, VIRTIO_BLK_T_IN, 64, None);
+    assert!(d.poll_used(0).is_some());
+    assert_eq!(blk_status(&d, 1), 0);
+    let mut got = vec![0u8; 4096];
+    d.mem
+        .read_slice(&mut got, GuestAddress(BLK_DATA + 4096))
+        .unwrap();
+    assert!(got == data, "read back differs");
+    let st = server.stats();
+    assert_eq!(st["server"]["relay"]["mem_tables_sorted"], 1, "{st}");
+}
+
+/// Lines of the server's log containing `needle`.
+fn log_lines(server: &Server, needle: &str) -> usize {
+    std::fs::read_to_string(&server.log)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .count()
+}
+
+#[test]
+fn conditions_a_front_end_repeats_are_logged_once_and_counted_always() {
+    let mut server = Server::start();
+    const REPEATS: usize = 2000;
+    for session in 0..2 {
+        let mut d = Driver::connect(&server.sock, 1);
+        d.handshake().unwrap();
+        // Before SET_FEATURES: an enable for a queue the device does not have, and a
+        // SET_STATUS without its status, over and over.
+        let mut bad_enable = 4000u32.to_le_bytes().to_vec();
+        bad_enable.extend_from_slice(&1u32.to_le_bytes());
+        for _ in 0..REPEATS {
+            d.raw_request(18, 0x1, &bad_enable, false);
+            d.raw_request(39, 0x1, &[], false);
+        }
+        // Answered after everything before it was handled.
+        d.raw_request(1, 0x1, &[], true);
+        drop(d);
+        wait_disconnected(&server, &format!("session {session}"));
+    }
+    // Sessions the backend ends on a protocol error: features it never offered.
+    for session in 0..3 {
+        let mut d = Driver::connect(&server.sock, 1);
+        d.handshake().unwrap();
+        d.raw_request(2, 0x1, &u64::MAX.to_le_bytes(), false);
+        wait_disconnected(&server, &format!("refused features {session}"));
+    }
+    server.assert_alive("after the repeats");
+    let st = server.stats();
+    let relay = &st["server"]["relay"];
+    assert_eq!(relay["early_enables_refused"], 2 * REPEATS, "{st}");
+    assert_eq!(relay["malformed_status"], 2 * REPEATS, "{st}");
+    assert_eq!(st["server"]["failed_sessions"], 3, "{st}");
+    assert_eq!(log_lines(&server, "refusing early SET_VRING_ENABLE"), 1);
+    assert_eq!(log_lines(&server, "SET_STATUS without a status"), 1);
+    assert_eq!(log_lines(&server, "ended:"), 1);
+    assert_blk_served(&server.sock, 7);
+}
+
+/// The server's open eventfds (`/proc/PID/fd`).
+fn eventfds(server: &Server) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", server.child.id()))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy() == "anon_inode:[eventfd]")
+        .count()
+}
+
+#[test]
+fn no_front_end_fd_outlives_its_session() {
+    let server = Server::start();
+    // A session without fds first (whatever the device creates once and keeps is counted).
+    let mut d = negotiated(&server);
+    d.set_mem_table().unwrap();
+    drop(d);
+    wait_disconnected(&server, "first session");
+    let baseline = eventfds(&server);
+    // A session with kick, call and error eventfds on its queue, its worker broken (the error
+    // fd signalled), then gone.
+    let mut d = negotiated(&server);
+    d.set_mem_table().unwrap();
+    break_queue_0(&mut d);
+    assert!(
+        d.wait_err(0, Duration::from_secs(10)),
+        "the error fd was not signalled"
+    );
+    drop(d);
+    wait_disconnected(&server, "session with an error fd");
+    assert_eq!(
+        eventfds(&server),
+        baseline,
+        "the server keeps a front end's eventfd after its session ended"
+    );
+}
+
+/// Bytes of each request of [`a_stop_with_requests_in_flight_returns_every_one_it_counts`]:
+/// [`BATCH`] of them fill the data area.
+const LARGE: u32 = 192 << 10;
+
+/// The bytes written at `slot` in `round`.
+fn large_pattern(slot: u16, round: u8) -> Vec<u8> {
+    (0..LARGE)
+        .map(|i| (i as u8).wrapping_mul(13) ^ (slot as u8).wrapping_mul(71) ^ round)
+        .collect()
+}
+
+#[test]
+fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
+    // QEMU sends GET_VRING_BASE on `stop`, on migration and on a device reset, and resumes
+    // the ring at the index it gets back: every request that index counts must be back in
+    // the used ring with its status by then, or the guest never sees it complete.
+    let caches = ["none", "writeback", "writethrough", "directsync", "unsafe"];
+    let bounces: [&[&str]; 2] = [&[], &["--bounce", "policy=force"]];
+    for cache in caches {
+        for bounce in bounces {
+            let mut args = vec!["--cache", cache];
+            args.extend_from_slice(bounce);
+            let server = Server::start_with(&args);
+            let sector = |slot: u16| u64::from(slot) * u64::from(LARGE / 512);
+            let buf = |slot: u16| BLK_DATA + u64::from(slot) * u64::from(LARGE);
+            let write = |d: &mut Driver, slot: u16, round: u8| {
+                let data = large_pattern(slot, round);
+                d.mem.write_slice(&data, GuestAddress(buf(slot))).unwrap();
+                blk_request_at(d, slot, VIRTIO_BLK_T_OUT, sector(slot), buf(slot), LARGE);
+            };
+            for round in 0..3u8 {
+                let what = format!("cache={cache} {bounce:?} round {round}");
+                let mut d = negotiated(&server);
+                start_queue_0(&mut d);
+                // Writes at depth, stopped at once: whatever the base counts is complete.
+                for slot in 0..BATCH {
+                    write(&mut d, slot, round);
+                }
+                let base = d.stop_ring(0);
+                let mut used = 0;
+                while let Some((id, _)) = d.next_used(0) {
+                    let slot = u16::try_from(id / 3).unwrap();
+                    assert_eq!(blk_status(&d, slot), 0, "{what}: write {slot}");
+                    used += 1;
+                }
+                assert_eq!(used, base, "{what}: writes counted but not returned");
+                drop(d);
+                wait_disconnected(&server, &what);
+                // Reads at depth of what every write put there (each write the stop did not
+                // count is written again first), stopped at once, checked byte for byte.
+                let mut d = negotiated(&server);
+                start_queue_0(&mut d);
+                for slot in u16::try_from(base).unwrap()..BATCH {
+                    write(&mut d, slot, round);
+                    assert!(d.poll_used(0).is_some(), "{what}: rewrite {slot}");
+                    assert_eq!(blk_status(&d, slot), 0, "{what}: rewrite {slot}");
+                }
+                drop(d);
+                wait_disconnected(&server, &what);
+                let mut d = negotiated(&server);
+                start_queue_0(&mut d);
+                for slot in 0..BATCH {
+                    d.mem
+                        .write_slice(&vec![0u8; LARGE as usize], GuestAddress(buf(slot)))
+                        .unwrap();
+                    blk_request_at(
+                        &mut d,
+                        slot,
+                        VIRTIO_BLK_T_IN,
+                        sector(slot),
+                        buf(slot),
+                        LARGE,
+                    );
+                }
+                let base = d.stop_ring(0);
+                let mut used = 0;
+                while let Some((id, len)) = d.next_used(0) {
+                    let slot = u16::try_from(id / 3).unwrap();
+                    assert_eq!(blk_status(&d, slot), 0, "{what}: read {slot}");
+                    assert_eq!(len, LARGE + 1, "{what}: read {slot}");
+                    let mut got = vec![0u8; LARGE as usize];
+                    d.mem.read_slice(&mut got, GuestAddress(buf(slot))).unwrap();
+                    assert!(
+                        got == large_pattern(slot, round),
+                        "{what}: read {slot} differs"
+                    );
+                    used += 1;
+                }
+                assert_eq!(used, base, "{what}: reads counted but not returned");
+                drop(d);
+                wait_disconnected(&server, &what);
+            }
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! `bouncevm-vhost blk` as a child process, for the tests that drive the binary.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
+/// Descriptors a server may hold beyond its count after the first session (statistics
+/// clients in flight, a session winding down); a leak of one per session passes it within a
+/// few dozen sessions.
+pub const FD_SLACK: usize = 16;
+
+/// `bouncevm-vhost blk` in a child process (a crash is seen as one), killed when the test ends.
+pub struct Server {
+    pub child: Child,
+    pub sock: PathBuf,
+    pub stats: PathBuf,
+    /// Its stderr (a file: a pipe nobody reads would fill and stall it).
+    pub log: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// With bounce forced (1024 slots) and a 16 MiB raw image.
+    pub fn start() -> Self {
+        Self::start_with(&["--bounce", "policy=force,slots=1024"])
+    }
+
+    /// With `extra` flags after `--socket`, `--file` and `--stats-socket`.
+    pub fn start_with(extra: &[&str]) -> Self {
+        // One directory per server: the tests of this file run in parallel.
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("bouncevm-vhost-child-{}.{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let img = dir.join("disk.img");
+        File::create(&img).unwrap().set_len(16 << 20).unwrap();
+        let (sock, stats) = (dir.join("vhost.sock"), dir.join("vhost.stats"));
+        let log = dir.join("vhost.log");
+        let _ = std::fs::remove_file(&sock);
+        let _ = std::fs::remove_file(&stats);
+        let child = Command::new(BIN)
+            .args(["blk", "--socket"])
+            .arg(&sock)
+            .arg("--file")
+            .arg(&img)
+            .arg("--stats-socket")
+            .arg(&stats)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !stats.exists() {
+            assert!(Instant::now() < deadline, "the server never started");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self {
+            child,
+            sock,
+            stats,
+            log,
+        }
+    }
+
+    /// Panics with the server's stderr if it is gone.
+    pub fn assert_alive(&mut self, what: &str) {
+        if let Some(st) = self.child.try_wait().unwrap() {
+            let err = std::fs::read_to_string(&self.log).unwrap_or_default();
+            panic!("{what}: the server died ({st}): {err}");
+        }
+    }
+
+    /// The server's open file descriptors once no session is connected (`/proc/PID/fd`).
+    pub fn idle_fds(&self) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.stats()["server"]["connected"] != false {
+            assert!(Instant::now() < deadline, "a session never ended");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .expect("the server's /proc/PID/fd")
+            .count()
+    }
+
+    /// Fails when the server holds more than `FD_SLACK` descriptors beyond `baseline`
+    /// (its count after the first session).
+    pub fn assert_no_fd_leak(&self, baseline: usize, sessions: u64) {
+        let now = self.idle_fds();
+        assert!(
+            now <= baseline + FD_SLACK,
+            "the server holds {now} file descriptors after {sessions} sessions, {baseline} after \
+             the first: descriptors leak per session (see /proc/{}/fd)",
+            self.child.id()
+        );
+    }
+
+    /// The statistics JSON.
+    pub fn stats(&self) -> serde_json::Value {
+        let mut s = UnixStream::connect(&self.stats).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut line = String::new();
+        s.read_to_string(&mut line)
+            .expect("the stats socket answers within 5 s");
+        serde_json::from_str(line.trim()).unwrap()
+    }
+}
