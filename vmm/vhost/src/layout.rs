@@ -155,7 +155,7 @@ mod tests {
 
     #[test]
     fn queue_counts_beyond_the_masks_are_refused() {
-        // Regression (issue 11 item 10): net with 32 pairs has 65 queues; the layout silently
+        // Regression: net with 32 pairs has 65 queues; the layout silently
         // dropped queue 64 (the control queue) and activation failed later.
         assert_eq!(check_queue_count(64), Ok(()));
         assert_eq!(

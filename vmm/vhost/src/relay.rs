@@ -797,7 +797,7 @@ mod tests {
 
     #[test]
     fn early_enables_the_backend_would_refuse_are_refused_and_not_held() {
-        // Regression (issue 11 item 7): vring 4000 before SET_FEATURES was held (without bound)
+        // Regression: vring 4000 before SET_FEATURES was held (without bound)
         // and acknowledged as a success.
         let st = RelayCounters::default();
         let mut seq = Sequencer::new(2, 256, Arc::new(Report::new(2)));

@@ -1,4 +1,4 @@
-//! Property test of the vhost-user server with a hostile front end (issue 11 item 15): the
+//! Property test of the vhost-user server with a hostile front end: the
 //! real `bouncevm-vhost blk` (bounce forced) in a child process, so a crash is seen as one.
 //!
 //! `hostile_frontends_never_crash_or_wedge_the_backend`: per case, a front end speaking raw

@@ -341,7 +341,7 @@ fn a_live_socket_is_refused_and_a_stale_one_replaced() {
 
 #[test]
 fn rings_at_a_region_edge_break_the_worker_and_the_backend_keeps_answering() {
-    // Regression (issue 11 items 5 and 8): the adapter never checked `Queue::is_valid`. With
+    // Regression: the adapter never checked `Queue::is_valid`. With
     // the avail index in the last 4 bytes of guest memory the worker read the index but no
     // entry and spun (notifications re-armed, "more buffers" forever) holding the vring lock:
     // GET_VRING_BASE, the statistics socket and the signals hung, and nothing was reported.
@@ -403,7 +403,7 @@ fn rings_at_a_region_edge_break_the_worker_and_the_backend_keeps_answering() {
 
 #[test]
 fn early_enables_the_backend_would_refuse_are_refused() {
-    // Regression (issue 11 item 7): SET_VRING_ENABLE for vring 4000 before SET_FEATURES was
+    // Regression: SET_VRING_ENABLE for vring 4000 before SET_FEATURES was
     // held (no bound) and acknowledged as a success.
     let device = EchoDevice::new(1);
     let (path, stats_path, server, stop) = start_server_with_stats("refuse.sock", device);
@@ -451,7 +451,7 @@ fn early_enables_the_backend_would_refuse_are_refused() {
 
 #[test]
 fn the_backend_request_channel_stays_open_for_the_session() {
-    // Regression (issue 11 item 11): the adapter dropped the SET_BACKEND_REQ_FD channel on
+    // Regression: the adapter dropped the SET_BACKEND_REQ_FD channel on
     // arrival; QEMU 7.2 then read EOF on it and printed "Unexpected end-of-file before all
     // data were read" on every run with ACCESS_PLATFORM offered.
     let (path, server, stop) = start_server("backreq.sock", EchoDevice::new(1));
@@ -484,7 +484,7 @@ fn the_backend_request_channel_stays_open_for_the_session() {
 
 #[test]
 fn a_device_with_more_queues_than_vhost_user_serves_is_refused_up_front() {
-    // Regression (issue 11 item 10): 65 queues (net with 32 pairs) were silently cut to the
+    // Regression: 65 queues (net with 32 pairs) were silently cut to the
     // 64-bit thread masks; queue 64 could never be served and activation failed later.
     let path = socket_path("toomany.sock");
     let e = Server::bind("echo", EchoDevice::new(65), &path).unwrap_err();
@@ -495,7 +495,7 @@ fn a_device_with_more_queues_than_vhost_user_serves_is_refused_up_front() {
 
 #[test]
 fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_slot() {
-    // Issue 11 item 16, issue 14 item 10: the real block device with bounce forced; the
+    // The real block device with bounce forced; the
     // frontend vanishes with writes in flight, then a new one connects.
     use devices::block::io::ImageFormat;
     use devices::block::{Block, BlockConfig, DiskImage};
@@ -646,7 +646,7 @@ fn net_start(d: &mut Driver, enables: &[(u32, bool)], acked: u64) {
 
 #[test]
 fn rx_buffers_a_waiting_frame_holds_survive_a_stop_and_are_served_after_it() {
-    // Regression (issue 11 item 6): the RX chains the worker held for a frame waiting for
+    // Regression: the RX chains the worker held for a frame waiting for
     // more buffers (MRG_RXBUF) were counted in the base GET_VRING_BASE reported, so the
     // frontend resumed after them and the guest lost them on every stop/cont or migration.
     let (net, bes) = net_device(1);
@@ -702,7 +702,7 @@ fn rx_buffers_a_waiting_frame_holds_survive_a_stop_and_are_served_after_it() {
 
 #[test]
 fn mq_net_is_served_as_qemu_negotiates_it_pairs_follow_vring_enable() {
-    // Regression (issue 11 item 9): QEMU acks MQ but not CTRL_VQ to a vhost-user-net
+    // Regression: QEMU acks MQ but not CTRL_VQ to a vhost-user-net
     // backend (it answers the guest's VQ_PAIRS_SET itself and enables the pairs' rings);
     // the device refused to activate. Pair 1 starts disabled, as QEMU starts it.
     let (net, bes) = net_device(2);
@@ -872,7 +872,7 @@ fn net_with_tap_in(ns: &str) -> Net {
 
 #[test]
 fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
-    // Issue 11 item 16: the tap of `bouncevm-vhost net` deleted under it (`ip link del`, or
+    // The tap of `bouncevm-vhost net` deleted under it (`ip link del`, or
     // its namespace removed). Its fd polls as EPOLLERR: the adapter must stop polling it (no
     // busy loop), the guest's frames are dropped and counted, and the control path, the
     // statistics and the shutdown keep working.
