@@ -164,6 +164,8 @@ pub enum Workload {
         alloc: bounce::AllocatorKind,
         /// Bytes per mapping.
         size: usize,
+        /// A dynamic pool ([`bounce::dynamic`]) instead of one static pool.
+        dynamic: bool,
     },
 }
 
@@ -332,6 +334,8 @@ pub struct Results {
     pub level: Level,
     /// `--quick`.
     pub quick: bool,
+    /// `--dynamic on`: every bouncing row's pool is a dynamic one ([`bounce::dynamic`]).
+    pub dynamic: bool,
     /// Machine and build.
     pub meta: Meta,
     /// Rounds asked.
@@ -357,6 +361,8 @@ pub struct Settings {
     pub level: Level,
     /// Fewer cells and shorter samples (CI).
     pub quick: bool,
+    /// Dynamic pools for every bouncing row (the plan made so by [`preset::dynamic`]).
+    pub dynamic: bool,
     /// Interleaved rounds.
     pub rounds: usize,
     /// Seconds per sample.
@@ -438,6 +444,7 @@ pub fn run(settings: &Settings, mut plan: Plan) -> Result<Results> {
         preset: plan.preset,
         level: settings.level,
         quick: settings.quick,
+        dynamic: settings.dynamic,
         meta,
         rounds: settings.rounds,
         rounds_done,
@@ -554,9 +561,15 @@ impl Drivers {
     fn measure(&mut self, w: &Workload) -> Result<Sample> {
         let dur = Duration::from_secs_f64(self.seconds);
         match (w, self.level) {
-            (Workload::MapCost { mode, alloc, size }, _) => {
-                mapcost::measure(*mode, *alloc, *size, dur)
-            }
+            (
+                Workload::MapCost {
+                    mode,
+                    alloc,
+                    size,
+                    dynamic,
+                },
+                _,
+            ) => mapcost::measure(*mode, *alloc, *size, *dynamic, dur),
             (Workload::Block { .. }, Level::Host) => self
                 .block
                 .as_mut()

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! bouncevm-experiment PRESET [--level host|guest] [--quick] [--rounds N] [--seconds S]
-//!                            [--alloc LIST] [--out DIR] [--report FILE.md] [--vhost PATH]
+//!                            [--alloc LIST] [--dynamic on|off] [--out DIR] [--report FILE.md]
+//!                            [--vhost PATH]
 //! PRESET: seed-2022-swiotlb | seed-2021-vduse | seed-2015-iova | seed-2012-phys
 //! ```
 //!
@@ -52,6 +53,11 @@ struct Cli {
     /// (e.g. iova-rbtree,iova-rcache). Ratios need the first row of each group, the baseline.
     #[arg(long, value_name = "LIST")]
     alloc: Option<String>,
+    /// Dynamic pools (Linux CONFIG_SWIOTLB_DYNAMIC, bounce::dynamic): "off" (one static pool
+    /// per row) or "on" (every row that bounces gets a dynamic pool and is marked "(dynamic)";
+    /// dynamic pools are swiotlb pools searched by areas, so pick such rows with --alloc).
+    #[arg(long, value_name = "on|off", default_value = "off", value_parser = ["on", "off"])]
+    dynamic: String,
     /// The bouncevm-vhost binary [default: next to this one].
     #[arg(long, value_name = "PATH")]
     vhost: Option<PathBuf>,
@@ -90,6 +96,7 @@ fn settings(cli: &Cli) -> Result<Settings, String> {
         preset: cli.preset,
         level: cli.level,
         quick: cli.quick,
+        dynamic: cli.dynamic == "on",
         rounds: cli
             .rounds
             .map_or_else(|| preset::default_rounds(cli.level, cli.quick), usize::from),
@@ -135,6 +142,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
         plan.cells.retain(|c| want.contains(&c.series.as_str()));
+    }
+    if s.dynamic {
+        if let Err(e) = preset::dynamic(&mut plan) {
+            eprintln!("bouncevm-experiment: error: {e}");
+            return ExitCode::from(2);
+        }
     }
     let results = match experiment::run(&s, plan) {
         Ok(r) => r,

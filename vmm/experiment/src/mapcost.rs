@@ -8,24 +8,40 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use bounce::{AllocatorKind, BouncePool, Direction, HostMemory, MapRequest, PoolConfig, PoolMode};
+use bounce::{
+    AllocatorKind, BouncePool, Direction, DynamicConfig, HostMemory, MapRequest, PoolConfig,
+    PoolMode,
+};
 
 use crate::{Error, Result, Sample};
 
 /// Guest-physical base the frames are said to live at.
 const ORIG: u64 = 0x1_0000_0000;
 
-/// One sample: map + unmap pairs of `size` bytes for `dur`.
+/// One sample: map + unmap pairs of `size` bytes for `dur`, through a dynamic pool when
+/// `dynamic` (its maps hit the default pool: the dynamic fast path).
 ///
 /// # Errors
 /// [`Error::Run`] when the pool cannot be built or a map fails.
-pub fn measure(mode: PoolMode, alloc: AllocatorKind, size: usize, dur: Duration) -> Result<Sample> {
+pub fn measure(
+    mode: PoolMode,
+    alloc: AllocatorKind,
+    size: usize,
+    dynamic: bool,
+    dur: Duration,
+) -> Result<Sample> {
     let mut cfg = match mode {
         PoolMode::Swiotlb => PoolConfig::swiotlb(PoolConfig::DEFAULT_SLOTS),
         PoolMode::Iova => PoolConfig::iova(PoolConfig::DEFAULT_SLOTS),
     };
     cfg.allocator = alloc;
     cfg.workers = 1;
+    if dynamic {
+        // The window a device's `--bounce dynamic=on` gets by default.
+        cfg.dynamic = Some(DynamicConfig::host(
+            PoolConfig::DEFAULT_SLOTS.saturating_mul(DynamicConfig::DEFAULT_WINDOW_FACTOR),
+        ));
+    }
     let pool = BouncePool::new(&cfg).map_err(|e| Error::Run(format!("{alloc}: {e}")))?;
     let mut buf = vec![0x5au8; size];
     let mem = HostMemory::new(ORIG, &mut buf);
@@ -69,4 +85,22 @@ fn pairs_for(
         pairs += 256;
     }
     Ok((pairs, start.elapsed()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dynamic_pool_serves_the_pairs_from_its_default_pool() {
+        let dur = Duration::from_millis(20);
+        let s = measure(PoolMode::Swiotlb, AllocatorKind::Areas, 1500, true, dur).unwrap();
+        let pool = s.pool.expect("pool statistics");
+        let d = &pool["dynamic"];
+        assert_eq!(d["pools"].as_array().unwrap().len(), 1, "{d}");
+        assert_eq!(d["transient_pools"], 0, "{d}");
+        assert!(pool["maps"].as_u64().unwrap() > 0, "{pool}");
+        let s = measure(PoolMode::Swiotlb, AllocatorKind::Areas, 1500, false, dur).unwrap();
+        assert!(s.pool.unwrap().get("dynamic").is_none());
+    }
 }

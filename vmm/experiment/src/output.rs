@@ -69,9 +69,14 @@ pub fn report_file(r: &Results, path: &Path) -> String {
 /// How, where and when the run was measured, in one paragraph.
 fn conditions(r: &Results) -> String {
     format!(
-        "Measured at {} level{}: {} of {} (the order rotated each round), {} s per sample; {}. The machine may be shared with other work: compare the ratios (taken in the same rounds), not the absolute figures.{}",
+        "Measured at {} level{}{}: {} of {} (the order rotated each round), {} s per sample; {}. The machine may be shared with other work: compare the ratios (taken in the same rounds), not the absolute figures.{}",
         r.level_name(),
         if r.quick { " (--quick)" } else { "" },
+        if r.dynamic {
+            " with dynamic swiotlb pools (--dynamic on: the rows marked (dynamic))"
+        } else {
+            ""
+        },
         r.rounds_done,
         report::count(r.rounds, "interleaved round"),
         r.seconds,
@@ -411,11 +416,12 @@ pub fn chart(r: &Results) -> Chart {
     caption.insert(
         0,
         format!(
-            "Solid: measured here, the median of {} of {} s per sample at {} level{}; dashed: the seed's figures.",
+            "Solid: measured here, the median of {} of {} s per sample at {} level{}{}; dashed: the seed's figures.",
             report::count(r.rounds_done, "interleaved round"),
             r.seconds,
             r.level_name(),
             if r.quick { " (--quick)" } else { "" },
+            if r.dynamic { ", dynamic pools" } else { "" },
         ),
     );
     caption.push(format!("Measured {}.", r.meta.conditions()));
@@ -481,6 +487,7 @@ mod tests {
                     mode: PoolMode::Swiotlb,
                     alloc: AllocatorKind::Areas,
                     size: 64,
+                    dynamic: false,
                 },
                 baseline,
                 primary: None,
@@ -502,6 +509,7 @@ mod tests {
             preset: PresetName::Vduse2021,
             level: Level::Host,
             quick: false,
+            dynamic: false,
             meta: Meta::collect(),
             rounds: 3,
             rounds_done: 3,

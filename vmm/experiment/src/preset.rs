@@ -140,6 +140,67 @@ pub fn plan(preset: PresetName, level: Level, quick: bool) -> Plan {
     }
 }
 
+/// Makes every row of `plan` that bounces run with a dynamic pool (Linux
+/// `CONFIG_SWIOTLB_DYNAMIC`, [`bounce::dynamic`]): `dynamic=on` on the back end's `--bounce`
+/// options, the dynamic configuration on a map-cost row's pool. The row's series gets
+/// " (dynamic)" and the plan a note saying so.
+///
+/// # Errors
+/// The one-line reason when a row bounces through a pool that cannot be dynamic (dynamic
+/// pools are swiotlb pools searched by areas, as in Linux) or when no row bounces.
+pub fn dynamic(plan: &mut Plan) -> Result<(), String> {
+    let mut cannot: Vec<&str> = Vec::new();
+    let mut any = false;
+    for c in &plan.cells {
+        match can_be_dynamic(&c.workload) {
+            Some(true) => any = true,
+            Some(false) if !cannot.contains(&c.series.as_str()) => cannot.push(&c.series),
+            _ => {}
+        }
+    }
+    if !cannot.is_empty() {
+        return Err(format!(
+            "--dynamic on: dynamic pools are swiotlb pools searched by areas (mode=swiotlb,alloc=areas), as in Linux; {} cannot take one (choose rows with --alloc)",
+            cannot.join(", ")
+        ));
+    }
+    if !any {
+        return Err("--dynamic on: no row of this selection bounces".into());
+    }
+    for c in &mut plan.cells {
+        if can_be_dynamic(&c.workload) != Some(true) {
+            continue;
+        }
+        match &mut c.workload {
+            Workload::Block { bounce, .. }
+            | Workload::Net { bounce, .. }
+            | Workload::Iperf3 { bounce, .. } => bounce.push_str(",dynamic=on"),
+            Workload::MapCost { dynamic, .. } => *dynamic = true,
+        }
+        c.series.push_str(" (dynamic)");
+    }
+    plan.notes.push(format!(
+        "Rows marked (dynamic) bounce through a dynamic swiotlb pool (--dynamic on: Linux CONFIG_SWIOTLB_DYNAMIC, bounce::dynamic) whose window holds {} default pools' worth: a map no pool serves gets a transient pool and asks for an added one; each sample's pool statistics in results.json carry its `dynamic` section (transient and added pools).",
+        bounce::DynamicConfig::DEFAULT_WINDOW_FACTOR
+    ));
+    Ok(())
+}
+
+/// Whether `w`'s pool can be dynamic: `None` when it does not bounce.
+fn can_be_dynamic(w: &Workload) -> Option<bool> {
+    match w {
+        Workload::Block { bounce, .. }
+        | Workload::Net { bounce, .. }
+        | Workload::Iperf3 { bounce, .. } => {
+            let has = |kv: &str| bounce.split(',').any(|o| o.trim() == kv);
+            (!has("policy=off")).then(|| has("mode=swiotlb") && has("alloc=areas"))
+        }
+        Workload::MapCost { mode, alloc, .. } => {
+            Some(*mode == PoolMode::Swiotlb && *alloc == AllocatorKind::Areas)
+        }
+    }
+}
+
 /// Default seconds per sample for a full run and for `--quick`.
 pub fn default_seconds(preset: PresetName, level: Level, quick: bool) -> f64 {
     match (level, quick, preset) {
@@ -513,7 +574,12 @@ fn phys_2012_map_cost_cells(quick: bool) -> Vec<Cell> {
                 panel: "map+unmap cost in the bounce library".into(),
                 series: name.into(),
                 x: size as u32,
-                workload: Workload::MapCost { mode, alloc, size },
+                workload: Workload::MapCost {
+                    mode,
+                    alloc,
+                    size,
+                    dynamic: false,
+                },
                 baseline: i == 0,
                 primary: Some(PAIR_NS),
                 seed: None,
@@ -524,4 +590,38 @@ fn phys_2012_map_cost_cells(quick: bool) -> Vec<Cell> {
         }
     }
     cells
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dynamic_marks_every_bouncing_row_and_refuses_pools_that_cannot_grow() {
+        let mut p = plan(PresetName::Phys2012, Level::Host, true);
+        let e = dynamic(&mut p.clone()).unwrap_err();
+        assert!(
+            e.contains("iova (iova-rcache)") && !e.contains("swiotlb (areas)"),
+            "{e}"
+        );
+        p.cells.retain(|c| !c.series.starts_with("iova"));
+        dynamic(&mut p).unwrap();
+        for c in &p.cells {
+            match &c.workload {
+                Workload::Net { bounce, .. } if bounce == "policy=off" => {
+                    assert_eq!(c.series, "off");
+                }
+                Workload::Net { bounce, .. } => {
+                    assert!(bounce.ends_with(",dynamic=on"), "{bounce}");
+                    assert_eq!(c.series, "swiotlb (areas) (dynamic)");
+                }
+                Workload::MapCost { dynamic, .. } => {
+                    assert!(*dynamic);
+                    assert_eq!(c.series, "swiotlb (areas) (dynamic)");
+                }
+                w => panic!("unexpected row {w:?}"),
+            }
+        }
+        assert!(p.notes.last().unwrap().contains("(dynamic)"));
+    }
 }

@@ -69,8 +69,15 @@ fn net_prerequisites() -> bool {
 }
 
 fn run_quick(preset: &str, out: &Path) -> String {
+    run_quick_with(preset, &[], out)
+}
+
+/// [`run_quick`] with `extra` arguments after `--quick`.
+fn run_quick_with(preset: &str, extra: &[&str], out: &Path) -> String {
     let o = Command::new(BIN)
-        .args([preset, "--quick", "--vhost", VHOST.as_str(), "--out"])
+        .args([preset, "--quick"])
+        .args(extra)
+        .args(["--vhost", VHOST.as_str(), "--out"])
         .arg(out)
         .arg("--report")
         .arg(out.join(format!("{preset}.md")))
@@ -244,6 +251,71 @@ fn seed_2022_swiotlb_quick_writes_table_json_and_chart() {
     for a in ["legacy", "areas", "areas-bitmap", "areas-lifo"] {
         assert!(out.contains(&format!("| {a} |")), "{a}");
     }
+}
+
+#[test]
+fn dynamic_on_runs_the_areas_rows_with_a_dynamic_pool_and_says_so() {
+    let d = TmpDir::new("2022-dynamic");
+    let out = run_quick_with(
+        "seed-2022-swiotlb",
+        &["--alloc", "areas", "--dynamic", "on"],
+        &d.0,
+    );
+    let r = check_outputs("seed-2022-swiotlb", &d.0, &out);
+    assert_eq!(r["dynamic"], true);
+    assert!(out.contains("| areas (dynamic) |"), "{out}");
+    assert!(out.contains("with dynamic swiotlb pools"), "{out}");
+    let md = std::fs::read_to_string(d.0.join("seed-2022-swiotlb.md")).unwrap();
+    assert!(
+        md.contains("with dynamic swiotlb pools (--dynamic on"),
+        "{md}"
+    );
+    for c in r["cells"].as_array().unwrap() {
+        assert_eq!(c["series"], "areas (dynamic)", "{c}");
+        assert!(
+            c["workload"]["bounce"]
+                .as_str()
+                .unwrap()
+                .ends_with(",dynamic=on"),
+            "{c}"
+        );
+        for s in c["samples"].as_array().unwrap() {
+            let dy = &s["pool"]["dynamic"];
+            assert!(dy["io_tlb_nslabs"].as_u64().unwrap() > 0, "{s}");
+            assert!(dy["transient_pools"].is_u64() && dy["pools_added"].is_u64());
+            assert_eq!(
+                dy["pools"].as_array().unwrap()[0]["kind"],
+                "default",
+                "{dy}"
+            );
+        }
+    }
+}
+
+#[test]
+fn dynamic_is_on_or_off_and_refused_for_rows_that_cannot_take_it() {
+    let o = Command::new(BIN).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(help.contains("--dynamic <on|off>"), "{help}");
+    let e = usage_error(&["seed-2022-swiotlb", "--dynamic", "yes"]);
+    assert!(e.contains("yes") && e.contains("on, off"), "{e}");
+    // IOVA pools and the other swiotlb allocators have no dynamic pool: named, not run.
+    for (preset, rows) in [
+        ("seed-2015-iova", "iova-rbtree, iova-bitmap"),
+        ("seed-2022-swiotlb", "legacy, areas-bitmap, areas-lifo"),
+    ] {
+        let e = usage_error(&[preset, "--dynamic", "on", "--vhost", "/nonexistent"]);
+        assert!(e.contains(rows) && e.contains("--alloc"), "{e}");
+    }
+}
+
+/// Runs the binary with `args`, checks it exits 2 with one line on stderr; that line.
+fn usage_error(args: &[&str]) -> String {
+    let o = Command::new(BIN).args(args).output().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{args:?}: {o:?}");
+    let e = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    e
 }
 
 #[test]
