@@ -14,10 +14,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 README_LIMIT = 250
 
-# Words that tell how the work went rather than what the project is.
+# Words that tell how the work went rather than what the project is. They are assembled from
+# parts so that this file, which the tree-wide check also reads, does not itself contain them.
+_WORK_UNIT = "st" + "op"
+_TRACKER = "iss" + "ue"
+_DISCARDED = "throw" + "away"
 NARRATION = re.compile(
-    r"\bthis stop\b|\b(?:last|previous|earlier|next) stops?\b|\bthrowaway\b|\bissue \d+\b"
-    r"|\bissue-\d+\b|\bearlier runs?\b|\bpreviously\b|\bin earlier (?:builds|versions)\b",
+    rf"\bthis {_WORK_UNIT}\b|\b(?:last|previous|earlier|next) {_WORK_UNIT}s?\b|\b{_DISCARDED}\b"
+    rf"|\b{_TRACKER} \d+\b|\b{_TRACKER}-\d+\b|\bearlier runs?\b|\bpreviously\b"
+    r"|\bin earlier (?:builds|versions)\b",
     re.I,
 )
 
@@ -61,8 +66,8 @@ def test_no_markdown_narrates_development():
 
 
 def test_narration_pattern_catches_what_it_must():
-    for s in ["this stop's change", "a throwaway build", "issue 10 item 6", "earlier runs",
-              "issue-10 targets", "the last stop"]:
+    for s in [f"this {_WORK_UNIT}'s change", f"a {_DISCARDED} build", f"{_TRACKER} 10 item 6",
+              "earlier runs", f"{_TRACKER}-10 targets", f"the last {_WORK_UNIT}"]:
         assert NARRATION.search(s), s
     for s in ["the VM stops", "swiotlb stops after", "cloud-hypervisor #8184", "a stop eventfd"]:
         assert not NARRATION.search(s), s
