@@ -81,14 +81,9 @@ impl<T: SlotRange> Locked<T> {
     ) -> Result<Self> {
         check_geometry(geom, whole_segments)?;
         let span = geom.area_nslabs;
-        Ok(Self {
-            geom: *geom,
-            span,
-            ranges: (0..geom.nareas)
-                .map(|a| TimedMutex::new(make(a * span, span)))
-                .collect(),
-            kind,
-        })
+        Ok(Self::with_ranges(kind, geom, span, geom.nareas, |a| {
+            make(a * span, span)
+        }))
     }
 
     /// One range over the whole pool (the areas of `geom` are ignored, but must be consistent).
@@ -102,12 +97,25 @@ impl<T: SlotRange> Locked<T> {
         make: impl Fn(usize, usize) -> T,
     ) -> Result<Self> {
         check_geometry(geom, whole_segments)?;
-        Ok(Self {
+        Ok(Self::with_ranges(kind, geom, geom.nslabs.max(1), 1, |_| {
+            make(0, geom.nslabs)
+        }))
+    }
+
+    /// `count` ranges, the `i`th built by `range(i)`, each lock covering `span` slots.
+    fn with_ranges(
+        kind: AllocatorKind,
+        geom: &Geometry,
+        span: usize,
+        count: usize,
+        range: impl Fn(usize) -> T,
+    ) -> Self {
+        Self {
             geom: *geom,
-            span: geom.nslabs.max(1),
-            ranges: Box::new([TimedMutex::new(make(0, geom.nslabs))]),
+            span,
+            ranges: (0..count).map(|i| TimedMutex::new(range(i))).collect(),
             kind,
-        })
+        }
     }
 
     /// Tries `f` on each range under its lock, from the calling worker's area and wrapping
