@@ -12,9 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use bounce::{Direction, Dma, Policy, PoolConfig};
-use common::{header, pattern, RAM};
+use common::{pattern, RAM};
 use devices::block::io::{AioMode, CacheMode, OnFull, RawDisk};
-use devices::block::{Block, BlockConfig, Disk, MemDisk};
+use devices::block::request::RequestHeader;
+use devices::block::{Block, BlockConfig, Disk, MemDisk, STATUS_UNSET};
 use devices::testing::{dma_matrix, TestDriver};
 use devices::virtio::driver::{Buf, Used};
 use devices::virtio::spec::{
@@ -70,10 +71,10 @@ fn post<D: Disk>(
     len: u32,
     misalign: u64,
 ) -> Req {
-    let h = drv.ram.alloc_bytes(&header(t, sector));
+    let h = drv.ram.alloc_bytes(&RequestHeader::encode(t, sector));
     let data = drv.ram.alloc(u64::from(len) + 4096, 4096) + misalign;
     let st = drv.ram.alloc(1, 1);
-    drv.ram.write(st, &[0xee]);
+    drv.ram.write(st, &[STATUS_UNSET]);
     let mut bufs = vec![Buf::ro(h, 16)];
     match t {
         VIRTIO_BLK_T_IN => bufs.push(Buf::wo(data, len)),
@@ -290,7 +291,11 @@ fn used_ring_follows_completion_order() {
             used.iter().all(|u| u.id != u32::from(held.head)),
             "{name}: the held request completed"
         );
-        assert_eq!(status_of(&drv, held), 0xee, "{name}: status written early");
+        assert_eq!(
+            status_of(&drv, held),
+            STATUS_UNSET,
+            "{name}: status written early"
+        );
         for r in &rest {
             assert_eq!(status_of(&drv, *r), VIRTIO_BLK_S_OK);
         }
@@ -614,7 +619,7 @@ fn waiting_with_nothing_in_flight_retries_on_the_timer() {
     let r = post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096, 0);
     drv.kick(0).unwrap();
     assert!(drv.reap(0).is_empty(), "completed on a full pool");
-    assert_eq!(status_of(&drv, r), 0xee);
+    assert_eq!(status_of(&drv, r), STATUS_UNSET);
     // Timer rounds pass without progress while the pool stays full.
     for _ in 0..3 {
         let n = drv.poll_worker(0, 5000).unwrap();
@@ -649,9 +654,11 @@ fn hostile_chains_at_depth() {
                     1 => bad.push(post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 700, 0)),
                     // Data buffer outside guest memory.
                     2 => {
-                        let h = drv.ram.alloc_bytes(&header(VIRTIO_BLK_T_IN, 0));
+                        let h = drv
+                            .ram
+                            .alloc_bytes(&RequestHeader::encode(VIRTIO_BLK_T_IN, 0));
                         let st = drv.ram.alloc(1, 1);
-                        drv.ram.write(st, &[0xee]);
+                        drv.ram.write(st, &[STATUS_UNSET]);
                         let head = drv
                             .post(
                                 0,

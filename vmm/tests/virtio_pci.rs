@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use devices::block::io::ImageFormat;
-use devices::block::{Block, BlockConfig, DiskImage};
+use devices::block::request::RequestHeader;
+use devices::block::{Block, BlockConfig, DiskImage, STATUS_UNSET};
 use devices::options::BounceOptions;
 use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
@@ -96,13 +97,14 @@ fn add_blk(
 
 /// Writes the request (OUT of one sector at SECTOR) and the rings into guest memory.
 fn prepare_request(mem: &GuestMemoryMmap, pattern: &[u8]) {
-    let mut hdr = Vec::new();
-    hdr.extend(VIRTIO_BLK_T_OUT.to_le_bytes());
-    hdr.extend(0u32.to_le_bytes());
-    hdr.extend(SECTOR.to_le_bytes());
-    mem.write_slice(&hdr, GuestAddress(HDR)).unwrap();
+    mem.write_slice(
+        &RequestHeader::encode(VIRTIO_BLK_T_OUT, SECTOR),
+        GuestAddress(HDR),
+    )
+    .unwrap();
     mem.write_slice(pattern, GuestAddress(DATA)).unwrap();
-    mem.write_slice(&[0xff], GuestAddress(STATUS)).unwrap();
+    mem.write_slice(&[STATUS_UNSET], GuestAddress(STATUS))
+        .unwrap();
     let layout = Layout {
         size: 8,
         desc: DESC,

@@ -21,14 +21,17 @@ use std::time::{Duration, Instant};
 
 use bounce::testing::qemu_img_available;
 use common::*;
+use devices::block::request::RequestHeader;
+use devices::block::STATUS_UNSET;
 use devices::testing::durable::{
     assert_acknowledged, assert_consistent, crash_offset, crash_pattern, create_image, read_back,
 };
 use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_OUT,
-    VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
-    VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+    feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_FLUSH,
+    VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER,
+    VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_F_ACCESS_PLATFORM,
+    VIRTIO_F_VERSION_1,
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -163,12 +166,6 @@ fn kernel(flush: bool) -> Vec<u8> {
 
     let mut img = vec![0u8; usize::try_from(END - K).unwrap()];
     put(&mut img, K, &a.code);
-    let header = |kind: u32, sector: u64| {
-        let mut h = kind.to_le_bytes().to_vec();
-        h.extend(0u32.to_le_bytes());
-        h.extend(sector.to_le_bytes());
-        h
-    };
     // The driver writes the chains and the avail entries (not the avail index: the program
     // publishes) into memory laid out as the image, then they are copied in.
     let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(K), img.len())]).unwrap();
@@ -184,16 +181,16 @@ fn kernel(flush: bool) -> Vec<u8> {
         let h = head(i);
         let hdr = HDR + 16 * i;
         let status = STATUS + 16 * u64::from(h);
-        put(&mut img, status, &[0xff]);
+        put(&mut img, status, &[STATUS_UNSET]);
         let chain = if i == WRITES {
-            put(&mut img, hdr, &header(VIRTIO_BLK_T_FLUSH, 0));
+            put(&mut img, hdr, &RequestHeader::encode(VIRTIO_BLK_T_FLUSH, 0));
             vec![Buf::ro(hdr, 16), Buf::wo(status, 1)]
         } else {
             let data = DATA + LEN as u64 * i;
             put(
                 &mut img,
                 hdr,
-                &header(VIRTIO_BLK_T_OUT, crash_offset(i) / 512),
+                &RequestHeader::encode(VIRTIO_BLK_T_OUT, crash_offset(i) / 512),
             );
             put(&mut img, data, &crash_pattern(i, LEN));
             vec![Buf::ro(hdr, 16), Buf::ro(data, len), Buf::wo(status, 1)]
@@ -283,10 +280,10 @@ impl Vm {
                 let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
                 panic!("{what}: {n} completions expected; guest printed {seen:?}; stderr: {err}");
             };
-            if let Some(i) = (0..WRITES).find(|&i| l == line(head(i), 0)) {
+            if let Some(i) = (0..WRITES).find(|&i| l == line(head(i), VIRTIO_BLK_S_OK)) {
                 acked.push(i);
             }
-            flushed |= l == line(head(WRITES), 0);
+            flushed |= l == line(head(WRITES), VIRTIO_BLK_S_OK);
             seen.push(l);
         }
         (acked, flushed)

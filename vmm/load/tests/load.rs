@@ -16,14 +16,16 @@ use std::time::{Duration, Instant};
 use bounce::testing::workspace_bin;
 use bouncevm_load::{Error, LoadConfig, Rw};
 use bouncevm_vhost::{Memory, Server};
+use devices::block::request::{RequestHeader, RequestType};
+use devices::block::REQ_HEADER_LEN;
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_F_ACCESS_PLATFORM,
-    VIRTIO_F_VERSION_1, VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+    VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
 };
 use devices::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
 use serde_json::Value;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Address, Bytes};
+use vm_memory::Bytes;
 
 const LOAD: &str = env!("CARGO_BIN_EXE_bouncevm-load");
 /// Another package's binary (see `bounce::testing::workspace_bin`).
@@ -451,16 +453,16 @@ impl FakeWorker {
                 let (Some(h), Some(st)) = (descs.first(), descs.last()) else {
                     return Err(broken("empty chain".into()));
                 };
-                let t: u32 = mem.read_obj(h.addr()).map_err(|e| broken(e.to_string()))?;
-                let sector: u64 = mem
-                    .read_obj(h.addr().unchecked_add(8))
+                let mut hdr = [0u8; REQ_HEADER_LEN];
+                mem.read_slice(&mut hdr, h.addr())
                     .map_err(|e| broken(e.to_string()))?;
-                let mut at = usize::try_from(sector * 512).unwrap();
+                let hdr = RequestHeader::parse(&hdr);
+                let mut at = usize::try_from(hdr.sector * 512).unwrap();
                 let mut disk = self.disk.lock().unwrap();
                 for d in &descs[1..descs.len() - 1] {
                     let len = d.len() as usize;
                     let range = at..at + len;
-                    if t == VIRTIO_BLK_T_IN {
+                    if hdr.kind == RequestType::In {
                         mem.write_slice(&disk[range], d.addr())
                             .map_err(|e| broken(e.to_string()))?;
                     } else if self.fault != Fault::LoseWrites {
