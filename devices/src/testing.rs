@@ -52,10 +52,14 @@
 pub mod durable;
 
 use std::collections::HashMap;
+use std::io;
+use std::sync::{mpsc, Mutex};
 
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap, VolatileSlice};
 
+use crate::block::{Disk, MemDisk};
 use crate::virtio::dispatch::{Dispatcher, Outcome};
 use crate::virtio::driver::{Buf, DriverQueue, Layout, Used};
 use crate::virtio::spec::{
@@ -621,4 +625,45 @@ pub fn dma_matrix(slots: usize) -> Vec<(String, bounce::Dma)> {
         }
     }
     out
+}
+
+/// A memory disk whose reads of sector 0 wait until the test sends on the other end of
+/// `gate`: a slow request, to see what the engine and the worker do behind it.
+#[derive(Debug)]
+pub struct GateDisk {
+    /// What the disk holds.
+    pub mem: MemDisk,
+    /// One message releases one read of sector 0.
+    pub gate: Mutex<mpsc::Receiver<()>>,
+}
+
+impl Disk for GateDisk {
+    fn capacity(&self) -> u64 {
+        self.mem.capacity()
+    }
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
+        if offset == 0 {
+            self.gate.lock().unwrap().recv().unwrap();
+        }
+        self.mem.read_at(offset, buf)
+    }
+    fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
+        self.mem.write_at(offset, buf)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
+        self.mem.discard(o, l)
+    }
+    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
+        self.mem.write_zeroes(o, l, u)
+    }
+    fn kind(&self) -> &'static str {
+        "gate"
+    }
 }

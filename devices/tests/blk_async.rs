@@ -16,7 +16,7 @@ use common::{pattern, RAM};
 use devices::block::io::{AioMode, CacheMode, OnFull, RawDisk};
 use devices::block::request::RequestHeader;
 use devices::block::{Block, BlockConfig, Disk, MemDisk, STATUS_UNSET};
-use devices::testing::{dma_matrix, TestDriver};
+use devices::testing::{dma_matrix, GateDisk, TestDriver};
 use devices::virtio::driver::{Buf, Used};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
@@ -226,44 +226,6 @@ fn a_burst_reaches_the_kernel_in_doubling_batches() {
         let s = stats(&drv);
         assert_eq!(s["engine"]["submitted"], 32, "{name}: {s}");
         assert_eq!(s["engine"]["submit_calls"], 6, "{name}: {s}");
-    }
-}
-
-/// A memory disk whose reads of sector 0 wait until the test releases them.
-#[derive(Debug)]
-struct GateDisk {
-    mem: MemDisk,
-    gate: Mutex<mpsc::Receiver<()>>,
-}
-
-impl Disk for GateDisk {
-    fn capacity(&self) -> u64 {
-        self.mem.capacity()
-    }
-    fn read_at<B: BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &mut VolatileSlice<B>,
-    ) -> io::Result<usize> {
-        if offset == 0 {
-            self.gate.lock().unwrap().recv().unwrap();
-        }
-        self.mem.read_at(offset, buf)
-    }
-    fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
-        self.mem.write_at(offset, buf)
-    }
-    fn flush(&self) -> io::Result<()> {
-        Ok(())
-    }
-    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
-        self.mem.discard(o, l)
-    }
-    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
-        self.mem.write_zeroes(o, l, u)
-    }
-    fn kind(&self) -> &'static str {
-        "gate"
     }
 }
 

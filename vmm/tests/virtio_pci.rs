@@ -19,10 +19,9 @@ use devices::block::{Block, BlockConfig, DiskImage, STATUS_UNSET};
 use devices::options::BounceOptions;
 use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_F_MQ, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_ACKNOWLEDGE,
-    VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
-    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_CTRL_VQ,
-    VIRTIO_NET_F_MQ,
+    feature, VIRTIO_BLK_F_MQ, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_DRIVER_OK,
+    VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_RING_PACKED,
+    VIRTIO_F_VERSION_1, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_MQ,
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm::boot::regs::EntryState;
@@ -31,8 +30,6 @@ use vmm::pci::PciDevice;
 use vmm::virtio_pci::{SharedVirtioDevice, VirtioPciDevice, VirtioPciOptions};
 use vmm::{Machine, MachineConfig};
 
-const EBX: u8 = 3;
-const ECX: u8 = 1;
 const DEV: u8 = 1;
 
 // Guest memory layout of the request.
@@ -168,16 +165,7 @@ fn driver_program() -> (Asm, Asm) {
         .st32(ECX, 4, 0)
         .st32(ECX, 8, VECTOR)
         .st32(ECX, 12, 0)
-        .conf1_read(DEV, 8) // BAR4 low
-        .and_eax(!0xf)
-        .mov_ebx_eax()
-        .st8(EBX, 0x14, 0) // reset
-        .st8(EBX, 0x14, VIRTIO_CONFIG_S_ACKNOWLEDGE)
-        .st8(
-            EBX,
-            0x14,
-            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
-        )
+        .virtio_reset_to_driver(DEV)
         .st32(EBX, 0x00, 0)
         .ld32(EBX, 0x04)
         .report_eax(REPORT_PORT) // device features 0..31
@@ -210,12 +198,7 @@ fn driver_program() -> (Asm, Asm) {
         .report_eax(REPORT_PORT) // queue size
         .st16(EBX, 0x1a, 0) // queue vector 0
         .st16(EBX, 0x10, 1) // config vector 1
-        .st32(EBX, 0x20, DESC as u32)
-        .st32(EBX, 0x24, 0)
-        .st32(EBX, 0x28, AVAIL as u32)
-        .st32(EBX, 0x2c, 0)
-        .st32(EBX, 0x30, USED as u32)
-        .st32(EBX, 0x34, 0)
+        .virtio_queue_rings(DESC as u32, AVAIL as u32, USED as u32)
         .st16(EBX, 0x1c, 1)
         .ld16(EBX, 0x1c)
         .report_eax(REPORT_PORT) // queue enable

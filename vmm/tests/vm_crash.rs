@@ -29,9 +29,8 @@ use devices::testing::durable::{
 use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_FLUSH,
-    VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER,
-    VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_F_ACCESS_PLATFORM,
-    VIRTIO_F_VERSION_1,
+    VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FEATURES_OK,
+    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -54,9 +53,6 @@ const HDR: u64 = K + 0x4000;
 const STATUS: u64 = K + 0x5000;
 const DATA: u64 = K + 0x6000;
 const END: u64 = DATA + WRITES * LEN as u64;
-
-const EBX: u8 = 3;
-const ECX: u8 = 1;
 
 /// Head descriptor of write `i`; the FLUSH is `head(WRITES)`.
 fn head(i: u64) -> u16 {
@@ -114,16 +110,7 @@ fn kernel(flush: bool) -> Vec<u8> {
         .hlt_forever();
     a.patch_to_here(found);
     a.conf1_write(DEV, 1, 0x6) // memory space, bus master
-        .conf1_read(DEV, 8) // BAR 4: the virtio structures
-        .and_eax(!0xf)
-        .mov_ebx_eax()
-        .st8(EBX, 0x14, 0) // reset
-        .st8(EBX, 0x14, VIRTIO_CONFIG_S_ACKNOWLEDGE)
-        .st8(
-            EBX,
-            0x14,
-            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
-        )
+        .virtio_reset_to_driver(DEV)
         .st32(EBX, 0x08, 0)
         .st32(
             EBX,
@@ -144,12 +131,7 @@ fn kernel(flush: bool) -> Vec<u8> {
     a.patch_to_here(ok);
     a.st16(EBX, 0x16, 0) // queue 0
         .st16(EBX, 0x18, QUEUE_SIZE)
-        .st32(EBX, 0x20, DESC as u32)
-        .st32(EBX, 0x24, 0)
-        .st32(EBX, 0x28, AVAIL as u32)
-        .st32(EBX, 0x2c, 0)
-        .st32(EBX, 0x30, USED as u32)
-        .st32(EBX, 0x34, 0)
+        .virtio_queue_rings(DESC as u32, AVAIL as u32, USED as u32)
         .st16(EBX, 0x1c, 1)
         .st8(EBX, 0x14, DRIVER_FEATURES_OK | VIRTIO_CONFIG_S_DRIVER_OK);
     publish(&mut a, WRITES);

@@ -13,7 +13,7 @@ use std::sync::{Arc, LazyLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use bounce::testing::workspace_bin;
+use bounce::testing::{wait_for_path, workspace_bin};
 use bouncevm_load::{Error, LoadConfig, Rw};
 use bouncevm_vhost::{Memory, Server};
 use devices::block::request::{RequestHeader, RequestType};
@@ -62,18 +62,6 @@ impl Drop for Proc {
     }
 }
 
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !path.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "{} never appeared",
-            path.display()
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn ours(dir: &Path, img: &Path, queues: u16) -> (Proc, PathBuf, PathBuf) {
     let sock = dir.join("ours.sock");
     let stats = dir.join("ours.stats");
@@ -89,8 +77,8 @@ fn ours(dir: &Path, img: &Path, queues: u16) -> (Proc, PathBuf, PathBuf) {
         .spawn()
         .unwrap();
     let p = Proc(child);
-    wait_for(&sock);
-    wait_for(&stats);
+    wait_for_path(&sock);
+    wait_for_path(&stats);
     (p, sock, stats)
 }
 
@@ -112,7 +100,7 @@ fn qsd(dir: &Path, img: &Path, queues: u16) -> (Proc, PathBuf) {
         .spawn()
         .expect("qemu-storage-daemon must be on PATH (tests/setup.sh installs qemu-utils)");
     let p = Proc(child);
-    wait_for(&sock);
+    wait_for_path(&sock);
     (p, sock)
 }
 
