@@ -213,6 +213,8 @@ enum RawDir {
     Name(String),
 }
 
+/// Every field either format may carry, as serde reads it (its runs of same-shape lines are
+/// the format's field list, not logic written twice).
 #[derive(Deserialize)]
 struct RawLine {
     op: String,

@@ -370,15 +370,3 @@ impl<D: Disk> Disk for ProbeDisk<D> {
 pub fn qemu_img() -> Option<&'static str> {
     bounce::testing::qemu_img_available().then_some("qemu-img")
 }
-
-/// Runs `cmd`, which must succeed; returns its stdout.
-pub fn run(cmd: &mut std::process::Command) -> String {
-    let o = cmd.output().unwrap();
-    assert!(
-        o.status.success(),
-        "{cmd:?} failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
