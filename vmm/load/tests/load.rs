@@ -22,7 +22,9 @@ use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
     VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
 };
-use devices::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
+use devices::virtio::{
+    ActivateError, Handled, QueueWorker, Queues, Signal, VirtioDevice, WorkerError, WorkerEvent,
+};
 use serde_json::Value;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::Bytes;
@@ -493,12 +495,7 @@ impl QueueWorker<Memory> for FakeWorker {
     fn queue_indexes(&self) -> Vec<u16> {
         vec![0]
     }
-    fn handle(
-        &mut self,
-        event: WorkerEvent,
-        mem: &Memory,
-        queues: &mut [&mut Queue],
-    ) -> Result<Signal, WorkerError> {
+    fn handle(&mut self, event: WorkerEvent, mem: &Memory, queues: Queues<'_, '_>) -> Handled {
         let mut signal = Signal::NONE;
         if let WorkerEvent::Kick(i) = event {
             let q = queues

@@ -21,7 +21,9 @@ use devices::virtio::spec::{
     feature, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
     VIRTIO_RING_F_EVENT_IDX,
 };
-use devices::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
+use devices::virtio::{
+    ActivateError, Handled, QueueWorker, Queues, Signal, VirtioDevice, WorkerError, WorkerEvent,
+};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
@@ -176,12 +178,7 @@ impl QueueWorker<Memory> for EchoWorker {
     fn extra_fds(&self) -> Vec<(RawFd, u32)> {
         vec![(self.extra.as_raw_fd(), EXTRA_TOKEN)]
     }
-    fn handle(
-        &mut self,
-        event: WorkerEvent,
-        mem: &Memory,
-        queues: &mut [&mut Queue],
-    ) -> Result<Signal, WorkerError> {
+    fn handle(&mut self, event: WorkerEvent, mem: &Memory, queues: Queues<'_, '_>) -> Handled {
         let mut signal = Signal::NONE;
         match event {
             WorkerEvent::Kick(i) => {
