@@ -60,11 +60,12 @@ use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap, VolatileSlice};
 
 use crate::block::{Disk, MemDisk};
+use crate::net::header::VnetHeader;
 use crate::virtio::dispatch::{Dispatcher, Outcome};
 use crate::virtio::driver::{Buf, DriverQueue, Layout, Used};
 use crate::virtio::spec::{
-    feature, VIRTIO_RING_F_EVENT_IDX, VRING_AVAIL_ALIGN_SIZE, VRING_DESC_ALIGN_SIZE,
-    VRING_USED_ALIGN_SIZE,
+    feature, VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_TCPV4, VIRTIO_RING_F_EVENT_IDX,
+    VRING_AVAIL_ALIGN_SIZE, VRING_DESC_ALIGN_SIZE, VRING_USED_ALIGN_SIZE,
 };
 use crate::virtio::{ActivateError, Signal, VirtioDevice, WorkerError, WorkerEvent};
 
@@ -665,5 +666,19 @@ impl Disk for GateDisk {
     }
     fn kind(&self) -> &'static str {
         "gate"
+    }
+}
+
+/// A TCP over IPv4 segmentation header as Linux sends it for a large frame (Ethernet, IPv4 and
+/// TCP headers of 54 bytes, MSS 1448, the TCP checksum left to the device).
+pub fn tso4_header() -> VnetHeader {
+    VnetHeader {
+        flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
+        gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
+        hdr_len: 54,
+        gso_size: 1448,
+        csum_start: 34,
+        csum_offset: 16,
+        num_buffers: 0,
     }
 }
