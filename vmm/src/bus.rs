@@ -129,27 +129,19 @@ impl Bus {
         let mut table = self.table_mut();
         // The closest range starting at or below `base` and the first one starting above it
         // are the only candidates for overlap, because registered ranges never overlap.
-        if let Some((&b, e)) = table.range(..=base).next_back() {
-            if b + e.len > base {
-                return Err(Error::Overlap {
-                    bus,
-                    base,
-                    len,
-                    other_base: b,
-                    other_len: e.len,
-                });
-            }
-        }
-        if let Some((&b, e)) = table.range(base..).next() {
-            if b < end {
-                return Err(Error::Overlap {
-                    bus,
-                    base,
-                    len,
-                    other_base: b,
-                    other_len: e.len,
-                });
-            }
+        let below = table
+            .range(..=base)
+            .next_back()
+            .filter(|(&b, e)| b + e.len > base);
+        let above = table.range(base..).next().filter(|(&b, _)| b < end);
+        if let Some((&other_base, e)) = below.or(above) {
+            return Err(Error::Overlap {
+                bus,
+                base,
+                len,
+                other_base,
+                other_len: e.len,
+            });
         }
         table.insert(base, Entry { len, device });
         tracing::debug!(bus, base, len, "registered bus range");
