@@ -308,11 +308,16 @@ fn notifications_fall_back_to_the_mmio_exit_path() {
 
 // ---- host-side register tests (the vCPU's view through the PciDevice trait) ----
 
-fn host_fixture(tag: &str) -> (Machine, Arc<Mutex<VirtioPciDevice>>, TempFile) {
+/// A machine with a virtio-blk function on a file named after `tag`, driven from the host
+/// side; `None` where there is no KVM.
+fn host_fixture(tag: &str) -> Option<(Machine, Arc<Mutex<VirtioPciDevice>>, TempFile)> {
+    if !kvm_available() {
+        return None;
+    }
     let file = disk_file(tag);
     let mut m = machine();
     let (f, _) = add_blk(&mut m, &file.0, VirtioPciOptions::default());
-    (m, f, file)
+    Some((m, f, file))
 }
 
 fn w(f: &Arc<Mutex<VirtioPciDevice>>, off: u64, data: &[u8]) {
@@ -329,10 +334,9 @@ fn r(f: &Arc<Mutex<VirtioPciDevice>>, off: u64, len: usize) -> u64 {
 
 #[test]
 fn refused_features_and_driver_ok_without_features_ok_set_needs_reset() {
-    if !kvm_available() {
+    let Some((_m, f, _file)) = host_fixture("needsreset") else {
         return;
-    }
-    let (_m, f, _file) = host_fixture("needsreset");
+    };
     w(&f, 0x14, &[1]);
     w(&f, 0x14, &[3]);
     // No VERSION_1: FEATURES_OK is refused, as often as the driver asks (counted each
@@ -358,10 +362,9 @@ fn refused_features_and_driver_ok_without_features_ok_set_needs_reset() {
 
 #[test]
 fn bad_queue_writes_are_ignored() {
-    if !kvm_available() {
+    let Some((_m, f, _file)) = host_fixture("badqueue") else {
         return;
-    }
-    let (_m, f, _file) = host_fixture("badqueue");
+    };
     w(&f, 0x16, &[0, 0]);
     for bad in [0u16, 3, 512, 1024] {
         w(&f, 0x18, &bad.to_le_bytes());
@@ -391,10 +394,9 @@ fn bad_queue_writes_are_ignored() {
 
 #[test]
 fn reset_stops_workers_and_clears_queues() {
-    if !kvm_available() {
+    let Some((m, f, _file)) = host_fixture("reset") else {
         return;
-    }
-    let (m, f, _file) = host_fixture("reset");
+    };
     let mem = m.memory().clone();
     prepare_request(&mem, &[0u8; 512]);
     w(&f, 0x14, &[3]);
