@@ -13,7 +13,7 @@
 //!
 //! And the configuration every property-based fuzz target of the workspace runs with
 //! ([`fuzz_config`]): `BVM_FUZZ_CASES` and `BVM_FUZZ_SEED`; and where another package's
-//! binary is ([`workspace_bin`]).
+//! binary is ([`workspace_bin`]), and [`wait_for_path`] for what a child process creates.
 
 use std::io::Write;
 
@@ -135,6 +135,22 @@ pub fn workspace_bin(name: &str) -> std::path::PathBuf {
         bin.display()
     );
     bin
+}
+
+/// Waits up to ten seconds for `path` to exist (a socket or file a child process creates).
+///
+/// # Panics
+/// When it does not appear in time.
+pub fn wait_for_path(path: &std::path::Path) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !path.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 /// The seed every fuzz target runs with unless `BVM_FUZZ_SEED` says otherwise.

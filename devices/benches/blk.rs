@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use bounce::{AllocatorKind, BouncePool, Dma, Policy, PoolConfig};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use devices::block::request::RequestHeader;
 use devices::block::{Block, BlockConfig, MemDisk};
 use devices::testing::{first_fit_pool, TestDriver};
 use devices::virtio::driver::Buf;
@@ -33,10 +34,7 @@ fn rig(dma: Dma, t: u32) -> Rig {
     drv.activate(256).unwrap();
     let reqs = (0..BATCH)
         .map(|i| {
-            let mut h = [0u8; 16];
-            h[0..4].copy_from_slice(&t.to_le_bytes());
-            h[8..16].copy_from_slice(&(8 * i as u64).to_le_bytes());
-            let hdr = drv.ram.alloc_bytes(&h);
+            let hdr = drv.ram.alloc_bytes(&RequestHeader::encode(t, 8 * i as u64));
             let data = drv.ram.alloc(4096, 4096);
             let st = drv.ram.alloc(1, 1);
             let w = t == VIRTIO_BLK_T_IN;

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use bounce::{BouncePool, Dma, Policy, PoolConfig};
 use devices::block::io::{AioMode, CacheMode, RawDisk};
+use devices::block::request::RequestHeader;
 use devices::block::{Block, BlockConfig};
 use devices::testing::TestDriver;
 use devices::virtio::driver::Buf;
@@ -23,13 +24,6 @@ use devices::virtio::spec::VIRTIO_BLK_T_IN;
 
 const DEPTH: usize = 32;
 const FILE: u64 = 256 << 20;
-
-fn header(sector: u64) -> [u8; 16] {
-    let mut h = [0u8; 16];
-    h[0..4].copy_from_slice(&VIRTIO_BLK_T_IN.to_le_bytes());
-    h[8..16].copy_from_slice(&sector.to_le_bytes());
-    h
-}
 
 struct Rig {
     drv: TestDriver<Block<RawDisk>>,
@@ -72,7 +66,9 @@ impl Rig {
         self.rng ^= self.rng << 17;
         let sector = (self.rng % (FILE / 4096)) * 8;
         let (h, d, s) = self.slots[slot];
-        self.drv.ram.write(h, &header(sector));
+        self.drv
+            .ram
+            .write(h, &RequestHeader::encode(VIRTIO_BLK_T_IN, sector));
         let head = self
             .drv
             .post(0, &[Buf::ro(h, 16), Buf::wo(d, 4096), Buf::wo(s, 1)])

@@ -52,15 +52,20 @@
 pub mod durable;
 
 use std::collections::HashMap;
+use std::io;
+use std::sync::{mpsc, Mutex};
 
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::bitmap::BitmapSlice;
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap, VolatileSlice};
 
+use crate::block::{Disk, MemDisk};
+use crate::net::header::VnetHeader;
 use crate::virtio::dispatch::{Dispatcher, Outcome};
 use crate::virtio::driver::{Buf, DriverQueue, Layout, Used};
 use crate::virtio::spec::{
-    feature, VIRTIO_RING_F_EVENT_IDX, VRING_AVAIL_ALIGN_SIZE, VRING_DESC_ALIGN_SIZE,
-    VRING_USED_ALIGN_SIZE,
+    feature, VIRTIO_NET_HDR_F_NEEDS_CSUM, VIRTIO_NET_HDR_GSO_TCPV4, VIRTIO_RING_F_EVENT_IDX,
+    VRING_AVAIL_ALIGN_SIZE, VRING_DESC_ALIGN_SIZE, VRING_USED_ALIGN_SIZE,
 };
 use crate::virtio::{ActivateError, Signal, VirtioDevice, WorkerError, WorkerEvent};
 
@@ -621,4 +626,59 @@ pub fn dma_matrix(slots: usize) -> Vec<(String, bounce::Dma)> {
         }
     }
     out
+}
+
+/// A memory disk whose reads of sector 0 wait until the test sends on the other end of
+/// `gate`: a slow request, to see what the engine and the worker do behind it.
+#[derive(Debug)]
+pub struct GateDisk {
+    /// What the disk holds.
+    pub mem: MemDisk,
+    /// One message releases one read of sector 0.
+    pub gate: Mutex<mpsc::Receiver<()>>,
+}
+
+impl Disk for GateDisk {
+    fn capacity(&self) -> u64 {
+        self.mem.capacity()
+    }
+    fn read_at<B: BitmapSlice>(
+        &self,
+        offset: u64,
+        buf: &mut VolatileSlice<B>,
+    ) -> io::Result<usize> {
+        if offset == 0 {
+            self.gate.lock().unwrap().recv().unwrap();
+        }
+        self.mem.read_at(offset, buf)
+    }
+    fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
+        self.mem.write_at(offset, buf)
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
+        self.mem.discard(o, l)
+    }
+    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
+        self.mem.write_zeroes(o, l, u)
+    }
+    fn kind(&self) -> &'static str {
+        "gate"
+    }
+}
+
+/// A TCP over IPv4 segmentation header as Linux sends it for a large frame (Ethernet, IPv4 and
+/// TCP headers of 54 bytes, MSS 1448, the TCP checksum left to the device).
+pub fn tso4_header() -> VnetHeader {
+    VnetHeader {
+        flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
+        gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
+        hdr_len: 54,
+        gso_size: 1448,
+        csum_start: 34,
+        csum_offset: 16,
+        num_buffers: 0,
+    }
 }

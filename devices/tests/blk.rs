@@ -11,6 +11,7 @@ use bounce::Dma;
 use common::*;
 use devices::block::{BlockConfig, Disk, DiskImage, MemDisk, Qcow2Disk, RawDisk};
 use devices::testing::dma_matrix;
+use devices::testing::durable::run;
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_DISCARD,
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX,

@@ -12,10 +12,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use bounce::{Direction, Dma, Policy, PoolConfig};
-use common::{header, pattern, RAM};
+use common::{pattern, RAM};
 use devices::block::io::{AioMode, CacheMode, OnFull, RawDisk};
-use devices::block::{Block, BlockConfig, Disk, MemDisk};
-use devices::testing::{dma_matrix, TestDriver};
+use devices::block::request::RequestHeader;
+use devices::block::{Block, BlockConfig, Disk, MemDisk, STATUS_UNSET};
+use devices::testing::{dma_matrix, GateDisk, TestDriver};
 use devices::virtio::driver::{Buf, Used};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
@@ -70,10 +71,10 @@ fn post<D: Disk>(
     len: u32,
     misalign: u64,
 ) -> Req {
-    let h = drv.ram.alloc_bytes(&header(t, sector));
+    let h = drv.ram.alloc_bytes(&RequestHeader::encode(t, sector));
     let data = drv.ram.alloc(u64::from(len) + 4096, 4096) + misalign;
     let st = drv.ram.alloc(1, 1);
-    drv.ram.write(st, &[0xee]);
+    drv.ram.write(st, &[STATUS_UNSET]);
     let mut bufs = vec![Buf::ro(h, 16)];
     match t {
         VIRTIO_BLK_T_IN => bufs.push(Buf::wo(data, len)),
@@ -228,44 +229,6 @@ fn a_burst_reaches_the_kernel_in_doubling_batches() {
     }
 }
 
-/// A memory disk whose reads of sector 0 wait until the test releases them.
-#[derive(Debug)]
-struct GateDisk {
-    mem: MemDisk,
-    gate: Mutex<mpsc::Receiver<()>>,
-}
-
-impl Disk for GateDisk {
-    fn capacity(&self) -> u64 {
-        self.mem.capacity()
-    }
-    fn read_at<B: BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &mut VolatileSlice<B>,
-    ) -> io::Result<usize> {
-        if offset == 0 {
-            self.gate.lock().unwrap().recv().unwrap();
-        }
-        self.mem.read_at(offset, buf)
-    }
-    fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
-        self.mem.write_at(offset, buf)
-    }
-    fn flush(&self) -> io::Result<()> {
-        Ok(())
-    }
-    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
-        self.mem.discard(o, l)
-    }
-    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
-        self.mem.write_zeroes(o, l, u)
-    }
-    fn kind(&self) -> &'static str {
-        "gate"
-    }
-}
-
 /// Completions go on the used ring in the order the host finishes them: the first request
 /// posted is held by the disk and is used last, after the seven behind it; each batch of
 /// completions asks for one notification.
@@ -290,7 +253,11 @@ fn used_ring_follows_completion_order() {
             used.iter().all(|u| u.id != u32::from(held.head)),
             "{name}: the held request completed"
         );
-        assert_eq!(status_of(&drv, held), 0xee, "{name}: status written early");
+        assert_eq!(
+            status_of(&drv, held),
+            STATUS_UNSET,
+            "{name}: status written early"
+        );
         for r in &rest {
             assert_eq!(status_of(&drv, *r), VIRTIO_BLK_S_OK);
         }
@@ -614,7 +581,7 @@ fn waiting_with_nothing_in_flight_retries_on_the_timer() {
     let r = post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096, 0);
     drv.kick(0).unwrap();
     assert!(drv.reap(0).is_empty(), "completed on a full pool");
-    assert_eq!(status_of(&drv, r), 0xee);
+    assert_eq!(status_of(&drv, r), STATUS_UNSET);
     // Timer rounds pass without progress while the pool stays full.
     for _ in 0..3 {
         let n = drv.poll_worker(0, 5000).unwrap();
@@ -649,9 +616,11 @@ fn hostile_chains_at_depth() {
                     1 => bad.push(post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 700, 0)),
                     // Data buffer outside guest memory.
                     2 => {
-                        let h = drv.ram.alloc_bytes(&header(VIRTIO_BLK_T_IN, 0));
+                        let h = drv
+                            .ram
+                            .alloc_bytes(&RequestHeader::encode(VIRTIO_BLK_T_IN, 0));
                         let st = drv.ram.alloc(1, 1);
-                        drv.ram.write(st, &[0xee]);
+                        drv.ram.write(st, &[STATUS_UNSET]);
                         let head = drv
                             .post(
                                 0,

@@ -23,6 +23,7 @@ use common::fuzz::{
     assert_only_writable_changed, canary, dma_for, fuzz_desc, snapshot, FuzzDesc, Targets, Writable,
 };
 use common::*;
+use devices::block::request::RequestHeader;
 use devices::block::{BlockConfig, MemDisk};
 use devices::testing::TestDriver;
 use devices::virtio::driver::{self, Desc};
@@ -122,7 +123,7 @@ fn run_case(c: &Case) {
     let hdrs: Vec<u64> = c
         .headers
         .iter()
-        .map(|&(t, s)| blk.drv.ram.alloc_bytes(&header(t, s)))
+        .map(|&(t, s)| blk.drv.ram.alloc_bytes(&RequestHeader::encode(t, s)))
         .collect();
     let tg = Targets::new(&mut blk.drv.ram, hdrs, c.indirect.len());
     tg.write_table(&blk.drv.ram, &c.indirect);

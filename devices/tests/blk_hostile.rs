@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use bounce::{Direction, Dma, Policy, PoolConfig};
 use common::*;
-use devices::block::{BlockConfig, Disk, MemDisk};
+use devices::block::request::RequestHeader;
+use devices::block::{BlockConfig, Disk, MemDisk, STATUS_UNSET};
 use devices::testing::first_fit_pool;
 use devices::virtio::driver::{write_table_desc, Desc, Used};
 use devices::virtio::spec::{
@@ -116,11 +117,11 @@ struct Bufs {
 
 fn bufs(blk: &mut Blk<MemDisk>, t: u32, sector: u64) -> Bufs {
     let ram = &mut blk.drv.ram;
-    let hdr = ram.alloc_bytes(&header(t, sector));
+    let hdr = ram.alloc_bytes(&RequestHeader::encode(t, sector));
     let data = ram.alloc(8192, 4096);
     ram.write(data, &[0xaa; 8192]);
     let st = ram.alloc(1, 1);
-    ram.write(st, &[0xee]);
+    ram.write(st, &[STATUS_UNSET]);
     Bufs { hdr, data, st }
 }
 
@@ -425,7 +426,7 @@ fn wrong_directions() {
         "untouched since the last request"
     );
     // A writable header: the request has no header, IOERR in the last writable byte.
-    blk.drv.ram.write(r.st, &[0xee]);
+    blk.drv.ram.write(r.st, &[STATUS_UNSET]);
     let used = raw(
         &mut blk,
         40,

@@ -23,7 +23,7 @@ use bounce::{BouncePool, Dma, Policy, PoolConfig};
 use devices::net::header::VnetHeader;
 use devices::net::worker::TOKEN_BACKEND;
 use devices::net::{Net, NetConfig, MAX_FRAME_LEN, VNET_HDR_LEN};
-use devices::testing::TestDriver;
+use devices::testing::{tso4_header, TestDriver};
 use devices::virtio::driver::Buf;
 use devices::virtio::spec::{
     feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ,
@@ -375,15 +375,7 @@ fn run(ns: &Netns, name: &str, dma: Dma) {
         csum_offset: 6,
         ..Default::default()
     };
-    let tso_hdr = VnetHeader {
-        flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
-        gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
-        hdr_len: 54,
-        gso_size: 1448,
-        csum_start: 34,
-        csum_offset: 16,
-        num_buffers: 0,
-    };
+    let tso_hdr = tso4_header();
     let tx = check_tx(&mut drv, &sock, name, csum_hdr, tso_hdr);
 
     // ---- RX: buffers of 4 KiB, then plain, CSUM-partial and 64 KiB TSO frames in the tap.

@@ -31,6 +31,7 @@ use bounce::Dma;
 use common::*;
 use devices::block::io::Qcow2Disk;
 use devices::block::BlockConfig;
+use devices::testing::durable::run;
 use devices::virtio::spec::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK};
 use proptest::prelude::*;
 

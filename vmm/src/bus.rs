@@ -129,27 +129,19 @@ impl Bus {
         let mut table = self.table_mut();
         // The closest range starting at or below `base` and the first one starting above it
         // are the only candidates for overlap, because registered ranges never overlap.
-        if let Some((&b, e)) = table.range(..=base).next_back() {
-            if b + e.len > base {
-                return Err(Error::Overlap {
-                    bus,
-                    base,
-                    len,
-                    other_base: b,
-                    other_len: e.len,
-                });
-            }
-        }
-        if let Some((&b, e)) = table.range(base..).next() {
-            if b < end {
-                return Err(Error::Overlap {
-                    bus,
-                    base,
-                    len,
-                    other_base: b,
-                    other_len: e.len,
-                });
-            }
+        let below = table
+            .range(..=base)
+            .next_back()
+            .filter(|(&b, e)| b + e.len > base);
+        let above = table.range(base..).next().filter(|(&b, _)| b < end);
+        if let Some((&other_base, e)) = below.or(above) {
+            return Err(Error::Overlap {
+                bus,
+                base,
+                len,
+                other_base,
+                other_len: e.len,
+            });
         }
         table.insert(base, Entry { len, device });
         tracing::debug!(bus, base, len, "registered bus range");
@@ -184,28 +176,26 @@ impl Bus {
     /// Dispatches a read; returns `false` (and leaves `data` untouched) when no device
     /// covers `addr`.
     pub fn read(&self, addr: u64, data: &mut [u8]) -> bool {
-        match self.resolve(addr) {
-            Some((base, offset, dev)) => {
-                dev.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .read(base, offset, data);
-                true
-            }
-            None => false,
-        }
+        self.with_device(addr, |dev, base, offset| dev.read(base, offset, data))
     }
 
     /// Dispatches a write; returns `false` when no device covers `addr`.
     pub fn write(&self, addr: u64, data: &[u8]) -> bool {
-        match self.resolve(addr) {
-            Some((base, offset, dev)) => {
-                dev.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .write(base, offset, data);
-                true
-            }
-            None => false,
-        }
+        self.with_device(addr, |dev, base, offset| dev.write(base, offset, data))
+    }
+
+    /// Runs `access` on the device covering `addr` (locked) with its base and the offset;
+    /// `false` when no device covers it.
+    fn with_device(&self, addr: u64, access: impl FnOnce(&mut dyn BusDevice, u64, u64)) -> bool {
+        let Some((base, offset, dev)) = self.resolve(addr) else {
+            return false;
+        };
+        access(
+            &mut *dev.lock().unwrap_or_else(|e| e.into_inner()),
+            base,
+            offset,
+        );
+        true
     }
 
     /// The registered ranges as `(base, len)`, in address order.

@@ -321,6 +321,8 @@ impl Vm {
     }
 
     /// Undoes [`Vm::register_ioeventfd`] (same arguments).
+    // The same match as there: kvm-ioctls takes the datamatch as a type parameter, one call
+    // per width, and the two ioctls are two methods.
     ///
     /// # Errors
     /// [`Error::Ioeventfd`].

@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use devices::block::io::ImageFormat;
-use devices::block::{Block, BlockConfig, DiskImage};
+use devices::block::request::RequestHeader;
+use devices::block::{Block, BlockConfig, DiskImage, STATUS_UNSET};
 use devices::options::BounceOptions;
 use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_F_MQ, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_ACKNOWLEDGE,
-    VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_NEEDS_RESET,
-    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_CTRL_VQ,
-    VIRTIO_NET_F_MQ,
+    feature, VIRTIO_BLK_F_MQ, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_DRIVER_OK,
+    VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_RING_PACKED,
+    VIRTIO_F_VERSION_1, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_MQ,
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm::boot::regs::EntryState;
@@ -30,8 +30,6 @@ use vmm::pci::PciDevice;
 use vmm::virtio_pci::{SharedVirtioDevice, VirtioPciDevice, VirtioPciOptions};
 use vmm::{Machine, MachineConfig};
 
-const EBX: u8 = 3;
-const ECX: u8 = 1;
 const DEV: u8 = 1;
 
 // Guest memory layout of the request.
@@ -96,13 +94,14 @@ fn add_blk(
 
 /// Writes the request (OUT of one sector at SECTOR) and the rings into guest memory.
 fn prepare_request(mem: &GuestMemoryMmap, pattern: &[u8]) {
-    let mut hdr = Vec::new();
-    hdr.extend(VIRTIO_BLK_T_OUT.to_le_bytes());
-    hdr.extend(0u32.to_le_bytes());
-    hdr.extend(SECTOR.to_le_bytes());
-    mem.write_slice(&hdr, GuestAddress(HDR)).unwrap();
+    mem.write_slice(
+        &RequestHeader::encode(VIRTIO_BLK_T_OUT, SECTOR),
+        GuestAddress(HDR),
+    )
+    .unwrap();
     mem.write_slice(pattern, GuestAddress(DATA)).unwrap();
-    mem.write_slice(&[0xff], GuestAddress(STATUS)).unwrap();
+    mem.write_slice(&[STATUS_UNSET], GuestAddress(STATUS))
+        .unwrap();
     let layout = Layout {
         size: 8,
         desc: DESC,
@@ -166,16 +165,7 @@ fn driver_program() -> (Asm, Asm) {
         .st32(ECX, 4, 0)
         .st32(ECX, 8, VECTOR)
         .st32(ECX, 12, 0)
-        .conf1_read(DEV, 8) // BAR4 low
-        .and_eax(!0xf)
-        .mov_ebx_eax()
-        .st8(EBX, 0x14, 0) // reset
-        .st8(EBX, 0x14, VIRTIO_CONFIG_S_ACKNOWLEDGE)
-        .st8(
-            EBX,
-            0x14,
-            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
-        )
+        .virtio_reset_to_driver(DEV)
         .st32(EBX, 0x00, 0)
         .ld32(EBX, 0x04)
         .report_eax(REPORT_PORT) // device features 0..31
@@ -208,12 +198,7 @@ fn driver_program() -> (Asm, Asm) {
         .report_eax(REPORT_PORT) // queue size
         .st16(EBX, 0x1a, 0) // queue vector 0
         .st16(EBX, 0x10, 1) // config vector 1
-        .st32(EBX, 0x20, DESC as u32)
-        .st32(EBX, 0x24, 0)
-        .st32(EBX, 0x28, AVAIL as u32)
-        .st32(EBX, 0x2c, 0)
-        .st32(EBX, 0x30, USED as u32)
-        .st32(EBX, 0x34, 0)
+        .virtio_queue_rings(DESC as u32, AVAIL as u32, USED as u32)
         .st16(EBX, 0x1c, 1)
         .ld16(EBX, 0x1c)
         .report_eax(REPORT_PORT) // queue enable
@@ -323,11 +308,16 @@ fn notifications_fall_back_to_the_mmio_exit_path() {
 
 // ---- host-side register tests (the vCPU's view through the PciDevice trait) ----
 
-fn host_fixture(tag: &str) -> (Machine, Arc<Mutex<VirtioPciDevice>>, TempFile) {
+/// A machine with a virtio-blk function on a file named after `tag`, driven from the host
+/// side; `None` where there is no KVM.
+fn host_fixture(tag: &str) -> Option<(Machine, Arc<Mutex<VirtioPciDevice>>, TempFile)> {
+    if !kvm_available() {
+        return None;
+    }
     let file = disk_file(tag);
     let mut m = machine();
     let (f, _) = add_blk(&mut m, &file.0, VirtioPciOptions::default());
-    (m, f, file)
+    Some((m, f, file))
 }
 
 fn w(f: &Arc<Mutex<VirtioPciDevice>>, off: u64, data: &[u8]) {
@@ -344,10 +334,9 @@ fn r(f: &Arc<Mutex<VirtioPciDevice>>, off: u64, len: usize) -> u64 {
 
 #[test]
 fn refused_features_and_driver_ok_without_features_ok_set_needs_reset() {
-    if !kvm_available() {
+    let Some((_m, f, _file)) = host_fixture("needsreset") else {
         return;
-    }
-    let (_m, f, _file) = host_fixture("needsreset");
+    };
     w(&f, 0x14, &[1]);
     w(&f, 0x14, &[3]);
     // No VERSION_1: FEATURES_OK is refused, as often as the driver asks (counted each
@@ -373,10 +362,9 @@ fn refused_features_and_driver_ok_without_features_ok_set_needs_reset() {
 
 #[test]
 fn bad_queue_writes_are_ignored() {
-    if !kvm_available() {
+    let Some((_m, f, _file)) = host_fixture("badqueue") else {
         return;
-    }
-    let (_m, f, _file) = host_fixture("badqueue");
+    };
     w(&f, 0x16, &[0, 0]);
     for bad in [0u16, 3, 512, 1024] {
         w(&f, 0x18, &bad.to_le_bytes());
@@ -406,10 +394,9 @@ fn bad_queue_writes_are_ignored() {
 
 #[test]
 fn reset_stops_workers_and_clears_queues() {
-    if !kvm_available() {
+    let Some((m, f, _file)) = host_fixture("reset") else {
         return;
-    }
-    let (m, f, _file) = host_fixture("reset");
+    };
     let mem = m.memory().clone();
     prepare_request(&mem, &[0u8; 512]);
     w(&f, 0x14, &[3]);

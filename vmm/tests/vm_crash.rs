@@ -21,14 +21,16 @@ use std::time::{Duration, Instant};
 
 use bounce::testing::qemu_img_available;
 use common::*;
+use devices::block::request::RequestHeader;
+use devices::block::STATUS_UNSET;
 use devices::testing::durable::{
     assert_acknowledged, assert_consistent, crash_offset, crash_pattern, create_image, read_back,
 };
 use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_OUT,
-    VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
-    VIRTIO_CONFIG_S_FEATURES_OK, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+    feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_FLUSH,
+    VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FEATURES_OK,
+    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -51,9 +53,6 @@ const HDR: u64 = K + 0x4000;
 const STATUS: u64 = K + 0x5000;
 const DATA: u64 = K + 0x6000;
 const END: u64 = DATA + WRITES * LEN as u64;
-
-const EBX: u8 = 3;
-const ECX: u8 = 1;
 
 /// Head descriptor of write `i`; the FLUSH is `head(WRITES)`.
 fn head(i: u64) -> u16 {
@@ -111,16 +110,7 @@ fn kernel(flush: bool) -> Vec<u8> {
         .hlt_forever();
     a.patch_to_here(found);
     a.conf1_write(DEV, 1, 0x6) // memory space, bus master
-        .conf1_read(DEV, 8) // BAR 4: the virtio structures
-        .and_eax(!0xf)
-        .mov_ebx_eax()
-        .st8(EBX, 0x14, 0) // reset
-        .st8(EBX, 0x14, VIRTIO_CONFIG_S_ACKNOWLEDGE)
-        .st8(
-            EBX,
-            0x14,
-            VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
-        )
+        .virtio_reset_to_driver(DEV)
         .st32(EBX, 0x08, 0)
         .st32(
             EBX,
@@ -141,12 +131,7 @@ fn kernel(flush: bool) -> Vec<u8> {
     a.patch_to_here(ok);
     a.st16(EBX, 0x16, 0) // queue 0
         .st16(EBX, 0x18, QUEUE_SIZE)
-        .st32(EBX, 0x20, DESC as u32)
-        .st32(EBX, 0x24, 0)
-        .st32(EBX, 0x28, AVAIL as u32)
-        .st32(EBX, 0x2c, 0)
-        .st32(EBX, 0x30, USED as u32)
-        .st32(EBX, 0x34, 0)
+        .virtio_queue_rings(DESC as u32, AVAIL as u32, USED as u32)
         .st16(EBX, 0x1c, 1)
         .st8(EBX, 0x14, DRIVER_FEATURES_OK | VIRTIO_CONFIG_S_DRIVER_OK);
     publish(&mut a, WRITES);
@@ -163,12 +148,6 @@ fn kernel(flush: bool) -> Vec<u8> {
 
     let mut img = vec![0u8; usize::try_from(END - K).unwrap()];
     put(&mut img, K, &a.code);
-    let header = |kind: u32, sector: u64| {
-        let mut h = kind.to_le_bytes().to_vec();
-        h.extend(0u32.to_le_bytes());
-        h.extend(sector.to_le_bytes());
-        h
-    };
     // The driver writes the chains and the avail entries (not the avail index: the program
     // publishes) into memory laid out as the image, then they are copied in.
     let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(K), img.len())]).unwrap();
@@ -184,16 +163,16 @@ fn kernel(flush: bool) -> Vec<u8> {
         let h = head(i);
         let hdr = HDR + 16 * i;
         let status = STATUS + 16 * u64::from(h);
-        put(&mut img, status, &[0xff]);
+        put(&mut img, status, &[STATUS_UNSET]);
         let chain = if i == WRITES {
-            put(&mut img, hdr, &header(VIRTIO_BLK_T_FLUSH, 0));
+            put(&mut img, hdr, &RequestHeader::encode(VIRTIO_BLK_T_FLUSH, 0));
             vec![Buf::ro(hdr, 16), Buf::wo(status, 1)]
         } else {
             let data = DATA + LEN as u64 * i;
             put(
                 &mut img,
                 hdr,
-                &header(VIRTIO_BLK_T_OUT, crash_offset(i) / 512),
+                &RequestHeader::encode(VIRTIO_BLK_T_OUT, crash_offset(i) / 512),
             );
             put(&mut img, data, &crash_pattern(i, LEN));
             vec![Buf::ro(hdr, 16), Buf::ro(data, len), Buf::wo(status, 1)]
@@ -283,10 +262,10 @@ impl Vm {
                 let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
                 panic!("{what}: {n} completions expected; guest printed {seen:?}; stderr: {err}");
             };
-            if let Some(i) = (0..WRITES).find(|&i| l == line(head(i), 0)) {
+            if let Some(i) = (0..WRITES).find(|&i| l == line(head(i), VIRTIO_BLK_S_OK)) {
                 acked.push(i);
             }
-            flushed |= l == line(head(WRITES), 0);
+            flushed |= l == line(head(WRITES), VIRTIO_BLK_S_OK);
             seen.push(l);
         }
         (acked, flushed)

@@ -213,6 +213,8 @@ enum RawDir {
     Name(String),
 }
 
+/// Every field either format may carry, as serde reads it (its runs of same-shape lines are
+/// the format's field list, not logic written twice).
 #[derive(Deserialize)]
 struct RawLine {
     op: String,
@@ -328,12 +330,9 @@ fn parse_dir(raw: Option<&RawDir>) -> std::result::Result<Direction, String> {
     }
 }
 
-/// `v`, or the error of an `op` line without `field`.
-fn required<T>(v: Option<T>, line: u64, op: &str, field: &str) -> Result<T> {
-    v.ok_or_else(|| TraceError::Parse {
-        line,
-        reason: format!("{op} without {field}"),
-    })
+/// `v`, or the reason an `op` line without `field` is refused.
+fn required<T>(v: Option<T>, op: &str, field: &str) -> std::result::Result<T, String> {
+    v.ok_or_else(|| format!("{op} without {field}"))
 }
 
 fn pool_kind(s: &str) -> std::result::Result<PoolKind, String> {
@@ -358,138 +357,152 @@ pub fn parse_line(line_no: u64, line: &str) -> Result<Option<TraceOp>> {
     if line.is_empty() {
         return Ok(None);
     }
-    let err = |reason: String| TraceError::Parse {
-        line: line_no,
-        reason,
-    };
-    let raw: RawLine =
-        serde_json::from_str(line).map_err(|e| err(format!("not a trace operation: {e}")))?;
-    let need_id = || raw.id.ok_or_else(|| err(format!("{} without id", raw.op)));
-    let op = match raw.op.as_str() {
-        "header" => TraceOp::Header(TraceHeader {
-            nslabs: raw.nslabs,
-            nareas: raw.nareas,
-            start: raw.start,
-            min_align_mask: raw.min_align_mask,
-            seg_boundary_mask: raw.seg_boundary_mask,
-            cpus: raw.cpus,
-            area_index_at_start: raw.area_index_at_start,
-            area_used_at_start: raw.area_used_at_start,
-            version: format_version(raw.format.as_deref()).map_err(err)?,
-            dynamic: raw.dynamic.as_ref().map(|d| DynamicHeader {
-                default_nareas: d.default_nareas,
-                default_nslabs: d.default_nslabs,
-                can_grow: match &d.can_grow {
-                    serde_json::Value::Bool(b) => *b,
-                    v => v.as_u64().is_some_and(|n| n != 0),
+    serde_json::from_str::<RawLine>(line)
+        .map_err(|e| format!("not a trace operation: {e}"))
+        .and_then(RawLine::into_op)
+        .map(Some)
+        .map_err(|reason| TraceError::Parse {
+            line: line_no,
+            reason,
+        })
+}
+
+/// Each step gives the reason a line is refused; [`parse_line`] adds the line number.
+impl RawLine {
+    /// The operation the line holds.
+    fn into_op(mut self) -> std::result::Result<TraceOp, String> {
+        let op = std::mem::take(&mut self.op);
+        let op = op.as_str();
+        let id = || required(self.id, op, "id");
+        Ok(match op {
+            "header" => TraceOp::Header(self.header()?),
+            "map" => TraceOp::Map(self.map(op)?),
+            "pool_add" => TraceOp::PoolAdd {
+                start: required(self.start, op, "start")?,
+                nslabs: required(self.nslabs, op, "nslabs")?,
+                nareas: required(self.nareas, op, "nareas")?,
+                worker_ts: self.worker_ts.as_ref().and_then(serde_json::Value::as_u64),
+            },
+            "transient_alloc" => TraceOp::TransientAlloc {
+                id: id()?,
+                start: if self.failed.unwrap_or(false) {
+                    None
+                } else {
+                    Some(required(self.start, op, "start")?)
                 },
-                phys_limit: d.phys_limit.unwrap_or(u64::from(u32::MAX)),
-            }),
-            hiwater_at_start: raw
+                nslabs: required(self.nslabs, op, "nslabs")?,
+                nareas: self.nareas.unwrap_or(1),
+            },
+            "transient_free" => TraceOp::TransientFree {
+                id: id()?,
+                start: required(self.start, op, "start")?,
+                nslabs: required(self.nslabs, op, "nslabs")?,
+                search_failed: self.search_failed.unwrap_or(false),
+            },
+            "unmap" => TraceOp::Unmap {
+                id: id()?,
+                worker: self.worker.or(self.cpu),
+                attrs: self.attrs.map(DmaAttrs::from_linux),
+            },
+            "sync_for_cpu" | "sync_for_device" => TraceOp::Sync {
+                id: id()?,
+                for_cpu: op == "sync_for_cpu",
+                offset: to_usize(self.offset.unwrap_or(0), "offset")?,
+                size: self.size.map(|s| to_usize(s, "size")).transpose()?,
+            },
+            other => return Err(format!("unknown op '{other}'")),
+        })
+    }
+
+    /// A `header` line: the geometry and the dynamic-pool settings of the traced kernel.
+    fn header(self) -> std::result::Result<TraceHeader, String> {
+        Ok(TraceHeader {
+            nslabs: self.nslabs,
+            nareas: self.nareas,
+            start: self.start,
+            min_align_mask: self.min_align_mask,
+            seg_boundary_mask: self.seg_boundary_mask,
+            cpus: self.cpus,
+            area_index_at_start: self.area_index_at_start,
+            area_used_at_start: self.area_used_at_start,
+            version: format_version(self.format.as_deref())?,
+            dynamic: self.dynamic.as_ref().map(RawDynamic::header),
+            hiwater_at_start: self
                 .debugfs_before
                 .as_ref()
                 .and_then(|d| counter(d.io_tlb_used_hiwater.as_ref())),
-            counters_at_end: raw.debugfs_after.as_ref().map(RawDebugfs::counters),
-        }),
-        "map" => {
-            let id = need_id()?;
-            let kernel = if raw.kernel_tlb_addr.is_some() || raw.kernel_error.is_some() {
-                let pool = match (raw.kernel_pool, raw.kernel_pool_kind.as_deref()) {
-                    (Some(start), Some(kind)) => Some((start, pool_kind(kind).map_err(err)?)),
-                    _ => None,
-                };
-                let counters = match (
-                    raw.kernel_nslabs,
-                    raw.kernel_used,
-                    raw.kernel_hiwater,
-                    raw.kernel_transient_nslabs,
-                ) {
-                    (Some(nslabs), Some(used), Some(hiwater), Some(transient_nslabs)) => {
-                        Some(KernelCounters {
-                            nslabs,
-                            used,
-                            hiwater,
-                            transient_nslabs,
-                        })
-                    }
-                    _ => None,
-                };
-                Some(KernelDecision {
-                    tlb_addr: raw.kernel_tlb_addr,
-                    area_used: raw.kernel_area_used,
-                    area_index: raw.kernel_area_index,
-                    pool,
-                    grow: raw.kernel_grow.unwrap_or(false),
-                    counters,
-                })
-            } else {
-                None
-            };
-            TraceOp::Map(MapOp {
-                id,
-                orig: raw.orig.ok_or_else(|| err("map without orig".into()))?,
-                size: to_usize(
-                    raw.size.ok_or_else(|| err("map without size".into()))?,
-                    "size",
-                )
-                .map_err(err)?,
-                worker: raw.worker.or(raw.cpu).unwrap_or(0),
-                dir: parse_dir(raw.dir.as_ref()).map_err(err)?,
-                attrs: DmaAttrs::from_linux(raw.attrs.unwrap_or(0)),
-                min_align_mask: raw.min_align_mask,
-                alloc_align_mask: raw.alloc_align_mask.unwrap_or(0),
-                seg_boundary_mask: raw.seg_boundary_mask,
-                kernel,
-                time: raw
-                    .ts
-                    .as_ref()
-                    .and_then(serde_json::Value::as_u64)
-                    .map(|ts| {
-                        let ret = raw.ret_ts.as_ref().and_then(serde_json::Value::as_u64);
-                        (ts, ret.unwrap_or(ts))
-                    }),
-            })
+            counters_at_end: self.debugfs_after.as_ref().map(RawDebugfs::counters),
+        })
+    }
+
+    /// A `map` line: the request and, where recorded, what the kernel decided.
+    fn map(mut self, op: &str) -> std::result::Result<MapOp, String> {
+        let id = required(self.id, op, "id")?;
+        let kernel = self.kernel_decision()?;
+        Ok(MapOp {
+            id,
+            orig: required(self.orig, op, "orig")?,
+            size: to_usize(required(self.size, op, "size")?, "size")?,
+            worker: self.worker.or(self.cpu).unwrap_or(0),
+            dir: parse_dir(self.dir.as_ref())?,
+            attrs: DmaAttrs::from_linux(self.attrs.unwrap_or(0)),
+            min_align_mask: self.min_align_mask,
+            alloc_align_mask: self.alloc_align_mask.unwrap_or(0),
+            seg_boundary_mask: self.seg_boundary_mask,
+            kernel,
+            time: self
+                .ts
+                .as_ref()
+                .and_then(serde_json::Value::as_u64)
+                .map(|ts| {
+                    let ret = self.ret_ts.as_ref().and_then(serde_json::Value::as_u64);
+                    (ts, ret.unwrap_or(ts))
+                }),
+        })
+    }
+
+    /// The kernel's own decision on a `map` line (none when the capture did not record one).
+    fn kernel_decision(&mut self) -> std::result::Result<Option<KernelDecision>, String> {
+        if self.kernel_tlb_addr.is_none() && self.kernel_error.is_none() {
+            return Ok(None);
         }
-        "pool_add" => TraceOp::PoolAdd {
-            start: required(raw.start, line_no, &raw.op, "start")?,
-            nslabs: required(raw.nslabs, line_no, &raw.op, "nslabs")?,
-            nareas: required(raw.nareas, line_no, &raw.op, "nareas")?,
-            worker_ts: raw.worker_ts.as_ref().and_then(serde_json::Value::as_u64),
-        },
-        "transient_alloc" => TraceOp::TransientAlloc {
-            id: need_id()?,
-            start: if raw.failed.unwrap_or(false) {
-                None
-            } else {
-                Some(required(raw.start, line_no, &raw.op, "start")?)
+        let pool = match (self.kernel_pool, self.kernel_pool_kind.as_deref()) {
+            (Some(start), Some(kind)) => Some((start, pool_kind(kind)?)),
+            _ => None,
+        };
+        Ok(Some(KernelDecision {
+            tlb_addr: self.kernel_tlb_addr,
+            area_used: self.kernel_area_used.take(),
+            area_index: self.kernel_area_index.take(),
+            pool,
+            grow: self.kernel_grow.unwrap_or(false),
+            counters: self.kernel_counters(),
+        }))
+    }
+
+    /// The kernel's pool counters after a `map`, when all four were recorded.
+    fn kernel_counters(&self) -> Option<KernelCounters> {
+        Some(KernelCounters {
+            nslabs: self.kernel_nslabs?,
+            used: self.kernel_used?,
+            hiwater: self.kernel_hiwater?,
+            transient_nslabs: self.kernel_transient_nslabs?,
+        })
+    }
+}
+
+impl RawDynamic {
+    fn header(&self) -> DynamicHeader {
+        DynamicHeader {
+            default_nareas: self.default_nareas,
+            default_nslabs: self.default_nslabs,
+            can_grow: match &self.can_grow {
+                serde_json::Value::Bool(b) => *b,
+                v => v.as_u64().is_some_and(|n| n != 0),
             },
-            nslabs: required(raw.nslabs, line_no, &raw.op, "nslabs")?,
-            nareas: raw.nareas.unwrap_or(1),
-        },
-        "transient_free" => TraceOp::TransientFree {
-            id: need_id()?,
-            start: required(raw.start, line_no, &raw.op, "start")?,
-            nslabs: required(raw.nslabs, line_no, &raw.op, "nslabs")?,
-            search_failed: raw.search_failed.unwrap_or(false),
-        },
-        "unmap" => TraceOp::Unmap {
-            id: need_id()?,
-            worker: raw.worker.or(raw.cpu),
-            attrs: raw.attrs.map(DmaAttrs::from_linux),
-        },
-        "sync_for_cpu" | "sync_for_device" => TraceOp::Sync {
-            id: need_id()?,
-            for_cpu: raw.op == "sync_for_cpu",
-            offset: to_usize(raw.offset.unwrap_or(0), "offset").map_err(err)?,
-            size: raw
-                .size
-                .map(|s| to_usize(s, "size"))
-                .transpose()
-                .map_err(err)?,
-        },
-        other => return Err(err(format!("unknown op '{other}'"))),
-    };
-    Ok(Some(op))
+            phys_limit: self.phys_limit.unwrap_or(u64::from(u32::MAX)),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use crate::error::Error;
 use crate::geometry::{PoolConfig, SizeLimit};
 use crate::orig::OrigMemory;
 use crate::pool::{BouncePool, Mapping};
-use crate::types::{AllocatorKind, MapRequest, PoolMode};
+use crate::types::{AllocatorKind, DmaAttrs, MapRequest, PoolMode};
 use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
 /// Original memory that is not there: every address is accessible, reads produce zeros, writes
@@ -383,13 +383,7 @@ impl Replayer {
                     nareas: *nareas,
                     search_failed: false,
                 };
-                match &mut self.dynamic {
-                    Some(d) => {
-                        d.pending.insert(*id, given);
-                        Outcome::Transient { id: *id }
-                    }
-                    None => self.not_dynamic(*id, op),
-                }
+                self.transient_alloc(*id, given, op)
             }
             TraceOp::TransientFree {
                 id,
@@ -397,86 +391,84 @@ impl Replayer {
                 search_failed,
                 ..
             } => self.transient_free(line, *id, *start, *search_failed, mismatches),
-            TraceOp::Unmap { id, worker, attrs } => {
-                let Some(mapping) = self.live.remove(id) else {
-                    self.summary.other_errors += 1;
-                    return Outcome::Failed {
-                        id: *id,
-                        reason: "unmap of an unknown or failed map".into(),
-                    };
-                };
-                let worker = worker.unwrap_or(0);
-                let transient = self
-                    .dynamic
-                    .as_ref()
-                    .and_then(|_| self.pool.pool_of(mapping.dev_addr))
-                    .filter(|p| p.kind == PoolKind::Transient);
-                let r = self.pool.unmap_single(
-                    &NullMemory,
-                    mapping.dev_addr,
-                    mapping.size,
-                    mapping.dir,
-                    attrs.unwrap_or(mapping.attrs),
-                    worker,
-                );
-                if let Some(d) = &mut self.dynamic {
-                    d.last_freed = transient.filter(|_| r.is_ok()).map(|p| p.start);
-                }
-                match r {
-                    Ok(()) => {
-                        self.summary.unmaps += 1;
-                        Outcome::Unmapped { id: *id }
-                    }
-                    Err(e) => {
-                        self.summary.other_errors += 1;
-                        Outcome::Failed {
-                            id: *id,
-                            reason: e.to_string(),
-                        }
-                    }
-                }
-            }
+            TraceOp::Unmap { id, worker, attrs } => self.unmap(*id, worker.unwrap_or(0), *attrs),
             TraceOp::Sync {
                 id,
                 for_cpu,
                 offset,
                 size,
-            } => {
-                let Some(mapping) = self.live.get(id) else {
-                    self.summary.other_errors += 1;
-                    return Outcome::Failed {
-                        id: *id,
-                        reason: "sync of an unknown or failed map".into(),
-                    };
-                };
-                let size = size.unwrap_or(mapping.size.saturating_sub(*offset));
-                let r = match mapping.dev_addr.checked_add(*offset as u64) {
-                    None => Err(Error::OutOfPool {
-                        addr: mapping.dev_addr,
-                        len: size,
-                    }),
-                    Some(addr) if *for_cpu => {
-                        self.pool.sync_for_cpu(&NullMemory, addr, size, mapping.dir)
-                    }
-                    Some(addr) => self
-                        .pool
-                        .sync_for_device(&NullMemory, addr, size, mapping.dir),
-                };
-                match r {
-                    Ok(()) => {
-                        self.summary.syncs += 1;
-                        Outcome::Synced { id: *id }
-                    }
-                    Err(e) => {
-                        self.summary.other_errors += 1;
-                        Outcome::Failed {
-                            id: *id,
-                            reason: e.to_string(),
-                        }
-                    }
-                }
-            }
+            } => self.sync(*id, *for_cpu, *offset, *size),
         }
+    }
+
+    /// Records the kernel's transient pool for the `map` of `id` to take.
+    fn transient_alloc(&mut self, id: u64, given: GivenTransient, op: &TraceOp) -> Outcome {
+        match &mut self.dynamic {
+            Some(d) => {
+                d.pending.insert(id, given);
+                Outcome::Transient { id }
+            }
+            None => self.not_dynamic(id, op),
+        }
+    }
+
+    fn unmap(&mut self, id: u64, worker: usize, attrs: Option<DmaAttrs>) -> Outcome {
+        let Some(mapping) = self.live.remove(&id) else {
+            return self.failed(id, "unmap of an unknown or failed map".into());
+        };
+        let transient = self
+            .dynamic
+            .as_ref()
+            .and_then(|_| self.pool.pool_of(mapping.dev_addr))
+            .filter(|p| p.kind == PoolKind::Transient);
+        let r = self.pool.unmap_single(
+            &NullMemory,
+            mapping.dev_addr,
+            mapping.size,
+            mapping.dir,
+            attrs.unwrap_or(mapping.attrs),
+            worker,
+        );
+        if let Some(d) = &mut self.dynamic {
+            d.last_freed = transient.filter(|_| r.is_ok()).map(|p| p.start);
+        }
+        match r {
+            Ok(()) => {
+                self.summary.unmaps += 1;
+                Outcome::Unmapped { id }
+            }
+            Err(e) => self.failed(id, e.to_string()),
+        }
+    }
+
+    fn sync(&mut self, id: u64, for_cpu: bool, offset: usize, size: Option<usize>) -> Outcome {
+        let Some(mapping) = self.live.get(&id) else {
+            return self.failed(id, "sync of an unknown or failed map".into());
+        };
+        let size = size.unwrap_or(mapping.size.saturating_sub(offset));
+        let r = match mapping.dev_addr.checked_add(offset as u64) {
+            None => Err(Error::OutOfPool {
+                addr: mapping.dev_addr,
+                len: size,
+            }),
+            Some(addr) if for_cpu => self.pool.sync_for_cpu(&NullMemory, addr, size, mapping.dir),
+            Some(addr) => self
+                .pool
+                .sync_for_device(&NullMemory, addr, size, mapping.dir),
+        };
+        match r {
+            Ok(()) => {
+                self.summary.syncs += 1;
+                Outcome::Synced { id }
+            }
+            Err(e) => self.failed(id, e.to_string()),
+        }
+    }
+
+    /// An operation on `id` that failed for `reason`, counted.
+    fn failed(&mut self, id: u64, reason: String) -> Outcome {
+        self.summary.other_errors += 1;
+        Outcome::Failed { id, reason }
     }
 
     fn map(&mut self, line: u64, m: &MapOp, mismatches: &mut Vec<Mismatch>) -> Outcome {
@@ -724,14 +716,11 @@ impl Replayer {
 
     /// A format-2 op in a replay without dynamic pools.
     fn not_dynamic(&mut self, id: u64, op: &TraceOp) -> Outcome {
-        self.summary.other_errors += 1;
-        Outcome::Failed {
-            id,
-            reason: format!(
-                "{} needs a dynamic pool (a swiotlb-kernel-trace/2 header)",
-                op.name()
-            ),
-        }
+        let reason = format!(
+            "{} needs a dynamic pool (a swiotlb-kernel-trace/2 header)",
+            op.name()
+        );
+        self.failed(id, reason)
     }
 
     /// Ends a replay: in a dynamic replay, `transient_alloc`s no map took, and the counters

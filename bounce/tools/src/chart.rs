@@ -103,25 +103,16 @@ const LABEL_CHAR_W: f64 = 7.5;
 /// Axis title font size.
 const DESC_FONT: u32 = 15;
 
-/// Ten well-separated colours (Tableau's), then black and dark grey.
-const PALETTE: [RGBColor; 12] = [
-    RGBColor(31, 119, 180),
-    RGBColor(255, 127, 14),
-    RGBColor(44, 160, 44),
-    RGBColor(214, 39, 40),
-    RGBColor(148, 103, 189),
-    RGBColor(140, 86, 75),
-    RGBColor(227, 119, 194),
-    RGBColor(127, 127, 127),
-    RGBColor(188, 189, 34),
-    RGBColor(23, 190, 207),
-    RGBColor(0, 0, 0),
-    RGBColor(85, 85, 85),
+/// Ten well-separated colours (Tableau's), then black and dark grey, as 0xRRGGBB.
+const PALETTE: [u32; 12] = [
+    0x1f77b4, 0xff7f0e, 0x2ca02c, 0xd62728, 0x9467bd, 0x8c564b, 0xe377c2, 0x7f7f7f, 0xbcbd22,
+    0x17becf, 0x000000, 0x555555,
 ];
 
 /// The palette's colour `i` (cycling).
 pub fn color(i: usize) -> RGBColor {
-    PALETTE[i % PALETTE.len()]
+    let [_, r, g, b] = PALETTE[i % PALETTE.len()].to_be_bytes();
+    RGBColor(r, g, b)
 }
 
 /// `x` rounded to three significant digits.

@@ -43,6 +43,9 @@ pub const SECTOR_SIZE: u64 = 1 << SECTOR_SHIFT;
 
 /// Length of the request header (`struct virtio_blk_outhdr`: type, reserved, sector).
 pub const REQ_HEADER_LEN: usize = size_of::<virtio_blk_outhdr>();
+/// A status byte no virtio-blk status has: a driver writes it before submitting, so a
+/// completion that leaves it shows a device that did not write the status.
+pub const STATUS_UNSET: u8 = 0xff;
 /// Length of one discard / write-zeroes segment (`struct virtio_blk_discard_write_zeroes`).
 pub const DISCARD_SEG_LEN: usize = size_of::<virtio_blk_discard_write_zeroes>();
 /// Bytes of the id string answered to GET_ID (`VIRTIO_BLK_ID_BYTES`, a small `u32`).

@@ -13,7 +13,7 @@ use super::io::{IoDone, IoEngine, OnFull};
 use super::request::{Request, RequestCtx, Started};
 use crate::virtio::chain::Chain;
 use crate::virtio::queue::{self, Step};
-use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
+use crate::virtio::{Handled, QueueWorker, Queues, Signal, WorkerError, WorkerEvent};
 
 /// Worker fd token of the engine's completion eventfd.
 pub const ENGINE_TOKEN: u32 = 0;
@@ -218,12 +218,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
         v
     }
 
-    fn handle(
-        &mut self,
-        event: WorkerEvent,
-        mem: &M,
-        queues: &mut [&mut Queue],
-    ) -> Result<Signal, WorkerError> {
+    fn handle(&mut self, event: WorkerEvent, mem: &M, queues: Queues<'_, '_>) -> Handled {
         let [queue] = queues else {
             return Err(WorkerError::UnexpectedEvent(event));
         };

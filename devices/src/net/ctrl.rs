@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::Arc;
 
 use bounce::Dma;
-use virtio_queue::Queue;
 use vm_memory::GuestMemory;
 
 use super::metrics::NetMetrics;
@@ -27,7 +26,7 @@ use crate::virtio::spec::{
     VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET, VIRTIO_NET_CTRL_RX, VIRTIO_NET_ERR, VIRTIO_NET_F_MQ,
     VIRTIO_NET_OK,
 };
-use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
+use crate::virtio::{Handled, QueueWorker, Queues, Signal, WorkerError, WorkerEvent};
 
 /// Largest command accepted (a MAC table of 4096 entries); larger ones get ERR.
 const MAX_CMD: usize = 2 + 2 * (4 + 6 * 4096);
@@ -150,12 +149,7 @@ impl<M: GuestMemory> QueueWorker<M> for CtrlWorker<M> {
         vec![self.index]
     }
 
-    fn handle(
-        &mut self,
-        event: WorkerEvent,
-        mem: &M,
-        queues: &mut [&mut Queue],
-    ) -> Result<Signal, WorkerError> {
+    fn handle(&mut self, event: WorkerEvent, mem: &M, queues: Queues<'_, '_>) -> Handled {
         let (WorkerEvent::Kick(0), [q]) = (event, queues) else {
             return Err(WorkerError::UnexpectedEvent(event));
         };

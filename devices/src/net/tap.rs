@@ -99,6 +99,15 @@ impl Tap {
         }
     }
 
+    /// The error of an ioctl `what()` that returned `ret` (negative: the OS error), if any.
+    fn check(&self, ret: c_int, what: impl FnOnce() -> String) -> Result<()> {
+        if ret < 0 {
+            let e = io::Error::last_os_error();
+            return Err(Self::err(&self.name, format!("{}: {e}", what())));
+        }
+        Ok(())
+    }
+
     /// Opens `queues` queues of the tap `name` (creating it if it does not exist and the
     /// caller may), each non-blocking with 12-byte vnet headers and no offloads yet.
     ///
@@ -193,12 +202,7 @@ impl Tap {
         // SAFETY: TUNGETIFF writes a `struct ifreq` into `req`, a 40-byte repr(C) struct that
         // lives for the call.
         let ret = unsafe { ioctl_with_mut_ref(&self.file, TUNGETIFF(), &mut req) };
-        if ret < 0 {
-            return Err(Self::err(
-                &self.name,
-                format!("TUNGETIFF: {}", io::Error::last_os_error()),
-            ));
-        }
+        self.check(ret, || "TUNGETIFF".into())?;
         Ok(req.flags)
     }
 
@@ -210,13 +214,7 @@ impl Tap {
         let size = c_int::try_from(size).map_err(|_| Self::err(&self.name, "bad header size"))?;
         // SAFETY: TUNSETVNETHDRSZ reads one int from the pointer; `size` lives for the call.
         let ret = unsafe { ioctl_with_ref(&self.file, TUNSETVNETHDRSZ(), &size) };
-        if ret < 0 {
-            return Err(Self::err(
-                &self.name,
-                format!("TUNSETVNETHDRSZ: {}", io::Error::last_os_error()),
-            ));
-        }
-        Ok(())
+        self.check(ret, || "TUNSETVNETHDRSZ".into())
     }
 
     /// Sets the receive offloads (TUNSETOFFLOAD, `TUN_F_*`). Pass [`offload_flags`] of the
@@ -227,13 +225,7 @@ impl Tap {
     pub fn set_offload(&self, flags: u32) -> Result<()> {
         // SAFETY: TUNSETOFFLOAD takes its argument by value; no memory is passed.
         let ret = unsafe { ioctl_with_val(&self.file, TUNSETOFFLOAD(), flags.into()) };
-        if ret < 0 {
-            return Err(Self::err(
-                &self.name,
-                format!("TUNSETOFFLOAD {flags:#x}: {}", io::Error::last_os_error()),
-            ));
-        }
-        Ok(())
+        self.check(ret, || format!("TUNSETOFFLOAD {flags:#x}"))
     }
 
     /// Attaches this queue to, or detaches it from, the tap's steering (TUNSETQUEUE); a

@@ -18,6 +18,7 @@ use super::rate_limiter::{ManualClock, RateLimiter, ShaperConfig};
 use super::test_utils::*;
 use super::worker::{PairWorker, SharedBackend, TOKEN_BACKEND, TOKEN_SHAPER};
 use super::*;
+use crate::testing::tso4_header;
 use crate::virtio::spec::{
     feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_CTRL_MAC,
     VIRTIO_NET_CTRL_MAC_TABLE_SET, VIRTIO_NET_CTRL_MQ, VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET,
@@ -152,15 +153,7 @@ fn tx_64k_tso_and_csum_partial_frames_pass_with_features_acked() {
     let acked = BASE | feature(VIRTIO_NET_F_HOST_TSO4) | feature(VIRTIO_NET_F_HOST_TSO6);
     for (name, dma) in dmas() {
         let mut p = Pair::new(acked, dma.clone());
-        let tso = VnetHeader {
-            flags: VIRTIO_NET_HDR_F_NEEDS_CSUM,
-            gso_type: VIRTIO_NET_HDR_GSO_TCPV4,
-            hdr_len: 54,
-            gso_size: 1448,
-            csum_start: 34,
-            csum_offset: 16,
-            num_buffers: 0,
-        };
+        let tso = tso4_header();
         let big = frame(&tso, MAX_FRAME_LEN, 1);
         p.g.post_readable(TXQ, &[&big]);
         let partial = VnetHeader {

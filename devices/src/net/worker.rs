@@ -51,7 +51,7 @@ use crate::virtio::chain::{Chain, ChainHead, Seg, WalkRules};
 use crate::virtio::iobuf::{IoBuf, IoBufs};
 use crate::virtio::queue::{self, Step};
 use crate::virtio::spec::{feature, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_RING_F_INDIRECT_DESC};
-use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
+use crate::virtio::{Handled, QueueWorker, Queues, Signal, WorkerError, WorkerEvent};
 
 /// Token of the backend's fd in [`QueueWorker::extra_fds`].
 pub const TOKEN_BACKEND: u32 = 0;
@@ -647,12 +647,7 @@ impl<M: GuestMemory> QueueWorker<M> for PairWorker<M> {
         v
     }
 
-    fn handle(
-        &mut self,
-        event: WorkerEvent,
-        mem: &M,
-        queues: &mut [&mut Queue],
-    ) -> Result<Signal, WorkerError> {
+    fn handle(&mut self, event: WorkerEvent, mem: &M, queues: Queues<'_, '_>) -> Handled {
         let [rx, tx] = queues else {
             return Err(WorkerError::Broken(format!(
                 "a pair worker needs 2 queues, got {}",

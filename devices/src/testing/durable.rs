@@ -42,16 +42,22 @@ pub fn create_image(path: &Path, format: &str) {
             .unwrap()
             .set_len(IMAGE_SIZE)
             .unwrap(),
-        "qcow2" => run(Command::new("qemu-img")
-            .args(["create", "-q", "-f", "qcow2", "-o"])
-            .arg(format!("cluster_size={QCOW2_CLUSTER}"))
-            .arg(path)
-            .arg(IMAGE_SIZE.to_string())),
+        "qcow2" => {
+            run(Command::new("qemu-img")
+                .args(["create", "-q", "-f", "qcow2", "-o"])
+                .arg(format!("cluster_size={QCOW2_CLUSTER}"))
+                .arg(path)
+                .arg(IMAGE_SIZE.to_string()));
+        }
         f => panic!("unknown format {f}"),
     }
 }
 
-fn run(cmd: &mut Command) {
+/// Runs `cmd`, which must succeed; returns its stdout.
+///
+/// # Panics
+/// When it cannot be started or fails (its output is in the message).
+pub fn run(cmd: &mut Command) -> String {
     let o = cmd.output().unwrap();
     assert!(
         o.status.success(),
@@ -59,6 +65,7 @@ fn run(cmd: &mut Command) {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
+    String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 /// The guest-visible contents of the image after the crash. A qcow2 image must first pass

@@ -210,6 +210,7 @@ impl<M: GuestMemory> Dispatcher<M> {
 mod tests {
     use super::*;
     use crate::testing::{device_queue, GuestRam};
+    use crate::virtio::{Handled, Queues};
     use vm_memory::GuestMemoryMmap;
 
     /// Counts calls; breaks on `Fd(9)`.
@@ -223,8 +224,8 @@ mod tests {
             &mut self,
             event: WorkerEvent,
             _mem: &GuestMemoryMmap,
-            _queues: &mut [&mut Queue],
-        ) -> Result<Signal, WorkerError> {
+            _queues: Queues<'_, '_>,
+        ) -> Handled {
             self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             match event {
                 WorkerEvent::Fd(9) => Err(WorkerError::Broken("asked to".into())),

@@ -30,6 +30,13 @@ use std::os::fd::RawFd;
 use virtio_queue::Queue;
 use vm_memory::GuestMemory;
 
+/// The queues of a [`QueueWorker`], as the transport lends them to [`QueueWorker::handle`]
+/// (`queues[i]` is device queue `queue_indexes()[i]`).
+pub type Queues<'a, 'q> = &'a mut [&'q mut Queue];
+
+/// What [`QueueWorker::handle`] returns: the queues to notify, or why the worker stops.
+pub type Handled = Result<Signal, WorkerError>;
+
 /// Errors of activation.
 #[derive(Debug, thiserror::Error)]
 pub enum ActivateError {
@@ -170,12 +177,7 @@ pub trait QueueWorker<M: GuestMemory>: Send {
     ///
     /// # Errors
     /// [`WorkerError::Broken`] when the device cannot go on.
-    fn handle(
-        &mut self,
-        event: WorkerEvent,
-        mem: &M,
-        queues: &mut [&mut Queue],
-    ) -> Result<Signal, WorkerError>;
+    fn handle(&mut self, event: WorkerEvent, mem: &M, queues: Queues<'_, '_>) -> Handled;
 
     /// The transport dropped an event for this worker because the driver has set up its
     /// queues but disabled one of them (vhost-user `SET_VRING_ENABLE` 0: QEMU disables the

@@ -5,7 +5,8 @@
 pub mod fuzz;
 
 use bounce::Dma;
-use devices::block::{Block, BlockConfig, Disk};
+use devices::block::request::RequestHeader;
+use devices::block::{Block, BlockConfig, Disk, STATUS_UNSET};
 use devices::testing::TestDriver;
 use devices::virtio::driver::Buf;
 use devices::virtio::spec::{
@@ -43,13 +44,6 @@ pub struct Done {
 /// A block device under a test driver.
 pub struct Blk<D: Disk> {
     pub drv: TestDriver<Block<D>>,
-}
-
-pub fn header(t: u32, sector: u64) -> [u8; 16] {
-    let mut h = [0u8; 16];
-    h[0..4].copy_from_slice(&t.to_le_bytes());
-    h[8..16].copy_from_slice(&sector.to_le_bytes());
-    h
 }
 
 pub fn discard_seg(sector: u64, num: u32, flags: u32) -> [u8; 16] {
@@ -119,7 +113,7 @@ impl<D: Disk> Blk<D> {
         layout: Layout,
     ) -> Posted {
         let ram = &mut self.drv.ram;
-        let h = header(t, sector);
+        let h = RequestHeader::encode(t, sector);
         let olen = out.len() as u32;
         let mut bufs = Vec::new();
         let (din, st);
@@ -130,7 +124,7 @@ impl<D: Disk> Blk<D> {
                 let a = ram.alloc_bytes(&rd);
                 bufs.push(Buf::ro(a, rd.len() as u32));
                 let w = ram.alloc(u64::from(in_len) + 1, 512);
-                ram.write(w + u64::from(in_len), &[0xee]);
+                ram.write(w + u64::from(in_len), &[STATUS_UNSET]);
                 bufs.push(Buf::wo(w, in_len + 1));
                 din = w;
                 st = w + u64::from(in_len);
@@ -155,7 +149,7 @@ impl<D: Disk> Blk<D> {
                     }
                 }
                 st = ram.alloc(1, 1);
-                ram.write(st, &[0xee]);
+                ram.write(st, &[STATUS_UNSET]);
                 bufs.push(Buf::wo(st, 1));
             }
         }
@@ -375,16 +369,4 @@ impl<D: Disk> Disk for ProbeDisk<D> {
 /// `qemu-img`, or `None` after reporting it missing.
 pub fn qemu_img() -> Option<&'static str> {
     bounce::testing::qemu_img_available().then_some("qemu-img")
-}
-
-/// Runs `cmd`, which must succeed; returns its stdout.
-pub fn run(cmd: &mut std::process::Command) -> String {
-    let o = cmd.output().unwrap();
-    assert!(
-        o.status.success(),
-        "{cmd:?} failed: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
 }

@@ -299,16 +299,29 @@ fn chart_panel(r: &Results, panel: &str, rows: &[&CellResult]) -> Option<(Panel,
     let first = rows.first()?;
     let primary = r.plan.primary_of(&first.cell);
     let scaling = scaling(rows, &primary);
+    let series = panel_series(rows, &primary, &scaling);
+    let (y_label, y_unit, note) = panel_axis(r, panel, rows, &primary, &scaling);
+    Some((
+        Panel {
+            title: panel.to_string(),
+            x_label: r.plan.x_label.into(),
+            x_scale: XScale::Log2,
+            y_label,
+            y_unit,
+            series,
+        },
+        note,
+    ))
+}
+
+/// A panel's lines, scaled: per series, ours solid and the seed's dashed, in one colour.
+fn panel_series(rows: &[&CellResult], primary: &Metric, scaling: &Scaling) -> Vec<Series> {
     let mut names: Vec<&str> = Vec::new();
     for c in rows {
         if !names.contains(&c.cell.series.as_str()) {
             names.push(&c.cell.series);
         }
     }
-    let baseline = rows
-        .iter()
-        .find(|c| c.cell.baseline)
-        .map_or("the baseline", |c| c.cell.series.as_str());
     let ours_at = |c: &CellResult| -> Option<f64> {
         match scaling {
             Scaling::ToBaseline => c.ratio,
@@ -343,7 +356,7 @@ fn chart_panel(r: &Results, panel: &str, rows: &[&CellResult]) -> Option<(Panel,
             }
         }
     }
-    if let Scaling::ToFirst(x0) = scaling {
+    if let Scaling::ToFirst(x0) = *scaling {
         for s in &mut series {
             let base = s.points.iter().find(|p| p.0 == x0).map_or(0.0, |p| p.1);
             for p in &mut s.points {
@@ -351,6 +364,22 @@ fn chart_panel(r: &Results, panel: &str, rows: &[&CellResult]) -> Option<(Panel,
             }
         }
     }
+    series
+}
+
+/// A panel's y axis (label and unit) and the caption line that says how it is scaled and
+/// where its points do not compare.
+fn panel_axis(
+    r: &Results,
+    panel: &str,
+    rows: &[&CellResult],
+    primary: &Metric,
+    scaling: &Scaling,
+) -> (String, String, String) {
+    let baseline = rows
+        .iter()
+        .find(|c| c.cell.baseline)
+        .map_or("the baseline", |c| c.cell.series.as_str());
     let x0 = rows.iter().map(|c| c.cell.x).min().unwrap_or(0);
     let (y_label, y_unit, mut note) = match scaling {
         Scaling::Same => (
@@ -386,17 +415,7 @@ fn chart_panel(r: &Results, panel: &str, rows: &[&CellResult]) -> Option<(Panel,
             "{panel}: where this machine cannot reproduce the seed's conditions (the rows the table marks n/a, and says why), our points and the seed's do not compare."
         ));
     }
-    Some((
-        Panel {
-            title: panel.to_string(),
-            x_label: r.plan.x_label.into(),
-            x_scale: XScale::Log2,
-            y_label,
-            y_unit,
-            series,
-        },
-        note,
-    ))
+    (y_label, y_unit, note)
 }
 
 /// The chart: one panel per table, ours solid and the seed's dashed on the same axes, and a

@@ -311,39 +311,49 @@ fn dynamic_is_on_or_off_and_refused_for_rows_that_cannot_take_it() {
 
 /// Runs the binary with `args`, checks it exits 2 with one line on stderr; that line.
 fn usage_error(args: &[&str]) -> String {
-    let o = Command::new(BIN).args(args).output().unwrap();
-    assert_eq!(o.status.code(), Some(2), "{args:?}: {o:?}");
+    one_line_error(Command::new(BIN).args(args), 2)
+}
+
+/// Runs the binary with `args` and an empty PATH (no tool it needs can be found), checks it
+/// exits 3 (missing prerequisite) with one line on stderr; that line.
+fn without_path(args: &[&str]) -> String {
+    one_line_error(Command::new(BIN).args(args).env("PATH", "/nonexistent"), 3)
+}
+
+/// Runs `cmd`, checks it exits with `code` and one line on stderr; that line.
+fn one_line_error(cmd: &mut Command, code: i32) -> String {
+    let o = cmd.output().unwrap();
+    assert_eq!(o.status.code(), Some(code), "{cmd:?}: {o:?}");
     let e = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_eq!(e.trim().lines().count(), 1, "{e}");
     e
 }
 
-#[test]
-fn seed_2012_phys_quick_writes_table_json_and_chart() {
+/// Runs a network preset's quick mode (when the machine has what it needs), checks its
+/// outputs and that its report says `expect`.
+fn net_quick_says(preset: &str, tag: &str, expect: &str) {
     if !net_prerequisites() {
         return;
     }
-    let d = TmpDir::new("2012");
-    let out = run_quick("seed-2012-phys", &d.0);
-    check_outputs("seed-2012-phys", &d.0, &out);
-    assert!(
-        out.contains("map+unmap cost in the bounce library"),
-        "{out}"
+    let d = TmpDir::new(tag);
+    let out = run_quick(preset, &d.0);
+    check_outputs(preset, &d.0, &out);
+    assert!(out.contains(expect), "{expect:?} is said: {out}");
+}
+
+#[test]
+fn seed_2012_phys_quick_writes_table_json_and_chart() {
+    net_quick_says(
+        "seed-2012-phys",
+        "2012",
+        "map+unmap cost in the bounce library",
     );
 }
 
 #[test]
 fn seed_2015_iova_quick_writes_table_json_and_chart() {
-    if !net_prerequisites() {
-        return;
-    }
-    let d = TmpDir::new("2015");
-    let out = run_quick("seed-2015-iova", &d.0);
-    check_outputs("seed-2015-iova", &d.0, &out);
-    assert!(
-        out.contains("48 threads"),
-        "the 2-core limit is said: {out}"
-    );
+    // The 2-core limit is said.
+    net_quick_says("seed-2015-iova", "2015", "48 threads");
 }
 
 #[test]
@@ -369,14 +379,7 @@ fn bad_usage_and_missing_prerequisites_are_one_line_and_distinct_statuses() {
         "{e}"
     );
     // A net preset without dpdk-testpmd on PATH says what to install.
-    let o = Command::new(BIN)
-        .args(["seed-2012-phys", "--quick", "--vhost", VHOST.as_str()])
-        .env("PATH", "/nonexistent")
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(3), "{o:?}");
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    let e = without_path(&["seed-2012-phys", "--quick", "--vhost", VHOST.as_str()]);
     if is_root() && Path::new("/dev/net/tun").exists() {
         assert!(
             e.contains("apt-get install --no-install-recommends dpdk-dev librte-net-virtio23"),
@@ -384,20 +387,13 @@ fn bad_usage_and_missing_prerequisites_are_one_line_and_distinct_statuses() {
         );
     }
     // A guest-level net preset without python3 on PATH (the rig-1 driver): said, not run.
-    let o = Command::new(BIN)
-        .args([
-            "seed-2015-iova",
-            "--level",
-            "guest",
-            "--vhost",
-            VHOST.as_str(),
-        ])
-        .env("PATH", "/nonexistent")
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(3), "{o:?}");
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(e.trim().lines().count(), 1, "{e}");
+    let e = without_path(&[
+        "seed-2015-iova",
+        "--level",
+        "guest",
+        "--vhost",
+        VHOST.as_str(),
+    ]);
     assert!(e.contains("python3"), "{e}");
 }
 

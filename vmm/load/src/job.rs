@@ -23,7 +23,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use devices::block::{REQ_HEADER_LEN, SECTOR_SIZE};
+use devices::block::request::RequestHeader;
+use devices::block::{REQ_HEADER_LEN, SECTOR_SIZE, STATUS_UNSET};
 use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_RING_F_EVENT_IDX,
@@ -46,9 +47,6 @@ const PAGE: u64 = 4096;
 pub fn ring_layout(base: u64, size: u16) -> Layout {
     Layout::packed(base, size, PAGE)
 }
-/// Status byte written before submission: a completion that leaves it is a back end that
-/// completed a request without a status.
-const STATUS_UNSET: u8 = 0xff;
 
 /// Where one job's queue, request metadata and buffers are in guest memory.
 #[derive(Clone, Copy, Debug)]
@@ -386,13 +384,11 @@ impl Job {
     /// Writes the request of `req` and puts it on the available ring.
     fn submit(&mut self, req: u16, op: Op, block: u64, gen: u32) -> Result<()> {
         let offset = self.start + block * u64::from(self.bs);
-        let mut hdr = [0u8; REQ_HEADER_LEN];
         let t = match op {
             Op::Read => VIRTIO_BLK_T_IN,
             Op::Write => VIRTIO_BLK_T_OUT,
         };
-        hdr[0..4].copy_from_slice(&t.to_le_bytes());
-        hdr[8..16].copy_from_slice(&(offset / SECTOR_SIZE).to_le_bytes());
+        let hdr = RequestHeader::encode(t, offset / SECTOR_SIZE);
         let mem = &self.mem;
         mem.write_slice(&hdr, GuestAddress(self.area.header(req)))
             .map_err(Self::mem_err)?;

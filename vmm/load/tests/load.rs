@@ -13,17 +13,21 @@ use std::sync::{Arc, LazyLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use bounce::testing::workspace_bin;
+use bounce::testing::{wait_for_path, workspace_bin};
 use bouncevm_load::{Error, LoadConfig, Rw};
 use bouncevm_vhost::{Memory, Server};
+use devices::block::request::{RequestHeader, RequestType};
+use devices::block::REQ_HEADER_LEN;
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_F_ACCESS_PLATFORM,
-    VIRTIO_F_VERSION_1, VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+    VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
 };
-use devices::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
+use devices::virtio::{
+    ActivateError, Handled, QueueWorker, Queues, Signal, VirtioDevice, WorkerError, WorkerEvent,
+};
 use serde_json::Value;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Address, Bytes};
+use vm_memory::Bytes;
 
 const LOAD: &str = env!("CARGO_BIN_EXE_bouncevm-load");
 /// Another package's binary (see `bounce::testing::workspace_bin`).
@@ -60,18 +64,6 @@ impl Drop for Proc {
     }
 }
 
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !path.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "{} never appeared",
-            path.display()
-        );
-        thread::sleep(Duration::from_millis(20));
-    }
-}
-
 fn ours(dir: &Path, img: &Path, queues: u16) -> (Proc, PathBuf, PathBuf) {
     let sock = dir.join("ours.sock");
     let stats = dir.join("ours.stats");
@@ -87,8 +79,8 @@ fn ours(dir: &Path, img: &Path, queues: u16) -> (Proc, PathBuf, PathBuf) {
         .spawn()
         .unwrap();
     let p = Proc(child);
-    wait_for(&sock);
-    wait_for(&stats);
+    wait_for_path(&sock);
+    wait_for_path(&stats);
     (p, sock, stats)
 }
 
@@ -110,7 +102,7 @@ fn qsd(dir: &Path, img: &Path, queues: u16) -> (Proc, PathBuf) {
         .spawn()
         .expect("qemu-storage-daemon must be on PATH (tests/setup.sh installs qemu-utils)");
     let p = Proc(child);
-    wait_for(&sock);
+    wait_for_path(&sock);
     (p, sock)
 }
 
@@ -451,16 +443,16 @@ impl FakeWorker {
                 let (Some(h), Some(st)) = (descs.first(), descs.last()) else {
                     return Err(broken("empty chain".into()));
                 };
-                let t: u32 = mem.read_obj(h.addr()).map_err(|e| broken(e.to_string()))?;
-                let sector: u64 = mem
-                    .read_obj(h.addr().unchecked_add(8))
+                let mut hdr = [0u8; REQ_HEADER_LEN];
+                mem.read_slice(&mut hdr, h.addr())
                     .map_err(|e| broken(e.to_string()))?;
-                let mut at = usize::try_from(sector * 512).unwrap();
+                let hdr = RequestHeader::parse(&hdr);
+                let mut at = usize::try_from(hdr.sector * 512).unwrap();
                 let mut disk = self.disk.lock().unwrap();
                 for d in &descs[1..descs.len() - 1] {
                     let len = d.len() as usize;
                     let range = at..at + len;
-                    if t == VIRTIO_BLK_T_IN {
+                    if hdr.kind == RequestType::In {
                         mem.write_slice(&disk[range], d.addr())
                             .map_err(|e| broken(e.to_string()))?;
                     } else if self.fault != Fault::LoseWrites {
@@ -503,12 +495,7 @@ impl QueueWorker<Memory> for FakeWorker {
     fn queue_indexes(&self) -> Vec<u16> {
         vec![0]
     }
-    fn handle(
-        &mut self,
-        event: WorkerEvent,
-        mem: &Memory,
-        queues: &mut [&mut Queue],
-    ) -> Result<Signal, WorkerError> {
+    fn handle(&mut self, event: WorkerEvent, mem: &Memory, queues: Queues<'_, '_>) -> Handled {
         let mut signal = Signal::NONE;
         if let WorkerEvent::Kick(i) = event {
             let q = queues

@@ -350,7 +350,35 @@ impl Asm {
             .mov_dx(0xcfc)
             .out_dx_eax()
     }
+    /// Puts the address of 00:`dev`.0's BAR 4 (its virtio-pci structures) in ebx, then resets
+    /// the device and sets ACKNOWLEDGE and DRIVER in its status.
+    pub fn virtio_reset_to_driver(&mut self, dev: u8) -> &mut Self {
+        self.conf1_read(dev, 8)
+            .and_eax(!0xf)
+            .mov_ebx_eax()
+            .st8(EBX, 0x14, 0) // reset
+            .st8(EBX, 0x14, VIRTIO_CONFIG_S_ACKNOWLEDGE)
+            .st8(
+                EBX,
+                0x14,
+                VIRTIO_CONFIG_S_ACKNOWLEDGE | VIRTIO_CONFIG_S_DRIVER,
+            )
+    }
+    /// Writes the selected queue's ring addresses (32-bit: the high halves are 0) into the
+    /// common configuration at ebx.
+    pub fn virtio_queue_rings(&mut self, desc: u32, avail: u32, used: u32) -> &mut Self {
+        self.st32(EBX, 0x20, desc)
+            .st32(EBX, 0x24, 0)
+            .st32(EBX, 0x28, avail)
+            .st32(EBX, 0x2c, 0)
+            .st32(EBX, 0x30, used)
+            .st32(EBX, 0x34, 0)
+    }
 }
+
+/// Register numbers of the `base` operands of [`Asm`]'s loads and stores.
+pub const EBX: u8 = 3;
+pub const ECX: u8 = 1;
 
 /// One recorded write: absolute address and bytes.
 pub type Access = (u64, Vec<u8>);

@@ -22,11 +22,12 @@ use std::sync::{Arc, Mutex};
 
 use bounce::BouncePool;
 use devices::block::io::{AioMode, CacheMode};
+use devices::block::request::RequestHeader;
 use devices::block::BlockConfig;
 use devices::options::BounceOptions;
 use devices::testing::{device_queue, GuestRam};
 use devices::virtio::driver::{Buf, DriverQueue};
-use devices::virtio::spec::{feature, VIRTIO_F_VERSION_1};
+use devices::virtio::spec::{feature, VIRTIO_BLK_T_IN, VIRTIO_F_VERSION_1};
 use vhost_user_backend::{VhostUserBackend, VringT};
 use virtio_queue::QueueT;
 use vmm_sys_util::epoll::EventSet;
@@ -150,8 +151,7 @@ impl Rig {
         };
         let used_before = self.vq.used_idx(self.ram.mem()).unwrap();
         for i in 0..n {
-            let mut hdr = [0u8; 16];
-            hdr[8..16].copy_from_slice(&u64::from(i % 256 * 8).to_le_bytes());
+            let hdr = RequestHeader::encode(VIRTIO_BLK_T_IN, u64::from(i % 256 * 8));
             let h = self.ram.alloc_bytes(&hdr);
             let st = self.ram.alloc(1, 1);
             let data = self.data + u64::from(i) * 4096;

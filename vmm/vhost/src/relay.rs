@@ -376,9 +376,24 @@ impl Sequencer {
         }
     }
 
+    /// Whether the front end asked for a reply to `msg` and gets one (REPLY_ACK negotiated).
+    fn wants_ack(&self, msg: &Message) -> bool {
+        msg.flags & FLAG_NEED_REPLY != 0 && self.acks()
+    }
+
     /// The reply that refuses `msg` (failure), if the front end asked for one.
     fn failure(&self, msg: &Message) -> Option<Message> {
-        (msg.flags & FLAG_NEED_REPLY != 0 && self.acks()).then(|| u64_reply(msg.request, 1))
+        self.wants_ack(msg).then(|| u64_reply(msg.request, 1))
+    }
+
+    /// The ack of `msg` with `value` (0 success, 1 failure) if the front end asked for one,
+    /// else nothing.
+    fn ack(&self, msg: &Message, value: u64) -> Action {
+        if self.wants_ack(msg) {
+            Action::Reply(u64_reply(msg.request, value))
+        } else {
+            Action::Nothing
+        }
     }
 
     /// Runs the [`checks`] that apply to `msg` (it may be rewritten: a sorted memory table).
@@ -426,99 +441,13 @@ impl Sequencer {
             return Action::Refuse(self.failure(&msg));
         }
         match msg.request {
-            SET_VRING_ENABLE if !self.features_set => {
-                let (Some(index), Some(num)) = (msg.body_u32(0), msg.body_u32(4)) else {
-                    // Malformed: let the backend's dispatcher reject it.
-                    return Action::Forward(vec![msg]);
-                };
-                let need_reply = msg.flags & FLAG_NEED_REPLY != 0 && self.acks();
-                if index >= self.num_queues || num > 1 {
-                    // What the backend refuses once features are set: refused now too, and
-                    // never held. A front end can send these at will: logged once.
-                    if stats.early_enable_logged.first() {
-                        tracing::warn!(
-                            "refusing early SET_VRING_ENABLE({index}, {num}): the device has {} queues and the value must be 0 or 1 (logged once, counted in the relay statistics)",
-                            self.num_queues
-                        );
-                    }
-                    add(&stats.refused, 1);
-                    return if need_reply {
-                        Action::Reply(u64_reply(msg.request, 1))
-                    } else {
-                        Action::Nothing
-                    };
-                }
-                tracing::debug!(
-                    "holding SET_VRING_ENABLE({index}, {num}) received before SET_FEATURES"
-                );
-                self.held.insert(index, num);
-                add(&stats.held, 1);
-                if need_reply {
-                    Action::Reply(u64_reply(msg.request, 0))
-                } else {
-                    Action::Nothing
-                }
-            }
-            SET_FEATURES => {
-                self.features_set = true;
-                let protocol = msg
-                    .body_u64()
-                    .is_some_and(|f| f & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0);
-                let held = std::mem::take(&mut self.held);
-                let mut out = vec![msg];
-                if protocol {
-                    for (index, num) in held {
-                        tracing::debug!(
-                            "applying early SET_VRING_ENABLE({index}, {num}) after SET_FEATURES"
-                        );
-                        let mut body = index.to_le_bytes().to_vec();
-                        body.extend_from_slice(&num.to_le_bytes());
-                        out.push(Message::new(SET_VRING_ENABLE, FLAG_VERSION, body));
-                        add(&stats.replayed, 1);
-                    }
-                } else {
-                    // Without PROTOCOL_FEATURES every ring starts enabled.
-                    add(&stats.dropped, held.len() as u64);
-                }
-                Action::Forward(out)
-            }
+            SET_VRING_ENABLE if !self.features_set => self.early_enable(msg, stats),
+            SET_FEATURES => self.set_features(msg, stats),
             SET_VRING_ERR => {
-                if let Some(v) = msg.body_u64() {
-                    // The index is 8 bits: it fits usize.
-                    let index = (v & VRING_INDEX_MASK) as usize;
-                    let fd = match msg.fds.first() {
-                        Some(fd) if v & VRING_NOFD_MASK == 0 => match fd.try_clone() {
-                            Ok(dup) => Some(dup),
-                            Err(e) => {
-                                tracing::warn!("keeping the error fd of vring {index}: {e}");
-                                None
-                            }
-                        },
-                        _ => None,
-                    };
-                    self.report.set_err_fd(index, fd);
-                }
+                self.keep_err_fd(&msg);
                 Action::Forward(vec![msg])
             }
-            SET_STATUS => {
-                match msg.body_u64() {
-                    // virtio status is one byte; higher bits mean nothing.
-                    Some(v) => self.report.set_status((v & 0xff) as u8),
-                    None => {
-                        add(&stats.malformed_status, 1);
-                        if stats.status_logged.first() {
-                            tracing::warn!(
-                                "SET_STATUS without a status: ignored (logged once, counted in the relay statistics)"
-                            );
-                        }
-                    }
-                }
-                if msg.flags & FLAG_NEED_REPLY != 0 && self.acks() {
-                    Action::Reply(u64_reply(msg.request, 0))
-                } else {
-                    Action::Nothing
-                }
-            }
+            SET_STATUS => self.set_status(&msg, stats),
             GET_FEATURES => {
                 self.features_asked = true;
                 Action::Forward(vec![msg])
@@ -538,6 +467,149 @@ impl Sequencer {
                 Action::Forward(vec![msg])
             }
             _ => Action::Forward(vec![msg]),
+        }
+    }
+
+    /// SET_VRING_ENABLE before SET_FEATURES: held until the features say whether rings start
+    /// enabled, or refused when the backend would refuse it later.
+    fn early_enable(&mut self, msg: Message, stats: &RelayCounters) -> Action {
+        let (Some(index), Some(num)) = (msg.body_u32(0), msg.body_u32(4)) else {
+            // Malformed: let the backend's dispatcher reject it.
+            return Action::Forward(vec![msg]);
+        };
+        if index >= self.num_queues || num > 1 {
+            // What the backend refuses once features are set: refused now too, and
+            // never held. A front end can send these at will: logged once.
+            if stats.early_enable_logged.first() {
+                tracing::warn!(
+                    "refusing early SET_VRING_ENABLE({index}, {num}): the device has {} queues and the value must be 0 or 1 (logged once, counted in the relay statistics)",
+                    self.num_queues
+                );
+            }
+            add(&stats.refused, 1);
+            return self.ack(&msg, 1);
+        }
+        tracing::debug!("holding SET_VRING_ENABLE({index}, {num}) received before SET_FEATURES");
+        self.held.insert(index, num);
+        add(&stats.held, 1);
+        self.ack(&msg, 0)
+    }
+
+    /// SET_FEATURES, followed by the held SET_VRING_ENABLEs when PROTOCOL_FEATURES is on.
+    fn set_features(&mut self, msg: Message, stats: &RelayCounters) -> Action {
+        self.features_set = true;
+        let protocol = msg
+            .body_u64()
+            .is_some_and(|f| f & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0);
+        let held = std::mem::take(&mut self.held);
+        let mut out = vec![msg];
+        if protocol {
+            for (index, num) in held {
+                tracing::debug!(
+                    "applying early SET_VRING_ENABLE({index}, {num}) after SET_FEATURES"
+                );
+                let mut body = index.to_le_bytes().to_vec();
+                body.extend_from_slice(&num.to_le_bytes());
+                out.push(Message::new(SET_VRING_ENABLE, FLAG_VERSION, body));
+                add(&stats.replayed, 1);
+            }
+        } else {
+            // Without PROTOCOL_FEATURES every ring starts enabled.
+            add(&stats.dropped, held.len() as u64);
+        }
+        Action::Forward(out)
+    }
+
+    /// SET_VRING_ERR: keeps a copy of the ring's error fd (or forgets it: no fd attached).
+    fn keep_err_fd(&self, msg: &Message) {
+        let Some(v) = msg.body_u64() else {
+            return;
+        };
+        // The index is 8 bits: it fits usize.
+        let index = (v & VRING_INDEX_MASK) as usize;
+        let fd = match msg.fds.first() {
+            Some(fd) if v & VRING_NOFD_MASK == 0 => match fd.try_clone() {
+                Ok(dup) => Some(dup),
+                Err(e) => {
+                    tracing::warn!("keeping the error fd of vring {index}: {e}");
+                    None
+                }
+            },
+            _ => None,
+        };
+        self.report.set_err_fd(index, fd);
+    }
+
+    /// SET_STATUS: kept by the relay (the backend does not see it).
+    fn set_status(&self, msg: &Message, stats: &RelayCounters) -> Action {
+        match msg.body_u64() {
+            // virtio status is one byte; higher bits mean nothing.
+            Some(v) => self.report.set_status((v & 0xff) as u8),
+            None => {
+                add(&stats.malformed_status, 1);
+                if stats.status_logged.first() {
+                    tracing::warn!(
+                        "SET_STATUS without a status: ignored (logged once, counted in the relay statistics)"
+                    );
+                }
+            }
+        }
+        self.ack(msg, 0)
+    }
+}
+
+/// The next message on `sock`, or none when the `side` connection ended or failed.
+fn receive(sock: &UnixStream, side: &str) -> Option<Message> {
+    recv_message(sock).unwrap_or_else(|e| {
+        tracing::debug!("{side} connection: {e}");
+        None
+    })
+}
+
+/// The request thread: each message from the front end goes through `seq` and on to the
+/// backend, or is answered or refused here; returns when either connection ends.
+fn relay_requests(
+    mut seq: Sequencer,
+    fe_in: &UnixStream,
+    be_out: &UnixStream,
+    writer: &Mutex<UnixStream>,
+    st: &RelayCounters,
+) {
+    while let Some(msg) = receive(fe_in, "frontend") {
+        let result = match seq.on_message(msg, st) {
+            Action::Forward(msgs) => msgs.iter().try_for_each(|m| {
+                add(&st.to_backend, 1);
+                send_message(be_out, m)
+            }),
+            Action::Reply(reply) => {
+                let w = writer.lock().unwrap_or_else(|e| e.into_inner());
+                send_message(&w, &reply)
+            }
+            Action::Nothing => Ok(()),
+            Action::Refuse(reply) => {
+                if let Some(reply) = reply {
+                    let w = writer.lock().unwrap_or_else(|e| e.into_inner());
+                    let _ = send_message(&w, &reply);
+                }
+                break;
+            }
+        };
+        if let Err(e) = result {
+            tracing::debug!("relaying a request: {e}");
+            break;
+        }
+    }
+}
+
+/// The reply thread: copies each backend message to the front end; returns when either
+/// connection ends.
+fn relay_replies(be_in: &UnixStream, writer: &Mutex<UnixStream>, st: &RelayCounters) {
+    while let Some(msg) = receive(be_in, "backend") {
+        add(&st.to_frontend, 1);
+        let w = writer.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = send_message(&w, &msg) {
+            tracing::debug!("relaying a reply: {e}");
+            break;
         }
     }
 }
@@ -585,39 +657,8 @@ impl Relay {
         let down = thread::Builder::new()
             .name("vu-relay-req".into())
             .spawn(move || {
-                let mut seq = Sequencer::new(limits.num_queues, limits.max_queue_size, report);
-                loop {
-                    let msg = match recv_message(&fe_in) {
-                        Ok(Some(m)) => m,
-                        Ok(None) => break,
-                        Err(e) => {
-                            tracing::debug!("frontend connection: {e}");
-                            break;
-                        }
-                    };
-                    let result = match seq.on_message(msg, &st) {
-                        Action::Forward(msgs) => msgs.iter().try_for_each(|m| {
-                            add(&st.to_backend, 1);
-                            send_message(&be_out, m)
-                        }),
-                        Action::Reply(reply) => {
-                            let w = writer.lock().unwrap_or_else(|e| e.into_inner());
-                            send_message(&w, &reply)
-                        }
-                        Action::Nothing => Ok(()),
-                        Action::Refuse(reply) => {
-                            if let Some(reply) = reply {
-                                let w = writer.lock().unwrap_or_else(|e| e.into_inner());
-                                let _ = send_message(&w, &reply);
-                            }
-                            break;
-                        }
-                    };
-                    if let Err(e) = result {
-                        tracing::debug!("relaying a request: {e}");
-                        break;
-                    }
-                }
+                let seq = Sequencer::new(limits.num_queues, limits.max_queue_size, report);
+                relay_requests(seq, &fe_in, &be_out, &writer, &st);
                 // The backend sees the end of the connection and winds down.
                 let _ = be_out.shutdown(Shutdown::Both);
                 let _ = fe_in.shutdown(Shutdown::Read);
@@ -632,22 +673,7 @@ impl Relay {
         let up = thread::Builder::new()
             .name("vu-relay-rep".into())
             .spawn(move || {
-                loop {
-                    let msg = match recv_message(&be_in) {
-                        Ok(Some(m)) => m,
-                        Ok(None) => break,
-                        Err(e) => {
-                            tracing::debug!("backend connection: {e}");
-                            break;
-                        }
-                    };
-                    add(&st.to_frontend, 1);
-                    let w = writer.lock().unwrap_or_else(|e| e.into_inner());
-                    if let Err(e) = send_message(&w, &msg) {
-                        tracing::debug!("relaying a reply: {e}");
-                        break;
-                    }
-                }
+                relay_replies(&be_in, &writer, &st);
                 // The backend ended the session (disconnect or protocol error): so does the
                 // frontend's connection.
                 let _ = fe_shut.shutdown(Shutdown::Both);

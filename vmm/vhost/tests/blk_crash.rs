@@ -11,12 +11,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bounce::testing::qemu_img_available;
+use devices::block::request::RequestHeader;
 use devices::testing::durable::{
     assert_acknowledged, crash_offset, crash_pattern, create_image, read_back,
 };
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_F_VERSION_1,
-    VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_FLUSH,
+    VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::Driver;
@@ -48,10 +49,7 @@ impl Drop for Running {
 
 /// A virtio-blk request: the 16-byte header (type, reserved, sector) then the data.
 fn request(kind: u32, sector: u64, data: &[u8]) -> Vec<u8> {
-    let mut r = Vec::with_capacity(16 + data.len());
-    r.extend_from_slice(&kind.to_le_bytes());
-    r.extend_from_slice(&0u32.to_le_bytes());
-    r.extend_from_slice(&sector.to_le_bytes());
+    let mut r = RequestHeader::encode(kind, sector).to_vec();
     r.extend_from_slice(data);
     r
 }
@@ -116,16 +114,23 @@ fn crash_after_acknowledged_writes(format: &str, cache: &str, aio: &str, flush: 
     for i in 0..WRITES {
         d.post(
             0,
-            &request(1, crash_offset(i) / 512, &crash_pattern(i, 512)),
+            &request(
+                VIRTIO_BLK_T_OUT,
+                crash_offset(i) / 512,
+                &crash_pattern(i, 512),
+            ),
             1,
         );
     }
     let done = wait_used(&mut d, WRITES as usize);
-    assert!(done.iter().all(|&(_, st)| st == 0), "{what}: {done:?}");
+    assert!(
+        done.iter().all(|&(_, st)| st == VIRTIO_BLK_S_OK),
+        "{what}: {done:?}"
+    );
     if flush {
-        d.post(0, &request(4, 0, &[]), 1);
+        d.post(0, &request(VIRTIO_BLK_T_FLUSH, 0, &[]), 1);
         let f = wait_used(&mut d, 1);
-        assert_eq!(f[0].1, 0, "FLUSH failed");
+        assert_eq!(f[0].1, VIRTIO_BLK_S_OK, "FLUSH failed");
     }
     // SIGKILL: no destructor, no final flush of ours runs.
     let mut server = server;
@@ -143,40 +148,36 @@ fn exists(p: &Path) -> bool {
     p.exists()
 }
 
-#[test]
-fn writethrough_writes_survive_sigkill_without_a_flush() {
-    for aio in ["io_uring", "threads"] {
-        crash_after_acknowledged_writes("raw", "writethrough", aio, false);
+/// [`crash_after_acknowledged_writes`] with each of `aios` (qcow2 only where `qemu-img` is).
+fn crash_with_each_aio(format: &str, cache: &str, aios: [&str; 2], flush: bool) {
+    if format == "qcow2" && !qemu_img_available() {
+        return;
+    }
+    for aio in aios {
+        crash_after_acknowledged_writes(format, cache, aio, flush);
     }
 }
 
 #[test]
+fn writethrough_writes_survive_sigkill_without_a_flush() {
+    crash_with_each_aio("raw", "writethrough", ["io_uring", "threads"], false);
+}
+
+#[test]
 fn cache_none_writes_survive_sigkill_after_flush() {
-    for aio in ["io_uring", "threads"] {
-        crash_after_acknowledged_writes("raw", "none", aio, true);
-    }
+    crash_with_each_aio("raw", "none", ["io_uring", "threads"], true);
 }
 
 /// qcow2: every write allocates (a data cluster, an L2 table, refcounts), so the metadata
 /// must be durable too, and the image must pass `qemu-img check` after the kill.
 #[test]
 fn qcow2_writethrough_writes_survive_sigkill_without_a_flush() {
-    if !qemu_img_available() {
-        return;
-    }
-    for aio in ["threads", "sync"] {
-        crash_after_acknowledged_writes("qcow2", "writethrough", aio, false);
-    }
+    crash_with_each_aio("qcow2", "writethrough", ["threads", "sync"], false);
 }
 
 #[test]
 fn qcow2_cache_none_writes_survive_sigkill_after_flush() {
-    if !qemu_img_available() {
-        return;
-    }
-    for aio in ["threads", "sync"] {
-        crash_after_acknowledged_writes("qcow2", "none", aio, true);
-    }
+    crash_with_each_aio("qcow2", "none", ["threads", "sync"], true);
 }
 
 #[test]

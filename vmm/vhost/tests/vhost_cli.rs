@@ -3,6 +3,7 @@
 
 mod vhost_support;
 
+use bounce::testing::wait_for_path;
 use devices::virtio::spec::{feature, VIRTIO_F_ACCESS_PLATFORM};
 use std::io::Read;
 use std::os::unix::net::UnixStream;
@@ -67,18 +68,6 @@ fn spawn(args: &[&str]) -> Running {
             .spawn()
             .unwrap(),
     )
-}
-
-fn wait_for(path: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !path.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "{} never appeared",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn signal(child: &Child, sig: libc::c_int) {
@@ -155,7 +144,7 @@ fn an_occupied_socket_is_refused_and_a_stale_one_replaced() {
         img.to_str().unwrap(),
     ];
     let first = spawn(&args);
-    wait_for(&sock);
+    wait_for_path(&sock);
     assert_one_line_error(&run(&args), "in use");
     drop(first); // SIGKILL: leaves a stale socket file behind
     assert!(sock.exists());
@@ -183,7 +172,7 @@ fn stats_socket_sigusr1_reconnect_and_sigterm() {
             stats_sock.to_str().unwrap(),
         ],
     ));
-    wait_for(&stats_sock);
+    wait_for_path(&stats_sock);
     let s = stats(&stats_sock);
     assert_eq!(s["bounce"]["allocator"], "bitmap");
     assert_eq!(s["bounce"]["nslabs"], 1024);
@@ -284,7 +273,7 @@ fn pidfile_and_socket_modes() {
             pidfile.to_str().unwrap(),
         ],
     ));
-    wait_for(&pidfile);
+    wait_for_path(&pidfile);
     // Written after the bind: the sockets are there and answer.
     assert!(UnixStream::connect(&sock).is_ok());
     assert!(stats(&stats_sock)["server"].is_object());
@@ -309,7 +298,7 @@ fn pidfile_and_socket_modes() {
             "0660",
         ],
     ));
-    wait_for(&stats_sock);
+    wait_for_path(&stats_sock);
     assert_eq!((mode(&sock), mode(&stats_sock)), (0o660, 0o660));
     signal(&server.0, libc::SIGTERM);
     assert!(server.0.wait().unwrap().success());

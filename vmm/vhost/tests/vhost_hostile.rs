@@ -21,7 +21,8 @@ mod vhost_support;
 use std::time::Duration;
 
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX,
 };
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserFrontend;
@@ -142,7 +143,7 @@ fn a_call_eventfd_whose_counter_is_full_blocks_nothing() {
     let data = vec![0x5a; 4096];
     blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&data));
     assert!(d.poll_used(0).is_some(), "the write never completed");
-    assert_eq!(blk_status(&d, 0), 0);
+    assert_eq!(blk_status(&d, 0), VIRTIO_BLK_S_OK);
     // The worker did not block signalling the full counter: the stop answers.
     assert_eq!(d.stop_ring(0), 1);
     let st = server.stats();
@@ -239,10 +240,10 @@ fn a_memory_table_out_of_address_order_is_served() {
     assert!(BLK_DATA >= half, "the data buffers are in the upper region");
     blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 64, Some(&data));
     assert!(d.poll_used(0).is_some());
-    assert_eq!(blk_status(&d, 0), 0);
+    assert_eq!(blk_status(&d, 0), VIRTIO_BLK_S_OK);
     blk_request(&mut d, 1, VIRTIO_BLK_T_IN, 64, None);
     assert!(d.poll_used(0).is_some());
-    assert_eq!(blk_status(&d, 1), 0);
+    assert_eq!(blk_status(&d, 1), VIRTIO_BLK_S_OK);
     let mut got = vec![0u8; 4096];
     d.mem
         .read_slice(&mut got, GuestAddress(BLK_DATA + 4096))
@@ -378,7 +379,11 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 let mut used = 0;
                 while let Some((id, _)) = d.next_used(0) {
                     let slot = u16::try_from(id / 3).unwrap();
-                    assert_eq!(blk_status(&d, slot), 0, "{what}: write {slot}");
+                    assert_eq!(
+                        blk_status(&d, slot),
+                        VIRTIO_BLK_S_OK,
+                        "{what}: write {slot}"
+                    );
                     used += 1;
                 }
                 assert_eq!(used, base, "{what}: writes counted but not returned");
@@ -391,7 +396,11 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 for slot in u16::try_from(base).unwrap()..BATCH {
                     write(&mut d, slot, round);
                     assert!(d.poll_used(0).is_some(), "{what}: rewrite {slot}");
-                    assert_eq!(blk_status(&d, slot), 0, "{what}: rewrite {slot}");
+                    assert_eq!(
+                        blk_status(&d, slot),
+                        VIRTIO_BLK_S_OK,
+                        "{what}: rewrite {slot}"
+                    );
                 }
                 drop(d);
                 wait_disconnected(&server, &what);
@@ -414,7 +423,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 let mut used = 0;
                 while let Some((id, len)) = d.next_used(0) {
                     let slot = u16::try_from(id / 3).unwrap();
-                    assert_eq!(blk_status(&d, slot), 0, "{what}: read {slot}");
+                    assert_eq!(blk_status(&d, slot), VIRTIO_BLK_S_OK, "{what}: read {slot}");
                     assert_eq!(len, LARGE + 1, "{what}: read {slot}");
                     let mut got = vec![0u8; LARGE as usize];
                     d.mem.read_slice(&mut got, GuestAddress(buf(slot))).unwrap();

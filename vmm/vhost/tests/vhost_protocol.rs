@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use bounce::Dma;
 use bouncevm_vhost::{Memory, Server, VhostUserDevice};
+use devices::block::STATUS_UNSET;
 use devices::net::{MemBackend, Net, NetBackend, NetConfig};
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_NEEDS_RESET,
+    feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_NEEDS_RESET,
     VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF,
     VIRTIO_RING_F_EVENT_IDX,
 };
@@ -544,13 +545,17 @@ fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_sl
     let mut acknowledged = vec![0u16; 0];
     while let Some((id, _)) = d.next_used(0) {
         let slot = u16::try_from(id).unwrap() / 3;
-        assert_eq!(blk_status(&d, slot), 0, "completed write {slot} failed");
+        assert_eq!(
+            blk_status(&d, slot),
+            VIRTIO_BLK_S_OK,
+            "completed write {slot} failed"
+        );
         acknowledged.push(slot);
     }
     for slot in (0..BATCH).filter(|s| !acknowledged.contains(s)) {
         assert_eq!(
             blk_status(&d, slot),
-            0xff,
+            STATUS_UNSET,
             "unacknowledged write {slot} got a status"
         );
     }

@@ -12,6 +12,7 @@ use vm_memory::bitmap::BitmapSlice;
 use vm_memory::VolatileSlice;
 
 use super::*;
+use crate::testing::GateDisk;
 
 /// Test memory for buffers: a page-aligned heap block cut into pieces at chosen offsets.
 struct Arena(AlignedBuf, usize);
@@ -348,48 +349,6 @@ fn o_direct_refused_is_a_clear_error() {
     assert!(e
         .to_string()
         .starts_with("/x.img: cannot open with O_DIRECT (cache=none)"));
-}
-
-/// A memory disk whose reads at offset 0 wait until the test releases them.
-#[derive(Debug)]
-struct GateDisk {
-    mem: MemDisk,
-    gate: Mutex<mpsc::Receiver<()>>,
-}
-
-impl Disk for GateDisk {
-    fn capacity(&self) -> u64 {
-        self.mem.capacity()
-    }
-    fn read_at<B: BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &mut VolatileSlice<B>,
-    ) -> std::io::Result<usize> {
-        if offset == 0 {
-            self.gate.lock().unwrap().recv().unwrap();
-        }
-        self.mem.read_at(offset, buf)
-    }
-    fn write_at<B: BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &VolatileSlice<B>,
-    ) -> std::io::Result<usize> {
-        self.mem.write_at(offset, buf)
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        Ok(())
-    }
-    fn discard(&self, _: u64, _: u64) -> std::io::Result<()> {
-        Ok(())
-    }
-    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> std::io::Result<()> {
-        self.mem.write_zeroes(o, l, u)
-    }
-    fn kind(&self) -> &'static str {
-        "gate"
-    }
 }
 
 /// The thread pool completes a later op first when an earlier one is slow: the read of

@@ -6,7 +6,6 @@ pub mod child;
 
 use std::fs::File;
 use std::io::Write;
-use std::mem::offset_of;
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -15,12 +14,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bouncevm_vhost::Memory;
+use devices::block::request::RequestHeader;
+use devices::block::STATUS_UNSET;
 use devices::virtio::driver::{Buf, DriverQueue, Layout};
 use devices::virtio::spec::{
-    feature, virtio_blk_outhdr, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_ACCESS_PLATFORM,
-    VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX,
 };
-use devices::virtio::{ActivateError, QueueWorker, Signal, VirtioDevice, WorkerError, WorkerEvent};
+use devices::virtio::{
+    ActivateError, Handled, QueueWorker, Queues, Signal, VirtioDevice, WorkerError, WorkerEvent,
+};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
@@ -175,12 +178,7 @@ impl QueueWorker<Memory> for EchoWorker {
     fn extra_fds(&self) -> Vec<(RawFd, u32)> {
         vec![(self.extra.as_raw_fd(), EXTRA_TOKEN)]
     }
-    fn handle(
-        &mut self,
-        event: WorkerEvent,
-        mem: &Memory,
-        queues: &mut [&mut Queue],
-    ) -> Result<Signal, WorkerError> {
+    fn handle(&mut self, event: WorkerEvent, mem: &Memory, queues: Queues<'_, '_>) -> Handled {
         let mut signal = Signal::NONE;
         match event {
             WorkerEvent::Kick(i) => {
@@ -540,7 +538,7 @@ pub fn block_pattern(sector: u64, generation: u8) -> Vec<u8> {
 }
 
 /// Posts a 4 KiB IN or OUT request in request slot `slot` (descriptors 3 slot..3 slot + 2);
-/// its status byte starts as 0xff (untouched).
+/// its status byte starts as [`STATUS_UNSET`].
 pub fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Option<&[u8]>) -> u16 {
     let buf = BLK_DATA + u64::from(slot) * 4096;
     match data {
@@ -551,7 +549,7 @@ pub fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Opti
 }
 
 /// Posts an IN or OUT request in request slot `slot` whose data buffer is `len` bytes at
-/// guest address `buf` (as they are); its status byte starts as 0xff (untouched).
+/// guest address `buf` (as they are); its status byte starts as [`STATUS_UNSET`].
 pub fn blk_request_at(
     d: &mut Driver,
     slot: u16,
@@ -562,17 +560,10 @@ pub fn blk_request_at(
 ) -> u16 {
     let hdr = BLK_HDRS + u64::from(slot) * 16;
     let status = BLK_STATUS + u64::from(slot);
-    let at = |field: usize| GuestAddress(hdr + field as u64);
     d.mem
-        .write_obj(kind, at(offset_of!(virtio_blk_outhdr, type_)))
+        .write_slice(&RequestHeader::encode(kind, sector), GuestAddress(hdr))
         .unwrap();
-    d.mem
-        .write_obj(0u32, at(offset_of!(virtio_blk_outhdr, ioprio)))
-        .unwrap();
-    d.mem
-        .write_obj(sector, at(offset_of!(virtio_blk_outhdr, sector)))
-        .unwrap();
-    d.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
+    d.mem.write_obj(STATUS_UNSET, GuestAddress(status)).unwrap();
     d.post_descs(
         0,
         3 * slot,
