@@ -64,7 +64,7 @@ impl KickPacer {
 /// region), the worker records every head it pops and uses there, and its first event after
 /// getting one resumes the queue from it ([`queue::resume`]): the heads the log lists are
 /// submitted again, in the order they were first popped, before anything new (counted as
-/// `resubmitted`).
+/// `inflight_resubmitted`).
 ///
 /// Each event reaps the engine once, after any submission: completions that arrived while
 /// the pass submitted (the synchronous engine's, a fast disk's) are used in the same event.
@@ -281,7 +281,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
                 self.resubmit = queue::resume(queue, mem, log.as_mut())?;
                 self.ctx
                     .metrics()
-                    .resubmitted
+                    .inflight_resubmitted
                     .add(self.resubmit.len() as u64);
             }
             self.resume = false;

@@ -204,7 +204,9 @@ fn writes_in_flight_at_a_sigkill_complete_exactly_once_after_a_restart() {
         );
         assert_read_back(&mut d, generation, &format!("round {round}"));
         let st = srv.stats();
-        let resubmitted = st["device"]["metrics"]["resubmitted"].as_u64().unwrap();
+        let resubmitted = st["device"]["metrics"]["inflight_resubmitted"]
+            .as_u64()
+            .unwrap();
         assert_eq!(st["server"]["relay"]["inflight_regions_adopted"], 1, "{st}");
         if resubmitted > 0 {
             caught += 1;
@@ -247,7 +249,7 @@ fn heads_left_in_flight_are_served_again_in_the_order_they_were_popped() {
     );
     assert_read_back(&mut d, 7, "after the restart");
     let st = srv.stats();
-    assert_eq!(st["device"]["metrics"]["resubmitted"], 5, "{st}");
+    assert_eq!(st["device"]["metrics"]["inflight_resubmitted"], 5, "{st}");
 }
 
 /// A memfd of `size` bytes; without `sealable` it is sealed shut at creation and can never be
