@@ -148,7 +148,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
             None => &mut unlogged,
         };
         let mut pacer = KickPacer::default();
-        let mut serve = |at: ChainHead| {
+        let serve = |at: ChainHead| {
             // Waiting needs something that will retry: one of our own requests completing,
             // or the retry timer.
             let may_wait = wait_mode && (!requests.is_empty() || retry.can_arm());
@@ -181,16 +181,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
             step
         };
         // Heads in flight before a restart go first; new ones only once they are all taken.
-        let drained =
-            queue::serve_resubmitted(queue, mem, log, resubmit, &mut serve).and_then(|again| {
-                if again.stopped {
-                    return Ok(again);
-                }
-                let mut d = queue::drain_logged(queue, mem, log, &mut serve)?;
-                d.popped += again.popped;
-                d.used += again.used;
-                Ok(d)
-            });
+        let drained = queue::drain_logged(queue, mem, log, resubmit, serve);
         // What the pacer left waiting, and anything an engine holds back.
         engine.kick();
         let drained = drained.map_err(|e| match e {

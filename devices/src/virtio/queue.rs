@@ -44,10 +44,10 @@
 //! itself (a completion, a timer), not by a kick.
 //!
 //! # A log of the heads in flight
-//! [`drain_logged`], [`add_used_logged`], [`resume`] and [`serve_resubmitted`] keep a
-//! [`HeadLog`] (vhost-user's inflight region) as the loop pops, gives back and uses heads, and
-//! serve the heads it recorded as in flight before anything new after a restart; [`drain`] and
-//! [`add_used`] are the same loop without one.
+//! [`drain_logged`] and [`add_used_logged`] keep a [`HeadLog`] (vhost-user's inflight region)
+//! as the loop pops, gives back and uses heads; after a restart [`resume`] reads back the heads
+//! it recorded as in flight, which `drain_logged` serves before popping anything new. [`drain`]
+//! and [`add_used`] are the same loop without a log.
 
 use std::collections::VecDeque;
 use std::num::Wrapping;
@@ -154,11 +154,13 @@ where
     M: GuestMemory,
     F: FnMut(ChainHead) -> Result<Step, WorkerError>,
 {
-    drain_logged(queue, mem, &mut Unlogged, serve)
+    drain_logged(queue, mem, &mut Unlogged, &mut VecDeque::new(), serve)
 }
 
 /// [`drain`], recording in `log` each head popped (before `serve` sees it), given back
-/// ([`Step::Defer`]) or used ([`Step::Used`]).
+/// ([`Step::Defer`]) or used ([`Step::Used`]); first serves `again`, the heads [`resume`]
+/// found in flight, in order (they are still recorded as popped). A head of `again` the device
+/// defers stays first there and the call stops; nothing new is popped before `again` is empty.
 ///
 /// # Errors
 /// As [`drain`].
@@ -166,6 +168,7 @@ pub fn drain_logged<M, L, F>(
     queue: &mut Queue,
     mem: &M,
     log: &mut L,
+    again: &mut VecDeque<u16>,
     mut serve: F,
 ) -> Result<Drained, WorkerError>
 where
@@ -174,6 +177,32 @@ where
     F: FnMut(ChainHead) -> Result<Step, WorkerError>,
 {
     let mut out = Drained::default();
+    let (desc_table, queue_size) = (queue.desc_table(), queue.size());
+    while let Some(&head) = again.front() {
+        if head >= queue_size {
+            return Err(WorkerError::Broken(format!(
+                "in-flight head {head} out of range (queue of {queue_size})"
+            )));
+        }
+        let at = ChainHead {
+            head,
+            desc_table,
+            queue_size,
+        };
+        match serve(at)? {
+            Step::Used(len) => {
+                add_used_logged(queue, mem, log, head, len)?;
+                out.used += 1;
+            }
+            Step::Held | Step::Enough => {}
+            Step::Defer => {
+                out.stopped = true;
+                return Ok(out);
+            }
+        }
+        again.pop_front();
+        out.popped += 1;
+    }
     loop {
         queue
             .disable_notification(mem)
@@ -261,7 +290,7 @@ pub fn add_used_logged<M: GuestMemory, L: HeadLog + ?Sized>(
 }
 
 /// Resumes `queue` from `log` before it is served (a worker given a new log): the heads still
-/// in flight, oldest first, to serve again ([`serve_resubmitted`]) before anything new; the
+/// in flight, oldest first, to serve again ([`drain_logged`]) before anything new; the
 /// queue's next used index is the used ring's, and its next available index that plus the
 /// heads in flight (each head popped before is either used or in flight).
 ///
@@ -285,54 +314,6 @@ pub fn resume<M: GuestMemory, L: HeadLog + ?Sized>(
     queue.set_next_used(used.0);
     queue.set_next_avail((used + Wrapping(in_flight)).0);
     Ok(heads.into())
-}
-
-/// Serves the heads [`resume`] returned, in order, through `serve` (as [`drain_logged`] serves
-/// popped ones, without popping: they are still recorded in `log`). A head the device defers
-/// stays first in `heads` and the call stops; the caller runs it again before draining.
-///
-/// # Errors
-/// As [`drain`].
-pub fn serve_resubmitted<M, L, F>(
-    queue: &mut Queue,
-    mem: &M,
-    log: &mut L,
-    heads: &mut VecDeque<u16>,
-    mut serve: F,
-) -> Result<Drained, WorkerError>
-where
-    M: GuestMemory,
-    L: HeadLog + ?Sized,
-    F: FnMut(ChainHead) -> Result<Step, WorkerError>,
-{
-    let mut out = Drained::default();
-    let (desc_table, queue_size) = (queue.desc_table(), queue.size());
-    while let Some(&head) = heads.front() {
-        if head >= queue_size {
-            return Err(WorkerError::Broken(format!(
-                "in-flight head {head} out of range (queue of {queue_size})"
-            )));
-        }
-        let at = ChainHead {
-            head,
-            desc_table,
-            queue_size,
-        };
-        match serve(at)? {
-            Step::Used(len) => {
-                add_used_logged(queue, mem, log, head, len)?;
-                out.used += 1;
-            }
-            Step::Held | Step::Enough => {}
-            Step::Defer => {
-                out.stopped = true;
-                return Ok(out);
-            }
-        }
-        heads.pop_front();
-        out.popped += 1;
-    }
-    Ok(out)
 }
 
 /// Whether the driver wants a used-buffer notification now: `used_event` with EVENT_IDX,
@@ -500,7 +481,7 @@ mod tests {
         let mut log = MemLog::default();
         let mut n = 0;
         // Heads 0 and 1 held, 2 used at once, 3 deferred (back on the ring).
-        drain_logged(&mut q, ram.mem(), &mut log, |_| {
+        drain_logged(&mut q, ram.mem(), &mut log, &mut VecDeque::new(), |_| {
             n += 1;
             Ok(match n {
                 1 | 2 => Step::Held,
@@ -519,16 +500,12 @@ mod tests {
         assert_eq!(again, [heads[0]]);
         assert_eq!((q.next_used(), q.next_avail()), (2, 3));
         let mut served = Vec::new();
-        serve_resubmitted(&mut q, ram.mem(), &mut log, &mut again, |at| {
+        drain_logged(&mut q, ram.mem(), &mut log, &mut again, |at| {
             served.push(at.head);
             Ok(Step::Used(1))
         })
         .unwrap();
-        drain_logged(&mut q, ram.mem(), &mut log, |at| {
-            served.push(at.head);
-            Ok(Step::Used(1))
-        })
-        .unwrap();
+        assert!(again.is_empty());
         // The held head first, then the deferred one: each head used exactly once.
         assert_eq!(served, [heads[0], heads[3]]);
         assert!(log.in_flight.is_empty());
@@ -543,7 +520,10 @@ mod tests {
         let (ram, mut vq, mut q) = setup(false);
         let heads = post(&ram, &mut vq, 2);
         let mut log = MemLog::default();
-        drain_logged(&mut q, ram.mem(), &mut log, |_| Ok(Step::Held)).unwrap();
+        drain_logged(&mut q, ram.mem(), &mut log, &mut VecDeque::new(), |_| {
+            Ok(Step::Held)
+        })
+        .unwrap();
         // The used entry of heads[1] reaches the ring, the log is not told.
         log.using(heads[1]);
         add_used(&mut q, ram.mem(), heads[1], 1).unwrap();

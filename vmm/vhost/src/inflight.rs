@@ -688,6 +688,15 @@ mod tests {
         (Arc::new(Region::adopt(&reply, fd, 4, 256).unwrap()), file)
     }
 
+    /// A one-queue region whose queue-0 log has popped `heads`, in that order.
+    fn popped(heads: &[u16]) -> (Arc<Region>, File, QueueLog) {
+        let (region, file) = adopted(1);
+        let mut log = QueueLog::new(Arc::clone(&region), 0);
+        log.resume(0, QS).unwrap();
+        heads.iter().for_each(|&h| log.popped(h));
+        (region, file, log)
+    }
+
     /// Writes `bytes` at `at` of the region through the front end's fd.
     fn poke(file: &File, at: usize, bytes: &[u8]) {
         use std::os::unix::fs::FileExt;
@@ -737,11 +746,7 @@ mod tests {
 
     #[test]
     fn a_used_entry_that_reached_the_ring_before_its_record_is_not_served_again() {
-        let (region, _f) = adopted(1);
-        let mut log = QueueLog::new(Arc::clone(&region), 0);
-        log.resume(0, QS).unwrap();
-        log.popped(4);
-        log.popped(6);
+        let (region, _f, mut log) = popped(&[4, 6]);
         // Crash after the used entry of 6 (the ring's index is now 1), before `used`.
         log.using(6);
         assert_eq!(QueueLog::new(region, 0).resume(1, QS).unwrap(), vec![4]);
@@ -828,11 +833,7 @@ mod tests {
 
     #[test]
     fn a_record_corrupted_after_it_was_taken_is_refused_at_resume() {
-        let (region, f) = adopted(1);
-        let mut log = QueueLog::new(Arc::clone(&region), 0);
-        log.resume(0, QS).unwrap();
-        log.popped(1);
-        log.popped(2);
+        let (region, f, _log) = popped(&[1, 2]);
         // The ring's used index far ahead of the record's.
         assert!(QueueLog::new(Arc::clone(&region), 0)
             .resume(100, QS)
