@@ -86,8 +86,9 @@ pub struct BlockWorker<M: GuestMemory> {
     /// A submission pass stopped on a full pool: run one again when slots may be free.
     deferred: bool,
     retry: RetryTimer,
-    /// Where the queue's heads in flight are recorded, if the transport keeps them.
-    log: Option<Box<dyn HeadLog>>,
+    /// Where the queue's heads in flight are recorded ([`Unlogged`] unless the transport keeps
+    /// them).
+    log: Box<dyn HeadLog>,
     /// The log is new: resume from it before serving.
     resume: bool,
     /// Heads in flight before a restart, not yet submitted again (oldest first).
@@ -117,7 +118,7 @@ impl<M: GuestMemory> BlockWorker<M> {
             on_full,
             deferred: false,
             retry: RetryTimer::new(),
-            log: None,
+            log: Box::new(Unlogged),
             resume: false,
             resubmit: VecDeque::new(),
         }
@@ -142,11 +143,6 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
             resubmit,
             ..
         } = self;
-        let mut unlogged = Unlogged;
-        let log: &mut dyn HeadLog = match log {
-            Some(l) => l.as_mut(),
-            None => &mut unlogged,
-        };
         let mut pacer = KickPacer::default();
         let serve = |at: ChainHead| {
             // Waiting needs something that will retry: one of our own requests completing,
@@ -181,7 +177,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
             step
         };
         // Heads in flight before a restart go first; new ones only once they are all taken.
-        let drained = queue::drain_logged(queue, mem, log, resubmit, serve);
+        let drained = queue::drain_logged(queue, mem, log.as_mut(), resubmit, serve);
         // What the pacer left waiting, and anything an engine holds back.
         engine.kick();
         let drained = drained.map_err(|e| match e {
@@ -216,10 +212,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
                 // The device is already broken: release what is left.
                 self.ctx.release(mem, req);
             } else {
-                let log: &mut dyn HeadLog = match self.log.as_mut() {
-                    Some(l) => l.as_mut(),
-                    None => &mut Unlogged,
-                };
+                let log = self.log.as_mut();
                 result = match self.ctx.finish(mem, req, d.result) {
                     Ok(c) => queue::add_used_logged(queue, mem, log, req.head, c.used_len)
                         .map(|()| used += 1),
@@ -268,14 +261,12 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
             _ => return Err(WorkerError::UnexpectedEvent(event)),
         };
         if self.resume {
-            if let Some(log) = self.log.as_mut() {
-                self.resubmit = queue::resume(queue, mem, log.as_mut())?;
-                self.ctx
-                    .metrics()
-                    .inflight_resubmitted
-                    .add(self.resubmit.len() as u64);
-            }
             self.resume = false;
+            self.resubmit = queue::resume(queue, mem, self.log.as_mut())?;
+            self.ctx
+                .metrics()
+                .inflight_resubmitted
+                .add(self.resubmit.len() as u64);
             pass = true;
         }
         let mut used = 0;
@@ -330,7 +321,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
     fn track_heads(&mut self, mut logs: Vec<Box<dyn HeadLog>>) -> bool {
         match (logs.pop(), logs.is_empty()) {
             (Some(log), true) => {
-                self.log = Some(log);
+                self.log = log;
                 self.resume = true;
                 self.resubmit.clear();
                 true
