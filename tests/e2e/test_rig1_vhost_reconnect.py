@@ -43,6 +43,18 @@ def _in_flight(st: dict) -> bool:
                for w in st.get("workers", []))
 
 
+def _kill_moment(stats, guest: Guest) -> str | None:
+    """'kill' while the back end serves the guest's I/O (reads or writes) with a request in
+    flight, 'done' once fio has reported (nothing left to catch), else None."""
+    if "BVM-RESULT" in _guest_log(guest):
+        return "done"
+    st = _stats(stats)
+    if st is None:
+        return None
+    m = st["device"]["metrics"]
+    return "kill" if m["reqs_in"] + m["reqs_out"] > 100 and _in_flight(st) else None
+
+
 def _wait_for(what: str, pred, timeout: float, guest: Guest, poll: float = 0.05):
     """pred()'s first true value within `timeout`; fails at once when QEMU exits or the guest
     reports an I/O error (its I/O would then hang or fail, and `what` never come)."""
@@ -81,11 +93,11 @@ def test_bvm_vhost_blk_kill9_and_reconnect_loses_no_io():
         with guest:
             _wait_for("fio start", lambda: "BVM-INFO start test=fio-verify" in _guest_log(guest),
                       90, guest)
-            while kills < MAX_KILLS and "BVM-RESULT" not in _guest_log(guest):
-                # Writes flowing, and one in flight right now: kill.
-                _wait_for("requests in flight", lambda: (st := _stats(stats)) and
-                          st["device"]["metrics"]["reqs_out"] > 100 and _in_flight(st),
-                          60, guest, poll=0.002)
+            while kills < MAX_KILLS:
+                # I/O flowing, and a request in flight right now: kill.
+                if _wait_for("requests in flight", lambda: _kill_moment(stats, guest),
+                             60, guest, poll=0.002) == "done":
+                    break
                 os.kill(backend.proc.pid, signal.SIGKILL)
                 backend.proc.wait(timeout=10)
                 kills += 1
