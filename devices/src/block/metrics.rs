@@ -15,7 +15,7 @@
 //!     "err_out_of_range": 0, "err_readonly": 0, "err_unsupported": 0,
 //!     "no_status": 0, "status_direct": 0, "config_write_rejected": 0, "config_wce_writes": 0,
 //!     "pool_full_waits": 0, "pool_full_failed": 0, "inflight_hiwater": 32,
-//!     "drains": 3, "queue_depth_hiwater": 8
+//!     "drains": 3, "queue_depth_hiwater": 8, "inflight_resubmitted": 0
 //!   },
 //!   "bounce": { "mode": "swiotlb", "nslabs": 32768, "used": 0, ... }
 //! }
@@ -83,6 +83,9 @@ pub struct BlockMetrics {
     pub drains: Counter,
     /// Most chains popped in one drain.
     pub queue_depth_hiwater: Counter,
+    /// Requests found in flight by a log of heads (vhost-user's inflight region) when a
+    /// queue resumed, and submitted again.
+    pub inflight_resubmitted: Counter,
 }
 
 impl BlockMetrics {

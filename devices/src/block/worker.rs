@@ -1,6 +1,7 @@
 //! The per-queue worker of a block device: submission from the available ring, completion
 //! from the engine, back-pressure on a full bounce pool.
 
+use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
@@ -11,7 +12,8 @@ use vm_memory::GuestMemory;
 use super::inflight::{MemPin, RetryTimer, Slab};
 use super::io::{IoDone, IoEngine, OnFull};
 use super::request::{Request, RequestCtx, Started};
-use crate::virtio::chain::Chain;
+use crate::virtio::chain::{Chain, ChainHead};
+use crate::virtio::headlog::{HeadLog, Unlogged};
 use crate::virtio::queue::{self, Step};
 use crate::virtio::{Handled, QueueWorker, Queues, Signal, WorkerError, WorkerEvent};
 
@@ -58,6 +60,12 @@ impl KickPacer {
 /// finds the bounce pool full stays on the ring (`on-full=wait`) until completions release
 /// slots, or the retry timer fires when none of this queue's requests is in flight.
 ///
+/// Given a log of heads in flight ([`QueueWorker::track_heads`]: vhost-user's inflight
+/// region), the worker records every head it pops and uses there, and its first event after
+/// getting one resumes the queue from it ([`queue::resume`]): the heads the log lists are
+/// submitted again, in the order they were first popped, before anything new (counted as
+/// `inflight_resubmitted`).
+///
 /// Each event reaps the engine once, after any submission: completions that arrived while
 /// the pass submitted (the synchronous engine's, a fast disk's) are used in the same event.
 /// The reap resets the engine's eventfd before it looks for completions, so one posted after
@@ -78,6 +86,13 @@ pub struct BlockWorker<M: GuestMemory> {
     /// A submission pass stopped on a full pool: run one again when slots may be free.
     deferred: bool,
     retry: RetryTimer,
+    /// Where the queue's heads in flight are recorded ([`Unlogged`] unless the transport keeps
+    /// them).
+    log: Box<dyn HeadLog>,
+    /// The log is new: resume from it before serving.
+    resume: bool,
+    /// Heads in flight before a restart, not yet submitted again (oldest first).
+    resubmit: VecDeque<u16>,
 }
 
 fn broken(e: impl std::fmt::Display) -> WorkerError {
@@ -103,6 +118,9 @@ impl<M: GuestMemory> BlockWorker<M> {
             on_full,
             deferred: false,
             retry: RetryTimer::new(),
+            log: Box::new(Unlogged),
+            resume: false,
+            resubmit: VecDeque::new(),
         }
     }
 }
@@ -121,10 +139,12 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
             requests,
             deferred,
             retry,
+            log,
+            resubmit,
             ..
         } = self;
         let mut pacer = KickPacer::default();
-        let drained = queue::drain(queue, mem, |at| {
+        let serve = |at: ChainHead| {
             // Waiting needs something that will retry: one of our own requests completing,
             // or the retry timer.
             let may_wait = wait_mode && (!requests.is_empty() || retry.can_arm());
@@ -155,7 +175,9 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
                 *deferred = true;
             }
             step
-        });
+        };
+        // Heads in flight before a restart go first; new ones only once they are all taken.
+        let drained = queue::drain_logged(queue, mem, log.as_mut(), resubmit, serve);
         // What the pacer left waiting, and anything an engine holds back.
         engine.kick();
         let drained = drained.map_err(|e| match e {
@@ -190,8 +212,10 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
                 // The device is already broken: release what is left.
                 self.ctx.release(mem, req);
             } else {
+                let log = self.log.as_mut();
                 result = match self.ctx.finish(mem, req, d.result) {
-                    Ok(c) => queue::add_used(queue, mem, req.head, c.used_len).map(|()| used += 1),
+                    Ok(c) => queue::add_used_logged(queue, mem, log, req.head, c.used_len)
+                        .map(|()| used += 1),
                     Err(e) => Err(broken(format_args!("head {}: {e}", req.head))),
                 };
             }
@@ -222,7 +246,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
         let [queue] = queues else {
             return Err(WorkerError::UnexpectedEvent(event));
         };
-        let pass = match event {
+        let mut pass = match event {
             WorkerEvent::Kick(0) => true,
             WorkerEvent::Fd(ENGINE_TOKEN) => false,
             WorkerEvent::Fd(RETRY_TOKEN) => {
@@ -231,6 +255,15 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
             }
             _ => return Err(WorkerError::UnexpectedEvent(event)),
         };
+        if self.resume {
+            self.resume = false;
+            self.resubmit = queue::resume(queue, mem, self.log.as_mut())?;
+            self.ctx
+                .metrics()
+                .inflight_resubmitted
+                .add(self.resubmit.len() as u64);
+            pass = true;
+        }
         let mut used = 0;
         if self.deferred {
             // A pass stopped on a full pool: the completions waiting free the slots it needs,
@@ -278,6 +311,18 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
             queue::notify(queue, mem, 0, &mut signal)?;
         }
         Ok(signal)
+    }
+
+    fn track_heads(&mut self, mut logs: Vec<Box<dyn HeadLog>>) -> bool {
+        match (logs.pop(), logs.is_empty()) {
+            (Some(log), true) => {
+                self.log = log;
+                self.resume = true;
+                self.resubmit.clear();
+                true
+            }
+            _ => false,
+        }
     }
 
     fn stats(&self) -> serde_json::Value {

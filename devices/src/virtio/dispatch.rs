@@ -117,6 +117,12 @@ impl<M: GuestMemory> Dispatcher<M> {
         self.worker.stats()
     }
 
+    /// Hands the worker its logs of heads in flight ([`QueueWorker::track_heads`]); false
+    /// when it keeps none.
+    pub fn track_heads(&mut self, logs: Vec<Box<dyn super::headlog::HeadLog>>) -> bool {
+        self.worker.track_heads(logs)
+    }
+
     /// Why the worker broke, once it has.
     pub fn broken(&self) -> Option<&str> {
         self.broken.as_deref()

@@ -20,6 +20,7 @@
 pub mod chain;
 pub mod dispatch;
 pub mod driver;
+pub mod headlog;
 pub mod iobuf;
 pub mod memlayout;
 pub mod queue;
@@ -198,6 +199,17 @@ pub trait QueueWorker<M: GuestMemory>: Send {
     /// [`WorkerError::Broken`] when a used entry cannot be written.
     fn quiesce(&mut self, _mem: &M, _queues: &mut [&mut Queue]) -> Result<Signal, WorkerError> {
         Ok(Signal::NONE)
+    }
+
+    /// Gives the worker a record of its queues' heads in flight ([`headlog::HeadLog`], one
+    /// per queue in [`QueueWorker::queue_indexes`] order) that outlives it: from the next
+    /// [`QueueWorker::handle`] on, the worker resumes from it first (serving again the heads
+    /// it lists) and keeps it as it pops and uses heads. Transports hand it over before the
+    /// worker has served anything. Returns false (and drops the logs) when the worker keeps
+    /// no such record: the default, for devices whose requests cannot be served twice or
+    /// that finish each one within `handle`.
+    fn track_heads(&mut self, _logs: Vec<Box<dyn headlog::HeadLog>>) -> bool {
+        false
     }
 
     /// The worker's statistics as JSON (merged into the device's by the transport if it

@@ -42,7 +42,14 @@
 //!
 //! Since `Defer` leaves notifications disabled, a deferred queue is resumed by the device
 //! itself (a completion, a timer), not by a kick.
+//!
+//! # A log of the heads in flight
+//! [`drain_logged`] and [`add_used_logged`] keep a [`HeadLog`] (vhost-user's inflight region)
+//! as the loop pops, gives back and uses heads; after a restart [`resume`] reads back the heads
+//! it recorded as in flight, which `drain_logged` serves before popping anything new. [`drain`]
+//! and [`add_used`] are the same loop without a log.
 
+use std::collections::VecDeque;
 use std::num::Wrapping;
 use std::sync::atomic::Ordering;
 
@@ -50,6 +57,7 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 use super::chain::ChainHead;
+use super::headlog::{HeadLog, Unlogged};
 use super::spec::VRING_AVAIL_F_NO_INTERRUPT;
 use super::{Signal, WorkerError};
 
@@ -141,12 +149,60 @@ fn pop<M: GuestMemory>(queue: &mut Queue, mem: &M) -> Result<Option<ChainHead>, 
 /// # Errors
 /// [`WorkerError::Broken`] when the rings cannot be read or written, or the driver broke
 /// them; `serve`'s error.
-pub fn drain<M, F>(queue: &mut Queue, mem: &M, mut serve: F) -> Result<Drained, WorkerError>
+pub fn drain<M, F>(queue: &mut Queue, mem: &M, serve: F) -> Result<Drained, WorkerError>
 where
     M: GuestMemory,
     F: FnMut(ChainHead) -> Result<Step, WorkerError>,
 {
+    drain_logged(queue, mem, &mut Unlogged, &mut VecDeque::new(), serve)
+}
+
+/// [`drain`], recording in `log` each head popped (before `serve` sees it), given back
+/// ([`Step::Defer`]) or used ([`Step::Used`]); first serves `again`, the heads [`resume`]
+/// found in flight, in order (they are still recorded as popped). A head of `again` the device
+/// defers stays first there and the call stops; nothing new is popped before `again` is empty.
+///
+/// # Errors
+/// As [`drain`].
+pub fn drain_logged<M, L, F>(
+    queue: &mut Queue,
+    mem: &M,
+    log: &mut L,
+    again: &mut VecDeque<u16>,
+    mut serve: F,
+) -> Result<Drained, WorkerError>
+where
+    M: GuestMemory,
+    L: HeadLog + ?Sized,
+    F: FnMut(ChainHead) -> Result<Step, WorkerError>,
+{
     let mut out = Drained::default();
+    let (desc_table, queue_size) = (queue.desc_table(), queue.size());
+    while let Some(&head) = again.front() {
+        if head >= queue_size {
+            return Err(WorkerError::Broken(format!(
+                "in-flight head {head} out of range (queue of {queue_size})"
+            )));
+        }
+        let at = ChainHead {
+            head,
+            desc_table,
+            queue_size,
+        };
+        match serve(at)? {
+            Step::Used(len) => {
+                add_used_logged(queue, mem, log, head, len)?;
+                out.used += 1;
+            }
+            Step::Held | Step::Enough => {}
+            Step::Defer => {
+                out.stopped = true;
+                return Ok(out);
+            }
+        }
+        again.pop_front();
+        out.popped += 1;
+    }
     loop {
         queue
             .disable_notification(mem)
@@ -161,9 +217,10 @@ where
                 break;
             };
             left -= 1;
+            log.popped(at.head);
             match serve(at)? {
                 Step::Used(len) => {
-                    add_used(queue, mem, at.head, len)?;
+                    add_used_logged(queue, mem, log, at.head, len)?;
                     out.used += 1;
                 }
                 Step::Held => {}
@@ -173,6 +230,7 @@ where
                     return Ok(out);
                 }
                 Step::Defer => {
+                    log.unpopped(at.head);
                     queue.go_to_previous_position();
                     out.stopped = true;
                     return Ok(out);
@@ -208,9 +266,54 @@ pub fn add_used<M: GuestMemory>(
     head: u16,
     len: u32,
 ) -> Result<(), WorkerError> {
+    add_used_logged(queue, mem, &mut Unlogged, head, len)
+}
+
+/// [`add_used`], recorded in `log`: [`HeadLog::using`] before the entry is written,
+/// [`HeadLog::used`] with the new used index once the driver can see it.
+///
+/// # Errors
+/// As [`add_used`].
+pub fn add_used_logged<M: GuestMemory, L: HeadLog + ?Sized>(
+    queue: &mut Queue,
+    mem: &M,
+    log: &mut L,
+    head: u16,
+    len: u32,
+) -> Result<(), WorkerError> {
+    log.using(head);
     queue
         .add_used(mem, head, len)
-        .map_err(|e| broken("used ring", e))
+        .map_err(|e| broken("used ring", e))?;
+    log.used(head, queue.next_used());
+    Ok(())
+}
+
+/// Resumes `queue` from `log` before it is served (a worker given a new log): the heads still
+/// in flight, oldest first, to serve again ([`drain_logged`]) before anything new; the
+/// queue's next used index is the used ring's, and its next available index that plus the
+/// heads in flight (each head popped before is either used or in flight).
+///
+/// # Errors
+/// [`WorkerError::Broken`] when the used ring cannot be read or the log refuses its record.
+pub fn resume<M: GuestMemory, L: HeadLog + ?Sized>(
+    queue: &mut Queue,
+    mem: &M,
+    log: &mut L,
+) -> Result<VecDeque<u16>, WorkerError> {
+    let used = queue
+        .used_idx(mem, Ordering::Acquire)
+        .map_err(|e| broken("used index", e))?;
+    let heads = log
+        .resume(used.0, queue.size())
+        .map_err(|e| WorkerError::Broken(format!("in-flight record: {e}")))?;
+    // The log returns at most one entry per head, each below the queue size (<= 32768).
+    let in_flight = u16::try_from(heads.len()).map_err(|_| {
+        WorkerError::Broken(format!("in-flight record lists {} heads", heads.len()))
+    })?;
+    queue.set_next_used(used.0);
+    queue.set_next_avail((used + Wrapping(in_flight)).0);
+    Ok(heads.into())
 }
 
 /// Whether the driver wants a used-buffer notification now: `used_event` with EVENT_IDX,
@@ -368,6 +471,75 @@ mod tests {
         assert_eq!(ids, vec![u32::from(heads[1]), u32::from(heads[0])]);
         let d = drain(&mut q, ram.mem(), |_| Ok(Step::Enough)).unwrap();
         assert_eq!((d.popped, d.stopped), (1, true));
+    }
+
+    #[test]
+    fn a_log_sees_every_pop_give_back_and_use_and_a_restart_serves_the_heads_in_flight_first() {
+        use crate::virtio::headlog::MemLog;
+        let (ram, mut vq, mut q) = setup(false);
+        let heads = post(&ram, &mut vq, 4);
+        let mut log = MemLog::default();
+        let mut n = 0;
+        // Heads 0 and 1 held, 2 used at once, 3 deferred (back on the ring).
+        drain_logged(&mut q, ram.mem(), &mut log, &mut VecDeque::new(), |_| {
+            n += 1;
+            Ok(match n {
+                1 | 2 => Step::Held,
+                3 => Step::Used(1),
+                _ => Step::Defer,
+            })
+        })
+        .unwrap();
+        assert_eq!(log.in_flight, vec![heads[0], heads[1]]);
+        assert_eq!(log.used_idx, 1);
+        add_used_logged(&mut q, ram.mem(), &mut log, heads[1], 1).unwrap();
+        assert_eq!(log.in_flight, vec![heads[0]]);
+        // The device dies; a new queue starts wherever the front end says (0 here).
+        let mut q = device_queue(&vq.layout(), 8, false);
+        let mut again = resume(&mut q, ram.mem(), &mut log).unwrap();
+        assert_eq!(again, [heads[0]]);
+        assert_eq!((q.next_used(), q.next_avail()), (2, 3));
+        let mut served = Vec::new();
+        drain_logged(&mut q, ram.mem(), &mut log, &mut again, |at| {
+            served.push(at.head);
+            Ok(Step::Used(1))
+        })
+        .unwrap();
+        assert!(again.is_empty());
+        // The held head first, then the deferred one: each head used exactly once.
+        assert_eq!(served, [heads[0], heads[3]]);
+        assert!(log.in_flight.is_empty());
+        let mut ids: Vec<u32> = reap(&ram, &mut vq).iter().map(|u| u.id).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, heads.iter().map(|&h| u32::from(h)).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_crash_between_the_used_entry_and_the_log_is_completed_not_served_again() {
+        use crate::virtio::headlog::MemLog;
+        let (ram, mut vq, mut q) = setup(false);
+        let heads = post(&ram, &mut vq, 2);
+        let mut log = MemLog::default();
+        drain_logged(&mut q, ram.mem(), &mut log, &mut VecDeque::new(), |_| {
+            Ok(Step::Held)
+        })
+        .unwrap();
+        // The used entry of heads[1] reaches the ring, the log is not told.
+        log.using(heads[1]);
+        add_used(&mut q, ram.mem(), heads[1], 1).unwrap();
+        let mut q = device_queue(&vq.layout(), 8, false);
+        let again = resume(&mut q, ram.mem(), &mut log).unwrap();
+        assert_eq!(again, [heads[0]]);
+        assert_eq!((q.next_used(), q.next_avail()), (1, 2));
+        // A log that refuses its record breaks the worker.
+        let mut bad = MemLog {
+            in_flight: vec![100],
+            ..MemLog::default()
+        };
+        assert!(matches!(
+            resume(&mut q, ram.mem(), &mut bad),
+            Err(WorkerError::Broken(_))
+        ));
     }
 
     #[test]

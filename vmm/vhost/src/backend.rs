@@ -24,6 +24,12 @@
 //! epoll threads: [`VhostUserBackend::handle_event`] never returns an error. The statistics
 //! never wait for a worker (a busy one is reported as such).
 //!
+//! A block device also offers `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD` ([`crate::inflight`]): each
+//! worker gets its queue's log of the session's inflight region before it serves anything
+//! (at activation, or at its first event after the relay took a region), resumes from it and
+//! keeps it. A region that arrives once a worker has served is used from the next activation
+//! (logged once, counted in `late_inflight_regions`).
+//!
 //! Locks: an event on an active device takes its thread's own [`Group`] mutex (the workers,
 //! their fds and the guest memory, placed there at activation and by `SET_MEM_TABLE`) and the
 //! `vhost-user-backend` locks of its worker's vrings; nothing else. The negotiation mutex is
@@ -49,6 +55,7 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
+use crate::inflight::Inflight;
 use crate::layout::QueueLayout;
 use crate::report::Report;
 
@@ -106,8 +113,13 @@ struct Counters {
     broken_workers: AtomicU64,
     ignored_events: AtomicU64,
     not_ready_events: AtomicU64,
+    /// Workers given their queue's inflight log.
+    inflight_logs: AtomicU64,
+    /// Inflight regions that arrived after a worker had served (used from the next activation).
+    late_inflight_regions: AtomicU64,
     /// A front end may ask for features the device refuses, again and again.
     activation_failure_logged: devices::metrics::LogOnce,
+    late_inflight_logged: devices::metrics::LogOnce,
 }
 
 impl Counters {
@@ -121,6 +133,10 @@ impl Counters {
 struct Placed {
     worker: Dispatcher<Memory>,
     positions: Vec<usize>,
+    /// The inflight generation the worker last looked at ([`Inflight::generation`]).
+    inflight_seen: u64,
+    /// The worker has served an event (a new inflight log would come too late for it).
+    served: bool,
 }
 
 impl Placed {
@@ -203,6 +219,9 @@ pub struct VhostUserDevice<D> {
     backend_req: Mutex<Option<Backend>>,
     /// Broken workers reported to the frontend (shared with the relay).
     report: Arc<Report>,
+    /// The session's inflight region (shared with the relay), for a device that offers
+    /// INFLIGHT_SHMFD (block).
+    inflight: Option<Arc<Inflight>>,
     /// The exit-event consumers handed to `vhost-user-backend` ([`VhostUserBackend::exit_event`]):
     /// it registers each on its epoll fd through `into_raw_fd` and never closes it, one
     /// eventfd per epoll thread per daemon. [`VhostUserDevice::take_exit_consumers`] gives them
@@ -288,8 +307,11 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::RESET_DEVICE
             | VhostUserProtocolFeatures::STATUS;
+        // INFLIGHT_SHMFD, for block: a block request can be served again after a crash (a
+        // read re-read, a write rewritten); a net frame cannot be taken back.
         if is_block {
-            protocol_features |= VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS;
+            protocol_features |= VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+                | VhostUserProtocolFeatures::INFLIGHT_SHMFD;
         }
         if features & feature(VIRTIO_F_ACCESS_PLATFORM) != 0 {
             // QEMU refuses a backend that offers ACCESS_PLATFORM without the backend request
@@ -313,6 +335,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             event_idx: AtomicBool::new(false),
             backend_req: Mutex::default(),
             report: Arc::new(Report::new(num_queues)),
+            inflight: is_block.then(Arc::default),
             exit_consumers: Mutex::default(),
             counters: Counters::default(),
         }
@@ -340,6 +363,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         crate::relay::Limits {
             num_queues: self.num_queues,
             max_queue_size: self.max_queue_size,
+            inflight: self.inflight.clone(),
         }
     }
 
@@ -432,6 +456,8 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 "broken_workers": get(&c.broken_workers),
                 "ignored_events": get(&c.ignored_events),
                 "not_ready_events": get(&c.not_ready_events),
+                "inflight_logs": get(&c.inflight_logs),
+                "late_inflight_regions": get(&c.late_inflight_regions),
             }
         })
     }
@@ -468,10 +494,14 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 lock(&self.device).reset();
                 return;
             };
-            placed[thread].push(Placed {
+            let mut placed_worker = Placed {
                 worker: Dispatcher::new(worker),
                 positions,
-            });
+                inflight_seen: 0,
+                served: false,
+            };
+            self.give_inflight_log(&mut placed_worker);
+            placed[thread].push(placed_worker);
         }
         let handlers = lock(&self.handlers).clone();
         // Tokens above `num_queues` are free for backend listeners (vhost-user-backend
@@ -536,6 +566,34 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         Counters::inc(&self.counters.resets);
     }
 
+    /// Gives `w` its queues' logs of the session's inflight region, if there is one and `w`
+    /// has not served yet; remembers the region's generation either way.
+    fn give_inflight_log(&self, w: &mut Placed) {
+        let Some(inflight) = &self.inflight else {
+            return;
+        };
+        let generation = inflight.generation();
+        if generation == w.inflight_seen {
+            return;
+        }
+        w.inflight_seen = generation;
+        if w.served {
+            Counters::inc(&self.counters.late_inflight_regions);
+            if self.counters.late_inflight_logged.first() {
+                tracing::warn!(
+                    "an inflight region arrived after queues {:?} started; used from their next start (logged once, counted in late_inflight_regions)",
+                    w.worker.queue_indexes()
+                );
+            }
+            return;
+        }
+        if let Some(logs) = inflight.logs(w.worker.queue_indexes()) {
+            if w.worker.track_heads(logs) {
+                Counters::inc(&self.counters.inflight_logs);
+            }
+        }
+    }
+
     /// Activates the device if features were acknowledged and it is not running (after a
     /// stop, a kick or a worker fd restarts it). Takes the negotiation lock only when the
     /// device is inactive.
@@ -578,6 +636,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         let Some(w) = group.workers.get_mut(index) else {
             return;
         };
+        self.give_inflight_log(w);
         let Some(mut states) = w.lock_vrings(vrings) else {
             Counters::inc(&self.counters.ignored_events);
             return;
@@ -591,6 +650,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         let mut queues: Vec<&mut Queue> = states.iter_mut().map(|s| s.get_queue_mut()).collect();
         let outcome = w.worker.dispatch(event, &*mem, &mut queues, enabled);
         drop(queues);
+        if matches!(outcome, Outcome::Served(_) | Outcome::Refused(_)) {
+            w.served = true;
+        }
         self.act(outcome, &states, &w.worker);
     }
 

@@ -8,6 +8,8 @@
 //!   file descriptors, signalling);
 //! - [`checks`]: what a front end's control messages must satisfy (queue sizes, eventfds,
 //!   memory regions inside their files, in any order);
+//! - [`inflight`]: `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD` for block: the requests in flight
+//!   recorded in a region the front end keeps, served again after a restart;
 //! - [`layout`]: which queues share a thread;
 //! - [`relay`]: passes the control messages between the frontend and `vhost-user-backend`,
 //!   accepting QEMU 7.2's `SET_VRING_ENABLE` before `SET_FEATURES`;
@@ -18,6 +20,7 @@
 
 pub mod backend;
 pub mod checks;
+pub mod inflight;
 pub mod layout;
 #[cfg(test)]
 mod lock_count;

@@ -22,7 +22,12 @@
 //!   so a broken worker can signal it (`vhost-user-backend` keeps its copy private);
 //! - `SET_STATUS` and `GET_STATUS` (`VHOST_USER_PROTOCOL_F_STATUS`) are answered by the relay
 //!   from the [`Report`], which adds DEVICE_NEEDS_RESET while a worker is broken;
-//! - `RESET_OWNER` and `RESET_DEVICE` return the relay to its initial state;
+//! - `GET_INFLIGHT_FD` and `SET_INFLIGHT_FD` (`VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD`, offered
+//!   for block) are answered by the relay: a new region, or the front end's checked, mapped
+//!   and kept in the session's [`Inflight`] for the adapter ([`crate::inflight`]); a region
+//!   the checks refuse ends the session;
+//! - `RESET_OWNER` and `RESET_DEVICE` return the relay to its initial state (and forget the
+//!   inflight region);
 //! - `SET_VRING_NUM`, `SET_VRING_KICK`/`CALL`/`ERR`, `SET_MEM_TABLE` and `ADD_MEM_REG` pass
 //!   the [`checks`]
 //!   (queue sizes, eventfds made non-blocking, regions inside their files and sorted) or are
@@ -47,6 +52,7 @@ use std::thread::{self, JoinHandle};
 use serde::Serialize;
 
 use crate::checks::{self, CheckError};
+use crate::inflight::{Description, Inflight, InflightError, Region};
 use crate::report::Report;
 use devices::metrics::LogOnce;
 use vhost::vhost_user::message::{
@@ -231,6 +237,12 @@ pub struct RelayStats {
     pub mem_tables_sorted: u64,
     /// SET_STATUS messages without a status (ignored).
     pub malformed_status: u64,
+    /// Inflight regions created (`GET_INFLIGHT_FD`).
+    pub inflight_regions_created: u64,
+    /// Inflight regions taken from the front end (`SET_INFLIGHT_FD`).
+    pub inflight_regions_adopted: u64,
+    /// Inflight requests or regions refused (each ended its session).
+    pub refused_inflight: u64,
 }
 
 /// The relay counters of a server, shared by its sessions, with the latches that keep each
@@ -248,6 +260,10 @@ pub struct RelayCounters {
     refused_mem_tables: AtomicU64,
     mem_tables_sorted: AtomicU64,
     malformed_status: AtomicU64,
+    inflight_created: AtomicU64,
+    inflight_adopted: AtomicU64,
+    refused_inflight: AtomicU64,
+    inflight_logged: LogOnce,
     early_enable_logged: LogOnce,
     status_logged: LogOnce,
     queue_size_logged: LogOnce,
@@ -272,6 +288,9 @@ impl RelayCounters {
             refused_mem_tables: g(&self.refused_mem_tables),
             mem_tables_sorted: g(&self.mem_tables_sorted),
             malformed_status: g(&self.malformed_status),
+            inflight_regions_created: g(&self.inflight_created),
+            inflight_regions_adopted: g(&self.inflight_adopted),
+            refused_inflight: g(&self.refused_inflight),
         }
     }
 
@@ -320,6 +339,10 @@ struct Sequencer {
     held: BTreeMap<u32, u32>,
     /// The device's largest queue size (SET_VRING_NUM above it is refused).
     max_queue_size: usize,
+    /// The session's inflight region, when the device offers INFLIGHT_SHMFD.
+    inflight: Option<Arc<Inflight>>,
+    /// INFLIGHT_SHMFD was acknowledged (`SET_PROTOCOL_FEATURES`).
+    inflight_acked: bool,
 }
 
 /// A reply to `request` carrying the u64 `value` (REPLY_ACK: 0 success, else failure).
@@ -358,6 +381,8 @@ const SET_VRING_KICK: u32 = FrontendReq::SET_VRING_KICK as u32;
 const SET_VRING_CALL: u32 = FrontendReq::SET_VRING_CALL as u32;
 const SET_MEM_TABLE: u32 = FrontendReq::SET_MEM_TABLE as u32;
 const ADD_MEM_REG: u32 = FrontendReq::ADD_MEM_REG as u32;
+const GET_INFLIGHT_FD: u32 = FrontendReq::GET_INFLIGHT_FD as u32;
+const SET_INFLIGHT_FD: u32 = FrontendReq::SET_INFLIGHT_FD as u32;
 /// SET_VRING_ERR/KICK/CALL body: the queue index's bits.
 const VRING_INDEX_MASK: u64 = 0xff;
 /// SET_VRING_ERR/KICK/CALL body: no fd attached.
@@ -373,12 +398,73 @@ impl Sequencer {
             features_asked: false,
             held: BTreeMap::new(),
             max_queue_size,
+            inflight: None,
+            inflight_acked: false,
         }
     }
 
     /// Whether the front end asked for a reply to `msg` and gets one (REPLY_ACK negotiated).
     fn wants_ack(&self, msg: &Message) -> bool {
         msg.flags & FLAG_NEED_REPLY != 0 && self.acks()
+    }
+
+    /// Answers the inflight requests with `inflight` (a device that offers INFLIGHT_SHMFD).
+    fn with_inflight(mut self, inflight: Option<Arc<Inflight>>) -> Self {
+        self.inflight = inflight;
+        self
+    }
+
+    /// `GET_INFLIGHT_FD` and `SET_INFLIGHT_FD`: a new region for the front end, or the one it
+    /// hands over, checked and kept for the adapter.
+    fn inflight_request(&mut self, mut msg: Message, stats: &RelayCounters) -> Action {
+        let result = (|| {
+            let slot = match (&self.inflight, self.inflight_acked) {
+                (Some(slot), true) => slot,
+                _ => {
+                    return Err(InflightError::Os(
+                        "INFLIGHT_SHMFD was not negotiated".to_string(),
+                    ))
+                }
+            };
+            let desc = Description::decode(&msg.body, msg.fds.len())?;
+            let max_queues = self.num_queues as usize;
+            if msg.request == GET_INFLIGHT_FD {
+                let (reply, fd) = Region::create(&desc, max_queues, self.max_queue_size)?;
+                add(&stats.inflight_created, 1);
+                let mut r = Message::new(msg.request, FLAG_VERSION | FLAG_REPLY, reply.encode());
+                r.fds.push(fd);
+                return Ok(Action::Reply(r));
+            }
+            let fd = match (msg.fds.pop(), msg.fds.is_empty()) {
+                (Some(fd), true) => fd,
+                _ => {
+                    return Err(InflightError::Malformed {
+                        body: msg.body.len(),
+                        fds: msg.fds.len() + 1,
+                    })
+                }
+            };
+            let region = Region::adopt(&desc, fd, max_queues, self.max_queue_size)?;
+            slot.set(Some(region));
+            add(&stats.inflight_adopted, 1);
+            Ok(if self.wants_ack(&msg) {
+                Action::Reply(u64_reply(msg.request, 0))
+            } else {
+                Action::Nothing
+            })
+        })();
+        result.unwrap_or_else(|e| {
+            add(&stats.refused_inflight, 1);
+            if stats.inflight_logged.first() {
+                tracing::warn!(
+                    "refusing request {} of a front end: {e}; its session ends (logged once, counted in the relay statistics)",
+                    msg.request
+                );
+            } else {
+                tracing::debug!("refusing request {}: {e}", msg.request);
+            }
+            Action::Refuse(self.failure(&msg))
+        })
     }
 
     /// The reply that refuses `msg` (failure), if the front end asked for one.
@@ -453,14 +539,18 @@ impl Sequencer {
                 Action::Forward(vec![msg])
             }
             SET_PROTOCOL_FEATURES => {
-                self.reply_ack = msg
-                    .body_u64()
-                    .is_some_and(|f| f & VhostUserProtocolFeatures::REPLY_ACK.bits() != 0);
+                let acked = msg.body_u64().unwrap_or(0);
+                self.reply_ack = acked & VhostUserProtocolFeatures::REPLY_ACK.bits() != 0;
+                self.inflight_acked = acked & VhostUserProtocolFeatures::INFLIGHT_SHMFD.bits() != 0;
                 Action::Forward(vec![msg])
             }
+            GET_INFLIGHT_FD | SET_INFLIGHT_FD => self.inflight_request(msg, stats),
             GET_STATUS => Action::Reply(u64_reply(msg.request, u64::from(self.report.status()))),
             RESET_OWNER | RESET_DEVICE => {
                 self.report.reset();
+                if let Some(slot) = &self.inflight {
+                    slot.set(None);
+                }
                 self.features_set = false;
                 add(&stats.dropped, self.held.len() as u64);
                 self.held.clear();
@@ -623,13 +713,16 @@ pub struct Relay {
     threads: Vec<JoinHandle<()>>,
 }
 
-/// What the relay checks messages against: the device's queue count and largest queue size.
-#[derive(Clone, Copy, Debug)]
+/// What the relay checks messages against: the device's queue count and largest queue size,
+/// and where a device that offers INFLIGHT_SHMFD keeps the session's inflight region.
+#[derive(Clone, Debug)]
 pub struct Limits {
     /// Queues of the device.
     pub num_queues: usize,
     /// Largest queue size the device accepts.
     pub max_queue_size: usize,
+    /// The session's inflight region (`None`: the device does not offer INFLIGHT_SHMFD).
+    pub inflight: Option<Arc<Inflight>>,
 }
 
 impl Relay {
@@ -657,7 +750,8 @@ impl Relay {
         let down = thread::Builder::new()
             .name("vu-relay-req".into())
             .spawn(move || {
-                let seq = Sequencer::new(limits.num_queues, limits.max_queue_size, report);
+                let seq = Sequencer::new(limits.num_queues, limits.max_queue_size, report)
+                    .with_inflight(limits.inflight);
                 relay_requests(seq, &fe_in, &be_out, &writer, &st);
                 // The backend sees the end of the connection and winds down.
                 let _ = be_out.shutdown(Shutdown::Both);

@@ -21,6 +21,8 @@ pub struct Server {
     pub stats: PathBuf,
     /// Its stderr (a file: a pipe nobody reads would fill and stall it).
     pub log: PathBuf,
+    /// Its command line after the program name.
+    args: Vec<std::ffi::OsString>,
 }
 
 impl Drop for Server {
@@ -50,17 +52,27 @@ impl Server {
         let log = dir.join("vhost.log");
         let _ = std::fs::remove_file(&sock);
         let _ = std::fs::remove_file(&stats);
+        let mut args: Vec<std::ffi::OsString> = vec!["blk".into(), "--socket".into()];
+        args.extend([sock.clone().into(), "--file".into(), img.into()]);
+        args.extend(["--stats-socket".into(), stats.clone().into()]);
+        args.extend(extra.iter().map(Into::into));
+        let child = Self::spawn(&args, &stats, &log);
+        Self {
+            child,
+            sock,
+            stats,
+            log,
+            args,
+        }
+    }
+
+    /// Runs the binary with `args` and waits for its statistics socket.
+    fn spawn(args: &[std::ffi::OsString], stats: &std::path::Path, log: &std::path::Path) -> Child {
         let child = Command::new(BIN)
-            .args(["blk", "--socket"])
-            .arg(&sock)
-            .arg("--file")
-            .arg(&img)
-            .arg("--stats-socket")
-            .arg(&stats)
-            .args(extra)
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(File::create(&log).unwrap())
+            .stderr(File::options().create(true).append(true).open(log).unwrap())
             .spawn()
             .unwrap();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -68,12 +80,18 @@ impl Server {
             assert!(Instant::now() < deadline, "the server never started");
             std::thread::sleep(Duration::from_millis(20));
         }
-        Self {
-            child,
-            sock,
-            stats,
-            log,
-        }
+        child
+    }
+
+    /// Kills the server with SIGKILL (no cleanup of any kind) and starts it again with the
+    /// same command line: the same socket, image and flags.
+    pub fn kill_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The dead process's sockets stay behind; the new one replaces them, and its stats
+        // socket appearing says it is up.
+        let _ = std::fs::remove_file(&self.stats);
+        self.child = Self::spawn(&self.args, &self.stats, &self.log);
     }
 
     /// Panics with the server's stderr if it is gone.

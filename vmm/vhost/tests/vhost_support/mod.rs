@@ -255,6 +255,14 @@ impl Driver {
         Self::from_stream(stream, queues)
     }
 
+    /// A new connection to `path` for the same guest (memory, rings, notifiers), as QEMU's
+    /// `reconnect=` makes after its back end went away; nothing is negotiated yet.
+    pub fn reconnect(&mut self, path: &Path) {
+        let fresh = Self::connect(path, self.vqs.len());
+        self.frontend = fresh.frontend;
+        self.raw = fresh.raw;
+    }
+
     pub fn from_stream(stream: UnixStream, queues: usize) -> Self {
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
@@ -374,6 +382,19 @@ impl Driver {
         avail: u64,
         used: u64,
     ) -> vhost::Result<()> {
+        self.configure_ring_from(q, desc, avail, used, 0)
+    }
+
+    /// [`Driver::configure_ring`] starting at ring position `position` (SET_VRING_BASE before
+    /// the kick fd, as QEMU sends it).
+    pub fn configure_ring_from(
+        &mut self,
+        q: usize,
+        desc: u64,
+        avail: u64,
+        used: u64,
+        position: u16,
+    ) -> vhost::Result<()> {
         // Host addresses as the frontend sees them: the region's mapping plus the offset
         // (plain arithmetic: a ring may reach past the region's end on purpose).
         let region = self.mem.find_region(GuestAddress(0)).unwrap();
@@ -381,7 +402,7 @@ impl Driver {
             .get_host_address(vm_memory::MemoryRegionAddress(0))
             .unwrap() as u64;
         self.frontend.set_vring_num(q, QSIZE)?;
-        self.frontend.set_vring_base(q, 0)?;
+        self.frontend.set_vring_base(q, position)?;
         self.frontend.set_vring_addr(
             q,
             &VringConfigData {
@@ -405,6 +426,18 @@ impl Driver {
         let l = layout(q);
         self.configure_ring(q, l.desc, l.avail, l.used)?;
         self.frontend.set_vring_base(q, base)
+    }
+
+    /// Starts queue `q` again at ring position `base`, its rings where they were and their
+    /// contents kept, the way QEMU starts it on a new connection (base before kick).
+    pub fn restart_ring(&mut self, q: usize, base: u16) -> vhost::Result<()> {
+        let l = layout(q);
+        self.configure_ring_from(q, l.desc, l.avail, l.used, base)
+    }
+
+    /// The used ring's index of queue `q` as the device last wrote it.
+    pub fn used_idx(&self, q: usize) -> u16 {
+        self.vqs[q].used_idx(&self.mem).unwrap()
     }
 
     /// Waits up to `timeout` for the error eventfd of queue `q`.
