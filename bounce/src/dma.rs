@@ -269,7 +269,7 @@ impl Dma {
         check: RangeCheck,
     ) -> Result<DmaBuffer> {
         let bounce = match (
-            self.checked_request(mem, gpa, len, dir, worker, check)?,
+            self.checked_request(mem, (gpa, len, dir), worker, check)?,
             &self.pool,
         ) {
             // The range was checked by `checked_request` or by the caller: the pool does not
@@ -291,9 +291,7 @@ impl Dma {
     fn checked_request<M: GuestMemory + ?Sized>(
         &self,
         mem: &M,
-        gpa: u64,
-        len: usize,
-        dir: Direction,
+        (gpa, len, dir): GuestBuf,
         worker: usize,
         check: RangeCheck,
     ) -> Result<Option<MapRequest>> {

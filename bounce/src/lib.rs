@@ -42,7 +42,7 @@ pub mod testing;
 pub mod trace;
 pub mod types;
 
-pub use alloc::{Run, SlotAllocator, SlotRequest};
+pub use alloc::{Run, SlotAllocator, SlotBatch, SlotRequest};
 pub use dma::{DeviceDmaParams, Dma, DmaBatch, DmaBuffer, GuestBuf, Policy};
 pub use dynamic::{
     DynamicConfig, DynamicEvents, DynamicPools, DynamicStats, PoolInfo, PoolKind, PoolPages,

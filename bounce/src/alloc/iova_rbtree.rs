@@ -36,7 +36,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{serve, LockSnapshot, Run, SlotAllocator, SlotRequest, TimedMutex};
+use super::{serve, LockSnapshot, SlotAllocator, SlotBatch, SlotRequest, TimedMutex};
 use crate::geometry::Geometry;
 use crate::types::AllocatorKind;
 
@@ -349,18 +349,12 @@ impl SlotAllocator for IovaRbtree {
         Self::free_in(&mut self.tree.lock(), index, nslots);
     }
 
-    fn batch(
-        &self,
-        frees: &[Run],
-        _worker: usize,
-        reqs: &[SlotRequest],
-        out: &mut [usize],
-    ) -> usize {
+    fn batch(&self, b: &SlotBatch<'_>, out: &mut [usize]) -> usize {
         let mut tree = self.tree.lock();
-        for f in frees {
+        for f in b.frees {
             Self::free_in(&mut tree, f.index, f.nslots);
         }
-        serve(reqs, out, |req| self.alloc_in(&mut tree, req))
+        serve(b.reqs, out, |req| self.alloc_in(&mut tree, req))
     }
 
     fn area_used(&self) -> Vec<usize> {

@@ -11,7 +11,7 @@
 use std::fmt;
 use std::sync::MutexGuard;
 
-use crate::alloc::{serve, LockSnapshot, Run, SlotAllocator, SlotRequest, TimedMutex};
+use crate::alloc::{serve, LockSnapshot, SlotAllocator, SlotBatch, SlotRequest, TimedMutex};
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
 use crate::types::AllocatorKind;
@@ -207,18 +207,12 @@ impl<T: SlotRange> SlotAllocator for Locked<T> {
         self.find_map(req.worker, |r| r.alloc(&self.geom, req))
     }
 
-    fn batch(
-        &self,
-        frees: &[Run],
-        _worker: usize,
-        reqs: &[SlotRequest],
-        out: &mut [usize],
-    ) -> usize {
+    fn batch(&self, b: &SlotBatch<'_>, out: &mut [usize]) -> usize {
         let mut held = Held::new(self);
-        for f in frees {
+        for f in b.frees {
             self.release_held(&mut held, f.index, f.nslots);
         }
-        serve(reqs, out, |req| {
+        serve(b.reqs, out, |req| {
             self.find_map_held(&mut held, req.worker, |r| r.alloc(&self.geom, req))
         })
     }

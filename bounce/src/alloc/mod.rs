@@ -227,6 +227,18 @@ pub(crate) fn serve(
     served
 }
 
+/// One [`SlotAllocator::batch`]: runs to release on behalf of `worker`, then requests to
+/// claim runs for, in order.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotBatch<'a> {
+    /// Runs to release, in order.
+    pub frees: &'a [Run],
+    /// The releasing worker (per-worker caches free into its own).
+    pub worker: usize,
+    /// Requests to claim runs for, in order.
+    pub reqs: &'a [SlotRequest],
+}
+
 /// A strategy for finding runs of free slots.
 ///
 /// Implementations are shared between threads; each models the locking of the algorithm it is
@@ -243,25 +255,20 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
     /// `nslots` slots. `worker` is the releasing worker (per-worker caches free into its own).
     fn free(&self, index: usize, nslots: usize, worker: usize);
 
-    /// Releases `frees` in order (on behalf of `worker`), then claims runs for `reqs` in
-    /// order until one finds none, writing the first slot of each claimed run to `out`;
-    /// returns how many of `reqs` were served (`out` must hold at least `reqs.len()`).
+    /// Releases `b.frees` in order, then claims runs for `b.reqs` in order until one finds
+    /// none, writing the first slot of each claimed run to `out`; returns how many of
+    /// `b.reqs` were served (`out` must hold at least `b.reqs.len()`).
     ///
-    /// The result is exactly that of [`free`](SlotAllocator::free) on each of `frees` and
-    /// then [`alloc`](SlotAllocator::alloc) on each of `reqs`, stopping at the first `None`:
-    /// the same slots, the same rolling indexes, the same failure. Allocators with locks take
-    /// each lock once for a batch where the calls one by one would take it per call.
-    fn batch(
-        &self,
-        frees: &[Run],
-        worker: usize,
-        reqs: &[SlotRequest],
-        out: &mut [usize],
-    ) -> usize {
-        for f in frees {
-            self.free(f.index, f.nslots, worker);
+    /// The result is exactly that of [`free`](SlotAllocator::free) on each of the runs and
+    /// then [`alloc`](SlotAllocator::alloc) on each of the requests, stopping at the first
+    /// `None`: the same slots, the same rolling indexes, the same failure. Allocators with
+    /// locks take each lock once for a batch where the calls one by one would take it per
+    /// call.
+    fn batch(&self, b: &SlotBatch<'_>, out: &mut [usize]) -> usize {
+        for f in b.frees {
+            self.free(f.index, f.nslots, b.worker);
         }
-        serve(reqs, out, |req| self.alloc(req))
+        serve(b.reqs, out, |req| self.alloc(req))
     }
 
     /// Finds and claims a run for `req` in area `area` alone (Linux
@@ -478,7 +485,10 @@ mod tests {
                         })
                         .collect();
                     let mut out = vec![usize::MAX; reqs.len()];
-                    let served = batched.batch(&runs, *worker, &reqs, &mut out);
+                    let served = batched.batch(
+                        &SlotBatch { frees: &runs, worker: *worker, reqs: &reqs },
+                        &mut out,
+                    );
                     for r in &runs {
                         single.free(r.index, r.nslots, *worker);
                     }
@@ -501,6 +511,15 @@ mod tests {
         }
     }
 
+    /// A batch of worker 1.
+    fn batch<'a>(frees: &'a [Run], reqs: &'a [SlotRequest]) -> SlotBatch<'a> {
+        SlotBatch {
+            frees,
+            worker: 1,
+            reqs,
+        }
+    }
+
     #[test]
     fn a_batch_takes_each_area_lock_once() {
         let g = test_geometry(1024, 2, 2, 0x4000_0000);
@@ -508,7 +527,7 @@ mod tests {
         let page = SlotRequest::new(&g, 0x1000, 4096, 0, 0, u64::MAX, 1);
         let byte = SlotRequest::new(&g, 0x2000, 1, 0, 0, u64::MAX, 1);
         let mut out = [0; 3];
-        assert_eq!(a.batch(&[], 1, &[byte, page, byte], &mut out), 3);
+        assert_eq!(a.batch(&batch(&[], &[byte, page, byte]), &mut out), 3);
         let locks = |a: &Arc<dyn SlotAllocator>| {
             a.lock_stats()
                 .iter()
@@ -530,7 +549,7 @@ mod tests {
                 nslots: 1,
             },
         ];
-        assert_eq!(a.batch(&runs, 1, &[], &mut []), 0);
+        assert_eq!(a.batch(&batch(&runs, &[]), &mut []), 0);
         assert_eq!(locks(&a), vec![0, 2]);
         assert_eq!(a.area_used(), vec![0, 0]);
     }

@@ -100,7 +100,7 @@ impl DmaBatch<'_> {
         for &(gpa, len, dir) in bufs {
             let checked = self
                 .dma
-                .checked_request(mem, gpa, len, dir, self.worker, check);
+                .checked_request(mem, (gpa, len, dir), self.worker, check);
             if let Ok(Some(req)) = checked {
                 reqs[n] = req;
                 n += 1;

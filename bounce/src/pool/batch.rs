@@ -24,7 +24,7 @@
 //! covers the batch's claims, a deferred release is not timed.
 
 use super::{BouncePool, Fast, Layout, Mapping, UnmapArgs};
-use crate::alloc::{Run, SlotRequest};
+use crate::alloc::{Run, SlotBatch, SlotRequest};
 use crate::error::Result;
 use crate::orig::OrigMemory;
 use crate::stats::TimedOp;
@@ -146,11 +146,12 @@ impl PoolBatch<'_> {
             }
         }
         let mut index = [0usize; BATCH];
-        let runs = &self.pending[..self.npending];
-        let served = pool
-            .tlb
-            .alloc
-            .batch(runs, self.worker, &sreqs[..checked], &mut index);
+        let b = SlotBatch {
+            frees: &self.pending[..self.npending],
+            worker: self.worker,
+            reqs: &sreqs[..checked],
+        };
+        let served = pool.tlb.alloc.batch(&b, &mut index);
         self.released();
         let mut t = t0;
         for (k, req) in reqs[..served].iter().enumerate() {
@@ -241,8 +242,12 @@ impl PoolBatch<'_> {
         if self.npending == 0 {
             return;
         }
-        let runs = &self.pending[..self.npending];
-        self.pool.tlb.alloc.batch(runs, self.worker, &[], &mut []);
+        let b = SlotBatch {
+            frees: &self.pending[..self.npending],
+            worker: self.worker,
+            reqs: &[],
+        };
+        self.pool.tlb.alloc.batch(&b, &mut []);
         self.released();
     }
 
