@@ -22,6 +22,10 @@ use crate::stats::PoolStats;
 use crate::types::{Direction, DmaAttrs, MapRequest};
 use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
+mod batch;
+
+pub use batch::{DmaBatch, GuestBuf};
+
 /// When a device's buffers are bounced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -264,6 +268,33 @@ impl Dma {
         worker: usize,
         check: RangeCheck,
     ) -> Result<DmaBuffer> {
+        let bounce = match (
+            self.checked_request(mem, (gpa, len, dir), worker, check)?,
+            &self.pool,
+        ) {
+            // The range was checked by `checked_request` or by the caller: the pool does not
+            // again.
+            (Some(req), Some(pool)) => Some(pool.map_prevalidated(mem, &req)?),
+            _ => None,
+        };
+        Ok(DmaBuffer {
+            gpa,
+            len,
+            dir,
+            bounce,
+        })
+    }
+
+    /// Every check of a map before the pool's: the length and (unless the caller did) the
+    /// guest range; then the pool request when the buffer is bounced, `None` when it is
+    /// accessed directly.
+    fn checked_request<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        (gpa, len, dir): GuestBuf,
+        worker: usize,
+        check: RangeCheck,
+    ) -> Result<Option<MapRequest>> {
         if len == 0 {
             return Err(Error::ZeroLength);
         }
@@ -275,29 +306,19 @@ impl Dma {
         if check == RangeCheck::Here && !mem.check_range(GuestAddress(gpa), len, perm) {
             return Err(Error::OrigAccess { addr: gpa, len });
         }
-        let bounce = match &self.pool {
-            Some(pool) if self.policy.needs_bounce(gpa, len) => {
-                let req = MapRequest {
-                    orig: gpa,
-                    size: len,
-                    dir,
-                    attrs: DmaAttrs::default(),
-                    min_align_mask: self.params.min_align_mask,
-                    alloc_align_mask: 0,
-                    seg_boundary_mask: self.params.seg_boundary_mask,
-                    worker,
-                };
-                // The range was checked above or by the caller: the pool does not again.
-                Some(pool.map_prevalidated(mem, &req)?)
-            }
-            _ => None,
-        };
-        Ok(DmaBuffer {
-            gpa,
-            len,
+        if self.pool.is_none() || !self.policy.needs_bounce(gpa, len) {
+            return Ok(None);
+        }
+        Ok(Some(MapRequest {
+            orig: gpa,
+            size: len,
             dir,
-            bounce,
-        })
+            attrs: DmaAttrs::default(),
+            min_align_mask: self.params.min_align_mask,
+            alloc_align_mask: 0,
+            seg_boundary_mask: self.params.seg_boundary_mask,
+            worker,
+        }))
     }
 
     /// Unmaps: copies back to guest memory when the device may have written and releases the
@@ -459,17 +480,31 @@ impl Dma {
         let (Some(m), Some(pool)) = (&buf.bounce, &self.pool) else {
             return Ok(());
         };
+        Self::unmap_prefix(pool, mem, &buf, m, written, |attrs| {
+            pool.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs, worker)
+        })
+    }
+
+    /// The copy back of [`Dma::unmap_written`] (the first `written` bytes of `buf`, bounced
+    /// as `m`), then the unmap without a copy, through `unmap(attrs)`.
+    fn unmap_prefix<M: GuestMemory + ?Sized>(
+        pool: &BouncePool,
+        mem: &M,
+        buf: &DmaBuffer,
+        m: &Mapping,
+        written: usize,
+        unmap: impl FnOnce(DmaAttrs) -> Result<()>,
+    ) -> Result<()> {
         let n = written.min(buf.len);
         let copied = if n > 0 && buf.dir.device_writes() {
             pool.sync_for_cpu(mem, m.dev_addr, n, m.dir)
         } else {
             Ok(())
         };
-        let attrs = DmaAttrs {
+        let released = unmap(DmaAttrs {
             skip_cpu_sync: true,
             ..m.attrs
-        };
-        let released = pool.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs, worker);
+        });
         copied.and(released)
     }
 

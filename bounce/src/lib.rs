@@ -42,15 +42,15 @@ pub mod testing;
 pub mod trace;
 pub mod types;
 
-pub use alloc::{SlotAllocator, SlotRequest};
-pub use dma::{DeviceDmaParams, Dma, DmaBuffer, Policy};
+pub use alloc::{Run, SlotAllocator, SlotBatch, SlotRequest};
+pub use dma::{DeviceDmaParams, Dma, DmaBatch, DmaBuffer, GuestBuf, Policy};
 pub use dynamic::{
     DynamicConfig, DynamicEvents, DynamicPools, DynamicStats, PoolInfo, PoolKind, PoolPages,
 };
 pub use error::{Error, Result};
 pub use geometry::{Geometry, PoolConfig, SizeLimit};
 pub use orig::{HostMemory, NoCopyMemory, OrigMemory};
-pub use pool::{BouncePool, Mapping};
+pub use pool::{BouncePool, Mapping, PoolBatch};
 pub use stats::PoolStats;
 pub use types::{AllocatorKind, CopyOnMap, Direction, DmaAttrs, MapRequest, PoolMode};
 

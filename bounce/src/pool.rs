@@ -20,6 +20,10 @@ use crate::orig::OrigMemory;
 use crate::stats::{Counters, PoolStats, ShardRef, Stat, TimedOp, Timing};
 use crate::types::{CopyOnMap, Direction, DmaAttrs, MapRequest, PoolMode};
 
+mod batch;
+
+pub use batch::PoolBatch;
+
 /// The pool's internal result: the error boxed, so a result fits in two registers and is never
 /// moved through the stack (a 40-byte `Result<(), Error>` copied between stack slots after
 /// partial stores stalled store forwarding on every unmap). Errors are rare; the public
@@ -545,21 +549,32 @@ impl BouncePool {
         req: &MapRequest,
         check_orig: bool,
     ) -> Fast<Mapping> {
-        let layout = self.layout(req)?;
-        // Validate the whole original range before anything is allocated or copied (unless
-        // the caller did).
-        if check_orig && !mem.check(req.orig, req.size, req.dir.device_writes()) {
-            return fail(Error::OrigAccess {
-                addr: req.orig,
-                len: req.size,
-            });
-        }
+        let layout = self.checked_layout(mem, req, check_orig)?;
         let sreq = self.request_of(req, &layout);
         if let Some(d) = &self.dynamic {
             return self.map_dynamic(&d.pools, mem, req, &sreq, &layout);
         }
         let index = self.claim(&sreq, layout.alloc_size, req.attrs.no_warn)?;
         self.fill(&self.tlb, index, mem, req, &sreq, &layout)
+    }
+
+    /// Every check of a map before it allocates: the request's size and masks, and (when
+    /// `check_orig`) the whole original range, before anything is allocated or copied.
+    #[inline(always)]
+    fn checked_layout<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        req: &MapRequest,
+        check_orig: bool,
+    ) -> Fast<Layout> {
+        let layout = self.layout(req)?;
+        if check_orig && !mem.check(req.orig, req.size, req.dir.device_writes()) {
+            return fail(Error::OrigAccess {
+                addr: req.orig,
+                len: req.size,
+            });
+        }
+        Ok(layout)
     }
 
     /// The map of a dynamic pool after its checks: the run from the pool list or a transient
@@ -921,11 +936,17 @@ impl BouncePool {
         worker: usize,
         shard: ShardRef<'_>,
     ) {
+        Self::forget(tlb, index, nslots);
+        tlb.alloc.free(index, nslots, worker);
+        self.counters.dec_used_on(shard, nslots);
+    }
+
+    /// Marks `index..index + nslots` unmapped: the metadata half of [`BouncePool::release`].
+    #[inline(always)]
+    fn forget(tlb: &TlbPool, index: usize, nslots: usize) {
         for m in tlb.meta.run(index, nslots) {
             m.orig.store(INVALID, Ordering::Relaxed);
         }
-        tlb.alloc.free(index, nslots, worker);
-        self.counters.dec_used_on(shard, nslots);
     }
 
     /// Unmaps a mapping returned by [`BouncePool::map`].
@@ -976,10 +997,24 @@ impl BouncePool {
         if let Some(d) = &self.dynamic {
             return self.unmap_dynamic(&d.pools, mem, u);
         }
+        self.unmap_static(mem, u, |tlb, index, nslots, shard| {
+            self.release(tlb, index, nslots, u.worker, shard);
+        })
+    }
+
+    /// The unmap of a static pool: [`BouncePool::unmap_in`] its one pool, which must hold
+    /// `u.addr`.
+    #[inline(always)]
+    fn unmap_static<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        u: UnmapArgs,
+        release: impl FnOnce(&TlbPool, usize, usize, ShardRef<'_>),
+    ) -> Fast<()> {
         if !self.contains(u.addr, 1) {
             return self.bad_unmap(u.addr);
         }
-        self.unmap_in(&self.tlb, mem, u)
+        self.unmap_in(&self.tlb, mem, u, release)
     }
 
     /// Counts and refuses an unmap of an address that is no live mapping.
@@ -1001,7 +1036,9 @@ impl BouncePool {
         let Some(found) = d.pool_of(&self.tlb, u.addr) else {
             return self.bad_unmap(u.addr);
         };
-        let r = self.unmap_in(&found, mem, u);
+        let r = self.unmap_in(&found, mem, u, |tlb, index, nslots, shard| {
+            self.release(tlb, index, nslots, u.worker, shard);
+        });
         if let Found::Transient(t) = &found {
             let released = !matches!(&r, Err(e) if matches!(**e, Error::NotMapped { .. }));
             if released {
@@ -1011,15 +1048,23 @@ impl BouncePool {
         r
     }
 
-    /// Copies back and releases the mapping at `u.addr` in `tlb`, which holds `u.addr`.
+    /// Copies back and releases the mapping at `u.addr` in `tlb`, which holds `u.addr`:
+    /// `release(tlb, first slot, slots, shard)` gives the run back ([`BouncePool::release`],
+    /// or a batch's deferred release).
     #[inline(always)]
-    fn unmap_in<M: OrigMemory + ?Sized>(&self, tlb: &TlbPool, mem: &M, u: UnmapArgs) -> Fast<()> {
+    fn unmap_in<M: OrigMemory + ?Sized>(
+        &self,
+        tlb: &TlbPool,
+        mem: &M,
+        u: UnmapArgs,
+        release: impl FnOnce(&TlbPool, usize, usize, ShardRef<'_>),
+    ) -> Fast<()> {
         let UnmapArgs {
             addr,
             size,
             dir,
             attrs,
-            worker,
+            worker: _,
         } = u;
         let slot = ((addr - tlb.geom.base) >> tlb.geom.slot_shift) as usize;
         let in_slot = (addr & (tlb.geom.slot_size() - 1)) as u32;
@@ -1053,7 +1098,7 @@ impl BouncePool {
         let nslots = tlb.geom.nr_slots(
             view.alloc_size + ((pad_slots as u64) << tlb.geom.slot_shift) + u64::from(view.offset),
         ) as usize;
-        self.release(tlb, index, nslots, worker, shard);
+        release(tlb, index, nslots, shard);
         shard.add(Stat::Unmaps, 1);
         copied
     }

@@ -36,7 +36,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
+use super::{serve, LockSnapshot, SlotAllocator, SlotBatch, SlotRequest, TimedMutex};
 use crate::geometry::Geometry;
 use crate::types::AllocatorKind;
 
@@ -342,23 +342,19 @@ impl SlotAllocator for IovaRbtree {
     }
 
     fn alloc(&self, req: &SlotRequest) -> Option<usize> {
-        let p = Placement::new(&self.geom, req, self.size_aligned)?;
-        let size_only = Placement::size_only(&self.geom, req);
-        self.tree.lock().alloc(&self.geom, &p, size_only)
+        self.alloc_in(&mut self.tree.lock(), req)
     }
 
     fn free(&self, index: usize, nslots: usize, _worker: usize) {
-        match self.tree.lock().free(index) {
-            Some((lo, size)) if lo == index && size == nslots => {}
-            Some((lo, size)) => tracing::warn!(
-                index,
-                nslots,
-                lo,
-                size,
-                "iova-rbtree: freed range differs from the one allocated"
-            ),
-            None => tracing::warn!(index, nslots, "iova-rbtree: free of an unallocated pfn"),
+        Self::free_in(&mut self.tree.lock(), index, nslots);
+    }
+
+    fn batch(&self, b: &SlotBatch<'_>, out: &mut [usize]) -> usize {
+        let mut tree = self.tree.lock();
+        for f in b.frees {
+            Self::free_in(&mut tree, f.index, f.nslots);
         }
+        serve(b.reqs, out, |req| self.alloc_in(&mut tree, req))
     }
 
     fn area_used(&self) -> Vec<usize> {
@@ -371,6 +367,30 @@ impl SlotAllocator for IovaRbtree {
 
     fn reset_lock_stats(&self) {
         self.tree.reset_stats();
+    }
+}
+
+impl IovaRbtree {
+    /// [`SlotAllocator::alloc`] on the locked `tree`.
+    fn alloc_in(&self, tree: &mut IovaTree, req: &SlotRequest) -> Option<usize> {
+        let p = Placement::new(&self.geom, req, self.size_aligned)?;
+        let size_only = Placement::size_only(&self.geom, req);
+        tree.alloc(&self.geom, &p, size_only)
+    }
+
+    /// [`SlotAllocator::free`] on the locked `tree`.
+    fn free_in(tree: &mut IovaTree, index: usize, nslots: usize) {
+        match tree.free(index) {
+            Some((lo, size)) if lo == index && size == nslots => {}
+            Some((lo, size)) => tracing::warn!(
+                index,
+                nslots,
+                lo,
+                size,
+                "iova-rbtree: freed range differs from the one allocated"
+            ),
+            None => tracing::warn!(index, nslots, "iova-rbtree: free of an unallocated pfn"),
+        }
     }
 }
 

@@ -9,8 +9,9 @@
 //! tells them apart is the range type and whether there is one range or one per area.
 
 use std::fmt;
+use std::sync::MutexGuard;
 
-use crate::alloc::{LockSnapshot, SlotAllocator, SlotRequest, TimedMutex};
+use crate::alloc::{serve, LockSnapshot, SlotAllocator, SlotBatch, SlotRequest, TimedMutex};
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
 use crate::types::AllocatorKind;
@@ -120,14 +121,20 @@ impl<T: SlotRange> Locked<T> {
 
     /// Tries `f` on each range under its lock, from the calling worker's area and wrapping
     /// (Linux's walk over areas), and returns the first answer.
-    pub fn find_map(
+    pub fn find_map(&self, worker: usize, f: impl FnMut(&mut T) -> Option<usize>) -> Option<usize> {
+        self.find_map_held(&mut Held::new(self), worker, f)
+    }
+
+    /// [`Locked::find_map`] with the locks of `held`.
+    fn find_map_held(
         &self,
+        held: &mut Held<'_, T>,
         worker: usize,
         mut f: impl FnMut(&mut T) -> Option<usize>,
     ) -> Option<usize> {
         let n = self.ranges.len();
         let start = self.geom.start_area(worker);
-        (0..n).find_map(|k| f(&mut self.ranges[(start + k) % n].lock()))
+        (0..n).find_map(|k| f(held.get((start + k) % n)))
     }
 
     /// The range slot `index` is in.
@@ -138,7 +145,13 @@ impl<T: SlotRange> Locked<T> {
     /// Releases a run into its range; a run outside the pool or not in use is logged and
     /// ignored.
     pub fn release(&self, index: usize, nslots: usize) {
-        let Some(range) = self.ranges.get(self.range_of(index)) else {
+        self.release_held(&mut Held::new(self), index, nslots);
+    }
+
+    /// [`Locked::release`] with the locks of `held`.
+    fn release_held(&self, held: &mut Held<'_, T>, index: usize, nslots: usize) {
+        let range = self.range_of(index);
+        if range >= self.ranges.len() {
             tracing::error!(
                 allocator = self.kind.name(),
                 index,
@@ -146,8 +159,8 @@ impl<T: SlotRange> Locked<T> {
                 "free of a slot outside the pool ignored"
             );
             return;
-        };
-        if !range.lock().release(&self.geom, index, nslots) {
+        }
+        if !held.get(range).release(&self.geom, index, nslots) {
             tracing::error!(
                 allocator = self.kind.name(),
                 index,
@@ -158,6 +171,33 @@ impl<T: SlotRange> Locked<T> {
     }
 }
 
+/// The lock of at most one range at a time, kept while consecutive steps of a batch stay in
+/// that range: a batch takes a range's lock once where its calls one by one would take it per
+/// call, and never holds two (no lock order to keep).
+struct Held<'a, T> {
+    locked: &'a Locked<T>,
+    at: Option<(usize, MutexGuard<'a, T>)>,
+}
+
+impl<'a, T: SlotRange> Held<'a, T> {
+    fn new(locked: &'a Locked<T>) -> Self {
+        Self { locked, at: None }
+    }
+
+    /// Range `range`, under its lock (taken now unless it is the one held; the one held
+    /// before is released first). `range` must be a valid range number.
+    fn get(&mut self, range: usize) -> &mut T {
+        if !matches!(&self.at, Some((held, _)) if *held == range) {
+            self.at = None;
+        }
+        let ranges = &self.locked.ranges;
+        &mut self
+            .at
+            .get_or_insert_with(|| (range, ranges[range].lock()))
+            .1
+    }
+}
+
 impl<T: SlotRange> SlotAllocator for Locked<T> {
     fn kind(&self) -> AllocatorKind {
         self.kind
@@ -165,6 +205,16 @@ impl<T: SlotRange> SlotAllocator for Locked<T> {
 
     fn alloc(&self, req: &SlotRequest) -> Option<usize> {
         self.find_map(req.worker, |r| r.alloc(&self.geom, req))
+    }
+
+    fn batch(&self, b: &SlotBatch<'_>, out: &mut [usize]) -> usize {
+        let mut held = Held::new(self);
+        for f in b.frees {
+            self.release_held(&mut held, f.index, f.nslots);
+        }
+        serve(b.reqs, out, |req| {
+            self.find_map_held(&mut held, req.worker, |r| r.alloc(&self.geom, req))
+        })
     }
 
     fn alloc_in_area(&self, area: usize, req: &SlotRequest) -> Option<usize> {

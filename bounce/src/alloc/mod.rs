@@ -199,6 +199,46 @@ impl SlotRequest {
     }
 }
 
+/// A run of slots to release, as [`SlotAllocator::alloc`] returned it for a request of
+/// `nslots` slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// First slot.
+    pub index: usize,
+    /// Slots.
+    pub nslots: usize,
+}
+
+/// The allocations of a [`SlotAllocator::batch`]: `alloc` on each of `reqs` in order until
+/// one finds nothing, the first slots written to `out`; returns how many were served.
+pub(crate) fn serve(
+    reqs: &[SlotRequest],
+    out: &mut [usize],
+    mut alloc: impl FnMut(&SlotRequest) -> Option<usize>,
+) -> usize {
+    let mut served = 0;
+    for (req, slot) in reqs.iter().zip(out.iter_mut()) {
+        let Some(index) = alloc(req) else {
+            break;
+        };
+        *slot = index;
+        served += 1;
+    }
+    served
+}
+
+/// One [`SlotAllocator::batch`]: runs to release on behalf of `worker`, then requests to
+/// claim runs for, in order.
+#[derive(Clone, Copy, Debug)]
+pub struct SlotBatch<'a> {
+    /// Runs to release, in order.
+    pub frees: &'a [Run],
+    /// The releasing worker (per-worker caches free into its own).
+    pub worker: usize,
+    /// Requests to claim runs for, in order.
+    pub reqs: &'a [SlotRequest],
+}
+
 /// A strategy for finding runs of free slots.
 ///
 /// Implementations are shared between threads; each models the locking of the algorithm it is
@@ -214,6 +254,22 @@ pub trait SlotAllocator: Send + Sync + fmt::Debug {
     /// Releases the run `index..index + nslots`, which `alloc` returned for a request of
     /// `nslots` slots. `worker` is the releasing worker (per-worker caches free into its own).
     fn free(&self, index: usize, nslots: usize, worker: usize);
+
+    /// Releases `b.frees` in order, then claims runs for `b.reqs` in order until one finds
+    /// none, writing the first slot of each claimed run to `out`; returns how many of
+    /// `b.reqs` were served (`out` must hold at least `b.reqs.len()`).
+    ///
+    /// The result is exactly that of [`free`](SlotAllocator::free) on each of the runs and
+    /// then [`alloc`](SlotAllocator::alloc) on each of the requests, stopping at the first
+    /// `None`: the same slots, the same rolling indexes, the same failure. Allocators with
+    /// locks take each lock once for a batch where the calls one by one would take it per
+    /// call.
+    fn batch(&self, b: &SlotBatch<'_>, out: &mut [usize]) -> usize {
+        for f in b.frees {
+            self.free(f.index, f.nslots, b.worker);
+        }
+        serve(b.reqs, out, |req| self.alloc(req))
+    }
 
     /// Finds and claims a run for `req` in area `area` alone (Linux
     /// `swiotlb_search_pool_area`), for allocators with one range per area; `None` when the
@@ -374,6 +430,128 @@ mod tests {
             stress(kind, 1024, 1, 0x4000_0000);
             stress(kind, 2048, 4, 0x4000_0800);
         }
+    }
+
+    /// One batch of a random workload: runs to free (positions in the live list, taken in
+    /// order) and requests (size in bytes, `min_align_mask`, worker).
+    type Step = (Vec<usize>, Vec<(u64, u64, usize)>, usize);
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        let req = (
+            prop_oneof![1u64..4096, Just(4096u64), 4096u64..65536, 65536u64..262_144],
+            prop_oneof![Just(0u64), Just(0xfffu64)],
+            0usize..4,
+        );
+        (
+            proptest::collection::vec(0usize..64, 0..4),
+            proptest::collection::vec(req, 0..5),
+            0usize..4,
+        )
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// A batch claims the same runs, fails at the same request and leaves the same used
+        /// counts and rolling indexes as its frees and allocations one by one, for every
+        /// allocator whose results do not depend on the clock (`iova-rcache` trims its depot
+        /// by time; it batches through the trait's sequential default).
+        #[test]
+        fn a_batch_does_what_its_calls_one_by_one_do(
+            steps in proptest::collection::vec(step(), 1..60),
+            areas in proptest::prop_oneof![proptest::strategy::Just(1usize), proptest::strategy::Just(2usize)],
+        ) {
+            // A small pool, so that batches fail in the middle.
+            let g = test_geometry(512, areas, 4, 0x4000_0800);
+            for kind in AllocatorKind::ALL {
+                if kind == AllocatorKind::IovaRcache {
+                    continue;
+                }
+                let batched = build(kind, &g).unwrap();
+                let single = build(kind, &g).unwrap();
+                let mut live: Vec<Run> = Vec::new();
+                for (n, (frees, reqs, worker)) in steps.iter().enumerate() {
+                    let mut runs = Vec::new();
+                    for &k in frees {
+                        if !live.is_empty() {
+                            runs.push(live.swap_remove(k % live.len()));
+                        }
+                    }
+                    let reqs: Vec<SlotRequest> = reqs
+                        .iter()
+                        .map(|&(size, min_align, w)| {
+                            SlotRequest::new(&g, 0x1234_5000 + size, size, 0, min_align, u64::MAX, w)
+                        })
+                        .collect();
+                    let mut out = vec![usize::MAX; reqs.len()];
+                    let served = batched.batch(
+                        &SlotBatch { frees: &runs, worker: *worker, reqs: &reqs },
+                        &mut out,
+                    );
+                    for r in &runs {
+                        single.free(r.index, r.nslots, *worker);
+                    }
+                    let mut one_by_one = Vec::new();
+                    for r in &reqs {
+                        match single.alloc(r) {
+                            Some(i) => one_by_one.push(i),
+                            None => break,
+                        }
+                    }
+                    proptest::prop_assert_eq!(&out[..served], &one_by_one[..], "{} step {}", kind, n);
+                    proptest::prop_assert_eq!(batched.area_used(), single.area_used(), "{} step {}", kind, n);
+                    proptest::prop_assert_eq!(batched.area_index(), single.area_index(), "{} step {}", kind, n);
+                    live.extend(out[..served].iter().zip(&reqs).map(|(&index, r)| Run {
+                        index,
+                        nslots: r.nslots,
+                    }));
+                }
+            }
+        }
+    }
+
+    /// A batch of worker 1.
+    fn batch<'a>(frees: &'a [Run], reqs: &'a [SlotRequest]) -> SlotBatch<'a> {
+        SlotBatch {
+            frees,
+            worker: 1,
+            reqs,
+        }
+    }
+
+    #[test]
+    fn a_batch_takes_each_area_lock_once() {
+        let g = test_geometry(1024, 2, 2, 0x4000_0000);
+        let a = build(AllocatorKind::Areas, &g).unwrap();
+        let page = SlotRequest::new(&g, 0x1000, 4096, 0, 0, u64::MAX, 1);
+        let byte = SlotRequest::new(&g, 0x2000, 1, 0, 0, u64::MAX, 1);
+        let mut out = [0; 3];
+        assert_eq!(a.batch(&batch(&[], &[byte, page, byte]), &mut out), 3);
+        let locks = |a: &Arc<dyn SlotAllocator>| {
+            a.lock_stats()
+                .iter()
+                .map(|l| l.acquisitions)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(locks(&a), vec![0, 1]);
+        let runs = [
+            Run {
+                index: out[0],
+                nslots: 1,
+            },
+            Run {
+                index: out[1],
+                nslots: 2,
+            },
+            Run {
+                index: out[2],
+                nslots: 1,
+            },
+        ];
+        assert_eq!(a.batch(&batch(&runs, &[]), &mut []), 0);
+        assert_eq!(locks(&a), vec![0, 2]);
+        assert_eq!(a.area_used(), vec![0, 0]);
     }
 
     #[test]

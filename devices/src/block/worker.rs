@@ -202,6 +202,8 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
         self.engine.reap(&mut done);
         let mut used = 0;
         let mut result = Ok(());
+        // The slots of every request of this reap go back in one allocator call.
+        let mut batch = self.ctx.batch();
         for d in done.drain(..) {
             let tag = usize::try_from(d.tag).unwrap_or(usize::MAX);
             let Some(req) = self.requests.get_mut(tag) else {
@@ -210,10 +212,10 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
             };
             if result.is_err() {
                 // The device is already broken: release what is left.
-                self.ctx.release(mem, req);
+                self.ctx.release(mem, req, &mut batch);
             } else {
                 let log = self.log.as_mut();
-                result = match self.ctx.finish(mem, req, d.result) {
+                result = match self.ctx.finish(mem, req, d.result, &mut batch) {
                     Ok(c) => queue::add_used_logged(queue, mem, log, req.head, c.used_len)
                         .map(|()| used += 1),
                     Err(e) => Err(broken(format_args!("head {}: {e}", req.head))),
@@ -344,11 +346,12 @@ impl<M: GuestMemory> Drop for BlockWorker<M> {
             self.engine.kick();
             self.engine.wait();
             self.engine.reap(&mut done);
+            let mut batch = self.ctx.batch();
             for d in done.drain(..) {
                 let tag = usize::try_from(d.tag).unwrap_or(usize::MAX);
                 if let Some(req) = self.requests.get_mut(tag) {
                     if let Some(mem) = req.mem.take() {
-                        self.ctx.release(&*mem, req);
+                        self.ctx.release(&*mem, req, &mut batch);
                     }
                 }
                 self.requests.release(tag);

@@ -34,7 +34,7 @@ mod status;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use bounce::{Direction, Dma, DmaBuffer};
+use bounce::{Dma, DmaBatch, DmaBuffer};
 use smallvec::SmallVec;
 use vm_memory::GuestMemory;
 
@@ -192,11 +192,13 @@ impl RequestCtx {
             return Err(self.unusable(e));
         };
         let waits = may_wait && walked.is_ok() && self.could_fit(chain);
+        // The allocator calls of this step: the status byte and the header in one, the data
+        // (with the header's release) in another.
+        let mut batch = self.dma.batch(self.worker);
         // Map the status byte before anything else, so that a later failure (a full pool
-        // among them) can still be reported.
-        let mapped =
-            self.dma
-                .map_prevalidated(mem, status_addr, 1, Direction::FromDevice, self.worker);
+        // among them) can still be reported; the header's pieces after it, in the same call.
+        let header = walked.is_ok() && chain.readable_len >= REQ_HEADER_LEN as u64;
+        let (mapped, header) = self.map_head(mem, chain, status_addr, header, &mut batch);
         let status = match mapped {
             Err(e)
                 if waits
@@ -212,15 +214,26 @@ impl RequestCtx {
         req.status = Some(status);
         let planned = walked
             .map_err(BlockError::from)
-            .and_then(|()| self.parse(mem, chain))
-            .and_then(|parsed| self.plan(mem, chain, parsed, req));
+            .and_then(|()| {
+                // A header mapped with the status is read now; after a failed status map it
+                // is mapped on its own.
+                let bytes = match header {
+                    Some(h) => self.read_head(mem, h, &mut batch),
+                    None if chain.readable_len >= REQ_HEADER_LEN as u64 => {
+                        self.read_header(mem, chain, &mut batch)
+                    }
+                    None => Err(BlockError::BadChain("request header shorter than 16 bytes")),
+                };
+                self.parse(chain, bytes)
+            })
+            .and_then(|parsed| self.plan(mem, chain, parsed, req, &mut batch));
         let (st, written) = match planned {
             Ok(plan::Planned::Done(written)) => (VIRTIO_BLK_S_OK, written),
             Ok(plan::Planned::Io(op)) => return Ok(Started::Submit(op)),
             Err(e) if waits && is_pool_full(&e) && self.others_hold_slots(held) => {
                 // Nothing but the status byte is still mapped (the data maps were released);
                 // the status mapping goes too, its byte untouched.
-                self.release_status(mem, req);
+                self.release_status(mem, req, &mut batch);
                 self.metrics.pool_full_waits.inc();
                 return Ok(Started::PoolFull);
             }
@@ -233,12 +246,19 @@ impl RequestCtx {
                 (e.status(), 0)
             }
         };
-        self.complete(mem, req, st, written).map(Started::Done)
+        self.complete(mem, req, st, written, &mut batch)
+            .map(Started::Done)
+    }
+
+    /// The batch a worker completes the requests of one reap through ([`RequestCtx::finish`],
+    /// [`RequestCtx::release`]): their slots go back in one allocator call when it is dropped.
+    pub fn batch(&self) -> DmaBatch<'_> {
+        self.dma.batch(self.worker)
     }
 
     /// Completes a request whose host I/O ended with `result` (bytes moved, or the host
     /// error): unmaps its data in place (copying a read's bytes back through the bounce
-    /// pool), writes the status and releases it.
+    /// pool), writes the status and unmaps it, through `batch` ([`RequestCtx::batch`]).
     ///
     /// # Errors
     /// [`Unusable`] when the status byte cannot be written even directly.
@@ -247,6 +267,7 @@ impl RequestCtx {
         mem: &M,
         req: &mut Request<R>,
         result: std::io::Result<u64>,
+        batch: &mut DmaBatch<'_>,
     ) -> Result<Completion, Unusable> {
         let io = match result {
             Ok(n) if n == req.expected => Ok(()),
@@ -257,7 +278,7 @@ impl RequestCtx {
             Err(e) => Err(BlockError::Io(e.to_string())),
         };
         // Only a complete transfer is copied back to the guest.
-        let unmapped = self.unmap_all(mem, req, io.is_ok());
+        let unmapped = self.unmap_all(mem, req, io.is_ok(), batch);
         let (st, written) = match io.and(unmapped) {
             Ok(()) => {
                 match req.kind {
@@ -273,16 +294,21 @@ impl RequestCtx {
                 (e.status(), 0)
             }
         };
-        self.complete(mem, req, st, written)
+        self.complete(mem, req, st, written, batch)
     }
 
-    /// Drops a request without completing it (device reset): its mappings are released and
-    /// nothing is written to the guest.
-    pub fn release<M: GuestMemory + ?Sized, R>(&self, mem: &M, req: &mut Request<R>) {
-        if let Err(e) = self.unmap_all(mem, req, false) {
+    /// Drops a request without completing it (device reset): its mappings are unmapped
+    /// through `batch` and nothing is written to the guest.
+    pub fn release<M: GuestMemory + ?Sized, R>(
+        &self,
+        mem: &M,
+        req: &mut Request<R>,
+        batch: &mut DmaBatch<'_>,
+    ) {
+        if let Err(e) = self.unmap_all(mem, req, false, batch) {
             self.metrics.count_error(&e);
         }
-        self.release_status(mem, req);
+        self.release_status(mem, req, batch);
     }
 
     /// True when the pool holds more than the `own` slots of this request: someone's unmap

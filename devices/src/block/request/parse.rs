@@ -3,12 +3,13 @@
 
 use std::mem::offset_of;
 
-use bounce::Direction;
+use bounce::{Direction, DmaBatch, DmaBuffer, GuestBuf};
+use smallvec::SmallVec;
 use vm_memory::GuestMemory;
 
 use super::RequestCtx;
 use crate::block::{BlockError, Result, ID_BYTES, REQ_HEADER_LEN};
-use crate::virtio::chain::{self, Chain};
+use crate::virtio::chain::{self, Chain, CopyError};
 use crate::virtio::spec::{
     virtio_blk_outhdr, VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID,
     VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_BLK_T_WRITE_ZEROES,
@@ -121,16 +122,111 @@ pub(super) enum Parsed {
     Ranges { payload: u64, zeroes: bool },
 }
 
+/// The header's pieces as a request's first allocator call mapped them (after its status
+/// byte), and the failure that stopped the mapping, if one did.
+#[derive(Debug)]
+pub(super) struct HeadMaps {
+    maps: SmallVec<[DmaBuffer; 4]>,
+    failed: Option<BlockError>,
+}
+
+/// The guest buffers of a request's first allocator call.
+type HeadBufs = SmallVec<[GuestBuf; 4]>;
+
 impl RequestCtx {
-    /// Reads the header of `chain` through the DMA handle, counts the request by type and
-    /// checks its data lengths, directions and feature against its type.
-    pub(super) fn parse<M: GuestMemory + ?Sized>(&self, mem: &M, chain: &Chain) -> Result<Parsed> {
+    /// Maps the status byte at `status_addr` and, with `header`, the pieces of the request
+    /// header after it, in one call of `batch`: the status mapping (or why it failed) and,
+    /// when the status was mapped and `header` asked for, the header's mappings.
+    pub(super) fn map_head<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        chain: &Chain,
+        status_addr: u64,
+        header: bool,
+        batch: &mut DmaBatch<'_>,
+    ) -> (bounce::Result<DmaBuffer>, Option<HeadMaps>) {
+        let mut bufs: HeadBufs = SmallVec::new();
+        bufs.push((status_addr, 1, Direction::FromDevice));
+        let listed = if header {
+            header_bufs(chain, &mut bufs)
+        } else {
+            Ok(())
+        };
+        let mut status = None;
+        let mut maps = SmallVec::new();
+        let mapped = batch.map_prevalidated(mem, &bufs, |b| match status {
+            None => status = Some(b),
+            Some(_) => maps.push(b),
+        });
+        match (status, mapped) {
+            (Some(b), r) => {
+                let failed = r.err().map(BlockError::from).or(listed.err());
+                (Ok(b), header.then_some(HeadMaps { maps, failed }))
+            }
+            (None, Err(e)) => (Err(e), None),
+            // A batch maps every buffer or reports a failure: not reached.
+            (None, Ok(())) => (Err(bounce::Error::NotMapped { addr: status_addr }), None),
+        }
+    }
+
+    /// Maps the request header's pieces on their own (after a failed status map) and reads
+    /// it.
+    pub(super) fn read_header<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        chain: &Chain,
+        batch: &mut DmaBatch<'_>,
+    ) -> Result<[u8; REQ_HEADER_LEN]> {
+        let mut bufs = HeadBufs::new();
+        let listed = header_bufs(chain, &mut bufs);
+        let mut maps = SmallVec::new();
+        let mapped = batch.map_prevalidated(mem, &bufs, |b| maps.push(b));
+        let failed = mapped.err().map(BlockError::from).or(listed.err());
+        self.read_head(mem, HeadMaps { maps, failed }, batch)
+    }
+
+    /// Reads the header from its mappings and unmaps them through `batch` (released with its
+    /// next allocator call).
+    pub(super) fn read_head<M: GuestMemory + ?Sized>(
+        &self,
+        mem: &M,
+        head: HeadMaps,
+        batch: &mut DmaBatch<'_>,
+    ) -> Result<[u8; REQ_HEADER_LEN]> {
+        let mut hdr = [0u8; REQ_HEADER_LEN];
+        let mut done = 0;
+        let mut r = Ok(());
+        for b in head.maps {
+            let n = b.len();
+            if r.is_ok() {
+                r = match hdr.get_mut(done..done + n) {
+                    Some(dst) => self.dma.read(mem, &b, 0, dst).map_err(BlockError::from),
+                    None => Err(BlockError::BadChain("request header pieces overrun")),
+                };
+            }
+            done += n;
+            if let Err(e) = batch.unmap(mem, b) {
+                r = r.and(Err(e.into()));
+            }
+        }
+        r?;
+        match head.failed {
+            Some(e) => Err(e),
+            None => Ok(hdr),
+        }
+    }
+
+    /// Counts the request by the type in its header `bytes` (as read, or why they could not
+    /// be) and checks its data lengths, directions and feature against its type.
+    pub(super) fn parse(
+        &self,
+        chain: &Chain,
+        bytes: Result<[u8; REQ_HEADER_LEN]>,
+    ) -> Result<Parsed> {
         if chain.readable_len < REQ_HEADER_LEN as u64 {
             return Err(BlockError::BadChain("request header shorter than 16 bytes"));
         }
-        let mut hdr = [0u8; REQ_HEADER_LEN];
-        chain::copy_from(&self.dma, mem, self.worker, &chain.readable, 0, &mut hdr)?;
-        let hdr = RequestHeader::parse(&hdr);
+        let hdr = RequestHeader::parse(&bytes?);
         // Bytes after the header (device-readable) and before the status (device-writable).
         let out_len = chain.readable_len - REQ_HEADER_LEN as u64;
         let in_len = chain.writable_len - 1;
@@ -212,6 +308,22 @@ impl RequestCtx {
             zeroes,
         })
     }
+}
+
+/// Appends the pieces of the request header (the first 16 readable bytes) to `bufs`, as
+/// device reads.
+fn header_bufs(chain: &Chain, bufs: &mut HeadBufs) -> Result<()> {
+    chain::for_each_piece(
+        &chain.readable,
+        0,
+        REQ_HEADER_LEN as u64,
+        u64::MAX,
+        |addr, n| {
+            bufs.push((addr, n, Direction::ToDevice));
+            Ok::<(), CopyError>(())
+        },
+    )
+    .map_err(BlockError::from)
 }
 
 #[cfg(test)]

@@ -2,7 +2,8 @@
 //! into the request, and the [`IoOp`] on their device-visible pieces, built once here and
 //! handed to the engine as it is.
 
-use bounce::Direction;
+use bounce::{Direction, DmaBatch, GuestBuf};
+use smallvec::SmallVec;
 use vm_memory::GuestMemory;
 
 use super::parse::{Parsed, RequestType};
@@ -34,11 +35,14 @@ impl RequestCtx {
         chain: &Chain,
         parsed: Parsed,
         req: &mut Request<R>,
+        batch: &mut DmaBatch<'_>,
     ) -> Result<Planned> {
         req.written = 0;
         req.expected = 0;
         match parsed {
-            Parsed::Data { sector, len, dir } => self.data_plan(mem, chain, sector, len, dir, req),
+            Parsed::Data { sector, len, dir } => {
+                self.data_plan(mem, chain, (sector, len, dir), req, batch)
+            }
             Parsed::Flush if self.params.no_flush => {
                 // cache=unsafe: FLUSH completes without syncing anything (QEMU's
                 // cache.no-flush).
@@ -49,6 +53,8 @@ impl RequestCtx {
                 Ok(Planned::Io(IoOp::Flush))
             }
             Parsed::GetId { len } => {
+                // What `batch` unmapped goes back before the id's own map, as one by one.
+                batch.flush();
                 let serial = self.params.serial;
                 chain::copy_to(
                     &self.dma,
@@ -61,6 +67,7 @@ impl RequestCtx {
                 Ok(Planned::Done(len as u64))
             }
             Parsed::Ranges { payload, zeroes } => {
+                batch.flush();
                 let op = self.ranges_op(mem, chain, payload, zeroes)?;
                 req.kind = if zeroes {
                     RequestType::WriteZeroes
@@ -73,15 +80,15 @@ impl RequestCtx {
     }
 
     /// Maps the data part of the chain into `req` for moving `len` bytes between it and the
-    /// disk at `sector`, and describes the I/O on the device-visible pieces.
+    /// disk at `sector` in `dir`, in one call of `batch`, and describes the I/O on the
+    /// device-visible pieces.
     fn data_plan<M: GuestMemory + ?Sized, R>(
         &self,
         mem: &M,
         chain: &Chain,
-        sector: u64,
-        len: u64,
-        dir: Direction,
+        (sector, len, dir): (u64, u64, Direction),
         req: &mut Request<R>,
+        batch: &mut DmaBatch<'_>,
     ) -> Result<Planned> {
         if len % SECTOR_SIZE != 0 {
             return Err(BlockError::Unaligned(len));
@@ -99,11 +106,11 @@ impl RequestCtx {
         };
         // Every buffer was checked against guest memory, with the permission its direction
         // needs, by the chain walker; and every piece is mapped before the first byte moves.
-        self.map_stream(mem, segs, start, len, dir, req)?;
+        self.map_stream(mem, (segs, start, len, dir), req, batch)?;
         let bufs = match self.device_pieces(mem, req) {
             Ok(bufs) => bufs,
             Err(e) => {
-                if let Err(u) = self.unmap_all(mem, req, false) {
+                if let Err(u) = self.unmap_all(mem, req, false, batch) {
                     self.metrics.count_error(&u);
                 }
                 return Err(e);
@@ -141,33 +148,38 @@ impl RequestCtx {
     }
 
     /// Maps `start..start + len` of a stream in `dir` into `req`, in pieces of at most
-    /// `max_map` bytes. On error everything mapped so far is unmapped.
+    /// `max_map` bytes, in one call of `batch` (which releases what it unmapped first). On
+    /// error everything mapped so far is unmapped.
     fn map_stream<M: GuestMemory + ?Sized, R>(
         &self,
         mem: &M,
-        segs: &[Seg],
-        start: u64,
-        len: u64,
-        dir: Direction,
+        (segs, start, len, dir): (&[Seg], u64, u64, Direction),
         req: &mut Request<R>,
+        batch: &mut DmaBatch<'_>,
     ) -> Result<()> {
         req.maps.clear();
-        let (dma, worker, maps) = (&self.dma, self.worker, &mut req.maps);
-        let r = for_each_piece(segs, start, len, self.max_map as u64, |addr, n| {
-            maps.push(dma.map_prevalidated(mem, addr, n, dir, worker)?);
+        let mut pieces: SmallVec<[GuestBuf; 4]> = SmallVec::new();
+        let listed = for_each_piece(segs, start, len, self.max_map as u64, |addr, n| {
+            pieces.push((addr, n, dir));
             Ok::<(), BlockError>(())
         });
+        let maps = &mut req.maps;
+        let r = batch
+            .map_prevalidated(mem, &pieces, |b| maps.push(b))
+            .map_err(BlockError::from)
+            .and(listed);
         if r.is_err() {
             // The map error is what the request reports; a failing unmap is counted too.
             // Nothing was transferred: nothing may be copied back.
-            if let Err(e) = self.unmap_all(mem, req, false) {
+            if let Err(e) = self.unmap_all(mem, req, false, batch) {
                 self.metrics.count_error(&e);
             }
         }
         r
     }
 
-    /// Unmaps every data mapping of `req`; the first error is returned. Unless `transferred`
+    /// Unmaps every data mapping of `req` through `batch` (released with its next allocator
+    /// call); the first error is returned. Unless `transferred`
     /// (the whole I/O succeeded), nothing is copied back to the guest: after a failed or
     /// short read only the guest's own bytes stay in its buffers, never stale pool contents.
     pub(super) fn unmap_all<M: GuestMemory + ?Sized, R>(
@@ -175,13 +187,14 @@ impl RequestCtx {
         mem: &M,
         req: &mut Request<R>,
         transferred: bool,
+        batch: &mut DmaBatch<'_>,
     ) -> Result<()> {
         let mut first = Ok(());
         for b in req.maps.drain(..) {
             let r = if transferred {
-                self.dma.unmap(mem, b, self.worker)
+                batch.unmap(mem, b)
             } else {
-                self.dma.unmap_written(mem, b, 0, self.worker)
+                batch.unmap_written(mem, b, 0)
             };
             if let Err(e) = r {
                 if first.is_ok() {

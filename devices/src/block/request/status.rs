@@ -6,7 +6,7 @@
 //! failed), straight to guest memory with [`bounce::Dma::write_direct`], so the driver never
 //! reads a stale "OK".
 
-use bounce::DmaBuffer;
+use bounce::{DmaBatch, DmaBuffer};
 use vm_memory::GuestMemory;
 
 use super::{Request, RequestCtx};
@@ -68,8 +68,9 @@ impl RequestCtx {
         req: &mut Request<R>,
         st: u8,
         written: u64,
+        batch: &mut DmaBatch<'_>,
     ) -> Result<Completion, Unusable> {
-        self.write_status(mem, req.status.take(), st)?;
+        self.write_status(mem, req.status.take(), st, batch)?;
         Ok(Completion {
             // written <= writable_len - 1 < u32::MAX (a chain holds at most 2^16 buffers of
             // at most 2^32 - 1 bytes; the saturation is a guard only).
@@ -80,9 +81,14 @@ impl RequestCtx {
 
     /// Unmaps the status byte of a request that completes without a status (pool full with
     /// `may_wait`, device reset): the byte is left untouched.
-    pub(super) fn release_status<M: GuestMemory + ?Sized, R>(&self, mem: &M, req: &mut Request<R>) {
+    pub(super) fn release_status<M: GuestMemory + ?Sized, R>(
+        &self,
+        mem: &M,
+        req: &mut Request<R>,
+        batch: &mut DmaBatch<'_>,
+    ) {
         if let Some(StatusBuf::Mapped(b)) = req.status.take() {
-            if let Err(e) = self.dma.unmap(mem, b, self.worker) {
+            if let Err(e) = batch.unmap(mem, b) {
                 self.metrics.count_error(&BlockError::from(e));
             }
         }
@@ -93,11 +99,12 @@ impl RequestCtx {
         mem: &M,
         status: Option<StatusBuf>,
         st: u8,
+        batch: &mut DmaBatch<'_>,
     ) -> Result<(), Unusable> {
         let addr = match status {
             Some(StatusBuf::Mapped(b)) => {
                 let wrote = self.dma.write(mem, &b, 0, &[st]);
-                let unmapped = self.dma.unmap(mem, b, self.worker);
+                let unmapped = batch.unmap(mem, b);
                 match wrote.and(unmapped) {
                     Ok(()) => return Ok(()),
                     Err(e) => {
