@@ -287,6 +287,38 @@ fn missing_files_give_one_clear_line() {
     );
 }
 
+/// Two devices that name one bounce pool with different pool keys: one line naming the pool,
+/// both devices and the key, before anything runs.
+#[test]
+fn a_shared_pool_with_conflicting_keys_is_one_line() {
+    if !kvm_available() {
+        return;
+    }
+    let k = tmp("kpool", b"x");
+    let d0 = tmp("pool0.img", &[0u8; 4096]);
+    let d1 = tmp("pool1.img", &[0u8; 4096]);
+    let drive = |id: &str, t: &Tmp| format!("file={},format=raw,if=none,id={id}", t.0.display());
+    one_line_error(
+        &[
+            "-kernel",
+            k.0.to_str().unwrap(),
+            "-drive",
+            &drive("d0", &d0),
+            "-device",
+            "virtio-blk-pci,drive=d0,id=disk0",
+            "-drive",
+            &drive("d1", &d1),
+            "-device",
+            "virtio-blk-pci,drive=d1,id=disk1",
+            "-bounce",
+            "id=disk0,pool=shared,slots=1024",
+            "-bounce",
+            "id=disk1,pool=shared,slots=2048",
+        ],
+        "bounce pool 'shared': device 'disk1' differs from device 'disk0' in slots 2048 against 1024",
+    );
+}
+
 /// A PVH kernel that prints `ok` on COM1 and then either resets through the i8042 or halts
 /// forever with interrupts off.
 fn stand_in_kernel(reset: bool) -> Vec<u8> {

@@ -31,6 +31,7 @@ use devices::builder;
 use devices::net::{NetConfig, ShaperConfig};
 use devices::options::BounceOptions;
 use devices::options::{parse_mac, MAX_BLK_QUEUES};
+use devices::pools::PoolRegistry;
 use devices::virtio::VirtioDevice;
 
 /// Serve bouncevm devices over vhost-user.
@@ -69,7 +70,7 @@ struct Common {
     /// Do not offer VIRTIO_F_ACCESS_PLATFORM (then QEMU refuses iommu_platform=on).
     #[arg(long)]
     no_access_platform: bool,
-    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N][,on-full=wait|fail][,dynamic=on|off][,dynamic-slots=N].
+    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N][,on-full=wait|fail][,dynamic=on|off][,dynamic-slots=N][,pool=NAME]. The process serves one device: its pool is its own, `pool=NAME` only names it in the statistics.
     #[arg(long, value_name = "OPTS")]
     bounce: Option<BounceOptions>,
     /// Also answer one JSON line of statistics to each connection on this unix socket.
@@ -232,8 +233,11 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 ..BlockConfig::default()
             };
             let bounce = c.bounce.clone().unwrap_or_else(BounceOptions::off);
-            let built = builder::block(&a.file, format, a.readonly, config, &bounce)
-                .map_err(|e| format!("--file: {e}"))?;
+            let mut pools = PoolRegistry::default();
+            let built = builder::block(
+                &a.file, format, a.readonly, config, &bounce, &mut pools, "blk",
+            )
+            .map_err(|e| format!("--file: {e}"))?;
             serve("bouncevm-vhost-blk", built, c, signals)
         }
         Command::Net(a) => {
@@ -264,7 +268,8 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 frontend_steering: true,
             };
             let bounce = c.bounce.clone().unwrap_or_else(BounceOptions::off);
-            let (built, _) = builder::net(Some(&a.tap), config, &bounce)
+            let mut pools = PoolRegistry::default();
+            let (built, _) = builder::net(Some(&a.tap), config, &bounce, &mut pools, "net")
                 .map_err(|e| format!("--tap {}: {e}", a.tap))?;
             serve("bouncevm-vhost-net", built, c, signals)
         }
