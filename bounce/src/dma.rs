@@ -16,6 +16,7 @@ use vm_memory::{
     GuestAddress, GuestMemory, Permissions, ReadVolatile, VolatileSlice, WriteVolatile,
 };
 
+use crate::attribution::{DmaCounters, DmaStats};
 use crate::error::{Error, Result};
 use crate::pool::{BouncePool, Mapping};
 use crate::stats::PoolStats;
@@ -148,14 +149,16 @@ impl DmaBuffer {
     }
 }
 
-/// A device's DMA handle: a policy, and a pool when the policy may bounce.
+/// A device's DMA handle: a policy, a pool when the policy may bounce, and the device's own
+/// counters when it has them ([`Dma::with_counters`]).
 ///
-/// Cheap to clone (the pool is shared).
+/// Cheap to clone (the pool and the counters are shared).
 #[derive(Clone, Debug)]
 pub struct Dma {
     policy: Policy,
     pool: Option<Arc<BouncePool>>,
     params: DeviceDmaParams,
+    counters: Option<Arc<DmaCounters>>,
 }
 
 /// Who checks a guest range against guest memory on a map: [`Dma`] itself, or the caller
@@ -173,6 +176,7 @@ impl Dma {
             policy: Policy::Off,
             pool: None,
             params: DeviceDmaParams::default(),
+            counters: None,
         }
     }
 
@@ -182,6 +186,7 @@ impl Dma {
             policy,
             pool: Some(pool),
             params: DeviceDmaParams::default(),
+            counters: None,
         }
     }
 
@@ -189,6 +194,18 @@ impl Dma {
     pub fn with_params(mut self, params: DeviceDmaParams) -> Self {
         self.params = params;
         self
+    }
+
+    /// Counts this device's maps and unmaps in `counters` ([`crate::attribution`]): what
+    /// the device costs a pool it shares with others.
+    pub fn with_counters(mut self, counters: Arc<DmaCounters>) -> Self {
+        self.counters = Some(counters);
+        self
+    }
+
+    /// The device's own counters, if it has them.
+    pub fn dma_stats(&self) -> Option<DmaStats> {
+        self.counters.as_ref().map(|c| c.snapshot())
     }
 
     /// The policy.
@@ -274,7 +291,11 @@ impl Dma {
         ) {
             // The range was checked by `checked_request` or by the caller: the pool does not
             // again.
-            (Some(req), Some(pool)) => Some(pool.map_prevalidated(mem, &req)?),
+            (Some(req), Some(pool)) => {
+                let r = pool.map_prevalidated(mem, &req);
+                self.count_map(worker, len, &r);
+                Some(r?)
+            }
             _ => None,
         };
         Ok(DmaBuffer {
@@ -333,8 +354,24 @@ impl Dma {
         worker: usize,
     ) -> Result<()> {
         match (&buf.bounce, &self.pool) {
-            (Some(m), Some(pool)) => pool.unmap(mem, m, worker),
+            (Some(m), Some(pool)) => {
+                let r = pool.unmap(mem, m, worker);
+                self.count_unmap(worker, &r);
+                r
+            }
             _ => Ok(()),
+        }
+    }
+
+    fn count_map<T>(&self, worker: usize, len: usize, r: &Result<T>) {
+        if let Some(c) = &self.counters {
+            c.count_map(worker, len, r);
+        }
+    }
+
+    fn count_unmap(&self, worker: usize, r: &Result<()>) {
+        if let Some(c) = &self.counters {
+            c.count_unmap(worker, r);
         }
     }
 
@@ -481,7 +518,9 @@ impl Dma {
             return Ok(());
         };
         Self::unmap_prefix(pool, mem, &buf, m, written, |attrs| {
-            pool.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs, worker)
+            let released = pool.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs, worker);
+            self.count_unmap(worker, &released);
+            released
         })
     }
 

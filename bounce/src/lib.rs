@@ -29,6 +29,7 @@
 #![warn(missing_docs)]
 
 pub mod alloc;
+pub mod attribution;
 pub mod dma;
 pub mod dynamic;
 pub mod error;
@@ -43,6 +44,7 @@ pub mod trace;
 pub mod types;
 
 pub use alloc::{Run, SlotAllocator, SlotBatch, SlotRequest};
+pub use attribution::{DmaCounters, DmaStats};
 pub use dma::{DeviceDmaParams, Dma, DmaBatch, DmaBuffer, GuestBuf, Policy};
 pub use dynamic::{
     DynamicConfig, DynamicEvents, DynamicPools, DynamicStats, PoolInfo, PoolKind, PoolPages,

@@ -6,9 +6,12 @@
 //! use devices::block::BlockConfig;
 //! use devices::builder;
 //! use devices::options::BounceOptions;
+//! use devices::pools::PoolRegistry;
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let bounce: BounceOptions = "policy=force,slots=4096".parse()?;
-//! let blk = builder::block("disk.img".as_ref(), None, false, BlockConfig::default(), &bounce)?;
+//! let mut pools = PoolRegistry::default();
+//! let cfg = BlockConfig::default();
+//! let blk = builder::block("disk.img".as_ref(), None, false, cfg, &bounce, &mut pools, "disk0")?;
 //! assert!(blk.pool.is_some());
 //! # Ok(())
 //! # }
@@ -22,7 +25,8 @@ use crate::block::io::ImageFormat;
 use crate::block::{Block, BlockConfig, DiskImage};
 use crate::net::{Net, NetBackend, NetConfig, Tap};
 use crate::options::{BounceOptions, OptionsError};
-use bounce::{BouncePool, Dma};
+use crate::pools::PoolRegistry;
+use bounce::BouncePool;
 
 /// The qcow2 magic, `QFI\xfb`, at offset 0 of every qcow2 image.
 pub const QCOW2_MAGIC: [u8; 4] = *b"QFI\xfb";
@@ -109,12 +113,9 @@ pub fn open_image(
     })
 }
 
-fn dma(bounce: &BounceOptions, workers: u16) -> Result<(Dma, Option<Arc<BouncePool>>), BuildError> {
-    Ok(bounce.build(usize::from(workers))?)
-}
-
 /// A virtio-blk core on the image `path`, opened for `config.cache`; `config.readonly` is set
-/// from `readonly`, `config.on_full` from the bounce options.
+/// from `readonly`, `config.on_full` from the bounce options. Its DMA handle comes from
+/// `pools` ([`PoolRegistry::dma`]) for the device `id`.
 ///
 /// # Errors
 /// Those of [`open_image`]; [`BuildError::Bounce`], [`BuildError::Device`].
@@ -124,6 +125,8 @@ pub fn block(
     readonly: bool,
     mut config: BlockConfig,
     bounce: &BounceOptions,
+    pools: &mut PoolRegistry,
+    id: &str,
 ) -> Result<Built<Block<DiskImage>>, BuildError> {
     config.readonly = readonly;
     config.on_full = bounce.on_full;
@@ -135,14 +138,14 @@ pub fn block(
             source,
         }
     })?;
-    let (dma, pool) = dma(bounce, config.num_queues)?;
+    let (dma, pool) = pools.dma(id, bounce, usize::from(config.num_queues))?;
     let device = Block::new(image, config, dma).map_err(|e| BuildError::Device(e.to_string()))?;
     Ok(Built { device, pool })
 }
 
 /// A virtio-net core on the tap `ifname` (one tap queue per queue pair; `None` lets the
-/// kernel pick a free `tapN`, as QEMU's `-netdev tap` without `ifname=` does). Returns the
-/// device and the tap's name.
+/// kernel pick a free `tapN`, as QEMU's `-netdev tap` without `ifname=` does), its DMA
+/// handle from `pools` for the device `id`. Returns the device and the tap's name.
 ///
 /// # Errors
 /// [`BuildError::Tap`], [`BuildError::Bounce`], [`BuildError::Device`].
@@ -150,6 +153,8 @@ pub fn net(
     ifname: Option<&str>,
     config: NetConfig,
     bounce: &BounceOptions,
+    pools: &mut PoolRegistry,
+    id: &str,
 ) -> Result<(Built<Net>, String), BuildError> {
     let taps = Tap::open(
         ifname.unwrap_or(Tap::KERNEL_NAMED),
@@ -164,7 +169,7 @@ pub fn net(
         .into_iter()
         .map(|t| Box::new(t) as Box<dyn NetBackend>)
         .collect();
-    let (dma, pool) = dma(bounce, config.queue_pairs)?;
+    let (dma, pool) = pools.dma(id, bounce, usize::from(config.queue_pairs))?;
     let device = Net::new(config, backends, dma).map_err(|e| BuildError::Device(e.to_string()))?;
     Ok((Built { device, pool }, name))
 }

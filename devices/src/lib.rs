@@ -20,6 +20,7 @@ pub mod builder;
 pub mod metrics;
 pub mod net;
 pub mod options;
+pub mod pools;
 #[cfg(any(test, feature = "test-utils"))]
 pub mod testing;
 pub mod virtio;

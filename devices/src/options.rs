@@ -30,7 +30,20 @@
 //!                              default off)
 //! dynamic-slots=N              with dynamic=on: the slots all pools may take together,
 //!                              the default pool included (default 8 times the pool's)
+//! pool=NAME                    the device maps through the pool NAME, shared with every
+//!                              other device that names it (default: a pool of its own)
 //! ```
+//!
+//! **Shared pools.** Devices whose options say the same `pool=NAME` share one
+//! [`BouncePool`], as every device of a Linux guest shares its default swiotlb pool: one
+//! allocator, one set of slots, so a NIC's receive buffers and a disk's reads compete for
+//! them. Without `pool=` a device has a pool of its own, as with a `restricted-dma-pool` or
+//! crosvm's `--swiotlb`. The pool keys (`mode`, `slots`, `areas`, `alloc`, `workers`,
+//! `copy-on-map`, `timing`, `timing-every`, `dynamic`, `dynamic-slots`) describe the pool:
+//! every device that names one pool must resolve them to the same values (a device's
+//! `workers` defaults to its own queue count, so devices with different queue counts give
+//! `workers=` explicitly), else building the second device fails naming the keys that differ
+//! ([`crate::pools::PoolRegistry`]). `policy` and `on-full` stay each device's own.
 //!
 //! A dynamic pool's statistics carry a `dynamic` section: `io_tlb_nslabs` and
 //! `io_tlb_transient_nslabs` as Linux's debugfs shows them, the pools (default and added,
@@ -56,7 +69,7 @@ pub enum OptionsError {
     #[error("'{0}' is not key=value")]
     NotKeyValue(String),
     /// An unknown key.
-    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers, on-full, copy-on-map, timing, timing-every, dynamic, dynamic-slots)")]
+    #[error("unknown bounce option '{0}' (expected policy, mode, slots, areas, alloc, workers, on-full, copy-on-map, timing, timing-every, dynamic, dynamic-slots, pool)")]
     UnknownKey(String),
     /// A key given twice.
     #[error("bounce option '{0}' given twice")]
@@ -74,6 +87,18 @@ pub enum OptionsError {
     /// The pool could not be built.
     #[error("bounce pool: {0}")]
     Pool(String),
+    /// A device names a shared pool with pool keys other than the pool's.
+    #[error("bounce pool '{pool}': device '{device}' differs from device '{first}' in {differ} (every device of one pool gives the same pool keys)")]
+    PoolConflict {
+        /// The pool's name.
+        pool: String,
+        /// The device that differs.
+        device: String,
+        /// The device that built the pool.
+        first: String,
+        /// The keys that differ, `key mine against theirs`.
+        differ: String,
+    },
 }
 
 /// Parsed `--bounce` options.
@@ -103,6 +128,8 @@ pub struct BounceOptions {
     pub dynamic: bool,
     /// The slots a dynamic pool's pools may take together, if given.
     pub dynamic_slots: Option<usize>,
+    /// The shared pool the device maps through, if named (else a pool of its own).
+    pub pool: Option<String>,
 }
 
 impl Default for BounceOptions {
@@ -123,6 +150,7 @@ impl Default for BounceOptions {
             timing_every: bounce::stats::DEFAULT_SAMPLE_EVERY,
             dynamic: false,
             dynamic_slots: None,
+            pool: None,
         }
     }
 }
@@ -145,6 +173,21 @@ fn positive(key: &str, value: &str) -> Result<usize, OptionsError> {
             value: value.into(),
             reason: "expected a positive integer".into(),
         })
+}
+
+/// The longest pool name.
+const MAX_POOL_NAME: usize = 64;
+
+/// A pool name: 1 to 64 letters, digits, `-`, `_` or `.` (no `,` or `=`, which the option
+/// syntax uses, and nothing a log line or a JSON reader would stumble on).
+fn pool_name(value: &str) -> Result<String, String> {
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if value.is_empty() || value.len() > MAX_POOL_NAME || !value.chars().all(ok) {
+        return Err(format!(
+            "expected 1 to {MAX_POOL_NAME} letters, digits, '-', '_' or '.'"
+        ));
+    }
+    Ok(value.to_string())
 }
 
 impl FromStr for BounceOptions {
@@ -197,6 +240,7 @@ impl FromStr for BounceOptions {
                 "timing" => o.timing = on_off(value).map_err(bad)?,
                 "dynamic" => o.dynamic = on_off(value).map_err(bad)?,
                 "dynamic-slots" => o.dynamic_slots = Some(positive(key, value)?),
+                "pool" => o.pool = Some(pool_name(value).map_err(bad)?),
                 "timing-every" => {
                     o.timing_every = positive(key, value)?
                         .try_into()
@@ -250,6 +294,38 @@ impl BounceOptions {
             c.dynamic = Some(bounce::DynamicConfig::host(window));
         }
         c
+    }
+
+    /// The pool keys resolved for `default_workers` (see [`BounceOptions::pool_config`]), as
+    /// `(key, value)` in option order: what every device sharing one pool must agree on.
+    pub fn pool_settings(&self, default_workers: usize) -> Vec<(&'static str, String)> {
+        let c = self.pool_config(default_workers);
+        let on_off = |b: bool| if b { "on" } else { "off" }.to_string();
+        let dynamic_slots = match c.dynamic.map(|d| d.pages) {
+            Some(bounce::PoolPages::Host { slots }) => slots.to_string(),
+            Some(other) => format!("{other:?}"),
+            None => "none".into(),
+        };
+        vec![
+            ("mode", c.mode.to_string()),
+            ("slots", c.slots.to_string()),
+            (
+                "areas",
+                c.areas
+                    .map_or_else(|| "one per worker".into(), |a| a.to_string()),
+            ),
+            ("alloc", c.allocator.to_string()),
+            ("workers", c.workers.to_string()),
+            (
+                "copy-on-map",
+                c.copy_on_map
+                    .map_or_else(|| "the mode's".into(), |r| r.to_string()),
+            ),
+            ("timing", on_off(self.timing)),
+            ("timing-every", self.timing_every.to_string()),
+            ("dynamic", on_off(self.dynamic)),
+            ("dynamic-slots", dynamic_slots),
+        ]
     }
 
     /// Builds the DMA handle: direct for policy `off`, else bounced through a new pool.
@@ -483,6 +559,58 @@ mod tests {
             let e = bad.parse::<BounceOptions>().unwrap_err();
             assert!(e.to_string().contains("timing-every"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn pool_names_a_shared_pool_and_is_checked() {
+        let o: BounceOptions = "pool=swiotlb-0,slots=512".parse().unwrap();
+        assert_eq!(o.pool.as_deref(), Some("swiotlb-0"));
+        assert_eq!(BounceOptions::default().pool, None);
+        let long = format!("pool={}", "p".repeat(MAX_POOL_NAME));
+        assert!(long.parse::<BounceOptions>().is_ok());
+        for bad in [
+            "pool=",
+            "pool=a b",
+            "pool=x/y",
+            "pool=é",
+            &format!("{long}p"),
+        ] {
+            let e = bad.parse::<BounceOptions>().unwrap_err();
+            assert!(e.to_string().contains("letters, digits"), "{bad}: {e}");
+        }
+        assert_eq!(
+            "pool=a,pool=b".parse::<BounceOptions>().unwrap_err(),
+            OptionsError::Duplicate("pool".into())
+        );
+        assert!(e_unknown().contains("pool)"));
+    }
+
+    fn e_unknown() -> String {
+        "colour=red"
+            .parse::<BounceOptions>()
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn pool_settings_are_the_resolved_pool_keys() {
+        let o: BounceOptions = "slots=1000,alloc=legacy,policy=mask=32,on-full=fail"
+            .parse()
+            .unwrap();
+        let s = o.pool_settings(2);
+        let get = |k: &str| s.iter().find(|(key, _)| *key == k).unwrap().1.clone();
+        assert_eq!(
+            (get("mode"), get("slots"), get("alloc"), get("workers")),
+            ("swiotlb".into(), "1000".into(), "legacy".into(), "2".into())
+        );
+        assert_eq!((get("timing"), get("dynamic")), ("on".into(), "off".into()));
+        // Device keys are not pool keys.
+        assert!(s
+            .iter()
+            .all(|(k, _)| !matches!(*k, "policy" | "on-full" | "pool")));
+        let d: BounceOptions = "dynamic=on,dynamic-slots=4096".parse().unwrap();
+        let s = d.pool_settings(1);
+        assert!(s.contains(&("dynamic-slots", "4096".into())), "{s:?}");
     }
 
     #[test]

@@ -686,3 +686,93 @@ fn reset_with_requests_in_flight_releases_the_pool() {
     t.join().unwrap();
     assert_eq!(dma.pool().unwrap().used(), 0);
 }
+
+/// Two disks whose bounce options name one pool share its slots: a read one disk holds in
+/// flight keeps its slots, so the other disk's read finds the pool full (IOERR under
+/// `on-full=fail`); with a pool each, the same read succeeds. Each device counts what it
+/// mapped, and over the devices of the shared pool the counts sum to the pool's.
+#[test]
+fn devices_on_one_shared_pool_compete_for_its_slots() {
+    use devices::options::BounceOptions;
+    use devices::pools::PoolRegistry;
+    for shared in [true, false] {
+        let name = if shared { "shared" } else { "own pools" };
+        let opts: BounceOptions = format!(
+            "slots=128,areas=1,on-full=fail{}",
+            if shared { ",pool=shared" } else { "" }
+        )
+        .parse()
+        .unwrap();
+        let mut pools = PoolRegistry::default();
+        let (dma_a, pool_a) = pools.dma("disk-a", &opts, 1).unwrap();
+        let (dma_b, pool_b) = pools.dma("disk-b", &opts, 1).unwrap();
+        let (pool_a, pool_b) = (pool_a.unwrap(), pool_b.unwrap());
+        assert_eq!(Arc::ptr_eq(&pool_a, &pool_b), shared);
+        let (tx, rx) = mpsc::channel();
+        let gated = GateDisk {
+            mem: MemDisk::new(DISK).unwrap(),
+            gate: Mutex::new(rx),
+        };
+        let c = BlockConfig {
+            on_full: opts.on_full,
+            ..cfg(AioMode::Threads, CacheMode::Writeback)
+        };
+        let mut a = driver(gated, c.clone(), dma_a, 64);
+        let mut b = driver(MemDisk::new(DISK).unwrap(), c, dma_b, 64);
+        // A's read of 192 KiB at sector 0 waits in the disk with 96 slots and its status
+        // slot mapped: 31 of the 128 slots are left.
+        let held = post(&mut a, VIRTIO_BLK_T_IN, 0, &[], 192 << 10, 0);
+        a.kick(0).unwrap();
+        assert_eq!(status_of(&a, held), 0xee, "{name}: completed early");
+        // B's read of 96 KiB needs 48 slots.
+        let r = one(&mut b, VIRTIO_BLK_T_IN, 8, &[], 96 << 10);
+        let sb = stats(&b);
+        if shared {
+            assert_eq!(status_of(&b, r), VIRTIO_BLK_S_IOERR, "{sb}");
+            assert_eq!(sb["metrics"]["pool_full_failed"], 1, "{sb}");
+            assert_eq!(sb["dma"]["map_failures"], 1, "{sb}");
+            assert_eq!(sb["bounce"], serde_json::json!({"pool": "shared"}));
+        } else {
+            assert_eq!(status_of(&b, r), VIRTIO_BLK_S_OK, "{sb}");
+            assert_eq!(sb["dma"]["map_failures"], 0, "{sb}");
+            assert_eq!(sb["bounce"]["maps"], sb["dma"]["maps"], "{sb}");
+        }
+        tx.send(()).unwrap();
+        settle(&mut a, 1, Vec::new());
+        assert_eq!(status_of(&a, held), VIRTIO_BLK_S_OK, "{name}");
+        // B's read goes through once A's slots are back.
+        let again = one(&mut b, VIRTIO_BLK_T_IN, 8, &[], 96 << 10);
+        assert_eq!(status_of(&b, again), VIRTIO_BLK_S_OK, "{name}");
+        let (da, db) = (stats(&a)["dma"].clone(), stats(&b)["dma"].clone());
+        let count = |d: &serde_json::Value, k: &str| d[k].as_u64().unwrap();
+        let pool_stats = |p: &Arc<bounce::BouncePool>| serde_json::to_value(p.stats()).unwrap();
+        let sums: Vec<(serde_json::Value, u64)> = if shared {
+            let listed = pools.pools_json();
+            assert_eq!(listed[0]["pool"], "shared");
+            assert_eq!(
+                listed[0]["devices"],
+                serde_json::json!(["disk-a", "disk-b"])
+            );
+            let k = ["maps", "map_failures", "unmaps"];
+            k.iter()
+                .map(|k| (listed[0]["stats"][k].clone(), count(&da, k) + count(&db, k)))
+                .collect()
+        } else {
+            assert_eq!(pools.pools_json(), serde_json::json!([]));
+            ["maps", "map_failures", "unmaps"]
+                .iter()
+                .flat_map(|k| {
+                    [
+                        (pool_stats(&pool_a)[k].clone(), count(&da, k)),
+                        (pool_stats(&pool_b)[k].clone(), count(&db, k)),
+                    ]
+                })
+                .collect()
+        };
+        for (pool, devices) in sums {
+            assert_eq!(pool, devices, "{name}: {da} {db}");
+        }
+        assert!(count(&da, "maps") > 0 && count(&db, "maps") > 0, "{name}");
+        assert_eq!(pool_a.used() + pool_b.used(), 0, "{name}");
+    }
+}

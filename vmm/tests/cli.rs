@@ -287,6 +287,96 @@ fn missing_files_give_one_clear_line() {
     );
 }
 
+/// Two devices that name one bounce pool with different pool keys: one line naming the pool,
+/// both devices and the key, before anything runs.
+#[test]
+fn a_shared_pool_with_conflicting_keys_is_one_line() {
+    if !kvm_available() {
+        return;
+    }
+    let k = tmp("kpool", b"x");
+    let d0 = tmp("pool0.img", &[0u8; 4096]);
+    let d1 = tmp("pool1.img", &[0u8; 4096]);
+    let drive = |id: &str, t: &Tmp| format!("file={},format=raw,if=none,id={id}", t.0.display());
+    one_line_error(
+        &[
+            "-kernel",
+            k.0.to_str().unwrap(),
+            "-drive",
+            &drive("d0", &d0),
+            "-device",
+            "virtio-blk-pci,drive=d0,id=disk0",
+            "-drive",
+            &drive("d1", &d1),
+            "-device",
+            "virtio-blk-pci,drive=d1,id=disk1",
+            "-bounce",
+            "id=disk0,pool=io,slots=1024",
+            "-bounce",
+            "id=disk1,pool=io,slots=2048",
+        ],
+        // The line devices/README.md shows.
+        "bouncevm: -drive id=d1: bounce: bounce pool 'io': device 'disk1' differs from device \
+         'disk0' in slots 2048 against 1024 (every device of one pool gives the same pool keys)",
+    );
+}
+
+/// Two disks on one shared pool and a third with its own: the final statistics line lists
+/// the shared pool once with its two devices, each device with its own `dma` counters, and the
+/// third device's pool inside its own statistics.
+#[test]
+fn final_statistics_list_a_shared_pool_once() {
+    if !kvm_available() {
+        return;
+    }
+    let k = tmp("pools.elf", &stand_in_kernel(true));
+    let disks: Vec<Tmp> = (0..3)
+        .map(|i| tmp(&format!("fin{i}.img"), &[0u8; 4096]))
+        .collect();
+    let mut args: Vec<String> = ["-m", "64M", "-kernel", k.0.to_str().unwrap(), "-no-reboot"]
+        .map(str::to_string)
+        .to_vec();
+    for (i, d) in disks.iter().enumerate() {
+        args.extend([
+            "-drive".into(),
+            format!("file={},format=raw,if=none,id=d{i}", d.0.display()),
+            "-device".into(),
+            format!("virtio-blk-pci,drive=d{i},id=disk{i}"),
+        ]);
+    }
+    args.extend(
+        [
+            "-bounce",
+            "pool=shared,slots=1024",
+            "-bounce",
+            "id=disk2,slots=512",
+        ]
+        .map(str::to_string),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = run(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let last: serde_json::Value = err
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no final statistics line: {err}"));
+    let pools = last["pools"].as_array().expect("a pools list");
+    assert_eq!(pools.len(), 1, "{last}");
+    assert_eq!(pools[0]["pool"], "shared");
+    assert_eq!(pools[0]["devices"], serde_json::json!(["disk0", "disk1"]));
+    assert_eq!(pools[0]["stats"]["nslabs"], 1024);
+    let devices = &last["devices"];
+    for i in 0..2 {
+        let s = &devices[i]["stats"];
+        assert_eq!(s["bounce"], serde_json::json!({"pool": "shared"}), "{s}");
+        assert_eq!(s["dma"]["pool"], "shared", "{s}");
+    }
+    assert_eq!(devices[2]["stats"]["bounce"]["nslabs"], 512, "{last}");
+    assert!(devices[2]["stats"]["dma"]["maps"].is_u64(), "{last}");
+}
+
 /// A PVH kernel that prints `ok` on COM1 and then either resets through the i8042 or halts
 /// forever with interrupts off.
 fn stand_in_kernel(reset: bool) -> Vec<u8> {

@@ -70,6 +70,7 @@ fn server() -> &'static PathBuf {
             name: Some("fuzz".into()),
             vcpu_tids: Arc::from(vec![AtomicI32::new(1), AtomicI32::new(2)]),
             power_button: None,
+            pools: Arc::default(),
         };
         std::thread::spawn(move || qmp::serve(listener, None, ctx, Monitor::new()));
         path

@@ -130,10 +130,18 @@ impl DmaBatch<'_> {
         reqs: &[MapRequest],
         mapped: &mut impl FnMut(DmaBuffer),
     ) -> Result<()> {
+        let (dma, worker) = (self.dma, self.worker);
         match self.pool.as_mut() {
             // The ranges were checked by `checked_request` or by the caller.
             Some(pool) if !reqs.is_empty() => {
-                pool.map_prevalidated(mem, reqs, |m| mapped(DmaBuffer::bounced(m)))
+                let r = pool.map_prevalidated(mem, reqs, |m| {
+                    dma.count_map(worker, m.size, &Ok::<(), _>(()));
+                    mapped(DmaBuffer::bounced(m))
+                });
+                if r.is_err() {
+                    dma.count_map(worker, 0, &r);
+                }
+                r
             }
             _ => Ok(()),
         }
@@ -146,7 +154,11 @@ impl DmaBatch<'_> {
     /// As [`Dma::unmap`].
     pub fn unmap<M: GuestMemory + ?Sized>(&mut self, mem: &M, buf: DmaBuffer) -> Result<()> {
         match (&buf.bounce, self.pool.as_mut()) {
-            (Some(m), Some(pool)) => pool.unmap(mem, m),
+            (Some(m), Some(pool)) => {
+                let r = pool.unmap(mem, m);
+                self.dma.count_unmap(self.worker, &r);
+                r
+            }
             _ => Ok(()),
         }
     }
@@ -166,8 +178,11 @@ impl DmaBatch<'_> {
         else {
             return Ok(());
         };
+        let (dma, worker) = (self.dma, self.worker);
         Dma::unmap_prefix(pool, mem, &buf, m, written, |attrs| {
-            batch.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs)
+            let released = batch.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs);
+            dma.count_unmap(worker, &released);
+            released
         })
     }
 

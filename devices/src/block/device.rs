@@ -373,7 +373,8 @@ where
             "active_queues": queues,
             "metrics": &*self.metrics,
             "engine": self.engine_stats(),
-            "bounce": self.dma.stats(),
+            "bounce": crate::pools::bounce_json(&self.dma),
+            "dma": crate::pools::dma_json(&self.dma),
         })
     }
 }

@@ -17,10 +17,13 @@
 //!     "pool_full_waits": 0, "pool_full_failed": 0, "inflight_hiwater": 32,
 //!     "drains": 3, "queue_depth_hiwater": 8, "inflight_resubmitted": 0
 //!   },
-//!   "bounce": { "mode": "swiotlb", "nslabs": 32768, "used": 0, ... }
+//!   "bounce": { "mode": "swiotlb", "nslabs": 32768, "used": 0, ... },
+//!   "dma": { "maps": 12, "bytes": 57344, "map_failures": 0, "unmaps": 12 }
 //! }
 //! ```
-//! `bounce` is `null` when the device has no pool (policy `off`).
+//! `bounce` is `null` when the device has no pool (policy `off`), and `{"pool": NAME}` when
+//! it shares the pool NAME (listed once with the process's pools); `dma` is what the device
+//! itself mapped ([`crate::pools::dma_json`]).
 
 use serde::Serialize;
 

@@ -369,7 +369,8 @@ impl<M: GuestMemory + 'static> VirtioDevice<M> for Net {
     fn stats(&self) -> serde_json::Value {
         serde_json::json!({
             "net": self.metrics.to_json(),
-            "bounce": self.dma.stats(),
+            "bounce": crate::pools::bounce_json(&self.dma),
+            "dma": crate::pools::dma_json(&self.dma),
             "policy": self.dma.policy().to_string(),
             "acked_features": self.acked_features,
             "active_pairs": self.active_pairs(),

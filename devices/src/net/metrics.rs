@@ -7,8 +7,10 @@
 //! {"net": {"tx_frames": 10, "tx_bytes": 15000, "tx_dropped_oversized": 0, ...,
 //!          "rx_queue_depth_hiwater": 256},
 //!  "bounce": {"mode": "swiotlb", "used": 0, ...},
+//!  "dma": {"maps": 40, "bytes": 61440, "map_failures": 0, "unmaps": 40},
 //!  "acked_features": 12345, "active_pairs": 1}
 //! ```
+//! `bounce` and `dma` are as a block device's ([`crate::block::metrics`]).
 
 pub use crate::metrics::Counter;
 

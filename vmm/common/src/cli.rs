@@ -19,7 +19,19 @@ pub fn clap_error_line(e: &clap::Error) -> String {
 /// prints `NAME: error: <one line><hint>` and exits 2. `Err` is the exit code to return from
 /// `main`.
 pub fn parse_args<C: clap::Parser>(name: &str, hint: &str) -> Result<C, std::process::ExitCode> {
-    match C::try_parse() {
+    parse_args_from(name, hint, std::env::args_os())
+}
+
+/// As [`parse_args`] for the arguments `args` (the program name first).
+///
+/// # Errors
+/// As [`parse_args`].
+pub fn parse_args_from<C, I>(name: &str, hint: &str, args: I) -> Result<C, std::process::ExitCode>
+where
+    C: clap::Parser,
+    I: IntoIterator<Item = std::ffi::OsString>,
+{
+    match C::try_parse_from(args) {
         Ok(c) => Ok(c),
         Err(e) if !e.use_stderr() => {
             // --help, --version

@@ -3,9 +3,10 @@
 //!
 //! SIGTERM and SIGINT end the VM as QMP `quit` does, as in QEMU: the vCPUs and device
 //! workers stop, the devices' final statistics are printed to stderr as one JSON line
-//! (`{"devices": [{"id", "driver", "stats"}], "vcpus": [{"id", "pio_exits", "mmio_exits",
-//! "pio_unhandled", "mmio_unhandled", "interrupted"}]}`: the devices as `x-query-bounce`
-//! answers them and as `bouncevm-vhost` prints its own, the vCPUs' exits to the VMM; on every
+//! (`{"devices": [{"id", "driver", "stats"}], "pools": [{"pool", "devices", "stats"}],
+//! "vcpus": [{"id", "pio_exits", "mmio_exits", "pio_unhandled", "mmio_unhandled",
+//! "interrupted"}]}`: the devices and the shared bounce pools as `x-query-bounce` answers
+//! them and as `bouncevm-vhost` prints its own, the vCPUs' exits to the VMM; on every
 //! exit, not only a signal), every disk is flushed, the terminal is restored, a `SHUTDOWN`
 //! event with cause `host-signal` goes to the QMP client, and the exit status is 0.
 
@@ -19,6 +20,7 @@ use bouncevm_common::SignalFd;
 use devices::block::{BlockConfig, Disk, DiskImage};
 use devices::builder;
 use devices::net::NetConfig;
+use devices::pools::PoolRegistry;
 use vmm::boot::linux::LinuxBootConfig;
 use vmm::cli::{self, Action, BlkSpec, Config, DeviceSpec, NetSpec};
 use vmm::exit::{ExitHandle, ExitReason};
@@ -81,12 +83,19 @@ struct Built {
     disks: Vec<Arc<DiskImage>>,
     qmp_devices: Vec<DeviceInfo>,
     qmp_blocks: Vec<BlockInfo>,
+    /// The shared bounce pools.
+    pools: Arc<PoolRegistry>,
 }
 
 /// A device core and its bounce pool (none when it does not bounce).
 type BuiltDevice = (SharedVirtioDevice, Option<Arc<bounce::BouncePool>>);
 
-fn build_blk(cfg: &Config, b: &BlkSpec, built: &mut Built) -> Result<BuiltDevice, String> {
+fn build_blk(
+    cfg: &Config,
+    b: &BlkSpec,
+    built: &mut Built,
+    pools: &mut PoolRegistry,
+) -> Result<BuiltDevice, String> {
     let id = &b.common.id;
     let d = cfg
         .drive(&b.drive)
@@ -109,6 +118,8 @@ fn build_blk(cfg: &Config, b: &BlkSpec, built: &mut Built) -> Result<BuiltDevice
         d.readonly,
         config,
         &cfg.bounce_for(id),
+        pools,
+        id,
     )
     .map_err(drive_err)?;
     let (blk, pool) = (b.device, b.pool);
@@ -125,7 +136,7 @@ fn build_blk(cfg: &Config, b: &BlkSpec, built: &mut Built) -> Result<BuiltDevice
     Ok((device, pool))
 }
 
-fn build_net(cfg: &Config, n: &NetSpec) -> Result<BuiltDevice, String> {
+fn build_net(cfg: &Config, n: &NetSpec, pools: &mut PoolRegistry) -> Result<BuiltDevice, String> {
     let nd = cfg
         .netdev(&n.netdev)
         .ok_or_else(|| format!("netdev '{}' is not defined", n.netdev))?;
@@ -135,7 +146,8 @@ fn build_net(cfg: &Config, n: &NetSpec) -> Result<BuiltDevice, String> {
         mac: n.mac.unwrap_or(cli::DEFAULT_MAC),
         ..NetConfig::default()
     };
-    let (net, tap) = builder::net(nd.ifname.as_deref(), config, &cfg.bounce_for(&n.common.id))
+    let id = &n.common.id;
+    let (net, tap) = builder::net(nd.ifname.as_deref(), config, &cfg.bounce_for(id), pools, id)
         .map_err(|e| format!("-netdev id={}: {e}", nd.id))?;
     tracing::info!(netdev = %nd.id, tap, "tap opened");
     Ok((Arc::new(Mutex::new(net.device)), net.pool))
@@ -144,12 +156,13 @@ fn build_net(cfg: &Config, n: &NetSpec) -> Result<BuiltDevice, String> {
 fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
     let pci = m.add_pci().map_err(|e| format!("PCI: {e}"))?;
     let mut built = Built::default();
+    let mut pools = PoolRegistry::default();
     for spec in &cfg.devices {
         let id = spec.id().to_string();
         let driver = spec.driver();
         let (device, pool) = match spec {
-            DeviceSpec::Blk(b) => build_blk(cfg, b, &mut built)?,
-            DeviceSpec::Net(n) => build_net(cfg, n)?,
+            DeviceSpec::Blk(b) => build_blk(cfg, b, &mut built, &mut pools)?,
+            DeviceSpec::Net(n) => build_net(cfg, n, &mut pools)?,
         };
         let what = |e: &dyn std::fmt::Display| format!("-device {driver},id={id}: {e}");
         let f = VirtioPciDevice::new(
@@ -170,6 +183,7 @@ fn build_devices(m: &mut Machine, cfg: &Config) -> Result<Built, String> {
             pool,
         });
     }
+    built.pools = Arc::new(pools);
     Ok(built)
 }
 
@@ -234,6 +248,7 @@ fn start_qmp(
         exit: exit.clone(),
         blocks: built.qmp_blocks.clone(),
         devices: built.qmp_devices.clone(),
+        pools: built.pools.clone(),
         name: cfg.name.clone(),
         vcpu_tids: m.vcpu_thread_ids(),
         power_button: m.power_button().cloned(),
@@ -314,7 +329,7 @@ fn quiesce(built: &Built, vcpus: &[VcpuStats]) {
     for f in &built.functions {
         f.lock().unwrap_or_else(|e| e.into_inner()).stop_workers();
     }
-    eprintln!("{}", final_stats(&built.qmp_devices, vcpus));
+    eprintln!("{}", final_stats(built, vcpus));
     for d in &built.disks {
         if let Err(e) = d.flush() {
             eprintln!("bouncevm: flushing a disk failed: {e}");
@@ -326,18 +341,8 @@ fn quiesce(built: &Built, vcpus: &[VcpuStats]) {
 /// The devices' statistics (as `x-query-bounce` answers them, and as `bouncevm-vhost` prints
 /// its own on exit) and the vCPUs' exit counters, as one JSON line (see the module
 /// documentation).
-fn final_stats(devices: &[DeviceInfo], vcpus: &[VcpuStats]) -> serde_json::Value {
-    let list: Vec<serde_json::Value> = devices
-        .iter()
-        .map(|d| {
-            let stats = d
-                .device
-                .lock()
-                .map(|g| g.stats())
-                .unwrap_or(serde_json::Value::Null);
-            serde_json::json!({"id": d.id, "driver": d.driver, "stats": stats})
-        })
-        .collect();
+fn final_stats(built: &Built, vcpus: &[VcpuStats]) -> serde_json::Value {
+    let list = vmm::qmp::device_stats(&built.qmp_devices);
     let vcpus: Vec<serde_json::Value> = vcpus
         .iter()
         .enumerate()
@@ -347,7 +352,7 @@ fn final_stats(devices: &[DeviceInfo], vcpus: &[VcpuStats]) -> serde_json::Value
                 "interrupted": v.interrupted})
         })
         .collect();
-    serde_json::json!({ "devices": list, "vcpus": vcpus })
+    serde_json::json!({ "devices": list, "pools": built.pools.pools_json(), "vcpus": vcpus })
 }
 
 fn report(cfg: &Config, exit: &MachineExit) -> i32 {

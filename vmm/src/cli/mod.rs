@@ -104,7 +104,8 @@ QEMU-compatible subset (see vmm/README.md for every accepted property):
   -device virtio-net-pci,netdev=ID[,id=][,mac=MAC][,mq=on|off]
   -nic tap[,ifname=NAME][,model=virtio-net-pci][,mac=MAC][,queues=N][,script=no][,downscript=no]
                           virtio devices also take iommu_platform=on|off, disable-legacy=on, disable-modern=off
-  -bounce [id=DEV,]policy=off|force|mask=BITS[,mode=swiotlb|iova][,slots=N][,areas=N][,alloc=NAME][,workers=N][,on-full=wait|fail][,dynamic=on|off][,dynamic-slots=N]
+  -bounce [id=DEV,]policy=off|force|mask=BITS[,mode=swiotlb|iova][,slots=N][,areas=N][,alloc=NAME][,workers=N][,on-full=wait|fail][,dynamic=on|off][,dynamic-slots=N][,pool=NAME]
+                          pool=NAME: the devices that name NAME share one pool (same pool keys), else each has its own
   -qmp unix:PATH,server[,wait=off|nowait]
   --socket-mode MODE      permission bits of the QMP socket (octal, default 0600)
   -serial stdio|mon:stdio, -nographic, -display none, -vga none, -monitor none, -nodefaults

@@ -151,19 +151,32 @@ pub(super) fn execute(msg: &Value, ctx: &QmpContext, negotiated: &mut bool) -> (
             .collect()),
         "query-block" => ok(ctx.blocks.iter().map(block_info).collect()),
         "query-blockstats" => ok(ctx.blocks.iter().map(block_stats).collect()),
-        "x-query-bounce" => ok(ctx
-            .devices
-            .iter()
-            .map(|d| {
-                let stats = d.device.lock().map(|g| g.stats()).unwrap_or(Value::Null);
-                json!({"id": d.id, "driver": d.driver, "stats": stats})
-            })
-            .collect()),
+        "x-query-bounce" => ok(bounce_report(&ctx.devices, &ctx.pools)),
         "x-reset-bounce" => reset_bounce(&args, ctx),
         "system_powerdown" => (json!({"return": {}}), After::PowerDown),
         "quit" | "x-exit-now" => (json!({"return": {}}), After::Quit),
         _ => unreachable!("every name in COMMANDS is handled"),
     }
+}
+
+/// The devices' statistics, then the shared pools' (`x-query-bounce`).
+fn bounce_report(devices: &[DeviceInfo], pools: &devices::pools::PoolRegistry) -> Value {
+    let mut list: Vec<Value> = device_stats(devices);
+    if let Value::Array(p) = pools.pools_json() {
+        list.extend(p);
+    }
+    Value::Array(list)
+}
+
+/// Each device's `{"id", "driver", "stats"}`.
+pub fn device_stats(devices: &[DeviceInfo]) -> Vec<Value> {
+    devices
+        .iter()
+        .map(|d| {
+            let stats = d.device.lock().map(|g| g.stats()).unwrap_or(Value::Null);
+            json!({"id": d.id, "driver": d.driver, "stats": stats})
+        })
+        .collect()
 }
 
 /// `x-reset-bounce [id]`: resets the pools' high-water marks, lock counters and time
@@ -285,6 +298,66 @@ mod tests {
     use crate::exit::ExitHandle;
     use crate::virtio_pci::SharedVirtioDevice;
 
+    /// A read-only block device on `img` with the bounce options `bounce`, its DMA from
+    /// `pools`.
+    fn device_on(
+        img: &std::path::Path,
+        bounce: &str,
+        pools: &mut devices::pools::PoolRegistry,
+        id: &str,
+    ) -> (SharedVirtioDevice, Option<Arc<bounce::BouncePool>>) {
+        let b = devices::builder::block(
+            img,
+            Some(devices::block::io::ImageFormat::Raw),
+            true,
+            devices::block::BlockConfig::default(),
+            &bounce.parse().unwrap(),
+            pools,
+            id,
+        )
+        .unwrap();
+        let device: SharedVirtioDevice = Arc::new(Mutex::new(b.device));
+        (device, b.pool)
+    }
+
+    /// `x-query-bounce` lists each device with its own counters, and a shared pool once, after
+    /// the devices, with the devices that use it.
+    #[test]
+    fn x_query_bounce_lists_a_shared_pool_once() {
+        let img = std::env::temp_dir().join(format!("bvm-qmp-pools-{}.img", std::process::id()));
+        std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+        let mut pools = devices::pools::PoolRegistry::default();
+        let mut c = ctx();
+        for (id, bounce) in [
+            ("blk0", "pool=shared,slots=256"),
+            ("blk1", "pool=shared,slots=256,policy=mask=32"),
+            ("blk2", "slots=128"),
+        ] {
+            let (device, pool) = device_on(&img, bounce, &mut pools, id);
+            c.devices.push(DeviceInfo {
+                id: id.into(),
+                driver: "virtio-blk-pci".into(),
+                device,
+                pool,
+            });
+        }
+        c.pools = Arc::new(pools);
+        let _ = std::fs::remove_file(&img);
+        let mut neg = true;
+        let r = execute(&json!({"execute": "x-query-bounce"}), &c, &mut neg).0;
+        let list = r["return"].as_array().unwrap();
+        assert_eq!(list.len(), 4, "{r}");
+        assert_eq!(list[0]["stats"]["bounce"], json!({"pool": "shared"}));
+        assert_eq!(list[1]["stats"]["dma"]["pool"], "shared");
+        assert_eq!(list[1]["stats"]["policy"], "mask=32");
+        assert_eq!(list[2]["stats"]["bounce"]["nslabs"], 128);
+        assert_eq!(list[2]["stats"]["dma"]["maps"], 0);
+        assert_eq!(list[3]["pool"], "shared");
+        assert_eq!(list[3]["devices"], json!(["blk0", "blk1"]));
+        assert_eq!(list[3]["stats"]["nslabs"], 256);
+        assert!(list[..3].iter().all(|d| d.get("pool").is_none()));
+    }
+
     fn ctx() -> QmpContext {
         QmpContext {
             exit: ExitHandle::new().unwrap(),
@@ -293,6 +366,7 @@ mod tests {
             name: Some("vm1".into()),
             vcpu_tids: Arc::from(vec![AtomicI32::new(7)]),
             power_button: None,
+            pools: Arc::default(),
         }
     }
 
@@ -303,20 +377,9 @@ mod tests {
         use bounce::{Direction, HostMemory, MapRequest};
         let img = std::env::temp_dir().join(format!("bvm-qmp-reset-{}.img", std::process::id()));
         std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
-        let dev = |bounce: &str| {
-            let b = devices::builder::block(
-                &img,
-                Some(devices::block::io::ImageFormat::Raw),
-                true,
-                devices::block::BlockConfig::default(),
-                &bounce.parse().unwrap(),
-            )
-            .unwrap();
-            let device: SharedVirtioDevice = Arc::new(Mutex::new(b.device));
-            (device, b.pool)
-        };
-        let (d0, p0) = dev("policy=force,slots=256");
-        let (d1, p1) = dev("policy=off");
+        let mut pools = devices::pools::PoolRegistry::default();
+        let (d0, p0) = device_on(&img, "policy=force,slots=256", &mut pools, "blk0");
+        let (d1, p1) = device_on(&img, "policy=off", &mut pools, "blk1");
         let pool = p0.clone().unwrap();
         assert!(p1.is_none());
         let mut c = ctx();

@@ -18,7 +18,7 @@
 //! | `system_powerdown` | `{}` and a `POWERDOWN` event; presses the ACPI power button (see below) |
 //! | `x-exit-now` | `{}`; the VM ends from the host side at once (vCPUs stopped, disks flushed), status 0 |
 //! | `quit` | `{}`; the VM ends the same way, status 0 |
-//! | `x-query-bounce` | per device: `id`, `driver`, `stats` (`VirtioDevice::stats`: device counters and the bounce pool's statistics) |
+//! | `x-query-bounce` | per device: `id`, `driver`, `stats` (`VirtioDevice::stats`: device counters, `dma` (what the device mapped: `maps`, `bytes`, `map_failures`, `unmaps`) and `bounce`, its own pool's statistics or `{"pool": NAME}` for a shared pool); then per shared pool: `pool`, `devices` (ids), `stats` (the pool's statistics) |
 //! | `x-reset-bounce` | resets the bounce pools' high-water marks, lock counters and time histograms (`arguments: {"id": ID}` for one device); returns `{"reset": [ids of the pools reset]}`, or `DeviceNotFound` for an unknown id |
 //!
 //! Errors use QEMU's classes: `CommandNotFound` for unknown commands (and before
@@ -62,8 +62,8 @@ use crate::virtio_pci::SharedVirtioDevice;
 mod commands;
 mod framing;
 
+pub use commands::{device_stats, greeting, version, COMMANDS};
 use commands::{execute, generic, After};
-pub use commands::{greeting, version, COMMANDS};
 use framing::{Frame, Framer};
 
 /// The largest QMP command accepted, in bytes; a larger one is answered with an error and
@@ -138,6 +138,9 @@ pub struct QmpContext {
     pub vcpu_tids: Arc<[AtomicI32]>,
     /// The ACPI power button (none with `-no-acpi`).
     pub power_button: Option<PowerButton>,
+    /// The shared bounce pools (`-bounce ...,pool=NAME`), listed once each by
+    /// `x-query-bounce`.
+    pub pools: Arc<devices::pools::PoolRegistry>,
 }
 
 /// Errors of the monitor socket.

@@ -99,7 +99,10 @@ impl Rig {
             ..BlockConfig::default()
         };
         let bounce = BounceOptions::from_str(bounce).unwrap();
-        let built = devices::builder::block(&image.0, None, false, config, &bounce).unwrap();
+        let mut pools = devices::pools::PoolRegistry::default();
+        let built =
+            devices::builder::block(&image.0, None, false, config, &bounce, &mut pools, "blk")
+                .unwrap();
         let dev = Arc::new(VhostUserDevice::new(built.device));
         let listeners = Arc::new(Recorder::default());
         dev.attach_listeners(vec![listeners.clone()]);

@@ -16,14 +16,22 @@
 //! SIGINT/SIGTERM stop the server (final statistics are printed to stderr as one JSON line);
 //! SIGUSR1 prints the statistics; `--stats-socket` answers one JSON line per connection.
 //! Any error is one line on stderr and a non-zero exit status. Logs: `BOUNCEVM_LOG`.
+//!
+//! One process serves several devices when their command lines are joined by `--also`
+//! (`bouncevm-vhost blk ... --also net ...`): each has its own socket and server thread, and
+//! devices whose `--bounce` options name one `pool=NAME` share that pool. The first device's
+//! server takes the signals; when any server ends, the others are stopped, and each prints its
+//! final statistics line (its device's, with the shared pools under `pools`).
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::{mpsc, Arc};
 
 use bounce::PoolStats;
 use bouncevm_common::sock;
 use bouncevm_vhost::layout::{MAX_NET_QUEUE_PAIRS, MAX_QUEUES};
-use bouncevm_vhost::{Memory, Server, SignalFd};
+use bouncevm_vhost::{Memory, Server, SignalFd, StopHandle};
 use clap::{Args, Parser, Subcommand};
 use devices::block::io::{AioMode, CacheMode, ImageFormat};
 use devices::block::BlockConfig;
@@ -31,9 +39,13 @@ use devices::builder;
 use devices::net::{NetConfig, ShaperConfig};
 use devices::options::BounceOptions;
 use devices::options::{parse_mac, MAX_BLK_QUEUES};
+use devices::pools::PoolRegistry;
 use devices::virtio::VirtioDevice;
 
 /// Serve bouncevm devices over vhost-user.
+///
+/// Several devices in one process: join their command lines with --also (`blk ... --also net
+/// ...`); devices whose --bounce options name one pool=NAME share that bounce pool.
 #[derive(Parser, Debug)]
 #[command(name = "bouncevm-vhost", version, about)]
 struct Cli {
@@ -69,7 +81,7 @@ struct Common {
     /// Do not offer VIRTIO_F_ACCESS_PLATFORM (then QEMU refuses iommu_platform=on).
     #[arg(long)]
     no_access_platform: bool,
-    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N][,on-full=wait|fail][,dynamic=on|off][,dynamic-slots=N].
+    /// Bounce buffers: policy=off|force|mask=BITS,slots=N,areas=N,alloc=NAME,mode=swiotlb|iova[,workers=N][,on-full=wait|fail][,dynamic=on|off][,dynamic-slots=N][,pool=NAME]; the devices of one process (joined by --also) that name one pool=NAME share it (same pool keys).
     #[arg(long, value_name = "OPTS")]
     bounce: Option<BounceOptions>,
     /// Also answer one JSON line of statistics to each connection on this unix socket.
@@ -181,13 +193,37 @@ impl Drop for PidFile {
     }
 }
 
-/// Binds and runs the server for `device`, printing final statistics.
-fn serve<D: VirtioDevice<Memory> + 'static>(
+/// The token that joins the command lines of the devices one process serves.
+const ALSO: &str = "--also";
+
+/// A built device and the command line it came from.
+struct Prepared {
+    name: &'static str,
+    common: Common,
+    device: Device,
+}
+
+enum Device {
+    Blk(builder::Built<devices::block::Block<devices::block::DiskImage>>),
+    Net(builder::Built<devices::net::Net>),
+}
+
+/// A bound server: what stops it, and what runs it (serves until stopped, then prints the
+/// final statistics).
+struct Bound {
+    stop: StopHandle,
+    run: Box<dyn FnOnce() -> Result<(), String> + Send>,
+}
+
+/// Binds the server for `device` (with the signals when given); its sockets accept
+/// connections from here on.
+fn bind<D: VirtioDevice<Memory> + Send + 'static>(
     name: &str,
     built: builder::Built<D>,
     common: &Common,
-    signals: SignalFd,
-) -> Result<(), String> {
+    signals: Option<SignalFd>,
+    pools: &Arc<PoolRegistry>,
+) -> Result<Bound, String> {
     let mode = common.socket_mode;
     let mut server =
         Server::bind_mode(name, built.device, &common.socket, mode).map_err(|e| e.to_string())?;
@@ -196,27 +232,41 @@ fn serve<D: VirtioDevice<Memory> + 'static>(
             .with_stats_socket_mode(p, mode)
             .map_err(|e| e.to_string())?;
     }
+    if let Some(s) = signals {
+        server = server.with_signals(s);
+    }
     let pool = built.pool;
     let reset_pool = pool.clone();
+    let shared = common.bounce.as_ref().and_then(|b| b.pool.clone());
     let mut server = server
-        .with_signals(signals)
         .with_reset(move || {
             if let Some(p) = &reset_pool {
                 p.reset_hiwater();
             }
         })
-        .with_stats_source("bounce", move || {
-            pool_json(pool.as_ref().map(|p| p.stats()))
+        .with_stats_source("bounce", move || match &shared {
+            // A shared pool is listed once under `pools`.
+            Some(name) => serde_json::json!({ "pool": name }),
+            None => pool_json(pool.as_ref().map(|p| p.stats())),
         });
-    // The socket (and the stats socket) accept connections from here on.
-    let _pid = common.pidfile.as_deref().map(PidFile::write).transpose()?;
-    tracing::info!("{name}: listening on {}", common.socket.display());
-    server.run().map_err(|e| e.to_string())?;
-    eprintln!("{}", server.stats());
-    Ok(())
+    if !pools.names().is_empty() {
+        let pools = Arc::clone(pools);
+        server = server.with_stats_source("pools", move || pools.pools_json());
+    }
+    let stop = server.stop_handle().map_err(|e| e.to_string())?;
+    let name = name.to_string();
+    let socket = common.socket.clone();
+    let run = Box::new(move || {
+        tracing::info!("{name}: listening on {}", socket.display());
+        server.run().map_err(|e| e.to_string())?;
+        eprintln!("{}", server.stats());
+        Ok(())
+    });
+    Ok(Bound { stop, run })
 }
 
-fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
+/// Builds the device of one command line, its DMA from `pools` (the device id is its socket).
+fn build(cli: Cli, pools: &mut PoolRegistry) -> Result<Prepared, String> {
     match cli.device {
         Command::Blk(a) => {
             let c = &a.common;
@@ -232,9 +282,14 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 ..BlockConfig::default()
             };
             let bounce = c.bounce.clone().unwrap_or_else(BounceOptions::off);
-            let built = builder::block(&a.file, format, a.readonly, config, &bounce)
+            let id = c.socket.display().to_string();
+            let built = builder::block(&a.file, format, a.readonly, config, &bounce, pools, &id)
                 .map_err(|e| format!("--file: {e}"))?;
-            serve("bouncevm-vhost-blk", built, c, signals)
+            Ok(Prepared {
+                name: "bouncevm-vhost-blk",
+                common: a.common,
+                device: Device::Blk(built),
+            })
         }
         Command::Net(a) => {
             let c = &a.common;
@@ -264,11 +319,88 @@ fn run(cli: Cli, signals: SignalFd) -> Result<(), String> {
                 frontend_steering: true,
             };
             let bounce = c.bounce.clone().unwrap_or_else(BounceOptions::off);
-            let (built, _) = builder::net(Some(&a.tap), config, &bounce)
+            let id = c.socket.display().to_string();
+            let (built, _) = builder::net(Some(&a.tap), config, &bounce, pools, &id)
                 .map_err(|e| format!("--tap {}: {e}", a.tap))?;
-            serve("bouncevm-vhost-net", built, c, signals)
+            Ok(Prepared {
+                name: "bouncevm-vhost-net",
+                common: a.common,
+                device: Device::Net(built),
+            })
         }
     }
+}
+
+/// Builds every device and binds its server, then serves each on its own thread until one
+/// server ends (a signal to the first, or an error), then stops the others.
+fn run(clis: Vec<Cli>, signals: SignalFd) -> Result<(), String> {
+    let mut pools = PoolRegistry::default();
+    let prepared = clis
+        .into_iter()
+        .map(|c| build(c, &mut pools))
+        .collect::<Result<Vec<_>, _>>()?;
+    let pools = Arc::new(pools);
+    let mut signals = Some(signals);
+    let mut bound = Vec::new();
+    let mut pids = Vec::new();
+    for p in prepared {
+        let s = signals.take();
+        bound.push(match p.device {
+            Device::Blk(b) => bind(p.name, b, &p.common, s, &pools)?,
+            Device::Net(n) => bind(p.name, n, &p.common, s, &pools)?,
+        });
+        // The socket (and the stats socket) accept connections from here on.
+        if let Some(path) = p.common.pidfile.as_deref() {
+            pids.push(PidFile::write(path)?);
+        }
+    }
+    let (done_tx, done) = mpsc::channel();
+    let mut stops = Vec::new();
+    let mut threads = Vec::new();
+    for (i, b) in bound.into_iter().enumerate() {
+        stops.push(b.stop);
+        let (run, done_tx) = (b.run, done_tx.clone());
+        let t = std::thread::Builder::new()
+            .name(format!("serve-{i}"))
+            .spawn(move || {
+                let r = run();
+                let _ = done_tx.send(i);
+                r
+            });
+        match t {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                stops.iter().for_each(StopHandle::stop);
+                return Err(format!("cannot start a server thread: {e}"));
+            }
+        }
+    }
+    let _ = done.recv();
+    stops.iter().for_each(StopHandle::stop);
+    let mut result = Ok(());
+    for t in threads {
+        let ended = t
+            .join()
+            .unwrap_or_else(|_| Err("a server thread panicked".into()));
+        result = result.and(ended);
+    }
+    drop(pids);
+    result
+}
+
+/// The command lines of the devices: the arguments split at each `--also`.
+fn device_args() -> Vec<Vec<OsString>> {
+    let mut args = std::env::args_os();
+    let prog = args.next().unwrap_or_else(|| "bouncevm-vhost".into());
+    let mut out = vec![vec![prog.clone()]];
+    for a in args {
+        if a == ALSO {
+            out.push(vec![prog.clone()]);
+        } else if let Some(last) = out.last_mut() {
+            last.push(a);
+        }
+    }
+    out
 }
 
 fn main() -> ExitCode {
@@ -280,12 +412,19 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let cli: Cli = match bouncevm_common::cli::parse_args("bouncevm-vhost", " (see --help)") {
-        Ok(c) => c,
-        Err(code) => return code,
-    };
+    let mut clis = Vec::new();
+    for args in device_args() {
+        match bouncevm_common::cli::parse_args_from::<Cli, _>(
+            "bouncevm-vhost",
+            " (see --help)",
+            args,
+        ) {
+            Ok(c) => clis.push(c),
+            Err(code) => return code,
+        }
+    }
     bouncevm_common::init_logging("info");
-    match run(cli, signals) {
+    match run(clis, signals) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("bouncevm-vhost: error: {e}");

@@ -346,3 +346,103 @@ fn new_flags_are_checked_and_qcow2_needs_format() {
         assert!(help.contains(f), "{f} missing from blk --help");
     }
 }
+
+/// Two block devices in one process (`--also`) on one shared bounce pool: both serve I/O, each
+/// server's statistics carry its device's own counters and the shared pool under `pools`, and
+/// the devices' counts sum to the pool's; SIGTERM to the process stops both servers (a final
+/// line each). A second device that names the pool with other pool keys is one line.
+#[test]
+fn two_devices_in_one_process_share_a_bounce_pool() {
+    let (img0, img1) = (image("shared0.img"), image("shared1.img"));
+    let (s0, s1) = (tmp("shared0.sock"), tmp("shared1.sock"));
+    let (st0, st1) = (tmp("shared0.stats"), tmp("shared1.stats"));
+    let p = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let device = |sock: &PathBuf, img: &PathBuf, stats: &PathBuf, bounce: &str| {
+        [
+            "blk",
+            "--socket",
+            &p(sock),
+            "--file",
+            &p(img),
+            "--queues",
+            "1",
+            "--bounce",
+            bounce,
+            "--stats-socket",
+            &p(stats),
+        ]
+        .map(str::to_string)
+        .to_vec()
+    };
+    let bounce = "policy=force,slots=1024,pool=shared";
+    let conflicting = [
+        device(&s0, &img0, &st0, bounce),
+        vec!["--also".into()],
+        device(&s1, &img1, &st1, "slots=2048,pool=shared"),
+    ]
+    .concat();
+    let args: Vec<&str> = conflicting.iter().map(String::as_str).collect();
+    assert_one_line_error(
+        &run(&args),
+        &format!(
+            "device '{}' differs from device '{}' in slots 2048 against 1024",
+            p(&s1),
+            p(&s0)
+        ),
+    );
+    let both = [
+        device(&s0, &img0, &st0, bounce),
+        vec!["--also".into()],
+        device(&s1, &img1, &st1, bounce),
+    ]
+    .concat();
+    let args: Vec<&str> = both.iter().map(String::as_str).collect();
+    let mut server = spawn(&args);
+    wait_for_path(&st1);
+    vhost_support::assert_blk_served(&s0, 3);
+    vhost_support::assert_blk_served(&s1, 5);
+    vhost_support::assert_blk_served(&s1, 6);
+    let (a, b) = (stats(&st0), stats(&st1));
+    let dma = |s: &serde_json::Value, k: &str| s["device"]["dma"][k].as_u64().unwrap();
+    assert!(
+        dma(&a, "maps") > 0 && dma(&b, "maps") > dma(&a, "maps"),
+        "{a} {b}"
+    );
+    assert_eq!(a["device"]["dma"]["pool"], "shared");
+    assert_eq!(a["bounce"], serde_json::json!({"pool": "shared"}));
+    assert_eq!(b["device"]["bounce"], serde_json::json!({"pool": "shared"}));
+    let pools = &b["pools"];
+    assert_eq!(pools.as_array().map(Vec::len), Some(1), "{b}");
+    assert_eq!(pools[0]["devices"], serde_json::json!([p(&s0), p(&s1)]));
+    for k in ["maps", "map_failures", "unmaps"] {
+        assert_eq!(
+            pools[0]["stats"][k].as_u64(),
+            Some(dma(&a, k) + dma(&b, k)),
+            "{k}: {pools} {a} {b}"
+        );
+    }
+    signal(&server.0, libc::SIGTERM);
+    let mut err = String::new();
+    server
+        .0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(server.0.wait().unwrap().success(), "{err}");
+    let finals: Vec<serde_json::Value> = err
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(finals.len(), 2, "{err}");
+    let mut sockets: Vec<&str> = finals
+        .iter()
+        .map(|f| f["server"]["socket"].as_str().unwrap())
+        .collect();
+    sockets.sort_unstable();
+    let mut want = [p(&s0), p(&s1)];
+    want.sort_unstable();
+    assert_eq!(sockets, want);
+}

@@ -1,0 +1,212 @@
+//! Per-device DMA counters: what one device's maps cost a pool it may share with others.
+//!
+//! A [`crate::Dma`] handle given [`DmaCounters`] ([`crate::Dma::with_counters`]) counts every
+//! bounced map it makes (and the bytes), every map the pool refused as full, and every unmap
+//! the pool accepted, exactly as the pool counts them: over the devices of one pool, the
+//! devices' `maps`, `map_failures` and `unmaps` sum to the pool's [`crate::PoolStats`]
+//! counters of the same names (when every user of the pool maps through a counted handle).
+//! Maps a policy does not bounce never reach the pool and are not counted.
+//!
+//! The counters are sharded by the worker index the device passes to each call, each shard on
+//! its own cache lines, so a device's workers do not write one shared line.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Shards per device: worker `w` counts on shard `w % SHARDS`.
+const SHARDS: usize = 16;
+
+#[derive(Debug, Default)]
+#[repr(align(128))]
+struct Shard {
+    maps: AtomicU64,
+    bytes: AtomicU64,
+    map_failures: AtomicU64,
+    unmaps: AtomicU64,
+}
+
+/// Live DMA counters of one device (see the module documentation).
+#[derive(Debug)]
+pub struct DmaCounters {
+    pool: Option<String>,
+    shards: Box<[Shard]>,
+}
+
+/// A snapshot of one device's [`DmaCounters`], serialisable to JSON.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DmaStats {
+    /// The named pool the device maps through (absent for a pool of its own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    /// Bounced maps the pool served.
+    pub maps: u64,
+    /// Bytes of those maps.
+    pub bytes: u64,
+    /// Maps the pool refused as full ([`Error::PoolFull`]).
+    pub map_failures: u64,
+    /// Unmaps the pool accepted (every unmap except one of an address that is no live
+    /// mapping, [`Error::NotMapped`]).
+    pub unmaps: u64,
+}
+
+impl DmaStats {
+    /// Mappings the device holds: maps not unmapped yet.
+    pub fn live(&self) -> u64 {
+        self.maps.saturating_sub(self.unmaps)
+    }
+}
+
+impl DmaCounters {
+    /// Counters of a device whose maps go to the pool named `pool` (`None`: a pool of its
+    /// own, or a pool that has no name).
+    pub fn new(pool: Option<String>) -> Self {
+        Self {
+            pool,
+            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+        }
+    }
+
+    /// The pool's name, if it has one.
+    pub fn pool(&self) -> Option<&str> {
+        self.pool.as_deref()
+    }
+
+    fn shard(&self, worker: usize) -> &Shard {
+        &self.shards[worker % SHARDS]
+    }
+
+    /// Counts the outcome of a bounced map of `len` bytes by `worker`.
+    pub(crate) fn count_map<T>(&self, worker: usize, len: usize, r: &Result<T>) {
+        let s = self.shard(worker);
+        match r {
+            Ok(_) => {
+                s.maps.fetch_add(1, Ordering::Relaxed);
+                s.bytes.fetch_add(len as u64, Ordering::Relaxed);
+            }
+            Err(Error::PoolFull { .. }) => {
+                s.map_failures.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Counts the outcome of an unmap by `worker` (the pool released the slots unless the
+    /// address was no live mapping).
+    pub(crate) fn count_unmap(&self, worker: usize, r: &Result<()>) {
+        if !matches!(r, Err(Error::NotMapped { .. })) {
+            self.shard(worker).unmaps.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The counters now (exact when no map or unmap is running).
+    pub fn snapshot(&self) -> DmaStats {
+        let sum = |f: fn(&Shard) -> &AtomicU64| {
+            self.shards
+                .iter()
+                .map(|s| f(s).load(Ordering::Relaxed))
+                .fold(0u64, u64::wrapping_add)
+        };
+        DmaStats {
+            pool: self.pool.clone(),
+            maps: sum(|s| &s.maps),
+            bytes: sum(|s| &s.bytes),
+            map_failures: sum(|s| &s.map_failures),
+            unmaps: sum(|s| &s.unmaps),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+    use super::*;
+    use crate::{BouncePool, Direction, Dma, Policy, PoolConfig};
+
+    #[test]
+    fn two_devices_on_one_pool_sum_to_the_pools_counters() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
+        // 128 slots of 2 KiB (one segment): 256 KiB in all.
+        let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(128)).unwrap());
+        assert_eq!(pool.stats().nslabs, 128);
+        let counted = |name: &str, policy| {
+            let c = Arc::new(DmaCounters::new(Some(name.into())));
+            (
+                Dma::bounced(policy, Arc::clone(&pool)).with_counters(c.clone()),
+                c,
+            )
+        };
+        let (a, ca) = counted("shared", Policy::Force);
+        // B bounces only above 1 MiB - 1: its low buffers never reach the pool.
+        let (b, cb) = counted("shared", Policy::Mask(20));
+        let (c, cc) = counted("shared", Policy::Force);
+        let mut held = Vec::new();
+        for i in 0..3u64 {
+            held.push(
+                a.map(&mem, i * 0x1_0000, 0x1_0000, Direction::ToDevice, 0)
+                    .unwrap(),
+            );
+        }
+        // 96 of 128 slots held by A: C's 80 KiB map finds no room, then a 16 KiB one fits.
+        assert!(matches!(
+            c.map(&mem, 0x8_0000, 0x1_4000, Direction::FromDevice, 3),
+            Err(Error::PoolFull { .. })
+        ));
+        let cbuf = c
+            .map(&mem, 0x8_0000, 0x4000, Direction::FromDevice, 17)
+            .unwrap();
+        // Not bounced under B's mask: the pool never sees it.
+        let direct = b.map(&mem, 0x1000, 0x1000, Direction::ToDevice, 0).unwrap();
+        assert!(!direct.is_bounced());
+        b.unmap(&mem, direct, 0).unwrap();
+        assert!(matches!(
+            b.map(&mem, 0x1000, 16, Direction::ToDevice, 1),
+            Ok(buf) if !buf.is_bounced()
+        ));
+        c.unmap_written(&mem, cbuf, 100, 17).unwrap();
+        // A second unmap of the same buffer is refused and not counted.
+        assert!(matches!(
+            c.unmap(&mem, cbuf, 17),
+            Err(Error::NotMapped { .. })
+        ));
+        a.write_guest(&mem, 0x9_0000, &[1, 2, 3], 5).unwrap();
+        for buf in held.drain(..2) {
+            a.unmap(&mem, buf, 0).unwrap();
+        }
+        let (sa, sb, sc) = (ca.snapshot(), cb.snapshot(), cc.snapshot());
+        assert_eq!(
+            (sa.maps, sa.bytes, sa.map_failures, sa.unmaps, sa.live()),
+            (4, 3 * 0x1_0000 + 3, 0, 3, 1)
+        );
+        assert_eq!(
+            sb,
+            DmaStats {
+                pool: Some("shared".into()),
+                ..DmaStats::default()
+            }
+        );
+        assert_eq!(
+            (sc.maps, sc.bytes, sc.map_failures, sc.unmaps, sc.live()),
+            (1, 0x4000, 1, 1, 0)
+        );
+        let p = pool.stats();
+        assert_eq!(p.maps, sa.maps + sb.maps + sc.maps);
+        assert_eq!(
+            p.map_failures,
+            sa.map_failures + sb.map_failures + sc.map_failures
+        );
+        assert_eq!(p.unmaps, sa.unmaps + sb.unmaps + sc.unmaps);
+        assert_eq!(p.bad_unmaps, 1);
+        let json = serde_json::to_value(&sa).unwrap();
+        assert_eq!(json["pool"], "shared");
+        assert!(serde_json::to_value(DmaCounters::new(None).snapshot())
+            .unwrap()
+            .get("pool")
+            .is_none());
+    }
+}
