@@ -265,6 +265,22 @@ fn malformed_dynamic_pool_lines_are_refused_at_their_line() {
             ],
             "line 3: pool_add in a trace without a dynamic-pool header",
         ),
+        (
+            "default-nareas.jsonl",
+            vec![
+                header.replace(r#""default_nareas":1"#, r#""default_nareas":4"#),
+                map(1, 512),
+            ],
+            "line 1: header: dynamic default_nareas 4 does not give 256 slots in 1 areas",
+        ),
+        (
+            "start.jsonl",
+            vec![
+                header.replace(r#""cpus":1"#, r#""cpus":1,"start":18446744073709547520"#),
+                map(1, 512),
+            ],
+            "line 1: header: start 0xfffffffffffff000",
+        ),
     ] {
         let t = temp(name, &lines(&ls));
         let err = refused(&t, &[]);

@@ -39,6 +39,7 @@ use super::parse::{DynamicHeader, MapOp, TraceHeader, TraceOp};
 use super::replay::{Outcome, ReplayOptions, Replayer};
 use super::{Result, TraceError};
 use crate::alloc;
+use crate::dynamic::limit_nareas;
 use crate::error::Error;
 use crate::geometry::{Geometry, PoolConfig};
 use crate::pool::BouncePool;
@@ -354,6 +355,29 @@ impl<'a> Loader<'a> {
         }
         if h.cpus == Some(0) {
             return Err(self.invalid(line, "header: cpus 0".into()));
+        }
+        if let Some(start) = h.start {
+            let bytes = h.nslabs.unwrap_or(0) as u64 * linux::SLOT_BYTES;
+            if start % linux::SLOT_BYTES != 0 || start.checked_add(bytes).is_none() {
+                return Err(self.invalid(
+                    line,
+                    format!("header: start {start:#x} is not where a pool of {bytes} bytes can be"),
+                ));
+            }
+        }
+        if let Some(d) = &h.dynamic {
+            // The default pool's areas are limit_nareas(default_nareas, nslabs).
+            let (n, a) = (h.nslabs.unwrap_or(0), h.nareas.unwrap_or(1));
+            if !d.default_nareas.is_power_of_two() || limit_nareas(d.default_nareas, n) != a {
+                return Err(self.invalid(
+                    line,
+                    format!(
+                        "header: dynamic default_nareas {} does not give {n} slots in {a} \
+                         areas (a power of two that limit_nareas fits to the pool)",
+                        d.default_nareas
+                    ),
+                ));
+            }
         }
         self.info.nslabs = h.nslabs;
         self.info.nareas = h.nareas;
