@@ -59,6 +59,14 @@ fn refused(path: &Path, extra: &[&str]) -> String {
     err
 }
 
+/// A trace of `ls` is refused with a line that says `says`.
+fn refused_with(name: &str, ls: &[String], says: &str) {
+    let t = temp(name, &lines(ls));
+    let err = refused(&t, &[]);
+    let _ = std::fs::remove_file(&t);
+    assert!(err.contains(says), "{name}: {err}");
+}
+
 const HEADER: &str =
     r#"{"op":"header","format":"swiotlb-kernel-trace/1","nslabs":256,"nareas":1,"cpus":1}"#;
 
@@ -282,10 +290,7 @@ fn malformed_dynamic_pool_lines_are_refused_at_their_line() {
             "line 1: header: start 0xfffffffffffff000",
         ),
     ] {
-        let t = temp(name, &lines(&ls));
-        let err = refused(&t, &[]);
-        let _ = std::fs::remove_file(&t);
-        assert!(err.contains(says), "{name}: {err}");
+        refused_with(name, &ls, says);
     }
 }
 
@@ -389,10 +394,7 @@ fn an_unmap_of_a_map_never_made_is_refused() {
             "line 2: sync of map id 3",
         ),
     ] {
-        let t = temp(name, &lines(&ls));
-        let err = refused(&t, &[]);
-        let _ = std::fs::remove_file(&t);
-        assert!(err.contains(says), "{name}: {err}");
+        refused_with(name, &ls, says);
     }
 }
 
