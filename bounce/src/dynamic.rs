@@ -63,6 +63,14 @@ pub enum PoolPages {
         /// Slots of the whole window (default pool included).
         slots: usize,
     },
+    /// As [`PoolPages::Host`], without the thread: the caller runs the growth worker where it
+    /// chooses ([`DynamicPools::run_pending_worker`]), so a replay of a workload that has no
+    /// pool events of its own (a what-if of the sizing advisor) grows at the same points on
+    /// every run.
+    HostStepped {
+        /// Slots of the whole window (default pool included).
+        slots: usize,
+    },
     /// The caller gives every address ([`DynamicPools::give_transient`],
     /// [`DynamicPools::add_pool`]): device addresses `window_base..window_base + window_bytes`
     /// are backed by memory, and the default pool sits at the configuration's `base` inside it.
@@ -353,6 +361,8 @@ pub struct DynamicPools {
     wake: Condvar,
     /// Set once the worker's "failed to allocate" was logged.
     alloc_warned: AtomicBool,
+    /// A background thread runs the growth worker ([`PoolPages::Host`]).
+    worker_thread: bool,
 }
 
 /// Where a map was placed by [`DynamicPools::find_slots`].
@@ -419,7 +429,7 @@ impl DynamicPools {
             )));
         }
         let pages = match config.pages {
-            PoolPages::Host { .. } => {
+            PoolPages::Host { .. } | PoolPages::HostStepped { .. } => {
                 let mut b = Blocks::new(wbase, wend);
                 b.reserve(geom.base, default_bytes);
                 Pages::Host(Mutex::new(b))
@@ -446,6 +456,7 @@ impl DynamicPools {
             work: Mutex::new(Work::default()),
             wake: Condvar::new(),
             alloc_warned: AtomicBool::new(false),
+            worker_thread: matches!(config.pages, PoolPages::Host { .. }),
         })
     }
 
@@ -769,6 +780,33 @@ impl DynamicPools {
         None
     }
 
+    /// One growth worker run in the caller's thread when a request is pending: PENDING is
+    /// cleared as the run starts, as the worker thread does. `None` when nothing is pending,
+    /// the run got no memory, or the pages are given by the caller.
+    pub fn run_pending_worker(&self) -> Option<PoolInfo> {
+        {
+            let mut w = self.work.lock().unwrap_or_else(|p| p.into_inner());
+            if !w.pending {
+                return None;
+            }
+            w.pending = false;
+        }
+        self.run_worker()
+    }
+
+    /// Bytes of the window the pools take now (default, added and live transient pools, each
+    /// a block as [`Blocks`] gives it) with memory of their own; `None` when the pages are
+    /// given by the caller.
+    pub fn pages_in_use(&self) -> Option<u64> {
+        match &self.pages {
+            Pages::Host(b) => {
+                let free = b.lock().unwrap_or_else(|p| p.into_inner()).free_bytes();
+                Some(self.window.1.saturating_sub(free))
+            }
+            Pages::Given(_) => None,
+        }
+    }
+
     /// The worker thread's loop: waits for a request, clears PENDING as the run starts, runs.
     fn worker_loop(&self) {
         loop {
@@ -829,7 +867,7 @@ impl Dynamic {
     pub fn new(pools: DynamicPools) -> Result<Self> {
         let pools = Arc::new(pools);
         let worker = match pools.pages {
-            Pages::Host(_) => {
+            Pages::Host(_) if pools.worker_thread => {
                 let p = Arc::clone(&pools);
                 Some(
                     std::thread::Builder::new()
@@ -838,7 +876,7 @@ impl Dynamic {
                         .map_err(|e| Error::Config(format!("growth worker thread: {e}")))?,
                 )
             }
-            Pages::Given(_) => None,
+            Pages::Host(_) | Pages::Given(_) => None,
         };
         Ok(Self { pools, worker })
     }

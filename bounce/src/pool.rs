@@ -294,7 +294,7 @@ impl BouncePool {
             )));
         }
         let window = match dynamic.pages {
-            PoolPages::Host { slots } => {
+            PoolPages::Host { slots } | PoolPages::HostStepped { slots } => {
                 let bytes = (slots as u64)
                     .checked_shl(geom.slot_shift)
                     .filter(|b| b >> geom.slot_shift == slots as u64)

@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use bounce::trace::advise::report::{mib, Dynamic, Report, StaticKind};
+use bounce::trace::advise::linux::SLOT_BYTES;
+use bounce::trace::advise::report::{mib, Report, StaticKind};
 use bounce::trace::advise::{SizeReport, Timeline, LARGE_MAP_SLOTS};
 
 use crate::chart::{write_chart, Chart, Line, Panel, Series, XScale};
@@ -28,6 +29,26 @@ fn no_cells() -> [String; 4] {
 /// recommendation and the notes.
 pub fn table(r: &Report) -> String {
     let mut out = String::new();
+    inputs_section(r, &mut out);
+    static_section(r, &mut out);
+    areas_section(r, &mut out);
+    segment_section(r, &mut out);
+    dynamic_section(r, &mut out);
+    out.push_str(&format!(
+        "\n### Recommendation\n\n`{}`: {}\n",
+        r.recommendation.cmdline, r.recommendation.reason
+    ));
+    if !r.notes.is_empty() {
+        out.push('\n');
+        for n in &r.notes {
+            out.push_str(&format!("- {n}\n"));
+        }
+    }
+    out
+}
+
+/// The title and the line on the traces and the guest.
+fn inputs_section(r: &Report, out: &mut String) {
     let names: Vec<&str> = r.traces.iter().map(|t| t.name.as_str()).collect();
     out.push_str(&format!("## Sizing `{}`\n\n", names.join("` + `")));
     let maps: u64 = r.traces.iter().map(|t| t.maps).sum();
@@ -42,7 +63,7 @@ pub fn table(r: &Report) -> String {
         });
     out.push_str(&format!(
         "{maps} maps ({kernel_failed} failed in the capturing kernel), {unmaps} unmaps, {live} \
-         live at the end; allocator `{}`; guest: {} ({}), {mem}, {}.\n\n",
+         live at the end; allocator `{}`; guest: {} ({}), {mem}, {}.\n",
         r.alloc,
         count(r.guest.cpus, "CPU"),
         r.cpus_from,
@@ -52,7 +73,19 @@ pub fn table(r: &Report) -> String {
             "not confidential"
         }
     ));
+    for t in r.traces.iter().filter(|t| t.dynamic) {
+        out.push_str(&format!(
+            "\n`{}` was captured with dynamic pools: its kernel added {} and made {}.\n",
+            t.name,
+            count(t.kernel_pools_added as usize, "pool"),
+            count(t.kernel_transient_pools as usize, "transient pool"),
+        ));
+    }
+    out.push('\n');
+}
 
+/// The static pools and how Linux rounds the minimum.
+fn static_section(r: &Report, out: &mut String) {
     out.push_str("### Static pools\n\n");
     let rows: Vec<Vec<String>> = r
         .static_pools
@@ -83,28 +116,27 @@ pub fn table(r: &Report) -> String {
         ],
         &rows,
     ));
-    if let Some(k) = r.static_pools.iter().find(|s| s.kind == StaticKind::Kernel) {
-        if let Some(m) = r
-            .static_pools
-            .iter()
-            .find(|s| s.kind == StaticKind::Minimum)
-        {
-            out.push_str(&format!(
-                "\n`swiotlb=` is rounded by Linux (a multiple of 128 slots, at least 128 per \
-                 area, then a power of two): `swiotlb={},{}` gives {} slots",
-                m.replay.slots, m.replay.areas, r.kernel_of_minimum
-            ));
-            if r.kernel_of_minimum != k.replay.slots {
-                out.push_str(&format!(
-                    ", which fail (placement changes with the size); {} is the first power of \
-                     two above that replays clean",
-                    k.replay.slots
-                ));
-            }
-            out.push_str(".\n");
-        }
+    let kind = |k| r.static_pools.iter().find(|s| s.kind == k);
+    let (Some(k), Some(m)) = (kind(StaticKind::Kernel), kind(StaticKind::Minimum)) else {
+        return;
+    };
+    out.push_str(&format!(
+        "\n`swiotlb=` is rounded by Linux (a multiple of 128 slots, at least 128 per area, then \
+         a power of two): `swiotlb={},{}` gives {} slots",
+        m.replay.slots, m.replay.areas, r.kernel_of_minimum
+    ));
+    if r.kernel_of_minimum != k.replay.slots {
+        out.push_str(&format!(
+            ", which fail (placement changes with the size); {} is the first power of two above \
+             that replays clean",
+            k.replay.slots
+        ));
     }
+    out.push_str(".\n");
+}
 
+/// One row per area count.
+fn areas_section(r: &Report, out: &mut String) {
     out.push_str("\n### Areas\n\nEach area count with the smallest pool that has no failure, as the kernel rounds it; its memory is the slots and the bookkeeping (24 bytes of `struct io_tlb_slot` per slot, page-aligned, and 16 of `struct io_tlb_area` per area). Failures and high-water: at the trace's pool size.\n\n");
     let rows: Vec<Vec<String>> = r
         .areas
@@ -139,7 +171,10 @@ pub fn table(r: &Report) -> String {
         ],
         &rows,
     ));
+}
 
+/// The segment-size what-if, or why it is left out.
+fn segment_section(r: &Report, out: &mut String) {
     out.push_str(
         "\n### Segment size\n\nLinux builds `IO_TLB_SEGSIZE` in: 128 slots (256 KiB), the \
          largest mapping and the unit no mapping crosses; 256 and 512 need a rebuilt kernel.\n\n",
@@ -150,58 +185,94 @@ pub fn table(r: &Report) -> String {
              pools' replays.\n",
             LARGE_MAP_SLOTS * 2
         ));
-    } else {
-        out.push_str(&format!(
-            "Up to {} failures of mappings over {LARGE_MAP_SLOTS} slots in one static pool.\n\n",
-            r.segments.large_failures
-        ));
-        let rows: Vec<Vec<String>> = r
-            .segments
-            .rows
-            .iter()
-            .map(|s| {
-                let mut row = vec![s.segsize.to_string()];
-                row.extend(
-                    s.at_trace_size
-                        .as_ref()
-                        .map_or_else(no_cells, failure_cells),
-                );
-                row.push(s.min_slots.to_string());
-                row
-            })
-            .collect();
-        out.push_str(&markdown_table(
-            &[
-                "slots per segment",
-                "failures",
-                "capacity",
-                "fragmentation",
-                "high-water",
-                "smallest without failure",
-            ],
-            &rows,
-        ));
+        return;
     }
-
-    out.push_str("\n### Dynamic pools (`CONFIG_SWIOTLB_DYNAMIC`)\n\n");
-    match r.dynamic {
-        Dynamic::NotModelled => out.push_str(
-            "Not modelled yet: transient pools, pools added, their peak memory and the \
-             failures that remain need the dynamic-pool model.\n",
-        ),
-    }
-
     out.push_str(&format!(
-        "\n### Recommendation\n\n`{}`: {}\n",
-        r.recommendation.cmdline, r.recommendation.reason
+        "Up to {} failures of mappings over {LARGE_MAP_SLOTS} slots in one static pool.\n\n",
+        r.segments.large_failures
     ));
-    if !r.notes.is_empty() {
-        out.push('\n');
-        for n in &r.notes {
-            out.push_str(&format!("- {n}\n"));
-        }
-    }
-    out
+    let rows: Vec<Vec<String>> = r
+        .segments
+        .rows
+        .iter()
+        .map(|s| {
+            let mut row = vec![s.segsize.to_string()];
+            row.extend(
+                s.at_trace_size
+                    .as_ref()
+                    .map_or_else(no_cells, failure_cells),
+            );
+            row.push(s.min_slots.to_string());
+            row
+        })
+        .collect();
+    out.push_str(&markdown_table(
+        &[
+            "slots per segment",
+            "failures",
+            "capacity",
+            "fragmentation",
+            "high-water",
+            "smallest without failure",
+        ],
+        &rows,
+    ));
+}
+
+/// One row per default pool with dynamic pools on.
+fn dynamic_section(r: &Report, out: &mut String) {
+    let d = &r.dynamic;
+    out.push_str(&format!(
+        "\n### Dynamic pools (`CONFIG_SWIOTLB_DYNAMIC`)\n\nEach default pool replayed through \
+         Linux 6.12's dynamic pools: a map no pool serves gets a transient pool of its own size \
+         (freed at its unmap) and queues the growth worker, whose pool (at most 2048 slots) \
+         every map after the next {} searches first. Pools come from {} of memory in \
+         blocks of a power of two of pages. Peak memory: all pools at once; a failure remains \
+         when a transient pool finds no memory (capacity) or no fitting run (fragmentation).\n\n",
+        d.worker_lag_maps,
+        mib(d.memory_bytes)
+    ));
+    let rows: Vec<Vec<String>> = d
+        .rows
+        .iter()
+        .map(|row| {
+            let x = &row.replay;
+            let f = &x.failures;
+            vec![
+                row.kind.label().to_string(),
+                row.swiotlb.clone(),
+                mib(row.default_bytes),
+                x.transient_pools.to_string(),
+                format!(
+                    "{} ({})",
+                    x.transient_peak_slots,
+                    mib(x.transient_peak_slots * SLOT_BYTES)
+                ),
+                format!("{} ({} slots)", x.pools_added, x.added_slots),
+                mib(x.peak_bytes),
+                f.pool_full.to_string(),
+                f.capacity.to_string(),
+                f.fragmentation.to_string(),
+                x.hiwater.to_string(),
+            ]
+        })
+        .collect();
+    out.push_str(&markdown_table(
+        &[
+            "default pool",
+            "swiotlb=",
+            "default",
+            "transient pools",
+            "transient peak",
+            "pools added",
+            "peak memory",
+            "failures",
+            "capacity",
+            "fragmentation",
+            "high-water",
+        ],
+        &rows,
+    ));
 }
 
 /// Draws the occupancy of each replay in `runs` (a short name such as `trace 1024,1`, the

@@ -1,6 +1,7 @@
 //! `bounce-replay --advise` as a user runs it: the table's sections on a committed trace, the
-//! JSON form, the chart, several traces through one pool, and every kind of bad input — a
-//! truncated, malformed or unknown-format trace, an unmap of a map never made, a pool the
+//! JSON form, the chart, several traces through one pool, a dynamic-pool (`/2`) trace alone and
+//! with a static one, and every kind of bad input — a truncated, malformed or unknown-format
+//! trace (a malformed pool event too), an unmap of a map never made, a pool the
 //! kernel would not make or could not allocate — refused with one line that names the line or
 //! the value, a non-zero exit and nothing on stdout (never a partial table). A trace that ends
 //! with mappings live is replayed and the table says so.
@@ -58,6 +59,14 @@ fn refused(path: &Path, extra: &[&str]) -> String {
     err
 }
 
+/// A trace of `ls` is refused with a line that says `says`.
+fn refused_with(name: &str, ls: &[String], says: &str) {
+    let t = temp(name, &lines(ls));
+    let err = refused(&t, &[]);
+    let _ = std::fs::remove_file(&t);
+    assert!(err.contains(says), "{name}: {err}");
+}
+
 const HEADER: &str =
     r#"{"op":"header","format":"swiotlb-kernel-trace/1","nslabs":256,"nareas":1,"cpus":1}"#;
 
@@ -72,6 +81,22 @@ fn unmap(id: u64) -> String {
     format!(r#"{{"op":"unmap","id":{id}}}"#)
 }
 
+/// `out` holds every one of `wants`.
+fn has_all(out: &str, wants: &[&str]) {
+    for want in wants {
+        assert!(out.contains(want), "{want:?} missing:\n{out}");
+    }
+}
+
+/// The cells of the first line of `text` that starts with `label` (a table row).
+fn row_cells<'a>(text: &'a str, label: &str) -> Vec<&'a str> {
+    let row = text
+        .lines()
+        .find(|l| l.starts_with(label))
+        .unwrap_or_else(|| panic!("no row {label:?}:\n{text}"));
+    row.split('|').map(str::trim).collect()
+}
+
 fn lines(ls: &[String]) -> Vec<u8> {
     let mut s = ls.join("\n");
     s.push('\n');
@@ -81,35 +106,32 @@ fn lines(ls: &[String]) -> Vec<u8> {
 #[test]
 fn the_table_has_every_section_and_the_recommendation() {
     let out = ok(&[&sample(), "--advise", "--guest-mem", "2G"]);
-    for want in [
-        "### Static pools",
-        "| the trace's pool ",
-        "| smallest without failure ",
-        "| one segment per area less ",
-        "| what the kernel makes of it ",
-        "| default (64 MiB) ",
-        "| default, confidential guest (6 %) ",
-        "### Areas",
-        "### Segment size",
-        "| slots per segment ",
-        "### Dynamic pools (`CONFIG_SWIOTLB_DYNAMIC`)",
-        "Not modelled yet",
-        "### Recommendation",
-        "`swiotlb=2048,1,force`: ",
-        "2430 maps (8 failed in the capturing kernel)",
-    ] {
-        assert!(out.contains(want), "{want:?} missing:\n{out}");
-    }
+    has_all(
+        &out,
+        &[
+            "### Static pools",
+            "| the trace's pool ",
+            "| smallest without failure ",
+            "| one segment per area less ",
+            "| what the kernel makes of it ",
+            "| default (64 MiB) ",
+            "| default, confidential guest (6 %) ",
+            "### Areas",
+            "### Segment size",
+            "| slots per segment ",
+            "### Dynamic pools (`CONFIG_SWIOTLB_DYNAMIC`)",
+            "| smallest the kernel makes ",
+            "### Recommendation",
+            "`swiotlb=2048,1,force`: ",
+            "2430 maps (8 failed in the capturing kernel)",
+        ],
+    );
     // The trace's own pool, as the kernel had it: 8 failures, all fragmentation.
-    let row = out
-        .lines()
-        .find(|l| l.starts_with("| the trace's pool "))
-        .unwrap();
-    let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+    let cells = row_cells(&out, "| the trace's pool ");
     assert_eq!(
         &cells[2..9],
         ["1024,1", "1024", "1", "2 MiB", "8", "0", "8"],
-        "{row}"
+        "{cells:?}"
     );
     // A confidential guest needs no force.
     let conf = ok(&[&sample(), "--advise", "--guest-mem", "2G", "--confidential"]);
@@ -126,7 +148,9 @@ fn json_and_chart_hold_the_same_report() {
     assert_eq!(r["alloc"], "areas");
     assert_eq!(r["recommendation"]["cmdline"], "swiotlb=2048,1,force");
     assert_eq!(r["static_pools"][0]["replay"]["pool_full"], 8);
-    assert_eq!(r["dynamic"]["status"], "not-modelled");
+    let dynamic = r["dynamic"]["rows"].as_array().expect("dynamic rows");
+    assert_eq!(dynamic[0]["kind"], "trace");
+    assert_eq!(dynamic[0]["replay"]["pool_full"], 0, "{r}");
     let chart = std::fs::read_to_string(&svg).expect("chart written");
     let _ = std::fs::remove_file(&svg);
     assert!(
@@ -172,6 +196,102 @@ fn several_traces_share_one_pool() {
     let out = run(&[&sample(), &sample()]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("only with --advise"));
+}
+
+#[test]
+fn a_dynamic_pool_trace_is_advised_alone_and_with_a_static_one() {
+    let dynamic = traces()
+        .join("rig1-fio-dynamic-512slots-4areas-2cpus.jsonl.gz")
+        .display()
+        .to_string();
+    let out = ok(&[&dynamic, "--advise", "--guest-mem", "1G"]);
+    has_all(
+        &out,
+        &[
+            "was captured with dynamic pools: its kernel added 3 pools and made 15 transient pools",
+            "### Dynamic pools (`CONFIG_SWIOTLB_DYNAMIC`)",
+            "### Recommendation",
+        ],
+    );
+    // The dynamic row of the trace's own pool: 512 slots in 4 areas, grown, no failure.
+    let section = out.split("### Dynamic pools").nth(1).unwrap();
+    let cells = row_cells(section, "| the trace's pool ");
+    assert_eq!(
+        (cells[2], cells[3], cells[9]),
+        ("512,4", "1 MiB", "0"),
+        "{cells:?}"
+    );
+    // With a static trace, through one pool, as JSON.
+    let out = ok(&[
+        &dynamic,
+        &sample(),
+        "--advise",
+        "--json",
+        "--guest-mem",
+        "1G",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let r = &v["reports"][0];
+    assert_eq!(r["traces"][0]["dynamic"], true);
+    assert_eq!(r["traces"][1]["dynamic"], false);
+    assert_eq!(r["traces"][0]["kernel_pools_added"], 3);
+    let rows = r["dynamic"]["rows"].as_array().unwrap();
+    assert!(rows.iter().any(|x| x["kind"] == "smallest"), "{r}");
+    assert!(rows
+        .iter()
+        .all(|x| x["replay"]["peak_bytes"].as_u64() > Some(0)));
+}
+
+#[test]
+fn malformed_dynamic_pool_lines_are_refused_at_their_line() {
+    let header = r#"{"op":"header","format":"swiotlb-kernel-trace/2","nslabs":256,"nareas":1,"cpus":1,"dynamic":{"default_nareas":1,"default_nslabs":256,"can_grow":1,"phys_limit":4294967295}}"#;
+    for (name, ls, says) in [
+        (
+            "pool-add.jsonl",
+            vec![
+                header.to_string(),
+                map(1, 512),
+                r#"{"op":"pool_add","start":1048576,"nareas":1}"#.into(),
+            ],
+            "line 3: pool_add without nslabs",
+        ),
+        (
+            "transient.jsonl",
+            vec![
+                header.to_string(),
+                r#"{"op":"transient_alloc","start":1048576,"nslabs":1,"nareas":1}"#.into(),
+                map(1, 512),
+            ],
+            "line 2: transient_alloc without id",
+        ),
+        (
+            "static-with-pool-add.jsonl",
+            vec![
+                HEADER.into(),
+                map(1, 512),
+                r#"{"op":"pool_add","start":1048576,"nslabs":256,"nareas":1}"#.into(),
+            ],
+            "line 3: pool_add in a trace without a dynamic-pool header",
+        ),
+        (
+            "default-nareas.jsonl",
+            vec![
+                header.replace(r#""default_nareas":1"#, r#""default_nareas":4"#),
+                map(1, 512),
+            ],
+            "line 1: header: dynamic default_nareas 4 does not give 256 slots in 1 areas",
+        ),
+        (
+            "start.jsonl",
+            vec![
+                header.replace(r#""cpus":1"#, r#""cpus":1,"start":18446744073709547520"#),
+                map(1, 512),
+            ],
+            "line 1: header: start 0xfffffffffffff000",
+        ),
+    ] {
+        refused_with(name, &ls, says);
+    }
 }
 
 #[test]
@@ -274,10 +394,7 @@ fn an_unmap_of_a_map_never_made_is_refused() {
             "line 2: sync of map id 3",
         ),
     ] {
-        let t = temp(name, &lines(&ls));
-        let err = refused(&t, &[]);
-        let _ = std::fs::remove_file(&t);
-        assert!(err.contains(says), "{name}: {err}");
+        refused_with(name, &ls, says);
     }
 }
 
@@ -368,5 +485,5 @@ fn the_study_shows_what_the_advisor_prints() {
         );
         n += 1;
     }
-    assert_eq!(n, 4);
+    assert_eq!(n, 5);
 }

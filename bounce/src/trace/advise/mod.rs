@@ -26,6 +26,7 @@
 //! [`report`] builds the advisor's table from these replays; [`linux`] holds the kernel's sizing
 //! rules it applies.
 
+pub mod dynamic;
 pub mod linux;
 pub mod report;
 
@@ -34,10 +35,11 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use super::parse::{TraceHeader, TraceOp};
+use super::parse::{DynamicHeader, MapOp, TraceHeader, TraceOp};
 use super::replay::{Outcome, ReplayOptions, Replayer};
 use super::{Result, TraceError};
 use crate::alloc;
+use crate::dynamic::limit_nareas;
 use crate::error::Error;
 use crate::geometry::{Geometry, PoolConfig};
 use crate::pool::BouncePool;
@@ -64,6 +66,46 @@ pub struct Failures {
     pub other_errors: u64,
     /// Maps replayed.
     pub maps: u64,
+}
+
+impl Failures {
+    /// Counts one replayed operation's outcome (maps only). A pool-full failure is capacity
+    /// when `capacity(need, total, used)` says so (`need`: the slots the map needed; `total`,
+    /// `used`: the pool's slots and those in use, as the error reports them), else
+    /// fragmentation. Returns (slots in use, slots needed) of a pool-full failure.
+    fn record(
+        &mut self,
+        outcome: &Outcome,
+        slot_bytes: u64,
+        capacity: impl FnOnce(u64, usize, usize) -> bool,
+    ) -> Option<(u64, u64)> {
+        match outcome {
+            Outcome::Mapped { .. } => self.maps += 1,
+            Outcome::MapFailed {
+                error: Error::PoolFull { size, total, used },
+                ..
+            } => {
+                self.maps += 1;
+                self.pool_full += 1;
+                let need = (*size as u64).div_ceil(slot_bytes);
+                if capacity(need, *total, *used) {
+                    self.capacity += 1;
+                } else {
+                    self.fragmentation += 1;
+                }
+                if need > LARGE_MAP_SLOTS {
+                    self.large += 1;
+                }
+                return Some((*used as u64, need));
+            }
+            Outcome::MapFailed { .. } => {
+                self.maps += 1;
+                self.other_errors += 1;
+            }
+            _ => {}
+        }
+        None
+    }
 }
 
 /// One replay at one size.
@@ -136,6 +178,12 @@ pub struct TraceInfo {
     pub nareas: Option<usize>,
     /// CPUs of the traced guest, when known.
     pub cpus: Option<usize>,
+    /// Captured from a kernel with dynamic pools (`swiotlb-kernel-trace/2`).
+    pub dynamic: bool,
+    /// Pools that kernel's growth worker added during the capture.
+    pub kernel_pools_added: u64,
+    /// Transient pools that kernel made during the capture.
+    pub kernel_transient_pools: u64,
 }
 
 /// Occupancy over a replay, for a chart: the most slots in use in each bucket of consecutive
@@ -172,6 +220,9 @@ pub struct Sizer {
     max_slots: usize,
     traces: Vec<TraceInfo>,
     replays: RefCell<HashMap<ReplayKey, SizeReport>>,
+    /// What the capturing kernel's dynamic pools were fixed at, for one dynamic-pool trace.
+    dynamic_header: Option<DynamicHeader>,
+    dynamic_replays: RefCell<HashMap<dynamic::DynamicKey, dynamic::DynamicReport>>,
 }
 
 /// One trace, checked and renumbered.
@@ -190,140 +241,209 @@ fn invalid(name: &str, line: u64, reason: String) -> TraceError {
 }
 
 /// Reads a whole trace and checks it can be replayed: at most one header, first; a header pool
-/// Linux could make; every unmap and sync of a live map; no id mapped twice while live. Map ids
-/// are renumbered from `next_id` on, and every map gets its trace's masks.
+/// Linux could make; every unmap and sync of a live map; no id mapped twice while live; pool
+/// events only in a dynamic-pool trace. Map ids are renumbered from `next_id` on, and every map
+/// gets its trace's masks. A dynamic-pool trace's pool events (what the capturing kernel's page
+/// allocator and growth worker did) are counted and left out: every replay decides them itself.
 fn load_one(
     name: String,
     ops: impl IntoIterator<Item = Result<(u64, TraceOp)>>,
     next_id: &mut u64,
 ) -> Result<Loaded> {
-    let mut header: Option<TraceHeader> = None;
-    let mut out = Vec::new();
-    // Trace id -> (renumbered id, line of its map) of every map the trace holds live.
-    let mut live: HashMap<u64, (u64, u64)> = HashMap::new();
-    let mut info = TraceInfo {
-        name: name.clone(),
-        maps: 0,
-        kernel_failures: 0,
-        unmaps: 0,
-        live_at_end: 0,
-        nslabs: None,
-        nareas: None,
-        cpus: None,
-    };
+    let mut loader = Loader::new(name, next_id);
     let mut last_line = 0;
     for item in ops {
-        let (line, mut op) = item.map_err(|e| match e {
-            TraceError::Parse { line, reason } => invalid(&name, line, reason),
+        let (line, op) = item.map_err(|e| match e {
+            TraceError::Parse { line, reason } => invalid(&loader.info.name, line, reason),
             e => e,
         })?;
         last_line = line;
-        // The advisor sizes static pools; a dynamic kernel's trace answers how much its pools
-        // grew instead (a replay's statistics).
-        if op.is_dynamic() || matches!(&op, TraceOp::Header(h) if h.dynamic.is_some()) {
-            return Err(invalid(
-                &name,
-                line,
-                format!(
-                    "{}: a dynamic-pool trace (swiotlb-kernel-trace/2); the advisor sizes static \
-                     pools, replay it to see how the pools grew",
-                    op.name()
-                ),
-            ));
+        loader.op(line, op)?;
+    }
+    loader.finish(last_line)
+}
+
+/// One trace being read by [`load_one`].
+struct Loader<'a> {
+    info: TraceInfo,
+    header: Option<TraceHeader>,
+    ops: Vec<(u64, TraceOp)>,
+    /// Trace id -> (renumbered id, line of its map) of every map the trace holds live.
+    live: HashMap<u64, (u64, u64)>,
+    next_id: &'a mut u64,
+}
+
+impl<'a> Loader<'a> {
+    fn new(name: String, next_id: &'a mut u64) -> Self {
+        Self {
+            info: TraceInfo {
+                name,
+                maps: 0,
+                kernel_failures: 0,
+                unmaps: 0,
+                live_at_end: 0,
+                nslabs: None,
+                nareas: None,
+                cpus: None,
+                dynamic: false,
+                kernel_pools_added: 0,
+                kernel_transient_pools: 0,
+            },
+            header: None,
+            ops: Vec::new(),
+            live: HashMap::new(),
+            next_id,
         }
+    }
+
+    fn invalid(&self, line: u64, reason: String) -> TraceError {
+        invalid(&self.info.name, line, reason)
+    }
+
+    /// Checks one operation and keeps it (renumbered) when a replay applies it.
+    fn op(&mut self, line: u64, mut op: TraceOp) -> Result<()> {
         match &mut op {
-            TraceOp::Header(h) => {
-                if header.is_some() || !out.is_empty() {
-                    return Err(invalid(
-                        &name,
-                        line,
-                        "a header after the first operation".into(),
-                    ));
-                }
-                if let Some(n) = h.nslabs {
-                    let a = h.nareas.unwrap_or(1);
-                    if !linux::is_kernel_geometry(n, a) {
-                        return Err(invalid(
-                            &name,
-                            line,
-                            format!(
-                                "header: {n} slots in {a} areas is not a pool Linux makes (a \
-                                 power of two of slots, at least {IO_TLB_SEGSIZE} per area, and \
-                                 a power of two of areas)"
-                            ),
-                        ));
-                    }
-                }
-                if h.cpus == Some(0) {
-                    return Err(invalid(&name, line, "header: cpus 0".into()));
-                }
-                header = Some(h.clone());
-                continue;
-            }
-            TraceOp::Map(m) => {
-                info.maps += 1;
-                if let Some((_, at)) = live.get(&m.id) {
-                    return Err(invalid(
-                        &name,
-                        line,
-                        format!("map id {} is already live (mapped at line {at})", m.id),
-                    ));
-                }
-                let id = *next_id;
-                *next_id += 1;
-                let failed_in_kernel = m.kernel.as_ref().is_some_and(|k| k.tlb_addr.is_none());
-                if failed_in_kernel {
-                    info.kernel_failures += 1;
-                } else {
-                    live.insert(m.id, (id, line));
-                }
-                let h = header.as_ref();
-                m.id = id;
-                m.min_align_mask = m.min_align_mask.or(h.and_then(|h| h.min_align_mask));
-                m.seg_boundary_mask = m.seg_boundary_mask.or(h.and_then(|h| h.seg_boundary_mask));
-            }
+            TraceOp::Header(h) => return self.header(line, h),
+            TraceOp::Map(m) => self.map(line, m)?,
             TraceOp::Unmap { id, .. } => {
-                let Some((new, _)) = live.remove(id) else {
-                    return Err(invalid(
-                        &name,
+                let Some((new, _)) = self.live.remove(id) else {
+                    return Err(self.invalid(
                         line,
-                        format!("unmap of map id {id}, which the trace never mapped (or already unmapped)"),
+                        format!(
+                            "unmap of map id {id}, which the trace never mapped (or already \
+                             unmapped)"
+                        ),
                     ));
                 };
-                info.unmaps += 1;
+                self.info.unmaps += 1;
                 *id = new;
             }
             TraceOp::Sync { id, .. } => {
-                let Some(&(new, _)) = live.get(id) else {
-                    return Err(invalid(
-                        &name,
+                let Some(&(new, _)) = self.live.get(id) else {
+                    return Err(self.invalid(
                         line,
                         format!("sync of map id {id}, which the trace does not hold mapped"),
                     ));
                 };
                 *id = new;
             }
-            // Refused above, with the other dynamic-pool operations.
             TraceOp::PoolAdd { .. }
             | TraceOp::TransientAlloc { .. }
-            | TraceOp::TransientFree { .. } => {}
+            | TraceOp::TransientFree { .. } => return self.pool_event(line, &op),
         }
-        out.push((line, op));
+        self.ops.push((line, op));
+        Ok(())
     }
-    if info.maps == 0 {
-        return Err(invalid(&name, last_line, "the trace has no map".into()));
+
+    /// The header: first, once, of a pool Linux makes.
+    fn header(&mut self, line: u64, h: &TraceHeader) -> Result<()> {
+        if self.header.is_some() || !self.ops.is_empty() {
+            return Err(self.invalid(line, "a header after the first operation".into()));
+        }
+        if let Some(n) = h.nslabs {
+            let a = h.nareas.unwrap_or(1);
+            if !linux::is_kernel_geometry(n, a) {
+                return Err(self.invalid(
+                    line,
+                    format!(
+                        "header: {n} slots in {a} areas is not a pool Linux makes (a power of \
+                         two of slots, at least {IO_TLB_SEGSIZE} per area, and a power of two \
+                         of areas)"
+                    ),
+                ));
+            }
+        }
+        if h.cpus == Some(0) {
+            return Err(self.invalid(line, "header: cpus 0".into()));
+        }
+        if let Some(start) = h.start {
+            let bytes = h.nslabs.unwrap_or(0) as u64 * linux::SLOT_BYTES;
+            if start % linux::SLOT_BYTES != 0 || start.checked_add(bytes).is_none() {
+                return Err(self.invalid(
+                    line,
+                    format!("header: start {start:#x} is not where a pool of {bytes} bytes can be"),
+                ));
+            }
+        }
+        if let Some(d) = &h.dynamic {
+            // The default pool's areas are limit_nareas(default_nareas, nslabs).
+            let (n, a) = (h.nslabs.unwrap_or(0), h.nareas.unwrap_or(1));
+            if !d.default_nareas.is_power_of_two() || limit_nareas(d.default_nareas, n) != a {
+                return Err(self.invalid(
+                    line,
+                    format!(
+                        "header: dynamic default_nareas {} does not give {n} slots in {a} \
+                         areas (a power of two that limit_nareas fits to the pool)",
+                        d.default_nareas
+                    ),
+                ));
+            }
+        }
+        self.info.nslabs = h.nslabs;
+        self.info.nareas = h.nareas;
+        self.info.cpus = h.cpus;
+        self.info.dynamic = h.dynamic.is_some();
+        self.header = Some(h.clone());
+        Ok(())
     }
-    info.live_at_end = live.len();
-    if let Some(h) = &header {
-        info.nslabs = h.nslabs;
-        info.nareas = h.nareas;
-        info.cpus = h.cpus;
+
+    /// A map: a fresh id, renumbered, with its trace's masks.
+    fn map(&mut self, line: u64, m: &mut MapOp) -> Result<()> {
+        self.info.maps += 1;
+        if let Some((_, at)) = self.live.get(&m.id) {
+            return Err(self.invalid(
+                line,
+                format!("map id {} is already live (mapped at line {at})", m.id),
+            ));
+        }
+        let id = *self.next_id;
+        *self.next_id += 1;
+        if m.kernel.as_ref().is_some_and(|k| k.tlb_addr.is_none()) {
+            self.info.kernel_failures += 1;
+        } else {
+            self.live.insert(m.id, (id, line));
+        }
+        let h = self.header.as_ref();
+        m.id = id;
+        m.min_align_mask = m.min_align_mask.or(h.and_then(|h| h.min_align_mask));
+        m.seg_boundary_mask = m.seg_boundary_mask.or(h.and_then(|h| h.seg_boundary_mask));
+        Ok(())
     }
-    Ok(Loaded {
-        info,
-        header,
-        ops: out,
-    })
+
+    /// A dynamic-pool trace's pool event: counted, not replayed.
+    fn pool_event(&mut self, line: u64, op: &TraceOp) -> Result<()> {
+        if !self.info.dynamic {
+            return Err(self.invalid(
+                line,
+                format!(
+                    "{} in a trace without a dynamic-pool header (swiotlb-kernel-trace/2 with \
+                     `dynamic`)",
+                    op.name()
+                ),
+            ));
+        }
+        match op {
+            TraceOp::PoolAdd { .. } => self.info.kernel_pools_added += 1,
+            TraceOp::TransientAlloc { start: Some(_), .. } => {
+                self.info.kernel_transient_pools += 1;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn finish(self, last_line: u64) -> Result<Loaded> {
+        if self.info.maps == 0 {
+            return Err(self.invalid(last_line, "the trace has no map".into()));
+        }
+        let mut info = self.info;
+        info.live_at_end = self.live.len();
+        Ok(Loaded {
+            info,
+            header: self.header,
+            ops: self.ops,
+        })
+    }
 }
 
 /// The header of several traces replayed through one pool: their pools' slots added up, the
@@ -380,7 +500,10 @@ impl Sizer {
             .into_iter()
             .map(|(name, ops)| load_one(name, ops, &mut next_id))
             .collect::<Result<Vec<Loaded>>>()?;
-        let header = merged_header(&loaded);
+        let mut header = merged_header(&loaded);
+        // Static replays build static pools; the dynamic ones build theirs from the sizes they
+        // are asked for ([`dynamic`]).
+        let dynamic_header = header.as_mut().and_then(|h| h.dynamic.take());
         let traces: Vec<TraceInfo> = loaded.iter().map(|l| l.info.clone()).collect();
         let ops = if loaded.len() == 1 {
             loaded.into_iter().flat_map(|l| l.ops).collect()
@@ -409,6 +532,8 @@ impl Sizer {
             max_slots: DEFAULT_MAX_SLOTS,
             traces,
             replays: RefCell::new(HashMap::new()),
+            dynamic_header,
+            dynamic_replays: RefCell::new(HashMap::new()),
         })
     }
 
@@ -421,6 +546,11 @@ impl Sizer {
     /// The header the replays use (the trace's, or the merged one of several), if any.
     pub fn header(&self) -> Option<&TraceHeader> {
         self.header.as_ref()
+    }
+
+    /// What the capturing kernel's dynamic pools were fixed at, for one dynamic-pool trace.
+    pub fn dynamic_header(&self) -> Option<&DynamicHeader> {
+        self.dynamic_header.as_ref()
     }
 
     /// The traces loaded.
@@ -509,6 +639,21 @@ impl Sizer {
         Ok((r, t))
     }
 
+    /// The header a replay at `geom` starts from: the starting area indices of a capture only
+    /// mean something in a pool whose areas hold them.
+    fn header_for(&self, geom: &Geometry) -> Option<TraceHeader> {
+        let mut header = self.header.clone();
+        if let Some(h) = header.as_mut() {
+            if h.area_index_at_start
+                .as_ref()
+                .is_some_and(|i| i.len() != geom.nareas || i.iter().any(|&x| x >= geom.area_nslabs))
+            {
+                h.area_index_at_start = None;
+            }
+        }
+        header
+    }
+
     fn run(
         &self,
         alloc: AllocatorKind,
@@ -522,18 +667,7 @@ impl Sizer {
         // configured pool does (`ReplayOptions::pool_config`).
         pool.set_size_limit(config.size_limit);
         pool.set_timing(false);
-        // The starting area indices of a capture only mean something in a pool whose areas
-        // hold them.
-        let mut header = self.header.clone();
-        if let Some(h) = header.as_mut() {
-            if h.area_index_at_start
-                .as_ref()
-                .is_some_and(|i| i.len() != geom.nareas || i.iter().any(|&x| x >= geom.area_nslabs))
-            {
-                h.area_index_at_start = None;
-            }
-        }
-        let mut r = Replayer::with_pool(pool, false, header.as_ref());
+        let mut r = Replayer::with_pool(pool, false, self.header_for(geom).as_ref());
         // Moving the areas' indices maps and unmaps: not part of the workload.
         r.pool().reset_hiwater();
         let mut f = Failures::default();
@@ -541,36 +675,15 @@ impl Sizer {
         let slot = geom.slot_size();
         for (n, (line, op)) in self.ops.iter().enumerate() {
             let outcome = r.apply(*line, op, &mut mismatches);
-            match &outcome {
-                Outcome::Mapped { .. } => f.maps += 1,
-                Outcome::MapFailed {
-                    error: Error::PoolFull { size, total, used },
-                    ..
-                } => {
-                    f.maps += 1;
-                    f.pool_full += 1;
-                    let need = (*size as u64).div_ceil(slot);
-                    if (total.saturating_sub(*used) as u64) < need {
-                        f.capacity += 1;
-                    } else {
-                        f.fragmentation += 1;
-                    }
-                    if need > LARGE_MAP_SLOTS {
-                        f.large += 1;
-                    }
-                    if let Some(t) = timeline.as_deref_mut() {
-                        if t.failures.len() < Timeline::MAX_FAILURES {
-                            t.failures.push((n as u64, *used as u64, need));
-                        }
-                    }
-                }
-                Outcome::MapFailed { .. } => {
-                    f.maps += 1;
-                    f.other_errors += 1;
-                }
-                _ => {}
-            }
+            let failed = f.record(&outcome, slot, |need, total, used| {
+                (total.saturating_sub(used) as u64) < need
+            });
             if let Some(t) = timeline.as_deref_mut() {
+                if let Some((used, need)) = failed {
+                    if t.failures.len() < Timeline::MAX_FAILURES {
+                        t.failures.push((n as u64, used, need));
+                    }
+                }
                 let start = n as u64 / t.ops_per_bucket * t.ops_per_bucket;
                 let used = r.pool().used() as u64;
                 match t.occupancy.last_mut() {

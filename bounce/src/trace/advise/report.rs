@@ -11,12 +11,17 @@
 //!   high-water mark at the trace's size.
 //! - **Segment size** (`IO_TLB_SEGSIZE`, 128 slots, fixed when Linux is built): 128, 256 and
 //!   512 at the trace's size and their smallest pools, when large mappings failed somewhere.
-//! - **Dynamic pools**: a section of its own, not modelled by this build.
+//! - **Dynamic pools** (`CONFIG_SWIOTLB_DYNAMIC`, [`super::dynamic`]): the trace's pool, the
+//!   advised static pool, the defaults and the smallest pool of the trace's areas as default
+//!   pools, each replayed through the dynamic model: transient pools and their peak, pools
+//!   added, the peak memory of all pools, and the failures that remain.
 //! - **The recommendation**: the kernel command line of the area row that costs least memory
-//!   with no failure, and why, in one sentence.
+//!   with no failure, and why, in one sentence; it names a dynamic pool when one serves every
+//!   map with at least a quarter less memory.
 
 use serde::Serialize;
 
+use super::dynamic::{DynamicReport, WORKER_LAG_MAPS};
 use super::linux::{self, Guest};
 use super::{Search, SizeReport, Sizer, TraceInfo};
 use crate::error::Error;
@@ -123,12 +128,61 @@ pub struct Segments {
     pub rows: Vec<SegmentRow>,
 }
 
-/// The dynamic-pool rows (`CONFIG_SWIOTLB_DYNAMIC`).
+/// Which default pool a dynamic row starts from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DynamicKind {
+    /// The trace's pool (for a dynamic-pool trace, with the areas its kernel asked for).
+    Trace,
+    /// What the kernel makes of `swiotlb=<minimum>,<areas>` (the static table's kernel row).
+    Kernel,
+    /// The recommended static pool.
+    Recommended,
+    /// Linux's default pool on an ordinary guest.
+    Default,
+    /// Linux's default pool on a confidential guest.
+    ConfidentialDefault,
+    /// The smallest pool the kernel makes with the trace's areas (128 slots each): the pools
+    /// grow.
+    Smallest,
+}
+
+impl DynamicKind {
+    /// The row's label in the table.
+    pub fn label(self) -> &'static str {
+        match self {
+            DynamicKind::Trace => "the trace's pool",
+            DynamicKind::Kernel => "what the kernel makes of the smallest",
+            DynamicKind::Recommended => "the recommended static pool",
+            DynamicKind::Default => "default (64 MiB)",
+            DynamicKind::ConfidentialDefault => "default, confidential guest (6 %)",
+            DynamicKind::Smallest => "smallest the kernel makes",
+        }
+    }
+}
+
+/// One default pool with dynamic pools on, and its replay.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-#[serde(tag = "status", rename_all = "kebab-case")]
-pub enum Dynamic {
-    /// This build does not model dynamic pools.
-    NotModelled,
+pub struct DynamicRow {
+    /// Which default pool.
+    pub kind: DynamicKind,
+    /// The kernel parameter that gives it (`"slots,areas"`).
+    pub swiotlb: String,
+    /// Bytes of the default pool's slots.
+    pub default_bytes: u64,
+    /// The replay.
+    pub replay: DynamicReport,
+}
+
+/// The dynamic-pool rows (`CONFIG_SWIOTLB_DYNAMIC`, [`super::dynamic`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Dynamic {
+    /// Maps between a growth request and the first that sees the worker's pool.
+    pub worker_lag_maps: u64,
+    /// Bytes the pools may take: the guest's memory below 4 GiB.
+    pub memory_bytes: u64,
+    /// One row per default pool.
+    pub rows: Vec<DynamicRow>,
 }
 
 /// The kernel command line to use, and why.
@@ -191,8 +245,40 @@ pub fn mib(bytes: u64) -> String {
 /// Bad inputs (no CPU, no memory), a trace pool the kernel cannot set up on this guest, a
 /// search that passes the cap, or a pool that cannot be built.
 pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Report> {
-    let header = sizer.header();
-    let (cpus, cpus_from) = match (inputs.guest_cpus, header.and_then(|h| h.cpus)) {
+    let (guest, cpus_from) = guest_of(sizer, inputs)?;
+    let cur = sizer.current_geometry(alloc)?;
+    if cur.mode != PoolMode::Swiotlb {
+        return Err(
+            Error::Config("the advisor sizes swiotlb pools (--mode swiotlb)".into()).into(),
+        );
+    }
+    guest.check_pool(&cur)?;
+    let mut notes = Vec::new();
+    let (static_pools, kernel_of_minimum) = static_rows(sizer, alloc, &cur, &guest, &mut notes)?;
+    let areas = area_rows(sizer, alloc, &cur, guest.cpus)?;
+    let segments = segment_rows(sizer, alloc, &cur, &static_pools)?;
+    let best = best_area(&areas, &guest)?;
+    let dynamic = dynamic_rows(sizer, &cur, &static_pools, best, &guest)?;
+    notes.extend(trace_notes(sizer));
+    let recommendation = recommend(best, &areas, &static_pools, &dynamic, &guest)?;
+    Ok(Report {
+        alloc,
+        traces: sizer.traces().to_vec(),
+        guest,
+        cpus_from,
+        static_pools,
+        areas,
+        segments,
+        kernel_of_minimum,
+        dynamic,
+        recommendation,
+        notes,
+    })
+}
+
+/// The guest advised for, and where its CPU count came from.
+fn guest_of(sizer: &Sizer, inputs: &Inputs) -> Result<(Guest, &'static str)> {
+    let (cpus, cpus_from) = match (inputs.guest_cpus, sizer.header().and_then(|h| h.cpus)) {
         (Some(c), _) => (c, "--guest-cpus"),
         (None, Some(c)) => (c, "trace header"),
         (None, None) => (1, "default"),
@@ -208,17 +294,24 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
         cpus,
         confidential: inputs.confidential,
     };
-    let cur = sizer.current_geometry(alloc)?;
-    if cur.mode != PoolMode::Swiotlb {
-        return Err(
-            Error::Config("the advisor sizes swiotlb pools (--mode swiotlb)".into()).into(),
-        );
-    }
-    guest.check_pool(&cur)?;
-    let mut notes = Vec::new();
-    let swiotlb = |g: &Geometry| format!("{},{}", g.nslabs, g.nareas);
+    Ok((guest, cpus_from))
+}
 
-    // Static pools.
+/// `swiotlb=` value of a geometry.
+fn swiotlb(g: &Geometry) -> String {
+    format!("{},{}", g.nslabs, g.nareas)
+}
+
+/// The static pools (the trace's, the smallest and one step less, the kernel's, the defaults)
+/// and what the kernel makes of `swiotlb=<smallest>,<areas>`.
+fn static_rows(
+    sizer: &Sizer,
+    alloc: AllocatorKind,
+    cur: &Geometry,
+    guest: &Guest,
+    notes: &mut Vec<String>,
+) -> Result<(Vec<StaticRow>, usize)> {
+    let cpus = guest.cpus;
     let row = |kind, g: &Geometry, named: bool| -> Result<StaticRow> {
         Ok(StaticRow {
             kind,
@@ -227,33 +320,27 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
             replay: sizer.replay(alloc, g)?,
         })
     };
-    let mut static_pools = vec![row(StaticKind::Trace, &cur, true)?];
-    let s: Search = sizer.search(alloc, &cur)?;
-    let min_geom = Sizer::resized(&cur, s.min_slots);
-    static_pools.push(row(
-        StaticKind::Minimum,
-        &min_geom,
-        linux::is_kernel_geometry(s.min_slots, cur.nareas),
-    )?);
+    let mut rows = vec![row(StaticKind::Trace, cur, true)?];
+    let s: Search = sizer.search(alloc, cur)?;
+    let min_geom = Sizer::resized(cur, s.min_slots);
+    let named = linux::is_kernel_geometry(s.min_slots, cur.nareas);
+    rows.push(row(StaticKind::Minimum, &min_geom, named)?);
     if let Some(less) = &s.one_step_less {
-        let g = Sizer::resized(&cur, less.slots);
-        static_pools.push(row(
-            StaticKind::OneSegmentLess,
-            &g,
-            linux::is_kernel_geometry(g.nslabs, g.nareas),
-        )?);
+        let g = Sizer::resized(cur, less.slots);
+        let named = linux::is_kernel_geometry(g.nslabs, g.nareas);
+        rows.push(row(StaticKind::OneSegmentLess, &g, named)?);
     }
     let kernel_of_minimum = sizer
         .kernel_geometry(alloc, s.min_slots, Some(cur.nareas), cpus)?
         .nslabs;
     let (kernel, _) = sizer.kernel_pool(alloc, s.min_slots, Some(cur.nareas), cpus)?;
-    static_pools.push(row(StaticKind::Kernel, &kernel, true)?);
+    rows.push(row(StaticKind::Kernel, &kernel, true)?);
     let default = sizer.kernel_geometry(alloc, linux::default_slots(false, 0), None, cpus)?;
-    static_pools.push(row(StaticKind::Default, &default, false)?);
-    match inputs.guest_mem {
+    rows.push(row(StaticKind::Default, &default, false)?);
+    match guest.mem_bytes {
         Some(mem) => {
             let g = sizer.kernel_geometry(alloc, linux::default_slots(true, mem), None, cpus)?;
-            static_pools.push(row(StaticKind::ConfidentialDefault, &g, false)?);
+            rows.push(row(StaticKind::ConfidentialDefault, &g, false)?);
         }
         None => notes.push(
             "the confidential guest's default (6 % of memory) needs the guest's memory \
@@ -261,8 +348,16 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
                 .into(),
         ),
     }
+    Ok((rows, kernel_of_minimum))
+}
 
-    // Areas: powers of two up to the CPU count, and the trace's own count.
+/// Areas: powers of two up to the CPU count, and the trace's own count.
+fn area_rows(
+    sizer: &Sizer,
+    alloc: AllocatorKind,
+    cur: &Geometry,
+    cpus: usize,
+) -> Result<Vec<AreaRow>> {
     let mut counts: Vec<usize> = std::iter::successors(Some(1usize), |a| a.checked_mul(2))
         .take_while(|&a| a <= cpus.next_power_of_two())
         .collect();
@@ -293,8 +388,16 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
             at_trace_size,
         });
     }
+    Ok(areas)
+}
 
-    // Segment sizes, when a large mapping failed in a static row.
+/// Segment sizes, when a large mapping failed in a static row.
+fn segment_rows(
+    sizer: &Sizer,
+    alloc: AllocatorKind,
+    cur: &Geometry,
+    static_pools: &[StaticRow],
+) -> Result<Segments> {
     let large_failures = static_pools
         .iter()
         .map(|r| r.replay.failures.large)
@@ -304,24 +407,100 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
         large_failures,
         rows: Vec::new(),
     };
-    if large_failures > 0 {
-        for segsize in [IO_TLB_SEGSIZE, 2 * IO_TLB_SEGSIZE, 4 * IO_TLB_SEGSIZE] {
-            let mut base = cur;
-            base.segsize = segsize;
-            let at_trace_size = if cur.area_nslabs % segsize == 0 {
-                Some(sizer.replay(alloc, &base)?)
-            } else {
-                None
-            };
-            let found = sizer.search(alloc, &base)?;
-            segments.rows.push(SegmentRow {
-                segsize,
-                at_trace_size,
-                min_slots: found.min_slots,
-            });
-        }
+    if large_failures == 0 {
+        return Ok(segments);
     }
+    for segsize in [IO_TLB_SEGSIZE, 2 * IO_TLB_SEGSIZE, 4 * IO_TLB_SEGSIZE] {
+        let mut base = *cur;
+        base.segsize = segsize;
+        let at_trace_size = if cur.area_nslabs % segsize == 0 {
+            Some(sizer.replay(alloc, &base)?)
+        } else {
+            None
+        };
+        let found = sizer.search(alloc, &base)?;
+        segments.rows.push(SegmentRow {
+            segsize,
+            at_trace_size,
+            min_slots: found.min_slots,
+        });
+    }
+    Ok(segments)
+}
 
+/// The default pools dynamic rows start from: the trace's (the areas its kernel asked for,
+/// when it had dynamic pools), the kernel's rounding of the smallest static pool, the
+/// recommended static pool, Linux's defaults, and the smallest
+/// pool of the trace's areas, which makes the pools grow. Each (slots, areas) once; those that
+/// do not fit the guest's memory are left out.
+fn dynamic_rows(
+    sizer: &Sizer,
+    cur: &Geometry,
+    static_pools: &[StaticRow],
+    recommended: &AreaRow,
+    guest: &Guest,
+) -> Result<Dynamic> {
+    let memory_bytes = guest
+        .mem_bytes
+        .map_or(linux::LOW_MEMORY_LIMIT, |m| m.min(linux::LOW_MEMORY_LIMIT));
+    let trace_areas = sizer
+        .dynamic_header()
+        .map_or(cur.nareas, |d| d.default_nareas);
+    let sized = |kind| {
+        static_pools
+            .iter()
+            .find(|r| r.kind == kind)
+            .map(|r| (r.replay.slots, Some(r.replay.areas)))
+    };
+    let candidates = [
+        (DynamicKind::Trace, Some((cur.nslabs, Some(trace_areas)))),
+        (DynamicKind::Kernel, sized(StaticKind::Kernel)),
+        (
+            DynamicKind::Recommended,
+            Some((recommended.kernel.slots, Some(recommended.areas))),
+        ),
+        (
+            DynamicKind::Default,
+            sized(StaticKind::Default).map(|(s, _)| (s, None)),
+        ),
+        (
+            DynamicKind::ConfidentialDefault,
+            sized(StaticKind::ConfidentialDefault).map(|(s, _)| (s, None)),
+        ),
+        (
+            DynamicKind::Smallest,
+            Some((IO_TLB_SEGSIZE * cur.nareas, Some(cur.nareas))),
+        ),
+    ];
+    let mut seen = Vec::new();
+    let mut rows = Vec::new();
+    for (kind, at) in candidates {
+        let Some((slots, areas)) = at.filter(|a| !seen.contains(a)) else {
+            continue;
+        };
+        seen.push((slots, areas));
+        let g = sizer.kernel_geometry(AllocatorKind::Areas, slots, areas, guest.cpus)?;
+        if pool_bytes(&g) > memory_bytes {
+            continue;
+        }
+        let replay = sizer.replay_dynamic(slots, areas, guest.cpus, memory_bytes)?;
+        rows.push(DynamicRow {
+            kind,
+            swiotlb: format!("{},{}", replay.slots, replay.default_nareas),
+            default_bytes: replay.slots as u64 * linux::SLOT_BYTES,
+            replay,
+        });
+    }
+    Ok(Dynamic {
+        worker_lag_maps: WORKER_LAG_MAPS,
+        memory_bytes,
+        rows,
+    })
+}
+
+/// What a reader must know about the traces themselves.
+fn trace_notes(sizer: &Sizer) -> Vec<String> {
+    let mut notes = Vec::new();
     let live: usize = sizer.traces().iter().map(|t| t.live_at_end).sum();
     if live > 0 {
         notes.push(format!(
@@ -341,37 +520,38 @@ pub fn build(sizer: &Sizer, alloc: AllocatorKind, inputs: &Inputs) -> Result<Rep
                 .sum::<usize>()
         ));
     }
-    let recommendation = recommend(&areas, &static_pools, &guest)?;
-    Ok(Report {
-        alloc,
-        traces: sizer.traces().to_vec(),
-        guest,
-        cpus_from,
-        static_pools,
-        areas,
-        segments,
-        kernel_of_minimum,
-        dynamic: Dynamic::NotModelled,
-        recommendation,
-        notes,
-    })
+    notes
 }
 
 /// The area row with the least memory (slots and bookkeeping, in whole pages) and no failure;
 /// on a tie, the count nearest one area per CPU (Linux's default), then the fewer.
-fn recommend(areas: &[AreaRow], statics: &[StaticRow], guest: &Guest) -> Result<Recommendation> {
-    let cost = |r: &AreaRow| (r.pool_bytes + r.metadata_bytes).next_multiple_of(4096);
+fn best_area<'a>(areas: &'a [AreaRow], guest: &Guest) -> Result<&'a AreaRow> {
     let per_cpu = guest.cpus.next_power_of_two();
     let distance = |r: &AreaRow| r.areas.max(per_cpu) / r.areas.min(per_cpu);
-    let best = areas
+    Ok(areas
         .iter()
         .min_by(|a, b| {
-            cost(a)
-                .cmp(&cost(b))
+            area_cost(a)
+                .cmp(&area_cost(b))
                 .then(distance(a).cmp(&distance(b)))
                 .then(a.areas.cmp(&b.areas))
         })
-        .ok_or_else(|| Error::Config("no area count fits this pool".into()))?;
+        .ok_or_else(|| Error::Config("no area count fits this pool".into()))?)
+}
+
+/// The memory of an area row's pool: slots and bookkeeping, in whole pages.
+fn area_cost(r: &AreaRow) -> u64 {
+    (r.pool_bytes + r.metadata_bytes).next_multiple_of(4096)
+}
+
+/// The recommendation: `best` ([`best_area`]) and why, in one sentence.
+fn recommend(
+    best: &AreaRow,
+    areas: &[AreaRow],
+    statics: &[StaticRow],
+    dynamic: &Dynamic,
+    guest: &Guest,
+) -> Result<Recommendation> {
     let force = if guest.confidential { "" } else { ",force" };
     let maps = statics.first().map_or(0, |r| r.replay.failures.maps);
     let mut reason = format!(
@@ -390,7 +570,7 @@ fn recommend(areas: &[AreaRow], statics: &[StaticRow], guest: &Guest) -> Result<
     }
     let same: Vec<String> = areas
         .iter()
-        .filter(|r| r.areas != best.areas && cost(r) == cost(best))
+        .filter(|r| r.areas != best.areas && area_cost(r) == area_cost(best))
         .map(|r| r.areas.to_string())
         .collect();
     if !same.is_empty() {
@@ -402,13 +582,13 @@ fn recommend(areas: &[AreaRow], statics: &[StaticRow], guest: &Guest) -> Result<
     } else if let Some(other) = areas
         .iter()
         .filter(|r| r.areas != best.areas)
-        .min_by_key(|r| cost(r))
+        .min_by_key(|r| area_cost(r))
     {
         reason.push_str(&format!(
             "; {} area{} would cost {} more",
             other.areas,
             if other.areas == 1 { "" } else { "s" },
-            mib(cost(other) - cost(best))
+            mib(area_cost(other) - area_cost(best))
         ));
     }
     if let Some(d) = statics.iter().find(|r| r.kind == StaticKind::Default) {
@@ -424,6 +604,9 @@ fn recommend(areas: &[AreaRow], statics: &[StaticRow], guest: &Guest) -> Result<
             ));
         }
     }
+    if let Some(d) = dynamic_instead(dynamic, best.pool_bytes) {
+        reason.push_str(&d);
+    }
     if !guest.confidential {
         reason.push_str(
             "; `force` because a guest without memory encryption bounces only when forced",
@@ -435,5 +618,26 @@ fn recommend(areas: &[AreaRow], statics: &[StaticRow], guest: &Guest) -> Result<
         slots: best.kernel.slots,
         areas: best.areas,
         reason,
+    })
+}
+
+/// The clause naming dynamic pools when, with no failure, their peak memory is at least a
+/// quarter below the static pool's (`static_bytes`): the dynamic row of least peak memory.
+fn dynamic_instead(dynamic: &Dynamic, static_bytes: u64) -> Option<String> {
+    let d = dynamic
+        .rows
+        .iter()
+        .filter(|r| r.replay.failures.pool_full == 0)
+        .min_by_key(|r| r.replay.peak_bytes)?;
+    let r = &d.replay;
+    (r.peak_bytes.saturating_mul(4) <= static_bytes.saturating_mul(3)).then(|| {
+        format!(
+            "; with `CONFIG_SWIOTLB_DYNAMIC`, `swiotlb={}` serves every map with at most {} of \
+             pools ({} transient, {} added)",
+            d.swiotlb,
+            mib(r.peak_bytes),
+            r.transient_pools,
+            r.pools_added
+        )
     })
 }

@@ -6,9 +6,10 @@
 //! applied where the kernel published them, its transient pools where the kernel's page
 //! allocator put them; `--compare` then also checks each map's pool and kind, growth request
 //! and counters, every pool addition and transient free, and the counters at the end.
-//! With `--advise`, it replays the trace (or several traces through one shared pool) at many pool geometries instead and
-//! prints the sizing table (`bounce::trace::advise::report`): static pools, area counts,
-//! segment sizes, the recommended `swiotlb=` and why; `--json` prints the same as one JSON
+//! With `--advise`, it replays the trace (or several traces through one shared pool, `/1` or
+//! `/2`) at many pool geometries instead and prints the sizing table
+//! (`bounce::trace::advise::report`): static pools, area counts, segment sizes, dynamic pools,
+//! the recommended `swiotlb=` and why; `--json` prints the same as one JSON
 //! object, `--chart` draws the pool's occupancy. See bounce/README.md for the formats.
 
 use std::io::{BufWriter, Write};
