@@ -186,11 +186,15 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
                 tracing::error!("virtio-blk: completion for unknown tag {}", d.tag);
                 continue;
             };
+            // The request's data is unmapped through the memory it was submitted with: a
+            // region the front end removed meanwhile is still mapped there (and only there).
+            let pinned = req.mem.clone();
+            let submitted: &M = pinned.as_deref().unwrap_or(mem);
             if result.is_err() {
                 // The device is already broken: release what is left.
-                self.ctx.release(mem, req);
+                self.ctx.release(submitted, req);
             } else {
-                result = match self.ctx.finish(mem, req, d.result) {
+                result = match self.ctx.finish(submitted, req, d.result) {
                     Ok(c) => queue::add_used(queue, mem, req.head, c.used_len).map(|()| used += 1),
                     Err(e) => Err(broken(format_args!("head {}: {e}", req.head))),
                 };

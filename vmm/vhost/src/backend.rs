@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use devices::virtio::dispatch::{Dispatcher, Outcome};
-use devices::virtio::spec::{feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_ID_BLOCK};
+use devices::virtio::spec::{feature, VIRTIO_F_ACCESS_PLATFORM};
 use devices::virtio::{VirtioDevice, WorkerEvent};
 use serde_json::json;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -266,31 +266,27 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
     /// Wraps a shared device with an explicit thread layout. Workers whose queues are not all
     /// in one group of `layout` cannot be served: their activation fails (and is logged).
     pub fn with_layout(device: Arc<Mutex<D>>, layout: QueueLayout) -> Self {
-        let (num_queues, max_queue_size, features, is_block) = {
+        let (num_queues, max_queue_size, features) = {
             let d = lock(&device);
             (
                 d.num_queues(),
                 usize::from(d.queue_max_size()),
                 d.avail_features() | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits(),
-                d.device_type() == VIRTIO_ID_BLOCK,
             )
         };
         // MQ is offered whatever the queue count: it is what lets the frontend ask for it
         // (GET_QUEUE_NUM), and QEMU checks its own queue count against the answer.
         // STATUS: SET_STATUS/GET_STATUS are answered by the relay (see `report`).
-        // CONFIGURE_MEM_SLOTS, for block only: libblkio registers memory only with
-        // ADD_MEM_REG/REM_MEM_REG (vhost-user-backend maps and unmaps them; the relay checks
-        // each added region). QEMU's vhost-user net keeps one vhost device per queue pair on
-        // the one connection, and each would add the same regions again, which
-        // vhost-user-backend refuses as overlapping; SET_MEM_TABLE, repeated, is harmless.
+        // CONFIGURE_MEM_SLOTS: libblkio registers memory only with ADD_MEM_REG/REM_MEM_REG,
+        // and QEMU uses them for memory hot-plug (vhost-user-backend maps and unmaps them; the
+        // relay checks each added region and answers for the copies QEMU's multi-queue net
+        // adds, see `slots`).
         let mut protocol_features = VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::RESET_DEVICE
             | VhostUserProtocolFeatures::STATUS;
-        if is_block {
-            protocol_features |= VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS;
-        }
         if features & feature(VIRTIO_F_ACCESS_PLATFORM) != 0 {
             // QEMU refuses a backend that offers ACCESS_PLATFORM without the backend request
             // channel ("IOMMU support requires reply-ack and slave-req protocol features"):

@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::undocumented_unsafe_blocks)]
 
 pub mod child;
+pub mod inproc;
 
 use std::fs::File;
 use std::io::Write;
@@ -764,5 +765,23 @@ impl Driver {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+}
+
+impl Driver {
+    /// The driver's memory as two regions split at guest address `at`, both backed by its one
+    /// memfd: what QEMU adds one by one (ADD_MEM_REG) for memory in two RAM blocks.
+    pub fn regions_split_at(&self, at: u64) -> [VhostUserMemoryRegionInfo; 2] {
+        let region = self.mem.find_region(GuestAddress(0)).unwrap();
+        let whole = VhostUserMemoryRegionInfo::from_guest_region(region).unwrap();
+        assert!(at > 0 && at < whole.memory_size, "split at {at:#x}");
+        let mut low = whole;
+        low.memory_size = at;
+        let mut high = whole;
+        high.guest_phys_addr += at;
+        high.memory_size -= at;
+        high.userspace_addr += at;
+        high.mmap_offset += at;
+        [low, high]
     }
 }
