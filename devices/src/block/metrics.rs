@@ -75,7 +75,7 @@ pub struct BlockMetrics {
     /// (`on-full=wait`).
     pub pool_full_waits: Counter,
     /// Requests completed with IOERR because the pool was full (`on-full=fail`, a request
-    /// larger than the pool, or a wait that never got slots).
+    /// larger than the pool, or a full pool with nothing else holding slots).
     pub pool_full_failed: Counter,
     /// Most requests in flight at once on one queue.
     pub inflight_hiwater: Counter,

@@ -8,7 +8,7 @@ use serde_json::json;
 use virtio_queue::Queue;
 use vm_memory::GuestMemory;
 
-use super::inflight::{MemPin, RetryTimer, Slab};
+use super::inflight::{MemPin, PoolWait, Slab, SlotWaiters};
 use super::io::{IoDone, IoEngine, OnFull};
 use super::request::{Request, RequestCtx, Started};
 use crate::virtio::chain::Chain;
@@ -17,8 +17,11 @@ use crate::virtio::{QueueWorker, Signal, WorkerError, WorkerEvent};
 
 /// Worker fd token of the engine's completion eventfd.
 pub const ENGINE_TOKEN: u32 = 0;
-/// Worker fd token of the retry timer (a queue waiting for bounce slots).
+/// Worker fd token of the backstop timer of a queue waiting for bounce slots.
 pub const RETRY_TOKEN: u32 = 1;
+/// Worker fd token of the wake-up of a queue waiting for bounce slots (another queue of the
+/// device released some).
+pub const WAKE_TOKEN: u32 = 2;
 
 /// When a drain pass hands its prepared requests to the kernel: after the 1st, 2nd, 4th,
 /// 8th, ... request of the pass, and the rest at its end.
@@ -56,7 +59,8 @@ impl KickPacer {
 /// flight); the engine's eventfd brings completions, which are unmapped, given their status
 /// and put on the used ring in completion order, one notification per batch. A request that
 /// finds the bounce pool full stays on the ring (`on-full=wait`) until completions release
-/// slots, or the retry timer fires when none of this queue's requests is in flight.
+/// slots: this queue's own, or (when none of its requests is in flight) another queue's,
+/// which wakes it ([`PoolWait`]); it waits as long as others hold slots.
 ///
 /// Each event reaps the engine once, after any submission: completions that arrived while
 /// the pass submitted (the synchronous engine's, a fast disk's) are used in the same event.
@@ -77,7 +81,7 @@ pub struct BlockWorker<M: GuestMemory> {
     on_full: OnFull,
     /// A submission pass stopped on a full pool: run one again when slots may be free.
     deferred: bool,
-    retry: RetryTimer,
+    retry: PoolWait,
 }
 
 fn broken(e: impl std::fmt::Display) -> WorkerError {
@@ -85,12 +89,14 @@ fn broken(e: impl std::fmt::Display) -> WorkerError {
 }
 
 impl<M: GuestMemory> BlockWorker<M> {
-    /// The worker of queue `queue_index`, executing requests through `ctx` and `engine`.
+    /// The worker of queue `queue_index`, executing requests through `ctx` and `engine`;
+    /// `waiters` are the device's queues waiting for bounce slots.
     pub(super) fn new(
         queue_index: u16,
         ctx: RequestCtx,
         engine: Box<dyn IoEngine>,
         on_full: OnFull,
+        waiters: Arc<SlotWaiters>,
     ) -> Self {
         Self {
             queue_index,
@@ -102,7 +108,7 @@ impl<M: GuestMemory> BlockWorker<M> {
             done: Vec::new(),
             on_full,
             deferred: false,
-            retry: RetryTimer::new(),
+            retry: PoolWait::new(waiters),
         }
     }
 }
@@ -126,7 +132,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
         let mut pacer = KickPacer::default();
         let drained = queue::drain(queue, mem, |at| {
             // Waiting needs something that will retry: one of our own requests completing,
-            // or the retry timer.
+            // or a wake-up when another queue's request releases slots.
             let may_wait = wait_mode && (!requests.is_empty() || retry.can_arm());
             let (tag, req) = requests.acquire();
             let step = match ctx.start(mem, &at, chain, req, may_wait) {
@@ -162,9 +168,6 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
             WorkerError::Broken(why) if !why.starts_with("virtio-blk") => broken(why),
             e => e,
         })?;
-        if drained.popped > 0 {
-            retry.progressed();
-        }
         let m = ctx.metrics();
         m.drains.add(drained.passes as u64);
         m.queue_depth_hiwater.max(u64::from(drained.deepest));
@@ -179,6 +182,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
         done.clear();
         self.engine.reap(&mut done);
         let mut used = 0;
+        let mut released = false;
         let mut result = Ok(());
         for d in done.drain(..) {
             let tag = usize::try_from(d.tag).unwrap_or(usize::MAX);
@@ -200,8 +204,12 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
                 };
             }
             self.requests.release(tag);
+            released = true;
         }
         self.done = done;
+        if released {
+            self.retry.released();
+        }
         result.map(|()| used)
     }
 }
@@ -216,8 +224,11 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
         if let Some(fd) = self.engine.notifier() {
             v.push((fd, ENGINE_TOKEN));
         }
-        if let Some(fd) = self.retry.fd() {
+        if let Some(fd) = self.retry.timer_fd() {
             v.push((fd, RETRY_TOKEN));
+        }
+        if let Some(fd) = self.retry.wake_fd() {
+            v.push((fd, WAKE_TOKEN));
         }
         v
     }
@@ -234,7 +245,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
         let pass = match event {
             WorkerEvent::Kick(0) => true,
             WorkerEvent::Fd(ENGINE_TOKEN) => false,
-            WorkerEvent::Fd(RETRY_TOKEN) => {
+            WorkerEvent::Fd(RETRY_TOKEN | WAKE_TOKEN) => {
                 self.retry.fired();
                 true
             }
@@ -290,7 +301,11 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
     }
 
     fn stats(&self) -> serde_json::Value {
-        json!({ "queue": self.queue_index, "in_flight": self.requests.len() })
+        json!({
+            "queue": self.queue_index,
+            "in_flight": self.requests.len(),
+            "slot_wakeups": self.retry.rounds,
+        })
     }
 }
 

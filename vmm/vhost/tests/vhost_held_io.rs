@@ -17,13 +17,17 @@ use bounce::Dma;
 use devices::block::io::Disk;
 use devices::block::{Block, BlockConfig, MemDisk};
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_T_IN, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_F_MQ, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_T_IN, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX,
 };
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
-use vhost_support::inproc::{start_server_with_stats, stats};
-use vhost_support::{blk_request_at, blk_status, wait_used, Driver, BLK_DATA};
+use vhost_support::inproc::{start_server_with_stats, stats, wait_stats};
+use vhost_support::{
+    blk_request_at, blk_request_on, blk_status, blk_status_on, wait_used, Driver, BLK_DATA,
+    MEM_SIZE,
+};
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{Bytes, GuestAddress, VolatileSlice};
 
@@ -224,4 +228,109 @@ fn a_region_removed_with_reads_in_flight_stays_mapped_until_they_complete() {
         stop.stop();
         server.join().unwrap();
     }
+}
+
+/// The block counter `name`, wherever the statistics put it.
+fn counter(st: &serde_json::Value, name: &str) -> u64 {
+    match st {
+        serde_json::Value::Object(m) => m
+            .get(name)
+            .and_then(|v| v.as_u64())
+            .unwrap_or_else(|| m.values().map(|v| counter(v, name)).max().unwrap_or(0)),
+        serde_json::Value::Array(a) => a.iter().map(|v| counter(v, name)).max().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+#[test]
+fn requests_that_find_the_pool_full_wait_as_long_as_the_disk_holds_its_slots() {
+    // A bounce pool of 256 slots of 2 KiB (the smallest the options make) and reads of
+    // 128 KiB (65 slots each with the status byte): three fit. Queue 0 takes the pool with
+    // three reads, then queue 1 posts three with none of its own in flight; the disk holds
+    // everything for two seconds. Every read waits its turn and completes: back-pressure,
+    // not an I/O error.
+    const READS: u16 = 3;
+    const LEN: u32 = 128 << 10;
+    const HOLD: Duration = Duration::from_secs(2);
+    let (disk, gate) = held_disk();
+    gate.set(true);
+    let opts: devices::options::BounceOptions = "policy=force,slots=128".parse().unwrap();
+    let (dma, pool) = opts.build(2).unwrap();
+    let pool = pool.unwrap();
+    let config = BlockConfig {
+        num_queues: 2,
+        ..BlockConfig::default()
+    };
+    let device = Block::new(disk, config, dma).unwrap();
+    let (path, stats_path, server, stop) = start_server_with_stats("held-full.sock", device);
+    let mut d = Driver::connect(&path, 2);
+    let offered = d.handshake().unwrap();
+    d.set_features(offered & (WANTED | feature(VIRTIO_BLK_F_MQ)))
+        .unwrap();
+    d.setup_rings(2).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d.frontend.set_vring_enable(1, true).unwrap();
+    let sector = |q: usize, slot: u16| (q as u64 * u64::from(READS) + u64::from(slot)) * 256;
+    let buf = |q: usize, slot: u16| {
+        BLK_DATA + (q as u64 * u64::from(READS) + u64::from(slot)) * u64::from(LEN)
+    };
+    assert!(buf(1, READS) <= MEM_SIZE as u64);
+    let post = |d: &mut Driver, q: usize| {
+        for slot in 0..READS {
+            let (s, b) = (sector(q, slot), buf(q, slot));
+            blk_request_on(d, q, slot, VIRTIO_BLK_T_IN, s, b, LEN);
+        }
+    };
+    post(&mut d, 0);
+    gate.wait_arrived(1);
+    post(&mut d, 1);
+    let st = wait_stats(&stats_path, "queue 1 waits for slots", |st| {
+        counter(st, "pool_full_waits") >= 1 && st["workers"][1]["in_flight"] == 0
+    });
+    assert!(pool.stats().used > 0, "{st}");
+    let opened = {
+        let gate = Arc::clone(&gate);
+        std::thread::spawn(move || {
+            std::thread::sleep(HOLD);
+            gate.set(false);
+        })
+    };
+    for q in 0..2 {
+        let mut seen = 0;
+        while seen < READS {
+            let Some((id, len)) = d.poll_used(q) else {
+                panic!("queue {q}: {seen} of {READS} reads completed");
+            };
+            let slot = u16::try_from(id / 3).unwrap();
+            assert_eq!(blk_status_on(&d, q, slot), 0, "queue {q} read {slot}");
+            assert_eq!(len, LEN + 1, "queue {q} read {slot}");
+            let mut got = vec![0u8; LEN as usize];
+            d.mem
+                .read_slice(&mut got, GuestAddress(buf(q, slot)))
+                .unwrap();
+            for (i, chunk) in got.chunks(4096).enumerate() {
+                let s = sector(q, slot) + 8 * i as u64;
+                assert!(
+                    chunk == disk_pattern(s, 4096),
+                    "queue {q} read {slot} differs"
+                );
+            }
+            seen += 1;
+        }
+    }
+    opened.join().unwrap();
+    let st = stats(&stats_path);
+    assert_eq!(counter(&st, "pool_full_failed"), 0, "{st}");
+    // Queue 1 was woken by queue 0's completions.
+    assert!(st["workers"][1]["slot_wakeups"].as_u64() >= Some(1), "{st}");
+    assert_eq!(pool.stats().used, 0, "{st}");
+    // A request that can never fit (larger than the whole pool) fails at once.
+    let big = 768 << 10;
+    assert!(BLK_DATA + u64::from(big) <= MEM_SIZE as u64);
+    blk_request_on(&mut d, 0, 0, VIRTIO_BLK_T_IN, 0, BLK_DATA, big);
+    assert!(d.poll_used(0).is_some());
+    assert_eq!(blk_status_on(&d, 0, 0), VIRTIO_BLK_S_IOERR);
+    drop(d);
+    stop.stop();
+    server.join().unwrap();
 }

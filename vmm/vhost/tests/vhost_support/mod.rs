@@ -561,8 +561,26 @@ pub fn blk_request_at(
     buf: u64,
     len: u32,
 ) -> u16 {
-    let hdr = BLK_HDRS + u64::from(slot) * 16;
-    let status = BLK_STATUS + u64::from(slot);
+    blk_request_on(d, 0, slot, kind, sector, buf, len)
+}
+
+/// Where the header and the status byte of request slot `slot` of queue `q` are.
+fn blk_slot_addrs(q: usize, slot: u16) -> (u64, u64) {
+    let n = q as u64 * u64::from(QSIZE) + u64::from(slot);
+    (BLK_HDRS + n * 16, BLK_STATUS + n)
+}
+
+/// As [`blk_request_at`] on queue `q` (each queue has its own headers and status bytes).
+pub fn blk_request_on(
+    d: &mut Driver,
+    q: usize,
+    slot: u16,
+    kind: u32,
+    sector: u64,
+    buf: u64,
+    len: u32,
+) -> u16 {
+    let (hdr, status) = blk_slot_addrs(q, slot);
     let at = |field: usize| GuestAddress(hdr + field as u64);
     d.mem
         .write_obj(kind, at(offset_of!(virtio_blk_outhdr, type_)))
@@ -575,7 +593,7 @@ pub fn blk_request_at(
         .unwrap();
     d.mem.write_obj(0xffu8, GuestAddress(status)).unwrap();
     d.post_descs(
-        0,
+        q,
         3 * slot,
         &[
             (hdr, 16, false),
@@ -585,10 +603,15 @@ pub fn blk_request_at(
     )
 }
 
-pub fn blk_status(d: &Driver, slot: u16) -> u8 {
+/// The status byte of request slot `slot` of queue `q`.
+pub fn blk_status_on(d: &Driver, q: usize, slot: u16) -> u8 {
     d.mem
-        .read_obj(GuestAddress(BLK_STATUS + u64::from(slot)))
+        .read_obj(GuestAddress(blk_slot_addrs(q, slot).1))
         .unwrap()
+}
+
+pub fn blk_status(d: &Driver, slot: u16) -> u8 {
+    blk_status_on(d, 0, slot)
 }
 
 /// Waits for `n` used entries on queue 0; returns their heads.
