@@ -15,7 +15,7 @@
 //!     "err_out_of_range": 0, "err_readonly": 0, "err_unsupported": 0,
 //!     "no_status": 0, "status_direct": 0, "config_write_rejected": 0, "config_wce_writes": 0,
 //!     "pool_full_waits": 0, "pool_full_failed": 0, "inflight_hiwater": 32,
-//!     "drains": 3, "queue_depth_hiwater": 8
+//!     "drains": 3, "queue_depth_hiwater": 8, "leaked_requests": 0
 //!   },
 //!   "bounce": { "mode": "swiotlb", "nslabs": 32768, "used": 0, ... }
 //! }
@@ -83,6 +83,10 @@ pub struct BlockMetrics {
     pub drains: Counter,
     /// Most chains popped in one drain.
     pub queue_depth_hiwater: Counter,
+    /// Requests whose host I/O never completed when their queue was torn down: their memory
+    /// (guest memory pinned for them, bounce slots) is kept for good, since the kernel may
+    /// still write into it.
+    pub leaked_requests: Counter,
 }
 
 impl BlockMetrics {

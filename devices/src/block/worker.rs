@@ -337,10 +337,16 @@ impl<M: GuestMemory> Drop for BlockWorker<M> {
             }
         }
         if !self.requests.is_empty() {
+            // The engine gave up waiting: the kernel may still write into these requests'
+            // buffers. Their memory (the guest memory they pin, their bounce slots) is kept
+            // for good rather than unmapped under it.
+            let leaked = std::mem::take(&mut self.requests);
+            self.ctx.metrics().leaked_requests.add(leaked.len() as u64);
             tracing::error!(
-                "virtio-blk: {} requests still pending at reset; their mappings are leaked",
-                self.requests.len()
+                "virtio-blk: {} requests still pending at reset; their memory is kept (leaked) for the kernel that may still write into it",
+                leaked.len()
             );
+            std::mem::forget(leaked);
         }
     }
 }
