@@ -648,7 +648,9 @@ impl Disk for GateDisk {
         buf: &mut VolatileSlice<B>,
     ) -> io::Result<usize> {
         if offset == 0 {
-            self.gate.lock().unwrap().recv().unwrap();
+            // A dropped sender (a test that failed while a read was held) lets the read
+            // through, so the device can wind down instead of waiting for it for ever.
+            let _ = self.gate.lock().unwrap().recv();
         }
         self.mem.read_at(offset, buf)
     }

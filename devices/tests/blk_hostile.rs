@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use bounce::{Direction, Dma, Policy, PoolConfig};
 use common::*;
+use devices::block::io::OnFull;
 use devices::block::request::RequestHeader;
 use devices::block::{BlockConfig, Disk, MemDisk, STATUS_UNSET};
 use devices::testing::first_fit_pool;
@@ -561,29 +562,70 @@ fn bounce_pool_full() {
         );
         still_works(&mut blk);
 
-        // A pool that is completely full: not even the status byte can be mapped. The status
-        // byte is then written directly (never a completion with used.len 0 and a stale
-        // status) and the driver sees IOERR.
+        // A pool held whole by something other than this device's requests: not even the
+        // status byte can be mapped. With on-full=wait the read waits for as long as the
+        // slots are held (nothing fails it on a clock), then completes.
         let mut backing = vec![0u8; 1 << 20];
         let host = bounce::HostMemory::new(0, &mut backing);
-        let mut held = Vec::new();
-        while let Ok(m) = pool.map(
-            &host,
-            &bounce::MapRequest::new(0x1000 + 4096 * held.len() as u64, 2048, Direction::ToDevice),
-        ) {
-            held.push(m);
+        let hold = || {
+            let mut held = Vec::new();
+            while let Ok(m) = pool.map(
+                &host,
+                &bounce::MapRequest::new(
+                    0x1000 + 4096 * held.len() as u64,
+                    2048,
+                    Direction::ToDevice,
+                ),
+            ) {
+                held.push(m);
+            }
+            held
+        };
+        let failed = blk.metric("pool_full_failed");
+        let held = hold();
+        let p = blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 512, Layout::Simple);
+        blk.drv.kick(0).unwrap();
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(300);
+        while std::time::Instant::now() < until {
+            blk.drv.poll_worker(0, 50).unwrap();
         }
-        let r = blk.read(0, 512, Layout::Simple);
+        assert!(
+            blk.drv.reap(0).is_empty(),
+            "{mode}: completed while the pool was held"
+        );
+        assert!(blk.metric("pool_full_waits") >= 1, "{mode}");
+        for m in held {
+            pool.unmap(&host, &m, 0).unwrap();
+        }
+        let used = blk.drv.wait_used(0, 1, std::time::Duration::from_secs(20));
+        assert_eq!(used.len(), 1, "{mode}");
+        let r = blk.done(p, used[0].len, 512);
+        assert_eq!(r.status, 0, "{mode}: the waiting read");
+        assert_eq!(r.data, pattern(3, 512), "{mode}: the waiting read");
+        assert_eq!(blk.metric("pool_full_failed"), failed, "{mode}");
+        // With on-full=fail the status byte is written directly (never a completion with
+        // used.len 0 and a stale status) and the driver sees IOERR.
+        let config = BlockConfig {
+            on_full: OnFull::Fail,
+            ..BlockConfig::default()
+        };
+        let disk = MemDisk::new(DISK).unwrap();
+        disk.write_bytes(0, &pattern(3, 8192)).unwrap();
+        let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
+        let mut failing = Blk::new(disk, config, dma, 0);
+        let held = hold();
+        let r = failing.read(0, 512, Layout::Simple);
         assert_eq!(
             (r.len, r.status),
             (1, VIRTIO_BLK_S_IOERR),
             "{mode}: the status still reaches the driver"
         );
-        assert!(blk.metric("status_direct") >= 1);
-        assert_eq!(blk.metric("no_status"), 0);
+        assert!(failing.metric("status_direct") >= 1);
+        assert_eq!(failing.metric("no_status"), 0);
         for m in held {
             pool.unmap(&host, &m, 0).unwrap();
         }
+        still_works(&mut failing);
         still_works(&mut blk);
         assert_eq!(pool.used(), 0);
     }

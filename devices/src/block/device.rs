@@ -8,6 +8,7 @@ use bounce::Dma;
 use serde_json::json;
 use vm_memory::GuestMemory;
 
+use super::inflight::SlotWaiters;
 use super::io::{new_engine, Disk, EngineStats, FixedRegion};
 use super::metrics::BlockMetrics;
 use super::request::{DiskParams, RequestCtx, MAX_DISCARD_SEGS};
@@ -317,6 +318,7 @@ where
         // The bounce pool, registered by each queue's io_uring engine (one pinning for the
         // device's life instead of one per request).
         let fixed = FixedRegion::of_dma(&self.dma);
+        let waiters = Arc::new(SlotWaiters::default());
         for q in 0..queues {
             let engine = new_engine(
                 self.config.aio,
@@ -340,6 +342,7 @@ where
                 ctx,
                 engine,
                 self.config.on_full,
+                Arc::clone(&waiters),
             )));
         }
         self.state = DeviceState::Activated {

@@ -1,11 +1,13 @@
 //! Bookkeeping of a queue's requests in flight: their table, the guest memory they point
-//! into, and the timer that retries a queue waiting for bounce slots.
+//! into, and how a queue waiting for bounce slots is woken.
 
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use vm_memory::GuestMemory;
+use vmm_sys_util::eventfd::EventFd;
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::virtio::memlayout::MemLayout;
@@ -112,84 +114,133 @@ impl<M: GuestMemory + Clone> MemPin<M> {
     }
 }
 
-/// A one-shot timer that wakes a queue waiting for bounce slots when none of its own requests
-/// is in flight to release them (another queue or device holds the pool).
-#[derive(Debug)]
-pub struct RetryTimer {
-    timer: Option<TimerFd>,
-    armed: bool,
-    /// Consecutive retries without progress.
-    pub rounds: u32,
+/// The queues of one device waiting for bounce slots, woken when one of the device's requests
+/// releases its slots.
+///
+/// A queue whose request found the pool full while none of its own requests is in flight
+/// (the slots are held by the device's other queues) registers its wake eventfd here; the next
+/// completion on any queue of the device writes every registered eventfd and forgets them.
+/// Completions with nobody waiting cost one atomic load.
+#[derive(Debug, Default)]
+pub struct SlotWaiters {
+    /// Registered eventfds (a mirror of `fds.len()`, read without the lock).
+    waiting: AtomicUsize,
+    fds: Mutex<Vec<Arc<EventFd>>>,
 }
 
-/// Wait between retries of a queue blocked on a full pool with nothing of its own in flight.
-pub const RETRY_INTERVAL: Duration = Duration::from_millis(1);
-/// Retries without progress before the waiting request fails with IOERR (about 0.1 s:
-/// long enough for another queue's I/O to complete, short enough that a pool held by
-/// someone else for good fails the request soon).
-pub const MAX_RETRY_ROUNDS: u32 = 100;
+impl SlotWaiters {
+    /// Wakes `fd` at the next release of slots (once; registering it again is a no-op).
+    fn register(&self, fd: &Arc<EventFd>) {
+        let mut fds = self.fds.lock().unwrap_or_else(PoisonError::into_inner);
+        if !fds.iter().any(|f| Arc::ptr_eq(f, fd)) {
+            fds.push(Arc::clone(fd));
+            self.waiting.store(fds.len(), Ordering::Release);
+        }
+    }
 
-impl RetryTimer {
-    /// A timer (none if the kernel refuses one: the waiting request then fails at once).
-    pub fn new() -> Self {
+    /// Slots were released: wakes every registered queue.
+    pub fn wake(&self) {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut fds = self.fds.lock().unwrap_or_else(PoisonError::into_inner);
+        for fd in fds.drain(..) {
+            // Non-blocking: a counter that is already raised wakes the queue all the same.
+            let _ = fd.write(1);
+        }
+        self.waiting.store(0, Ordering::Release);
+    }
+}
+
+/// How a queue waits for bounce slots when none of its own requests is in flight to release
+/// them: woken through the device's [`SlotWaiters`] when another queue's request releases
+/// slots, and by a slow backstop timer for holders that do not wake it (another device
+/// sharing the pool, a release that came between the failed attempt and the registration).
+///
+/// Nothing here fails a request: waiting ends when slots are free, and a request gives up only
+/// when it could never fit in the pool or nothing else holds slots (`RequestCtx::start`
+/// decides both on every attempt).
+#[derive(Debug)]
+pub struct PoolWait {
+    wake: Option<Arc<EventFd>>,
+    timer: Option<TimerFd>,
+    armed: bool,
+    shared: Arc<SlotWaiters>,
+    /// Wake-ups so far (the statistics show how long queues waited).
+    pub rounds: u64,
+}
+
+/// The backstop interval of a queue waiting for bounce slots.
+pub const BACKSTOP_INTERVAL: Duration = Duration::from_millis(20);
+
+impl PoolWait {
+    /// A waiter of a device's queue, woken through `shared`. Without an eventfd and a timer
+    /// (the kernel refused both) a waiting request fails at once.
+    pub fn new(shared: Arc<SlotWaiters>) -> Self {
+        let wake = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+            .map_err(|e| tracing::warn!("virtio-blk: no slot wake-up eventfd: {e}"))
+            .ok()
+            .map(Arc::new);
         let timer = TimerFd::new()
-            .map_err(|e| tracing::warn!("virtio-blk: no retry timer: {e}"))
+            .map_err(|e| tracing::warn!("virtio-blk: no slot backstop timer: {e}"))
             .ok();
         Self {
+            wake,
             timer,
             armed: false,
+            shared,
             rounds: 0,
         }
     }
 
-    /// The fd to poll, if any.
-    pub fn fd(&self) -> Option<RawFd> {
+    /// The wake-up eventfd to poll, if any.
+    pub fn wake_fd(&self) -> Option<RawFd> {
+        self.wake.as_ref().map(|w| w.as_raw_fd())
+    }
+
+    /// The backstop timer to poll, if any.
+    pub fn timer_fd(&self) -> Option<RawFd> {
         self.timer.as_ref().map(AsRawFd::as_raw_fd)
     }
 
-    /// True while a wait can still be retried by the timer.
+    /// True when something can wake a waiting queue.
     pub fn can_arm(&self) -> bool {
-        self.timer.is_some() && self.rounds < MAX_RETRY_ROUNDS
+        self.wake.is_some() || self.timer.is_some()
     }
 
-    /// Arms the timer; false when there is no timer or the retries are used up.
+    /// Waits for slots: registers the wake-up and arms the backstop; false when nothing can
+    /// wake the queue.
     pub fn arm(&mut self) -> bool {
-        if self.rounds >= MAX_RETRY_ROUNDS {
-            return false;
+        if let Some(w) = &self.wake {
+            self.shared.register(w);
         }
-        let Some(t) = self.timer.as_mut() else {
-            return false;
-        };
         if !self.armed {
-            if t.reset(RETRY_INTERVAL, None).is_err() {
-                return false;
+            if let Some(t) = self.timer.as_mut() {
+                self.armed = t.reset(BACKSTOP_INTERVAL, None).is_ok();
             }
-            self.armed = true;
         }
-        true
+        self.armed || self.wake.is_some()
     }
 
-    /// Called when the timer fired: consumes the expiry.
+    /// Called when the wake-up or the backstop fired: consumes both.
     pub fn fired(&mut self) {
+        if let Some(w) = &self.wake {
+            // Non-blocking: an empty counter returns at once.
+            let _ = w.read();
+        }
         if let Some(t) = self.timer.as_mut() {
-            // Non-blocking in effect: the poller saw it readable.
             if self.armed {
-                let _ = t.wait();
+                // Disarmed before the wait only returns when it expired.
+                let _ = t.clear();
             }
         }
         self.armed = false;
-        self.rounds += 1;
+        self.rounds = self.rounds.saturating_add(1);
     }
 
-    /// Progress was made: the retry budget starts again.
-    pub fn progressed(&mut self) {
-        self.rounds = 0;
-    }
-}
-
-impl Default for RetryTimer {
-    fn default() -> Self {
-        Self::new()
+    /// This queue's requests released slots: wakes the device's waiting queues.
+    pub fn released(&self) {
+        self.shared.wake();
     }
 }
 

@@ -15,7 +15,8 @@
 //!     "err_out_of_range": 0, "err_readonly": 0, "err_unsupported": 0,
 //!     "no_status": 0, "status_direct": 0, "config_write_rejected": 0, "config_wce_writes": 0,
 //!     "pool_full_waits": 0, "pool_full_failed": 0, "inflight_hiwater": 32,
-//!     "drains": 3, "queue_depth_hiwater": 8, "inflight_resubmitted": 0
+//!     "drains": 3, "queue_depth_hiwater": 8, "inflight_resubmitted": 0,
+//!     "leaked_requests": 0
 //!   },
 //!   "bounce": { "mode": "swiotlb", "nslabs": 32768, "used": 0, ... },
 //!   "dma": { "maps": 12, "bytes": 57344, "map_failures": 0, "unmaps": 12 }
@@ -78,7 +79,7 @@ pub struct BlockMetrics {
     /// (`on-full=wait`).
     pub pool_full_waits: Counter,
     /// Requests completed with IOERR because the pool was full (`on-full=fail`, a request
-    /// larger than the pool, or a wait that never got slots).
+    /// larger than the pool, or a full pool with nothing else holding slots).
     pub pool_full_failed: Counter,
     /// Most requests in flight at once on one queue.
     pub inflight_hiwater: Counter,
@@ -89,6 +90,10 @@ pub struct BlockMetrics {
     /// Requests found in flight by a log of heads (vhost-user's inflight region) when a
     /// queue resumed, and submitted again.
     pub inflight_resubmitted: Counter,
+    /// Requests whose host I/O never completed when their queue was torn down: their memory
+    /// (guest memory pinned for them, bounce slots) is kept for good, since the kernel may
+    /// still write into it.
+    pub leaked_requests: Counter,
 }
 
 impl BlockMetrics {

@@ -9,7 +9,7 @@ use serde_json::json;
 use virtio_queue::Queue;
 use vm_memory::GuestMemory;
 
-use super::inflight::{MemPin, RetryTimer, Slab};
+use super::inflight::{MemPin, PoolWait, Slab, SlotWaiters};
 use super::io::{IoDone, IoEngine, OnFull};
 use super::request::{Request, RequestCtx, Started};
 use crate::virtio::chain::{Chain, ChainHead};
@@ -19,8 +19,11 @@ use crate::virtio::{Handled, QueueWorker, Queues, Signal, WorkerError, WorkerEve
 
 /// Worker fd token of the engine's completion eventfd.
 pub const ENGINE_TOKEN: u32 = 0;
-/// Worker fd token of the retry timer (a queue waiting for bounce slots).
+/// Worker fd token of the backstop timer of a queue waiting for bounce slots.
 pub const RETRY_TOKEN: u32 = 1;
+/// Worker fd token of the wake-up of a queue waiting for bounce slots (another queue of the
+/// device released some).
+pub const WAKE_TOKEN: u32 = 2;
 
 /// When a drain pass hands its prepared requests to the kernel: after the 1st, 2nd, 4th,
 /// 8th, ... request of the pass, and the rest at its end.
@@ -58,7 +61,8 @@ impl KickPacer {
 /// flight); the engine's eventfd brings completions, which are unmapped, given their status
 /// and put on the used ring in completion order, one notification per batch. A request that
 /// finds the bounce pool full stays on the ring (`on-full=wait`) until completions release
-/// slots, or the retry timer fires when none of this queue's requests is in flight.
+/// slots: this queue's own, or (when none of its requests is in flight) another queue's,
+/// which wakes it ([`PoolWait`]); it waits as long as others hold slots.
 ///
 /// Given a log of heads in flight ([`QueueWorker::track_heads`]: vhost-user's inflight
 /// region), the worker records every head it pops and uses there, and its first event after
@@ -85,7 +89,7 @@ pub struct BlockWorker<M: GuestMemory> {
     on_full: OnFull,
     /// A submission pass stopped on a full pool: run one again when slots may be free.
     deferred: bool,
-    retry: RetryTimer,
+    retry: PoolWait,
     /// Where the queue's heads in flight are recorded ([`Unlogged`] unless the transport keeps
     /// them).
     log: Box<dyn HeadLog>,
@@ -100,12 +104,14 @@ fn broken(e: impl std::fmt::Display) -> WorkerError {
 }
 
 impl<M: GuestMemory> BlockWorker<M> {
-    /// The worker of queue `queue_index`, executing requests through `ctx` and `engine`.
+    /// The worker of queue `queue_index`, executing requests through `ctx` and `engine`;
+    /// `waiters` are the device's queues waiting for bounce slots.
     pub(super) fn new(
         queue_index: u16,
         ctx: RequestCtx,
         engine: Box<dyn IoEngine>,
         on_full: OnFull,
+        waiters: Arc<SlotWaiters>,
     ) -> Self {
         Self {
             queue_index,
@@ -117,7 +123,7 @@ impl<M: GuestMemory> BlockWorker<M> {
             done: Vec::new(),
             on_full,
             deferred: false,
-            retry: RetryTimer::new(),
+            retry: PoolWait::new(waiters),
             log: Box::new(Unlogged),
             resume: false,
             resubmit: VecDeque::new(),
@@ -146,7 +152,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
         let mut pacer = KickPacer::default();
         let serve = |at: ChainHead| {
             // Waiting needs something that will retry: one of our own requests completing,
-            // or the retry timer.
+            // or a wake-up when another queue's request releases slots.
             let may_wait = wait_mode && (!requests.is_empty() || retry.can_arm());
             let (tag, req) = requests.acquire();
             let step = match ctx.start(mem, &at, chain, req, may_wait) {
@@ -184,9 +190,6 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
             WorkerError::Broken(why) if !why.starts_with("virtio-blk") => broken(why),
             e => e,
         })?;
-        if drained.popped > 0 {
-            retry.progressed();
-        }
         let m = ctx.metrics();
         m.drains.add(drained.passes as u64);
         m.queue_depth_hiwater.max(u64::from(drained.deepest));
@@ -201,6 +204,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
         done.clear();
         self.engine.reap(&mut done);
         let mut used = 0;
+        let mut released = false;
         let mut result = Ok(());
         // The slots of every request of this reap go back in one allocator call.
         let mut batch = self.ctx.batch();
@@ -210,20 +214,28 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> BlockWorker<M> {
                 tracing::error!("virtio-blk: completion for unknown tag {}", d.tag);
                 continue;
             };
+            // The request's data is unmapped through the memory it was submitted with: a
+            // region the front end removed meanwhile is still mapped there (and only there).
+            let pinned = req.mem.clone();
+            let submitted: &M = pinned.as_deref().unwrap_or(mem);
             if result.is_err() {
                 // The device is already broken: release what is left.
-                self.ctx.release(mem, req, &mut batch);
+                self.ctx.release(submitted, req, &mut batch);
             } else {
                 let log = self.log.as_mut();
-                result = match self.ctx.finish(mem, req, d.result, &mut batch) {
+                result = match self.ctx.finish(submitted, req, d.result, &mut batch) {
                     Ok(c) => queue::add_used_logged(queue, mem, log, req.head, c.used_len)
                         .map(|()| used += 1),
                     Err(e) => Err(broken(format_args!("head {}: {e}", req.head))),
                 };
             }
             self.requests.release(tag);
+            released = true;
         }
         self.done = done;
+        if released {
+            self.retry.released();
+        }
         result.map(|()| used)
     }
 }
@@ -238,8 +250,11 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
         if let Some(fd) = self.engine.notifier() {
             v.push((fd, ENGINE_TOKEN));
         }
-        if let Some(fd) = self.retry.fd() {
+        if let Some(fd) = self.retry.timer_fd() {
             v.push((fd, RETRY_TOKEN));
+        }
+        if let Some(fd) = self.retry.wake_fd() {
+            v.push((fd, WAKE_TOKEN));
         }
         v
     }
@@ -251,7 +266,7 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
         let mut pass = match event {
             WorkerEvent::Kick(0) => true,
             WorkerEvent::Fd(ENGINE_TOKEN) => false,
-            WorkerEvent::Fd(RETRY_TOKEN) => {
+            WorkerEvent::Fd(RETRY_TOKEN | WAKE_TOKEN) => {
                 self.retry.fired();
                 true
             }
@@ -328,7 +343,11 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
     }
 
     fn stats(&self) -> serde_json::Value {
-        json!({ "queue": self.queue_index, "in_flight": self.requests.len() })
+        json!({
+            "queue": self.queue_index,
+            "in_flight": self.requests.len(),
+            "slot_wakeups": self.retry.rounds,
+        })
     }
 }
 
@@ -361,10 +380,16 @@ impl<M: GuestMemory> Drop for BlockWorker<M> {
             }
         }
         if !self.requests.is_empty() {
+            // The engine gave up waiting: the kernel may still write into these requests'
+            // buffers. Their memory (the guest memory they pin, their bounce slots) is kept
+            // for good rather than unmapped under it.
+            let leaked = std::mem::take(&mut self.requests);
+            self.ctx.metrics().leaked_requests.add(leaked.len() as u64);
             tracing::error!(
-                "virtio-blk: {} requests still pending at reset; their mappings are leaked",
-                self.requests.len()
+                "virtio-blk: {} requests still pending at reset; their memory is kept (leaked) for the kernel that may still write into it",
+                leaked.len()
             );
+            std::mem::forget(leaked);
         }
     }
 }

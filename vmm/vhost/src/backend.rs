@@ -297,12 +297,12 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         // MQ is offered whatever the queue count: it is what lets the frontend ask for it
         // (GET_QUEUE_NUM), and QEMU checks its own queue count against the answer.
         // STATUS: SET_STATUS/GET_STATUS are answered by the relay (see `report`).
-        // CONFIGURE_MEM_SLOTS, for block only: libblkio registers memory only with
-        // ADD_MEM_REG/REM_MEM_REG (vhost-user-backend maps and unmaps them; the relay checks
-        // each added region). QEMU's vhost-user net keeps one vhost device per queue pair on
-        // the one connection, and each would add the same regions again, which
-        // vhost-user-backend refuses as overlapping; SET_MEM_TABLE, repeated, is harmless.
+        // CONFIGURE_MEM_SLOTS: libblkio registers memory only with ADD_MEM_REG/REM_MEM_REG,
+        // and QEMU uses them for memory hot-plug (vhost-user-backend maps and unmaps them; the
+        // relay checks each added region and answers for the copies QEMU's multi-queue net
+        // adds, see `slots`).
         let mut protocol_features = VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::RESET_DEVICE
@@ -310,8 +310,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         // INFLIGHT_SHMFD, for block: a block request can be served again after a crash (a
         // read re-read, a write rewritten); a net frame cannot be taken back.
         if is_block {
-            protocol_features |= VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-                | VhostUserProtocolFeatures::INFLIGHT_SHMFD;
+            protocol_features |= VhostUserProtocolFeatures::INFLIGHT_SHMFD;
         }
         if features & feature(VIRTIO_F_ACCESS_PLATFORM) != 0 {
             // QEMU refuses a backend that offers ACCESS_PLATFORM without the backend request

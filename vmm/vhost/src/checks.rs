@@ -99,6 +99,12 @@ pub enum CheckError {
         /// The file's size (`fstat`).
         file_size: u64,
     },
+    /// An ADD_MEM_REG of a new region while every memory slot is taken.
+    #[error("a region added while all {max} memory slots are taken")]
+    NoFreeSlot {
+        /// The slot count (`GET_MAX_MEM_SLOTS`).
+        max: usize,
+    },
     /// A region whose fd cannot back guest memory (a pipe, a socket, a directory, a block
     /// device), or whose `fstat` failed.
     #[error("region {index}'s fd cannot be mapped as guest memory ({kind})")]
@@ -293,26 +299,30 @@ pub fn mem_table(body: &mut [u8], fds: &mut Vec<OwnedFd>) -> Result<(), CheckErr
     Ok(())
 }
 
-/// ADD_MEM_REG: its one region, checked against its one fd.
+/// ADD_MEM_REG: its one region, checked against its one fd, and returned.
 ///
 /// # Errors
 /// [`CheckError::MalformedTable`] when the body is not one region or there is not one fd, and
 /// what [`Region::check`] finds.
-pub fn add_mem_reg(body: &[u8], fds: &[OwnedFd]) -> Result<(), CheckError> {
+pub fn add_mem_reg(body: &[u8], fds: &[OwnedFd]) -> Result<Region, CheckError> {
     let malformed = || CheckError::MalformedTable {
         regions: 1,
         body: body.len(),
         fds: fds.len(),
     };
-    let region = body
-        .get(SINGLE_REGION_HEADER..)
-        .filter(|r| r.len() == REGION_LEN)
-        .and_then(Region::decode)
-        .ok_or_else(malformed)?;
+    let region = single_region(body).ok_or_else(malformed)?;
     match fds {
-        [fd] => region.check(0, fd),
+        [fd] => region.check(0, fd).map(|()| region),
         _ => Err(malformed()),
     }
+}
+
+/// The one region of an `ADD_MEM_REG` or `REM_MEM_REG` body; `None` when the body is not
+/// one region.
+pub fn single_region(body: &[u8]) -> Option<Region> {
+    body.get(SINGLE_REGION_HEADER..)
+        .filter(|r| r.len() == REGION_LEN)
+        .and_then(Region::decode)
 }
 
 #[cfg(test)]
@@ -444,7 +454,10 @@ mod tests {
             b.extend_from_slice(&table(&[r])[MEM_TABLE_HEADER..]);
             b
         };
-        assert_eq!(add_mem_reg(&single(region(0, mib)), &[memfd(mib)]), Ok(()));
+        assert_eq!(
+            add_mem_reg(&single(region(0, mib)), &[memfd(mib)]),
+            Ok(region(0, mib))
+        );
         let err = add_mem_reg(&single(region(0, mib + 1)), &[memfd(mib)]).unwrap_err();
         assert!(matches!(err, CheckError::PastEndOfFile { .. }), "{err}");
         assert!(add_mem_reg(&single(region(0, 0)), &[memfd(mib)]).is_err());

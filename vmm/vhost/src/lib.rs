@@ -14,7 +14,8 @@
 //! - [`relay`]: passes the control messages between the frontend and `vhost-user-backend`,
 //!   accepting QEMU 7.2's `SET_VRING_ENABLE` before `SET_FEATURES`;
 //! - [`report`]: a broken worker reported to the frontend (vring error fds, DEVICE_NEEDS_RESET);
-//! - [`server`]: the listening socket, one connection after another, signals, statistics.
+//! - [`server`]: the listening socket, one connection after another, signals, statistics;
+//! - [`slots`]: regions added one by one (`CONFIGURE_MEM_SLOTS`), copies counted as references.
 
 #![warn(missing_docs)]
 
@@ -27,6 +28,7 @@ mod lock_count;
 pub mod relay;
 pub mod report;
 pub mod server;
+pub mod slots;
 
 pub use backend::{Memory, VhostUserDevice};
 pub use bouncevm_common::SignalFd;

@@ -32,7 +32,9 @@
 //!   the [`checks`]
 //!   (queue sizes, eventfds made non-blocking, regions inside their files and sorted) or are
 //!   refused: a failure reply if one was asked for, then the end of the session, as the
-//!   backend ends it on its own errors.
+//!   backend ends it on its own errors;
+//! - an `ADD_MEM_REG` of a region already added, and a `REM_MEM_REG` of a region added more
+//!   than once, are acknowledged by the relay: each copy is a reference (see [`slots`]).
 //!
 //! The counters ([`RelayCounters`]) belong to the server and add up over its sessions; each
 //! condition a front end can trigger at will is logged once per server and counted always.
@@ -54,6 +56,7 @@ use serde::Serialize;
 use crate::checks::{self, CheckError};
 use crate::inflight::{Description, Inflight, InflightError, Region};
 use crate::report::Report;
+use crate::slots::{self, Slots, MAX_MEM_SLOTS};
 use devices::metrics::LogOnce;
 use vhost::vhost_user::message::{
     FrontendReq, VhostUserProtocolFeatures, VhostUserVirtioFeatures, MAX_ATTACHED_FD_ENTRIES,
@@ -231,7 +234,8 @@ pub struct RelayStats {
     pub refused_queue_sizes: u64,
     /// Kick, call or error fds that are not eventfds.
     pub refused_fds: u64,
-    /// Memory tables (a region past its file, empty, wrapping, or not a file).
+    /// Memory tables and added regions (a region past its file, empty, wrapping, or not a
+    /// file; a new region while every memory slot is taken).
     pub refused_mem_tables: u64,
     /// Memory tables whose regions were not in guest-address order (sorted, then served).
     pub mem_tables_sorted: u64,
@@ -243,6 +247,8 @@ pub struct RelayStats {
     pub inflight_regions_adopted: u64,
     /// Inflight requests or regions refused (each ended its session).
     pub refused_inflight: u64,
+    /// ADD_MEM_REG and REM_MEM_REG of a copy of a region already added (see [`slots`]).
+    pub region_copies: u64,
 }
 
 /// The relay counters of a server, shared by its sessions, with the latches that keep each
@@ -264,12 +270,14 @@ pub struct RelayCounters {
     inflight_adopted: AtomicU64,
     refused_inflight: AtomicU64,
     inflight_logged: LogOnce,
+    region_copies: AtomicU64,
     early_enable_logged: LogOnce,
     status_logged: LogOnce,
     queue_size_logged: LogOnce,
     fd_logged: LogOnce,
     mem_table_logged: LogOnce,
     sorted_logged: LogOnce,
+    copies_logged: LogOnce,
 }
 
 impl RelayCounters {
@@ -291,6 +299,7 @@ impl RelayCounters {
             inflight_regions_created: g(&self.inflight_created),
             inflight_regions_adopted: g(&self.inflight_adopted),
             refused_inflight: g(&self.refused_inflight),
+            region_copies: g(&self.region_copies),
         }
     }
 
@@ -343,6 +352,8 @@ struct Sequencer {
     inflight: Option<Arc<Inflight>>,
     /// INFLIGHT_SHMFD was acknowledged (`SET_PROTOCOL_FEATURES`).
     inflight_acked: bool,
+    /// Regions added one by one, with their copies (see [`slots`]).
+    slots: Slots,
 }
 
 /// A reply to `request` carrying the u64 `value` (REPLY_ACK: 0 success, else failure).
@@ -383,6 +394,7 @@ const SET_MEM_TABLE: u32 = FrontendReq::SET_MEM_TABLE as u32;
 const ADD_MEM_REG: u32 = FrontendReq::ADD_MEM_REG as u32;
 const GET_INFLIGHT_FD: u32 = FrontendReq::GET_INFLIGHT_FD as u32;
 const SET_INFLIGHT_FD: u32 = FrontendReq::SET_INFLIGHT_FD as u32;
+const REM_MEM_REG: u32 = FrontendReq::REM_MEM_REG as u32;
 /// SET_VRING_ERR/KICK/CALL body: the queue index's bits.
 const VRING_INDEX_MASK: u64 = 0xff;
 /// SET_VRING_ERR/KICK/CALL body: no fd attached.
@@ -400,6 +412,7 @@ impl Sequencer {
             max_queue_size,
             inflight: None,
             inflight_acked: false,
+            slots: Slots::default(),
         }
     }
 
@@ -511,7 +524,14 @@ impl Sequencer {
                 }
                 Ok(())
             }
-            ADD_MEM_REG => checks::add_mem_reg(&msg.body, &msg.fds),
+            ADD_MEM_REG => {
+                let r = checks::add_mem_reg(&msg.body, &msg.fds)?;
+                if self.slots.fits(&r) {
+                    Ok(())
+                } else {
+                    Err(CheckError::NoFreeSlot { max: MAX_MEM_SLOTS })
+                }
+            }
             _ => Ok(()),
         }
     }
@@ -545,6 +565,11 @@ impl Sequencer {
                 Action::Forward(vec![msg])
             }
             GET_INFLIGHT_FD | SET_INFLIGHT_FD => self.inflight_request(msg, stats),
+            ADD_MEM_REG | REM_MEM_REG => self.on_slot(msg, stats),
+            SET_MEM_TABLE => {
+                self.slots.clear();
+                Action::Forward(vec![msg])
+            }
             GET_STATUS => Action::Reply(u64_reply(msg.request, u64::from(self.report.status()))),
             RESET_OWNER | RESET_DEVICE => {
                 self.report.reset();
@@ -700,6 +725,37 @@ fn relay_replies(be_in: &UnixStream, writer: &Mutex<UnixStream>, st: &RelayCount
         if let Err(e) = send_message(&w, &msg) {
             tracing::debug!("relaying a reply: {e}");
             break;
+        }
+    }
+}
+
+impl Sequencer {
+    /// ADD_MEM_REG or REM_MEM_REG (the add already checked): a copy of a region added before
+    /// is acknowledged here; a new region, and the removal of a region's last copy, go to the
+    /// backend.
+    fn on_slot(&mut self, msg: Message, stats: &RelayCounters) -> Action {
+        let Some(r) = checks::single_region(&msg.body) else {
+            // Malformed: the backend's dispatcher rejects it.
+            return Action::Forward(vec![msg]);
+        };
+        let copy = if msg.request == ADD_MEM_REG {
+            self.slots.add(&r) == slots::Add::Copy
+        } else {
+            self.slots.remove(&r) == slots::Remove::Copy
+        };
+        if !copy {
+            return Action::Forward(vec![msg]);
+        }
+        add(&stats.region_copies, 1);
+        if stats.copies_logged.first() {
+            tracing::info!(
+                "a front end adds the same memory region more than once (QEMU's multi-queue net does, once per queue pair): each copy is a reference, the region is unmapped with the last (logged once, counted in the relay statistics)"
+            );
+        }
+        if msg.flags & FLAG_NEED_REPLY != 0 && self.acks() {
+            Action::Reply(u64_reply(msg.request, 0))
+        } else {
+            Action::Nothing
         }
     }
 }

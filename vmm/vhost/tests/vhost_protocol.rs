@@ -12,7 +12,7 @@ use std::thread;
 use std::time::Duration;
 
 use bounce::Dma;
-use bouncevm_vhost::{Memory, Server, VhostUserDevice};
+use bouncevm_vhost::{Server, VhostUserDevice};
 use devices::block::STATUS_UNSET;
 use devices::net::{MemBackend, Net, NetBackend, NetConfig};
 use devices::virtio::spec::{
@@ -20,13 +20,13 @@ use devices::virtio::spec::{
     VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF,
     VIRTIO_RING_F_EVENT_IDX,
 };
-use devices::virtio::VirtioDevice;
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
 };
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
 use vhost::VhostUserMemoryRegionInfo;
+use vhost_support::inproc::{socket_path, start_server_with_stats, stats, wait_stats};
 use vhost_support::{
     blk_request, blk_session, blk_status, block_pattern, data_addr, full_eventfd, poll_now,
     refused, wait_fd, wait_used, Driver, EchoDevice, NotEventFd, BATCH, BLK_DATA, CONFIG,
@@ -34,14 +34,6 @@ use vhost_support::{
 };
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
-
-fn socket_path(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bouncevm-vhost-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let p = dir.join(name);
-    let _ = std::fs::remove_file(&p);
-    p
-}
 
 /// Starts a server for an echo device; returns the join handle (giving the server back) and a
 /// stop handle.
@@ -61,56 +53,6 @@ fn start_server(
         server
     });
     (path, t, stop)
-}
-
-/// As [`start_server`] for any device, with a statistics socket (returned second).
-fn start_server_with_stats<D: VirtioDevice<Memory> + 'static>(
-    name: &str,
-    device: D,
-) -> (
-    PathBuf,
-    PathBuf,
-    thread::JoinHandle<Server<D>>,
-    bouncevm_vhost::StopHandle,
-) {
-    let path = socket_path(name);
-    let stats_path = socket_path(&format!("{name}.stats"));
-    let mut server = Server::bind("test", device, &path)
-        .unwrap()
-        .with_stats_socket(&stats_path)
-        .unwrap();
-    let stop = server.stop_handle().unwrap();
-    let t = thread::spawn(move || {
-        server.run().unwrap();
-        server
-    });
-    (path, stats_path, t, stop)
-}
-
-/// One JSON line from a statistics socket.
-fn stats(path: &Path) -> serde_json::Value {
-    let mut s = UnixStream::connect(path).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut line = String::new();
-    s.read_to_string(&mut line).unwrap();
-    serde_json::from_str(line.trim()).unwrap()
-}
-
-/// Polls the statistics until `pred` holds (at most 10 s).
-fn wait_stats(
-    path: &Path,
-    what: &str,
-    pred: impl Fn(&serde_json::Value) -> bool,
-) -> serde_json::Value {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let st = stats(path);
-        if pred(&st) {
-            return st;
-        }
-        assert!(std::time::Instant::now() < deadline, "{what}: {st}");
-        thread::sleep(Duration::from_millis(10));
-    }
 }
 
 const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
@@ -837,6 +779,81 @@ fn hostile_net_front_ends_cost_only_their_session() {
     tx(&mut d, 3);
     let st = stats(&stats_path);
     assert_eq!(st["server"]["relay"]["refused_fds"], 3, "{st}");
+    drop(d);
+    stop.stop();
+    server.join().unwrap();
+}
+
+#[test]
+fn net_regions_added_once_per_queue_pair_and_removed_while_running_are_served() {
+    // QEMU 7.2's multi-queue vhost-user net adds (ADD_MEM_REG) and removes (REM_MEM_REG)
+    // every region once per queue pair on the one connection. The copies are references to
+    // one mapping: traffic goes on while any copy is registered, and a region removed for
+    // good and added again (memory hot-unplug, then hot-plug) is served again.
+    let (net, bes) = net_device(2);
+    let (path, stats_path, server, stop) = start_server_with_stats("netslots.sock", net);
+    let mut d = Driver::connect(&path, 5);
+    let offered = d
+        .handshake_with(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+        .unwrap();
+    let proto = d.frontend.get_protocol_features().unwrap();
+    assert!(
+        proto.contains(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS),
+        "net must offer CONFIGURE_MEM_SLOTS: {proto:?}"
+    );
+    assert_eq!(d.frontend.get_max_mem_slots().unwrap(), 509);
+    let acked = offered & (feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_MQ));
+    net_start(&mut d, &[(0, true), (1, true), (2, true), (3, true)], acked);
+    // Rings in the low region, data buffers (data_addr) in the high one.
+    let half = MEM_SIZE as u64 / 2;
+    assert!(data_addr(0) >= half);
+    let [low, high] = d.regions_split_at(half);
+    for _pair in 0..2 {
+        d.frontend.add_mem_region(&low).unwrap();
+        d.frontend.add_mem_region(&high).unwrap();
+    }
+    for q in 0..4 {
+        d.configure_default_ring(q).unwrap();
+    }
+    sync(&mut d);
+    // RX on pair `pair` into descriptor `desc` of its RX queue, TX of one frame on its TX
+    // queue (descriptor `desc` too).
+    let traffic = |d: &mut Driver, pair: usize, desc: u16, seed: u8| {
+        let (rxq, txq) = (2 * pair, 2 * pair + 1);
+        let buf = data_addr(rxq) + u64::from(desc) * 0x800;
+        d.post_descs(rxq, desc, &[(buf, 2048, true)]);
+        let f = net_frame(100, seed);
+        bes[pair].inject(f.clone());
+        assert_eq!(wait_next_used(d, rxq), (u32::from(desc), f.len() as u32));
+        let mut got = vec![0u8; f.len()];
+        d.mem.read_slice(&mut got, GuestAddress(buf)).unwrap();
+        assert!(got[12..] == f[12..], "RX payload {seed}");
+        let tx = net_frame(80, seed ^ 0x80);
+        let tbuf = data_addr(txq) + u64::from(desc) * 0x800;
+        d.mem.write_slice(&tx, GuestAddress(tbuf)).unwrap();
+        d.post_descs(txq, desc, &[(tbuf, tx.len() as u32, false)]);
+        assert_eq!(wait_next_used(d, txq), (u32::from(desc), 0));
+        assert_eq!(bes[pair].take_sent(), vec![tx], "TX frame {seed}");
+    };
+    traffic(&mut d, 0, 0, 1);
+    traffic(&mut d, 1, 0, 2);
+    // Pair 1's device removes the data region: pair 0's copy keeps it mapped.
+    d.frontend.remove_mem_region(&high).unwrap();
+    traffic(&mut d, 0, 1, 3);
+    traffic(&mut d, 1, 1, 4);
+    // Both copies gone (hot-unplug), then added again by both pairs (hot-plug).
+    d.frontend.remove_mem_region(&high).unwrap();
+    sync(&mut d);
+    d.frontend.add_mem_region(&high).unwrap();
+    d.frontend.add_mem_region(&high).unwrap();
+    sync(&mut d);
+    traffic(&mut d, 0, 2, 5);
+    traffic(&mut d, 1, 2, 6);
+    let st = stats(&stats_path);
+    // Copies: two adds at the start, one removal, one add after the hot-plug.
+    assert_eq!(st["server"]["relay"]["region_copies"], 4, "{st}");
+    assert_eq!(st["server"]["connected"], true, "{st}");
+    assert_eq!(st["server"]["failed_sessions"], 0, "{st}");
     drop(d);
     stop.stop();
     server.join().unwrap();

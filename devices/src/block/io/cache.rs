@@ -86,7 +86,9 @@ bounce::named_enum! {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum OnFull {
     /// Stay on the available ring (back-pressure) and be retried when in-flight requests
-    /// release their slots, as a guest driver's request waits for a tag.
+    /// release their slots, as a guest driver's request waits for a tag, for as long as
+    /// others hold slots; IOERR only for a request larger than the pool, or when nothing
+    /// else holds slots.
     #[default]
     Wait,
     /// Complete with IOERR at once (the Linux swiotlb behaviour for a full pool).

@@ -652,10 +652,14 @@ impl<D: Disk> Drop for UringEngine<D> {
             sink.clear();
         }
         if self.ops > 0 {
+            // The kernel may still read the ops' iovec arrays and write into their buffers:
+            // their state is kept (leaked) rather than freed under it.
             tracing::error!(
-                "io_uring: {} ops still pending when the ring closed",
+                "io_uring: {} ops still pending when the ring closed; their buffers are kept (leaked)",
                 self.ops
             );
+            std::mem::forget(std::mem::take(&mut self.entries));
+            std::mem::forget(self.fixed.take());
         }
     }
 }

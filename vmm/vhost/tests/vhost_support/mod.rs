@@ -3,6 +3,7 @@
 #![allow(dead_code, clippy::undocumented_unsafe_blocks)]
 
 pub mod child;
+pub mod inproc;
 
 use std::fs::File;
 use std::io::Write;
@@ -591,14 +592,32 @@ pub fn blk_request_at(
     buf: u64,
     len: u32,
 ) -> u16 {
-    let hdr = BLK_HDRS + u64::from(slot) * 16;
-    let status = BLK_STATUS + u64::from(slot);
+    blk_request_on(d, 0, slot, kind, sector, buf, len)
+}
+
+/// Where the header and the status byte of request slot `slot` of queue `q` are.
+fn blk_slot_addrs(q: usize, slot: u16) -> (u64, u64) {
+    let n = q as u64 * u64::from(QSIZE) + u64::from(slot);
+    (BLK_HDRS + n * 16, BLK_STATUS + n)
+}
+
+/// As [`blk_request_at`] on queue `q` (each queue has its own headers and status bytes).
+pub fn blk_request_on(
+    d: &mut Driver,
+    q: usize,
+    slot: u16,
+    kind: u32,
+    sector: u64,
+    buf: u64,
+    len: u32,
+) -> u16 {
+    let (hdr, status) = blk_slot_addrs(q, slot);
     d.mem
         .write_slice(&RequestHeader::encode(kind, sector), GuestAddress(hdr))
         .unwrap();
     d.mem.write_obj(STATUS_UNSET, GuestAddress(status)).unwrap();
     d.post_descs(
-        0,
+        q,
         3 * slot,
         &[
             (hdr, 16, false),
@@ -608,10 +627,15 @@ pub fn blk_request_at(
     )
 }
 
-pub fn blk_status(d: &Driver, slot: u16) -> u8 {
+/// The status byte of request slot `slot` of queue `q`.
+pub fn blk_status_on(d: &Driver, q: usize, slot: u16) -> u8 {
     d.mem
-        .read_obj(GuestAddress(BLK_STATUS + u64::from(slot)))
+        .read_obj(GuestAddress(blk_slot_addrs(q, slot).1))
         .unwrap()
+}
+
+pub fn blk_status(d: &Driver, slot: u16) -> u8 {
+    blk_status_on(d, 0, slot)
 }
 
 /// Waits for `n` used entries on queue 0; returns their heads.
@@ -788,5 +812,23 @@ impl Driver {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+}
+
+impl Driver {
+    /// The driver's memory as two regions split at guest address `at`, both backed by its one
+    /// memfd: what QEMU adds one by one (ADD_MEM_REG) for memory in two RAM blocks.
+    pub fn regions_split_at(&self, at: u64) -> [VhostUserMemoryRegionInfo; 2] {
+        let region = self.mem.find_region(GuestAddress(0)).unwrap();
+        let whole = VhostUserMemoryRegionInfo::from_guest_region(region).unwrap();
+        assert!(at > 0 && at < whole.memory_size, "split at {at:#x}");
+        let mut low = whole;
+        low.memory_size = at;
+        let mut high = whole;
+        high.guest_phys_addr += at;
+        high.memory_size -= at;
+        high.userspace_addr += at;
+        high.mmap_offset += at;
+        [low, high]
     }
 }
