@@ -385,6 +385,11 @@ class L1Run:
         if self.l1_event("share").get("ok") != "1":
             return "9p share not mounted in L1"
         if self.timed_out:
+            quiet = self.l1.get("quiet", [])
+            if quiet:
+                q = quiet[-1]
+                return (f"timed out (host side); L2 silent since L1 uptime {q.get('l2_last')}, "
+                        f"L1 still running at {q.get('uptime')} (BVM-L1 quiet: the VMM's threads)")
             return "timed out (host side)"
         if not self.l1_done:
             return (f"L1's QEMU exited rc={self.returncode} before L1 finished, without an "

@@ -38,6 +38,22 @@ def test_parse_l1_and_l2_lines():
     assert r.l1_crash == "" and r.l1_failure == ""
 
 
+def test_a_silent_l2_under_a_running_l1_is_told_apart():
+    hung = SAMPLE.split("L2 83.97|")[0] + (
+        "BVM-L1 quiet uptime=150.2 l2_last=68.1 load=1.0/1.0/0.9 "
+        "threads=181/181:run:S:do_wait,190/190:bouncevm:S:futex_wait_queue,\n"
+        "BVM-L1 quiet uptime=210.7 l2_last=68.1 load=1.0/1.0/1.0 "
+        "threads=181/181:run:S:do_wait,190/190:bouncevm:S:futex_wait_queue,\n")
+    l1, l2, t = rig2.parse_l1(hung)
+    r = rig2.L1Run("x", [], rig2.out_path("x", ".log"), hung, "", rig2.out_path("x", ".share"),
+                   0, True, 600.0, {}, l1, l2, t)
+    assert r.l1["quiet"][-1]["threads"].startswith("181/181:run:S:do_wait,190/190:bouncevm")
+    assert "L2 silent since L1 uptime 68.1, L1 still running at 210.7" in r.l1_failure
+    r = rig2.L1Run("x", [], rig2.out_path("x", ".log"), SAMPLE, "", rig2.out_path("x", ".share"),
+                   0, True, 600.0, {}, *rig2.parse_l1(SAMPLE))
+    assert r.l1_failure == "timed out (host side)"
+
+
 def test_l1_oops_is_l1_death():
     r = _run(SAMPLE.replace("BVM-L1 done", "[  50.0] Oops: int3 SMP NOPTI\nxx"))
     assert r.l1_crash.startswith("Oops: int3")
