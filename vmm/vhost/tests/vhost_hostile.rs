@@ -12,7 +12,8 @@
 //! - GET_VRING_BASE with requests in flight at depth (every cache mode, bounce off and forced)
 //!   answers only once every request it counts has its status and used entry;
 //! - conditions a front end can repeat at will are logged once and counted always, and no
-//!   front-end fd outlives its session.
+//!   front-end fd outlives its session (sessions with a broken queue, a refused kick pipe,
+//!   a full call counter, an end mid-setup, regions added with ADD_MEM_REG).
 //!
 //! The same for net is in `vhost_protocol.rs` (an in-process server over memory backends).
 
@@ -301,26 +302,60 @@ fn conditions_a_front_end_repeats_are_logged_once_and_counted_always() {
     assert_blk_served(&server.sock, 7);
 }
 
-/// The server's open eventfds (`/proc/PID/fd`).
-fn eventfds(server: &Server) -> usize {
-    std::fs::read_dir(format!("/proc/{}/fd", server.child.id()))
-        .unwrap()
-        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-        .filter(|l| l.to_string_lossy() == "anon_inode:[eventfd]")
-        .count()
+/// The server's open fds (`/proc/PID/fd`) by kind: the `readlink` target without its inode
+/// (`socket`, `pipe`, `anon_inode:[eventfd]`, `/memfd:...`), with how many of each.
+fn fds_by_kind(server: &Server) -> std::collections::BTreeMap<String, usize> {
+    let mut kinds = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(format!("/proc/{}/fd", server.child.id())).unwrap() {
+        let Some(target) = entry.ok().and_then(|e| std::fs::read_link(e.path()).ok()) else {
+            continue; // closed between the listing and the readlink
+        };
+        let target = target.to_string_lossy().into_owned();
+        let kind = match target.split_once(":[") {
+            Some((kind, _)) if !target.starts_with("anon_inode") => kind.to_string(),
+            _ => target
+                .split(" (deleted)")
+                .next()
+                .unwrap_or_default()
+                .to_string(),
+        };
+        *kinds.entry(kind).or_insert(0) += 1;
+    }
+    kinds
+}
+
+/// Asserts the server holds the fds of `baseline`, once the next benign front end (`seed`)
+/// has been served.
+fn assert_fds_back_to(
+    server: &mut Server,
+    baseline: &std::collections::BTreeMap<String, usize>,
+    what: &str,
+    seed: u64,
+) {
+    server.assert_alive(what);
+    assert_blk_served(&server.sock, seed);
+    wait_disconnected(server, what);
+    assert_eq!(
+        &fds_by_kind(server),
+        baseline,
+        "the server keeps a front end's fd after {what}"
+    );
 }
 
 #[test]
 fn no_front_end_fd_outlives_its_session() {
-    let server = Server::start();
-    // A session without fds first (whatever the device creates once and keeps is counted).
-    let mut d = negotiated(&server);
-    d.set_mem_table().unwrap();
-    drop(d);
+    let mut server = Server::start();
+    // A benign session first: whatever the server creates once and keeps (the listening
+    // socket, its log, the disk file, the bounce pool) is in the baseline.
+    assert_blk_served(&server.sock, 1);
     wait_disconnected(&server, "first session");
-    let baseline = eventfds(&server);
-    // A session with kick, call and error eventfds on its queue, its worker broken (the error
-    // fd signalled), then gone.
+    let baseline = fds_by_kind(&server);
+    assert!(
+        baseline.get("socket") >= Some(&1),
+        "the listening socket is not among the server's fds: {baseline:?}"
+    );
+
+    // Kick, call and error eventfds on its queue, its worker broken (the error fd signalled).
     let mut d = negotiated(&server);
     d.set_mem_table().unwrap();
     break_queue_0(&mut d);
@@ -330,11 +365,50 @@ fn no_front_end_fd_outlives_its_session() {
     );
     drop(d);
     wait_disconnected(&server, "session with an error fd");
-    assert_eq!(
-        eventfds(&server),
-        baseline,
-        "the server keeps a front end's eventfd after its session ended"
+    assert_fds_back_to(&mut server, &baseline, "a session with an error fd", 2);
+
+    // A kick fd that is a pipe holding one byte, refused.
+    let mut d = negotiated(&server);
+    d.set_mem_table().unwrap();
+    let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
+    assert!(
+        refused(&d, 12, &0u64.to_le_bytes(), vec![pipe]),
+        "the pipe was accepted"
     );
+    drop(d);
+    wait_disconnected(&server, "refused kick pipe");
+    assert_fds_back_to(&mut server, &baseline, "a refused kick pipe", 3);
+
+    // A call eventfd at its maximum, the queue served, then gone.
+    let mut d = negotiated(&server);
+    d.calls[0] = full_eventfd();
+    start_queue_0(&mut d);
+    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x5a; 4096]));
+    assert!(d.poll_used(0).is_some(), "the write never completed");
+    drop(d);
+    wait_disconnected(&server, "full call counter");
+    assert_fds_back_to(&mut server, &baseline, "a full call counter", 4);
+
+    // A session that ends mid-setup: memory mapped, the ring's fds handed over, never enabled.
+    let mut d = negotiated(&server);
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(0).unwrap();
+    drop(d);
+    wait_disconnected(&server, "mid-setup");
+    assert_fds_back_to(&mut server, &baseline, "a session ended mid-setup", 5);
+
+    // Memory added region by region (ADD_MEM_REG), a queue running on it.
+    let mut d = negotiated(&server);
+    for region in d.regions_split_at(MEM_SIZE as u64 / 2) {
+        d.frontend.add_mem_region(&region).unwrap();
+    }
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0xa5; 4096]));
+    assert!(d.poll_used(0).is_some(), "the write never completed");
+    drop(d);
+    wait_disconnected(&server, "ADD_MEM_REG");
+    assert_fds_back_to(&mut server, &baseline, "a session with added regions", 6);
 }
 
 /// Bytes of each request of [`a_stop_with_requests_in_flight_returns_every_one_it_counts`]:
