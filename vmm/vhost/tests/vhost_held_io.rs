@@ -25,8 +25,7 @@ use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
 use vhost_support::inproc::{start_server_with_stats, stats, wait_stats};
 use vhost_support::{
-    blk_request_at, blk_request_on, blk_status, blk_status_on, wait_used, Driver, BLK_DATA,
-    MEM_SIZE,
+    blk_request_on, blk_status, blk_status_on, wait_used, Driver, BLK_DATA, MEM_SIZE,
 };
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{Bytes, GuestAddress, VolatileSlice};
@@ -185,7 +184,15 @@ fn a_region_removed_with_reads_in_flight_stays_mapped_until_they_complete() {
             d.mem
                 .write_slice(&[0u8; 4096], GuestAddress(buf(slot)))
                 .unwrap();
-            blk_request_at(&mut d, slot, VIRTIO_BLK_T_IN, sector(slot), buf(slot), 4096);
+            blk_request_on(
+                &mut d,
+                0,
+                slot,
+                VIRTIO_BLK_T_IN,
+                sector(slot),
+                buf(slot),
+                4096,
+            );
         }
         gate.wait_arrived(1);
         d.frontend.remove_mem_region(&high).unwrap();
@@ -211,7 +218,7 @@ fn a_region_removed_with_reads_in_flight_stays_mapped_until_they_complete() {
         // holds it.
         let low_buf = 0x20_0000;
         assert!(low_buf + 4096 <= BLK_DATA);
-        blk_request_at(&mut d, 0, VIRTIO_BLK_T_IN, 64, low_buf, 4096);
+        blk_request_on(&mut d, 0, 0, VIRTIO_BLK_T_IN, 64, low_buf, 4096);
         wait_used(&mut d, 1);
         assert_eq!(blk_status(&d, 0), 0, "{what}");
         let deadline = Instant::now() + Duration::from_secs(10);

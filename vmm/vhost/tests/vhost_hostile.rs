@@ -29,7 +29,7 @@ use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::child::Server;
 use vhost_support::{
-    assert_blk_served, blk_request, blk_request_at, blk_status, full_eventfd, mem_table_body,
+    assert_blk_served, blk_request, blk_request_on, blk_status, full_eventfd, mem_table_body,
     refused, Driver, NotEventFd, BATCH, BLK_DATA, MEM_SIZE,
 };
 use vm_memory::{Bytes, GuestAddress};
@@ -439,7 +439,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
             let write = |d: &mut Driver, slot: u16, round: u8| {
                 let data = large_pattern(slot, round);
                 d.mem.write_slice(&data, GuestAddress(buf(slot))).unwrap();
-                blk_request_at(d, slot, VIRTIO_BLK_T_OUT, sector(slot), buf(slot), LARGE);
+                blk_request_on(d, 0, slot, VIRTIO_BLK_T_OUT, sector(slot), buf(slot), LARGE);
             };
             for round in 0..3u8 {
                 let what = format!("cache={cache} {bounce:?} round {round}");
@@ -484,8 +484,9 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                     d.mem
                         .write_slice(&vec![0u8; LARGE as usize], GuestAddress(buf(slot)))
                         .unwrap();
-                    blk_request_at(
+                    blk_request_on(
                         &mut d,
+                        0,
                         slot,
                         VIRTIO_BLK_T_IN,
                         sector(slot),

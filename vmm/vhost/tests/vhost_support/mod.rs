@@ -579,20 +579,7 @@ pub fn blk_request(d: &mut Driver, slot: u16, kind: u32, sector: u64, data: Opti
         Some(bytes) => d.mem.write_slice(bytes, GuestAddress(buf)).unwrap(),
         None => d.mem.write_slice(&[0u8; 4096], GuestAddress(buf)).unwrap(),
     }
-    blk_request_at(d, slot, kind, sector, buf, 4096)
-}
-
-/// Posts an IN or OUT request in request slot `slot` whose data buffer is `len` bytes at
-/// guest address `buf` (as they are); its status byte starts as [`STATUS_UNSET`].
-pub fn blk_request_at(
-    d: &mut Driver,
-    slot: u16,
-    kind: u32,
-    sector: u64,
-    buf: u64,
-    len: u32,
-) -> u16 {
-    blk_request_on(d, 0, slot, kind, sector, buf, len)
+    blk_request_on(d, 0, slot, kind, sector, buf, 4096)
 }
 
 /// Where the header and the status byte of request slot `slot` of queue `q` are.
@@ -601,7 +588,9 @@ fn blk_slot_addrs(q: usize, slot: u16) -> (u64, u64) {
     (BLK_HDRS + n * 16, BLK_STATUS + n)
 }
 
-/// As [`blk_request_at`] on queue `q` (each queue has its own headers and status bytes).
+/// Posts an IN or OUT request in request slot `slot` of queue `q` (each queue has its own
+/// headers and status bytes) whose data buffer is `len` bytes at guest address `buf` (as they
+/// are); its status byte starts as [`STATUS_UNSET`].
 pub fn blk_request_on(
     d: &mut Driver,
     q: usize,
