@@ -17,6 +17,10 @@
 #   kprobes     (default) kprobes on swiotlb_tbl_map_single (arguments, return value and every
 #               area's used count and rolling index read at the return) and
 #               __swiotlb_tbl_unmap_single (arguments). Exact: swiotlb-kernel-trace/1.
+#               dma:dma_unmap_page (6.12 and later) backs the unmap probe up: a kprobe that
+#               fires while another probe's handler runs on the same CPU is skipped and only
+#               counted (kprobe_profile "missed"); the trace event, emitted by the same
+#               dma_unmap_page call right after the release, stands in for it.
 #               On a kernel with CONFIG_SWIOTLB_DYNAMIC (debugfs has io_tlb_transient_nslabs)
 #               it also records the dynamic pools, as swiotlb-kernel-trace/2: the allocator's
 #               counters at every map's return, the pool each unmap released into, every
@@ -34,7 +38,8 @@
 #
 # Parameters (kernel command line): bvm.dev=/dev/vda (the disk fio runs on), bvm.trace_serial,
 # bvm.capture=kprobes, bvm.visible_at, bvm.runtime=3, bvm.size=32M, bvm.iodepth=16,
-# bvm.bsrange=512-256k, bvm.rw=randrw, bvm.numjobs=1.
+# bvm.bsrange=512-256k, bvm.rw=randrw, bvm.numjobs=1, bvm.skip_unmap_probe=0 (N: drop every Nth
+# unmap probe event, to test the dma:dma_unmap_page backup).
 # Prints BVM-INFO/BVM-LOG lines and one "BVM-RESULT test=swiotlb-capture ..." line.
 #
 # Layouts assumed (Linux 6.6-6.12, no lock debugging), checked at run time against debugfs,
@@ -125,7 +130,7 @@ addprobe() {
         fail kprobe-refused
     }
 }
-apool=""; visible_probe=""
+apool=""; visible_probe=""; backstop=0
 if [ "$mode" = dma-events ]; then
     for e in swiotlb/swiotlb_bounced dma/dma_map_page dma/dma_unmap_page; do
         [ -w "$TR/events/$e/enable" ] || fail no-dma-events "missing=$e"
@@ -168,6 +173,9 @@ else
         [ -n "$dynalloc" ] || fail no-symbol "swiotlb_dyn_alloc"
         events="bvm/bvm_map bvm/bvm_mapret bvm/bvm_unmap bvm/bvm_apool bvm/bvm_apoolret bvm/bvm_dynfree bvm/bvm_worker bvm/bvm_workerret"
         [ -n "${C_visible_at:-}" ] && events="$events bvm/bvm_visible"
+    fi
+    if [ -w "$TR/events/dma/dma_unmap_page/enable" ]; then
+        events="$events dma/dma_unmap_page"; backstop=1
     fi
     # The pool is not fresh: boot-time maps have moved each area's rolling index. Read every
     # area's used count and index now, through a probe on uname(2) (which does no DMA), so the
@@ -240,6 +248,8 @@ for c in "$TR"/per_cpu/cpu*; do
 done
 missed="$(awk '$1 ~ /bvm_/ {s += $3} END {print s + 0}' "$TR/kprobe_profile" 2>/dev/null)"
 [ -n "$missed" ] || missed=0
+missed_unmap="$(awk '$1 ~ /bvm_unmap$/ {s += $3} END {print s + 0}' "$TR/kprobe_profile" 2>/dev/null)"
+[ -n "$missed_unmap" ] || missed_unmap=0
 [ "$missed" = 0 ] || awk '$1 ~ /bvm_/ && $3 > 0 {print "BVM-LOG kprobe missed: " $0}' "$TR/kprobe_profile"
 
 # ---------------------------------------------------------------- convert
@@ -254,7 +264,7 @@ cmdline="$(cat /proc/cmdline)"
 awk -v nslabs="$nslabs" -v nareas="$nareas" -v default_nareas="$default_nareas" -v dyn="$dyn" \
     -v mode="$mode" -v pool_start="$pool_start" -v pool_end="$pool_end" -v kernel="$(uname -r)" \
     -v cmdline="$cmdline" -v cpus="$(grep -c ^processor /proc/cpuinfo)" -v lost="$lost" \
-    -v missed="$missed" -v before="$before" -v after="$after" -v start_used="$start_used" \
+    -v missed="$missed" -v missed_unmap="$missed_unmap" -v backstop="$backstop" -v skip_unmap="${C_skip_unmap_probe:-0}" -v before="$before" -v after="$after" -v start_used="$start_used" \
     -v start_index="$start_index" -v can_grow="$can_grow" -v phys_limit="$phys_limit" \
     -v apool="$apool" -v visible_probe="$visible_probe" -v pool_start_dmesg="$pool_start_dmesg" '
 function kv(s,   n, i, f, p) {
@@ -328,6 +338,17 @@ BEGIN {
     else if (ev == "dma_map_page" || ev == "dma_unmap_page") { sub(/^ +/, "", args); evdev = args; sub(/ .*/, "", evdev) }
     kv(args)
     nev++
+    # bvm.skip_unmap_probe=N: every Nth unmap probe event is dropped, as if the kprobe had been
+    # skipped, to check that the trace event restores it
+    if (ev == "bvm_unmap" && skip_unmap > 0 && ++unmap_probe_hits % skip_unmap == 0) { injected++; next }
+    # dma_unmap_page beside the unmap kprobe: dropped when the probe saw that unmap, the unmap
+    # itself when the probe was skipped (same CPU, same call, right after the release)
+    if (backstop && ev == "dma_unmap_page") {
+        t = sprintf("%.0f", hexnum(V["dma_addr"]))
+        if (KP[t] > 0) { if (--KP[t] == 0) delete KP[t]; next }
+        if (!(t in live)) { unmatched++; next }
+        recovered++
+    }
     # A map or unmap on another CPU inside the window of a map makes the order ambiguous; the
     # events of the dynamic pools a map causes happen inside its own window, and the growth
     # worker allocates without touching a slot (its pool becoming visible is handled below).
@@ -378,6 +399,8 @@ BEGIN {
         if (ret == FAIL) { tail = tail ",\"kernel_tlb_addr\":null,\"kernel_error\":\"full\""; failed++ }
         else {
             tail = tail ",\"kernel_tlb_addr\":" ret
+            # an address handed out while still live: an unmap went unrecorded
+            if (ret in live) reused++
             live[ret] = pid_of[cpu]; nlive++
             lookup(ret)
             if (dyn) {
@@ -406,12 +429,16 @@ BEGIN {
             op[nops] = sprintf("{\"op\":\"unmap\",\"id\":%d,\"tlb_addr\":%s,\"size\":%s,\"cpu\":%d,\"dir\":%s,\"attrs\":%s,\"ts\":%s}", live[t], t, V["size"], cpu, V["dir"], V["attrs"], ts)
         else
             op[nops] = sprintf("{\"op\":\"unmap\",\"id\":%d,\"tlb_addr\":%s,\"size\":%s,\"cpu\":%d,\"dir\":%d,\"attrs\":%d,\"ts\":%s}", live[t], t, V["size"], cpu, DIRN[V["dir"]], attr_bits(V["attrs"]), ts)
-        if (dyn && V["pptransient"] == 1) {
+        if (ev == "bvm_unmap" && backstop) KP[t]++
+        # the pool the slots went back to: the probe reads it, the trace event has the address
+        s = ""
+        if (dyn && ev == "bvm_unmap" && V["pptransient"] == 1) { s = V["ppstart"]; sn = V["ppnslabs"] }
+        else if (dyn && ev == "dma_unmap_page") { lookup(t); if (pk == "transient") { s = ps; sn = TRANS[ps] } }
+        if (s != "") {
             # __swiotlb_tbl_unmap_single -> swiotlb_del_transient: the whole pool goes
-            s = V["ppstart"]
             if (!(s in TRANS)) unknown_transient_free++
             else {
-                op[nops] = op[nops] "\n" sprintf("{\"op\":\"transient_free\",\"id\":%d,\"start\":%s,\"nslabs\":%s,\"ts\":%s}", live[t], s, V["ppnslabs"], ts)
+                op[nops] = op[nops] "\n" sprintf("{\"op\":\"transient_free\",\"id\":%d,\"start\":%s,\"nslabs\":%s,\"ts\":%s}", live[t], s, sn, ts)
                 GONE[s] = 1; delete TRANS[s]; ntfree++
             }
         }
@@ -484,6 +511,7 @@ BEGIN {
     if (!npend && working <= 0) flush()
 }
 END {
+    missed += injected
     for (c in pend) { pending++; op[pend[c]] = "" }
     flush()
     if (pool_start == "") { pool_start = pstart; pool_end = pstart + nslabs * 2048 }
@@ -531,7 +559,7 @@ END {
     printf "\"start_source\":\"%s\",", start_source
     if (mode == "dma-events") printf "\"start_candidates\":[%.0f,%.0f],\"kernel_dynamic_pools\":%d,", cand_lo, cand_hi, kdyn
     printf "\"clock\":\"x86-tsc\",\"devices\":[%s],", devlist
-    printf "\"counts\":{\"events\":%d,\"map\":%d,\"map_failed\":%d,\"unmap\":%d,\"unmatched_unmap\":%d,\"unpaired_return\":%d,\"entry_with_pending\":%d,\"interleaved_maps\":%d,\"pending_at_end\":%d,\"live_at_end\":%d,\"unparsed_lines\":%d,\"lost_events\":%d,\"kprobe_missed\":%d", nev, nmap, failed, nunmap, unmatched, unpaired, entry_with_pending, interleaved, pending, nlive, unparsed, lost, missed
+    printf "\"counts\":{\"events\":%d,\"map\":%d,\"map_failed\":%d,\"unmap\":%d,\"unmatched_unmap\":%d,\"unpaired_return\":%d,\"entry_with_pending\":%d,\"interleaved_maps\":%d,\"pending_at_end\":%d,\"live_at_end\":%d,\"unparsed_lines\":%d,\"lost_events\":%d,\"kprobe_missed\":%d,\"unmap_probe_skipped\":%d,\"unmap_recovered\":%d,\"kprobe_unrecovered\":%d,\"live_reused\":%d", nev, nmap, failed, nunmap, unmatched, unpaired, entry_with_pending, interleaved, pending, nlive, unparsed, lost, missed, injected, recovered, missed - recovered, reused
     if (mode == "dma-events") printf ",\"not_bounced\":%d,\"outside_default_pool\":%d", not_bounced, outside_default
     if (dyn) {
         printf ",\"grow_requests\":%d,\"worker_runs\":%d,\"worker_alloc_failed\":%d,\"pool_add\":%d,\"added_nslabs\":%d,\"pool_add_moved\":%d,\"maps_racing_pool_add\":%d,\"pool_head_mismatch\":%d,\"worker_without_visible\":%d,\"unexpected_visible\":%d", ngrow, nworker, nworker_alloc_failed, nadd, added_nslabs, pool_add_moved, nracing, pool_head_mismatch, worker_without_visible, unexpected_visible
@@ -542,9 +570,9 @@ END {
         printf "\"source\":\"bouncevm images/swiotlb-capture.sh bvm.capture=dma-events: trace events swiotlb:swiotlb_bounced (opens a map), dma:dma_map_page (phys_addr, dma_addr = the bounce address, size, dir, attrs), dma:dma_unmap_page (dma_addr); no area state\"}\n"
     } else {
         printf "\"area_fields\":\"kernel_area_used/index: io_tlb_area.used/.index of each area read at the kretprobe of swiotlb_tbl_map_single; left out for a map with another swiotlb event between its entry and return\","
-        printf "\"source\":\"bouncevm images/swiotlb-capture.sh: kprobe p:swiotlb_tbl_map_single(dev=%%di orig=%%si size=%%dx aam=%%cx dir=%%r8 attrs=%%r9), kretprobe $retval, p:__swiotlb_tbl_unmap_single(dev=%%di tlb=%%si size=%%dx dir=%%cx attrs=%%r8)%s\"}\n", (dyn ? "; dynamic pools: see bounce/traces/README.md" : "")
+        printf "\"source\":\"bouncevm images/swiotlb-capture.sh: kprobe p:swiotlb_tbl_map_single(dev=%%di orig=%%si size=%%dx aam=%%cx dir=%%r8 attrs=%%r9), kretprobe $retval, p:__swiotlb_tbl_unmap_single(dev=%%di tlb=%%si size=%%dx dir=%%cx attrs=%%r8)%s%s\"}\n", (backstop ? ", dma:dma_unmap_page for an unmap whose kprobe was skipped" : ""), (dyn ? "; dynamic pools: see bounce/traces/README.md" : "")
     }
-    printf "BVM-COUNTS maps=%d failed=%d unmaps=%d unmatched=%d unpaired=%d interleaved=%d pending=%d live=%d lost=%d missed=%d unparsed=%d pool_nslabs=%s pool_nareas=%s", nmap, failed, nunmap, unmatched, unpaired, interleaved, pending, nlive, lost, missed, unparsed, pnslabs, pnareas > "/tmp/counts"
+    printf "BVM-COUNTS maps=%d failed=%d unmaps=%d unmatched=%d unpaired=%d interleaved=%d pending=%d live=%d lost=%d missed=%d missed_unmap=%d injected=%d recovered=%d unrecovered=%d reused=%d unparsed=%d pool_nslabs=%s pool_nareas=%s", nmap, failed, nunmap, unmatched, unpaired, interleaved, pending, nlive, lost, missed, missed_unmap, injected, recovered, missed - recovered, reused, unparsed, pnslabs, pnareas > "/tmp/counts"
     if (mode == "dma-events") printf " not_bounced=%d outside_default=%d start_source=%s", not_bounced, outside_default, start_source > "/tmp/counts"
     if (dyn) printf " grows=%d workers=%d pool_adds=%d added_nslabs=%d moved=%d racing=%d head_mismatch=%d transients=%d transient_failed=%d transient_search_failed=%d transient_frees=%d in_added=%d in_transient=%d unknown_pool=%d unknown_free=%d unpaired_apool=%d apool_unexpected=%d", ngrow, nworker, nadd, added_nslabs, pool_add_moved, nracing, pool_head_mismatch, ntalloc, ntalloc_failed, tsearch_failed, ntfree, nin_added, nin_trans, unknown_pool, unknown_free, unpaired_apool, apool_args_unexpected > "/tmp/counts"
     printf "\n" > "/tmp/counts"
