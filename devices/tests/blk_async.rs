@@ -778,3 +778,109 @@ fn devices_on_one_shared_pool_compete_for_its_slots() {
         assert_eq!(pool_a.used() + pool_b.used(), 0, "{name}");
     }
 }
+
+/// Linux's default pool is one pool for every device: a NIC's frames and a disk's reads
+/// compete for it. A read held in the disk takes every slot of a shared 128-slot pool, so the
+/// NIC's next frame cannot be bounced (dropped and counted, the chain still completed) and sent
+/// once the read is done; with a pool each the frame goes out at once. The NIC's and the
+/// disk's counts sum to the shared pool's.
+#[test]
+fn a_nic_and_a_disk_on_one_shared_pool_compete_for_its_slots() {
+    use devices::net::{MemBackend, Net, NetBackend, NetConfig, VnetHeader};
+    use devices::options::BounceOptions;
+    use devices::pools::PoolRegistry;
+    const TXQ: u16 = 1;
+    for shared in [true, false] {
+        let name = if shared { "shared" } else { "own pools" };
+        let opts: BounceOptions = format!(
+            "slots=128,areas=1,on-full=fail{}",
+            if shared { ",pool=shared" } else { "" }
+        )
+        .parse()
+        .unwrap();
+        let mut pools = PoolRegistry::default();
+        let (dma_disk, _) = pools.dma("disk", &opts, 1).unwrap();
+        let (dma_nic, _) = pools.dma("nic", &opts, 1).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let gated = GateDisk {
+            mem: MemDisk::new(DISK).unwrap(),
+            gate: Mutex::new(rx),
+        };
+        let c = BlockConfig {
+            on_full: opts.on_full,
+            ..cfg(AioMode::Threads, CacheMode::Writeback)
+        };
+        let mut disk = driver(gated, c, dma_disk, 64);
+        let be = MemBackend::new().unwrap();
+        let boxed: Box<dyn NetBackend> = Box::new(be.clone());
+        let nic = Net::new(NetConfig::default(), vec![boxed], dma_nic).expect("net device");
+        let mut nic = TestDriver::new(nic, RAM);
+        nic.negotiate(u64::MAX);
+        nic.activate(64).expect("activate the NIC");
+        // Dropped before `disk` if an assertion fails: the held read then goes through.
+        let tx = tx;
+        // 252 KiB of data (126 slots) and the status byte (1 slot): one slot left, and the
+        // NIC's 3000-byte frame needs two.
+        let held = post(&mut disk, VIRTIO_BLK_T_IN, 0, &[], 252 << 10, 0);
+        disk.kick(0).unwrap();
+        assert_eq!(
+            status_of(&disk, held),
+            STATUS_UNSET,
+            "{name}: completed early"
+        );
+        assert_eq!(
+            disk.device.dma().pool().map(|p| p.used()),
+            Some(127),
+            "{name}"
+        );
+        let mut frame = VnetHeader::default().to_bytes().to_vec();
+        frame.extend((0..3000u32).map(|i| (i * 7) as u8));
+        let send = |nic: &mut TestDriver<Net>| {
+            let at = nic.ram.alloc_bytes(&frame);
+            let len = u32::try_from(frame.len()).unwrap();
+            nic.post(TXQ, &[Buf::ro(at, len)])
+                .expect("free descriptors");
+            nic.kick(TXQ).unwrap();
+            assert_eq!(nic.reap(TXQ).len(), 1, "{name}: the TX chain is completed");
+        };
+        let net = |nic: &TestDriver<Net>| VirtioDevice::<GuestMemoryMmap>::stats(&nic.device);
+        send(&mut nic);
+        let s = net(&nic);
+        if shared {
+            assert_eq!(s["net"]["tx_bounce_failures"], 1, "{s}");
+            assert_eq!(s["dma"]["map_failures"], 1, "{s}");
+            assert!(be.take_sent().is_empty(), "{name}: a frame went out");
+        } else {
+            assert_eq!(s["net"]["tx_bounce_failures"], 0, "{s}");
+            let sent = be.take_sent();
+            assert!(
+                sent == [frame.clone()],
+                "{name}: {} frames, not the one posted",
+                sent.len()
+            );
+        }
+        tx.send(()).unwrap();
+        settle(&mut disk, 1, Vec::new());
+        assert_eq!(status_of(&disk, held), VIRTIO_BLK_S_OK, "{name}");
+        // With the read's slots back, the NIC's next frame goes out.
+        send(&mut nic);
+        assert_eq!(be.take_sent().len(), 1, "{name}");
+        let (dd, dn) = (stats(&disk)["dma"].clone(), net(&nic)["dma"].clone());
+        let count = |d: &serde_json::Value, k: &str| d[k].as_u64().unwrap();
+        if shared {
+            let listed = pools.pools_json();
+            assert_eq!(listed[0]["devices"], serde_json::json!(["disk", "nic"]));
+            for k in ["maps", "map_failures", "unmaps"] {
+                assert_eq!(
+                    listed[0]["stats"][k].as_u64(),
+                    Some(count(&dd, k) + count(&dn, k)),
+                    "{k}: {dd} {dn}"
+                );
+            }
+            assert_eq!(listed[0]["stats"]["used"], 0, "{listed}");
+        } else {
+            assert_eq!(pools.pools_json(), serde_json::json!([]));
+        }
+        assert!(count(&dd, "maps") > 0 && count(&dn, "maps") > 0, "{name}");
+    }
+}
