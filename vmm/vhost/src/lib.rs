@@ -33,4 +33,4 @@ pub mod slots;
 pub use backend::{Memory, VhostUserDevice};
 pub use bouncevm_common::SignalFd;
 pub use layout::QueueLayout;
-pub use server::{Server, ServerError, StopHandle};
+pub use server::{PrintHandle, PrintPeers, Server, ServerError, StopHandle};

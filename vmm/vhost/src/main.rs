@@ -14,14 +14,16 @@
 //! ```
 //!
 //! SIGINT/SIGTERM stop the server (final statistics are printed to stderr as one JSON line);
-//! SIGUSR1 prints the statistics; `--stats-socket` answers one JSON line per connection.
+//! SIGUSR1 prints the statistics (a line per device); `--stats-socket` answers one JSON line
+//! per connection.
 //! Any error is one line on stderr and a non-zero exit status. Logs: `BOUNCEVM_LOG`.
 //!
 //! One process serves several devices when their command lines are joined by `--also`
 //! (`bouncevm-vhost blk ... --also net ...`): each has its own socket and server thread, and
 //! devices whose `--bounce` options name one `pool=NAME` share that pool. The first device's
-//! server takes the signals; when any server ends, the others are stopped, and each prints its
-//! final statistics line (its device's, with the shared pools under `pools`).
+//! server takes the signals (on SIGUSR1 every server prints its line); when any server ends,
+//! the others are stopped, and each prints its final statistics line (its device's, with the
+//! shared pools under `pools`).
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -31,7 +33,7 @@ use std::sync::{mpsc, Arc};
 use bounce::PoolStats;
 use bouncevm_common::sock;
 use bouncevm_vhost::layout::{MAX_NET_QUEUE_PAIRS, MAX_QUEUES};
-use bouncevm_vhost::{Memory, Server, SignalFd, StopHandle};
+use bouncevm_vhost::{Memory, PrintHandle, PrintPeers, Server, SignalFd, StopHandle};
 use clap::{Args, Parser, Subcommand};
 use devices::block::io::{AioMode, CacheMode, ImageFormat};
 use devices::block::BlockConfig;
@@ -208,20 +210,22 @@ enum Device {
     Net(builder::Built<devices::net::Net>),
 }
 
-/// A bound server: what stops it, and what runs it (serves until stopped, then prints the
-/// final statistics).
+/// A bound server: what stops it, what makes it print its statistics, and what runs it
+/// (serves until stopped, then prints the final statistics).
 struct Bound {
     stop: StopHandle,
+    print: PrintHandle,
     run: Box<dyn FnOnce() -> Result<(), String> + Send>,
 }
 
-/// Binds the server for `device` (with the signals when given); its sockets accept
-/// connections from here on.
+/// Binds the server for `device` (with the signals when given, and `peers` to print along on
+/// SIGUSR1); its sockets accept connections from here on.
 fn bind<D: VirtioDevice<Memory> + Send + 'static>(
     name: &str,
     built: builder::Built<D>,
     common: &Common,
     signals: Option<SignalFd>,
+    peers: &PrintPeers,
     pools: &Arc<PoolRegistry>,
 ) -> Result<Bound, String> {
     let mode = common.socket_mode;
@@ -233,7 +237,7 @@ fn bind<D: VirtioDevice<Memory> + Send + 'static>(
             .map_err(|e| e.to_string())?;
     }
     if let Some(s) = signals {
-        server = server.with_signals(s);
+        server = server.with_signals(s).with_print_peers(Arc::clone(peers));
     }
     let pool = built.pool;
     let reset_pool = pool.clone();
@@ -254,6 +258,7 @@ fn bind<D: VirtioDevice<Memory> + Send + 'static>(
         server = server.with_stats_source("pools", move || pools.pools_json());
     }
     let stop = server.stop_handle().map_err(|e| e.to_string())?;
+    let print = server.print_handle().map_err(|e| e.to_string())?;
     let name = name.to_string();
     let socket = common.socket.clone();
     let run = Box::new(move || {
@@ -262,7 +267,7 @@ fn bind<D: VirtioDevice<Memory> + Send + 'static>(
         eprintln!("{}", server.stats());
         Ok(())
     });
-    Ok(Bound { stop, run })
+    Ok(Bound { stop, print, run })
 }
 
 /// Builds the device of one command line, its DMA from `pools` (the device id is its socket).
@@ -341,13 +346,14 @@ fn run(clis: Vec<Cli>, signals: SignalFd) -> Result<(), String> {
         .collect::<Result<Vec<_>, _>>()?;
     let pools = Arc::new(pools);
     let mut signals = Some(signals);
+    let peers = PrintPeers::default();
     let mut bound = Vec::new();
     let mut pids = Vec::new();
     for p in prepared {
         let s = signals.take();
         bound.push(match p.device {
-            Device::Blk(b) => bind(p.name, b, &p.common, s, &pools)?,
-            Device::Net(n) => bind(p.name, n, &p.common, s, &pools)?,
+            Device::Blk(b) => bind(p.name, b, &p.common, s, &peers, &pools)?,
+            Device::Net(n) => bind(p.name, n, &p.common, s, &peers, &pools)?,
         });
         // The socket (and the stats socket) accept connections from here on.
         if let Some(path) = p.common.pidfile.as_deref() {
@@ -359,6 +365,12 @@ fn run(clis: Vec<Cli>, signals: SignalFd) -> Result<(), String> {
     let mut threads = Vec::new();
     for (i, b) in bound.into_iter().enumerate() {
         stops.push(b.stop);
+        if i > 0 {
+            peers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(b.print);
+        }
         let (run, done_tx) = (b.run, done_tx.clone());
         let t = std::thread::Builder::new()
             .name(format!("serve-{i}"))

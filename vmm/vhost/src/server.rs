@@ -103,6 +103,23 @@ impl StopHandle {
     }
 }
 
+/// A handle that makes a running [`Server::run`] print its statistics line to stderr, from
+/// another thread (the server that takes SIGUSR1 passes it on to the other devices of its
+/// process).
+#[derive(Debug)]
+pub struct PrintHandle(EventFd);
+
+impl PrintHandle {
+    /// Asks the server to print its statistics.
+    pub fn print(&self) {
+        let _ = self.0.write(1);
+    }
+}
+
+/// The servers that print their statistics along with the one that takes SIGUSR1: the other
+/// devices of one process, added once they are bound.
+pub type PrintPeers = Arc<Mutex<Vec<PrintHandle>>>;
+
 /// Where a statistics source comes from: a name and a closure producing JSON.
 type StatsSource = (String, Box<dyn Fn() -> Value + Send>);
 
@@ -135,7 +152,9 @@ pub struct Server<D> {
     /// Run when a statistics client sends `reset` (high-water marks, histograms).
     resets: Vec<Box<dyn Fn() + Send>>,
     stop: EventFd,
+    print: EventFd,
     signals: Option<SignalFd>,
+    peers: PrintPeers,
     /// The adapter of the current (or last) connection.
     current: Option<Arc<VhostUserDevice<D>>>,
     connected: bool,
@@ -156,6 +175,7 @@ impl<D> std::fmt::Debug for Server<D> {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Source {
     Stop,
+    Print,
     Signal,
     Stats,
     Accept,
@@ -186,6 +206,7 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         check_queue_count(device.num_queues())?;
         let listener = bind_socket_mode(socket, mode)?;
         let stop = EventFd::new(EFD_NONBLOCK).map_err(os("creating the stop event"))?;
+        let print = EventFd::new(EFD_NONBLOCK).map_err(os("creating the print event"))?;
         Ok(Self {
             name: name.to_string(),
             device: Arc::new(Mutex::new(device)),
@@ -195,7 +216,9 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
             sources: Vec::new(),
             resets: Vec::new(),
             stop,
+            print,
             signals: None,
+            peers: PrintPeers::default(),
             current: None,
             connected: false,
             counters: Arc::default(),
@@ -227,6 +250,12 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         self
     }
 
+    /// On SIGUSR1, also asks `peers` to print theirs.
+    pub fn with_print_peers(mut self, peers: PrintPeers) -> Self {
+        self.peers = peers;
+        self
+    }
+
     /// Adds a statistics source shown under `name` (e.g. the bounce pool).
     pub fn with_stats_source(
         mut self,
@@ -250,6 +279,14 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
     /// The event could not be duplicated.
     pub fn stop_handle(&self) -> io::Result<StopHandle> {
         self.stop.try_clone().map(StopHandle)
+    }
+
+    /// A handle that makes [`Server::run`] print the statistics.
+    ///
+    /// # Errors
+    /// The event could not be duplicated.
+    pub fn print_handle(&self) -> io::Result<PrintHandle> {
+        self.print.try_clone().map(PrintHandle)
     }
 
     /// The socket path.
@@ -291,7 +328,10 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         let mut conn: Option<Connection> = None;
         let mut stopping = false;
         while !stopping {
-            let mut sources = vec![(Source::Stop, self.stop.as_raw_fd())];
+            let mut sources = vec![
+                (Source::Stop, self.stop.as_raw_fd()),
+                (Source::Print, self.print.as_raw_fd()),
+            ];
             if let Some(s) = &self.signals {
                 sources.push((Source::Signal, s.as_raw_fd()));
             }
@@ -311,7 +351,10 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
                     Source::Signal => {
                         while let Some(sig) = self.signals.as_ref().and_then(SignalFd::read) {
                             match sig {
-                                libc::SIGUSR1 => eprintln!("{}", self.stats()),
+                                libc::SIGUSR1 => {
+                                    eprintln!("{}", self.stats());
+                                    lock(&self.peers).iter().for_each(PrintHandle::print);
+                                }
                                 libc::SIGINT | libc::SIGTERM => {
                                     tracing::info!("signal {sig}: stopping");
                                     stopping = true;
@@ -319,6 +362,10 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
                                 _ => {}
                             }
                         }
+                    }
+                    Source::Print => {
+                        let _ = self.print.read();
+                        eprintln!("{}", self.stats());
                     }
                     Source::Stats => self.answer_stats(),
                     Source::Accept => match self.listener.accept() {

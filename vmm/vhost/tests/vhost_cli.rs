@@ -193,24 +193,9 @@ fn stats_socket_sigusr1_reconnect_and_sigterm() {
     }
     signal(&server.0, libc::SIGUSR1);
     // Wait (bounded) for SIGUSR1's statistics line before stopping, instead of sleeping.
-    let stderr = server.0.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let reader = std::thread::spawn(move || {
-        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)) {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let (rx, reader) = stderr_lines(&mut server.0);
     let mut err = String::new();
-    while !err.lines().any(|l| l.starts_with('{')) {
-        let line = rx
-            .recv_timeout(Duration::from_secs(10))
-            .unwrap_or_else(|e| panic!("no SIGUSR1 statistics ({e}): {err}"));
-        err.push_str(&line);
-        err.push('\n');
-    }
+    wait_json_lines(&rx, 1, &mut err);
     signal(&server.0, libc::SIGTERM);
     let status = server.0.wait().unwrap();
     assert!(status.success(), "{status:?}");
@@ -347,10 +332,41 @@ fn new_flags_are_checked_and_qcow2_needs_format() {
     }
 }
 
+/// The child's stderr, line by line, from a reader thread.
+fn stderr_lines(
+    child: &mut std::process::Child,
+) -> (
+    std::sync::mpsc::Receiver<String>,
+    std::thread::JoinHandle<()>,
+) {
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stderr)) {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (rx, reader)
+}
+
+/// Appends lines from `rx` to `err` until it holds `n` JSON lines (10 s per line at most).
+fn wait_json_lines(rx: &std::sync::mpsc::Receiver<String>, n: usize, err: &mut String) {
+    while err.lines().filter(|l| l.starts_with('{')).count() < n {
+        let line = rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{n} statistics lines awaited ({e}): {err}"));
+        err.push_str(&line);
+        err.push('\n');
+    }
+}
+
 /// Two block devices in one process (`--also`) on one shared bounce pool: both serve I/O, each
 /// server's statistics carry its device's own counters and the shared pool under `pools`, and
-/// the devices' counts sum to the pool's; SIGTERM to the process stops both servers (a final
-/// line each). A second device that names the pool with other pool keys is one line.
+/// the devices' counts sum to the pool's; SIGUSR1 to the process prints a line per device, and
+/// SIGTERM stops both servers (a final line each). A second device that names the pool with other pool keys is one line.
 #[test]
 fn two_devices_in_one_process_share_a_bounce_pool() {
     let (img0, img1) = (image("shared0.img"), image("shared1.img"));
@@ -421,28 +437,32 @@ fn two_devices_in_one_process_share_a_bounce_pool() {
             "{k}: {pools} {a} {b}"
         );
     }
-    signal(&server.0, libc::SIGTERM);
+    let (rx, reader) = stderr_lines(&mut server.0);
     let mut err = String::new();
-    server
-        .0
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+    signal(&server.0, libc::SIGUSR1);
+    wait_json_lines(&rx, 2, &mut err);
+    signal(&server.0, libc::SIGTERM);
     assert!(server.0.wait().unwrap().success(), "{err}");
-    let finals: Vec<serde_json::Value> = err
+    reader.join().unwrap();
+    err.extend(rx.try_iter().map(|l| l + "\n"));
+    let lines: Vec<serde_json::Value> = err
         .lines()
         .filter(|l| l.starts_with('{'))
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(finals.len(), 2, "{err}");
-    let mut sockets: Vec<&str> = finals
-        .iter()
-        .map(|f| f["server"]["socket"].as_str().unwrap())
-        .collect();
-    sockets.sort_unstable();
+    assert_eq!(
+        lines.len(),
+        4,
+        "two SIGUSR1 lines and two final ones: {err}"
+    );
     let mut want = [p(&s0), p(&s1)];
     want.sort_unstable();
-    assert_eq!(sockets, want);
+    for (what, pair) in [("SIGUSR1", &lines[..2]), ("final", &lines[2..])] {
+        let mut sockets: Vec<&str> = pair
+            .iter()
+            .map(|f| f["server"]["socket"].as_str().unwrap())
+            .collect();
+        sockets.sort_unstable();
+        assert_eq!(sockets, want, "{what} lines");
+    }
 }
