@@ -1038,20 +1038,38 @@ mod tests {
     use super::*;
     use devices::virtio::spec::VIRTIO_F_VERSION_1;
     use devices::virtio::{ActivateError, QueueWorker, Signal, WorkerError};
-    use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
     use vhost_user_backend::VringT;
+    use virtio_queue::QueueT;
     use vm_memory::GuestAddress;
 
-    /// One queue, one worker that counts its kicks and asks for the interrupt.
-    struct Counting(Arc<AtomicUsize>);
+    /// A device whose queues are all on one thread, served by one worker that takes them in
+    /// `order`: it records the sizes of the queues it is lent on each event and asks for the
+    /// interrupt of the first of them.
+    #[derive(Clone)]
+    struct Counting {
+        order: Vec<u16>,
+        seen: Arc<Mutex<Vec<Vec<u16>>>>,
+    }
+
+    impl Counting {
+        fn new(order: &[u16]) -> Self {
+            Self {
+                order: order.to_vec(),
+                seen: Arc::default(),
+            }
+        }
+    }
 
     impl VirtioDevice<Memory> for Counting {
         fn device_type(&self) -> u32 {
             0xfff0
         }
         fn num_queues(&self) -> usize {
-            1
+            self.order.len()
+        }
+        fn queue_groups(&self) -> Vec<Vec<u16>> {
+            vec![(0..u16::try_from(self.order.len()).unwrap()).collect()]
         }
         fn queue_max_size(&self) -> u16 {
             16
@@ -1062,7 +1080,7 @@ mod tests {
         fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
         fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
         fn activate(&mut self, _: u64) -> Result<Vec<Box<dyn QueueWorker<Memory>>>, ActivateError> {
-            Ok(vec![Box::new(Counting(Arc::clone(&self.0)))])
+            Ok(vec![Box::new(self.clone())])
         }
         fn reset(&mut self) {}
         fn stats(&self) -> serde_json::Value {
@@ -1072,43 +1090,86 @@ mod tests {
 
     impl QueueWorker<Memory> for Counting {
         fn queue_indexes(&self) -> Vec<u16> {
-            vec![0]
+            self.order.clone()
         }
         fn handle(
             &mut self,
             _event: WorkerEvent,
             _mem: &Memory,
-            _queues: &mut [&mut Queue],
+            queues: &mut [&mut Queue],
         ) -> Result<Signal, WorkerError> {
-            self.0.fetch_add(1, Ordering::SeqCst);
-            Ok(Signal::default())
+            lock(&self.seen).push(queues.iter().map(|q| q.size()).collect());
+            let mut signal = Signal::default();
+            signal.add(0);
+            Ok(signal)
         }
+    }
+
+    /// An active device on 1 MiB of guest memory, and its thread's vrings set up with
+    /// `sizes`, ready and enabled.
+    fn active(dev: &VhostUserDevice<Counting>, sizes: &[u16]) -> Vec<Vring> {
+        let mem = AtomicMemory::new(Memory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap());
+        dev.update_memory(mem.clone()).unwrap();
+        dev.acked_features(feature(VIRTIO_F_VERSION_1));
+        (0u64..)
+            .zip(sizes)
+            .map(|(i, &size)| {
+                let vring = <Vring as VringT<AtomicMemory>>::new(mem.clone(), 16).unwrap();
+                let base = 0x1_0000 * (i + 1);
+                vring.set_queue_size(size);
+                vring
+                    .set_queue_info(base, base + 0x1000, base + 0x2000)
+                    .unwrap();
+                vring.set_queue_ready(true);
+                vring.set_enabled(true);
+                vring
+            })
+            .collect()
     }
 
     #[test]
     fn a_kick_on_an_active_device_does_not_take_the_negotiation_lock() {
-        let kicks = Arc::new(AtomicUsize::new(0));
-        let dev = Arc::new(VhostUserDevice::new(Counting(Arc::clone(&kicks))));
-        let mem = AtomicMemory::new(Memory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap());
-        dev.update_memory(mem.clone()).unwrap();
-        dev.acked_features(feature(VIRTIO_F_VERSION_1));
-        let vring = <Vring as VringT<AtomicMemory>>::new(mem, 16).unwrap();
-        vring.set_queue_size(16);
-        vring.set_queue_info(0x1000, 0x2000, 0x3000).unwrap();
-        vring.set_queue_ready(true);
-        vring.set_enabled(true);
+        let device = Counting::new(&[0]);
+        let seen = Arc::clone(&device.seen);
+        let dev = Arc::new(VhostUserDevice::new(device));
+        let vrings = active(&dev, &[16]);
         // The frontend's message thread holds the negotiation (a slow SET_FEATURES elsewhere).
         let neg = lock(&dev.neg);
         let (tx, rx) = std::sync::mpsc::channel();
         let d = Arc::clone(&dev);
         std::thread::spawn(move || {
-            d.handle_event(0, EventSet::IN, std::slice::from_ref(&vring), 0)
-                .unwrap();
+            d.handle_event(0, EventSet::IN, &vrings, 0).unwrap();
             tx.send(()).unwrap();
         });
         let served = rx.recv_timeout(Duration::from_secs(10));
         drop(neg);
         assert!(served.is_ok(), "the kick waited for the negotiation lock");
-        assert_eq!(kicks.load(Ordering::SeqCst), 1);
+        assert_eq!(lock(&seen).len(), 1);
+    }
+
+    #[test]
+    fn a_worker_of_two_queues_is_lent_them_in_its_order_under_two_locks_and_signals_its_first() {
+        // Device queue 1 first, as a worker may list them.
+        let device = Counting::new(&[1, 0]);
+        let seen = Arc::clone(&device.seen);
+        let dev = VhostUserDevice::new(device);
+        let vrings = active(&dev, &[8, 16]);
+        let (ours0, call0) = crate::vring::tests::eventfd();
+        let (ours1, call1) = crate::vring::tests::eventfd();
+        vrings[0].set_call(Some(ours0));
+        vrings[1].set_call(Some(ours1));
+        // The first event hands the thread's vrings over; the second is counted.
+        dev.handle_event(0, EventSet::IN, &vrings, 0).unwrap();
+        let before = crate::vring::EVENT_LOCKS.with(|c| c.get());
+        dev.handle_event(1, EventSet::IN, &vrings, 0).unwrap();
+        let locks = crate::vring::EVENT_LOCKS.with(|c| c.get()) - before;
+        assert_eq!(locks, 2, "the two vrings' locks, the group's among them");
+        assert_eq!(*lock(&seen), vec![vec![16, 8], vec![16, 8]]);
+        // The worker's first queue is device queue 1: its call fd has both signals.
+        assert_eq!(crate::vring::tests::read(&call1).unwrap(), 2);
+        assert_eq!(
+            crate::vring::tests::read(&call0).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock
+        );
     }
 }

@@ -17,7 +17,7 @@
 //! occupancy mutex is taken only when a thread's quota runs out, which the warm-up requests
 //! settle.
 
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
@@ -123,12 +123,8 @@ impl Rig {
             .unwrap();
         vring.set_queue_ready(true);
         vring.set_enabled(true);
-        // SAFETY: eventfd takes no pointers; the fd it returns is ours.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        assert!(raw >= 0);
-        // SAFETY: `raw` was just created and nothing else owns it.
-        let kick = std::fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) });
-        vring.set_kick(Some(kick.try_clone().unwrap()));
+        let (ours, kick) = crate::vring::tests::eventfd();
+        vring.set_kick(Some(ours));
         let engine = listeners.0.lock().unwrap().first().copied().unwrap();
         let data = ram.alloc(4096 * u64::from(QSIZE), 4096);
         Self {
@@ -181,7 +177,7 @@ impl Rig {
         }
         // The kick, as the epoll handler delivers it: `read_kick` consumes the eventfd, then
         // the back end.
-        std::io::Write::write_all(&mut &self.kick, &1u64.to_ne_bytes()).unwrap();
+        crate::vring::tests::write(&self.kick, 1).unwrap();
         assert!(self.vring.read_kick().unwrap(), "the vring is enabled");
         count.kick_events += 1;
         let vrings = std::slice::from_ref(&self.vring);

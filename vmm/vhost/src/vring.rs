@@ -293,7 +293,7 @@ impl<T: Default + Send + 'static> VringT<AtomicMemory> for Vring<T> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::backend::Memory;
     use std::os::fd::{FromRawFd, OwnedFd};
@@ -305,7 +305,7 @@ mod tests {
 
     /// A non-blocking eventfd, as the relay's checks leave a front end's: (the copy handed to
     /// the vring, the front end's copy).
-    fn eventfd() -> (File, File) {
+    pub(crate) fn eventfd() -> (File, File) {
         // SAFETY: eventfd takes no pointers; the fd it returns is ours.
         let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         assert!(raw >= 0);
@@ -314,11 +314,11 @@ mod tests {
         (File::from(fd.try_clone().unwrap()), File::from(fd))
     }
 
-    fn write(f: &File, n: u64) -> io::Result<()> {
+    pub(crate) fn write(f: &File, n: u64) -> io::Result<()> {
         (&*f).write_all(&n.to_ne_bytes())
     }
 
-    fn read(f: &File) -> io::Result<u64> {
+    pub(crate) fn read(f: &File) -> io::Result<u64> {
         let mut b = [0u8; 8];
         (&*f).read_exact(&mut b)?;
         Ok(u64::from_ne_bytes(b))
