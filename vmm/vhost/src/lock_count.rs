@@ -13,7 +13,8 @@
 //!   counters, the ones the pool statistics report).
 //!
 //! Nothing else on the path takes a lock: guest memory is read through an `ArcSwap`
-//! (`GuestMemoryAtomic::memory`), the engine is io_uring, counters are atomics. The pool's
+//! (`GuestMemoryAtomic::memory`), the kick and call eventfds through an `ArcSwapOption`, the
+//! engine is io_uring, counters are atomics. The pool's
 //! occupancy mutex is taken only when a thread's quota runs out, which the warm-up requests
 //! settle.
 
