@@ -30,11 +30,17 @@
 //! keeps it. A region that arrives once a worker has served is used from the next activation
 //! (logged once, counted in `late_inflight_regions`).
 //!
-//! Locks: an event on an active device takes its thread's own [`Group`] mutex (the workers,
-//! their fds and the guest memory, placed there at activation and by `SET_MEM_TABLE`) and the
-//! `vhost-user-backend` locks of its worker's vrings; nothing else. The negotiation mutex is
-//! taken only while the device is inactive (an [`AtomicBool`] mirrors its state), to activate
-//! it lazily after a stop.
+//! Locks: the adapter's vring type ([`crate::vring`]) consumes a kick and signals a call
+//! without a lock and keeps each queue behind one mutex; a thread's [`Group`] (its workers,
+//! their fds and the guest memory, placed there at activation and by `SET_MEM_TABLE`) lives
+//! behind the mutex of the thread's first vring. An event on an active device takes that
+//! mutex and the mutex of every other vring its worker serves: one lock for a thread of one
+//! queue (block), two for a net queue pair; nothing else. Every eventfd of the front end is
+//! read and written with no lock held. Until a thread's first event hands the adapter its
+//! vrings, its group waits in a mutex of the adapter's own ([`ThreadSlot`]), which events take
+//! no more once they have been handed over. The negotiation mutex is taken only while the
+//! device is inactive (an [`AtomicBool`] mirrors its state), to activate it lazily after a
+//! stop.
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -47,7 +53,7 @@ use devices::virtio::{VirtioDevice, WorkerEvent};
 use serde_json::json;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Backend;
-use vhost_user_backend::{VhostUserBackend, VringEpollHandler, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackend, VringEpollHandler};
 use virtio_queue::Queue;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
@@ -58,13 +64,15 @@ use vmm_sys_util::event::{
 use crate::inflight::Inflight;
 use crate::layout::QueueLayout;
 use crate::report::Report;
+use crate::vring::{count_lock, Call};
+use smallvec::SmallVec;
 
 /// Guest memory as the vhost-user backend maps it (no dirty-page bitmap).
 pub type Memory = GuestMemoryMmap<()>;
 /// The shared, replaceable view of guest memory that `vhost-user-backend` hands out.
 pub type AtomicMemory = GuestMemoryAtomic<Memory>;
-/// The vring type of the adapter.
-pub type Vring = VringRwLock<AtomicMemory>;
+/// The vring type of the adapter: each thread's [`Group`] lives with its first vring.
+pub type Vring = crate::vring::Vring<Group>;
 /// An epoll handler of the adapter (one per worker thread).
 pub type EpollHandler<D> = VringEpollHandler<Arc<VhostUserDevice<D>>>;
 
@@ -140,23 +148,78 @@ struct Placed {
 }
 
 impl Placed {
-    /// Locks the worker's vrings among its thread's `vrings`, in the worker's queue order;
-    /// `None` when one is missing.
-    fn lock_vrings<'a>(
-        &self,
-        vrings: &'a [Vring],
-    ) -> Option<Vec<std::sync::RwLockWriteGuard<'a, vhost_user_backend::VringState<AtomicMemory>>>>
-    {
-        self.positions
+    /// Runs `f` on the worker with its queues in the worker's order: `first` is the queue of
+    /// the thread's first vring (locked by the caller, with the group), the others are locked
+    /// here in ascending position. Returns what to do once every lock is released; `None`
+    /// when a position is missing or repeated.
+    fn run(
+        &mut self,
+        first: &mut Queue,
+        vrings: &[Vring],
+        f: impl FnOnce(&mut Dispatcher<Memory>, &mut [&mut Queue], bool) -> Outcome,
+    ) -> Option<After> {
+        let enabled = self
+            .positions
             .iter()
-            .map(|&p| {
-                vrings.get(p).map(|v| {
-                    event_lock();
-                    v.get_mut()
+            .all(|&p| vrings.get(p).is_some_and(Vring::is_enabled));
+        let outcome = if let [0] = self.positions[..] {
+            // One queue, the first: nothing more to lock, nothing to allocate.
+            f(&mut self.worker, &mut [first], enabled)
+        } else {
+            let mut others: Vec<usize> =
+                self.positions.iter().copied().filter(|&p| p != 0).collect();
+            others.sort_unstable();
+            others.dedup();
+            let mut guards = others
+                .iter()
+                .map(|&p| vrings.get(p).map(|v| (p, v.lock())))
+                .collect::<Option<Vec<_>>>()?;
+            let mut lent: Vec<(usize, Option<&mut Queue>)> = std::iter::once((0, Some(first)))
+                .chain(guards.iter_mut().map(|(p, g)| (*p, Some(g.queue_mut()))))
+                .collect();
+            let mut queues = self
+                .positions
+                .iter()
+                .map(|p| {
+                    lent.iter_mut()
+                        .find(|(q, _)| q == p)
+                        .and_then(|(_, r)| r.take())
                 })
-            })
-            .collect()
+                .collect::<Option<Vec<_>>>()?;
+            f(&mut self.worker, &mut queues, enabled)
+        };
+        if matches!(outcome, Outcome::Served(_) | Outcome::Refused(_)) {
+            self.served = true;
+        }
+        Some(match outcome {
+            Outcome::Served(signal) => After::Signal(
+                // The worker's queue order to the thread's vring positions; the call fds as
+                // they are while the queues are locked.
+                self.positions
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, _)| signal.has(i))
+                    .filter_map(|(_, &p)| vrings.get(p).map(|v| (p, v.call())))
+                    .collect(),
+            ),
+            Outcome::NotReady => After::NotReady,
+            Outcome::Parked | Outcome::Refused(_) => After::Ignored,
+            Outcome::Broken(_) => After::Broken(self.worker.queue_indexes().to_vec()),
+        })
     }
+}
+
+/// What is left to do after a worker ran, once the locks are released.
+#[derive(Debug)]
+enum After {
+    /// Signal these call fds (with the vring positions they belong to).
+    Signal(SmallVec<[(usize, Call); 2]>),
+    NotReady,
+    Ignored,
+    /// Nothing (what happened is counted already).
+    Nothing,
+    /// The worker of these device queues broke.
+    Broken(Vec<u16>),
 }
 
 /// A worker file descriptor registered on a thread's epoll handler.
@@ -171,16 +234,51 @@ struct ExtraFd {
     token: u32,
 }
 
-/// Everything one epoll thread touches on an event, behind that thread's own mutex: its
-/// workers (set at activation, dropped at a stop), their file descriptors and the guest
-/// memory of the session (set by `SET_MEM_TABLE`).
+/// Everything one epoll thread touches on an event besides its queues, kept with the thread's
+/// first vring ([`Vring::lock`]): its workers (set at activation, dropped at a stop), their
+/// file descriptors and the guest memory of the session (set by `SET_MEM_TABLE`).
 #[derive(Default)]
-struct Group {
+pub struct Group {
     workers: Vec<Placed>,
     extra: Vec<ExtraFd>,
     mem: Option<AtomicMemory>,
-    /// The thread's vrings (from its first event), for a stop to let workers finish.
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Group")
+            .field("workers", &self.workers.len())
+            .field("extra", &self.extra)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Group {
+    /// True when nothing was placed in it.
+    fn is_empty(&self) -> bool {
+        self.workers.is_empty() && self.extra.is_empty() && self.mem.is_none()
+    }
+}
+
+/// Where the adapter finds a thread's [`Group`].
+#[derive(Default)]
+struct ThreadSlot {
+    /// The thread's vrings were handed over (by its first event): the group lives with the
+    /// first of them. Read by every event without a lock; set and cleared under `early`.
+    known: AtomicBool,
+    early: Mutex<Early>,
+}
+
+/// A thread's group before its vrings are known, and the vrings once they are.
+#[derive(Default)]
+struct Early {
+    /// The group while the vrings are not known (empty once they are).
+    group: Group,
+    /// The thread's vrings, in the order its events index them (empty until its first event).
     vrings: Vec<Vring>,
+    /// The session ended ([`VhostUserDevice::detach`]): vrings are no longer taken, so that
+    /// no front-end fd outlives it.
+    closed: bool,
 }
 
 /// Negotiation state of the current connection.
@@ -210,7 +308,7 @@ pub struct VhostUserDevice<D> {
     /// Mirrors `NegState::active` (written under the negotiation lock), so that an event on an
     /// active device does not take that lock.
     active: AtomicBool,
-    groups: Vec<Mutex<Group>>,
+    threads: Vec<ThreadSlot>,
     handlers: Mutex<Vec<Arc<dyn Listeners>>>,
     event_idx: AtomicBool,
     /// The backend request channel (`SET_BACKEND_REQ_FD`), kept open for the session: QEMU
@@ -244,19 +342,6 @@ impl<D> std::fmt::Debug for VhostUserDevice<D> {
 /// the whole server down with it).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-#[cfg(test)]
-thread_local! {
-    /// Locks the event path of this thread took (the lock-count test reads it).
-    pub(crate) static EVENT_LOCKS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-/// Counts one lock taken on the event path (in tests; nothing otherwise).
-#[inline(always)]
-fn event_lock() {
-    #[cfg(test)]
-    EVENT_LOCKS.with(|c| c.set(c.get() + 1));
 }
 
 impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
@@ -319,7 +404,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             // sends no IOTLB message and addresses stay guest-physical.
             protocol_features |= VhostUserProtocolFeatures::BACKEND_REQ;
         }
-        let groups = (0..layout.threads()).map(|_| Mutex::default()).collect();
+        let threads = (0..layout.threads())
+            .map(|_| ThreadSlot::default())
+            .collect();
         Self {
             device,
             layout,
@@ -329,7 +416,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             protocol_features,
             neg: Mutex::default(),
             active: AtomicBool::new(false),
-            groups,
+            threads,
             handlers: Mutex::default(),
             event_idx: AtomicBool::new(false),
             backend_req: Mutex::default(),
@@ -385,6 +472,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
     /// Gives the adapter what registers worker file descriptors, one per layout group.
     pub(crate) fn attach_listeners(&self, listeners: Vec<Arc<dyn Listeners>>) {
         *lock(&self.handlers) = listeners;
+        for t in &self.threads {
+            lock(&t.early).closed = false;
+        }
     }
 
     /// Ends a connection: drops the workers, resets the device, forgets the negotiation, the
@@ -398,10 +488,15 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         lock(&self.handlers).clear();
         *lock(&self.backend_req) = None;
         self.report.close_fds();
-        for g in &self.groups {
-            let mut g = lock(g);
-            g.mem = None;
-            g.vrings.clear();
+        for t in &self.threads {
+            let mut early = lock(&t.early);
+            early.closed = true;
+            t.known.store(false, Ordering::Release);
+            if let Some(first) = early.vrings.first() {
+                *first.lock().parts().1 = Group::default();
+            }
+            early.vrings.clear();
+            early.group = Group::default();
         }
         self.event_idx.store(false, Ordering::Relaxed);
     }
@@ -418,13 +513,27 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             Err(std::sync::TryLockError::WouldBlock) => json!("busy"),
         };
         let mut workers = Vec::new();
-        for g in &self.groups {
-            match g.try_lock() {
-                Ok(g) => workers.extend(g.workers.iter().map(|w| w.worker.stats())),
-                Err(std::sync::TryLockError::Poisoned(p)) => {
-                    workers.extend(p.into_inner().workers.iter().map(|w| w.worker.stats()))
+        let of = |g: &Group| {
+            g.workers
+                .iter()
+                .map(|w| w.worker.stats())
+                .collect::<Vec<_>>()
+        };
+        for t in &self.threads {
+            let early = match t.early.try_lock() {
+                Ok(e) => e,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    workers.push(json!("busy"));
+                    continue;
                 }
-                Err(std::sync::TryLockError::WouldBlock) => workers.push(json!("busy")),
+            };
+            match early.vrings.first() {
+                None => workers.extend(of(&early.group)),
+                Some(first) => match first.try_lock() {
+                    Some(mut s) => workers.extend(of(s.parts().1)),
+                    None => workers.push(json!("busy")),
+                },
             }
         }
         let c = &self.counters;
@@ -480,7 +589,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 return;
             }
         };
-        let mut placed: Vec<Vec<Placed>> = (0..self.groups.len()).map(|_| Vec::new()).collect();
+        let mut placed: Vec<Vec<Placed>> = (0..self.threads.len()).map(|_| Vec::new()).collect();
         for worker in workers {
             let queues = worker.queue_indexes();
             let Some((thread, positions)) = self.layout.place(&queues) else {
@@ -529,9 +638,10 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                     });
                 }
             }
-            let mut group = lock(&self.groups[thread]);
-            group.workers = workers;
-            group.extra = extra;
+            self.with_group(thread, |group, _| {
+                group.workers = workers;
+                group.extra = extra;
+            });
         }
         neg.active = true;
         self.active.store(true, Ordering::Release);
@@ -550,15 +660,17 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         }
         self.active.store(false, Ordering::Release);
         let handlers = lock(&self.handlers).clone();
-        for (thread, group) in self.groups.iter().enumerate() {
-            let mut group = lock(group);
-            for extra in group.extra.drain(..) {
-                if let Some(h) = handlers.get(thread) {
-                    // The fd may already be gone from the set (a hang-up); nothing to do then.
-                    let _ = h.unregister(extra.fd, extra.data);
+        for thread in 0..self.threads.len() {
+            self.with_group(thread, |group, _| {
+                for extra in group.extra.drain(..) {
+                    if let Some(h) = handlers.get(thread) {
+                        // The fd may already be gone from the set (a hang-up); nothing to do
+                        // then.
+                        let _ = h.unregister(extra.fd, extra.data);
+                    }
                 }
-            }
-            group.workers.clear();
+                group.workers.clear();
+            });
         }
         lock(&self.device).reset();
         neg.active = false;
@@ -608,106 +720,150 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         }
     }
 
-    /// Handles one epoll event of thread `thread_id`: finds the worker in the thread's group,
-    /// runs it through the dispatcher with its vrings and acts on the outcome.
-    fn dispatch(&self, device_event: u16, evset: EventSet, vrings: &[Vring], thread_id: usize) {
-        let Some(group) = self.groups.get(thread_id) else {
-            Counters::inc(&self.counters.ignored_events);
-            return;
-        };
-        self.ensure_active();
-        let mut group = lock(group);
-        event_lock();
-        if group.vrings.is_empty() {
-            group.vrings = vrings.to_vec();
+    /// Runs `f` on thread `thread`'s group wherever it is, with the thread's vrings and the
+    /// queue of the first of them once they are known. Takes the thread's slot mutex, then
+    /// the first vring's: for the control path and activation, never for serving an event.
+    fn with_group<R>(
+        &self,
+        thread: usize,
+        f: impl FnOnce(&mut Group, Option<(&mut Queue, &[Vring])>) -> R,
+    ) -> Option<R> {
+        let mut early = lock(&self.threads.get(thread)?.early);
+        let early = &mut *early;
+        Some(match early.vrings.first() {
+            Some(first) => {
+                let mut serving = first.lock();
+                let (queue, group) = serving.parts();
+                f(group, Some((queue, &early.vrings)))
+            }
+            None => f(&mut early.group, None),
+        })
+    }
+
+    /// Takes the vrings a thread's first event hands over, and moves the group placed so far
+    /// to the first of them. False when the session ended or the thread has no vring.
+    fn learn_vrings(&self, slot: &ThreadSlot, vrings: &[Vring]) -> bool {
+        let mut early = lock(&slot.early);
+        count_lock();
+        if early.closed {
+            return false;
         }
-        let Some((index, event)) =
-            self.find_worker(&mut group, device_event, evset, vrings, thread_id)
+        if early.vrings.is_empty() {
+            let Some(first) = vrings.first() else {
+                return false;
+            };
+            let group = std::mem::take(&mut early.group);
+            if !group.is_empty() {
+                *first.lock().parts().1 = group;
+            }
+            early.vrings = vrings.to_vec();
+            slot.known.store(true, Ordering::Release);
+        }
+        true
+    }
+
+    /// Handles one epoll event of thread `thread_id`: finds the worker in the thread's group,
+    /// runs it through the dispatcher with its vrings and acts on the outcome once every lock
+    /// is released.
+    fn dispatch(&self, device_event: u16, evset: EventSet, vrings: &[Vring], thread_id: usize) {
+        let Some(slot) = self.threads.get(thread_id) else {
+            Counters::inc(&self.counters.ignored_events);
+            return;
+        };
+        if !slot.known.load(Ordering::Acquire) && !self.learn_vrings(slot, vrings) {
+            Counters::inc(&self.counters.ignored_events);
+            return;
+        }
+        self.ensure_active();
+        let Some(first) = vrings.first() else {
+            Counters::inc(&self.counters.ignored_events);
+            return;
+        };
+        let after = {
+            let mut serving = first.lock();
+            let (queue, group) = serving.parts();
+            self.serve(group, queue, device_event, evset, vrings, thread_id)
+        };
+        match after {
+            Some(after) => self.act(after),
+            None => Counters::inc(&self.counters.ignored_events),
+        }
+    }
+
+    /// Runs the worker of one event in `group` (`first`: the queue of the thread's first
+    /// vring); `None` when nobody can serve it.
+    fn serve(
+        &self,
+        group: &mut Group,
+        first: &mut Queue,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[Vring],
+        thread_id: usize,
+    ) -> Option<After> {
+        let Some((index, event)) = self.find_worker(group, device_event, evset, vrings, thread_id)
         else {
-            return;
+            return Some(After::Nothing);
         };
-        let Some(mem) = group.mem.as_ref().map(GuestAddressSpace::memory) else {
-            // No memory table yet: nothing can be done; the frontend sends it before it
-            // starts the rings.
-            Counters::inc(&self.counters.ignored_events);
-            return;
-        };
-        let Some(w) = group.workers.get_mut(index) else {
-            return;
-        };
+        // No memory table yet: nothing can be done; the frontend sends it before it starts
+        // the rings.
+        let mem = group.mem.as_ref().map(GuestAddressSpace::memory)?;
+        let w = group.workers.get_mut(index)?;
         self.give_inflight_log(w);
-        let Some(mut states) = w.lock_vrings(vrings) else {
-            Counters::inc(&self.counters.ignored_events);
-            return;
-        };
         // A worker only sees queues the frontend has finished setting up: addresses, base and
         // kick fd (vhost-user-backend marks the queue ready then) and enabled. Events before
         // that (a tap that became readable between SET_FEATURES and the rings being
         // configured) are dropped by the dispatcher; nothing is lost: the fds are
         // edge-triggered and the workers go back to their fds on the first kick.
-        let enabled = states.iter().all(|s| s.is_enabled());
-        let mut queues: Vec<&mut Queue> = states.iter_mut().map(|s| s.get_queue_mut()).collect();
-        let outcome = w.worker.dispatch(event, &*mem, &mut queues, enabled);
-        drop(queues);
-        if matches!(outcome, Outcome::Served(_) | Outcome::Refused(_)) {
-            w.served = true;
-        }
-        self.act(outcome, &states, &w.worker);
+        w.run(first, vrings, |d, queues, enabled| {
+            d.dispatch(event, &*mem, queues, enabled)
+        })
     }
 
     /// Lets every worker finish the requests it popped ([`Dispatcher::quiesce`]) and signals
     /// what they completed: before a stop or a reset drops them, so the ring positions the
     /// frontend gets back count only requests it got back. Called with the negotiation lock.
     fn quiesce(&self) {
-        for g in &self.groups {
-            let mut group = lock(g);
-            let Some(mem) = group.mem.as_ref().map(GuestAddressSpace::memory) else {
-                continue;
-            };
-            let vrings = group.vrings.clone();
-            for w in &mut group.workers {
-                let Some(mut states) = w.lock_vrings(&vrings) else {
-                    continue;
-                };
-                let mut queues: Vec<&mut Queue> =
-                    states.iter_mut().map(|s| s.get_queue_mut()).collect();
-                let outcome = w.worker.quiesce(&*mem, &mut queues);
-                drop(queues);
-                self.act(outcome, &states, &w.worker);
+        for thread in 0..self.threads.len() {
+            let done = self.with_group(thread, |group, known| {
+                // Without vrings the thread never had an event: nothing was popped.
+                let (first, vrings) = known?;
+                let mem = group.mem.as_ref().map(GuestAddressSpace::memory)?;
+                let afters: Vec<After> = group
+                    .workers
+                    .iter_mut()
+                    .filter_map(|w| w.run(first, vrings, |d, queues, _| d.quiesce(&*mem, queues)))
+                    .collect();
+                Some(afters)
+            });
+            for after in done.flatten().into_iter().flatten() {
+                self.act(after);
             }
         }
     }
 
-    /// Acts on a worker's outcome: signals the queues it asks for, reports it broken.
-    fn act<S: std::ops::Deref<Target = vhost_user_backend::VringState<AtomicMemory>>>(
-        &self,
-        outcome: Outcome,
-        states: &[S],
-        worker: &Dispatcher<Memory>,
-    ) {
-        match outcome {
-            Outcome::Served(signal) => {
-                for (i, state) in states.iter().enumerate() {
-                    if signal.has(i) {
-                        Counters::inc(&self.counters.signals);
-                        if let Err(e) = state.signal_used_queue() {
-                            // The call fd may be gone while the frontend reconfigures.
-                            Counters::inc(&self.counters.signal_errors);
-                            tracing::debug!("signalling queue at position {i}: {e}");
-                        }
+    /// Acts on what a worker left to do: signals the vrings it asks for, reports it broken.
+    fn act(&self, after: After) {
+        match after {
+            After::Signal(calls) => {
+                for (i, call) in calls {
+                    Counters::inc(&self.counters.signals);
+                    if let Err(e) = call.signal() {
+                        // The counter may be full while the frontend reconfigures.
+                        Counters::inc(&self.counters.signal_errors);
+                        tracing::debug!("signalling queue at position {i}: {e}");
                     }
                 }
             }
-            Outcome::NotReady => Counters::inc(&self.counters.not_ready_events),
-            Outcome::Parked | Outcome::Refused(_) => {
-                Counters::inc(&self.counters.ignored_events);
-            }
-            Outcome::Broken(_) => {
+            After::NotReady => Counters::inc(&self.counters.not_ready_events),
+            After::Ignored => Counters::inc(&self.counters.ignored_events),
+            After::Nothing => {}
+            After::Broken(queues) => {
                 // The dispatcher logged why; report it to the frontend: DEVICE_NEEDS_RESET
                 // and the error eventfds of its queues (so the guest's I/O fails instead of
                 // hanging).
                 Counters::inc(&self.counters.broken_workers);
-                self.report.broken(worker.queue_indexes());
+                self.report.broken(&queues);
             }
         }
     }
@@ -823,8 +979,8 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserBackend for VhostUserDevice<D> 
 
     fn update_memory(&self, mem: AtomicMemory) -> io::Result<()> {
         // Each thread reads the memory from its own group (no shared lock on the kick path).
-        for g in &self.groups {
-            lock(g).mem = Some(mem.clone());
+        for thread in 0..self.threads.len() {
+            self.with_group(thread, |g, _| g.mem = Some(mem.clone()));
         }
         Ok(())
     }
@@ -882,19 +1038,38 @@ mod tests {
     use super::*;
     use devices::virtio::spec::VIRTIO_F_VERSION_1;
     use devices::virtio::{ActivateError, QueueWorker, Signal, WorkerError};
-    use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
+    use vhost_user_backend::VringT;
+    use virtio_queue::QueueT;
     use vm_memory::GuestAddress;
 
-    /// One queue, one worker that counts its kicks and asks for the interrupt.
-    struct Counting(Arc<AtomicUsize>);
+    /// A device whose queues are all on one thread, served by one worker that takes them in
+    /// `order`: it records the sizes of the queues it is lent on each event and asks for the
+    /// interrupt of the first of them.
+    #[derive(Clone)]
+    struct Counting {
+        order: Vec<u16>,
+        seen: Arc<Mutex<Vec<Vec<u16>>>>,
+    }
+
+    impl Counting {
+        fn new(order: &[u16]) -> Self {
+            Self {
+                order: order.to_vec(),
+                seen: Arc::default(),
+            }
+        }
+    }
 
     impl VirtioDevice<Memory> for Counting {
         fn device_type(&self) -> u32 {
             0xfff0
         }
         fn num_queues(&self) -> usize {
-            1
+            self.order.len()
+        }
+        fn queue_groups(&self) -> Vec<Vec<u16>> {
+            vec![(0..u16::try_from(self.order.len()).unwrap()).collect()]
         }
         fn queue_max_size(&self) -> u16 {
             16
@@ -905,7 +1080,7 @@ mod tests {
         fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
         fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
         fn activate(&mut self, _: u64) -> Result<Vec<Box<dyn QueueWorker<Memory>>>, ActivateError> {
-            Ok(vec![Box::new(Counting(Arc::clone(&self.0)))])
+            Ok(vec![Box::new(self.clone())])
         }
         fn reset(&mut self) {}
         fn stats(&self) -> serde_json::Value {
@@ -915,43 +1090,86 @@ mod tests {
 
     impl QueueWorker<Memory> for Counting {
         fn queue_indexes(&self) -> Vec<u16> {
-            vec![0]
+            self.order.clone()
         }
         fn handle(
             &mut self,
             _event: WorkerEvent,
             _mem: &Memory,
-            _queues: &mut [&mut Queue],
+            queues: &mut [&mut Queue],
         ) -> Result<Signal, WorkerError> {
-            self.0.fetch_add(1, Ordering::SeqCst);
-            Ok(Signal::default())
+            lock(&self.seen).push(queues.iter().map(|q| q.size()).collect());
+            let mut signal = Signal::default();
+            signal.add(0);
+            Ok(signal)
         }
+    }
+
+    /// An active device on 1 MiB of guest memory, and its thread's vrings set up with
+    /// `sizes`, ready and enabled.
+    fn active(dev: &VhostUserDevice<Counting>, sizes: &[u16]) -> Vec<Vring> {
+        let mem = AtomicMemory::new(Memory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap());
+        dev.update_memory(mem.clone()).unwrap();
+        dev.acked_features(feature(VIRTIO_F_VERSION_1));
+        (0u64..)
+            .zip(sizes)
+            .map(|(i, &size)| {
+                let vring = <Vring as VringT<AtomicMemory>>::new(mem.clone(), 16).unwrap();
+                let base = 0x1_0000 * (i + 1);
+                vring.set_queue_size(size);
+                vring
+                    .set_queue_info(base, base + 0x1000, base + 0x2000)
+                    .unwrap();
+                vring.set_queue_ready(true);
+                vring.set_enabled(true);
+                vring
+            })
+            .collect()
     }
 
     #[test]
     fn a_kick_on_an_active_device_does_not_take_the_negotiation_lock() {
-        let kicks = Arc::new(AtomicUsize::new(0));
-        let dev = Arc::new(VhostUserDevice::new(Counting(Arc::clone(&kicks))));
-        let mem = AtomicMemory::new(Memory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap());
-        dev.update_memory(mem.clone()).unwrap();
-        dev.acked_features(feature(VIRTIO_F_VERSION_1));
-        let vring = <Vring as VringT<AtomicMemory>>::new(mem, 16).unwrap();
-        vring.set_queue_size(16);
-        vring.set_queue_info(0x1000, 0x2000, 0x3000).unwrap();
-        vring.set_queue_ready(true);
-        vring.set_enabled(true);
+        let device = Counting::new(&[0]);
+        let seen = Arc::clone(&device.seen);
+        let dev = Arc::new(VhostUserDevice::new(device));
+        let vrings = active(&dev, &[16]);
         // The frontend's message thread holds the negotiation (a slow SET_FEATURES elsewhere).
         let neg = lock(&dev.neg);
         let (tx, rx) = std::sync::mpsc::channel();
         let d = Arc::clone(&dev);
         std::thread::spawn(move || {
-            d.handle_event(0, EventSet::IN, std::slice::from_ref(&vring), 0)
-                .unwrap();
+            d.handle_event(0, EventSet::IN, &vrings, 0).unwrap();
             tx.send(()).unwrap();
         });
         let served = rx.recv_timeout(Duration::from_secs(10));
         drop(neg);
         assert!(served.is_ok(), "the kick waited for the negotiation lock");
-        assert_eq!(kicks.load(Ordering::SeqCst), 1);
+        assert_eq!(lock(&seen).len(), 1);
+    }
+
+    #[test]
+    fn a_worker_of_two_queues_is_lent_them_in_its_order_under_two_locks_and_signals_its_first() {
+        // Device queue 1 first, as a worker may list them.
+        let device = Counting::new(&[1, 0]);
+        let seen = Arc::clone(&device.seen);
+        let dev = VhostUserDevice::new(device);
+        let vrings = active(&dev, &[8, 16]);
+        let (ours0, call0) = crate::vring::tests::eventfd();
+        let (ours1, call1) = crate::vring::tests::eventfd();
+        vrings[0].set_call(Some(ours0));
+        vrings[1].set_call(Some(ours1));
+        // The first event hands the thread's vrings over; the second is counted.
+        dev.handle_event(0, EventSet::IN, &vrings, 0).unwrap();
+        let before = crate::vring::EVENT_LOCKS.with(|c| c.get());
+        dev.handle_event(1, EventSet::IN, &vrings, 0).unwrap();
+        let locks = crate::vring::EVENT_LOCKS.with(|c| c.get()) - before;
+        assert_eq!(locks, 2, "the two vrings' locks, the group's among them");
+        assert_eq!(*lock(&seen), vec![vec![16, 8], vec![16, 8]]);
+        // The worker's first queue is device queue 1: its call fd has both signals.
+        assert_eq!(crate::vring::tests::read(&call1).unwrap(), 2);
+        assert_eq!(
+            crate::vring::tests::read(&call0).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock
+        );
     }
 }

@@ -15,7 +15,9 @@
 //!   accepting QEMU 7.2's `SET_VRING_ENABLE` before `SET_FEATURES`;
 //! - [`report`]: a broken worker reported to the frontend (vring error fds, DEVICE_NEEDS_RESET);
 //! - [`server`]: the listening socket, one connection after another, signals, statistics;
-//! - [`slots`]: regions added one by one (`CONFIGURE_MEM_SLOTS`), copies counted as references.
+//! - [`slots`]: regions added one by one (`CONFIGURE_MEM_SLOTS`), copies counted as references;
+//! - [`vring`]: the vring type: a kick consumed and a call signalled without a lock, the queue
+//!   and the adapter's per-thread state behind one lock.
 
 #![warn(missing_docs)]
 
@@ -29,6 +31,7 @@ pub mod relay;
 pub mod report;
 pub mod server;
 pub mod slots;
+pub mod vring;
 
 pub use backend::{Memory, VhostUserDevice};
 pub use bouncevm_common::SignalFd;
