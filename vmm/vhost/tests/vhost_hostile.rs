@@ -13,24 +13,28 @@
 //!   answers only once every request it counts has its status and used entry;
 //! - conditions a front end can repeat at will are logged once and counted always, and no
 //!   front-end fd outlives its session (sessions with a broken queue, a refused kick pipe,
-//!   a full call counter, an end mid-setup, regions added with ADD_MEM_REG).
+//!   a full call counter, an end mid-setup, regions added with ADD_MEM_REG, an inflight region
+//!   asked for and handed back), for `bouncevm-vhost blk` and `bouncevm-vhost net` (on a tap of
+//!   its own).
 //!
-//! The same for net is in `vhost_protocol.rs` (an in-process server over memory backends).
+//! The other hostile net front ends are in `vhost_protocol.rs` (an in-process server over
+//! memory backends).
 
 mod vhost_support;
 
+use std::os::fd::AsRawFd;
 use std::time::Duration;
 
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1,
     VIRTIO_RING_F_EVENT_IDX,
 };
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::child::Server;
 use vhost_support::{
-    assert_blk_served, blk_request, blk_request_on, blk_status, full_eventfd, mem_table_body,
-    refused, Driver, NotEventFd, BATCH, BLK_DATA, MEM_SIZE,
+    assert_blk_served, blk_request, blk_request_on, blk_status, data_addr, full_eventfd,
+    mem_table_body, refused, Driver, NotEventFd, BATCH, BLK_DATA, MEM_SIZE, QSIZE,
 };
 use vm_memory::{Bytes, GuestAddress};
 
@@ -42,7 +46,12 @@ const NEEDS_RESET: u8 = 0x40;
 
 /// Connects and negotiates (REPLY_ACK, STATUS) up to SET_FEATURES.
 fn negotiated(server: &Server) -> Driver {
-    let mut d = Driver::connect(&server.sock, 1);
+    negotiated_queues(server, 1)
+}
+
+/// [`negotiated`] for a device of `queues` queues.
+fn negotiated_queues(server: &Server, queues: usize) -> Driver {
+    let mut d = Driver::connect(&server.sock, queues);
     let offered = d
         .handshake_with(
             VhostUserProtocolFeatures::STATUS | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
@@ -324,16 +333,27 @@ fn fds_by_kind(server: &Server) -> std::collections::BTreeMap<String, usize> {
     kinds
 }
 
-/// Asserts the server holds the fds of `baseline`, once the next benign front end (`seed`)
-/// has been served.
+/// Asserts the block server holds the fds of `baseline`, once the next benign front end
+/// (`seed`) has been served.
 fn assert_fds_back_to(
     server: &mut Server,
     baseline: &std::collections::BTreeMap<String, usize>,
     what: &str,
     seed: u64,
 ) {
+    assert_fds_back_after(server, baseline, what, |s| assert_blk_served(&s.sock, seed));
+}
+
+/// Asserts the server holds the fds of `baseline`, once `serve` (a benign front end) has
+/// been served.
+fn assert_fds_back_after(
+    server: &mut Server,
+    baseline: &std::collections::BTreeMap<String, usize>,
+    what: &str,
+    serve: impl FnOnce(&Server),
+) {
     server.assert_alive(what);
-    assert_blk_served(&server.sock, seed);
+    serve(server);
     wait_disconnected(server, what);
     assert_eq!(
         &fds_by_kind(server),
@@ -409,6 +429,166 @@ fn no_front_end_fd_outlives_its_session() {
     drop(d);
     wait_disconnected(&server, "ADD_MEM_REG");
     assert_fds_back_to(&mut server, &baseline, "a session with added regions", 6);
+
+    // An inflight region asked for (GET_INFLIGHT_FD: a memfd the server creates) and handed
+    // back (SET_INFLIGHT_FD), memory added region by region, a queue running on both.
+    let mut d = Driver::connect(&server.sock, 1);
+    let offered = d
+        .handshake_with(
+            VhostUserProtocolFeatures::INFLIGHT_SHMFD
+                | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+        )
+        .unwrap();
+    d.set_features(offered & WANTED).unwrap();
+    let (info, region) = d
+        .frontend
+        .get_inflight_fd(&VhostUserInflight::new(0, 0, 1, QSIZE))
+        .unwrap();
+    d.frontend
+        .set_inflight_fd(&info, region.as_raw_fd())
+        .unwrap();
+    for r in d.regions_split_at(MEM_SIZE as u64 / 2) {
+        d.frontend.add_mem_region(&r).unwrap();
+    }
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x3c; 4096]));
+    assert!(d.poll_used(0).is_some(), "the write never completed");
+    drop(d);
+    drop(region);
+    wait_disconnected(&server, "inflight region");
+    let st = server.stats();
+    let relay = &st["server"]["relay"];
+    assert_eq!(relay["inflight_regions_created"], 1, "{st}");
+    assert_eq!(relay["inflight_regions_adopted"], 1, "{st}");
+    assert_fds_back_to(
+        &mut server,
+        &baseline,
+        "a session with an inflight region and added regions",
+        7,
+    );
+}
+
+/// One queue pair of `bouncevm-vhost net` started (features, memory, both rings): the rings
+/// configured with the driver's fds by `rings`, then enabled.
+fn net_started(server: &Server, rings: impl FnOnce(&mut Driver)) -> Driver {
+    let mut d = negotiated_queues(server, 3);
+    rings(&mut d);
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d.frontend.set_vring_enable(1, true).unwrap();
+    d
+}
+
+/// A frame of `len` bytes after a zeroed vnet header, sent on TX (queue 1) and completed.
+fn net_tx(d: &mut Driver, seed: u8) {
+    let mut f = vec![0u8; 12];
+    f.extend((0..200u8).map(|i| i.wrapping_mul(7).wrapping_add(seed)));
+    d.mem.write_slice(&f, GuestAddress(data_addr(1))).unwrap();
+    d.post_descs(1, 0, &[(data_addr(1), f.len() as u32, false)]);
+    assert_eq!(d.poll_used(1), Some((0, 0)), "TX chain {seed}");
+}
+
+/// A well-formed front end gets a frame sent through `bouncevm-vhost net`.
+fn assert_net_served(server: &Server, seed: u8) {
+    let mut d = net_started(server, |d| d.setup_rings(2).unwrap());
+    net_tx(&mut d, seed);
+}
+
+#[test]
+fn no_front_end_fd_outlives_a_net_session() {
+    use bounce::testing::{missing, Resource};
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return missing(Resource::Root, "not root");
+    }
+    if !std::path::Path::new("/dev/net/tun").exists() {
+        return missing(Resource::Tun, "/dev/net/tun is missing");
+    }
+    // The tap is the server's own (created, down, gone with the process); frames sent to it
+    // are dropped and counted, the guest's chains complete.
+    let tap = format!("bvmfd{}", std::process::id() % 1_000_000);
+    let mut server = Server::start_net(&tap, &["--bounce", "policy=force,slots=1024"]);
+    assert_net_served(&server, 1);
+    wait_disconnected(&server, "first session");
+    let baseline = fds_by_kind(&server);
+    assert!(
+        baseline.get("socket") >= Some(&1),
+        "the listening socket is not among the server's fds: {baseline:?}"
+    );
+    let served = |seed| move |s: &Server| assert_net_served(s, seed);
+
+    // RX's rings at the end of guest memory: the worker is broken, the error fd signalled.
+    let mut d = negotiated_queues(&server, 3);
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(1).unwrap();
+    d.frontend.set_vring_enable(1, true).unwrap();
+    break_queue_0(&mut d);
+    assert!(
+        d.wait_err(0, Duration::from_secs(10)),
+        "the error fd was not signalled"
+    );
+    drop(d);
+    wait_disconnected(&server, "net session with an error fd");
+    assert_fds_back_after(
+        &mut server,
+        &baseline,
+        "a net session with an error fd",
+        served(2),
+    );
+
+    // A kick fd that is a pipe holding one byte, refused.
+    let mut d = negotiated_queues(&server, 3);
+    d.set_mem_table().unwrap();
+    let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
+    assert!(
+        refused(&d, 12, &1u64.to_le_bytes(), vec![pipe]),
+        "the pipe was accepted"
+    );
+    drop(d);
+    wait_disconnected(&server, "refused net kick pipe");
+    assert_fds_back_after(&mut server, &baseline, "a refused net kick pipe", served(3));
+
+    // Call eventfds at their maximum, TX served, then gone.
+    let mut d = net_started(&server, |d| {
+        d.calls[0] = full_eventfd();
+        d.calls[1] = full_eventfd();
+        d.setup_rings(2).unwrap();
+    });
+    net_tx(&mut d, 4);
+    drop(d);
+    wait_disconnected(&server, "full net call counters");
+    assert_fds_back_after(&mut server, &baseline, "full net call counters", served(5));
+
+    // Memory added region by region (ADD_MEM_REG), TX running on it.
+    let mut d = net_started(&server, |d| {
+        for r in d.regions_split_at(MEM_SIZE as u64 / 2) {
+            d.frontend.add_mem_region(&r).unwrap();
+        }
+        d.configure_default_ring(0).unwrap();
+        d.configure_default_ring(1).unwrap();
+    });
+    net_tx(&mut d, 6);
+    drop(d);
+    wait_disconnected(&server, "net ADD_MEM_REG");
+    assert_fds_back_after(
+        &mut server,
+        &baseline,
+        "a net session with added regions",
+        served(7),
+    );
+
+    // A session that ends mid-setup.
+    let mut d = negotiated_queues(&server, 3);
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(0).unwrap();
+    drop(d);
+    wait_disconnected(&server, "net mid-setup");
+    assert_fds_back_after(
+        &mut server,
+        &baseline,
+        "a net session ended mid-setup",
+        served(8),
+    );
 }
 
 /// Bytes of each request of [`a_stop_with_requests_in_flight_returns_every_one_it_counts`]:

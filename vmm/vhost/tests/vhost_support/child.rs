@@ -40,18 +40,9 @@ impl Server {
 
     /// With `extra` flags after `--socket`, `--file` and `--stats-socket`.
     pub fn start_with(extra: &[&str]) -> Self {
-        // One directory per server: the tests of this file run in parallel.
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir =
-            std::env::temp_dir().join(format!("bouncevm-vhost-child-{}.{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let (dir, sock, stats, log) = Self::paths();
         let img = dir.join("disk.img");
         File::create(&img).unwrap().set_len(16 << 20).unwrap();
-        let (sock, stats) = (dir.join("vhost.sock"), dir.join("vhost.stats"));
-        let log = dir.join("vhost.log");
-        let _ = std::fs::remove_file(&sock);
-        let _ = std::fs::remove_file(&stats);
         let mut args: Vec<std::ffi::OsString> = vec!["blk".into(), "--socket".into()];
         args.extend([sock.clone().into(), "--file".into(), img.into()]);
         args.extend(["--stats-socket".into(), stats.clone().into()]);
@@ -64,6 +55,40 @@ impl Server {
             log,
             args,
         }
+    }
+
+    /// `bouncevm-vhost net` (one queue pair) on tap `tap` (created, and gone with the
+    /// process), with `extra` flags after `--socket`, `--tap` and `--stats-socket`. Needs
+    /// root and `/dev/net/tun`.
+    pub fn start_net(tap: &str, extra: &[&str]) -> Self {
+        let (_, sock, stats, log) = Self::paths();
+        let mut args: Vec<std::ffi::OsString> = vec!["net".into(), "--socket".into()];
+        args.extend([sock.clone().into(), "--tap".into(), tap.into()]);
+        args.extend(["--stats-socket".into(), stats.clone().into()]);
+        args.extend(extra.iter().map(Into::into));
+        let child = Self::spawn(&args, &stats, &log);
+        Self {
+            child,
+            sock,
+            stats,
+            log,
+            args,
+        }
+    }
+
+    /// A new directory for one server (the tests of a file run in parallel), and its socket,
+    /// statistics socket and log paths in it.
+    fn paths() -> (PathBuf, PathBuf, PathBuf, PathBuf) {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("bouncevm-vhost-child-{}.{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (sock, stats) = (dir.join("vhost.sock"), dir.join("vhost.stats"));
+        let log = dir.join("vhost.log");
+        let _ = std::fs::remove_file(&sock);
+        let _ = std::fs::remove_file(&stats);
+        (dir, sock, stats, log)
     }
 
     /// Runs the binary with `args` and waits for its statistics socket.
