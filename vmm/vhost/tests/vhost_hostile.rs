@@ -25,16 +25,18 @@ mod vhost_support;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use devices::block::STATUS_UNSET;
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1,
-    VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
 use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::child::Server;
 use vhost_support::{
     assert_blk_served, blk_request, blk_request_on, blk_status, data_addr, full_eventfd,
-    mem_table_body, refused, Driver, NotEventFd, BATCH, BLK_DATA, MEM_SIZE, QSIZE,
+    mem_table_body, refused, Driver, NotEventFd, BATCH, BLK_DATA, BLK_HDRS, BLK_STATUS, MEM_SIZE,
+    QSIZE,
 };
 use vm_memory::{Bytes, GuestAddress};
 
@@ -309,6 +311,78 @@ fn conditions_a_front_end_repeats_are_logged_once_and_counted_always() {
     assert_eq!(log_lines(&server, "SET_STATUS without a status"), 1);
     assert_eq!(log_lines(&server, "ended:"), 1);
     assert_blk_served(&server.sock, 7);
+}
+
+#[test]
+fn request_errors_and_failed_signals_in_one_session_are_logged_once_and_counted_always() {
+    // One session, its call eventfd at its maximum (every notification fails), and 1,000
+    // each of: a header shorter than 16 bytes, a read past the end of the disk, a request of
+    // an unknown type. Every one is completed with an error status and counted; each kind is
+    // logged once. Then three sessions that each send a message too large to read.
+    const REPEATS: u64 = 1000;
+    let mut server = Server::start();
+    let mut d = negotiated(&server);
+    d.calls[0] = full_eventfd();
+    start_queue_0(&mut d);
+    let buf = BLK_DATA;
+    for round in 0..REPEATS {
+        let (hdr, status) = (BLK_HDRS, BLK_STATUS);
+        d.mem.write_slice(&[0u8; 16], GuestAddress(hdr)).unwrap();
+        d.mem.write_obj(STATUS_UNSET, GuestAddress(status)).unwrap();
+        d.post_descs(0, 0, &[(hdr, 8, false), (status, 1, true)]);
+        blk_request_on(&mut d, 0, 1, VIRTIO_BLK_T_IN, 1 << 40, buf, 4096);
+        blk_request_on(&mut d, 0, 2, 0xff, 0, buf, 4096);
+        let mut heads: Vec<u32> = (0..3)
+            .map(|_| d.poll_used(0).expect("a request never completed").0)
+            .collect();
+        heads.sort_unstable();
+        assert_eq!(heads, [0, 3, 6], "round {round}");
+        assert_eq!(blk_status(&d, 0), VIRTIO_BLK_S_IOERR, "round {round}");
+        assert_eq!(blk_status(&d, 1), VIRTIO_BLK_S_IOERR, "round {round}");
+        assert_eq!(blk_status(&d, 2), VIRTIO_BLK_S_UNSUPP, "round {round}");
+    }
+    let st = server.stats();
+    let metrics = &st["device"]["metrics"];
+    assert_eq!(metrics["err_bad_chain"], REPEATS, "{st}");
+    assert_eq!(metrics["err_out_of_range"], REPEATS, "{st}");
+    assert_eq!(metrics["err_unsupported"], REPEATS, "{st}");
+    let transport = &st["transport"];
+    assert!(transport["signals"].as_u64() >= Some(REPEATS), "{st}");
+    assert_eq!(transport["signal_errors"], transport["signals"], "{st}");
+    drop(d);
+    wait_disconnected(&server, "repeated request errors");
+    for counter in [
+        "metrics.err_bad_chain",
+        "metrics.err_out_of_range",
+        "metrics.err_unsupported",
+        "signal_errors",
+    ] {
+        assert_eq!(
+            log_lines(&server, &format!("counted in {counter})")),
+            1,
+            "log lines naming {counter}"
+        );
+    }
+    // Messages that cannot be read (a body over the relay's 64 KiB), each ending its session.
+    for session in 1..=3u64 {
+        let d = Driver::connect(&server.sock, 1);
+        let mut header = 1u32.to_le_bytes().to_vec();
+        header.extend_from_slice(&1u32.to_le_bytes());
+        header.extend_from_slice(&(64u32 * 1024 + 1).to_le_bytes());
+        std::io::Write::write_all(&mut &d.raw, &header).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while server.stats()["server"]["relay"]["unreadable_messages"] != session {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "unreadable message {session} not counted"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        wait_disconnected(&server, "unreadable message");
+    }
+    assert_eq!(log_lines(&server, "message cannot be read"), 1);
+    server.assert_alive("after the repeats");
+    assert_blk_served(&server.sock, 8);
 }
 
 /// The server's open fds (`/proc/PID/fd`) by kind: the `readlink` target without its inode
