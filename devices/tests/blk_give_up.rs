@@ -9,7 +9,6 @@
 mod common;
 
 use std::io::Write;
-use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,42 +17,10 @@ use std::time::{Duration, Instant};
 use bounce::Dma;
 use common::{Blk, Layout, RAM};
 use devices::block::io::AioMode;
-use devices::block::{BlockConfig, Disk};
+use devices::block::BlockConfig;
+use devices::testing::SocketDisk;
 use devices::virtio::spec::VIRTIO_BLK_T_IN;
-use vm_memory::bitmap::BitmapSlice;
-use vm_memory::{GuestAddress, GuestMemoryBackend, VolatileSlice};
-
-/// One end of a socket pair as a disk: io_uring reads on it wait for the peer, which never
-/// sends.
-#[derive(Debug)]
-struct SilentDisk(UnixStream);
-
-impl Disk for SilentDisk {
-    fn capacity(&self) -> u64 {
-        1 << 20
-    }
-    fn read_at<B: BitmapSlice>(&self, _: u64, _: &mut VolatileSlice<B>) -> std::io::Result<usize> {
-        Err(std::io::Error::other("io_uring only"))
-    }
-    fn write_at<B: BitmapSlice>(&self, _: u64, _: &VolatileSlice<B>) -> std::io::Result<usize> {
-        Err(std::io::Error::other("io_uring only"))
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        Ok(())
-    }
-    fn discard(&self, _: u64, _: u64) -> std::io::Result<()> {
-        Ok(())
-    }
-    fn write_zeroes(&self, _: u64, _: u64, _: bool) -> std::io::Result<()> {
-        Ok(())
-    }
-    fn kind(&self) -> &'static str {
-        "silent socket"
-    }
-    fn raw_fd(&self) -> Option<RawFd> {
-        Some(self.0.as_raw_fd())
-    }
-}
+use vm_memory::{GuestAddress, GuestMemoryBackend};
 
 /// A log writer into a shared buffer.
 #[derive(Clone, Default)]
@@ -131,7 +98,7 @@ fn a_read_the_kernel_never_completes_is_leaked_counted_and_logged_once_at_teardo
         aio: Some(AioMode::IoUring),
         ..BlockConfig::default()
     };
-    let mut blk = Blk::new(SilentDisk(ours), cfg, Dma::direct(), 0);
+    let mut blk = Blk::new(SocketDisk(ours), cfg, Dma::direct(), 0);
     let metrics = Arc::clone(blk.drv.device.metrics());
     let p = blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 4096, Layout::Simple);
     blk.drv.kick(0).expect("kick");

@@ -407,25 +407,31 @@ fn fds_by_kind(server: &Server) -> std::collections::BTreeMap<String, usize> {
     kinds
 }
 
-/// Asserts the block server holds the fds of `baseline`, once the next benign front end
-/// (`seed`) has been served.
-fn assert_fds_back_to(
+/// Ends `d`'s session on the block server and asserts the server holds the fds of
+/// `baseline` once the next benign front end (`seed`) has been served.
+fn ended_with_fds_back(
     server: &mut Server,
+    d: Driver,
     baseline: &std::collections::BTreeMap<String, usize>,
     what: &str,
     seed: u64,
 ) {
-    assert_fds_back_after(server, baseline, what, |s| assert_blk_served(&s.sock, seed));
+    ended_with_fds_back_after(server, d, baseline, what, |s| {
+        assert_blk_served(&s.sock, seed)
+    });
 }
 
-/// Asserts the server holds the fds of `baseline`, once `serve` (a benign front end) has
-/// been served.
-fn assert_fds_back_after(
+/// Ends `d`'s session and asserts the server holds the fds of `baseline` once `serve` (a
+/// benign front end) has been served.
+fn ended_with_fds_back_after(
     server: &mut Server,
+    d: Driver,
     baseline: &std::collections::BTreeMap<String, usize>,
     what: &str,
     serve: impl FnOnce(&Server),
 ) {
+    drop(d);
+    wait_disconnected(server, what);
     server.assert_alive(what);
     serve(server);
     wait_disconnected(server, what);
@@ -457,9 +463,7 @@ fn no_front_end_fd_outlives_its_session() {
         d.wait_err(0, Duration::from_secs(10)),
         "the error fd was not signalled"
     );
-    drop(d);
-    wait_disconnected(&server, "session with an error fd");
-    assert_fds_back_to(&mut server, &baseline, "a session with an error fd", 2);
+    ended_with_fds_back(&mut server, d, &baseline, "a session with an error fd", 2);
 
     // A kick fd that is a pipe holding one byte, refused.
     let mut d = negotiated(&server);
@@ -469,9 +473,7 @@ fn no_front_end_fd_outlives_its_session() {
         refused(&d, 12, &0u64.to_le_bytes(), vec![pipe]),
         "the pipe was accepted"
     );
-    drop(d);
-    wait_disconnected(&server, "refused kick pipe");
-    assert_fds_back_to(&mut server, &baseline, "a refused kick pipe", 3);
+    ended_with_fds_back(&mut server, d, &baseline, "a refused kick pipe", 3);
 
     // A call eventfd at its maximum, the queue served, then gone.
     let mut d = negotiated(&server);
@@ -479,17 +481,13 @@ fn no_front_end_fd_outlives_its_session() {
     start_queue_0(&mut d);
     blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x5a; 4096]));
     assert!(d.poll_used(0).is_some(), "the write never completed");
-    drop(d);
-    wait_disconnected(&server, "full call counter");
-    assert_fds_back_to(&mut server, &baseline, "a full call counter", 4);
+    ended_with_fds_back(&mut server, d, &baseline, "a full call counter", 4);
 
     // A session that ends mid-setup: memory mapped, the ring's fds handed over, never enabled.
     let mut d = negotiated(&server);
     d.set_mem_table().unwrap();
     d.configure_default_ring(0).unwrap();
-    drop(d);
-    wait_disconnected(&server, "mid-setup");
-    assert_fds_back_to(&mut server, &baseline, "a session ended mid-setup", 5);
+    ended_with_fds_back(&mut server, d, &baseline, "a session ended mid-setup", 5);
 
     // Memory added region by region (ADD_MEM_REG), a queue running on it.
     let mut d = negotiated(&server);
@@ -500,9 +498,7 @@ fn no_front_end_fd_outlives_its_session() {
     d.frontend.set_vring_enable(0, true).unwrap();
     blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0xa5; 4096]));
     assert!(d.poll_used(0).is_some(), "the write never completed");
-    drop(d);
-    wait_disconnected(&server, "ADD_MEM_REG");
-    assert_fds_back_to(&mut server, &baseline, "a session with added regions", 6);
+    ended_with_fds_back(&mut server, d, &baseline, "a session with added regions", 6);
 
     // An inflight region asked for (GET_INFLIGHT_FD: a memfd the server creates) and handed
     // back (SET_INFLIGHT_FD), memory added region by region, a queue running on both.
@@ -528,15 +524,14 @@ fn no_front_end_fd_outlives_its_session() {
     d.frontend.set_vring_enable(0, true).unwrap();
     blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x3c; 4096]));
     assert!(d.poll_used(0).is_some(), "the write never completed");
-    drop(d);
     drop(region);
-    wait_disconnected(&server, "inflight region");
     let st = server.stats();
     let relay = &st["server"]["relay"];
     assert_eq!(relay["inflight_regions_created"], 1, "{st}");
     assert_eq!(relay["inflight_regions_adopted"], 1, "{st}");
-    assert_fds_back_to(
+    ended_with_fds_back(
         &mut server,
+        d,
         &baseline,
         "a session with an inflight region and added regions",
         7,
@@ -601,10 +596,9 @@ fn no_front_end_fd_outlives_a_net_session() {
         d.wait_err(0, Duration::from_secs(10)),
         "the error fd was not signalled"
     );
-    drop(d);
-    wait_disconnected(&server, "net session with an error fd");
-    assert_fds_back_after(
+    ended_with_fds_back_after(
         &mut server,
+        d,
         &baseline,
         "a net session with an error fd",
         served(2),
@@ -618,9 +612,13 @@ fn no_front_end_fd_outlives_a_net_session() {
         refused(&d, 12, &1u64.to_le_bytes(), vec![pipe]),
         "the pipe was accepted"
     );
-    drop(d);
-    wait_disconnected(&server, "refused net kick pipe");
-    assert_fds_back_after(&mut server, &baseline, "a refused net kick pipe", served(3));
+    ended_with_fds_back_after(
+        &mut server,
+        d,
+        &baseline,
+        "a refused net kick pipe",
+        served(3),
+    );
 
     // Call eventfds at their maximum, TX served, then gone.
     let mut d = net_started(&server, |d| {
@@ -629,9 +627,13 @@ fn no_front_end_fd_outlives_a_net_session() {
         d.setup_rings(2).unwrap();
     });
     net_tx(&mut d, 4);
-    drop(d);
-    wait_disconnected(&server, "full net call counters");
-    assert_fds_back_after(&mut server, &baseline, "full net call counters", served(5));
+    ended_with_fds_back_after(
+        &mut server,
+        d,
+        &baseline,
+        "full net call counters",
+        served(5),
+    );
 
     // Memory added region by region (ADD_MEM_REG), TX running on it.
     let mut d = net_started(&server, |d| {
@@ -642,10 +644,9 @@ fn no_front_end_fd_outlives_a_net_session() {
         d.configure_default_ring(1).unwrap();
     });
     net_tx(&mut d, 6);
-    drop(d);
-    wait_disconnected(&server, "net ADD_MEM_REG");
-    assert_fds_back_after(
+    ended_with_fds_back_after(
         &mut server,
+        d,
         &baseline,
         "a net session with added regions",
         served(7),
@@ -655,10 +656,9 @@ fn no_front_end_fd_outlives_a_net_session() {
     let mut d = negotiated_queues(&server, 3);
     d.set_mem_table().unwrap();
     d.configure_default_ring(0).unwrap();
-    drop(d);
-    wait_disconnected(&server, "net mid-setup");
-    assert_fds_back_after(
+    ended_with_fds_back_after(
         &mut server,
+        d,
         &baseline,
         "a net session ended mid-setup",
         served(8),
