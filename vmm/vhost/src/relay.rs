@@ -65,9 +65,9 @@
 //! | a call eventfd full or closed (the notification fails) | `transport.signal_errors` | once per session (info) |
 //! | a kick before the queue is ready and enabled | `transport.not_ready_events` | no (normal during setup) |
 //! | an event nobody serves (a kick before the memory table) | `transport.ignored_events` | no |
-//! | rings outside guest memory or misaligned, an avail index far ahead, a status byte that cannot be written, a bad inflight record: the worker is broken (NEEDS_RESET, error fds) | `transport.broken_workers`, `report.errors_signalled` | once per worker start (an error line each time the front end starts the queues again) |
+//! | rings outside guest memory or misaligned, an avail index far ahead, a status byte that cannot be found or written (`device.metrics.no_status`), a bad inflight record: the worker is broken (NEEDS_RESET, error fds) | `transport.broken_workers`, `report.errors_signalled` | once per worker start (an error line each time the front end starts the queues again) |
 //! | an error eventfd full or closed | `report.error_signal_failures` | no (at most once per broken queue) |
-//! | blk: a malformed chain (loop, too long, header short, misplaced status, bad indirect table) | `device.metrics.err_bad_chain` | once per device |
+//! | blk: a malformed chain (loop, too long, header short, bad indirect table) | `device.metrics.err_bad_chain` | once per device |
 //! | blk: a buffer outside guest memory | `device.metrics.err_guest_access` | once per device |
 //! | blk: sectors past the end, unaligned lengths, discard or write-zeroes over the limits | `device.metrics.err_out_of_range` | once per device |
 //! | blk: a write to a read-only disk | `device.metrics.err_readonly` | once per device |
