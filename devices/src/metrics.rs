@@ -1,6 +1,6 @@
 //! What every device and transport counts and logs with: one [`Counter`] type, a [`LogOnce`]
-//! latch for guest-triggerable warnings (log once, count always), and [`lock`], the one
-//! poison-tolerant mutex helper.
+//! latch for guest-triggerable warnings (log once, count always), the two together as a
+//! [`LoggedCounter`], and [`lock`], the one poison-tolerant mutex helper.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -51,6 +51,39 @@ impl LogOnce {
     }
 }
 
+/// A [`Counter`] of a condition a guest or front end can trigger at will, with its
+/// [`LogOnce`]: [`LoggedCounter::note`] counts every occurrence and logs the first as a
+/// warning (later ones at debug level). It serialises as its count.
+#[derive(Debug, Default)]
+pub struct LoggedCounter {
+    count: Counter,
+    logged: LogOnce,
+}
+
+impl LoggedCounter {
+    /// Counts one occurrence of `what`; the first is logged, naming the counter `name` so the
+    /// reader knows where the later ones go.
+    pub fn note(&self, name: &str, what: impl std::fmt::Display) {
+        self.count.inc();
+        if self.logged.first() {
+            tracing::warn!("{what} (logged once, counted in {name})");
+        } else {
+            tracing::debug!("{what}");
+        }
+    }
+
+    /// The count.
+    pub fn get(&self) -> u64 {
+        self.count.get()
+    }
+}
+
+impl Serialize for LoggedCounter {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.count.serialize(s)
+    }
+}
+
 /// Locks `m`; a poisoned lock (a thread panicked while holding it) still holds usable state,
 /// and a device must go on serving rather than panic in turn.
 pub fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -73,6 +106,11 @@ mod tests {
         let once = LogOnce::default();
         assert!(once.first());
         assert!(!once.first());
+        let noted = LoggedCounter::default();
+        noted.note("x", "first");
+        noted.note("x", "second");
+        assert_eq!(noted.get(), 2);
+        assert_eq!(serde_json::to_value(&noted).unwrap(), 2);
         let m = std::sync::Arc::new(Mutex::new(5));
         let m2 = std::sync::Arc::clone(&m);
         let _ = std::thread::spawn(move || {

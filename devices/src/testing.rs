@@ -671,6 +671,38 @@ impl Disk for GateDisk {
     }
 }
 
+/// A disk that is one end of a socket pair, for io_uring only: a read waits for the peer (for
+/// ever, if the peer never sends), a write goes to the peer at once.
+#[derive(Debug)]
+pub struct SocketDisk(pub std::os::unix::net::UnixStream);
+
+impl Disk for SocketDisk {
+    fn capacity(&self) -> u64 {
+        1 << 20
+    }
+    fn read_at<B: BitmapSlice>(&self, _: u64, _: &mut VolatileSlice<B>) -> io::Result<usize> {
+        Err(io::Error::other("io_uring only"))
+    }
+    fn write_at<B: BitmapSlice>(&self, _: u64, _: &VolatileSlice<B>) -> io::Result<usize> {
+        Err(io::Error::other("io_uring only"))
+    }
+    fn flush(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn discard(&self, _: u64, _: u64) -> io::Result<()> {
+        Ok(())
+    }
+    fn write_zeroes(&self, _: u64, _: u64, _: bool) -> io::Result<()> {
+        Ok(())
+    }
+    fn kind(&self) -> &'static str {
+        "socket"
+    }
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(std::os::fd::AsRawFd::as_raw_fd(&self.0))
+    }
+}
+
 /// A TCP over IPv4 segmentation header as Linux sends it for a large frame (Ethernet, IPv4 and
 /// TCP headers of 54 bytes, MSS 1448, the TCP checksum left to the device).
 pub fn tso4_header() -> VnetHeader {

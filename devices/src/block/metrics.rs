@@ -29,7 +29,7 @@
 use serde::Serialize;
 
 use super::BlockError;
-pub use crate::metrics::Counter;
+pub use crate::metrics::{Counter, LoggedCounter};
 
 /// Counters of one block device (all its queues).
 #[derive(Debug, Default, Serialize)]
@@ -53,19 +53,19 @@ pub struct BlockMetrics {
     /// Bytes written from guest buffers to the disk.
     pub bytes_written: Counter,
     /// Malformed descriptor chains.
-    pub err_bad_chain: Counter,
+    pub err_bad_chain: LoggedCounter,
     /// Buffers outside guest memory.
-    pub err_guest_access: Counter,
+    pub err_guest_access: LoggedCounter,
     /// Bounce mappings refused (pool full and others).
-    pub err_bounce: Counter,
+    pub err_bounce: LoggedCounter,
     /// Backend I/O errors and short transfers.
-    pub err_io: Counter,
+    pub err_io: LoggedCounter,
     /// Sector ranges beyond the disk, unaligned lengths, discard limits.
-    pub err_out_of_range: Counter,
+    pub err_out_of_range: LoggedCounter,
     /// Writes to a read-only disk.
-    pub err_readonly: Counter,
+    pub err_readonly: LoggedCounter,
     /// Requests completed with UNSUPP.
-    pub err_unsupported: Counter,
+    pub err_unsupported: LoggedCounter,
     /// Chains whose status byte could not be located or written (the device then stops:
     /// DEVICE_NEEDS_RESET).
     pub no_status: Counter,
@@ -97,19 +97,23 @@ pub struct BlockMetrics {
 }
 
 impl BlockMetrics {
-    /// Counts an error by kind.
+    /// Counts an error by kind; the first of each kind is logged (log once per device, count
+    /// always: a guest can repeat any of them at will).
     pub fn count_error(&self, e: &BlockError) {
-        match e {
-            BlockError::BadChain(_) | BlockError::Chain(_) => self.err_bad_chain.inc(),
-            BlockError::GuestAccess { .. } => self.err_guest_access.inc(),
-            BlockError::Bounce(_) => self.err_bounce.inc(),
-            BlockError::Io(_) | BlockError::Short { .. } => self.err_io.inc(),
-            BlockError::OutOfRange { .. } | BlockError::Unaligned(_) | BlockError::Limits(_) => {
-                self.err_out_of_range.inc()
+        let (counter, name) = match e {
+            BlockError::BadChain(_) | BlockError::Chain(_) => {
+                (&self.err_bad_chain, "metrics.err_bad_chain")
             }
-            BlockError::ReadOnly => self.err_readonly.inc(),
-            BlockError::Unsupported(_) => self.err_unsupported.inc(),
-            BlockError::Config(_) => {}
-        }
+            BlockError::GuestAccess { .. } => (&self.err_guest_access, "metrics.err_guest_access"),
+            BlockError::Bounce(_) => (&self.err_bounce, "metrics.err_bounce"),
+            BlockError::Io(_) | BlockError::Short { .. } => (&self.err_io, "metrics.err_io"),
+            BlockError::OutOfRange { .. } | BlockError::Unaligned(_) | BlockError::Limits(_) => {
+                (&self.err_out_of_range, "metrics.err_out_of_range")
+            }
+            BlockError::ReadOnly => (&self.err_readonly, "metrics.err_readonly"),
+            BlockError::Unsupported(_) => (&self.err_unsupported, "metrics.err_unsupported"),
+            BlockError::Config(_) => return,
+        };
+        counter.note(name, format_args!("virtio-blk request failed: {e}"));
     }
 }

@@ -12,7 +12,7 @@
 //! ```
 //! `bounce` and `dma` are as a block device's ([`crate::block::metrics`]).
 
-pub use crate::metrics::Counter;
+pub use crate::metrics::{Counter, LoggedCounter};
 
 /// The counters of one net device (all queue pairs together).
 #[derive(Debug, Default, serde::Serialize)]
@@ -22,13 +22,13 @@ pub struct NetMetrics {
     /// Frame bytes sent (vnet headers excluded).
     pub tx_bytes: Counter,
     /// TX chains whose frame exceeded 65562 bytes with its header: dropped.
-    pub tx_dropped_oversized: Counter,
+    pub tx_dropped_oversized: LoggedCounter,
     /// TX chains the guest got wrong (writable descriptors, bad addresses, loops, too short):
     /// dropped.
-    pub tx_dropped_malformed: Counter,
+    pub tx_dropped_malformed: LoggedCounter,
     /// TX frames whose vnet header asked for an offload not acked or pointed outside the
     /// frame: dropped.
-    pub tx_dropped_bad_header: Counter,
+    pub tx_dropped_bad_header: LoggedCounter,
     /// TX frames the backend refused: dropped.
     pub tx_dropped_backend: Counter,
     /// TX frames dropped because a buffer could not be bounced.
@@ -53,7 +53,7 @@ pub struct NetMetrics {
     pub rx_bounce_failures: Counter,
     /// RX chains the guest got wrong (readable descriptors, bad addresses, loops, smaller
     /// than a header): completed with length 0.
-    pub rx_bad_chains: Counter,
+    pub rx_bad_chains: LoggedCounter,
     /// Times a frame had to wait for the guest to post buffers (the tap is not read then).
     pub rx_no_buffers: Counter,
     /// RX chains put back on the available ring at the end of a pass (held for a frame that
@@ -77,7 +77,7 @@ pub struct NetMetrics {
     /// Control commands answered ERR.
     pub ctrl_err: Counter,
     /// Control chains the guest got wrong: completed with length 0.
-    pub ctrl_bad_chains: Counter,
+    pub ctrl_bad_chains: LoggedCounter,
     /// Guest writes to the (read-only) configuration space: ignored.
     pub config_writes_ignored: Counter,
 }

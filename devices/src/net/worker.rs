@@ -252,26 +252,33 @@ impl<M: GuestMemory> PairWorker<M> {
         let m = &self.metrics;
         let c = &mut self.tx_chain;
         if let Err(e) = at.walk(mem, &self.rules, c) {
-            tracing::debug!(pair = self.pair, "tx chain refused: {e}");
-            m.tx_dropped_malformed.inc();
+            m.tx_dropped_malformed.note(
+                "net.tx_dropped_malformed",
+                format_args!("virtio-net: tx chain refused: {e}"),
+            );
             return TxOutcome::Dropped;
         }
         if !c.writable.is_empty() {
-            tracing::debug!(
-                pair = self.pair,
-                "tx chain refused: device-writable buffers"
+            m.tx_dropped_malformed.note(
+                "net.tx_dropped_malformed",
+                "virtio-net: tx chain refused: device-writable buffers",
             );
-            m.tx_dropped_malformed.inc();
             return TxOutcome::Dropped;
         }
         if c.readable_len > MAX_BUFFER_LEN as u64 {
-            m.tx_dropped_oversized.inc();
+            m.tx_dropped_oversized.note(
+                "net.tx_dropped_oversized",
+                format_args!("virtio-net: a tx chain of {} bytes", c.readable_len),
+            );
             return TxOutcome::Dropped;
         }
         // readable_len <= MAX_BUFFER_LEN: fits a usize.
         let total = c.readable_len as usize;
         if total < VNET_HDR_LEN + MIN_FRAME_LEN {
-            m.tx_dropped_malformed.inc();
+            m.tx_dropped_malformed.note(
+                "net.tx_dropped_malformed",
+                format_args!("virtio-net: a tx chain of {total} bytes"),
+            );
             return TxOutcome::Dropped;
         }
         let frame_len = total - VNET_HDR_LEN;
@@ -318,11 +325,14 @@ impl<M: GuestMemory> PairWorker<M> {
             Ok(()) => self.tx_send(frame_len, backend),
             Err(e) => {
                 if e.class() == ErrorClass::GuestFault {
-                    m.tx_dropped_malformed.inc();
+                    m.tx_dropped_malformed.note(
+                        "net.tx_dropped_malformed",
+                        format_args!("virtio-net: tx map: {e}"),
+                    );
                 } else {
                     m.tx_bounce_failures.inc();
+                    tracing::debug!(pair = self.pair, "tx map: {e}");
                 }
-                tracing::debug!(pair = self.pair, "tx map: {e}");
                 TxOutcome::Dropped
             }
         };
@@ -367,8 +377,10 @@ impl<M: GuestMemory> PairWorker<M> {
         }
         let hdr = VnetHeader::from_bytes(&hdr_bytes);
         if let Err(e) = hdr.check_tx(self.acked, frame_len) {
-            tracing::debug!(pair = self.pair, "tx header: {e}");
-            m.tx_dropped_bad_header.inc();
+            m.tx_dropped_bad_header.note(
+                "net.tx_dropped_bad_header",
+                format_args!("virtio-net: tx header: {e}"),
+            );
             return TxOutcome::Dropped;
         }
         // num_buffers means nothing on transmit; the tap ignores it, clear it anyway.
@@ -421,8 +433,10 @@ impl<M: GuestMemory> PairWorker<M> {
                 Ok(()) => None,
             };
             if let Some(why) = refused {
-                tracing::debug!(pair = self.pair, "rx chain refused: {why}");
-                self.metrics.rx_bad_chains.inc();
+                self.metrics.rx_bad_chains.note(
+                    "net.rx_bad_chains",
+                    format_args!("virtio-net: rx chain refused: {why}"),
+                );
                 // The chains held so far are now behind a used entry: they cannot go back.
                 self.rx_returnable = 0;
                 return Ok(Step::Used(0));

@@ -128,11 +128,26 @@ struct Counters {
     /// A front end may ask for features the device refuses, again and again.
     activation_failure_logged: devices::metrics::LogOnce,
     late_inflight_logged: devices::metrics::LogOnce,
+    /// A front end may hand over a call eventfd whose counter is full, or close it.
+    signal_error_logged: devices::metrics::LogOnce,
 }
 
 impl Counters {
     fn inc(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A used-buffer notification of the queue at `position` failed: counted, the first
+    /// logged (a full counter is already readable, so the front end sees it anyway).
+    fn signal_failed(&self, position: usize, e: &io::Error) {
+        Self::inc(&self.signal_errors);
+        if self.signal_error_logged.first() {
+            tracing::info!(
+                "signalling the queue at position {position}: {e} (a call eventfd full or gone; logged once per session, counted in signal_errors)"
+            );
+        } else {
+            tracing::debug!("signalling the queue at position {position}: {e}");
+        }
     }
 }
 
@@ -849,9 +864,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 for (i, call) in calls {
                     Counters::inc(&self.counters.signals);
                     if let Err(e) = call.signal() {
-                        // The counter may be full while the frontend reconfigures.
-                        Counters::inc(&self.counters.signal_errors);
-                        tracing::debug!("signalling queue at position {i}: {e}");
+                        // The counter may be full, or the fd gone, while the frontend
+                        // reconfigures.
+                        self.counters.signal_failed(i, &e);
                     }
                 }
             }

@@ -39,6 +39,47 @@
 //! The counters ([`RelayCounters`]) belong to the server and add up over its sessions; each
 //! condition a front end can trigger at will is logged once per server and counted always.
 //!
+//! # What a front end can trigger, where it is counted, how often it is logged
+//!
+//! Every condition a front end (or the guest through it) can repeat at will, across the
+//! crate and the device cores it serves. Statistics paths are those of the statistics JSON
+//! (`--stats-socket`, SIGUSR1). "Server" counters and latches live as long as the process
+//! serves the device (all sessions); "session" ones are the current connection's adapter's;
+//! "device" ones are the device core's (all sessions). Later occurrences go to debug level.
+//!
+//! | condition | counter | logged |
+//! |---|---|---|
+//! | `SET_VRING_ENABLE` before `SET_FEATURES` for a missing queue or a value over 1 | `server.relay.early_enables_refused` | once per server |
+//! | `SET_VRING_ENABLE` before `SET_FEATURES` (QEMU's order: held) | `early_enables_held`, `_replayed`, `_dropped` | no (normal) |
+//! | `SET_STATUS` without a status | `server.relay.malformed_status` | once per server |
+//! | `SET_VRING_NUM` not a power of two, or over `--queue-size` | `server.relay.refused_queue_sizes` | once per server |
+//! | kick, call or error fd not an eventfd, or not made non-blocking | `server.relay.refused_fds` | once per server |
+//! | memory table or added region malformed, empty, wrapping, past its file's end, not mappable; a region beyond the slots | `server.relay.refused_mem_tables` | once per server |
+//! | memory table out of address order (served sorted) | `server.relay.mem_tables_sorted` | once per server (info) |
+//! | a region added again (a copy) or a copy removed | `server.relay.region_copies` | once per server (info) |
+//! | `GET_INFLIGHT_FD`/`SET_INFLIGHT_FD` not negotiated, malformed, or a bad region | `server.relay.refused_inflight` | once per server |
+//! | a message body over [`MAX_BODY`], or a message cut short | `server.relay.unreadable_messages` | once per server |
+//! | a message `vhost-user-backend` refuses (features never offered, a queue index out of range, the removal of an unknown region, a malformed body) | `server.failed_sessions` | once per server |
+//! | features the device cannot be activated with | `transport.activation_failures` | once per session |
+//! | an inflight region after a queue started | `transport.late_inflight_regions` | once per session |
+//! | a call eventfd full or closed (the notification fails) | `transport.signal_errors` | once per session (info) |
+//! | a kick before the queue is ready and enabled | `transport.not_ready_events` | no (normal during setup) |
+//! | an event nobody serves (a kick before the memory table) | `transport.ignored_events` | no |
+//! | rings outside guest memory or misaligned, an avail index far ahead, a status byte that cannot be found or written (`device.metrics.no_status`), a bad inflight record: the worker is broken (NEEDS_RESET, error fds) | `transport.broken_workers`, `report.errors_signalled` | once per worker start (an error line each time the front end starts the queues again) |
+//! | an error eventfd full or closed | `report.error_signal_failures` | no (at most once per broken queue) |
+//! | blk: a malformed chain (loop, too long, header short, bad indirect table) | `device.metrics.err_bad_chain` | once per device |
+//! | blk: a buffer outside guest memory | `device.metrics.err_guest_access` | once per device |
+//! | blk: sectors past the end, unaligned lengths, discard or write-zeroes over the limits | `device.metrics.err_out_of_range` | once per device |
+//! | blk: a write to a read-only disk | `device.metrics.err_readonly` | once per device |
+//! | blk: an unknown or unnegotiated request type | `device.metrics.err_unsupported` | once per device |
+//! | blk: a mapping the bounce pool refused; a host I/O error | `device.metrics.err_bounce`, `err_io` | once per device |
+//! | blk: a write to the configuration space | `device.metrics.config_write_rejected` | once per device |
+//! | net: a TX chain malformed, too short, or outside guest memory | `device.net.tx_dropped_malformed` | once per device |
+//! | net: a TX frame over 65,562 bytes with its header; a TX vnet header asking for what was not negotiated | `device.net.tx_dropped_oversized`, `tx_dropped_bad_header` | once per device |
+//! | net: an RX or control chain malformed | `device.net.rx_bad_chains`, `ctrl_bad_chains` | once per device |
+//! | net: a write to the configuration space | `device.net.config_writes_ignored` | once per device |
+//! | net: a control command the device does not support | `device.net.ctrl_err` | no (answered ERR) |
+//!
 //! Only the control path goes through the relay: the rings, kicks and calls are shared memory
 //! and eventfds between the frontend and the backend.
 
@@ -249,6 +290,9 @@ pub struct RelayStats {
     pub refused_inflight: u64,
     /// ADD_MEM_REG and REM_MEM_REG of a copy of a region already added (see [`slots`]).
     pub region_copies: u64,
+    /// Messages from a front end that could not be read (a body over [`MAX_BODY`], a message
+    /// cut short); each ended its session.
+    pub unreadable_messages: u64,
 }
 
 /// The relay counters of a server, shared by its sessions, with the latches that keep each
@@ -271,6 +315,8 @@ pub struct RelayCounters {
     refused_inflight: AtomicU64,
     inflight_logged: LogOnce,
     region_copies: AtomicU64,
+    unreadable_messages: AtomicU64,
+    unreadable_logged: LogOnce,
     early_enable_logged: LogOnce,
     status_logged: LogOnce,
     queue_size_logged: LogOnce,
@@ -300,6 +346,7 @@ impl RelayCounters {
             inflight_regions_adopted: g(&self.inflight_adopted),
             refused_inflight: g(&self.refused_inflight),
             region_copies: g(&self.region_copies),
+            unreadable_messages: g(&self.unreadable_messages),
         }
     }
 
@@ -690,7 +737,31 @@ fn relay_requests(
     writer: &Mutex<UnixStream>,
     st: &RelayCounters,
 ) {
-    while let Some(msg) = receive(fe_in, "frontend") {
+    loop {
+        let msg = match recv_message(fe_in) {
+            Ok(Some(msg)) => msg,
+            Ok(None) => break,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::InvalidData | io::ErrorKind::UnexpectedEof
+                ) =>
+            {
+                add(&st.unreadable_messages, 1);
+                if st.unreadable_logged.first() {
+                    tracing::warn!(
+                        "a front end's message cannot be read: {e}; its session ends (logged once, counted in the relay statistics)"
+                    );
+                } else {
+                    tracing::debug!("frontend connection: {e}");
+                }
+                break;
+            }
+            Err(e) => {
+                tracing::debug!("frontend connection: {e}");
+                break;
+            }
+        };
         let result = match seq.on_message(msg, st) {
             Action::Forward(msgs) => msgs.iter().try_for_each(|m| {
                 add(&st.to_backend, 1);

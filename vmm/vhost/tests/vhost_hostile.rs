@@ -13,24 +13,30 @@
 //!   answers only once every request it counts has its status and used entry;
 //! - conditions a front end can repeat at will are logged once and counted always, and no
 //!   front-end fd outlives its session (sessions with a broken queue, a refused kick pipe,
-//!   a full call counter, an end mid-setup, regions added with ADD_MEM_REG).
+//!   a full call counter, an end mid-setup, regions added with ADD_MEM_REG, an inflight region
+//!   asked for and handed back), for `bouncevm-vhost blk` and `bouncevm-vhost net` (on a tap of
+//!   its own).
 //!
-//! The same for net is in `vhost_protocol.rs` (an in-process server over memory backends).
+//! The other hostile net front ends are in `vhost_protocol.rs` (an in-process server over
+//! memory backends).
 
 mod vhost_support;
 
+use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use devices::block::STATUS_UNSET;
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1,
-    VIRTIO_RING_F_EVENT_IDX,
+    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::child::Server;
 use vhost_support::{
-    assert_blk_served, blk_request, blk_request_on, blk_status, full_eventfd, mem_table_body,
-    refused, Driver, NotEventFd, BATCH, BLK_DATA, MEM_SIZE,
+    assert_blk_served, blk_request, blk_request_on, blk_status, data_addr, full_eventfd,
+    mem_table_body, refused, Driver, NotEventFd, BATCH, BLK_DATA, BLK_HDRS, BLK_STATUS, MEM_SIZE,
+    QSIZE,
 };
 use vm_memory::{Bytes, GuestAddress};
 
@@ -42,7 +48,12 @@ const NEEDS_RESET: u8 = 0x40;
 
 /// Connects and negotiates (REPLY_ACK, STATUS) up to SET_FEATURES.
 fn negotiated(server: &Server) -> Driver {
-    let mut d = Driver::connect(&server.sock, 1);
+    negotiated_queues(server, 1)
+}
+
+/// [`negotiated`] for a device of `queues` queues.
+fn negotiated_queues(server: &Server, queues: usize) -> Driver {
+    let mut d = Driver::connect(&server.sock, queues);
     let offered = d
         .handshake_with(
             VhostUserProtocolFeatures::STATUS | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
@@ -302,6 +313,78 @@ fn conditions_a_front_end_repeats_are_logged_once_and_counted_always() {
     assert_blk_served(&server.sock, 7);
 }
 
+#[test]
+fn request_errors_and_failed_signals_in_one_session_are_logged_once_and_counted_always() {
+    // One session, its call eventfd at its maximum (every notification fails), and 1,000
+    // each of: a header shorter than 16 bytes, a read past the end of the disk, a request of
+    // an unknown type. Every one is completed with an error status and counted; each kind is
+    // logged once. Then three sessions that each send a message too large to read.
+    const REPEATS: u64 = 1000;
+    let mut server = Server::start();
+    let mut d = negotiated(&server);
+    d.calls[0] = full_eventfd();
+    start_queue_0(&mut d);
+    let buf = BLK_DATA;
+    for round in 0..REPEATS {
+        let (hdr, status) = (BLK_HDRS, BLK_STATUS);
+        d.mem.write_slice(&[0u8; 16], GuestAddress(hdr)).unwrap();
+        d.mem.write_obj(STATUS_UNSET, GuestAddress(status)).unwrap();
+        d.post_descs(0, 0, &[(hdr, 8, false), (status, 1, true)]);
+        blk_request_on(&mut d, 0, 1, VIRTIO_BLK_T_IN, 1 << 40, buf, 4096);
+        blk_request_on(&mut d, 0, 2, 0xff, 0, buf, 4096);
+        let mut heads: Vec<u32> = (0..3)
+            .map(|_| d.poll_used(0).expect("a request never completed").0)
+            .collect();
+        heads.sort_unstable();
+        assert_eq!(heads, [0, 3, 6], "round {round}");
+        assert_eq!(blk_status(&d, 0), VIRTIO_BLK_S_IOERR, "round {round}");
+        assert_eq!(blk_status(&d, 1), VIRTIO_BLK_S_IOERR, "round {round}");
+        assert_eq!(blk_status(&d, 2), VIRTIO_BLK_S_UNSUPP, "round {round}");
+    }
+    let st = server.stats();
+    let metrics = &st["device"]["metrics"];
+    assert_eq!(metrics["err_bad_chain"], REPEATS, "{st}");
+    assert_eq!(metrics["err_out_of_range"], REPEATS, "{st}");
+    assert_eq!(metrics["err_unsupported"], REPEATS, "{st}");
+    let transport = &st["transport"];
+    assert!(transport["signals"].as_u64() >= Some(REPEATS), "{st}");
+    assert_eq!(transport["signal_errors"], transport["signals"], "{st}");
+    drop(d);
+    wait_disconnected(&server, "repeated request errors");
+    for counter in [
+        "metrics.err_bad_chain",
+        "metrics.err_out_of_range",
+        "metrics.err_unsupported",
+        "signal_errors",
+    ] {
+        assert_eq!(
+            log_lines(&server, &format!("counted in {counter})")),
+            1,
+            "log lines naming {counter}"
+        );
+    }
+    // Messages that cannot be read (a body over the relay's 64 KiB), each ending its session.
+    for session in 1..=3u64 {
+        let d = Driver::connect(&server.sock, 1);
+        let mut header = 1u32.to_le_bytes().to_vec();
+        header.extend_from_slice(&1u32.to_le_bytes());
+        header.extend_from_slice(&(64u32 * 1024 + 1).to_le_bytes());
+        std::io::Write::write_all(&mut &d.raw, &header).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while server.stats()["server"]["relay"]["unreadable_messages"] != session {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "unreadable message {session} not counted"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        wait_disconnected(&server, "unreadable message");
+    }
+    assert_eq!(log_lines(&server, "message cannot be read"), 1);
+    server.assert_alive("after the repeats");
+    assert_blk_served(&server.sock, 8);
+}
+
 /// The server's open fds (`/proc/PID/fd`) by kind: the `readlink` target without its inode
 /// (`socket`, `pipe`, `anon_inode:[eventfd]`, `/memfd:...`), with how many of each.
 fn fds_by_kind(server: &Server) -> std::collections::BTreeMap<String, usize> {
@@ -324,16 +407,33 @@ fn fds_by_kind(server: &Server) -> std::collections::BTreeMap<String, usize> {
     kinds
 }
 
-/// Asserts the server holds the fds of `baseline`, once the next benign front end (`seed`)
-/// has been served.
-fn assert_fds_back_to(
+/// Ends `d`'s session on the block server and asserts the server holds the fds of
+/// `baseline` once the next benign front end (`seed`) has been served.
+fn ended_with_fds_back(
     server: &mut Server,
+    d: Driver,
     baseline: &std::collections::BTreeMap<String, usize>,
     what: &str,
     seed: u64,
 ) {
+    ended_with_fds_back_after(server, d, baseline, what, |s| {
+        assert_blk_served(&s.sock, seed)
+    });
+}
+
+/// Ends `d`'s session and asserts the server holds the fds of `baseline` once `serve` (a
+/// benign front end) has been served.
+fn ended_with_fds_back_after(
+    server: &mut Server,
+    d: Driver,
+    baseline: &std::collections::BTreeMap<String, usize>,
+    what: &str,
+    serve: impl FnOnce(&Server),
+) {
+    drop(d);
+    wait_disconnected(server, what);
     server.assert_alive(what);
-    assert_blk_served(&server.sock, seed);
+    serve(server);
     wait_disconnected(server, what);
     assert_eq!(
         &fds_by_kind(server),
@@ -363,9 +463,7 @@ fn no_front_end_fd_outlives_its_session() {
         d.wait_err(0, Duration::from_secs(10)),
         "the error fd was not signalled"
     );
-    drop(d);
-    wait_disconnected(&server, "session with an error fd");
-    assert_fds_back_to(&mut server, &baseline, "a session with an error fd", 2);
+    ended_with_fds_back(&mut server, d, &baseline, "a session with an error fd", 2);
 
     // A kick fd that is a pipe holding one byte, refused.
     let mut d = negotiated(&server);
@@ -375,9 +473,7 @@ fn no_front_end_fd_outlives_its_session() {
         refused(&d, 12, &0u64.to_le_bytes(), vec![pipe]),
         "the pipe was accepted"
     );
-    drop(d);
-    wait_disconnected(&server, "refused kick pipe");
-    assert_fds_back_to(&mut server, &baseline, "a refused kick pipe", 3);
+    ended_with_fds_back(&mut server, d, &baseline, "a refused kick pipe", 3);
 
     // A call eventfd at its maximum, the queue served, then gone.
     let mut d = negotiated(&server);
@@ -385,17 +481,13 @@ fn no_front_end_fd_outlives_its_session() {
     start_queue_0(&mut d);
     blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x5a; 4096]));
     assert!(d.poll_used(0).is_some(), "the write never completed");
-    drop(d);
-    wait_disconnected(&server, "full call counter");
-    assert_fds_back_to(&mut server, &baseline, "a full call counter", 4);
+    ended_with_fds_back(&mut server, d, &baseline, "a full call counter", 4);
 
     // A session that ends mid-setup: memory mapped, the ring's fds handed over, never enabled.
     let mut d = negotiated(&server);
     d.set_mem_table().unwrap();
     d.configure_default_ring(0).unwrap();
-    drop(d);
-    wait_disconnected(&server, "mid-setup");
-    assert_fds_back_to(&mut server, &baseline, "a session ended mid-setup", 5);
+    ended_with_fds_back(&mut server, d, &baseline, "a session ended mid-setup", 5);
 
     // Memory added region by region (ADD_MEM_REG), a queue running on it.
     let mut d = negotiated(&server);
@@ -406,9 +498,171 @@ fn no_front_end_fd_outlives_its_session() {
     d.frontend.set_vring_enable(0, true).unwrap();
     blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0xa5; 4096]));
     assert!(d.poll_used(0).is_some(), "the write never completed");
-    drop(d);
-    wait_disconnected(&server, "ADD_MEM_REG");
-    assert_fds_back_to(&mut server, &baseline, "a session with added regions", 6);
+    ended_with_fds_back(&mut server, d, &baseline, "a session with added regions", 6);
+
+    // An inflight region asked for (GET_INFLIGHT_FD: a memfd the server creates) and handed
+    // back (SET_INFLIGHT_FD), memory added region by region, a queue running on both.
+    let mut d = Driver::connect(&server.sock, 1);
+    let offered = d
+        .handshake_with(
+            VhostUserProtocolFeatures::INFLIGHT_SHMFD
+                | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+        )
+        .unwrap();
+    d.set_features(offered & WANTED).unwrap();
+    let (info, region) = d
+        .frontend
+        .get_inflight_fd(&VhostUserInflight::new(0, 0, 1, QSIZE))
+        .unwrap();
+    d.frontend
+        .set_inflight_fd(&info, region.as_raw_fd())
+        .unwrap();
+    for r in d.regions_split_at(MEM_SIZE as u64 / 2) {
+        d.frontend.add_mem_region(&r).unwrap();
+    }
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x3c; 4096]));
+    assert!(d.poll_used(0).is_some(), "the write never completed");
+    drop(region);
+    let st = server.stats();
+    let relay = &st["server"]["relay"];
+    assert_eq!(relay["inflight_regions_created"], 1, "{st}");
+    assert_eq!(relay["inflight_regions_adopted"], 1, "{st}");
+    ended_with_fds_back(
+        &mut server,
+        d,
+        &baseline,
+        "a session with an inflight region and added regions",
+        7,
+    );
+}
+
+/// One queue pair of `bouncevm-vhost net` started (features, memory, both rings): the rings
+/// configured with the driver's fds by `rings`, then enabled.
+fn net_started(server: &Server, rings: impl FnOnce(&mut Driver)) -> Driver {
+    let mut d = negotiated_queues(server, 3);
+    rings(&mut d);
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d.frontend.set_vring_enable(1, true).unwrap();
+    d
+}
+
+/// A frame of `len` bytes after a zeroed vnet header, sent on TX (queue 1) and completed.
+fn net_tx(d: &mut Driver, seed: u8) {
+    let mut f = vec![0u8; 12];
+    f.extend((0..200u8).map(|i| i.wrapping_mul(7).wrapping_add(seed)));
+    d.mem.write_slice(&f, GuestAddress(data_addr(1))).unwrap();
+    d.post_descs(1, 0, &[(data_addr(1), f.len() as u32, false)]);
+    assert_eq!(d.poll_used(1), Some((0, 0)), "TX chain {seed}");
+}
+
+/// A well-formed front end gets a frame sent through `bouncevm-vhost net`.
+fn assert_net_served(server: &Server, seed: u8) {
+    let mut d = net_started(server, |d| d.setup_rings(2).unwrap());
+    net_tx(&mut d, seed);
+}
+
+#[test]
+fn no_front_end_fd_outlives_a_net_session() {
+    use bounce::testing::{missing, Resource};
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return missing(Resource::Root, "not root");
+    }
+    if !std::path::Path::new("/dev/net/tun").exists() {
+        return missing(Resource::Tun, "/dev/net/tun is missing");
+    }
+    // The tap is the server's own (created, down, gone with the process); frames sent to it
+    // are dropped and counted, the guest's chains complete.
+    let tap = format!("bvmfd{}", std::process::id() % 1_000_000);
+    let mut server = Server::start_net(&tap, &["--bounce", "policy=force,slots=1024"]);
+    assert_net_served(&server, 1);
+    wait_disconnected(&server, "first session");
+    let baseline = fds_by_kind(&server);
+    assert!(
+        baseline.get("socket") >= Some(&1),
+        "the listening socket is not among the server's fds: {baseline:?}"
+    );
+    let served = |seed| move |s: &Server| assert_net_served(s, seed);
+
+    // RX's rings at the end of guest memory: the worker is broken, the error fd signalled.
+    let mut d = negotiated_queues(&server, 3);
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(1).unwrap();
+    d.frontend.set_vring_enable(1, true).unwrap();
+    break_queue_0(&mut d);
+    assert!(
+        d.wait_err(0, Duration::from_secs(10)),
+        "the error fd was not signalled"
+    );
+    ended_with_fds_back_after(
+        &mut server,
+        d,
+        &baseline,
+        "a net session with an error fd",
+        served(2),
+    );
+
+    // A kick fd that is a pipe holding one byte, refused.
+    let mut d = negotiated_queues(&server, 3);
+    d.set_mem_table().unwrap();
+    let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
+    assert!(
+        refused(&d, 12, &1u64.to_le_bytes(), vec![pipe]),
+        "the pipe was accepted"
+    );
+    ended_with_fds_back_after(
+        &mut server,
+        d,
+        &baseline,
+        "a refused net kick pipe",
+        served(3),
+    );
+
+    // Call eventfds at their maximum, TX served, then gone.
+    let mut d = net_started(&server, |d| {
+        d.calls[0] = full_eventfd();
+        d.calls[1] = full_eventfd();
+        d.setup_rings(2).unwrap();
+    });
+    net_tx(&mut d, 4);
+    ended_with_fds_back_after(
+        &mut server,
+        d,
+        &baseline,
+        "full net call counters",
+        served(5),
+    );
+
+    // Memory added region by region (ADD_MEM_REG), TX running on it.
+    let mut d = net_started(&server, |d| {
+        for r in d.regions_split_at(MEM_SIZE as u64 / 2) {
+            d.frontend.add_mem_region(&r).unwrap();
+        }
+        d.configure_default_ring(0).unwrap();
+        d.configure_default_ring(1).unwrap();
+    });
+    net_tx(&mut d, 6);
+    ended_with_fds_back_after(
+        &mut server,
+        d,
+        &baseline,
+        "a net session with added regions",
+        served(7),
+    );
+
+    // A session that ends mid-setup.
+    let mut d = negotiated_queues(&server, 3);
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(0).unwrap();
+    ended_with_fds_back_after(
+        &mut server,
+        d,
+        &baseline,
+        "a net session ended mid-setup",
+        served(8),
+    );
 }
 
 /// Bytes of each request of [`a_stop_with_requests_in_flight_returns_every_one_it_counts`]:

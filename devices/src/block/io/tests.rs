@@ -3,16 +3,12 @@
 #![allow(clippy::undocumented_unsafe_blocks)]
 
 use std::io::Write;
-use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 
-use vm_memory::bitmap::BitmapSlice;
-use vm_memory::VolatileSlice;
-
 use super::*;
-use crate::testing::GateDisk;
+use crate::testing::{GateDisk, SocketDisk};
 
 /// Test memory for buffers: a page-aligned heap block cut into pieces at chosen offsets.
 struct Arena(AlignedBuf, usize);
@@ -389,38 +385,6 @@ fn thread_pool_completes_out_of_order() {
     }
     assert_eq!(out.last().unwrap().tag, 0);
     assert_eq!(arena.get(0, 4096), pattern(1, 4096));
-}
-
-/// A disk that is one end of a socket pair: io_uring reads on it wait for the peer, writes
-/// go to the peer at once.
-#[derive(Debug)]
-struct SocketDisk(std::os::unix::net::UnixStream);
-
-impl Disk for SocketDisk {
-    fn capacity(&self) -> u64 {
-        DISK
-    }
-    fn read_at<B: BitmapSlice>(&self, _: u64, _: &mut VolatileSlice<B>) -> std::io::Result<usize> {
-        Err(std::io::Error::other("io_uring only"))
-    }
-    fn write_at<B: BitmapSlice>(&self, _: u64, _: &VolatileSlice<B>) -> std::io::Result<usize> {
-        Err(std::io::Error::other("io_uring only"))
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        Ok(())
-    }
-    fn discard(&self, _: u64, _: u64) -> std::io::Result<()> {
-        Ok(())
-    }
-    fn write_zeroes(&self, _: u64, _: u64, _: bool) -> std::io::Result<()> {
-        Ok(())
-    }
-    fn kind(&self) -> &'static str {
-        "socket"
-    }
-    fn raw_fd(&self) -> Option<RawFd> {
-        Some(self.0.as_raw_fd())
-    }
 }
 
 /// io_uring reports completions as the kernel posts them: a read that waits for data

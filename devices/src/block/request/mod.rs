@@ -238,7 +238,6 @@ impl RequestCtx {
                 return Ok(Started::PoolFull);
             }
             Err(e) => {
-                tracing::debug!("virtio-blk request failed: {e}");
                 if is_pool_full(&e) {
                     self.metrics.pool_full_failed.inc();
                 }
@@ -289,7 +288,6 @@ impl RequestCtx {
                 (VIRTIO_BLK_S_OK, req.written)
             }
             Err(e) => {
-                tracing::debug!("virtio-blk request failed: {e}");
                 self.metrics.count_error(&e);
                 (e.status(), 0)
             }

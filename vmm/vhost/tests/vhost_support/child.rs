@@ -40,20 +40,41 @@ impl Server {
 
     /// With `extra` flags after `--socket`, `--file` and `--stats-socket`.
     pub fn start_with(extra: &[&str]) -> Self {
-        // One directory per server: the tests of this file run in parallel.
+        Self::start_device(
+            |dir| {
+                let img = dir.join("disk.img");
+                File::create(&img).unwrap().set_len(16 << 20).unwrap();
+                vec!["blk".into(), "--file".into(), img.into()]
+            },
+            extra,
+        )
+    }
+
+    /// `bouncevm-vhost net` (one queue pair) on tap `tap` (created, and gone with the
+    /// process), with `extra` flags after `--tap`, `--socket` and `--stats-socket`. Needs
+    /// root and `/dev/net/tun`.
+    pub fn start_net(tap: &str, extra: &[&str]) -> Self {
+        Self::start_device(|_| vec!["net".into(), "--tap".into(), tap.into()], extra)
+    }
+
+    /// The binary with the subcommand and flags `device` makes in the server's own new
+    /// directory (the tests of a file run in parallel), then `--socket`, `--stats-socket` and
+    /// `extra`.
+    fn start_device(
+        device: impl FnOnce(&std::path::Path) -> Vec<std::ffi::OsString>,
+        extra: &[&str],
+    ) -> Self {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir =
             std::env::temp_dir().join(format!("bouncevm-vhost-child-{}.{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let img = dir.join("disk.img");
-        File::create(&img).unwrap().set_len(16 << 20).unwrap();
         let (sock, stats) = (dir.join("vhost.sock"), dir.join("vhost.stats"));
         let log = dir.join("vhost.log");
         let _ = std::fs::remove_file(&sock);
         let _ = std::fs::remove_file(&stats);
-        let mut args: Vec<std::ffi::OsString> = vec!["blk".into(), "--socket".into()];
-        args.extend([sock.clone().into(), "--file".into(), img.into()]);
+        let mut args = device(&dir);
+        args.extend(["--socket".into(), sock.clone().into()]);
         args.extend(["--stats-socket".into(), stats.clone().into()]);
         args.extend(extra.iter().map(Into::into));
         let child = Self::spawn(&args, &stats, &log);

@@ -1,0 +1,161 @@
+//! A block queue torn down while the kernel still holds one of its io_uring reads: the worker
+//! and the engine give up waiting after their bounds and keep (leak) what the kernel may still
+//! write into, rather than free or unmap it under the read, and say so once each.
+//!
+//! The read is on a socket whose peer never sends (a disk that never answers), so it stays
+//! in the kernel; the bounds count waits that return without a completion, and a signal sent
+//! to the tearing-down thread over and over makes each wait return (`EINTR`) at once.
+//! Without the signals the teardown waits as long as the read does: the bounds count waits
+//! that return empty-handed, not time.
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bounce::Dma;
+use common::{Blk, Layout, RAM};
+use devices::block::io::AioMode;
+use devices::block::BlockConfig;
+use devices::testing::SocketDisk;
+use devices::virtio::spec::VIRTIO_BLK_T_IN;
+use vm_memory::{GuestAddress, GuestMemoryBackend};
+
+/// A log writer into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        devices::metrics::lock(&self.0).extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn lines_with(&self, needle: &str) -> usize {
+        String::from_utf8_lossy(&devices::metrics::lock(&self.0))
+            .lines()
+            .filter(|l| l.contains(needle))
+            .count()
+    }
+}
+
+extern "C" fn ignore(_: libc::c_int) {}
+
+/// Interrupts the calling thread's blocking calls with SIGUSR2 (a handler that does nothing,
+/// without SA_RESTART) until the returned flag is set.
+fn interrupt_this_thread() -> (Arc<AtomicBool>, std::thread::JoinHandle<u64>) {
+    // SAFETY: a zeroed sigaction with a handler of the right signature and an empty mask;
+    // the handler touches nothing.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = ignore as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        assert_eq!(libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()), 0);
+    }
+    // SAFETY: pthread_self has no preconditions.
+    let target = unsafe { libc::pthread_self() };
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let t = std::thread::spawn(move || {
+        let mut sent = 0u64;
+        while !stop2.load(Ordering::Relaxed) {
+            // SAFETY: `target` is the test thread, which outlives this loop (it joins us).
+            unsafe { libc::pthread_kill(target, libc::SIGUSR2) };
+            sent += 1;
+            std::thread::yield_now();
+        }
+        sent
+    });
+    (stop, t)
+}
+
+/// True when one mapping of this process covers `start..start + len` (`/proc/self/maps`).
+fn mapped(start: usize, len: usize) -> bool {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let (range, _) = l.split_once(' ')?;
+            let (a, b) = range.split_once('-')?;
+            Some((
+                usize::from_str_radix(a, 16).ok()?,
+                usize::from_str_radix(b, 16).ok()?,
+            ))
+        })
+        .any(|(a, b)| a <= start && start + len <= b)
+}
+
+#[test]
+fn a_read_the_kernel_never_completes_is_leaked_counted_and_logged_once_at_teardown() {
+    let (ours, _peer) = UnixStream::pair().unwrap();
+    let cfg = BlockConfig {
+        aio: Some(AioMode::IoUring),
+        ..BlockConfig::default()
+    };
+    let mut blk = Blk::new(SocketDisk(ours), cfg, Dma::direct(), 0);
+    let metrics = Arc::clone(blk.drv.device.metrics());
+    let p = blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 4096, Layout::Simple);
+    blk.drv.kick(0).expect("kick");
+    let ram = blk.drv.ram.mem().get_host_address(GuestAddress(0)).unwrap() as usize;
+    let ram_len = RAM as usize;
+    assert!(
+        mapped(ram, ram_len),
+        "guest RAM not found in /proc/self/maps"
+    );
+    // The read is in the kernel, waiting for bytes that never come.
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(blk.drv.reap(0).is_empty(), "the read completed");
+    assert_eq!(blk.metric("leaked_requests"), 0);
+
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let (stop, spammer) = interrupt_this_thread();
+    let started = Instant::now();
+    tracing::subscriber::with_default(subscriber, || blk.drv.reset());
+    stop.store(true, Ordering::Relaxed);
+    let signals = spammer.join().unwrap();
+    eprintln!(
+        "teardown gave up after {:?} and {signals} signals",
+        started.elapsed()
+    );
+
+    assert_eq!(metrics.leaked_requests.get(), 1);
+    assert_eq!(
+        log.lines_with("requests still pending at reset; their memory is kept (leaked)"),
+        1,
+        "the worker's give-up is logged once"
+    );
+    assert_eq!(
+        log.lines_with("ops still pending when the ring closed; their buffers are kept (leaked)"),
+        1,
+        "the engine's give-up is logged once"
+    );
+    // The request's buffer is guest memory: with the device and the driver's own memory
+    // gone, the leaked request still holds it, mapped.
+    let status_addr = p.st;
+    drop(blk);
+    assert!(
+        mapped(ram, ram_len),
+        "guest memory of a request the kernel may still write into was unmapped"
+    );
+    // SAFETY: the mapping is still there (checked just above) and is never unmapped: the
+    // leaked request holds it for the life of the process.
+    let status = unsafe { std::ptr::read_volatile((ram + status_addr as usize) as *const u8) };
+    assert_eq!(
+        status,
+        devices::block::STATUS_UNSET,
+        "nothing is written to the guest after the give-up"
+    );
+}
