@@ -40,14 +40,25 @@ impl Server {
 
     /// With `extra` flags after `--socket`, `--file` and `--stats-socket`.
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_on(None, extra)
+    }
+
+    /// As [`Server::start_with`] on the image `img` (a fresh 16 MiB raw image if `None`).
+    pub fn start_on(img: Option<&std::path::Path>, extra: &[&str]) -> Self {
         // One directory per server: the tests of this file run in parallel.
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let dir =
             std::env::temp_dir().join(format!("bouncevm-vhost-child-{}.{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let img = dir.join("disk.img");
-        File::create(&img).unwrap().set_len(16 << 20).unwrap();
+        let img = img.map_or_else(
+            || {
+                let img = dir.join("disk.img");
+                File::create(&img).unwrap().set_len(16 << 20).unwrap();
+                img
+            },
+            std::path::Path::to_path_buf,
+        );
         let (sock, stats) = (dir.join("vhost.sock"), dir.join("vhost.stats"));
         let log = dir.join("vhost.log");
         let _ = std::fs::remove_file(&sock);

@@ -1,0 +1,619 @@
+//! Hostile front ends against `bouncevm-vhost blk` and against qemu-storage-daemon: each
+//! case runs the same front end (the same messages, the same driver code) against both and
+//! compares what a front end observes: which messages are acknowledged, refused or answered
+//! by the end of the connection, which requests complete with which status and which bytes,
+//! and that a fresh session on the same server is served afterwards. Where qemu-storage-daemon
+//! does something we deliberately do not copy, the case says so and asserts ours alone.
+
+mod vhost_support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use devices::virtio::spec::{
+    feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX,
+};
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::VhostUserFrontend;
+use vhost::VhostUserMemoryRegionInfo;
+use vhost_support::child::Server;
+use vhost_support::qsd::{qsd, qsd_on, slow_image, Qsd};
+use vhost_support::{
+    assert_blk_served, blk_request, blk_request_on, blk_status, blk_status_on, full_eventfd,
+    mem_table_body, memfd, reply_to, session_answers, Driver, NotEventFd, Reply, BLK_DATA,
+    MEM_SIZE,
+};
+use vm_memory::{
+    Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+};
+
+const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
+const SET_MEM_TABLE: u32 = 5;
+const SET_VRING_NUM: u32 = 8;
+const SET_VRING_KICK: u32 = 12;
+const ADD_MEM_REG: u32 = 37;
+const REM_MEM_REG: u32 = 38;
+/// The largest queue size both back ends accept (libvhost-user's VIRTQUEUE_MAX_SIZE; ours
+/// is started with `--queue-size` of it).
+const MAX_QUEUE: u32 = 1024;
+/// Requests in flight in the cases at depth, and the queue that holds them (3 descriptors each).
+const DEPTH: u16 = 32;
+const DEEP_QUEUE: u16 = 128;
+/// Bytes of each request at depth.
+const CHUNK: u32 = 16 << 10;
+
+/// One back end under test.
+enum Peer {
+    Ours(Server),
+    Qsd(Qsd),
+}
+
+impl Peer {
+    fn sock(&self) -> &Path {
+        match self {
+            Peer::Ours(s) => &s.sock,
+            Peer::Qsd(q) => &q.path,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Peer::Ours(_) => "bouncevm-vhost",
+            Peer::Qsd(_) => "qemu-storage-daemon",
+        }
+    }
+}
+
+/// `bouncevm-vhost blk` (bounce forced) and qemu-storage-daemon, one queue each, on fresh
+/// images (or both on `img`); `None` without qemu-storage-daemon (a missing resource).
+fn peers(img: Option<&Path>) -> Option<[Peer; 2]> {
+    let theirs = match img {
+        Some(img) => qsd_on(img, 1)?,
+        None => qsd(1)?,
+    };
+    let queue_size = MAX_QUEUE.to_string();
+    let mut args = vec!["--queues", "1", "--queue-size", &queue_size];
+    args.extend(["--bounce", "policy=force,slots=1024"]);
+    if img.is_some() {
+        // O_DIRECT on a thread pool, as qemu-storage-daemon's cache.direct=on with its default
+        // aio=threads: every request reaches the disk.
+        args.extend(["--cache", "none", "--aio", "threads"]);
+    }
+    Some([Peer::Ours(Server::start_on(img, &args)), Peer::Qsd(theirs)])
+}
+
+/// Connects and negotiates (REPLY_ACK, CONFIGURE_MEM_SLOTS) up to SET_FEATURES; the socket
+/// answers within `timeout` or counts as silent.
+fn negotiated(sock: &Path, timeout: Duration) -> Driver {
+    let mut d = Driver::connect(sock, 1);
+    d.raw.set_read_timeout(Some(timeout)).unwrap();
+    let offered = d
+        .handshake_with(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+        .unwrap();
+    d.set_features(offered & WANTED).unwrap();
+    d
+}
+
+/// The next used entry of queue 0 within `wait` (id, len).
+fn used_within(d: &mut Driver, wait: Duration) -> Option<(u32, u32)> {
+    let deadline = Instant::now() + wait;
+    loop {
+        if let Some(u) = d.next_used(0) {
+            return Some(u);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Ends `d`'s session and shows a well-formed front end is served next (`seed`).
+fn next_served(peer: &Peer, d: Driver, seed: u64) {
+    drop(d);
+    assert_blk_served(peer.sock(), seed);
+}
+
+/// Runs `case` against both back ends and returns what each saw (ours first).
+fn against_both<T: std::fmt::Debug>(
+    img: Option<&Path>,
+    case: impl Fn(&Peer) -> T,
+) -> Option<(T, T)> {
+    let [ours, theirs] = peers(img)?;
+    let a = case(&ours);
+    let b = case(&theirs);
+    eprintln!("{}: {a:?}\n{}: {b:?}", ours.name(), theirs.name());
+    if let Peer::Ours(mut s) = ours {
+        s.assert_alive("after the case");
+    }
+    Some((a, b))
+}
+
+/// What a front end saw of a kick fd that is a pipe holding one byte.
+#[derive(Debug, PartialEq, Eq)]
+struct KickPipe {
+    reply: Reply,
+    /// The status of a write posted and "kicked" through the pipe, if it completed.
+    write: Option<u8>,
+    /// The session still answered a request afterwards.
+    answers: bool,
+}
+
+#[test]
+fn a_kick_pipe_holding_one_byte() {
+    let Some((ours, theirs)) = against_both(None, |peer| {
+        let mut d = negotiated(peer.sock(), Duration::from_secs(2));
+        d.set_mem_table().unwrap();
+        d.configure_default_ring(0).unwrap();
+        let (pipe, write_end) = NotEventFd::PipeWithByte.make();
+        let reply = reply_to(&d, SET_VRING_KICK, &0u64.to_le_bytes(), vec![pipe]);
+        let mut write = None;
+        if reply == Reply::Acked && d.frontend.set_vring_enable(0, true).is_ok() {
+            blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x5a; 4096]));
+            let _ = std::io::Write::write_all(&mut std::fs::File::from(write_end.unwrap()), &[1]);
+            write = used_within(&mut d, Duration::from_secs(1)).map(|_| blk_status(&d, 0));
+        }
+        let answers = reply != Reply::Closed && session_answers(&d);
+        next_served(peer, d, 1);
+        KickPipe {
+            reply,
+            write,
+            answers,
+        }
+    }) else {
+        return;
+    };
+    assert_eq!(
+        ours,
+        KickPipe {
+            reply: Reply::Refused,
+            write: None,
+            answers: false
+        }
+    );
+    // qemu-storage-daemon acknowledges the pipe, then its first read of it fails (vu_panic
+    // "kick eventfd_read()") and the device is broken without telling the front end; we
+    // refuse the fd at once, so the front end knows. Both lose only that session.
+    assert_eq!(theirs.reply, Reply::Acked);
+    assert_eq!((ours.write, ours.answers), (theirs.write, theirs.answers));
+}
+
+/// Replies nobody asked for, waiting up to 200 ms for each.
+fn stray_replies(d: &Driver) -> Vec<u32> {
+    let timeout = d.raw.read_timeout().unwrap();
+    d.raw
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut stray = Vec::new();
+    while let Ok(Some(m)) = bouncevm_vhost::relay::recv_message(&d.raw) {
+        stray.push(m.request);
+    }
+    d.raw.set_read_timeout(timeout).unwrap();
+    stray
+}
+
+/// What a front end saw of a call eventfd whose counter is at its maximum.
+#[derive(Debug, PartialEq, Eq)]
+struct FullCall {
+    /// Requests answered without NEED_REPLY.
+    stray: Vec<u32>,
+    /// The status of a write, if it completed.
+    write: Option<u8>,
+    /// GET_VRING_BASE's answer.
+    base: Result<u32, Reply>,
+}
+
+#[test]
+fn a_call_eventfd_whose_counter_is_full() {
+    let Some((ours, theirs)) = against_both(None, |peer| {
+        let mut d = negotiated(peer.sock(), Duration::from_secs(2));
+        d.calls[0] = full_eventfd();
+        d.set_mem_table().unwrap();
+        d.configure_default_ring(0).unwrap();
+        d.frontend.set_vring_enable(0, true).unwrap();
+        blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x5a; 4096]));
+        let write = used_within(&mut d, Duration::from_secs(3)).map(|_| blk_status(&d, 0));
+        let stray = stray_replies(&d);
+        let base = d.try_stop_ring(0);
+        next_served(peer, d, 2);
+        FullCall { stray, write, base }
+    }) else {
+        return;
+    };
+    assert_eq!(
+        ours,
+        FullCall {
+            stray: vec![],
+            write: Some(VIRTIO_BLK_S_OK),
+            base: Ok(1)
+        }
+    );
+    // qemu-storage-daemon answers SET_VRING_CALL unasked (a reply the front end reads as the
+    // answer to its next request) when its wake-up write to the full counter fails; we send
+    // no reply that was not asked for.
+    assert_eq!(theirs.stray, vec![13]);
+    assert_eq!((ours.write, ours.base), (theirs.write, theirs.base));
+}
+
+/// A SET_VRING_NUM body.
+fn vring_num(index: u32, num: u32) -> Vec<u8> {
+    let mut body = index.to_le_bytes().to_vec();
+    body.extend_from_slice(&num.to_le_bytes());
+    body
+}
+
+#[test]
+fn queue_sizes_not_a_power_of_two_and_over_the_maximum() {
+    let Some((ours, theirs)) = against_both(None, |peer| {
+        [100, MAX_QUEUE + 1, MAX_QUEUE]
+            .into_iter()
+            .enumerate()
+            .map(|(seed, num)| {
+                let mut d = negotiated(peer.sock(), Duration::from_secs(5));
+                d.set_mem_table().unwrap();
+                let reply = reply_to(&d, SET_VRING_NUM, &vring_num(0, num), vec![]);
+                let answers = reply != Reply::Closed && session_answers(&d);
+                next_served(peer, d, 10 + seed as u64);
+                (num, reply, answers)
+            })
+            .collect::<Vec<_>>()
+    }) else {
+        return;
+    };
+    let max = MAX_QUEUE;
+    assert_eq!(
+        ours,
+        [
+            (100, Reply::Refused, false),
+            (max + 1, Reply::Refused, false),
+            (max, Reply::Acked, true)
+        ]
+    );
+    // qemu-storage-daemon acknowledges any size (libvhost-user does not check SET_VRING_NUM);
+    // a split ring's size is a power of two no larger than the maximum the device offers, and
+    // we size the rings we read by it, so we refuse the others.
+    assert_eq!(
+        theirs,
+        [
+            (100, Reply::Acked, true),
+            (max + 1, Reply::Acked, true),
+            ours[2]
+        ]
+    );
+}
+
+#[test]
+fn a_region_larger_than_its_file() {
+    let Some((ours, theirs)) = against_both(None, |peer| {
+        let d = negotiated(peer.sock(), Duration::from_secs(5));
+        let (file, base) = d.memfd_and_base();
+        let body = mem_table_body(&[(0, MEM_SIZE as u64 + 4096, base, 0)]);
+        let reply = reply_to(&d, SET_MEM_TABLE, &body, vec![file]);
+        let answers = reply != Reply::Closed && session_answers(&d);
+        next_served(peer, d, 20);
+        (reply, answers)
+    }) else {
+        return;
+    };
+    assert_eq!(ours, (Reply::Refused, false));
+    // qemu-storage-daemon maps the region as it is (mmap does not check the file's size) and
+    // takes SIGBUS at its first access past the end; we check it against fstat and refuse.
+    assert_eq!(theirs, (Reply::Acked, true));
+}
+
+/// Writes `data` at `sector` from the data buffer of request slot 0 and reads it back into
+/// slot 1's: the two statuses and whether the bytes read back are the bytes written.
+fn round_trip(d: &mut Driver, sector: u64, data: &[u8]) -> (Option<u8>, Option<u8>, bool) {
+    let wait = Duration::from_secs(5);
+    blk_request(d, 0, VIRTIO_BLK_T_OUT, sector, Some(data));
+    let write = used_within(d, wait).map(|_| blk_status(d, 0));
+    blk_request(d, 1, VIRTIO_BLK_T_IN, sector, None);
+    let read = used_within(d, wait).map(|_| blk_status(d, 1));
+    let mut got = vec![0u8; data.len()];
+    d.mem
+        .read_slice(&mut got, GuestAddress(BLK_DATA + 4096))
+        .unwrap();
+    (write, read, got == data)
+}
+
+#[test]
+fn a_memory_table_in_descending_address_order() {
+    let Some((ours, theirs)) = against_both(None, |peer| {
+        let mut d = negotiated(peer.sock(), Duration::from_secs(5));
+        let (file, base) = d.memfd_and_base();
+        let half = MEM_SIZE as u64 / 2;
+        let body = mem_table_body(&[(half, half, base + half, half), (0, half, base, 0)]);
+        let other = file.try_clone().unwrap();
+        let reply = reply_to(&d, SET_MEM_TABLE, &body, vec![file, other]);
+        d.configure_default_ring(0).unwrap();
+        d.frontend.set_vring_enable(0, true).unwrap();
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let trip = round_trip(&mut d, 64, &data);
+        next_served(peer, d, 30);
+        (reply, trip)
+    }) else {
+        return;
+    };
+    let ok = Some(VIRTIO_BLK_S_OK);
+    assert_eq!(ours, (Reply::Acked, (ok, ok, true)));
+    assert_eq!(ours, theirs);
+}
+
+/// Disk sector and guest buffer of request slot `slot` at depth.
+fn deep_sector(slot: u16) -> u64 {
+    u64::from(slot) * u64::from(CHUNK / 512)
+}
+fn deep_buf(slot: u16) -> u64 {
+    BLK_DATA + u64::from(slot) * u64::from(CHUNK)
+}
+
+/// The bytes written at depth by request slot `slot`.
+fn deep_pattern(slot: u16) -> Vec<u8> {
+    (0..CHUNK)
+        .map(|i| (i as u8).wrapping_mul(13) ^ (slot as u8).wrapping_mul(71) ^ 0x3c)
+        .collect()
+}
+
+/// A session on `sock` with queue 0 at [`DEEP_QUEUE`] entries, enabled.
+fn deep_session(sock: &Path) -> Driver {
+    let mut d = negotiated(sock, Duration::from_secs(5));
+    d.set_mem_table().unwrap();
+    d.configure_sized_ring(0, DEEP_QUEUE).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d
+}
+
+/// Posts [`DEPTH`] writes (each its [`deep_pattern`]) or reads (into zeroed buffers) of
+/// [`CHUNK`] bytes on queue 0.
+fn post_deep(d: &mut Driver, kind: u32) {
+    for slot in 0..DEPTH {
+        let data = if kind == VIRTIO_BLK_T_OUT {
+            deep_pattern(slot)
+        } else {
+            vec![0; CHUNK as usize]
+        };
+        d.mem
+            .write_slice(&data, GuestAddress(deep_buf(slot)))
+            .unwrap();
+        blk_request_on(d, 0, slot, kind, deep_sector(slot), deep_buf(slot), CHUNK);
+    }
+}
+
+/// The used entries of queue 0 there are now: for each, its slot, whether its status is OK,
+/// and (for reads) whether its buffer holds the slot's pattern.
+fn used_now(d: &mut Driver) -> Vec<(u16, bool, bool)> {
+    let mut seen = Vec::new();
+    while let Some((id, _)) = d.next_used(0) {
+        let slot = u16::try_from(id / 3).unwrap();
+        let mut got = vec![0u8; CHUNK as usize];
+        d.mem
+            .read_slice(&mut got, GuestAddress(deep_buf(slot)))
+            .unwrap();
+        let ok = blk_status_on(d, 0, slot) == VIRTIO_BLK_S_OK;
+        seen.push((slot, ok, got == deep_pattern(slot)));
+    }
+    seen.sort_unstable();
+    seen
+}
+
+/// Waits until `n` requests of queue 0 completed, each with status OK.
+fn all_done(d: &mut Driver, n: usize, what: &str) {
+    let mut done = 0;
+    while done < n {
+        let (id, _) = used_within(d, Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("{what}: {done} of {n} completed"));
+        let slot = u16::try_from(id / 3).unwrap();
+        assert_eq!(blk_status_on(d, 0, slot), VIRTIO_BLK_S_OK, "{what}: {slot}");
+        done += 1;
+    }
+}
+
+/// Waits for the first used entry of queue 0 (the back end has taken the requests posted at
+/// depth, and the slow disk holds most of them).
+fn first_completion(d: &Driver) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d.used_idx(0) == 0 {
+        assert!(Instant::now() < deadline, "no request completed");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// What a front end saw of a disconnect with [`DEPTH`] writes in flight on a slow disk.
+#[derive(Debug, PartialEq, Eq)]
+struct Disconnect {
+    /// Used entries written after the connection ended, all with status OK.
+    completed_after_end: usize,
+    all_ok: bool,
+    /// Writes whose bytes a later session reads back.
+    on_disk: usize,
+}
+
+#[test]
+fn a_disconnect_with_requests_in_flight_at_depth() {
+    let Some(slow) = slow_image(40) else {
+        return;
+    };
+    let Some((ours, theirs)) = against_both(Some(&slow.path), |peer| {
+        let mut d = deep_session(peer.sock());
+        post_deep(&mut d, VIRTIO_BLK_T_OUT);
+        first_completion(&d);
+        let at_end = d.used_idx(0);
+        d.raw.shutdown(std::net::Shutdown::Both).unwrap();
+        // Whatever the back end completes after the end, within the time the disk needs.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while d.used_idx(0) < DEPTH && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let used = used_now(&mut d);
+        drop(d);
+        let mut r = deep_session(peer.sock());
+        post_deep(&mut r, VIRTIO_BLK_T_IN);
+        all_done(&mut r, usize::from(DEPTH), "reading back");
+        let on_disk = (0..DEPTH)
+            .filter(|&slot| {
+                let mut got = vec![0u8; CHUNK as usize];
+                r.mem
+                    .read_slice(&mut got, GuestAddress(deep_buf(slot)))
+                    .unwrap();
+                got == deep_pattern(slot)
+            })
+            .count();
+        next_served(peer, r, 40);
+        Disconnect {
+            completed_after_end: used.len() - usize::from(at_end),
+            all_ok: used.iter().all(|&(_, ok, _)| ok),
+            on_disk,
+        }
+    }) else {
+        return;
+    };
+    assert_eq!(
+        ours,
+        Disconnect {
+            completed_after_end: 0,
+            all_ok: true,
+            on_disk: usize::from(DEPTH)
+        }
+    );
+    // qemu-storage-daemon writes used entries into the ring of a front end that has gone;
+    // we finish the I/O and write none, leaving the requests to the front end's inflight
+    // region (INFLIGHT_SHMFD), from which the next back end serves them again.
+    assert_eq!((ours.all_ok, ours.on_disk), (theirs.all_ok, theirs.on_disk));
+}
+
+/// What a front end saw of GET_VRING_BASE with [`DEPTH`] reads in flight on a slow disk.
+#[derive(Debug, PartialEq, Eq)]
+struct Stop {
+    base: Result<u32, Reply>,
+    /// Used entries when the answer came: (slot, status OK, bytes read are the slot's).
+    used: Vec<(u16, bool, bool)>,
+}
+
+#[test]
+fn a_stop_with_requests_in_flight_at_depth() {
+    let Some(slow) = slow_image(40) else {
+        return;
+    };
+    let Some((ours, theirs)) = against_both(Some(&slow.path), |peer| {
+        let mut d = deep_session(peer.sock());
+        post_deep(&mut d, VIRTIO_BLK_T_OUT);
+        all_done(&mut d, usize::from(DEPTH), "writes");
+        drop(d);
+        let mut d = deep_session(peer.sock());
+        post_deep(&mut d, VIRTIO_BLK_T_IN);
+        first_completion(&d);
+        let base = d.try_stop_ring(0);
+        let used = used_now(&mut d);
+        next_served(peer, d, 50);
+        Stop { base, used }
+    }) else {
+        return;
+    };
+    let all: Vec<_> = (0..DEPTH).map(|slot| (slot, true, true)).collect();
+    assert_eq!(
+        ours,
+        Stop {
+            base: Ok(u32::from(DEPTH)),
+            used: all
+        }
+    );
+    // qemu-storage-daemon answers with a base that counts requests still in flight, whose used
+    // entries come after the answer or never; ours come before it (QEMU resumes from the base).
+    assert_eq!(theirs.base, ours.base);
+}
+
+/// SET_MEM_TABLE-style body of one region for ADD_MEM_REG and REM_MEM_REG (8 bytes of
+/// padding where a table has its count).
+fn one_region(r: &VhostUserMemoryRegionInfo) -> Vec<u8> {
+    let mut body = mem_table_body(&[(
+        r.guest_phys_addr,
+        r.memory_size,
+        r.userspace_addr,
+        r.mmap_offset,
+    )]);
+    body[..8].fill(0);
+    body
+}
+
+/// What a front end saw of a region added and removed while its queue runs.
+#[derive(Debug, PartialEq, Eq)]
+struct HotPlug {
+    add: Reply,
+    /// A write from the added region and a read into it: statuses, bytes read back equal.
+    in_added: (Option<u8>, Option<u8>, bool),
+    remove: Reply,
+    /// A round trip in the region that stays, after the removal.
+    after: (Option<u8>, Option<u8>, bool),
+}
+
+#[test]
+fn a_region_added_and_removed_while_a_queue_runs() {
+    const ADDED: u64 = MEM_SIZE as u64;
+    const ADDED_SIZE: usize = 1 << 20;
+    let Some((ours, theirs)) = against_both(None, |peer| {
+        let mut d = negotiated(peer.sock(), Duration::from_secs(5));
+        // The rings below 3 MiB, request headers and data above, each region added alone.
+        for region in d.regions_split_at(3 << 20) {
+            let (fd, _) = d.memfd_and_base();
+            let reply = reply_to(&d, ADD_MEM_REG, &one_region(&region), vec![fd]);
+            assert_eq!(reply, Reply::Acked, "{}: the first regions", peer.name());
+        }
+        d.configure_default_ring(0).unwrap();
+        d.frontend.set_vring_enable(0, true).unwrap();
+        let data: Vec<u8> = (0..4096u32).map(|i| (i * 11) as u8).collect();
+        assert_eq!(round_trip(&mut d, 72, &data), (Some(0), Some(0), true));
+        // One more region, past the others, while the queue runs.
+        let extra = GuestMemoryMmap::<()>::from_ranges_with_files(&[(
+            GuestAddress(ADDED),
+            ADDED_SIZE,
+            Some(FileOffset::new(memfd(ADDED_SIZE), 0)),
+        )])
+        .unwrap();
+        let info = VhostUserMemoryRegionInfo::from_guest_region(
+            extra.find_region(GuestAddress(ADDED)).unwrap(),
+        )
+        .unwrap();
+        let fd = extra
+            .find_region(GuestAddress(ADDED))
+            .unwrap()
+            .file_offset()
+            .unwrap()
+            .file()
+            .try_clone()
+            .unwrap();
+        let add = reply_to(&d, ADD_MEM_REG, &one_region(&info), vec![fd.into()]);
+        extra.write_slice(&data, GuestAddress(ADDED)).unwrap();
+        let wait = Duration::from_secs(5);
+        blk_request_on(&mut d, 0, 0, VIRTIO_BLK_T_OUT, 80, ADDED, 4096);
+        let write = used_within(&mut d, wait).map(|_| blk_status(&d, 0));
+        blk_request_on(&mut d, 0, 1, VIRTIO_BLK_T_IN, 80, ADDED + 4096, 4096);
+        let read = used_within(&mut d, wait).map(|_| blk_status(&d, 1));
+        let mut got = vec![0u8; 4096];
+        extra
+            .read_slice(&mut got, GuestAddress(ADDED + 4096))
+            .unwrap();
+        let remove = reply_to(&d, REM_MEM_REG, &one_region(&info), vec![]);
+        let after = round_trip(&mut d, 88, &data);
+        next_served(peer, d, 60);
+        HotPlug {
+            add,
+            in_added: (write, read, got == data),
+            remove,
+            after,
+        }
+    }) else {
+        return;
+    };
+    let ok = Some(VIRTIO_BLK_S_OK);
+    assert_eq!(
+        ours,
+        HotPlug {
+            add: Reply::Acked,
+            in_added: (ok, ok, true),
+            remove: Reply::Acked,
+            after: (ok, ok, true)
+        }
+    );
+    assert_eq!(ours, theirs);
+}
