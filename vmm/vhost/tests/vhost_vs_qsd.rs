@@ -7,9 +7,10 @@
 
 mod vhost_support;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use devices::net::{MemBackend, Net};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1,
     VIRTIO_RING_F_EVENT_IDX,
@@ -18,11 +19,13 @@ use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::child::Server;
+use vhost_support::inproc::{start_server_with_stats, stats as stats_of, wait_stats};
+use vhost_support::net::{net_device, net_frame};
 use vhost_support::qsd::{qsd, qsd_on, slow_image, Qsd};
 use vhost_support::{
-    assert_blk_served, blk_request, blk_request_on, blk_status, blk_status_on, full_eventfd,
-    mem_table_body, memfd, reply_to, session_answers, Driver, NotEventFd, Reply, BLK_DATA,
-    MEM_SIZE,
+    assert_blk_served, blk_request, blk_request_on, blk_status, blk_status_on, data_addr,
+    full_eventfd, mem_table_body, memfd, refused, reply_to, session_answers, Driver, NotEventFd,
+    Reply, BLK_DATA, MEM_SIZE,
 };
 use vm_memory::{
     Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
@@ -616,4 +619,147 @@ fn a_region_added_and_removed_while_a_queue_runs() {
         }
     );
     assert_eq!(ours, theirs);
+}
+
+// The same classes for net, against `bouncevm-vhost`'s net device alone (in process, over
+// memory backends): qemu-storage-daemon has no net export.
+
+/// An in-process net server with one queue pair; its socket, statistics socket, thread,
+/// stop handle and backend.
+fn net_server(
+    name: &str,
+) -> (
+    PathBuf,
+    PathBuf,
+    std::thread::JoinHandle<bouncevm_vhost::Server<Net>>,
+    bouncevm_vhost::StopHandle,
+    MemBackend,
+) {
+    let (net, mut bes) = net_device(1);
+    let (path, stats, server, stop) = start_server_with_stats(name, net);
+    (path, stats, server, stop, bes.remove(0))
+}
+
+/// A net session negotiated (REPLY_ACK, CONFIGURE_MEM_SLOTS) up to SET_FEATURES.
+fn net_negotiated(path: &Path) -> Driver {
+    let mut d = Driver::connect(path, 2);
+    let offered = d
+        .handshake_with(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+        .unwrap();
+    d.set_features(offered & feature(VIRTIO_F_VERSION_1))
+        .unwrap();
+    d
+}
+
+/// Configures and enables RX (0) and TX (1) at `size` entries, memory already set.
+fn net_rings(d: &mut Driver, size: u16) {
+    for q in 0..2 {
+        d.configure_sized_ring(q, size).unwrap();
+        d.frontend.set_vring_enable(q, true).unwrap();
+    }
+}
+
+/// A frame sent from TX descriptor `desc` reaches the backend, and one injected lands in RX
+/// descriptor `desc` (both in the data area above the middle of guest memory).
+fn net_traffic(d: &mut Driver, be: &MemBackend, desc: u16, seed: u8) {
+    let f = net_frame(100, seed);
+    let tbuf = data_addr(1) + u64::from(desc) * 0x800;
+    d.mem.write_slice(&f, GuestAddress(tbuf)).unwrap();
+    d.post_descs(1, desc, &[(tbuf, f.len() as u32, false)]);
+    assert_eq!(d.poll_used(1), Some((u32::from(desc), 0)), "TX {seed}");
+    assert_eq!(be.take_sent(), vec![f], "TX frame {seed}");
+    let rbuf = data_addr(0) + u64::from(desc) * 0x800;
+    d.post_descs(0, desc, &[(rbuf, 2048, true)]);
+    let f = net_frame(200, seed ^ 0x80);
+    be.inject(f.clone());
+    assert_eq!(
+        d.poll_used(0),
+        Some((u32::from(desc), f.len() as u32)),
+        "RX {seed}"
+    );
+    let mut got = vec![0u8; f.len()];
+    d.mem.read_slice(&mut got, GuestAddress(rbuf)).unwrap();
+    assert!(got[12..] == f[12..], "RX payload {seed}");
+}
+
+/// The session on `d` ended; a well-formed net front end is served next.
+fn net_next_served(path: &Path, stats: &Path, be: &MemBackend, d: Driver, seed: u8) {
+    drop(d);
+    wait_stats(stats, "the session ends", |st| {
+        st["server"]["connected"] == false
+    });
+    let mut d = net_negotiated(path);
+    d.set_mem_table().unwrap();
+    net_rings(&mut d, 16);
+    net_traffic(&mut d, be, 0, seed);
+}
+
+#[test]
+fn net_refuses_bad_queue_sizes_and_short_regions_and_serves_regions_in_any_order() {
+    let (path, stats, server, stop, be) = net_server("vsqsd-net.sock");
+    let mut seed = 0;
+    for num in [100, 257] {
+        let mut d = net_negotiated(&path);
+        d.set_mem_table().unwrap();
+        assert!(
+            refused(&d, SET_VRING_NUM, &vring_num(0, num), vec![]),
+            "{num}"
+        );
+        seed += 1;
+        net_next_served(&path, &stats, &be, d, seed);
+    }
+    let d = net_negotiated(&path);
+    let (file, base) = d.memfd_and_base();
+    let body = mem_table_body(&[(0, MEM_SIZE as u64 + 4096, base, 0)]);
+    assert!(refused(&d, SET_MEM_TABLE, &body, vec![file]), "short file");
+    net_next_served(&path, &stats, &be, d, 10);
+    // Descending order, the data buffers in the upper region.
+    let mut d = net_negotiated(&path);
+    let (file, base) = d.memfd_and_base();
+    let half = MEM_SIZE as u64 / 2;
+    assert!(data_addr(0) >= half);
+    let body = mem_table_body(&[(half, half, base + half, half), (0, half, base, 0)]);
+    let other = file.try_clone().unwrap();
+    assert!(!refused(&d, SET_MEM_TABLE, &body, vec![file, other]));
+    net_rings(&mut d, 16);
+    net_traffic(&mut d, &be, 0, 11);
+    net_next_served(&path, &stats, &be, d, 12);
+    let st = stats_of(&stats);
+    assert_eq!(st["server"]["relay"]["refused_queue_sizes"], 2, "{st}");
+    assert_eq!(st["server"]["relay"]["refused_mem_tables"], 1, "{st}");
+    stop.stop();
+    server.join().unwrap();
+}
+
+#[test]
+fn net_stop_at_depth_returns_every_chain_it_counts() {
+    let (path, stats, server, stop, be) = net_server("vsqsd-netdeep.sock");
+    let mut d = net_negotiated(&path);
+    d.set_mem_table().unwrap();
+    net_rings(&mut d, DEEP_QUEUE);
+    // DEPTH frames sent and DEPTH received, then both queues stopped at once.
+    let slots = 0..DEPTH;
+    for slot in slots.clone() {
+        let f = net_frame(64, slot as u8);
+        let buf = data_addr(1) + u64::from(slot) * 0x800;
+        d.mem.write_slice(&f, GuestAddress(buf)).unwrap();
+        d.post_descs(1, slot, &[(buf, f.len() as u32, false)]);
+        let rbuf = data_addr(0) + u64::from(slot) * 0x800;
+        d.post_descs(0, slot, &[(rbuf, 2048, true)]);
+        be.inject(net_frame(64, !(slot as u8)));
+    }
+    let rx_base = d.stop_ring(0);
+    let tx_base = d.stop_ring(1);
+    let mut used = [0u32; 2];
+    for (q, n) in used.iter_mut().enumerate() {
+        while d.next_used(q).is_some() {
+            *n += 1;
+        }
+    }
+    assert_eq!(used, [rx_base, tx_base], "chains counted but not returned");
+    assert_eq!(be.take_sent().len(), tx_base as usize);
+    assert!(tx_base > 0 && rx_base > 0, "nothing served: {used:?}");
+    net_next_served(&path, &stats, &be, d, 20);
+    stop.stop();
+    server.join().unwrap();
 }
