@@ -28,6 +28,7 @@ use vhost::VhostBackend;
 use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::inproc::{socket_path, start_server_with_stats, stats, wait_stats};
 use vhost_support::net::{net_device, net_frame};
+use vhost_support::vring_state;
 use vhost_support::{
     blk_request, blk_session, blk_status, block_pattern, data_addr, full_eventfd, poll_now,
     refused, wait_fd, wait_used, Driver, EchoDevice, NotEventFd, BATCH, BLK_DATA, CONFIG,
@@ -60,12 +61,6 @@ const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_ID
 const SET_VRING_ENABLE: u32 = 18;
 const FLAG_VERSION: u32 = 0x1;
 const FLAG_NEED_REPLY: u32 = 0x8;
-
-fn vring_state(index: u32, num: u32) -> Vec<u8> {
-    let mut b = index.to_le_bytes().to_vec();
-    b.extend_from_slice(&num.to_le_bytes());
-    b
-}
 
 /// QEMU 7.2's vhost-user-net start: SET_VRING_ENABLE before SET_FEATURES, never again.
 fn qemu_net_order(d: &mut Driver) -> vhost::Result<()> {

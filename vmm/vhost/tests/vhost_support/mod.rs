@@ -798,6 +798,14 @@ pub fn refused(d: &Driver, request: u32, body: &[u8], fds: Vec<std::os::fd::Owne
     }
 }
 
+/// The body of a vring state message (SET_VRING_NUM, SET_VRING_BASE, SET_VRING_ENABLE):
+/// the queue index, then the value.
+pub fn vring_state(index: u32, num: u32) -> Vec<u8> {
+    let mut b = index.to_le_bytes().to_vec();
+    b.extend_from_slice(&num.to_le_bytes());
+    b
+}
+
 /// SET_MEM_TABLE body of `regions` (guest address, size, front end address, file offset).
 pub fn mem_table_body(regions: &[(u64, u64, u64, u64)]) -> Vec<u8> {
     let mut b = (regions.len() as u32).to_le_bytes().to_vec();
