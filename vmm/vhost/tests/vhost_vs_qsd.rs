@@ -38,6 +38,7 @@ const SET_VRING_KICK: u32 = FrontendReq::SET_VRING_KICK as u32;
 const SET_VRING_CALL: u32 = FrontendReq::SET_VRING_CALL as u32;
 const ADD_MEM_REG: u32 = FrontendReq::ADD_MEM_REG as u32;
 const REM_MEM_REG: u32 = FrontendReq::REM_MEM_REG as u32;
+const RESET_DEVICE: u32 = FrontendReq::RESET_DEVICE as u32;
 /// The largest queue size both back ends accept (libvhost-user's VIRTQUEUE_MAX_SIZE; ours
 /// is started with `--queue-size` of it).
 const MAX_QUEUE: u32 = 1024;
@@ -87,13 +88,16 @@ fn peers(img: Option<&Path>) -> Option<[Peer; 2]> {
     Some([Peer::Ours(Server::start_on(img, &args)), Peer::Qsd(theirs)])
 }
 
-/// Connects and negotiates (REPLY_ACK, CONFIGURE_MEM_SLOTS) up to SET_FEATURES; the socket
-/// answers within `timeout` or counts as silent.
+/// Connects and negotiates (REPLY_ACK, CONFIGURE_MEM_SLOTS, RESET_DEVICE if offered) up to
+/// SET_FEATURES; the socket answers within `timeout` or counts as silent.
 fn negotiated(sock: &Path, timeout: Duration) -> Driver {
     let mut d = Driver::connect(sock, 1);
     d.raw.set_read_timeout(Some(timeout)).unwrap();
     let offered = d
-        .handshake_with(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+        .handshake_with(
+            VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+                | VhostUserProtocolFeatures::RESET_DEVICE,
+        )
         .unwrap();
     d.set_features(offered & WANTED).unwrap();
     d
@@ -423,6 +427,19 @@ fn first_completion(d: &Driver, q: usize) {
     }
 }
 
+/// Writes [`DEPTH`] patterns, then, on a new session, reads them back at depth: the session,
+/// once the first read is back and the slow disk holds most of the others.
+fn reads_held_at_depth(sock: &Path) -> Driver {
+    let mut d = deep_session(sock);
+    post_deep(&mut d, VIRTIO_BLK_T_OUT);
+    all_done(&mut d, usize::from(DEPTH), "writes");
+    drop(d);
+    let mut d = deep_session(sock);
+    post_deep(&mut d, VIRTIO_BLK_T_IN);
+    first_completion(&d, 0);
+    d
+}
+
 /// What a front end saw of a disconnect with [`DEPTH`] writes in flight on a slow disk.
 #[derive(Debug, PartialEq, Eq)]
 struct Disconnect {
@@ -488,13 +505,7 @@ struct Stop {
 #[test]
 fn a_stop_with_requests_in_flight_at_depth() {
     let Some((ours, theirs)) = on_a_slow_disk(|peer| {
-        let mut d = deep_session(peer.sock());
-        post_deep(&mut d, VIRTIO_BLK_T_OUT);
-        all_done(&mut d, usize::from(DEPTH), "writes");
-        drop(d);
-        let mut d = deep_session(peer.sock());
-        post_deep(&mut d, VIRTIO_BLK_T_IN);
-        first_completion(&d, 0);
+        let mut d = reads_held_at_depth(peer.sock());
         let base = d.try_stop_ring(0);
         let used = used_now(&mut d);
         next_served(peer, d, 50);
@@ -759,4 +770,47 @@ fn net_stop_at_depth_returns_every_chain_it_counts() {
     net_next_served(&path, &stats, &be, d, 20);
     stop.stop();
     server.join().unwrap();
+}
+
+/// What a front end saw of RESET_DEVICE with [`DEPTH`] reads in flight on a slow disk.
+#[derive(Debug, PartialEq, Eq)]
+struct Reset {
+    reply: Reply,
+    /// Used entries when the answer came: (slot, status OK, bytes read are the slot's).
+    used: Vec<(u16, bool, bool)>,
+    /// Used entries written after the answer.
+    later: usize,
+}
+
+#[test]
+fn a_device_reset_with_requests_in_flight_at_depth() {
+    let Some((ours, theirs)) = on_a_slow_disk(|peer| {
+        let mut d = reads_held_at_depth(peer.sock());
+        let reply = reply_to(&d, RESET_DEVICE, &[], vec![]);
+        let used = used_now(&mut d);
+        // The time the disk needs for whatever is left.
+        std::thread::sleep(Duration::from_secs(1));
+        let later = used_now(&mut d).len();
+        next_served(peer, d, 70);
+        Reset { reply, used, later }
+    }) else {
+        return;
+    };
+    // Every request is back, with its status and its bytes, before the answer; nothing is
+    // written into guest memory after it.
+    assert_eq!(ours.reply, Reply::Acked);
+    assert_eq!(ours.later, 0, "{ours:?}");
+    assert!(
+        ours.used.iter().all(|&(_, ok, bytes)| ok && bytes),
+        "{ours:?}"
+    );
+    assert!(ours.used.len() > 1, "{ours:?}");
+    // qemu-storage-daemon acknowledges RESET_DEVICE without handling it (vu_panic "Unhandled
+    // request: 34"): its device breaks and the requests not back by then never come back.
+    // What both return is complete and correct.
+    assert_eq!(theirs.reply, Reply::Acked);
+    assert!(
+        theirs.used.iter().all(|&(_, ok, bytes)| ok && bytes),
+        "{theirs:?}"
+    );
 }
