@@ -10,12 +10,12 @@
 mod vhost_support;
 
 use std::mem::MaybeUninit;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 use blkio::{Blkio, Blkioq, Completion, ReqFlags};
 use vhost_support::child::Server;
+use vhost_support::qsd::qsd;
 
 /// Queues libblkio drives.
 const QUEUES: usize = 2;
@@ -154,72 +154,10 @@ fn libblkio_writes_and_reads_back_through_bouncevm_bouncing_every_request() {
     against_bouncevm(&["--bounce", "policy=force"], 0x22);
 }
 
-/// qemu-storage-daemon exporting a raw image over vhost-user-blk with 2 queues.
-struct Qsd {
-    child: Child,
-    sock: PathBuf,
-    dir: PathBuf,
-}
-
-impl Drop for Qsd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// qemu-storage-daemon on PATH, or `None` (recorded as a missing resource).
-fn qsd() -> Option<Qsd> {
-    let runs = Command::new("qemu-storage-daemon")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !runs {
-        bounce::testing::missing(
-            bounce::testing::Resource::QemuStorageDaemon,
-            "qemu-storage-daemon is not installed",
-        );
-        return None;
-    }
-    let dir = std::env::temp_dir().join(format!("bouncevm-libblkio-qsd-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let img = dir.join("disk.img");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(16 << 20)
-        .unwrap();
-    let sock = dir.join("qsd.sock");
-    let child = Command::new("qemu-storage-daemon")
-        .arg("--blockdev")
-        .arg(format!(
-            "driver=file,node-name=f0,filename={}",
-            img.display()
-        ))
-        .arg("--export")
-        .arg(format!(
-            "type=vhost-user-blk,id=e0,node-name=f0,addr.type=unix,addr.path={},writable=on,num-queues={QUEUES}",
-            sock.display()
-        ))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !sock.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "qemu-storage-daemon never listened"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Some(Qsd { child, sock, dir })
-}
-
 #[test]
 fn libblkio_writes_and_reads_back_through_qemu_storage_daemon() {
-    let Some(qsd) = qsd() else {
+    let Some(qsd) = qsd(QUEUES) else {
         return;
     };
-    write_then_read_back(&qsd.sock, 0x33);
+    write_then_read_back(&qsd.path, 0x33);
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use bounce::Dma;
 use bouncevm_vhost::{Server, VhostUserDevice};
 use devices::block::STATUS_UNSET;
-use devices::net::{MemBackend, Net, NetBackend, NetConfig};
+use devices::net::{Net, NetConfig};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_NEEDS_RESET,
     VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF,
@@ -27,6 +27,8 @@ use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
 use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::inproc::{socket_path, start_server_with_stats, stats, wait_stats};
+use vhost_support::net::{net_device, net_frame};
+use vhost_support::vring_state;
 use vhost_support::{
     blk_request, blk_session, blk_status, block_pattern, data_addr, full_eventfd, poll_now,
     refused, wait_fd, wait_used, Driver, EchoDevice, NotEventFd, BATCH, BLK_DATA, CONFIG,
@@ -59,12 +61,6 @@ const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_ID
 const SET_VRING_ENABLE: u32 = 18;
 const FLAG_VERSION: u32 = 0x1;
 const FLAG_NEED_REPLY: u32 = 0x8;
-
-fn vring_state(index: u32, num: u32) -> Vec<u8> {
-    let mut b = index.to_le_bytes().to_vec();
-    b.extend_from_slice(&num.to_le_bytes());
-    b
-}
 
 /// QEMU 7.2's vhost-user-net start: SET_VRING_ENABLE before SET_FEATURES, never again.
 fn qemu_net_order(d: &mut Driver) -> vhost::Result<()> {
@@ -538,29 +534,6 @@ fn a_frontend_that_disconnects_mid_io_loses_nothing_acknowledged_and_leaks_no_sl
 }
 
 // ---------------------------------------------------------------- net over vhost-user
-
-/// A net device over in-memory backends, configured as `bouncevm-vhost net` configures it
-/// (the frontend steers the queue pairs).
-fn net_device(pairs: u16) -> (Net, Vec<MemBackend>) {
-    let bes: Vec<MemBackend> = (0..pairs).map(|_| MemBackend::new().unwrap()).collect();
-    let boxed = bes
-        .iter()
-        .map(|b| Box::new(b.clone()) as Box<dyn NetBackend>)
-        .collect();
-    let cfg = NetConfig {
-        queue_pairs: pairs,
-        frontend_steering: true,
-        ..NetConfig::default()
-    };
-    (Net::new(cfg, boxed, Dma::direct()).unwrap(), bes)
-}
-
-/// A frame as the tap hands it over: a zeroed vnet header, then `len` bytes from `seed`.
-fn net_frame(len: usize, seed: u8) -> Vec<u8> {
-    let mut f = vec![0u8; 12];
-    f.extend((0..len).map(|i| (i as u8).wrapping_mul(7).wrapping_add(seed)));
-    f
-}
 
 /// Waits for the next used element of queue `q`.
 fn wait_next_used(d: &mut Driver, q: usize) -> (u32, u32) {

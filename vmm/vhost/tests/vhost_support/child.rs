@@ -40,10 +40,21 @@ impl Server {
 
     /// With `extra` flags after `--socket`, `--file` and `--stats-socket`.
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_on(None, extra)
+    }
+
+    /// As [`Server::start_with`] on the image `img` (a fresh 16 MiB raw image if `None`).
+    pub fn start_on(img: Option<&std::path::Path>, extra: &[&str]) -> Self {
         Self::start_device(
             |dir| {
-                let img = dir.join("disk.img");
-                File::create(&img).unwrap().set_len(16 << 20).unwrap();
+                let img = img.map_or_else(
+                    || {
+                        let img = dir.join("disk.img");
+                        File::create(&img).unwrap().set_len(16 << 20).unwrap();
+                        img
+                    },
+                    std::path::Path::to_path_buf,
+                );
                 vec!["blk".into(), "--file".into(), img.into()]
             },
             extra,

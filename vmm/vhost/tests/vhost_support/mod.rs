@@ -4,6 +4,8 @@
 
 pub mod child;
 pub mod inproc;
+pub mod net;
+pub mod qsd;
 
 use std::fs::File;
 use std::io::Write;
@@ -230,7 +232,8 @@ pub struct Driver {
     vqs: Vec<DriverQueue>,
 }
 
-fn memfd(size: usize) -> File {
+/// A memfd of `size` bytes (guest memory a front end shares).
+pub fn memfd(size: usize) -> File {
     let name = std::ffi::CString::new("vhost-test").unwrap();
     let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
     assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
@@ -402,13 +405,14 @@ impl Driver {
         let base = region
             .get_host_address(vm_memory::MemoryRegionAddress(0))
             .unwrap() as u64;
-        self.frontend.set_vring_num(q, QSIZE)?;
+        let size = self.vqs[q].layout().size;
+        self.frontend.set_vring_num(q, size)?;
         self.frontend.set_vring_base(q, position)?;
         self.frontend.set_vring_addr(
             q,
             &VringConfigData {
-                queue_max_size: QSIZE,
-                queue_size: QSIZE,
+                queue_max_size: size,
+                queue_size: size,
                 flags: 0,
                 desc_table_addr: base + desc,
                 used_ring_addr: base + used,
@@ -465,7 +469,7 @@ impl Driver {
     pub fn post_descs(&mut self, q: usize, first: u16, bufs: &[(u64, u32, bool)]) -> u16 {
         let n = u16::try_from(bufs.len()).unwrap();
         assert!(
-            n > 0 && first + n <= QSIZE,
+            n > 0 && first + n <= self.vqs[q].layout().size,
             "descriptors {first}+{n} out of the table"
         );
         let bufs: Vec<Buf> = bufs
@@ -718,10 +722,21 @@ pub fn full_eventfd() -> EventFd {
     e
 }
 
-/// Sends `request` with NEED_REPLY and `fds` on the driver's socket; true when the backend
-/// refused it: a failure reply, then the end of the connection (both within the socket's
-/// 10 s timeout). False when it was accepted (a success reply).
-pub fn refused(d: &Driver, request: u32, body: &[u8], fds: Vec<std::os::fd::OwnedFd>) -> bool {
+/// What a front end sees of a request it sent with NEED_REPLY.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// A success reply (REPLY_ACK value 0).
+    Acked,
+    /// A failure reply (a non-zero REPLY_ACK value).
+    Refused,
+    /// The end of the connection instead of a reply.
+    Closed,
+    /// Nothing within the socket's read timeout.
+    Silent,
+}
+
+/// Sends `request` with NEED_REPLY and `fds` on the driver's socket and reads the answer.
+pub fn reply_to(d: &Driver, request: u32, body: &[u8], fds: Vec<std::os::fd::OwnedFd>) -> Reply {
     use bouncevm_vhost::relay::{recv_message, send_message, Message};
     let msg = Message {
         request,
@@ -729,20 +744,66 @@ pub fn refused(d: &Driver, request: u32, body: &[u8], fds: Vec<std::os::fd::Owne
         body: body.to_vec(),
         fds,
     };
-    send_message(&d.raw, &msg).unwrap();
-    let reply = recv_message(&d.raw)
-        .expect("a reply or the end of the connection within 10 s")
-        .expect("a reply before the end of the connection (REPLY_ACK was negotiated)");
-    assert_eq!(reply.request, request, "reply to another request");
-    let value = u64::from_le_bytes(reply.body[..8].try_into().unwrap());
-    if value == 0 {
-        return false;
+    if send_message(&d.raw, &msg).is_err() {
+        return Reply::Closed;
     }
     match recv_message(&d.raw) {
+        Ok(Some(reply)) => {
+            assert_eq!(reply.request, request, "reply to another request");
+            let value = u64::from_le_bytes(reply.body[..8].try_into().unwrap());
+            if value == 0 {
+                Reply::Acked
+            } else {
+                Reply::Refused
+            }
+        }
+        Ok(None) => Reply::Closed,
+        Err(e) => Reply::instead(&e),
+    }
+}
+
+impl Reply {
+    /// What a failed read of a reply means: nothing within the timeout, or the end.
+    fn instead(e: &std::io::Error) -> Self {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Reply::Silent,
+            _ => Reply::Closed,
+        }
+    }
+}
+
+/// True when the back end still answers on `d`'s connection (a GET_FEATURES within the
+/// socket's read timeout).
+pub fn session_answers(d: &Driver) -> bool {
+    use bouncevm_vhost::relay::{recv_message, send_message, Message};
+    send_message(&d.raw, &Message::new(1, 0x1, vec![])).is_ok()
+        && matches!(recv_message(&d.raw), Ok(Some(r)) if r.request == 1)
+}
+
+/// Sends `request` with NEED_REPLY and `fds` on the driver's socket; true when the backend
+/// refused it: a failure reply, then the end of the connection (both within the socket's
+/// 10 s timeout). False when it was accepted (a success reply).
+pub fn refused(d: &Driver, request: u32, body: &[u8], fds: Vec<std::os::fd::OwnedFd>) -> bool {
+    match reply_to(d, request, body, fds) {
+        Reply::Acked => return false,
+        Reply::Refused => {}
+        other => {
+            panic!("request {request}: {other:?} where a reply was due (REPLY_ACK was negotiated)")
+        }
+    }
+    match bouncevm_vhost::relay::recv_message(&d.raw) {
         Ok(None) => true,
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => true,
         other => panic!("request {request} refused but the session goes on: {other:?}"),
     }
+}
+
+/// The body of a vring state message (SET_VRING_NUM, SET_VRING_BASE, SET_VRING_ENABLE):
+/// the queue index, then the value.
+pub fn vring_state(index: u32, num: u32) -> Vec<u8> {
+    let mut b = index.to_le_bytes().to_vec();
+    b.extend_from_slice(&num.to_le_bytes());
+    b
 }
 
 /// SET_MEM_TABLE body of `regions` (guest address, size, front end address, file offset).
@@ -779,13 +840,39 @@ impl Driver {
         self.configure_ring(q, l.desc, l.avail, l.used)
     }
 
+    /// As [`Driver::configure_default_ring`] with a queue of `size` (at most 512, for depths
+    /// the usual [`QSIZE`] cannot hold), its rings in a block of their own below the echo
+    /// buffers.
+    pub fn configure_sized_ring(&mut self, q: usize, size: u16) -> vhost::Result<()> {
+        assert!(q < 16 && size <= 512, "queue {q} of size {size}");
+        let l = Layout::packed(0x10_0000 + q as u64 * 0x8000, size, 0x1000);
+        self.vqs[q] = DriverQueue::new(l, true).unwrap();
+        self.vqs[q].clear_rings(&self.mem).unwrap();
+        self.configure_ring(q, l.desc, l.avail, l.used)
+    }
+
     /// GET_VRING_BASE of queue `q` on the raw socket; panics when it is not answered within
     /// 10 s (a worker blocked on a front end's fd holds what the stop needs).
     pub fn stop_ring(&mut self, q: u32) -> u32 {
+        self.try_stop_ring(q)
+            .expect("GET_VRING_BASE answered within the socket's timeout")
+    }
+
+    /// GET_VRING_BASE of queue `q` on the raw socket: the index it answers, or what came
+    /// instead ([`Reply::Closed`] or [`Reply::Silent`]).
+    pub fn try_stop_ring(&mut self, q: u32) -> Result<u32, Reply> {
+        use bouncevm_vhost::relay::{recv_message, send_message, Message};
         let mut body = q.to_le_bytes().to_vec();
         body.extend_from_slice(&[0; 4]);
-        let r = self.raw_request(11, 0x1, &body, true).unwrap();
-        u32::from_le_bytes(r.body[4..8].try_into().unwrap())
+        send_message(&self.raw, &Message::new(11, 0x1, body)).map_err(|_| Reply::Closed)?;
+        match recv_message(&self.raw) {
+            Ok(Some(r)) => {
+                assert_eq!(r.request, 11, "reply to another request");
+                Ok(u32::from_le_bytes(r.body[4..8].try_into().unwrap()))
+            }
+            Ok(None) => Err(Reply::Closed),
+            Err(e) => Err(Reply::instead(&e)),
+        }
     }
 
     /// Waits up to 10 s for the next used element of queue `q` by reading the used ring,
