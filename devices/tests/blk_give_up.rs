@@ -3,10 +3,9 @@
 //! write into, rather than free or unmap it under the read, and say so once each.
 //!
 //! The read is on a socket whose peer never sends (a disk that never answers), so it stays
-//! in the kernel; the bounds count waits that return without a completion, and a signal sent
-//! to the tearing-down thread over and over makes each wait return (`EINTR`) at once.
-//! Without the signals the teardown waits as long as the read does: the bounds count waits
-//! that return empty-handed, not time.
+//! in the kernel. The worker gives up after `give_up_after` (or a number of waits), the ring
+//! after a second without progress; a signal sent to the tearing-down thread over and over
+//! (each wait returning `EINTR` at once) changes neither.
 
 mod common;
 
@@ -98,6 +97,7 @@ fn a_read_the_kernel_never_completes_is_leaked_counted_and_logged_once_at_teardo
     let (ours, _peer) = UnixStream::pair().unwrap();
     let cfg = BlockConfig {
         aio: Some(AioMode::IoUring),
+        give_up_after: Duration::from_millis(300),
         ..BlockConfig::default()
     };
     let mut blk = Blk::new(SocketDisk(ours), cfg, Dma::direct(), 0);
@@ -157,5 +157,43 @@ fn a_read_the_kernel_never_completes_is_leaked_counted_and_logged_once_at_teardo
         status,
         devices::block::STATUS_UNSET,
         "nothing is written to the guest after the give-up"
+    );
+}
+
+/// Teardown is bounded in time: with nothing interrupting it, a reset with a read the kernel
+/// never completes gives the read up after `give_up_after` (and the ring after its own second
+/// without progress) instead of waiting for ever.
+#[test]
+fn a_reset_with_a_read_that_never_completes_ends_after_the_time_limit() {
+    let (ours, _peer) = UnixStream::pair().unwrap();
+    let cfg = BlockConfig {
+        aio: Some(AioMode::IoUring),
+        give_up_after: Duration::from_millis(300),
+        ..BlockConfig::default()
+    };
+    let mut blk = Blk::new(SocketDisk(ours), cfg, Dma::direct(), 0);
+    let metrics = Arc::clone(blk.drv.device.metrics());
+    blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 4096, Layout::Simple);
+    blk.drv.kick(0).expect("kick");
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(blk.drv.reap(0).is_empty(), "the read completed");
+    // Logs captured as in the test above (a subscriber of this thread's own).
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let started = Instant::now();
+    tracing::subscriber::with_default(subscriber, || blk.drv.reset());
+    let took = started.elapsed();
+    assert_eq!(metrics.leaked_requests.get(), 1);
+    assert_eq!(
+        log.lines_with("requests still pending at reset; their memory is kept (leaked)"),
+        1
+    );
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(10),
+        "the reset took {took:?}"
     );
 }

@@ -342,6 +342,7 @@ where
                 ctx,
                 engine,
                 self.config.on_full,
+                self.config.give_up_after,
                 Arc::clone(&waiters),
             )));
         }

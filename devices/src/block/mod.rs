@@ -189,6 +189,10 @@ pub struct BlockConfig {
     pub cache: io::CacheMode,
     /// What a request does when the bounce pool is momentarily full.
     pub on_full: io::OnFull,
+    /// How long a stop, reset or teardown waits for host I/O in flight before giving it up:
+    /// its memory is then kept (leaked) for the kernel that may still write into it, and
+    /// counted in `leaked_requests`.
+    pub give_up_after: std::time::Duration,
 }
 
 impl Default for BlockConfig {
@@ -204,6 +208,7 @@ impl Default for BlockConfig {
             aio: None,
             cache: io::CacheMode::Writeback,
             on_full: io::OnFull::Wait,
+            give_up_after: std::time::Duration::from_secs(30),
         }
     }
 }

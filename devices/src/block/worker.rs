@@ -4,6 +4,7 @@
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 use virtio_queue::Queue;
@@ -87,6 +88,8 @@ pub struct BlockWorker<M: GuestMemory> {
     mem: MemPin<M>,
     done: Vec<IoDone>,
     on_full: OnFull,
+    /// How long a quiesce or the drop waits for requests in flight.
+    give_up_after: Duration,
     /// A submission pass stopped on a full pool: run one again when slots may be free.
     deferred: bool,
     retry: PoolWait,
@@ -111,6 +114,7 @@ impl<M: GuestMemory> BlockWorker<M> {
         ctx: RequestCtx,
         engine: Box<dyn IoEngine>,
         on_full: OnFull,
+        give_up_after: Duration,
         waiters: Arc<SlotWaiters>,
     ) -> Self {
         Self {
@@ -122,6 +126,7 @@ impl<M: GuestMemory> BlockWorker<M> {
             mem: MemPin::default(),
             done: Vec::new(),
             on_full,
+            give_up_after,
             deferred: false,
             retry: PoolWait::new(waiters),
             log: Box::new(Unlogged),
@@ -314,11 +319,10 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
             return Ok(Signal::NONE);
         };
         // Every popped request is in `requests` (a chain deferred on a full pool was given
-        // back to the ring); the same bound on waits as the drop's.
+        // back to the ring); the same bounds on waits as the drop's.
         let mut used = self.complete(mem, queue)?;
-        let mut rounds = 0u32;
-        while !self.requests.is_empty() && rounds < QUIESCE_ROUNDS {
-            rounds += 1;
+        let mut waits = self.waits();
+        while !self.requests.is_empty() && waits.next().is_some() {
             self.engine.kick();
             self.engine.wait();
             used += self.complete(mem, queue)?;
@@ -351,17 +355,29 @@ impl<M: GuestMemory + Clone + Send + Sync + 'static> QueueWorker<M> for BlockWor
     }
 }
 
-/// Engine waits a quiesce or a drop spends on requests in flight before giving up on them.
+/// Engine waits a quiesce or a drop spends on requests in flight before giving up on them,
+/// at most (each wait ends with a completion, a signal or a short time slice); the time limit
+/// is [`BlockConfig::give_up_after`](super::BlockConfig::give_up_after).
 const QUIESCE_ROUNDS: u32 = 100_000;
+
+impl<M: GuestMemory> BlockWorker<M> {
+    /// The waits a quiesce or the drop may still spend: one item per wait, ending at
+    /// [`QUIESCE_ROUNDS`] waits or at `give_up_after` from now.
+    fn waits(&self) -> impl Iterator<Item = ()> {
+        let deadline = Instant::now() + self.give_up_after;
+        (0..QUIESCE_ROUNDS)
+            .map(|_| ())
+            .take_while(move |()| Instant::now() < deadline)
+    }
+}
 
 impl<M: GuestMemory> Drop for BlockWorker<M> {
     fn drop(&mut self) {
         // Device reset or teardown with I/O in flight: wait for the host to finish with the
         // buffers, then release every mapping (nothing is written to the guest any more).
         let mut done = Vec::new();
-        let mut rounds = 0u32;
-        while !self.requests.is_empty() && rounds < QUIESCE_ROUNDS {
-            rounds += 1;
+        let mut waits = self.waits();
+        while !self.requests.is_empty() && waits.next().is_some() {
             self.engine.kick();
             self.engine.wait();
             self.engine.reap(&mut done);

@@ -232,8 +232,9 @@ pub trait IoEngine: Send + fmt::Debug {
     /// [`IoEngine::notifier`] fired, and after submitting.
     fn reap(&mut self, out: &mut Vec<IoDone>);
 
-    /// Blocks until at least one completion can be reaped (returns at once when nothing is in
-    /// flight). For tests and for quiescing.
+    /// Blocks until at least one completion can be reaped, or a short while passes (at most
+    /// about 100 ms where the host allows a timeout; returns at once when nothing is in
+    /// flight). For tests and for quiescing, which check their own time limit between waits.
     fn wait(&mut self);
 
     /// Ops submitted and not yet reaped.

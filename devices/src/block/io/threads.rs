@@ -179,12 +179,13 @@ impl<D: Disk> IoEngine for ThreadEngine<D> {
             return;
         }
         self.kick();
-        let mut st = self.shared.lock();
-        while st.done.is_empty() {
-            st = self
+        let st = self.shared.lock();
+        if st.done.is_empty() {
+            // A completion (or a spurious wake-up) ends the wait, or the slice does.
+            let _ = self
                 .shared
                 .finished
-                .wait(st)
+                .wait_timeout(st, std::time::Duration::from_millis(100))
                 .unwrap_or_else(|p| p.into_inner());
         }
     }

@@ -35,9 +35,18 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use io_uring::types::{SubmitArgs, Timespec};
 use io_uring::{opcode, squeue, types, IoUring};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+/// The longest one [`IoEngine::wait`] blocks in the kernel: a reset or teardown waiting for
+/// I/O in flight checks its own time limit between waits.
+const WAIT_SLICE: Duration = Duration::from_millis(100);
+
+/// How long the ring's drop keeps waiting for ops that make no progress.
+const DROP_IDLE: Duration = Duration::from_secs(1);
 
 use super::engine::{EngineStats, FixedRegion, IoBuf, IoDone, IoEngine, IoOp, Range, Tag};
 use super::Disk;
@@ -611,8 +620,16 @@ impl<D: Disk> IoEngine for UringEngine<D> {
         }
         if self.ring.completion().is_empty() {
             self.kick();
-            if let Err(e) = self.ring.submit_and_wait(1) {
-                if e.raw_os_error() != Some(libc::EINTR) {
+            // A bounded wait where the kernel takes a timeout with it (5.11 and later).
+            let r = if self.ring.params().is_feature_ext_arg() {
+                let slice = Timespec::new().nsec(WAIT_SLICE.subsec_nanos());
+                let args = SubmitArgs::new().timespec(&slice);
+                self.ring.submitter().submit_with_args(1, &args)
+            } else {
+                self.ring.submit_and_wait(1)
+            };
+            if let Err(e) = r {
+                if !matches!(e.raw_os_error(), Some(libc::EINTR | libc::ETIME)) {
                     tracing::warn!("io_uring: wait: {e}");
                 }
             }
@@ -634,20 +651,17 @@ impl<D: Disk> IoEngine for UringEngine<D> {
 
 impl<D: Disk> Drop for UringEngine<D> {
     fn drop(&mut self) {
-        // The kernel may still write into buffers and iovec arrays: wait for every op.
-        // `wait` blocks until a completion arrives, so rounds without progress only happen
-        // when the kernel refuses io_uring_enter; after many of those, ops that never reached
-        // the kernel are abandoned with the ring (the kernel holds no pointer of theirs).
+        // The kernel may still write into buffers and iovec arrays: wait for every op, until
+        // no op has completed for DROP_IDLE (the worker above already waited for its
+        // requests as long as it was told to); what is left is abandoned with the ring.
         let mut sink = Vec::new();
-        let mut idle_rounds = 0u32;
-        while self.ops > 0 && idle_rounds < 1000 {
+        let mut progress = Instant::now();
+        while self.ops > 0 && progress.elapsed() < DROP_IDLE {
             self.kick();
             self.wait();
             self.reap(&mut sink);
-            if sink.is_empty() {
-                idle_rounds += 1;
-            } else {
-                idle_rounds = 0;
+            if !sink.is_empty() {
+                progress = Instant::now();
             }
             sink.clear();
         }
