@@ -335,6 +335,27 @@ pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocat
     }
 }
 
+/// A request for the allocators' unit tests: `size` bytes for original address `orig` with
+/// `min_align_mask`, no allocation alignment and the default segment boundary.
+#[cfg(test)]
+pub(crate) fn test_request(
+    g: &Geometry,
+    orig: u64,
+    size: u64,
+    min_align: u64,
+    worker: usize,
+) -> SlotRequest {
+    SlotRequest::new(
+        g,
+        orig,
+        size,
+        0,
+        min_align,
+        crate::DEFAULT_SEG_BOUNDARY_MASK,
+        worker,
+    )
+}
+
 /// A swiotlb-mode geometry for the allocators' unit tests: `slots` slots in `areas` areas,
 /// served by `workers` workers, the pool at `base`.
 #[cfg(test)]

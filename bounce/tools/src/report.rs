@@ -364,6 +364,31 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> Result<(), String> {
     write_text(&dir.join(name), text)
 }
 
+/// Prints `report` as JSON (`json`) or `text` to stdout, and under `out` writes `text` as
+/// `text_name` and the JSON as `results.json`.
+///
+/// # Errors
+/// A message naming the file that could not be written, or the JSON error.
+pub fn print_and_save<T: Serialize>(
+    report: &T,
+    text: &str,
+    json: bool,
+    out: Option<&Path>,
+    text_name: &str,
+) -> Result<(), String> {
+    let doc = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
+    if json {
+        println!("{doc}");
+    } else {
+        print!("{text}");
+    }
+    if let Some(dir) = out {
+        write_file(dir, text_name, text)?;
+        write_file(dir, "results.json", &doc)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

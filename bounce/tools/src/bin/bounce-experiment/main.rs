@@ -896,16 +896,9 @@ fn report_body(args: &Args, report: &Report, table_md: &str) -> String {
 /// Prints the table or JSON; writes them with the chart under `--out`, and the report file
 /// with its chart under `--report`.
 fn emit(args: &Args, report: &Report) -> Result<(), String> {
-    let json = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
     let md = table(&report.cells);
-    if args.json {
-        println!("{json}");
-    } else {
-        print!("{md}");
-    }
+    report::print_and_save(report, &md, args.json, args.out.as_deref(), "table.md")?;
     if let Some(dir) = &args.out {
-        report::write_file(dir, "table.md", &md)?;
-        report::write_file(dir, "results.json", &json)?;
         write_chart(&dir.join("chart.svg"), &chart(args, report))?;
         eprintln!(
             "bounce-experiment: wrote table.md, results.json, chart.svg in {}",
