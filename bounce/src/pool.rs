@@ -855,6 +855,7 @@ impl BouncePool {
         r
     }
 
+    // `bounce` without its timing: the same parameters, passed through; the copy is here.
     #[inline(always)]
     fn bounce_untimed<M: OrigMemory + ?Sized>(
         &self,

@@ -233,6 +233,7 @@ impl FreeRuns {
     }
 }
 
+// Same forwarding as FreeBitmap's SlotRange (bitmap.rs); each forwards to its own search.
 impl SlotRange for FreeRuns {
     fn alloc(&mut self, geom: &Geometry, req: &SlotRequest) -> Option<usize> {
         FreeRuns::alloc(self, geom, req)

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+// Field list of the run's conditions; alike in shape only to other record structs.
 /// The machine and build a run was measured on.
 #[derive(Clone, Debug, Serialize)]
 pub struct Meta {

@@ -458,6 +458,7 @@ impl Parser {
         Ok(())
     }
 
+    // Flag parsers end alike (bad_flag, Ok); each parses its own flag.
     fn bounce(&mut self, flag: &str, arg: &str) -> Result<()> {
         let mut id = None;
         let mut rest = Vec::new();
@@ -488,6 +489,7 @@ impl Parser {
         {
             items[0] = format!("type={}", items[0]);
         }
+        // Same Prop-table shape as props.rs: each table has its own keys and refusals, no logic.
         let table: &[Prop<()>] = &[
             Prop {
                 name: "type",

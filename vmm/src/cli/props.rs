@@ -205,6 +205,7 @@ pub fn parse_size(s: &str) -> Option<u64> {
     u64::try_from(whole.checked_add(part)?).ok()
 }
 
+// Property tables, one per option: the same Prop shape with each its own keys and checks.
 pub(super) const DRIVE_PROPS: &[Prop<DriveSpec>] = &[
     Prop {
         name: "file",

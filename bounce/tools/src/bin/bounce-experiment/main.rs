@@ -166,6 +166,7 @@ struct Cell {
     pool: Option<bounce::PoolStats>,
 }
 
+// Same head as `Report` in map_bench.rs; kept apart because each tool's JSON names its rows.
 /// A whole run: what was asked, where, and every cell.
 #[derive(Debug, Serialize)]
 struct Report {
@@ -395,6 +396,7 @@ fn memcpy_reference(threads: usize, size: usize, dur: Duration) -> Option<f64> {
     complete.then(|| pairs as f64 / elapsed.as_secs_f64() / 1e6)
 }
 
+// memcpy_reference over a rolling slot; kept apart so the hot reference loop has no index.
 /// The cold reference: as [`memcpy_reference`], but each thread's bounce side walks through its
 /// share of `pool_bytes`, `size` bytes further each pair (what a rolling index costs in cache
 /// misses); pairs per second in millions, or `None` after Ctrl-C.
