@@ -392,6 +392,7 @@ impl Dma {
         self.small_read(mem, gpa, dst, worker, RangeCheck::Here)
     }
 
+    // Thin wrappers, one per direction and range check; the work is in small_read/small_write.
     /// As [`Dma::read_guest`] for a range the caller has checked ([`Dma::map_prevalidated`]).
     ///
     /// # Errors

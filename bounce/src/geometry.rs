@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::types::{AllocatorKind, CopyOnMap, PoolMode};
 use crate::IO_TLB_SEGSIZE;
 
+// Field list of the pool options; alike in shape only to other option structs.
 /// What a user asks for. [`PoolConfig::geometry`] applies Linux's rounding rules.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolConfig {

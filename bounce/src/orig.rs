@@ -99,6 +99,7 @@ impl<M: GuestMemory + ?Sized> OrigMemory for M {
         }
     }
 
+    // Mirror of read_orig: copy direction and permissions differ at every step, so two bodies.
     fn write_orig(&self, addr: u64, src: &VolatileSlice<'_>) -> Result<()> {
         let len = src.len();
         if let Some(s) = region_slice(self, addr, len) {

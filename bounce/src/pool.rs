@@ -855,6 +855,7 @@ impl BouncePool {
         r
     }
 
+    // `bounce` without its timing: the same parameters, passed through; the copy is here.
     #[inline(always)]
     fn bounce_untimed<M: OrigMemory + ?Sized>(
         &self,
@@ -1117,13 +1118,8 @@ impl BouncePool {
         size: usize,
         dir: Direction,
     ) -> Result<()> {
-        let shard = self.counters.shard();
-        shard.add(Stat::SyncsForDevice, 1);
-        if dir.device_reads() {
-            self.sync(mem, addr, size, Direction::ToDevice, shard)
-        } else {
-            Ok(())
-        }
+        let copy = dir.device_reads().then_some(Direction::ToDevice);
+        self.sync_counted(mem, addr, size, Stat::SyncsForDevice, copy)
     }
 
     /// Makes the CPU see the device's writes to `addr..addr + size`: copies pool -> original
@@ -1139,16 +1135,28 @@ impl BouncePool {
         size: usize,
         dir: Direction,
     ) -> Result<()> {
-        let shard = self.counters.shard();
-        shard.add(Stat::SyncsForCpu, 1);
-        if dir.device_writes() {
-            self.sync(mem, addr, size, Direction::FromDevice, shard)
-        } else {
-            Ok(())
-        }
+        let copy = dir.device_writes().then_some(Direction::FromDevice);
+        self.sync_counted(mem, addr, size, Stat::SyncsForCpu, copy)
     }
 
     /// A sync's copy, in the pool `addr` is in.
+    /// Counts a sync call in `stat`, then copies in direction `copy`, if any.
+    fn sync_counted<M: OrigMemory + ?Sized>(
+        &self,
+        mem: &M,
+        addr: u64,
+        size: usize,
+        stat: Stat,
+        copy: Option<Direction>,
+    ) -> Result<()> {
+        let shard = self.counters.shard();
+        shard.add(stat, 1);
+        match copy {
+            Some(dir) => self.sync(mem, addr, size, dir, shard),
+            None => Ok(()),
+        }
+    }
+
     fn sync<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,

@@ -210,6 +210,7 @@ impl MapRequest {
         }
     }
 
+    // Builder setters of MapRequest, one per field.
     /// Sets the calling worker.
     pub fn worker(mut self, worker: usize) -> Self {
         self.worker = worker;

@@ -101,6 +101,7 @@ pub enum OptionsError {
     },
 }
 
+// Field list of the bounce options; alike in shape only to other option structs.
 /// Parsed `--bounce` options.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BounceOptions {

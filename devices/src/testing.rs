@@ -478,6 +478,7 @@ impl<D: VirtioDevice<GuestMemoryMmap>> TestDriver<D> {
     /// When `poll` itself fails.
     pub fn poll_worker(&mut self, w: usize, timeout_ms: libc::c_int) -> Result<usize, WorkerError> {
         let fds = self.worker_fds(w);
+        // pollfd setup as in the vhost server's poll (server.rs); a test driver's own copy.
         let mut p: Vec<libc::pollfd> = fds
             .iter()
             .map(|&(fd, _)| libc::pollfd {

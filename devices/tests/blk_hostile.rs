@@ -130,6 +130,17 @@ fn status_of(blk: &Blk<MemDisk>, b: &Bufs) -> u8 {
     blk.drv.ram.read(b.st, 1)[0]
 }
 
+/// Posts `descs` as one chain (head 40) and checks that it completes with IOERR and a used
+/// length of 1 (the status byte only); `what` names the case in a failure.
+fn expect_ioerr(blk: &mut Blk<MemDisk>, b: &Bufs, descs: &[Desc], what: &str) {
+    let used = raw(blk, 40, descs);
+    assert_eq!(
+        (used[0].len, status_of(blk, b)),
+        (1, VIRTIO_BLK_S_IOERR),
+        "{what}"
+    );
+}
+
 #[test]
 fn descriptor_loop() {
     for (name, dma) in dmas() {
@@ -252,28 +263,20 @@ fn addresses_outside_guest_memory() {
         let end = blk.drv.ram.size();
         let b = bufs(&mut blk, VIRTIO_BLK_T_IN, 0);
         // Data entirely outside.
-        let used = raw(
+        expect_ioerr(
             &mut blk,
-            40,
+            &b,
             &[d(b.hdr, 16, N), d(end, 512, N | W), d(b.st, 1, W)],
-        );
-        assert_eq!(
-            (used[0].len, status_of(&blk, &b)),
-            (1, VIRTIO_BLK_S_IOERR),
-            "{name}"
+            &name,
         );
         // Data straddling the end of RAM: nothing is written, not even the part inside.
         let near = end - 512;
         blk.drv.ram.write(near, &[0x55; 512]);
-        let used = raw(
+        expect_ioerr(
             &mut blk,
-            40,
+            &b,
             &[d(b.hdr, 16, N), d(near, 1024, N | W), d(b.st, 1, W)],
-        );
-        assert_eq!(
-            (used[0].len, status_of(&blk, &b)),
-            (1, VIRTIO_BLK_S_IOERR),
-            "{name}"
+            &name,
         );
         assert_eq!(
             blk.drv.ram.read(near, 512),
@@ -322,15 +325,11 @@ fn lengths_that_overflow() {
             (b.data, 0xffff_fe00),
             (u64::MAX, u32::MAX),
         ] {
-            let used = raw(
+            expect_ioerr(
                 &mut blk,
-                40,
+                &b,
                 &[d(b.hdr, 16, N), d(addr, len, N | W), d(b.st, 1, W)],
-            );
-            assert_eq!(
-                (used[0].len, status_of(&blk, &b)),
-                (1, VIRTIO_BLK_S_IOERR),
-                "{name} {addr:#x}+{len:#x}"
+                &format!("{name} {addr:#x}+{len:#x}"),
             );
         }
         // Descriptors whose lengths sum past 4 GiB.
@@ -372,12 +371,7 @@ fn zero_length_buffers() {
         vec![d(b.hdr, 0, N), d(b.data, 512, N | W), d(b.st, 1, W)],
     ] {
         blk.drv.ram.write(b.st, &[0]);
-        let used = raw(&mut blk, 40, &descs);
-        assert_eq!(
-            (used[0].len, status_of(&blk, &b)),
-            (1, VIRTIO_BLK_S_IOERR),
-            "{descs:?}"
-        );
+        expect_ioerr(&mut blk, &b, &descs, &format!("{descs:?}"));
     }
     // A zero-length status descriptor, or a zero-length indirect table: where the status
     // goes is unknown.

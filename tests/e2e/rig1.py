@@ -875,16 +875,8 @@ class NetNS:
     def start_iperf3(self, port: int = 5201) -> subprocess.Popen:
         iperf3 = require_cmd("iperf3")
         p = self.popen(f"{self.name}.iperf3", [iperf3, "-s", "-B", self.host_ip, "-p", str(port)])
-        # wait until it listens
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            r = _run(self.exec_prefix() + ["ss", "-ltn", f"sport = :{port}"], check=False)
-            if f":{port}" in r.stdout:
-                return p
-            if p.poll() is not None:
-                raise RuntimeError(f"iperf3 server exited rc={p.returncode}")
-            time.sleep(0.1)
-        raise RuntimeError("iperf3 server did not start listening")
+        self._wait_listening(p, port, "iperf3 server")
+        return p
 
     def start_sha_server(self, blob: bytes, port: int = 5301) -> Path:
         """An HTTP server on host_ip:port inside the namespace for images/init's net-sha test:
@@ -914,15 +906,21 @@ class NetNS:
         py = require_cmd("python3")
         p = self.popen(f"{self.name}.shaserver",
                        [py, "-c", script, str(blob_path), self.host_ip, str(port), str(got)])
+        self._wait_listening(p, port, "sha server")
+        return got
+
+    def _wait_listening(self, p: subprocess.Popen, port: int, what: str) -> None:
+        """Waits (at most 10 s) until `p`, named `what` in errors, listens on TCP `port` inside
+        the namespace; raises if it exits or never listens."""
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             r = _run(self.exec_prefix() + ["ss", "-ltn", f"sport = :{port}"], check=False)
             if f":{port}" in r.stdout:
-                return got
+                return
             if p.poll() is not None:
-                raise RuntimeError(f"sha server exited rc={p.returncode}")
+                raise RuntimeError(f"{what} exited rc={p.returncode}")
             time.sleep(0.1)
-        raise RuntimeError("sha server did not start listening")
+        raise RuntimeError(f"{what} did not start listening")
 
     def close(self) -> None:
         for p in self._procs:

@@ -39,6 +39,7 @@ pub enum Route {
     },
 }
 
+// Same thiserror shape as the boot tables' Error enums; different failures.
 /// Errors of GSI routing.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

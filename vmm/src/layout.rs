@@ -43,6 +43,7 @@ pub const CMDLINE_START: u64 = 0x20000;
 pub const CMDLINE_MAX_SIZE: usize = 0x10000;
 /// Start of the extended BIOS data area; low RAM in the e820 map ends here.
 pub const EBDA_START: u64 = 0x9fc00;
+// Guest physical address map: constants, alike in shape only.
 /// ACPI RSDP and tables: the first 64 KiB of the BIOS area 0xE0000-0xFFFFF that Linux scans
 /// for the RSDP (reserved in the e820 map, up to 1 MiB).
 pub const ACPI_START: u64 = 0xe0000;

@@ -233,6 +233,7 @@ impl FreeRuns {
     }
 }
 
+// Same forwarding as FreeBitmap's SlotRange (bitmap.rs); each forwards to its own search.
 impl SlotRange for FreeRuns {
     fn alloc(&mut self, geom: &Geometry, req: &SlotRequest) -> Option<usize> {
         FreeRuns::alloc(self, geom, req)
@@ -276,23 +277,11 @@ pub(crate) fn partial(geom: &Geometry) -> Result<Locked<FreeRuns>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::test_request as req;
     use crate::alloc::SlotAllocator;
-    use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
     fn geom(slots: usize, areas: usize, base: u64) -> Geometry {
         crate::alloc::test_geometry(slots, areas, areas, base)
-    }
-
-    fn req(g: &Geometry, orig: u64, size: u64, min_align: u64, worker: usize) -> SlotRequest {
-        SlotRequest::new(
-            g,
-            orig,
-            size,
-            0,
-            min_align,
-            DEFAULT_SEG_BOUNDARY_MASK,
-            worker,
-        )
     }
 
     fn list(a: &Locked<FreeRuns>, area: usize) -> Vec<u32> {

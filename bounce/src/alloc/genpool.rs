@@ -261,31 +261,5 @@ mod tests {
         assert_eq!(a.alloc(&plain(&g, 28, 0)), Some(100));
     }
 
-    #[test]
-    fn alignment_and_phase() {
-        for g in [iova_geom(512, 2), swiotlb_geom(1024, 2)] {
-            check_alignment(&Genpool::new(&g), &g);
-        }
-    }
-
-    #[test]
-    fn exhaustion_and_recovery() {
-        let g = iova_geom(300, 2);
-        check_exhaustion(&Genpool::new(&g), &g, &|| {});
-        let g = swiotlb_geom(512, 2);
-        check_exhaustion(&Genpool::new(&g), &g, &|| {});
-    }
-
-    #[test]
-    fn stress_eight_threads() {
-        let g = iova_geom(2048, 8);
-        stress(Arc::new(Genpool::new(&g)), g, 64, &|| {});
-        let g = swiotlb_geom(4096, 8);
-        stress(Arc::new(Genpool::new(&g)), g, 128, &|| {});
-    }
-
-    #[test]
-    fn pool_map_unmap() {
-        pool_round_trip(AllocatorKind::Genpool);
-    }
+    uncached_allocator_tests!(Genpool::new, AllocatorKind::Genpool, exhaust_workers: 2, stress_workers: 8);
 }

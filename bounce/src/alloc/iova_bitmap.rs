@@ -295,31 +295,5 @@ mod tests {
         check_alignment(&a, &g);
     }
 
-    #[test]
-    fn alignment_and_phase() {
-        for g in [iova_geom(512, 2), swiotlb_geom(1024, 2)] {
-            check_alignment(&IovaBitmap::new(&g), &g);
-        }
-    }
-
-    #[test]
-    fn exhaustion_and_recovery() {
-        let g = iova_geom(300, 3);
-        check_exhaustion(&IovaBitmap::new(&g), &g, &|| {});
-        let g = swiotlb_geom(512, 2);
-        check_exhaustion(&IovaBitmap::new(&g), &g, &|| {});
-    }
-
-    #[test]
-    fn stress_eight_threads() {
-        let g = iova_geom(2048, 8);
-        stress(Arc::new(IovaBitmap::new(&g)), g, 64, &|| {});
-        let g = swiotlb_geom(4096, 4);
-        stress(Arc::new(IovaBitmap::new(&g)), g, 128, &|| {});
-    }
-
-    #[test]
-    fn pool_map_unmap() {
-        pool_round_trip(AllocatorKind::IovaBitmap);
-    }
+    uncached_allocator_tests!(IovaBitmap::new, AllocatorKind::IovaBitmap, exhaust_workers: 3, stress_workers: 4);
 }

@@ -35,24 +35,12 @@ pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeRuns>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::alloc::{SlotAllocator, SlotRequest};
+    use crate::alloc::test_request as req;
+    use crate::alloc::SlotAllocator;
     use crate::geometry::PoolConfig;
-    use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
     fn geom(slots: usize, areas: usize) -> Geometry {
         crate::alloc::test_geometry(slots, areas, areas, PoolConfig::DEFAULT_SWIOTLB_BASE)
-    }
-
-    fn req(g: &Geometry, orig: u64, size: u64, min_align: u64, worker: usize) -> SlotRequest {
-        SlotRequest::new(
-            g,
-            orig,
-            size,
-            0,
-            min_align,
-            DEFAULT_SEG_BOUNDARY_MASK,
-            worker,
-        )
     }
 
     #[test]

@@ -87,6 +87,7 @@ impl<T: SlotRange> Locked<T> {
         }))
     }
 
+    // Same parameters as `per_area`; both go through `with_ranges` (one range per area, or one).
     /// One range over the whole pool (the areas of `geom` are ignored, but must be consistent).
     ///
     /// # Errors

@@ -23,6 +23,44 @@
 //! Every allocator must return only runs for which [`SlotRequest::fits`] is true, must never
 //! hand out a slot twice, and must make every freed slot available again.
 
+/// The four checks shared by the allocators without per-worker caches (`genpool`,
+/// `iova_bitmap`): alignment, exhaustion and recovery, eight-thread stress, a pool round trip.
+/// `$new` builds the allocator from a geometry; the iova geometries of the exhaustion and stress
+/// tests take `$exhaust_workers` and the swiotlb stress geometry `$stress_workers` workers.
+/// Expands inside a test module that imports `iova_rbtree::test_support::*` and `Arc`.
+#[cfg(test)]
+macro_rules! uncached_allocator_tests {
+    ($new:path, $kind:expr, exhaust_workers: $ew:expr, stress_workers: $sw:expr) => {
+        #[test]
+        fn alignment_and_phase() {
+            for g in [iova_geom(512, 2), swiotlb_geom(1024, 2)] {
+                check_alignment(&$new(&g), &g);
+            }
+        }
+
+        #[test]
+        fn exhaustion_and_recovery() {
+            let g = iova_geom(300, $ew);
+            check_exhaustion(&$new(&g), &g, &|| {});
+            let g = swiotlb_geom(512, 2);
+            check_exhaustion(&$new(&g), &g, &|| {});
+        }
+
+        #[test]
+        fn stress_eight_threads() {
+            let g = iova_geom(2048, 8);
+            stress(Arc::new($new(&g)), g, 64, &|| {});
+            let g = swiotlb_geom(4096, $sw);
+            stress(Arc::new($new(&g)), g, 128, &|| {});
+        }
+
+        #[test]
+        fn pool_map_unmap() {
+            pool_round_trip($kind);
+        }
+    };
+}
+
 mod areas;
 mod areas_bitmap;
 mod areas_lifo;
@@ -333,6 +371,27 @@ pub fn build(kind: AllocatorKind, geom: &Geometry) -> Result<Arc<dyn SlotAllocat
         AllocatorKind::AreasLifo => Ok(Arc::new(areas_lifo::new(geom)?)),
         AllocatorKind::Magazine => Ok(Arc::new(MagazineAllocator::new(geom)?)),
     }
+}
+
+/// A request for the allocators' unit tests: `size` bytes for original address `orig` with
+/// `min_align_mask`, no allocation alignment and the default segment boundary.
+#[cfg(test)]
+pub(crate) fn test_request(
+    g: &Geometry,
+    orig: u64,
+    size: u64,
+    min_align: u64,
+    worker: usize,
+) -> SlotRequest {
+    SlotRequest::new(
+        g,
+        orig,
+        size,
+        0,
+        min_align,
+        crate::DEFAULT_SEG_BOUNDARY_MASK,
+        worker,
+    )
 }
 
 /// A swiotlb-mode geometry for the allocators' unit tests: `slots` slots in `areas` areas,

@@ -63,6 +63,7 @@ impl DmaBatch<'_> {
         self.map_range(mem, bufs, RangeCheck::Here, mapped)
     }
 
+    // Thin wrapper: `map` with the range check skipped; the work is in map_range.
     /// As [`DmaBatch::map`] for ranges the caller has checked ([`Dma::map_prevalidated`]).
     ///
     /// # Errors

@@ -74,6 +74,7 @@ impl PoolBatch<'_> {
         self.map_checked(mem, reqs, true, mapped).map_err(|e| *e)
     }
 
+    // Thin wrapper: `map` with the range check skipped; the work is in map_range.
     /// As [`PoolBatch::map`] for originals the caller has checked
     /// ([`BouncePool::map_prevalidated`]).
     ///

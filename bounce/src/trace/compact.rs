@@ -65,6 +65,7 @@ pub const MAX_HEADER_BYTES: u64 = 1 << 20;
 /// CPU; 8192 is x86's largest `NR_CPUS`).
 pub const MAX_AREAS: u64 = 8192;
 
+// Record tags and flag bits of the compact format: constants, alike in shape only.
 const TAG_END: u8 = 0;
 const TAG_HEADER: u8 = 1;
 const TAG_MAP: u8 = 2;

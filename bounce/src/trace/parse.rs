@@ -88,6 +88,7 @@ pub struct KernelDecision {
     pub counters: Option<KernelCounters>,
 }
 
+// Field list of a map record; alike in shape only to other record structs.
 /// A map operation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MapOp {

@@ -44,6 +44,7 @@ impl OrigMemory for NullMemory {
     }
 }
 
+// Field list of the replay options; alike in shape only to other option structs.
 /// How to build the replay pool; `None` fields come from the trace header, then from defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplayOptions {

@@ -135,6 +135,7 @@ fn static_section(r: &Report, out: &mut String) {
     out.push_str(".\n");
 }
 
+// Same table-building shape as static_section; its own rows and columns.
 /// One row per area count.
 fn areas_section(r: &Report, out: &mut String) {
     out.push_str("\n### Areas\n\nEach area count with the smallest pool that has no failure, as the kernel rounds it; its memory is the slots and the bookkeeping (24 bytes of `struct io_tlb_slot` per slot, page-aligned, and 16 of `struct io_tlb_area` per area). Failures and high-water: at the trace's pool size.\n\n");

@@ -76,6 +76,7 @@ pub struct Panel {
     pub series: Vec<Series>,
 }
 
+// Field list of a chart; alike in shape only to other record structs.
 /// A chart: a title, panels one above the other, and caption lines under them.
 #[derive(Clone, Debug)]
 pub struct Chart {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+// Field list of the run's conditions; alike in shape only to other record structs.
 /// The machine and build a run was measured on.
 #[derive(Clone, Debug, Serialize)]
 pub struct Meta {
@@ -362,6 +363,31 @@ pub fn write_text(path: &Path, text: &str) -> Result<(), String> {
 /// A message naming the file.
 pub fn write_file(dir: &Path, name: &str, text: &str) -> Result<(), String> {
     write_text(&dir.join(name), text)
+}
+
+/// Prints `report` as JSON (`json`) or `text` to stdout, and under `out` writes `text` as
+/// `text_name` and the JSON as `results.json`.
+///
+/// # Errors
+/// A message naming the file that could not be written, or the JSON error.
+pub fn print_and_save<T: Serialize>(
+    report: &T,
+    text: &str,
+    json: bool,
+    out: Option<&Path>,
+    text_name: &str,
+) -> Result<(), String> {
+    let doc = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
+    if json {
+        println!("{doc}");
+    } else {
+        print!("{text}");
+    }
+    if let Some(dir) = out {
+        write_file(dir, text_name, text)?;
+        write_file(dir, "results.json", &doc)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -71,6 +71,7 @@ impl<D: Disk> Block<D> {
                 "the disk is smaller than one sector".into(),
             ));
         }
+        // The block feature set; the net device (net/device.rs) builds its own the same way.
         let mut f = feature(VIRTIO_F_VERSION_1)
             | feature(VIRTIO_RING_F_EVENT_IDX)
             | feature(VIRTIO_RING_F_INDIRECT_DESC)

@@ -47,6 +47,7 @@ pub struct CtrlWorker<M> {
 }
 
 impl<M: GuestMemory> CtrlWorker<M> {
+    // Takes the fields the struct keeps; a constructor, nothing to share.
     /// A worker for control queue `index`; `backends` are the queue pairs' backends, whose
     /// receive steering `VQ_PAIRS_SET` switches; `active_pairs` is shared with the device.
     pub fn new(

@@ -64,6 +64,7 @@ pub mod config_offset {
     pub const SIZE: usize = size_of::<virtio_net_config>();
 }
 
+// Net device limits: constants, alike in shape only to other tables.
 /// Length of `virtio_net_hdr_v1` (VERSION_1 always has `num_buffers`).
 pub const VNET_HDR_LEN: usize = std::mem::size_of::<crate::virtio::spec::virtio_net_hdr_v1>();
 /// Largest frame (without the vnet header) the device sends or receives: 64 KiB of IP

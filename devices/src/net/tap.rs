@@ -38,6 +38,7 @@ const UIO_MAXIOV: usize = 1024;
 
 use sys::{TUNGETIFF, TUNSETIFF, TUNSETOFFLOAD, TUNSETQUEUE, TUNSETVNETHDRSZ};
 
+// Linux if_tun.h values: constants, alike in shape only to other tables.
 const IFF_TAP: i16 = 0x0002;
 const IFF_NO_PI: i16 = 0x1000;
 const IFF_VNET_HDR: i16 = 0x4000;

@@ -183,6 +183,7 @@ impl Workload {
     }
 }
 
+// Field list of a table row; alike in shape only to other record structs.
 /// One row of a preset's table.
 #[derive(Clone, Debug, Serialize)]
 pub struct Cell {

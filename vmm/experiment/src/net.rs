@@ -57,6 +57,7 @@ impl NetDriver {
         })
     }
 
+    // Destructures Workload::Net as block.rs does Workload::Block; different fields.
     /// One sample of `w` (a [`Workload::Net`]) for `dur` after a warm-up.
     ///
     /// # Errors
@@ -151,6 +152,7 @@ impl NetDriver {
     }
 }
 
+// Same poll-until-or-fail loop as Child::start in host.rs; each waits for its own sign.
 /// Waits until frames from `testpmd` reach the tap in `ns` (at most 30 s).
 ///
 /// testpmd's EAL start-up (1 GiB of --no-huge memory) takes seconds on a loaded machine: wait

@@ -317,6 +317,7 @@ fn vduse_2021(level: Level, quick: bool) -> Plan {
             4 => 2,
             _ => 3,
         };
+        // Cell literal as in the other presets; each preset has its own workload and seeds.
         for (i, (alloc, seed)) in allocs.iter().enumerate() {
             cells.push(Cell {
                 panel: panel.into(),

@@ -210,6 +210,7 @@ impl Rw {
     }
 }
 
+// Field list of the load options; alike in shape only to other option structs.
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct LoadConfig {

@@ -43,6 +43,7 @@ pub struct Wanted {
     pub writes: bool,
 }
 
+// Field list of the negotiated device; alike in shape only to other record structs.
 /// The device as negotiated and as its config space describes it.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct DeviceInfo {

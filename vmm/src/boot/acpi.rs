@@ -69,6 +69,7 @@ use crate::layout::{
 
 /// Where the RSDP is written (the start of the ACPI area).
 pub const RSDP_ADDR: u64 = ACPI_START;
+// Table offsets and lengths in the ACPI area: constants, alike in shape only.
 const XSDT_OFFSET: usize = 0x40;
 const FADT_OFFSET: usize = 0x80;
 const FACS_OFFSET: usize = 0x1c0;
@@ -87,6 +88,7 @@ const OEM_ID: [u8; 6] = *b"BOUNCE";
 const OEM_TABLE_ID: [u8; 8] = *b"BOUNCEVM";
 const OEM_REVISION: u32 = 1;
 
+// ACPI flag values: constants, alike in shape only to other tables.
 /// `IAPC_BOOT_ARCH`: legacy (ISA) devices present.
 pub const IAPC_LEGACY_DEVICES: u16 = 1 << 0;
 /// `IAPC_BOOT_ARCH`: an 8042 keyboard controller is present.
@@ -100,6 +102,7 @@ pub const SCI_INTI_FLAGS: u16 = 0x000d;
 /// The S5 sleep type value the DSDT's `\_S5_` package gives (written to `SLP_TYP`).
 pub const S5_SLP_TYP: u8 = 5;
 
+// Same variants as mptable.rs's Error; kept apart because each names its own table.
 /// Errors of ACPI table setup.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

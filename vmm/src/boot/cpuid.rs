@@ -41,6 +41,7 @@ pub enum Error {
 /// Result alias of this module.
 pub type Result<T> = std::result::Result<T, Error>;
 
+// CPUID leaf and bit numbers: constants, alike in shape only to other tables.
 const LEAF_FEATURES: u32 = 0x1;
 const LEAF_CACHE: u32 = 0x4;
 const LEAF_TOPOLOGY: u32 = 0xb;

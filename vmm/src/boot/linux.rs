@@ -131,6 +131,7 @@ pub struct LoadedKernel {
     pub setup_header: Option<setup_header>,
 }
 
+// Field list of the boot configuration; alike in shape only to other record structs.
 /// What to boot.
 #[derive(Debug, Clone)]
 pub struct LinuxBootConfig {

@@ -13,6 +13,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 use crate::layout::{APIC_START, IOAPIC_START, MPTABLE_MAX_SIZE, MPTABLE_START};
 
+// MP table values: constants, alike in shape only to other tables.
 /// Number of IOAPIC pins described (KVM's IOAPIC has 24).
 pub const IOAPIC_PINS: u8 = 24;
 const MP_SPEC_REV: u8 = 4;
@@ -33,6 +34,7 @@ const INT_TYPE_NMI: u8 = 1;
 const INT_TYPE_EXTINT: u8 = 3;
 const ISA_BUS_ID: u8 = 0;
 
+// Same variants as acpi.rs's Error; kept apart because each names its own table.
 /// Errors of MP table setup.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -143,6 +143,28 @@ pub(super) const FLAGS: &[Flag] = &[
     },
 ];
 
+/// Checks that the back end `id` of a `device` (a `-drive` or a `-netdev`, as `kind` says) is
+/// defined and that no other device uses it; records it in `used`.
+fn claim_backend(
+    device: &str,
+    kind: &str,
+    id: &str,
+    defined: bool,
+    used: &mut std::collections::HashSet<String>,
+) -> Result<()> {
+    if !defined {
+        return Err(CliError::Reference(format!(
+            "-device {device}: {kind} '{id}' is not defined by a -{kind}"
+        )));
+    }
+    if !used.insert(id.to_string()) {
+        return Err(CliError::Reference(format!(
+            "{kind} '{id}' is used by more than one device"
+        )));
+    }
+    Ok(())
+}
+
 fn bad_flag(flag: &str, value: &str, reason: &str) -> CliError {
     CliError::BadValue {
         what: flag.into(),
@@ -436,6 +458,7 @@ impl Parser {
         Ok(())
     }
 
+    // Flag parsers end alike (bad_flag, Ok); each parses its own flag.
     fn bounce(&mut self, flag: &str, arg: &str) -> Result<()> {
         let mut id = None;
         let mut rest = Vec::new();
@@ -466,6 +489,7 @@ impl Parser {
         {
             items[0] = format!("type={}", items[0]);
         }
+        // Same Prop-table shape as props.rs: each table has its own keys and refusals, no logic.
         let table: &[Prop<()>] = &[
             Prop {
                 name: "type",
@@ -575,36 +599,28 @@ impl Parser {
             }
             match d {
                 DeviceSpec::Blk(b) => {
-                    if !cfg.drives.iter().any(|x| x.id == b.drive) {
-                        return Err(CliError::Reference(format!(
-                            "-device virtio-blk-pci: drive '{}' is not defined by a -drive",
-                            b.drive
-                        )));
-                    }
-                    if !used_drives.insert(b.drive.clone()) {
-                        return Err(CliError::Reference(format!(
-                            "drive '{}' is used by more than one device",
-                            b.drive
-                        )));
-                    }
+                    let defined = cfg.drives.iter().any(|x| x.id == b.drive);
+                    claim_backend(
+                        "virtio-blk-pci",
+                        "drive",
+                        &b.drive,
+                        defined,
+                        &mut used_drives,
+                    )?;
                     if b.serial.is_empty() {
                         b.serial = b.drive.clone();
                     }
                 }
                 DeviceSpec::Net(n) => {
-                    if !cfg.netdevs.iter().any(|x| x.id == n.netdev) {
-                        return Err(CliError::Reference(format!(
-                            "-device virtio-net-pci: netdev '{}' is not defined by a -netdev",
-                            n.netdev
-                        )));
-                    }
                     // As QEMU: "Property 'virtio-net-pci.netdev' can't take value, it's in use".
-                    if !used_netdevs.insert(n.netdev.clone()) {
-                        return Err(CliError::Reference(format!(
-                            "netdev '{}' is used by more than one device",
-                            n.netdev
-                        )));
-                    }
+                    let defined = cfg.netdevs.iter().any(|x| x.id == n.netdev);
+                    claim_backend(
+                        "virtio-net-pci",
+                        "netdev",
+                        &n.netdev,
+                        defined,
+                        &mut used_netdevs,
+                    )?;
                     if n.mac.is_none() {
                         let mut mac = DEFAULT_MAC;
                         mac[5] = mac[5].wrapping_add(default_macs);

@@ -73,6 +73,19 @@ impl Val<'_> {
             .ok_or_else(|| self.bad(&format!("expected a number in {lo}..={hi}")))
     }
 
+    /// A power of two in `lo..=hi`.
+    pub fn power_of_two<T>(&self, lo: T, hi: T) -> Result<T>
+    where
+        T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy + Into<u64>,
+    {
+        let n = self.number(lo, hi)?;
+        if n.into().is_power_of_two() {
+            Ok(n)
+        } else {
+            Err(self.bad("expected a power of two"))
+        }
+    }
+
     /// A non-empty string.
     pub fn nonempty(&self) -> Result<String> {
         match self.str() {
@@ -192,6 +205,7 @@ pub fn parse_size(s: &str) -> Option<u64> {
     u64::try_from(whole.checked_add(part)?).ok()
 }
 
+// Property tables, one per option: the same Prop shape with each its own keys and checks.
 pub(super) const DRIVE_PROPS: &[Prop<DriveSpec>] = &[
     Prop {
         name: "file",
@@ -308,22 +322,15 @@ pub(super) const BLK_PROPS: &[Prop<BlkSpec>] = &[
     },
     Prop {
         name: "queue-size",
-        set: |d, v| {
-            let n: u16 = v.number(2, 1024)?;
-            if !n.is_power_of_two() {
-                return Err(v.bad("expected a power of two"));
-            }
-            put(&mut d.queue_size, n)
-        },
+        set: |d, v| put(&mut d.queue_size, v.power_of_two::<u16>(2, 1024)?),
     },
     Prop {
         name: "logical_block_size",
         set: |d, v| {
-            let n: u32 = v.number(512, 65536)?;
-            if !n.is_power_of_two() {
-                return Err(v.bad("expected a power of two"));
-            }
-            put(&mut d.logical_block_size, n)
+            put(
+                &mut d.logical_block_size,
+                v.power_of_two::<u32>(512, 65536)?,
+            )
         },
     },
     Prop {

@@ -134,6 +134,7 @@ pub struct QmpSpec {
     pub wait: bool,
 }
 
+// Field list of the parsed command line; alike in shape only to other option structs.
 /// The whole command line.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {

@@ -31,6 +31,7 @@ pub struct I8042 {
     dev: I8042Device<ResetLine>,
 }
 
+// Hand-written Debug for a device without Debug; alike in shape only.
 impl std::fmt::Debug for I8042 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("I8042").finish_non_exhaustive()

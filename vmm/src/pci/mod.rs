@@ -25,6 +25,7 @@ pub use config::{BarKind, BarReprogram, PciBar, PciConfiguration, PciHeader};
 pub use host_bridge::PciHostBridge;
 pub use root::{PciBarRegion, PciConfigIo, PciConfigMmio, PciRoot, SharedPciDevice};
 
+// PCI constants; alike in shape only to other constant tables.
 /// Number of 32-bit registers in a PCIe configuration space (4 KiB).
 pub const NUM_CONFIG_REGISTERS: usize = 1024;
 /// Number of 32-bit registers reachable through configuration mechanism #1 (256 bytes).

@@ -176,6 +176,7 @@ impl PciRoot {
     }
 }
 
+// Plain fields and a hand-written Debug; alike in shape only to other small structs.
 /// The MMIO window of one BAR, routed to its function.
 pub struct PciBarRegion {
     device: SharedPciDevice,

@@ -105,6 +105,7 @@ pub struct DeviceInfo {
     pub pool: Option<Arc<bounce::BouncePool>>,
 }
 
+// Hand-written Debug impls that skip fields without Debug; alike in shape only.
 impl std::fmt::Debug for DeviceInfo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceInfo")

@@ -487,6 +487,7 @@ impl PciDevice for VirtioPciDevice {
         &mut self.config
     }
 
+    // Overrides the PciDevice default (pci/mod.rs) to also follow the MSI-X capability.
     fn write_config_register(
         &mut self,
         reg: usize,

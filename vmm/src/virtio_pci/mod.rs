@@ -72,6 +72,7 @@ pub const NOTIFY_OFF_MULTIPLIER: u32 = 4;
 /// table below the PBA, and the notification area must fit its page).
 pub const MAX_QUEUES: usize = 127;
 
+// virtio PCI capability types: constants, alike in shape only to other tables.
 /// virtio PCI capability types (virtio 1.2, 4.1.4).
 pub mod cap_type {
     /// Common configuration.

@@ -158,6 +158,7 @@ pub struct Advice {
     pub current: SizeReport,
 }
 
+// Field list of a trace summary; alike in shape only to other record structs.
 /// One trace of a [`Sizer`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct TraceInfo {

@@ -107,6 +107,7 @@ pub struct AreaRow {
     pub at_trace_size: Option<SizeReport>,
 }
 
+// Field list of a report row; alike in shape only to other record structs.
 /// The pools of one segment size.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SegmentRow {

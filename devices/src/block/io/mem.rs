@@ -70,6 +70,7 @@ impl MemDisk {
     }
 }
 
+// Same `Disk` method list as RawDisk and Qcow2Disk; each serves its own backing store.
 impl Disk for MemDisk {
     fn capacity(&self) -> u64 {
         self.capacity

@@ -113,6 +113,7 @@ fn pread_volatile<B: BitmapSlice>(
     }
 }
 
+// pread_volatile for writes: the pointer guard and the SAFETY terms differ, so two bodies.
 /// One `pwrite` from a volatile slice, retried on EINTR.
 fn pwrite_volatile<B: BitmapSlice>(
     file: &File,
@@ -245,6 +246,7 @@ impl RawDisk {
     }
 }
 
+// Same `Disk` method list as MemDisk and Qcow2Disk; each serves its own backing store.
 impl Disk for RawDisk {
     fn capacity(&self) -> u64 {
         self.capacity

@@ -166,6 +166,7 @@ struct Cell {
     pool: Option<bounce::PoolStats>,
 }
 
+// Same head as `Report` in map_bench.rs; kept apart because each tool's JSON names its rows.
 /// A whole run: what was asked, where, and every cell.
 #[derive(Debug, Serialize)]
 struct Report {
@@ -395,6 +396,7 @@ fn memcpy_reference(threads: usize, size: usize, dur: Duration) -> Option<f64> {
     complete.then(|| pairs as f64 / elapsed.as_secs_f64() / 1e6)
 }
 
+// memcpy_reference over a rolling slot; kept apart so the hot reference loop has no index.
 /// The cold reference: as [`memcpy_reference`], but each thread's bounce side walks through its
 /// share of `pool_bytes`, `size` bytes further each pair (what a rolling index costs in cache
 /// misses); pairs per second in millions, or `None` after Ctrl-C.
@@ -896,16 +898,9 @@ fn report_body(args: &Args, report: &Report, table_md: &str) -> String {
 /// Prints the table or JSON; writes them with the chart under `--out`, and the report file
 /// with its chart under `--report`.
 fn emit(args: &Args, report: &Report) -> Result<(), String> {
-    let json = serde_json::to_string_pretty(report).map_err(|e| e.to_string())?;
     let md = table(&report.cells);
-    if args.json {
-        println!("{json}");
-    } else {
-        print!("{md}");
-    }
+    report::print_and_save(report, &md, args.json, args.out.as_deref(), "table.md")?;
     if let Some(dir) = &args.out {
-        report::write_file(dir, "table.md", &md)?;
-        report::write_file(dir, "results.json", &json)?;
         write_chart(&dir.join("chart.svg"), &chart(args, report))?;
         eprintln!(
             "bounce-experiment: wrote table.md, results.json, chart.svg in {}",

@@ -134,6 +134,7 @@ struct AllocResult {
     pool: bounce::PoolStats,
 }
 
+// Same head as `Report` in main.rs; kept apart because each tool's JSON names its rows.
 #[derive(Debug, Serialize)]
 struct Report {
     tool: &'static str,
@@ -439,15 +440,6 @@ pub fn main(a: &Args) -> Result<bool, String> {
         interrupted,
         results,
     };
-    let json = serde_json::to_string_pretty(&rep).map_err(|e| e.to_string())?;
-    if a.json {
-        println!("{json}");
-    } else {
-        print!("{body}");
-    }
-    if let Some(dir) = &a.out {
-        report::write_file(dir, "map-benchmark.txt", &body)?;
-        report::write_file(dir, "results.json", &json)?;
-    }
+    report::print_and_save(&rep, &body, a.json, a.out.as_deref(), "map-benchmark.txt")?;
     Ok(!interrupted)
 }
