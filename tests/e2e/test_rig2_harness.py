@@ -248,3 +248,18 @@ def test_l1_gets_the_host_tsc_rate(monkeypatch):
     monkeypatch.setenv("BVM_HOST_TSC_KHZ", "2600000")
     l1 = rig2.L1("tsc", rig2.Share("tsc"), cmd="/host/run-l2.sh")
     assert "tsc_early_khz=2600000" in l1.kernel_cmdline().split()
+
+
+def test_l1_polls_when_idle_unless_asked(monkeypatch):
+    l1 = rig2.L1("idle", rig2.Share("idle"), cmd="/host/run-l2.sh")
+    monkeypatch.delenv("BVM_RIG2_L1_IDLE", raising=False)
+    assert "idle=poll" in l1.kernel_cmdline().split()
+    monkeypatch.setenv("BVM_RIG2_L1_IDLE", "halt")
+    assert not [w for w in l1.kernel_cmdline().split() if w.startswith("idle=")]
+    monkeypatch.setenv("BVM_RIG2_L1_IDLE", "mwait")
+    try:
+        l1.kernel_cmdline()
+    except ValueError as e:
+        assert "BVM_RIG2_L1_IDLE" in str(e)
+    else:
+        raise AssertionError("BVM_RIG2_L1_IDLE=mwait accepted")
