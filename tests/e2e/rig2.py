@@ -639,7 +639,7 @@ class L1:
     def kernel_cmdline(self) -> str:
         # L1 is a TCG guest like rig 1's: it gets the host TSC's rate rather than measuring it
         # on a loaded host (its clock, and the kvmclock L2 reads from it, would run fast).
-        w = ["console=ttyS0", "quiet", "panic=-1", *rig1.tsc_words(), *l1_idle_words(),
+        w = ["console=ttyS0", "quiet", "panic=-1", *rig1.tsc_words(),
              f"l1.timeout={max(30, int(self.timeout) - 15)}"]
         if self.cmd:
             w.append(f"l1.cmd={self.cmd}")
@@ -859,17 +859,6 @@ def l1_smp_default() -> int:
     if v not in ("1", "2"):
         raise ValueError(f"BVM_RIG2_L1_SMP must be 1 or 2, not {v!r}")
     return int(v)
-
-
-def l1_idle_words() -> list[str]:
-    """L1's idle loop: BVM_RIG2_L1_IDLE, else poll. `poll` (`idle=poll`) keeps L1's vCPU
-    spinning instead of halting: QEMU 7.2's TCG, emulating nested SVM, now and then leaves a
-    halted L1 vCPU asleep for good (README "L1 does not halt"). `halt` is the kernel's own
-    idle (HLT), to reproduce that hang."""
-    v = os.environ.get("BVM_RIG2_L1_IDLE", "poll")
-    if v not in ("poll", "halt"):
-        raise ValueError(f"BVM_RIG2_L1_IDLE must be poll (the default) or halt, not {v!r}")
-    return ["idle=poll"] if v == "poll" else []
 
 
 def run_l2(name: str, vmm: str = "qemu", test: str = "fio-verify", params: dict | None = None,

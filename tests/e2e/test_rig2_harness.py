@@ -254,21 +254,6 @@ def test_l1_gets_the_host_tsc_rate(monkeypatch):
     assert "tsc_early_khz=2600000" in l1.kernel_cmdline().split()
 
 
-def test_l1_polls_when_idle_unless_asked(monkeypatch):
-    l1 = rig2.L1("idle", rig2.Share("idle"), cmd="/host/run-l2.sh")
-    monkeypatch.delenv("BVM_RIG2_L1_IDLE", raising=False)
-    assert "idle=poll" in l1.kernel_cmdline().split()
-    monkeypatch.setenv("BVM_RIG2_L1_IDLE", "halt")
-    assert not [w for w in l1.kernel_cmdline().split() if w.startswith("idle=")]
-    monkeypatch.setenv("BVM_RIG2_L1_IDLE", "mwait")
-    try:
-        l1.kernel_cmdline()
-    except ValueError as e:
-        assert "BVM_RIG2_L1_IDLE" in str(e)
-    else:
-        raise AssertionError("BVM_RIG2_L1_IDLE=mwait accepted")
-
-
 def test_l1_monitor_socket_answers(tmp_path, monkeypatch):
     monkeypatch.setattr(rig2, "require_qemu", lambda: "qemu-system-x86_64")
     monkeypatch.setattr(rig2, "l1_images", lambda: types.SimpleNamespace(vmlinuz="k", initramfs="i"))
