@@ -23,6 +23,7 @@ import bz2
 import gzip
 import shlex
 import shutil
+import socket
 import struct
 import subprocess
 import threading
@@ -630,6 +631,9 @@ class L1:
         self.timeout, self.tcg_thread, self.mem, self.smp, self.cpu = timeout, tcg_thread, mem, smp, cpu
         self.append, self.hold = append, hold
         self.log_path = out_path(name, ".l1.log")
+        # QEMU's human monitor of L1, for a look at a hung L1 from the host (`info registers`:
+        # HLT and IF; `info lapic`: pending vectors), e.g. with rig2.monitor(PATH, "info lapic").
+        self.monitor_path = out_path(name, ".l1.mon")
         self._attempt = 0
 
     def kernel_cmdline(self) -> str:
@@ -655,7 +659,7 @@ class L1:
                 "-kernel", str(img.vmlinuz), "-initrd", str(img.initramfs),
                 "-append", self.kernel_cmdline(),
                 "-nographic", "-no-reboot", "-display", "none", "-serial", "stdio",
-                "-monitor", "none", "-nic", "none",
+                "-monitor", f"unix:{self.monitor_path},server=on,wait=off", "-nic", "none",
                 "-virtfs", f"local,path={self.share.dir},mount_tag=host,security_model=none",
                 *self.debug_args()]
 
@@ -725,6 +729,21 @@ class L1:
                 return run
             failed.append(run)
             self._attempt += 1
+
+
+def monitor(path: os.PathLike | str, *commands: str, wait: float = 2.0) -> str:
+    """Sends `commands` to an L1's QEMU monitor socket (L1.monitor_path) and returns what it
+    printed, read until it is quiet for `wait` seconds."""
+    out = b""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(path))
+        s.settimeout(wait)
+        for c in commands:
+            s.sendall(c.encode() + b"\n")
+        with contextlib.suppress(socket.timeout):
+            while chunk := s.recv(65536):
+                out += chunk
+    return out.decode("utf-8", "replace")
 
 
 # ----------------------------------------------------------------------------- L2 VMM command lines

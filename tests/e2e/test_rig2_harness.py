@@ -1,6 +1,10 @@
 """Fast checks of the rig-2 harness (no L1 boot): log parsing, the VMM command lines, the L2
 kernel extraction."""
 
+import socket
+import threading
+import types
+
 import rig2
 from rig2 import skip_if_missing
 
@@ -248,3 +252,29 @@ def test_l1_gets_the_host_tsc_rate(monkeypatch):
     monkeypatch.setenv("BVM_HOST_TSC_KHZ", "2600000")
     l1 = rig2.L1("tsc", rig2.Share("tsc"), cmd="/host/run-l2.sh")
     assert "tsc_early_khz=2600000" in l1.kernel_cmdline().split()
+
+
+def test_l1_monitor_socket_answers(tmp_path, monkeypatch):
+    monkeypatch.setattr(rig2, "require_qemu", lambda: "qemu-system-x86_64")
+    monkeypatch.setattr(rig2, "l1_images", lambda: types.SimpleNamespace(vmlinuz="k", initramfs="i"))
+    l1 = rig2.L1("mon", rig2.Share("mon"), cmd="/host/run-l2.sh")
+    assert f"unix:{l1.monitor_path},server=on,wait=off" in l1.argv()
+    path = tmp_path / "l1.mon"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    got = []
+
+    def serve():
+        c, _ = srv.accept()
+        with c:
+            got.append(c.recv(100))
+            c.sendall(b"EIP=ffffffff81000000 HLT=1\n(qemu) ")
+
+    th = threading.Thread(target=serve)
+    th.start()
+    out = rig2.monitor(path, "info registers", wait=0.5)
+    th.join()
+    srv.close()
+    assert got == [b"info registers\n"]
+    assert "HLT=1" in out
