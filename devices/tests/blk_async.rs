@@ -687,36 +687,52 @@ fn reset_with_requests_in_flight_releases_the_pool() {
     assert_eq!(dma.pool().unwrap().used(), 0);
 }
 
+/// The bounce options of the competing-devices tests: a 128-slot pool that fails a request
+/// it cannot fit, named `shared` when `shared`.
+fn competing_opts(shared: bool) -> devices::options::BounceOptions {
+    format!(
+        "slots=128,areas=1,on-full=fail{}",
+        if shared { ",pool=shared" } else { "" }
+    )
+    .parse()
+    .unwrap()
+}
+
+/// The case's name, an empty pool registry and the block configuration of the
+/// competing-devices tests.
+fn competing(shared: bool) -> (&'static str, devices::pools::PoolRegistry, BlockConfig) {
+    let name = if shared { "shared" } else { "own pools" };
+    let c = BlockConfig {
+        on_full: competing_opts(shared).on_full,
+        ..cfg(AioMode::Threads, CacheMode::Writeback)
+    };
+    (name, devices::pools::PoolRegistry::default(), c)
+}
+
+/// A memory disk that holds each read until the returned sender lets it through (or is
+/// dropped).
+fn gated_disk() -> (GateDisk, mpsc::Sender<()>) {
+    let (tx, rx) = mpsc::channel();
+    let gated = GateDisk {
+        mem: MemDisk::new(DISK).unwrap(),
+        gate: Mutex::new(rx),
+    };
+    (gated, tx)
+}
+
 /// Two disks whose bounce options name one pool share its slots: a read one disk holds in
 /// flight keeps its slots, so the other disk's read finds the pool full (IOERR under
 /// `on-full=fail`); with a pool each, the same read succeeds. Each device counts what it
 /// mapped, and over the devices of the shared pool the counts sum to the pool's.
 #[test]
 fn devices_on_one_shared_pool_compete_for_its_slots() {
-    use devices::options::BounceOptions;
-    use devices::pools::PoolRegistry;
     for shared in [true, false] {
-        let name = if shared { "shared" } else { "own pools" };
-        let opts: BounceOptions = format!(
-            "slots=128,areas=1,on-full=fail{}",
-            if shared { ",pool=shared" } else { "" }
-        )
-        .parse()
-        .unwrap();
-        let mut pools = PoolRegistry::default();
-        let (dma_a, pool_a) = pools.dma("disk-a", &opts, 1).unwrap();
-        let (dma_b, pool_b) = pools.dma("disk-b", &opts, 1).unwrap();
+        let (name, mut pools, c) = competing(shared);
+        let (dma_a, pool_a) = pools.dma("disk-a", &competing_opts(shared), 1).unwrap();
+        let (dma_b, pool_b) = pools.dma("disk-b", &competing_opts(shared), 1).unwrap();
         let (pool_a, pool_b) = (pool_a.unwrap(), pool_b.unwrap());
         assert_eq!(Arc::ptr_eq(&pool_a, &pool_b), shared);
-        let (tx, rx) = mpsc::channel();
-        let gated = GateDisk {
-            mem: MemDisk::new(DISK).unwrap(),
-            gate: Mutex::new(rx),
-        };
-        let c = BlockConfig {
-            on_full: opts.on_full,
-            ..cfg(AioMode::Threads, CacheMode::Writeback)
-        };
+        let (gated, tx) = gated_disk();
         let mut a = driver(gated, c.clone(), dma_a, 64);
         let mut b = driver(MemDisk::new(DISK).unwrap(), c, dma_b, 64);
         // Dropped before `a` if an assertion fails: the held read then goes through.
@@ -787,29 +803,12 @@ fn devices_on_one_shared_pool_compete_for_its_slots() {
 #[test]
 fn a_nic_and_a_disk_on_one_shared_pool_compete_for_its_slots() {
     use devices::net::{MemBackend, Net, NetBackend, NetConfig, VnetHeader};
-    use devices::options::BounceOptions;
-    use devices::pools::PoolRegistry;
     const TXQ: u16 = 1;
     for shared in [true, false] {
-        let name = if shared { "shared" } else { "own pools" };
-        let opts: BounceOptions = format!(
-            "slots=128,areas=1,on-full=fail{}",
-            if shared { ",pool=shared" } else { "" }
-        )
-        .parse()
-        .unwrap();
-        let mut pools = PoolRegistry::default();
-        let (dma_disk, _) = pools.dma("disk", &opts, 1).unwrap();
-        let (dma_nic, _) = pools.dma("nic", &opts, 1).unwrap();
-        let (tx, rx) = mpsc::channel();
-        let gated = GateDisk {
-            mem: MemDisk::new(DISK).unwrap(),
-            gate: Mutex::new(rx),
-        };
-        let c = BlockConfig {
-            on_full: opts.on_full,
-            ..cfg(AioMode::Threads, CacheMode::Writeback)
-        };
+        let (name, mut pools, c) = competing(shared);
+        let (dma_disk, _) = pools.dma("disk", &competing_opts(shared), 1).unwrap();
+        let (dma_nic, _) = pools.dma("nic", &competing_opts(shared), 1).unwrap();
+        let (gated, tx) = gated_disk();
         let mut disk = driver(gated, c, dma_disk, 64);
         let be = MemBackend::new().unwrap();
         let boxed: Box<dyn NetBackend> = Box::new(be.clone());

@@ -92,38 +92,51 @@ fn mapped(start: usize, len: usize) -> bool {
         .any(|(a, b)| a <= start && start + len <= b)
 }
 
-#[test]
-fn a_read_the_kernel_never_completes_is_leaked_counted_and_logged_once_at_teardown() {
-    let (ours, _peer) = UnixStream::pair().unwrap();
+/// A block queue on io_uring over a socket whose peer (returned: keep it open) never sends,
+/// with teardown limited to 300 ms, and one 4 KiB read posted that is now in the kernel,
+/// waiting for bytes that never come.
+fn stuck_read() -> (Blk<SocketDisk>, UnixStream, common::Posted) {
+    let (ours, peer) = UnixStream::pair().unwrap();
     let cfg = BlockConfig {
         aio: Some(AioMode::IoUring),
         give_up_after: Duration::from_millis(300),
         ..BlockConfig::default()
     };
     let mut blk = Blk::new(SocketDisk(ours), cfg, Dma::direct(), 0);
-    let metrics = Arc::clone(blk.drv.device.metrics());
     let p = blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 4096, Layout::Simple);
     blk.drv.kick(0).expect("kick");
-    let ram = blk.drv.ram.mem().get_host_address(GuestAddress(0)).unwrap() as usize;
-    let ram_len = RAM as usize;
-    assert!(
-        mapped(ram, ram_len),
-        "guest RAM not found in /proc/self/maps"
-    );
-    // The read is in the kernel, waiting for bytes that never come.
     std::thread::sleep(Duration::from_millis(50));
     assert!(blk.drv.reap(0).is_empty(), "the read completed");
-    assert_eq!(blk.metric("leaked_requests"), 0);
+    (blk, peer, p)
+}
 
+/// Runs `f` with a log subscriber of this thread's own; returns what it logged.
+fn logged(f: impl FnOnce()) -> Captured {
     let log = Captured::default();
     let writer = log.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_writer(move || writer.clone())
         .with_ansi(false)
         .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    log
+}
+
+#[test]
+fn a_read_the_kernel_never_completes_is_leaked_counted_and_logged_once_at_teardown() {
+    let (mut blk, _peer, p) = stuck_read();
+    let metrics = Arc::clone(blk.drv.device.metrics());
+    let ram = blk.drv.ram.mem().get_host_address(GuestAddress(0)).unwrap() as usize;
+    let ram_len = RAM as usize;
+    assert!(
+        mapped(ram, ram_len),
+        "guest RAM not found in /proc/self/maps"
+    );
+    assert_eq!(blk.metric("leaked_requests"), 0);
+
     let (stop, spammer) = interrupt_this_thread();
     let started = Instant::now();
-    tracing::subscriber::with_default(subscriber, || blk.drv.reset());
+    let log = logged(|| blk.drv.reset());
     stop.store(true, Ordering::Relaxed);
     let signals = spammer.join().unwrap();
     eprintln!(
@@ -165,27 +178,10 @@ fn a_read_the_kernel_never_completes_is_leaked_counted_and_logged_once_at_teardo
 /// without progress) instead of waiting for ever.
 #[test]
 fn a_reset_with_a_read_that_never_completes_ends_after_the_time_limit() {
-    let (ours, _peer) = UnixStream::pair().unwrap();
-    let cfg = BlockConfig {
-        aio: Some(AioMode::IoUring),
-        give_up_after: Duration::from_millis(300),
-        ..BlockConfig::default()
-    };
-    let mut blk = Blk::new(SocketDisk(ours), cfg, Dma::direct(), 0);
+    let (mut blk, _peer, _) = stuck_read();
     let metrics = Arc::clone(blk.drv.device.metrics());
-    blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 4096, Layout::Simple);
-    blk.drv.kick(0).expect("kick");
-    std::thread::sleep(Duration::from_millis(50));
-    assert!(blk.drv.reap(0).is_empty(), "the read completed");
-    // Logs captured as in the test above (a subscriber of this thread's own).
-    let log = Captured::default();
-    let writer = log.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
     let started = Instant::now();
-    tracing::subscriber::with_default(subscriber, || blk.drv.reset());
+    let log = logged(|| blk.drv.reset());
     let took = started.elapsed();
     assert_eq!(metrics.leaked_requests.get(), 1);
     assert_eq!(
