@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use bounce::Dma;
 use common::{Blk, Layout, RAM};
 use devices::block::io::AioMode;
-use devices::block::BlockConfig;
-use devices::testing::SocketDisk;
+use devices::block::{BlockConfig, Disk, MemDisk};
+use devices::testing::{GateDisk, SocketDisk};
 use devices::virtio::spec::VIRTIO_BLK_T_IN;
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 
@@ -92,21 +92,26 @@ fn mapped(start: usize, len: usize) -> bool {
         .any(|(a, b)| a <= start && start + len <= b)
 }
 
-/// A block queue on io_uring over a socket whose peer (returned: keep it open) never sends,
-/// with teardown limited to 300 ms, and one 4 KiB read posted that is now in the kernel,
-/// waiting for bytes that never come.
-fn stuck_read() -> (Blk<SocketDisk>, UnixStream, common::Posted) {
-    let (ours, peer) = UnixStream::pair().unwrap();
+/// A block queue on `aio` over `disk`, with teardown limited to 300 ms, and one 4 KiB read
+/// posted that is now with the disk, waiting for bytes that never come.
+fn post_stuck<D: Disk>(disk: D, aio: AioMode) -> (Blk<D>, common::Posted) {
     let cfg = BlockConfig {
-        aio: Some(AioMode::IoUring),
+        aio: Some(aio),
         give_up_after: Duration::from_millis(300),
         ..BlockConfig::default()
     };
-    let mut blk = Blk::new(SocketDisk(ours), cfg, Dma::direct(), 0);
+    let mut blk = Blk::new(disk, cfg, Dma::direct(), 0);
     let p = blk.post(0, VIRTIO_BLK_T_IN, 0, &[], 4096, Layout::Simple);
     blk.drv.kick(0).expect("kick");
     std::thread::sleep(Duration::from_millis(50));
     assert!(blk.drv.reap(0).is_empty(), "the read completed");
+    (blk, p)
+}
+
+/// [`post_stuck`] on io_uring over a socket whose peer (returned: keep it open) never sends.
+fn stuck_read() -> (Blk<SocketDisk>, UnixStream, common::Posted) {
+    let (ours, peer) = UnixStream::pair().unwrap();
+    let (blk, p) = post_stuck(SocketDisk(ours), AioMode::IoUring);
     (blk, peer, p)
 }
 
@@ -173,23 +178,40 @@ fn a_read_the_kernel_never_completes_is_leaked_counted_and_logged_once_at_teardo
     );
 }
 
-/// Teardown is bounded in time: with nothing interrupting it, a reset with a read the kernel
-/// never completes gives the read up after `give_up_after` (and the ring after its own second
-/// without progress) instead of waiting for ever.
+/// Teardown is bounded in time: with nothing interrupting it, a reset with a read that never
+/// completes gives the read up after `give_up_after` (and the engine after its own second
+/// without progress) instead of waiting for ever: on io_uring, and on the thread pool, whose
+/// thread stays blocked in the read, detached.
 #[test]
 fn a_reset_with_a_read_that_never_completes_ends_after_the_time_limit() {
-    let (mut blk, _peer, _) = stuck_read();
+    let (blk, _peer, _) = stuck_read();
+    reset_ends_after_the_limit(blk, "io_uring");
+    // The gate's sender is kept for good: the read stays blocked in its thread.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::mem::forget(tx);
+    let gated = GateDisk {
+        mem: MemDisk::new(16 << 20).unwrap(),
+        gate: Mutex::new(rx),
+    };
+    let (blk, _) = post_stuck(gated, AioMode::Threads);
+    reset_ends_after_the_limit(blk, "threads");
+}
+
+/// Resets `blk`, whose one read never completes: it ends after the limit with the read given
+/// up, counted and logged once.
+fn reset_ends_after_the_limit<D: Disk>(mut blk: Blk<D>, what: &str) {
     let metrics = Arc::clone(blk.drv.device.metrics());
     let started = Instant::now();
     let log = logged(|| blk.drv.reset());
     let took = started.elapsed();
-    assert_eq!(metrics.leaked_requests.get(), 1);
+    assert_eq!(metrics.leaked_requests.get(), 1, "{what}");
     assert_eq!(
         log.lines_with("requests still pending at reset; their memory is kept (leaked)"),
-        1
+        1,
+        "{what}"
     );
     assert!(
         took >= Duration::from_millis(300) && took < Duration::from_secs(10),
-        "the reset took {took:?}"
+        "{what}: the reset took {took:?}"
     );
 }

@@ -12,6 +12,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -47,6 +48,9 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
+
+/// How long the engine's drop waits for threads whose ops make no progress.
+const DROP_IDLE: Duration = Duration::from_secs(1);
 
 /// A thread-pool engine.
 #[derive(Debug)]
@@ -206,12 +210,39 @@ impl<D: Disk> IoEngine for ThreadEngine<D> {
 impl<D: Disk> Drop for ThreadEngine<D> {
     fn drop(&mut self) {
         // Queued ops still run (their buffers are the submitter's until completion), then the
-        // threads see the shutdown and exit.
+        // threads see the shutdown and exit. A thread whose op stays in the host (a disk that
+        // never answers) is left running, detached, once no op has finished for DROP_IDLE:
+        // the submitter gave that op's memory up (kept it) before dropping the engine.
         self.kick();
-        self.shared.lock().shutdown = true;
+        let mut st = self.shared.lock();
+        st.shutdown = true;
         self.shared.work.notify_all();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
+        let mut progress = Instant::now();
+        loop {
+            // A finished thread's handle is dropped: it has exited, nothing is left to join.
+            self.threads.retain(|t| !t.is_finished());
+            if self.threads.is_empty() || progress.elapsed() >= DROP_IDLE {
+                break;
+            }
+            let before = st.done.len();
+            // Exits are not signalled: look again every few milliseconds.
+            st = self
+                .shared
+                .finished
+                .wait_timeout(st, Duration::from_millis(5))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            if st.done.len() != before {
+                progress = Instant::now();
+            }
+        }
+        drop(st);
+        if !self.threads.is_empty() {
+            tracing::error!(
+                "virtio-blk: {} I/O threads still in the host when the engine closed; left running",
+                self.threads.len()
+            );
+            self.threads.clear();
         }
     }
 }
