@@ -22,6 +22,7 @@
 //! vhost-user vring error fd, on [`Outcome::Broken`]).
 
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemory;
@@ -206,11 +207,30 @@ impl<M: GuestMemory> Dispatcher<M> {
     }
 
     fn break_with(&mut self, why: String) -> Outcome {
-        tracing::error!(queues = ?self.indexes, "device worker broken, parked until reset: {why}");
+        // A guest or front end can break a worker, reset the device and break it again at
+        // will: the first breaks of the process are errors, later ones debug lines (the
+        // transports count every one).
+        let n = BREAKS_SEEN.fetch_add(1, Ordering::Relaxed);
+        if n < BREAKS_LOGGED {
+            tracing::error!(queues = ?self.indexes, "device worker broken, parked until reset: {why}");
+            if n + 1 == BREAKS_LOGGED {
+                tracing::error!(
+                    "{BREAKS_LOGGED} device workers broken in this process: later ones are logged at debug level"
+                );
+            }
+        } else {
+            tracing::debug!(queues = ?self.indexes, "device worker broken, parked until reset: {why}");
+        }
         self.broken = Some(why.clone());
         Outcome::Broken(why)
     }
 }
+
+/// Broken workers logged as errors per process; the rest go to the debug level.
+const BREAKS_LOGGED: u64 = 16;
+
+/// Workers broken in this process so far.
+static BREAKS_SEEN: AtomicU64 = AtomicU64::new(0);
 
 #[cfg(test)]
 mod tests {
@@ -335,5 +355,44 @@ mod tests {
             d.dispatch(WorkerEvent::Kick(0), ram.mem(), &mut [], true),
             Outcome::Broken(_)
         ));
+    }
+
+    #[test]
+    fn workers_broken_again_and_again_are_not_logged_every_time() {
+        /// Appends what it is given to the test's log.
+        struct Sink(&'static std::sync::Mutex<Vec<u8>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                crate::metrics::lock(self.0).extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        // The log of this thread, in memory for the life of the test process.
+        let buf: &'static std::sync::Mutex<Vec<u8>> = Box::leak(Box::default());
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || Sink(buf))
+            .with_ansi(false)
+            .with_max_level(tracing::Level::ERROR)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            for _ in 0..40 {
+                let (ram, mut q, mut d, _) = setup();
+                let out = d.dispatch(WorkerEvent::Fd(9), ram.mem(), &mut [&mut q], true);
+                assert!(matches!(out, Outcome::Broken(_)), "{out:?}");
+            }
+        });
+        let text = String::from_utf8_lossy(&crate::metrics::lock(buf)).into_owned();
+        let lines = text
+            .lines()
+            .filter(|l| l.contains("device worker broken"))
+            .count();
+        // Other tests of this process may have used some of the logged breaks already.
+        assert!(
+            lines <= 16,
+            "{lines} error lines for 40 broken workers:\n{text}"
+        );
     }
 }

@@ -173,7 +173,8 @@ fn run(mut s: ThreadState, epoll: Epoll) {
                     }
                 }
                 Outcome::Broken(why) => {
-                    tracing::error!(device = %s.name, %why, "device broken: DEVICE_NEEDS_RESET");
+                    // The dispatcher logged why (a bounded number of times per process).
+                    tracing::debug!(device = %s.name, %why, "device broken: DEVICE_NEEDS_RESET");
                     s.needs_reset.store(true, Ordering::SeqCst);
                     s.irq.signal_config();
                     return;
