@@ -25,7 +25,8 @@ use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
 use vhost_support::inproc::{start_server_with_stats, stats, wait_stats};
 use vhost_support::{
-    blk_request_on, blk_status, blk_status_on, wait_used, Driver, BLK_DATA, MEM_SIZE,
+    blk_request_on, blk_status, blk_status_on, post_zeroed_reads, wait_used, Driver, BLK_DATA,
+    MEM_SIZE,
 };
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{Bytes, GuestAddress, VolatileSlice};
@@ -180,20 +181,7 @@ fn a_region_removed_with_reads_in_flight_stays_mapped_until_they_complete() {
         assert_eq!(mappings_of(&memfd), 3, "{what}");
         let sector = |slot: u16| u64::from(slot) * 8;
         let buf = |slot: u16| BLK_DATA + u64::from(slot) * 4096;
-        for slot in 0..READS {
-            d.mem
-                .write_slice(&[0u8; 4096], GuestAddress(buf(slot)))
-                .unwrap();
-            blk_request_on(
-                &mut d,
-                0,
-                slot,
-                VIRTIO_BLK_T_IN,
-                sector(slot),
-                buf(slot),
-                4096,
-            );
-        }
+        post_zeroed_reads(&mut d, 0, 0..READS, sector, buf, 4096);
         // Every read popped and held in the disk (the thread pool runs up to 16 at once): a
         // read popped after the removal would find its buffer outside memory.
         gate.wait_arrived(usize::from(READS));

@@ -35,8 +35,8 @@ use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::child::Server;
 use vhost_support::{
     assert_blk_served, blk_request, blk_request_on, blk_status, data_addr, full_eventfd,
-    mem_table_body, refused, Driver, NotEventFd, BATCH, BLK_DATA, BLK_HDRS, BLK_STATUS, MEM_SIZE,
-    QSIZE,
+    mem_table_body, post_zeroed_reads, refused, Driver, NotEventFd, BATCH, BLK_DATA, BLK_HDRS,
+    BLK_STATUS, MEM_SIZE, QSIZE,
 };
 use vm_memory::{Bytes, GuestAddress};
 
@@ -734,20 +734,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 wait_disconnected(&server, &what);
                 let mut d = negotiated(&server);
                 start_queue_0(&mut d);
-                for slot in 0..BATCH {
-                    d.mem
-                        .write_slice(&vec![0u8; LARGE as usize], GuestAddress(buf(slot)))
-                        .unwrap();
-                    blk_request_on(
-                        &mut d,
-                        0,
-                        slot,
-                        VIRTIO_BLK_T_IN,
-                        sector(slot),
-                        buf(slot),
-                        LARGE,
-                    );
-                }
+                post_zeroed_reads(&mut d, 0, 0..BATCH, sector, buf, LARGE);
                 let base = d.stop_ring(0);
                 let mut used = 0;
                 while let Some((id, len)) = d.next_used(0) {

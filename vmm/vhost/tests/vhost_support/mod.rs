@@ -620,6 +620,23 @@ pub fn blk_request_on(
     )
 }
 
+/// Posts a read of `len` bytes at `sector(slot)` into a zeroed buffer at `buf(slot)`, in each
+/// request slot of `slots` on queue `q` (a read that leaves its buffer alone shows).
+pub fn post_zeroed_reads(
+    d: &mut Driver,
+    q: usize,
+    slots: std::ops::Range<u16>,
+    sector: impl Fn(u16) -> u64,
+    buf: impl Fn(u16) -> u64,
+    len: u32,
+) {
+    let zeroes = vec![0u8; len as usize];
+    for slot in slots {
+        d.mem.write_slice(&zeroes, GuestAddress(buf(slot))).unwrap();
+        blk_request_on(d, q, slot, VIRTIO_BLK_T_IN, sector(slot), buf(slot), len);
+    }
+}
+
 /// The status byte of request slot `slot` of queue `q`.
 pub fn blk_status_on(d: &Driver, q: usize, slot: u16) -> u8 {
     d.mem
