@@ -44,6 +44,10 @@ __all__ = ["Missing", "skip_if_missing", "record_figures", "num", "require_root"
 L1_IP = "192.168.100.1"          # tap0 inside L1 (L1's own isolated network)
 L2_IP = "192.168.100.2"
 DEFAULT_TIMEOUT = float(os.environ.get("BVM_RIG2_TIMEOUT", "600"))  # whole L1 run, host side
+# L1's console silent this long: the host records L1's state (NAME.l1.hang), then ends the run.
+HANG_DUMP_S = float(os.environ.get("BVM_RIG2_HANG_DUMP_S", "240"))
+HANG_END_S = float(os.environ.get("BVM_RIG2_HANG_END_S", "300"))
+HANG_GAP_S = 20.0
 L1_MEM = "2G"
 # One vCPU: QEMU 7.2's multi-threaded TCG corrupts guest state now and then when two emulated
 # CPUs run nested SVM at the same time (README "L1 has one vCPU"); BVM_RIG2_L1_SMP=2 for two.
@@ -339,6 +343,10 @@ class L1Run:
     retried: list["L1Run"] = field(default_factory=list)
     # The host ends the VM (an --at action: QMP quit, a signal): L2 never prints BVM-DONE.
     host_ends_vm: bool = False
+    # The host ended L1 after its console was silent this many seconds (L1 stopped); what L1's
+    # emulated CPU and QEMU's threads were doing then is in hang_path.
+    hung_s: int | None = None
+    hang_path: Path | None = None
 
     # ---- L1 facts
     def l1_event(self, kind: str) -> dict:
@@ -385,6 +393,9 @@ class L1Run:
             return "no /dev/kvm in L1 (kvm-amd did not load)"
         if self.l1_event("share").get("ok") != "1":
             return "9p share not mounted in L1"
+        if self.timed_out and self.hung_s is not None:
+            return (f"L1 stopped: its console was silent for {self.hung_s} s, heartbeat included "
+                    f"(host side; L1's CPU state: {self.hang_path})")
         if self.timed_out:
             quiet = self.l1.get("quiet", [])
             if quiet:
@@ -417,6 +428,8 @@ class L1Run:
         stalled, timed out, its QEMU exited) after the VMM started."""
         if self.l2_crash:
             return f"L2 kernel crash: {self.l2_crash}"
+        if self.hung_s is not None:  # L1 stopped: what L2 and the VMM did not finish follows
+            return f"L1 failed after the VMM started: {self.l1_failure}"
         if any(r.get("reason") == "guest-timeout" for r in self.results):
             return "the L2 watchdog fired (reason=guest-timeout)"
         if self.host_ends_vm:
@@ -634,6 +647,8 @@ class L1:
         # QEMU's human monitor of L1, for a look at a hung L1 from the host (`info registers`:
         # HLT and IF; `info lapic`: pending vectors), e.g. with rig2.monitor(PATH, "info lapic").
         self.monitor_path = out_path(name, ".l1.mon")
+        self.hang_path: Path | None = None   # NAME.l1.hang, written when L1 went silent
+        self.hung_s: int | None = None       # the silence (s) after which the host ended L1
         self._attempt = 0
 
     def kernel_cmdline(self) -> str:
@@ -673,9 +688,11 @@ class L1:
     def _once(self) -> L1Run:
         if self._attempt:
             self.log_path = out_path(f"{self.name}.retry{self._attempt}", ".l1.log")
+        self.hang_path, self.hung_s = None, None
         argv = self.argv()
         times: dict[str, float] = {}
         t0 = time.monotonic()
+        last_line = [t0]
         with open(self.log_path, "wb") as logf:
             logf.write(("# " + shlex.join(argv) + "\n").encode())
             logf.flush()
@@ -688,6 +705,7 @@ class L1:
                          ("l2_init", "BVM-BOOT"), ("l2_done", "BVM-DONE"),
                          ("vmm_end", "BVM-L1 vmm rc="), ("l1_done", "BVM-L1 done")]
                 for raw in iter(proc.stdout.readline, b""):
+                    last_line[0] = time.monotonic()
                     logf.write(raw)
                     logf.flush()
                     s = raw.decode("utf-8", "replace")
@@ -697,11 +715,7 @@ class L1:
 
             th = threading.Thread(target=reader, daemon=True)
             th.start()
-            timed_out = False
-            try:
-                proc.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            timed_out = self._wait(proc, t0, last_line)
             _kill_group(proc)
             th.join(timeout=10)
         wall = time.monotonic() - t0
@@ -715,7 +729,33 @@ class L1:
             l2_log = "\n".join(m.group(2) for m in (_L2_LINE.match(_strip(x)) for x in log.splitlines()) if m)
         l2 = parse_log(l2_log) if l2_log else l2_fwd
         return L1Run(self.name, argv, self.log_path, log, l2_log, self.share.dir, proc.returncode,
-                     timed_out, wall, times, l1, l2, l2_times)
+                     timed_out, wall, times, l1, l2, l2_times, hung_s=self.hung_s,
+                     hang_path=self.hang_path)
+
+    def _wait(self, proc: subprocess.Popen, t0: float, last_line: list[float]) -> bool:
+        """Waits for L1's QEMU to exit; True when the host had to end it: at the run's timeout,
+        or once L1's console has been silent for HANG_END_S. While L2 runs, l1-vmm prints a
+        `BVM-L1 quiet` line at least every ~2 minutes, so a longer silence means L1 itself
+        stopped: at HANG_DUMP_S of silence the host records the emulated CPU's state through
+        QEMU's monitor and the host threads of QEMU (NAME.l1.hang), twice, HANG_GAP_S apart."""
+        dumped = False
+        while True:
+            try:
+                proc.wait(timeout=5)
+                return False
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            silent = now - last_line[0]
+            if now - t0 >= self.timeout:
+                return True
+            if not dumped and silent >= HANG_DUMP_S:
+                dumped = True
+                self.hang_path = self.log_path.with_suffix("").with_suffix(".l1.hang")
+                hang_dump(self.hang_path, proc.pid, self.monitor_path, silent)
+            if silent >= HANG_END_S:
+                self.hung_s = round(silent)
+                return True
 
     def run(self, boot_retries: int = 1) -> L1Run:
         """Boots L1 again (up to boot_retries times) when L1 failed before the VMM under test
@@ -729,6 +769,43 @@ class L1:
                 return run
             failed.append(run)
             self._attempt += 1
+
+
+def _host_threads(pid: int) -> str:
+    """Each host thread of process `pid`: TID, name, state, CPU ticks, wait channel, syscall."""
+    rows = []
+    for t in sorted(Path(f"/proc/{pid}/task").glob("*"), key=lambda p: int(p.name)):
+        def rd(name: str) -> str:
+            try:
+                return (t / name).read_text(errors="replace").strip()
+            except OSError:
+                return "?"
+        stat = rd("stat")
+        fields = stat.rsplit(")", 1)[-1].split()
+        state, ticks = (fields[0], int(fields[11]) + int(fields[12])) if len(fields) > 12 else ("?", -1)
+        rows.append(f"{t.name} {rd('comm')} state={state} ticks={ticks} wchan={rd('wchan')} "
+                    f"syscall={rd('syscall').split(' ')[0]}")
+    return "\n".join(rows)
+
+
+def hang_dump(path: Path, pid: int, monitor_path: Path, silent_s: float) -> None:
+    """Writes what a silent L1 was doing to `path`: QEMU's view of the emulated CPU (registers,
+    local APIC, interrupt controller, status) and the host threads of QEMU, twice HANG_GAP_S
+    apart so that a CPU still executing (RIP and the tick counts move) can be told from one
+    stopped."""
+    cmds = ("info status", "info cpus", "info registers", "info lapic", "info pic", "info irq")
+    with open(path, "w") as f:
+        for i in range(2):
+            if i:
+                time.sleep(HANG_GAP_S)
+            f.write(f"=== sample {i + 1}: console silent {silent_s + HANG_GAP_S * i:.0f} s, "
+                    f"host load {os.getloadavg()}\n--- host threads of QEMU (pid {pid})\n")
+            f.write(_host_threads(pid) + "\n--- QEMU monitor\n")
+            try:
+                f.write(monitor(monitor_path, *cmds, wait=3.0) + "\n")
+            except OSError as e:
+                f.write(f"monitor unavailable: {e}\n")
+            f.flush()
 
 
 def monitor(path: os.PathLike | str, *commands: str, wait: float = 2.0) -> str:

@@ -278,3 +278,46 @@ def test_l1_monitor_socket_answers(tmp_path, monkeypatch):
     srv.close()
     assert got == [b"info registers\n"]
     assert "HLT=1" in out
+
+
+def test_a_silent_l1_is_recorded_and_ended(tmp_path, monkeypatch):
+    """L1's console silent past HANG_DUMP_S: its state is written to NAME.l1.hang (QEMU's host
+    threads; the monitor's answer or why there is none), and past HANG_END_S the host ends the
+    run and says L1 stopped, well before the run's timeout."""
+    import subprocess
+    import sys
+    import time
+    monkeypatch.setattr(rig2, "HANG_DUMP_S", 1.0)
+    monkeypatch.setattr(rig2, "HANG_END_S", 3.0)
+    monkeypatch.setattr(rig2, "HANG_GAP_S", 0.1)
+    l1 = rig2.L1("hang", rig2.Share("hang"), cmd="/host/run-l2.sh", timeout=60)
+    l1.monitor_path = tmp_path / "absent.mon"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    t0 = time.monotonic()
+    try:
+        assert l1._wait(proc, t0, [t0]) is True
+    finally:
+        proc.kill()
+        proc.wait()
+    assert time.monotonic() - t0 < 30
+    assert l1.hung_s is not None and l1.hung_s >= 3
+    dump = l1.hang_path.read_text()
+    assert dump.count("=== sample") == 2
+    assert f"host threads of QEMU (pid {proc.pid})" in dump and "state=" in dump
+    assert "monitor unavailable" in dump
+    r = rig2.L1Run("hang", [], l1.log_path, SAMPLE.split("L2 83.97|")[0], "", l1.share.dir,
+                   None, True, 5.0, {}, *rig2.parse_l1(SAMPLE.split("L2 83.97|")[0]),
+                   hung_s=l1.hung_s, hang_path=l1.hang_path)
+    assert r.l1_failure.startswith(f"L1 stopped: its console was silent for {l1.hung_s} s")
+    assert "L1 failed after the VMM started: L1 stopped" in r.unclean_end
+
+
+def test_a_quick_l1_is_not_a_hang(tmp_path):
+    import subprocess
+    import sys
+    import time
+    l1 = rig2.L1("quick", rig2.Share("quick"), cmd="/host/run-l2.sh", timeout=60)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    t0 = time.monotonic()
+    assert l1._wait(proc, t0, [t0]) is False
+    assert l1.hung_s is None and l1.hang_path is None
