@@ -30,6 +30,7 @@
 #   BVM_DYN_SRC_PKG   the source package (default linux-source-6.12)
 #   BVM_DYN_JOBS      make -j (default 2); the build runs under nice -n 10
 #   BVM_FORCE=1       rebuild even when the stamp matches
+# Concurrent runs are serialised (flock on images/cache/dynkernel.lock).
 # Runs from any cwd; needs root the first time (apt-get).
 set -euo pipefail
 
@@ -43,6 +44,11 @@ HOST_PKGS=(build-essential bc flex bison libelf-dev xz-utils)
 NAME=build-dynamic-kernel.sh
 # shellcheck source=images/lib.sh
 source "$HERE/lib.sh"
+# One build at a time: a second caller (the capture test while tests/run's background build
+# still runs) waits here, then finds the kernel up to date.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/dynkernel.lock"
+flock 9
 install_host_pkgs "${HOST_PKGS[@]}"
 
 SRC_PKG="${BVM_DYN_SRC_PKG:-linux-source-6.12}"
