@@ -572,6 +572,17 @@ fn ioeventfd_catches_a_doorbell_without_an_exit() {
     );
 }
 
+/// The guest of the ACPI tests: the legacy RSDP scan and S5 power-off; debug exit 2 after
+/// the power-off writes, 1 on any failure.
+fn acpi_poweroff_guest() -> Asm {
+    let mut a = Asm::new();
+    let fail = a.acpi_poweroff(false);
+    // Not reached when the power-off works (the first exit request wins anyway).
+    a.debug_exit(2);
+    a.patch_rel32_here(&fail).debug_exit(1);
+    a
+}
+
 /// The guest finds "RSD PTR " in 0xE0000-0xFFFFF, follows RSDP -> XSDT -> FACP, reads
 /// PM1a_CNT_BLK from the FADT and writes SLP_TYP=5|SLP_EN to it: the VM ends with the
 /// power-off reason and status 0.
@@ -582,12 +593,7 @@ fn acpi_s5_from_the_fadt_powers_off() {
     };
     m.add_acpi().expect("ACPI");
     assert_eq!(m.acpi_rsdp(), Some(0xe0000));
-    let mut a = Asm::new();
-    let fail = a.acpi_poweroff(false);
-    // Not reached when the power-off works (the first exit request wins anyway).
-    a.debug_exit(2);
-    a.patch_rel32_here(&fail).debug_exit(1);
-    let (exit, took) = run_flat32(m, &a);
+    let (exit, took) = run_flat32(m, &acpi_poweroff_guest());
     assert_eq!(exit.reason, ExitReason::PowerOff);
     assert_eq!(exit.reason.exit_code(), 0);
     eprintln!("ACPI power-off guest: {took:?}");
@@ -599,11 +605,7 @@ fn without_acpi_the_guest_finds_no_rsdp() {
     let Some(m) = kvm_machine(1) else {
         return;
     };
-    let mut a = Asm::new();
-    let fail = a.acpi_poweroff(false);
-    a.debug_exit(2);
-    a.patch_rel32_here(&fail).debug_exit(1);
-    let (exit, _) = run_flat32(m, &a);
+    let (exit, _) = run_flat32(m, &acpi_poweroff_guest());
     assert_eq!(exit.reason, ExitReason::DebugExit { value: 1 });
 }
 
