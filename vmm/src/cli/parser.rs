@@ -597,6 +597,7 @@ impl Parser {
                 )));
             }
             match d {
+                // One claim_backend call per backend kind; the defaults set afterwards differ.
                 DeviceSpec::Blk(b) => {
                     let defined = cfg.drives.iter().any(|x| x.id == b.drive);
                     claim_backend(
