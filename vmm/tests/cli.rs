@@ -374,6 +374,17 @@ fn final_statistics_list_a_shared_pool_once() {
     assert!(devices[2]["stats"]["dma"]["maps"].is_u64(), "{last}");
 }
 
+/// `kernel` at `name`.elf and a zeroed 1 MiB disk at `name`.img, or `None` (the skip recorded)
+/// when this machine cannot run KVM guests.
+fn kvm_kernel_and_disk(name: &str, kernel: &[u8]) -> Option<(Tmp, Tmp)> {
+    kvm_available().then(|| {
+        (
+            tmp(&format!("{name}.elf"), kernel),
+            tmp(&format!("{name}.img"), &vec![0u8; 1 << 20]),
+        )
+    })
+}
+
 /// A PVH kernel that prints `ok` on COM1 and then either resets through the i8042 or halts
 /// forever with interrupts off.
 fn stand_in_kernel(reset: bool) -> Vec<u8> {
@@ -388,11 +399,9 @@ fn stand_in_kernel(reset: bool) -> Vec<u8> {
 
 #[test]
 fn stand_in_kernel_prints_and_resets_with_status_zero() {
-    if !kvm_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("reset", &stand_in_kernel(true)) else {
         return;
-    }
-    let k = tmp("reset.elf", &stand_in_kernel(true));
-    let d = tmp("disk.img", &vec![0u8; 1 << 20]);
+    };
     let t = Instant::now();
     let out = run(&[
         "-m",
@@ -421,11 +430,9 @@ fn stand_in_kernel_prints_and_resets_with_status_zero() {
 /// The usual QEMU direct-boot line runs unchanged.
 #[test]
 fn a_usual_qemu_command_line_boots() {
-    if !kvm_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("usual", &stand_in_kernel(true)) else {
         return;
-    }
-    let k = tmp("usual.elf", &stand_in_kernel(true));
-    let d = tmp("usual.img", &vec![0u8; 1 << 20]);
+    };
     let out = run(&[
         "-machine",
         "q35,accel=kvm",
@@ -483,11 +490,9 @@ fn run_logged(args: &[&str]) -> Output {
 
 #[test]
 fn guest_acpi_poweroff_ends_bouncevm_with_status_zero() {
-    if !kvm_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("acpi", &acpi_poweroff_kernel()) else {
         return;
-    }
-    let k = tmp("acpi.elf", &acpi_poweroff_kernel());
-    let d = tmp("acpi-disk.img", &vec![0u8; 1 << 20]);
+    };
     let drive = format!("file={},format=raw,if=virtio", d.0.display());
     let args = [
         "-m",
@@ -758,11 +763,12 @@ fn assert_error_answers(v: &serde_json::Value) {
 
 #[test]
 fn qmp_monitor_answers_a_python_client_and_powers_down() {
-    if !kvm_available() || !python3_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("qmp", &power_button_kernel()) else {
+        return;
+    };
+    if !python3_available() {
         return;
     }
-    let k = tmp("btn.elf", &power_button_kernel());
-    let d = tmp("qmp.img", &vec![0u8; 1 << 20]);
     let sock = qmp_sock("full");
     let vm = spawn_vm(&k, &d, &sock, &[]);
     let v = python_client(&sock, &["full"]);
@@ -810,11 +816,12 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
 /// SIGTERM: status 0 and a `host-signal` SHUTDOWN event; `x-exit-now`: `host-qmp-quit`.
 #[test]
 fn sigterm_and_x_exit_now_end_the_vm_with_qemus_causes() {
-    if !kvm_available() || !python3_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("sig", &stand_in_kernel(false)) else {
+        return;
+    };
+    if !python3_available() {
         return;
     }
-    let k = tmp("hlt2.elf", &stand_in_kernel(false));
-    let d = tmp("sig.img", &vec![0u8; 1 << 20]);
     for (mode, cause) in [("signal", "host-signal"), ("exit-now", "host-qmp-quit")] {
         let sock = qmp_sock(mode);
         let vm = spawn_vm(&k, &d, &sock, &[]);
@@ -841,12 +848,10 @@ fn sigterm_and_x_exit_now_end_the_vm_with_qemus_causes() {
 /// client that connects and sends nothing does not delay the exit on SIGTERM.
 #[test]
 fn qmp_socket_is_private_kept_while_live_and_a_silent_client_does_not_block_exit() {
-    if !kvm_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("silent", &stand_in_kernel(false)) else {
         return;
-    }
+    };
     use std::os::unix::fs::PermissionsExt;
-    let k = tmp("hlt3.elf", &stand_in_kernel(false));
-    let d = tmp("silent.img", &vec![0u8; 1 << 20]);
     let sock = qmp_sock("silent");
     let vm = spawn_vm(&k, &d, &sock, &[]);
     let deadline = Instant::now() + Duration::from_secs(20);
