@@ -559,6 +559,7 @@ impl Parser {
     }
 
     fn name(&mut self, flag: &str, arg: &str) -> Result<()> {
+        // Not props_with_implied_key: an empty `-name ""` still names the guest "".
         let mut items = split_props(arg);
         if items.first().is_some_and(|i| !i.contains('=')) {
             items[0] = format!("guest={}", items[0]);
