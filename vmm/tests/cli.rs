@@ -28,11 +28,23 @@ fn tmp(name: &str, bytes: &[u8]) -> Tmp {
 }
 
 fn run(args: &[&str]) -> Output {
+    run_with_env(args, &[])
+}
+
+fn run_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(BIN)
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .output()
         .expect("run bouncevm")
+}
+
+/// The stand-in kernel's run: it printed `ok` and bouncevm ended with status 0.
+fn assert_printed_ok_and_exited_zero(out: &Output) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
 }
 
 fn one_line_error(args: &[&str], needle: &str) {
@@ -47,48 +59,52 @@ fn one_line_error(args: &[&str], needle: &str) {
     );
 }
 
+/// [`one_line_error`] for `-kernel KERNEL` followed by `args`.
+fn refused_with_kernel(kernel: &Tmp, args: &[&str], needle: &str) {
+    one_line_error(
+        &[&["-kernel", kernel.0.to_str().unwrap()], args].concat(),
+        needle,
+    );
+}
+
 #[test]
 fn unsupported_flags_and_properties_are_rejected_by_name() {
     let k = tmp("k", b"x");
-    let k = k.0.to_str().unwrap();
     one_line_error(&["-foo"], "unsupported option -foo");
     // Usual QEMU flags with a meaning bouncevm does not have: refused naming the one
     // flag or property that differs.
-    one_line_error(&["-kernel", k, "-machine", "pc"], "type of -machine");
-    one_line_error(&["-kernel", k, "-M", "q35,smm=on"], "smm of -M");
-    one_line_error(&["-kernel", k, "-display", "gtk"], "-display");
-    one_line_error(&["-kernel", k, "-vga", "std"], "-vga");
-    one_line_error(&["-kernel", k, "-monitor", "stdio"], "-monitor");
-    one_line_error(&["-kernel", k, "-cpu", "qemu64"], "-cpu");
-    one_line_error(
-        &["-kernel", k, "-cpu", "host,-x2apic"],
+    refused_with_kernel(&k, &["-machine", "pc"], "type of -machine");
+    refused_with_kernel(&k, &["-M", "q35,smm=on"], "smm of -M");
+    refused_with_kernel(&k, &["-display", "gtk"], "-display");
+    refused_with_kernel(&k, &["-vga", "std"], "-vga");
+    refused_with_kernel(&k, &["-monitor", "stdio"], "-monitor");
+    refused_with_kernel(&k, &["-cpu", "qemu64"], "-cpu");
+    refused_with_kernel(
+        &k,
+        &["-cpu", "host,-x2apic"],
         "unsupported property '-x2apic' of -cpu host",
     );
-    one_line_error(&["-kernel", k, "-smp", "255"], "1..=254");
-    one_line_error(
-        &["-kernel", k, "-smp", "4,sockets=2,cores=2"],
-        "sockets of -smp",
-    );
-    one_line_error(&["-kernel", k, "-smp", "2,threads=2"], "threads of -smp");
-    one_line_error(
-        &["-kernel", k, "-accel", "kvm,dirty-ring-size=4096"],
+    refused_with_kernel(&k, &["-smp", "255"], "1..=254");
+    refused_with_kernel(&k, &["-smp", "4,sockets=2,cores=2"], "sockets of -smp");
+    refused_with_kernel(&k, &["-smp", "2,threads=2"], "threads of -smp");
+    refused_with_kernel(
+        &k,
+        &["-accel", "kvm,dirty-ring-size=4096"],
         "'dirty-ring-size' of -accel kvm",
     );
-    one_line_error(&["-kernel", k, "-serial", "pty"], "-serial");
-    one_line_error(&["-kernel", k, "-accel", "tcg"], "-accel");
-    one_line_error(&["-kernel", k, "-qmp", "tcp:localhost:4444,server"], "-qmp");
-    one_line_error(
-        &["-kernel", k, "-qmp", "unix:/tmp/x,server,telnet"],
+    refused_with_kernel(&k, &["-serial", "pty"], "-serial");
+    refused_with_kernel(&k, &["-accel", "tcg"], "-accel");
+    refused_with_kernel(&k, &["-qmp", "tcp:localhost:4444,server"], "-qmp");
+    refused_with_kernel(
+        &k,
+        &["-qmp", "unix:/tmp/x,server,telnet"],
         "'telnet' of -qmp",
     );
-    one_line_error(&["-kernel", k, "--socket-mode", "0999"], "-socket-mode");
-    one_line_error(&["-kernel", k, "-bounce", "policy=sometimes"], "-bounce");
-    one_line_error(
-        &["-kernel", k, "-bounce", "id=nodev,policy=force"],
-        "id=nodev",
-    );
-    one_line_error(&["-kernel", k, "-m", "lots"], "-m");
-    one_line_error(&["-kernel", k, "-smp", "0"], "-smp");
+    refused_with_kernel(&k, &["--socket-mode", "0999"], "-socket-mode");
+    refused_with_kernel(&k, &["-bounce", "policy=sometimes"], "-bounce");
+    refused_with_kernel(&k, &["-bounce", "id=nodev,policy=force"], "id=nodev");
+    refused_with_kernel(&k, &["-m", "lots"], "-m");
+    refused_with_kernel(&k, &["-smp", "0"], "-smp");
     one_line_error(&["-kernel"], "option -kernel requires an argument");
     one_line_error(&["-m", "64M"], "-kernel");
 }
@@ -97,50 +113,43 @@ fn unsupported_flags_and_properties_are_rejected_by_name() {
 fn unsupported_drive_device_and_netdev_properties_are_rejected_by_name() {
     let k = tmp("k-dev", b"x");
     let d = tmp("d-dev.img", &[0u8; 4096]);
-    let k = k.0.to_str().unwrap();
-    let file = format!("file={}", d.0.display());
-    one_line_error(
-        &["-kernel", k, "-drive", &format!("{file},snapshot=on")],
+    let drive = |props: &str| format!("file={},{props}", d.0.display());
+    refused_with_kernel(
+        &k,
+        &["-drive", &drive("snapshot=on")],
         "unsupported property 'snapshot' of -drive",
     );
-    one_line_error(
-        &["-kernel", k, "-drive", &format!("{file},cache=off")],
+    refused_with_kernel(
+        &k,
+        &["-drive", &drive("cache=off")],
         "unknown cache mode 'off'",
     );
-    one_line_error(
-        &["-kernel", k, "-drive", &format!("{file},if=ide")],
-        "if of -drive",
-    );
-    one_line_error(
-        &["-kernel", k, "-drive", &format!("{file},format=vmdk")],
-        "format of -drive",
-    );
-    one_line_error(
+    refused_with_kernel(&k, &["-drive", &drive("if=ide")], "if of -drive");
+    refused_with_kernel(&k, &["-drive", &drive("format=vmdk")], "format of -drive");
+    let d0 = drive("if=none,id=d0");
+    refused_with_kernel(
+        &k,
         &[
-            "-kernel",
-            k,
             "-drive",
-            &format!("{file},if=none,id=d0"),
+            &d0,
             "-device",
             "virtio-blk-pci,drive=d0,discard_granularity=4096",
         ],
         "unsupported property 'discard_granularity' of -device virtio-blk-pci",
     );
-    one_line_error(
+    refused_with_kernel(
+        &k,
         &[
-            "-kernel",
-            k,
             "-drive",
-            &format!("{file},if=none,id=d0"),
+            &d0,
             "-device",
             "virtio-blk-pci,drive=d0,disable-legacy=off",
         ],
         "disable-legacy of -device virtio-blk-pci",
     );
-    one_line_error(
+    refused_with_kernel(
+        &k,
         &[
-            "-kernel",
-            k,
             "-netdev",
             "tap,id=n0,ifname=t0",
             "-device",
@@ -148,19 +157,14 @@ fn unsupported_drive_device_and_netdev_properties_are_rejected_by_name() {
         ],
         "unsupported property 'romfile' of -device virtio-net-pci",
     );
-    one_line_error(
-        &[
-            "-kernel",
-            k,
-            "-netdev",
-            "tap,id=n0,ifname=t0,script=/etc/qemu-ifup",
-        ],
+    refused_with_kernel(
+        &k,
+        &["-netdev", "tap,id=n0,ifname=t0,script=/etc/qemu-ifup"],
         "script of -netdev tap",
     );
-    one_line_error(
+    refused_with_kernel(
+        &k,
         &[
-            "-kernel",
-            k,
             "-netdev",
             "tap,id=n0",
             "-device",
@@ -170,14 +174,12 @@ fn unsupported_drive_device_and_netdev_properties_are_rejected_by_name() {
         ],
         "netdev 'n0' is used by more than one device",
     );
-    one_line_error(
-        &["-kernel", k, "-nic", "tap,model=e1000"],
-        "model of -nic tap",
-    );
-    one_line_error(&["-kernel", k, "-netdev", "user,id=n0"], "-netdev");
-    one_line_error(&["-kernel", k, "-device", "e1000,netdev=n0"], "'e1000'");
-    one_line_error(
-        &["-kernel", k, "-device", "virtio-blk-pci,drive=missing"],
+    refused_with_kernel(&k, &["-nic", "tap,model=e1000"], "model of -nic tap");
+    refused_with_kernel(&k, &["-netdev", "user,id=n0"], "-netdev");
+    refused_with_kernel(&k, &["-device", "e1000,netdev=n0"], "'e1000'");
+    refused_with_kernel(
+        &k,
+        &["-device", "virtio-blk-pci,drive=missing"],
         "drive 'missing'",
     );
 }
@@ -233,17 +235,21 @@ fn readme_table_lists_exactly_the_accepted_flags() {
         .iter()
         .map(|f| f.trim_start_matches('-').to_string())
         .collect();
-    for f in &accepted {
-        assert!(
-            in_table.contains(f),
-            "-{f} is accepted but not in vmm/README.md's table"
-        );
-    }
-    for f in &in_table {
-        assert!(
-            accepted.contains(f),
-            "-{f} is in vmm/README.md's table but not accepted"
-        );
+    for (these, those, gap) in [
+        (
+            &accepted,
+            &in_table,
+            "is accepted but not in vmm/README.md's table",
+        ),
+        (
+            &in_table,
+            &accepted,
+            "is in vmm/README.md's table but not accepted",
+        ),
+    ] {
+        for f in these {
+            assert!(those.contains(f), "-{f} {gap}");
+        }
     }
 }
 
@@ -253,13 +259,9 @@ fn qcow2_without_format_is_refused_naming_format() {
     let mut img = b"QFI\xfb".to_vec();
     img.resize(4096, 0);
     let q = tmp("probe.qcow2", &img);
-    one_line_error(
-        &[
-            "-kernel",
-            k.0.to_str().unwrap(),
-            "-drive",
-            &format!("file={}", q.0.display()),
-        ],
+    refused_with_kernel(
+        &k,
+        &["-drive", &format!("file={}", q.0.display())],
         "give format=qcow2",
     );
 }
@@ -271,18 +273,14 @@ fn missing_files_give_one_clear_line() {
         "cannot open kernel '/nonexistent/vmlinuz'",
     );
     let k = tmp("k2", b"x");
-    let k = k.0.to_str().unwrap();
-    one_line_error(
-        &["-kernel", k, "-initrd", "/nonexistent/initrd"],
+    refused_with_kernel(
+        &k,
+        &["-initrd", "/nonexistent/initrd"],
         "cannot open initrd '/nonexistent/initrd'",
     );
-    one_line_error(
-        &[
-            "-kernel",
-            k,
-            "-drive",
-            "file=/nonexistent/disk.img,format=raw,if=virtio",
-        ],
+    refused_with_kernel(
+        &k,
+        &["-drive", "file=/nonexistent/disk.img,format=raw,if=virtio"],
         "/nonexistent/disk.img",
     );
 }
@@ -298,10 +296,9 @@ fn a_shared_pool_with_conflicting_keys_is_one_line() {
     let d0 = tmp("pool0.img", &[0u8; 4096]);
     let d1 = tmp("pool1.img", &[0u8; 4096]);
     let drive = |id: &str, t: &Tmp| format!("file={},format=raw,if=none,id={id}", t.0.display());
-    one_line_error(
+    refused_with_kernel(
+        &k,
         &[
-            "-kernel",
-            k.0.to_str().unwrap(),
             "-drive",
             &drive("d0", &d0),
             "-device",
@@ -377,14 +374,22 @@ fn final_statistics_list_a_shared_pool_once() {
     assert!(devices[2]["stats"]["dma"]["maps"].is_u64(), "{last}");
 }
 
+/// `kernel` at `name`.elf and a zeroed 1 MiB disk at `name`.img, or `None` (the skip recorded)
+/// when this machine cannot run KVM guests.
+fn kvm_kernel_and_disk(name: &str, kernel: &[u8]) -> Option<(Tmp, Tmp)> {
+    kvm_available().then(|| {
+        (
+            tmp(&format!("{name}.elf"), kernel),
+            tmp(&format!("{name}.img"), &vec![0u8; 1 << 20]),
+        )
+    })
+}
+
 /// A PVH kernel that prints `ok` on COM1 and then either resets through the i8042 or halts
 /// forever with interrupts off.
 fn stand_in_kernel(reset: bool) -> Vec<u8> {
     let mut a = Asm::new();
-    a.mov_dx(0x3f8);
-    for c in b"ok\n" {
-        a.mov_al(*c).out_dx_al();
-    }
+    a.print(b"ok\n");
     if reset {
         a.mov_al(0xfe).out_imm_al(0x64);
     }
@@ -394,11 +399,9 @@ fn stand_in_kernel(reset: bool) -> Vec<u8> {
 
 #[test]
 fn stand_in_kernel_prints_and_resets_with_status_zero() {
-    if !kvm_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("reset", &stand_in_kernel(true)) else {
         return;
-    }
-    let k = tmp("reset.elf", &stand_in_kernel(true));
-    let d = tmp("disk.img", &vec![0u8; 1 << 20]);
+    };
     let t = Instant::now();
     let out = run(&[
         "-m",
@@ -420,20 +423,16 @@ fn stand_in_kernel_prints_and_resets_with_status_zero() {
         "-accel",
         "kvm",
     ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
+    assert_printed_ok_and_exited_zero(&out);
     eprintln!("bouncevm boot-to-reset: {:?}", t.elapsed());
 }
 
 /// The usual QEMU direct-boot line runs unchanged.
 #[test]
 fn a_usual_qemu_command_line_boots() {
-    if !kvm_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("usual", &stand_in_kernel(true)) else {
         return;
-    }
-    let k = tmp("usual.elf", &stand_in_kernel(true));
-    let d = tmp("usual.img", &vec![0u8; 1 << 20]);
+    };
     let out = run(&[
         "-machine",
         "q35,accel=kvm",
@@ -467,9 +466,7 @@ fn a_usual_qemu_command_line_boots() {
         "-device",
         "virtio-blk-pci,drive=d0,disable-legacy=on,iommu_platform=on",
     ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "stderr: {err}");
-    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
+    assert_printed_ok_and_exited_zero(&out);
 }
 
 /// A PVH kernel that takes the RSDP from its start info (`rsdp_paddr`), follows it to the
@@ -478,37 +475,24 @@ fn a_usual_qemu_command_line_boots() {
 fn acpi_poweroff_kernel() -> Vec<u8> {
     let mut a = Asm::new();
     a.raw(&[0x89, 0xdf]); // mov edi, ebx (keep the start info pointer)
-    a.mov_dx(0x3f8);
-    for c in b"acpi\n" {
-        a.mov_al(*c).out_dx_al();
-    }
+    a.print(b"acpi\n");
     a.raw(&[0x89, 0xfb]); // mov ebx, edi
     let fail = a.acpi_poweroff(true);
     a.raw(&[0xfa]).hlt_forever();
-    a.patch_rel32_here(&fail).mov_dx(0x3f8);
-    for c in b"fail\n" {
-        a.mov_al(*c).out_dx_al();
-    }
+    a.patch_rel32_here(&fail).print(b"fail\n");
     a.raw(&[0x0f, 0x0b]); // ud2
     build_elf(&a.code, true)
 }
 
 fn run_logged(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env("BOUNCEVM_LOG", "info")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run bouncevm")
+    run_with_env(args, &[("BOUNCEVM_LOG", "info")])
 }
 
 #[test]
 fn guest_acpi_poweroff_ends_bouncevm_with_status_zero() {
-    if !kvm_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("acpi", &acpi_poweroff_kernel()) else {
         return;
-    }
-    let k = tmp("acpi.elf", &acpi_poweroff_kernel());
-    let d = tmp("acpi-disk.img", &vec![0u8; 1 << 20]);
+    };
     let drive = format!("file={},format=raw,if=virtio", d.0.display());
     let args = [
         "-m",
@@ -552,15 +536,7 @@ fn guest_acpi_poweroff_ends_bouncevm_with_status_zero() {
 fn power_button_kernel() -> Vec<u8> {
     let mut a = Asm::new();
     a.raw(&[0x89, 0xdf]); // mov edi, ebx (keep the start info pointer)
-    a.mov_dx(0x3f8);
-    for c in b"up\n" {
-        a.mov_al(*c).out_dx_al();
-    }
-    a.wait_power_button();
-    a.mov_dx(0x3f8);
-    for c in b"button\n" {
-        a.mov_al(*c).out_dx_al();
-    }
+    a.print(b"up\n").wait_power_button().print(b"button\n");
     a.raw(&[0x89, 0xfb]); // mov ebx, edi
     let fail = a.acpi_poweroff(true);
     a.raw(&[0xfa]).hlt_forever();
@@ -787,11 +763,12 @@ fn assert_error_answers(v: &serde_json::Value) {
 
 #[test]
 fn qmp_monitor_answers_a_python_client_and_powers_down() {
-    if !kvm_available() || !python3_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("qmp", &power_button_kernel()) else {
+        return;
+    };
+    if !python3_available() {
         return;
     }
-    let k = tmp("btn.elf", &power_button_kernel());
-    let d = tmp("qmp.img", &vec![0u8; 1 << 20]);
     let sock = qmp_sock("full");
     let vm = spawn_vm(&k, &d, &sock, &[]);
     let v = python_client(&sock, &["full"]);
@@ -839,11 +816,12 @@ fn qmp_monitor_answers_a_python_client_and_powers_down() {
 /// SIGTERM: status 0 and a `host-signal` SHUTDOWN event; `x-exit-now`: `host-qmp-quit`.
 #[test]
 fn sigterm_and_x_exit_now_end_the_vm_with_qemus_causes() {
-    if !kvm_available() || !python3_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("sig", &stand_in_kernel(false)) else {
+        return;
+    };
+    if !python3_available() {
         return;
     }
-    let k = tmp("hlt2.elf", &stand_in_kernel(false));
-    let d = tmp("sig.img", &vec![0u8; 1 << 20]);
     for (mode, cause) in [("signal", "host-signal"), ("exit-now", "host-qmp-quit")] {
         let sock = qmp_sock(mode);
         let vm = spawn_vm(&k, &d, &sock, &[]);
@@ -870,12 +848,10 @@ fn sigterm_and_x_exit_now_end_the_vm_with_qemus_causes() {
 /// client that connects and sends nothing does not delay the exit on SIGTERM.
 #[test]
 fn qmp_socket_is_private_kept_while_live_and_a_silent_client_does_not_block_exit() {
-    if !kvm_available() {
+    let Some((k, d)) = kvm_kernel_and_disk("silent", &stand_in_kernel(false)) else {
         return;
-    }
+    };
     use std::os::unix::fs::PermissionsExt;
-    let k = tmp("hlt3.elf", &stand_in_kernel(false));
-    let d = tmp("silent.img", &vec![0u8; 1 << 20]);
     let sock = qmp_sock("silent");
     let vm = spawn_vm(&k, &d, &sock, &[]);
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -19,6 +19,11 @@ use vmm::{Machine, MachineConfig};
 
 const MEM: u64 = 4 << 20;
 
+/// A machine of `vcpus` vCPUs, or `None` (the skip recorded) when KVM cannot run guests.
+fn kvm_machine(vcpus: u8) -> Option<Machine> {
+    kvm_available().then(|| machine(vcpus))
+}
+
 fn machine(vcpus: u8) -> Machine {
     Machine::new(&MachineConfig {
         mem_size: MEM,
@@ -55,11 +60,22 @@ fn flat32(m: &Machine, vcpu: usize, eip: u64) {
     .expect("entry state");
 }
 
+fn long64(m: &Machine, vcpu: usize, rip: u64, rsp: u64) {
+    EntryState::Long64 { rip, rsi: 0, rsp }
+        .apply(&m.vcpus()[vcpu], m.memory())
+        .expect("entry state");
+}
+
+/// Loads `code` at CODE_ADDR and starts vCPU 0 there in flat 32-bit mode.
+fn load_flat32(m: &Machine, code: &Asm) {
+    load(m, CODE_ADDR, code);
+    flat32(m, 0, CODE_ADDR);
+}
+
 /// Loads `code` at CODE_ADDR on vCPU 0 in flat 32-bit mode and runs the machine.
 fn run_flat32(mut m: Machine, code: &Asm) -> (vmm::machine::MachineExit, Duration) {
     m.add_debug_exit(EXIT_PORT).unwrap();
-    load(&m, CODE_ADDR, code);
-    flat32(&m, 0, CODE_ADDR);
+    load_flat32(&m, code);
     let t = Instant::now();
     let exit = m.run().expect("run");
     (exit, t.elapsed())
@@ -67,10 +83,9 @@ fn run_flat32(mut m: Machine, code: &Asm) -> (vmm::machine::MachineExit, Duratio
 
 #[test]
 fn pio_dispatch_reads_and_writes_a_test_port() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(1) else {
         return;
-    }
-    let m = machine(1);
+    };
     let (dev, log) = Recorder::new(0xcafe_babe);
     m.pio_bus().insert(dev, REPORT_PORT.into(), 8).unwrap();
     let mut a = Asm::new();
@@ -102,10 +117,9 @@ fn pio_dispatch_reads_and_writes_a_test_port() {
 
 #[test]
 fn mmio_dispatch_reaches_a_device_in_the_hole() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(1) else {
         return;
-    }
-    let m = machine(1);
+    };
     let base = 0xd000_0000u32;
     let (dev, log) = Recorder::new(0x600d_f00d);
     m.mmio_bus().insert(dev, base.into(), 0x1000).unwrap();
@@ -154,12 +168,10 @@ impl PciDevice for BarFunction {
 
 #[test]
 fn pci_config_space_finds_host_bridge_and_a_bar() {
-    if !kvm_available() {
+    let Some(mut m) = kvm_machine(1) else {
         return;
-    }
-    let mut m = machine(1);
-    let (dev, log) = Recorder::new(0);
-    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    };
+    let log = report_ports(&m, 4);
     let pci = m.add_pci().unwrap();
     let bar_addr = pci.allocate_mmio32(0x1000).unwrap();
     assert_eq!(bar_addr, PCI_MMIO32_START);
@@ -203,9 +215,8 @@ fn pci_config_space_finds_host_bridge_and_a_bar() {
         .debug_exit(0);
     let (exit, took) = run_flat32(m, &a);
     assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
-    let got: Vec<u32> = log.lock().unwrap().iter().map(u32_of).collect();
     assert_eq!(
-        got,
+        reported(&log),
         vec![
             0x0d57_8086,
             0x0600_0000,
@@ -222,18 +233,13 @@ fn pci_config_space_finds_host_bridge_and_a_bar() {
 
 #[test]
 fn serial_output_reaches_the_sink() {
-    if !kvm_available() {
+    let Some(mut m) = kvm_machine(1) else {
         return;
-    }
-    let mut m = machine(1);
+    };
     let sink = SharedBuf::default();
     m.add_serial(sink.clone()).unwrap();
     let mut a = Asm::new();
-    a.mov_dx(0x3f8);
-    for &c in b"hello\n" {
-        a.mov_al(c).out_dx_al();
-    }
-    a.debug_exit(0);
+    a.print(b"hello\n").debug_exit(0);
     let (exit, _) = run_flat32(m, &a);
     assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
     assert_eq!(sink.0.lock().unwrap().as_slice(), b"hello\n");
@@ -243,14 +249,12 @@ fn serial_output_reaches_the_sink() {
 /// -> guest IDT vector 0x24, also after the VMM rewrote the GSI routing table.
 #[test]
 fn serial_interrupt_reaches_the_guest_through_irqfd() {
-    if !kvm_available() {
-        return;
-    }
     const VECTOR: u64 = 0x24;
-    let mut m = machine(1);
+    let Some(mut m) = kvm_machine(1) else {
+        return;
+    };
     m.add_serial(SharedBuf::default()).unwrap();
-    let (dev, log) = Recorder::new(0);
-    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    let log = report_ports(&m, 4);
     vmm::boot::msr::setup_lapic(&m.vcpus()[0]).unwrap();
     // Committing an MSI route replaces KVM's routing table: GSI 4 must still reach the PIC.
     let gsi = m.vm().allocate_msi_gsi().unwrap();
@@ -263,19 +267,9 @@ fn serial_interrupt_reaches_the_guest_through_irqfd() {
     interrupt_handler(&m, VECTOR, &handler);
 
     let mut a = Asm::new();
-    // Master PIC: ICW1 edge/cascade/ICW4, ICW2 base 0x20, ICW3 slave on IR2, ICW4 8086 mode,
-    // then mask everything but IRQ 4.
-    for (port, v) in [
-        (0x20, 0x11),
-        (0x21, 0x20),
-        (0x21, 0x04),
-        (0x21, 0x01),
-        (0x21, 0xef),
-    ] {
-        a.mov_al(v).out_imm_al(port);
-    }
-    a.raw(&[0x0f, 0x01, 0x1d])
-        .raw(&(IDTR as u32).to_le_bytes()) // lidt [IDTR]
+    // The master PIC alone, everything masked but IRQ 4.
+    a.init_pics(0xef, None)
+        .lidt(IDTR as u32)
         .raw(&[0xfb]) // sti
         .mov_dx(0x3f9)
         .mov_al(0x02)
@@ -283,19 +277,15 @@ fn serial_interrupt_reaches_the_guest_through_irqfd() {
         .hlt_forever();
     let (exit, took) = run_flat32(m, &a);
     assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
-    assert_eq!(
-        log.lock().unwrap().iter().map(u32_of).collect::<Vec<_>>(),
-        vec![0x24]
-    );
+    assert_eq!(reported(&log), vec![0x24]);
     eprintln!("serial interrupt round trip test: {took:?}");
 }
 
 #[test]
 fn i8042_reset_ends_the_vm_with_status_zero() {
-    if !kvm_available() {
+    let Some(mut m) = kvm_machine(1) else {
         return;
-    }
-    let mut m = machine(1);
+    };
     m.add_i8042().unwrap();
     let mut a = Asm::new();
     a.mov_al(0xfe).out_imm_al(0x64).hlt_forever();
@@ -306,13 +296,11 @@ fn i8042_reset_ends_the_vm_with_status_zero() {
 
 #[test]
 fn real_mode_program_runs() {
-    if !kvm_available() {
+    let Some(mut m) = kvm_machine(1) else {
         return;
-    }
-    let mut m = machine(1);
+    };
     m.add_debug_exit(EXIT_PORT).unwrap();
-    let (dev, log) = Recorder::new(0);
-    m.pio_bus().insert(dev, REPORT_PORT.into(), 1).unwrap();
+    let log = report_ports(&m, 1);
     // 16-bit code at 0x100:0 (linear 0x1000): mov al,0x42; out 0xe0,al; mov dx,0x501;
     // out dx,al.
     let code = [0xb0, 0x42, 0xe6, 0xe0, 0xba, 0x01, 0x05, 0xee];
@@ -331,13 +319,10 @@ fn real_mode_program_runs() {
 
 #[test]
 fn two_vcpus_start_and_stop_cleanly() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(2) else {
         return;
-    }
-    let m = machine(2);
-    let (dev, log) = Recorder::new(0);
-    dev.lock().unwrap().stop_after = Some((2, m.exit_handle().clone()));
-    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    };
+    let log = report_ports_stopping_after(&m, 4, 2);
     // vCPU 0 reports and then spins in guest code; vCPU 1 reports and halts (blocked in the
     // in-kernel LAPIC). Both must be kicked out of KVM_RUN.
     let mut a0 = Asm::new();
@@ -356,7 +341,7 @@ fn two_vcpus_start_and_stop_cleanly() {
     assert_eq!(exit.reason, ExitReason::Stopped);
     assert_eq!(exit.vcpu_stats.len(), 2);
     assert!(exit.vcpu_stats.iter().all(|s| s.pio_exits >= 1));
-    let mut ids: Vec<u32> = log.lock().unwrap().iter().map(u32_of).collect();
+    let mut ids = reported(&log);
     ids.sort_unstable();
     assert_eq!(ids, vec![0, 1]);
     eprintln!("2-vCPU start/report/stop: {took:?}");
@@ -364,14 +349,12 @@ fn two_vcpus_start_and_stop_cleanly() {
 
 #[test]
 fn host_stop_ends_a_spinning_guest() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(1) else {
         return;
-    }
-    let m = machine(1);
+    };
     let mut a = Asm::new();
     a.spin();
-    load(&m, CODE_ADDR, &a);
-    flat32(&m, 0, CODE_ADDR);
+    load_flat32(&m, &a);
     let running = m.start().unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let t = Instant::now();
@@ -382,13 +365,10 @@ fn host_stop_ends_a_spinning_guest() {
 
 #[test]
 fn long_mode_entry_with_patched_cpuid_on_two_vcpus() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(2) else {
         return;
-    }
-    let m = machine(2);
-    let (dev, log) = Recorder::new(0);
-    dev.lock().unwrap().stop_after = Some((4, m.exit_handle().clone()));
-    m.pio_bus().insert(dev, REPORT_PORT.into(), 0x10).unwrap();
+    };
+    let log = report_ports_stopping_after(&m, 0x10, 4);
     m.configure_linux_vcpus().unwrap();
     // Each vCPU reports CPUID.1:EBX[31:24] and CPUID.0xB.0:EDX (its APIC ids) on its own ports.
     for id in 0..2u16 {
@@ -407,13 +387,7 @@ fn long_mode_entry_with_patched_cpuid_on_two_vcpus() {
             .hlt_forever();
         let rip = 0x1000 + 0x100 * u64::from(id);
         load(&m, rip, &a);
-        EntryState::Long64 {
-            rip,
-            rsi: 0,
-            rsp: 0x8000 - 0x100 * u64::from(id),
-        }
-        .apply(&m.vcpus()[usize::from(id)], m.memory())
-        .unwrap();
+        long64(&m, usize::from(id), rip, 0x8000 - 0x100 * u64::from(id));
     }
     m.vcpus()[1].set_runnable().unwrap();
     let exit = m.run().unwrap();
@@ -441,8 +415,7 @@ fn pio_exit_round_trip_cost() {
         let t = Instant::now();
         let m = machine(1);
         let created = t.elapsed();
-        let (dev, log) = Recorder::new(0);
-        m.pio_bus().insert(dev, REPORT_PORT.into(), 1).unwrap();
+        let log = report_ports(&m, 1);
         let mut a = Asm::new();
         a.mov_ecx(N).mov_dx(REPORT_PORT).mov_al(7);
         let top = a.here();
@@ -485,13 +458,7 @@ fn large_memory_is_split_around_the_mmio_hole() {
     .unwrap();
     assert_eq!(m.ram_ranges().len(), 2);
     m.add_debug_exit(EXIT_PORT).unwrap();
-    EntryState::Long64 {
-        rip: CODE_ADDR,
-        rsi: 0,
-        rsp: 0x8000,
-    }
-    .apply(&m.vcpus()[0], m.memory())
-    .unwrap();
+    long64(&m, 0, CODE_ADDR, 0x8000);
     // PDPT[4] -> a page directory at 0xf000 whose entry 0 maps 4 GiB as a 2 MiB page.
     m.memory()
         .write_obj(
@@ -529,14 +496,12 @@ fn large_memory_is_split_around_the_mmio_hole() {
 /// fixed interrupt -> guest IDT vector 0x41.
 #[test]
 fn msi_route_delivers_an_irqfd_as_a_vector() {
-    if !kvm_available() {
-        return;
-    }
     const VECTOR: u32 = 0x41;
-    let mut m = machine(1);
+    let Some(mut m) = kvm_machine(1) else {
+        return;
+    };
     m.add_debug_exit(EXIT_PORT).unwrap();
-    let (dev, log) = Recorder::new(0);
-    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    let log = report_ports(&m, 4);
     // Software-enable the local APIC (SVR bit 8, spurious vector 0xff): fixed interrupts
     // are dropped while it is disabled.
     let fd = m.vcpus()[0].fd();
@@ -552,12 +517,10 @@ fn msi_route_delivers_an_irqfd_as_a_vector() {
         .debug_exit(0);
     interrupt_handler(&m, u64::from(VECTOR), &handler);
     let mut a = Asm::new();
-    a.raw(&[0x0f, 0x01, 0x1d])
-        .raw(&(IDTR as u32).to_le_bytes()) // lidt [IDTR]
+    a.lidt(IDTR as u32)
         .raw(&[0xfb]) // sti
         .hlt_forever();
-    load(&m, CODE_ADDR, &a);
-    flat32(&m, 0, CODE_ADDR);
+    load_flat32(&m, &a);
 
     let vm = m.vm().clone();
     let gsi = vm.allocate_msi_gsi().unwrap();
@@ -570,20 +533,16 @@ fn msi_route_delivers_an_irqfd_as_a_vector() {
     evt.write(1).unwrap();
     let exit = running.wait().unwrap();
     assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
-    assert_eq!(
-        log.lock().unwrap().iter().map(u32_of).collect::<Vec<_>>(),
-        vec![VECTOR]
-    );
+    assert_eq!(reported(&log), vec![VECTOR]);
 }
 
 /// A 16-bit doorbell write that matches an ioeventfd signals it inside KVM without an exit;
 /// a non-matching value still exits to the MMIO bus.
 #[test]
 fn ioeventfd_catches_a_doorbell_without_an_exit() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(1) else {
         return;
-    }
-    let m = machine(1);
+    };
     let doorbell = 0xd000_0000u32;
     let evt = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
     m.vm()
@@ -613,23 +572,28 @@ fn ioeventfd_catches_a_doorbell_without_an_exit() {
     );
 }
 
-/// The guest finds "RSD PTR " in 0xE0000-0xFFFFF, follows RSDP -> XSDT -> FACP, reads
-/// PM1a_CNT_BLK from the FADT and writes SLP_TYP=5|SLP_EN to it: the VM ends with the
-/// power-off reason and status 0.
-#[test]
-fn acpi_s5_from_the_fadt_powers_off() {
-    if !kvm_available() {
-        return;
-    }
-    let mut m = machine(2);
-    m.add_acpi().expect("ACPI");
-    assert_eq!(m.acpi_rsdp(), Some(0xe0000));
+/// The guest of the ACPI tests: the legacy RSDP scan and S5 power-off; debug exit 2 after
+/// the power-off writes, 1 on any failure.
+fn acpi_poweroff_guest() -> Asm {
     let mut a = Asm::new();
     let fail = a.acpi_poweroff(false);
     // Not reached when the power-off works (the first exit request wins anyway).
     a.debug_exit(2);
     a.patch_rel32_here(&fail).debug_exit(1);
-    let (exit, took) = run_flat32(m, &a);
+    a
+}
+
+/// The guest finds "RSD PTR " in 0xE0000-0xFFFFF, follows RSDP -> XSDT -> FACP, reads
+/// PM1a_CNT_BLK from the FADT and writes SLP_TYP=5|SLP_EN to it: the VM ends with the
+/// power-off reason and status 0.
+#[test]
+fn acpi_s5_from_the_fadt_powers_off() {
+    let Some(mut m) = kvm_machine(2) else {
+        return;
+    };
+    m.add_acpi().expect("ACPI");
+    assert_eq!(m.acpi_rsdp(), Some(0xe0000));
+    let (exit, took) = run_flat32(m, &acpi_poweroff_guest());
     assert_eq!(exit.reason, ExitReason::PowerOff);
     assert_eq!(exit.reason.exit_code(), 0);
     eprintln!("ACPI power-off guest: {took:?}");
@@ -638,15 +602,10 @@ fn acpi_s5_from_the_fadt_powers_off() {
 /// Without ACPI the same guest finds no RSDP.
 #[test]
 fn without_acpi_the_guest_finds_no_rsdp() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(1) else {
         return;
-    }
-    let m = machine(1);
-    let mut a = Asm::new();
-    let fail = a.acpi_poweroff(false);
-    a.debug_exit(2);
-    a.patch_rel32_here(&fail).debug_exit(1);
-    let (exit, _) = run_flat32(m, &a);
+    };
+    let (exit, _) = run_flat32(m, &acpi_poweroff_guest());
     assert_eq!(exit.reason, ExitReason::DebugExit { value: 1 });
 }
 
@@ -655,16 +614,14 @@ fn without_acpi_the_guest_finds_no_rsdp() {
 /// through the slave PIC) reaches the guest's IDT vector, whose handler reads PM1a_STS.
 #[test]
 fn acpi_power_button_sets_pwrbtn_sts_and_raises_the_sci() {
-    if !kvm_available() {
-        return;
-    }
     const VECTOR: u64 = 0x29; // slave PIC base 0x28 + IRQ 9 - 8
     const READY: u32 = 0x11;
-    let mut m = machine(1);
+    let Some(mut m) = kvm_machine(1) else {
+        return;
+    };
     m.add_acpi().unwrap();
     m.add_debug_exit(EXIT_PORT).unwrap();
-    let (dev, log) = Recorder::new(0);
-    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    let log = report_ports(&m, 4);
     vmm::boot::msr::setup_lapic(&m.vcpus()[0]).unwrap();
     let mut handler = Asm::new();
     handler
@@ -675,24 +632,9 @@ fn acpi_power_button_sets_pwrbtn_sts_and_raises_the_sci() {
     interrupt_handler(&m, VECTOR, &handler);
 
     let mut a = Asm::new();
-    // Both PICs: ICW1..ICW4 (bases 0x20/0x28, slave on IR2), then mask all but the cascade
-    // (master) and IRQ 9 (slave).
-    for (port, v) in [
-        (0x20, 0x11),
-        (0x21, 0x20),
-        (0x21, 0x04),
-        (0x21, 0x01),
-        (0x21, 0xfb),
-        (0xa0, 0x11),
-        (0xa1, 0x28),
-        (0xa1, 0x02),
-        (0xa1, 0x01),
-        (0xa1, 0xfd),
-    ] {
-        a.mov_al(v).out_imm_al(port);
-    }
-    a.raw(&[0x0f, 0x01, 0x1d])
-        .raw(&(IDTR as u32).to_le_bytes()) // lidt [IDTR]
+    // Both PICs, everything masked but the cascade (master) and IRQ 9 (slave).
+    a.init_pics(0xfb, Some(0xfd))
+        .lidt(IDTR as u32)
         .mov_dx(0x602)
         .mov_eax(u32::from(vmm::legacy::PWRBTN))
         .raw(&[0x66, 0xef]) // out dx, ax: PM1a_EN = PWRBTN_EN
@@ -700,8 +642,7 @@ fn acpi_power_button_sets_pwrbtn_sts_and_raises_the_sci() {
         .report_eax(REPORT_PORT)
         .raw(&[0xfb]) // sti
         .hlt_forever();
-    load(&m, CODE_ADDR, &a);
-    flat32(&m, 0, CODE_ADDR);
+    load_flat32(&m, &a);
     let button = m.power_button().cloned().expect("ACPI has a power button");
     let running = m.start().unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -718,7 +659,7 @@ fn acpi_power_button_sets_pwrbtn_sts_and_raises_the_sci() {
     });
     let exit = running.wait().unwrap();
     assert_eq!(exit.reason, ExitReason::DebugExit { value: 0 });
-    let seen: Vec<u32> = log.lock().unwrap().iter().map(u32_of).collect();
+    let seen = reported(&log);
     assert_eq!(seen.len(), 2, "{seen:x?}");
     let pwrbtn = u32::from(vmm::legacy::PWRBTN);
     assert_eq!(seen[1] & pwrbtn, pwrbtn, "PWRBTN_STS: {:#x}", seen[1]);

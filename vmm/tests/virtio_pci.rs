@@ -67,13 +67,19 @@ fn machine() -> Machine {
     .expect("create machine")
 }
 
-fn blk_device(path: &std::path::Path) -> SharedVirtioDevice {
-    let disk = DiskImage::open(path, ImageFormat::Raw, false).unwrap();
-    let (dma, _pool) = "policy=force,slots=1024"
+/// The DMA path the `-bounce` options `spec` give a device of `queues` queues.
+fn dma(spec: &str, queues: usize) -> bounce::Dma {
+    let (dma, _pool) = spec
         .parse::<BounceOptions>()
         .unwrap()
-        .build(1)
+        .build(queues)
         .unwrap();
+    dma
+}
+
+fn blk_device(path: &std::path::Path) -> SharedVirtioDevice {
+    let disk = DiskImage::open(path, ImageFormat::Raw, false).unwrap();
+    let dma = dma("policy=force,slots=1024", 1);
     Arc::new(Mutex::new(
         Block::new(disk, BlockConfig::default(), dma).unwrap(),
     ))
@@ -224,8 +230,7 @@ fn run_request(tag: &str, opts: VirtioPciOptions) {
     let file = disk_file(tag);
     let mut m = machine();
     m.add_debug_exit(EXIT_PORT).unwrap();
-    let (dev, log) = Recorder::new(0);
-    m.pio_bus().insert(dev, REPORT_PORT.into(), 4).unwrap();
+    let log = report_ports(&m, 4);
     let (func, blk) = add_blk(&mut m, &file.0, opts);
     let pattern: Vec<u8> = (0..512u32).map(|i| (i * 7 + 3) as u8).collect();
     prepare_request(m.memory(), &pattern);
@@ -255,7 +260,7 @@ fn run_request(tag: &str, opts: VirtioPciOptions) {
     });
     let exit = running.wait().unwrap();
     let took = t.elapsed();
-    let got: Vec<u32> = log.lock().unwrap().iter().map(u32_of).collect();
+    let got = reported(&log);
     assert_eq!(
         exit.reason,
         ExitReason::DebugExit { value: 0 },
@@ -399,16 +404,23 @@ fn reset_stops_workers_and_clears_queues() {
     };
     let mem = m.memory().clone();
     prepare_request(&mem, &[0u8; 512]);
-    w(&f, 0x14, &[3]);
-    w(&f, 0x08, &1u32.to_le_bytes());
-    w(&f, 0x0c, &3u32.to_le_bytes());
-    w(&f, 0x14, &[0x0b]);
-    w(&f, 0x18, &8u16.to_le_bytes());
-    w(&f, 0x20, &(DESC as u32).to_le_bytes());
-    w(&f, 0x28, &(AVAIL as u32).to_le_bytes());
-    w(&f, 0x30, &(USED as u32).to_le_bytes());
-    w(&f, 0x1c, &[1, 0]);
-    w(&f, 0x14, &[0x0f]);
+    // ACKNOWLEDGE|DRIVER, feature word 1 = `high`, FEATURES_OK, queue 0 (of `size` when given)
+    // on the request's rings, enabled, DRIVER_OK.
+    let start = |high: u32, size: Option<u16>| {
+        w(&f, 0x14, &[3]);
+        w(&f, 0x08, &1u32.to_le_bytes());
+        w(&f, 0x0c, &high.to_le_bytes());
+        w(&f, 0x14, &[0x0b]);
+        if let Some(size) = size {
+            w(&f, 0x18, &size.to_le_bytes());
+        }
+        w(&f, 0x20, &(DESC as u32).to_le_bytes());
+        w(&f, 0x28, &(AVAIL as u32).to_le_bytes());
+        w(&f, 0x30, &(USED as u32).to_le_bytes());
+        w(&f, 0x1c, &[1, 0]);
+        w(&f, 0x14, &[0x0f]);
+    };
+    start(3, Some(8));
     assert_eq!(f.lock().unwrap().running_workers(), 1);
     // Writes to a live queue are ignored.
     w(&f, 0x18, &16u16.to_le_bytes());
@@ -420,15 +432,7 @@ fn reset_stops_workers_and_clears_queues() {
     assert_eq!(r(&f, 0x18, 2), 256, "size back to max");
     assert_eq!(r(&f, 0x20, 8), 0, "rings cleared");
     // And it comes up again.
-    w(&f, 0x14, &[3]);
-    w(&f, 0x08, &1u32.to_le_bytes());
-    w(&f, 0x0c, &1u32.to_le_bytes());
-    w(&f, 0x14, &[0x0b]);
-    w(&f, 0x20, &(DESC as u32).to_le_bytes());
-    w(&f, 0x28, &(AVAIL as u32).to_le_bytes());
-    w(&f, 0x30, &(USED as u32).to_le_bytes());
-    w(&f, 0x1c, &[1, 0]);
-    w(&f, 0x14, &[0x0f]);
+    start(1, None);
     assert_eq!(f.lock().unwrap().running_workers(), 1);
     assert_eq!(f.lock().unwrap().activations(), 2);
 }
@@ -471,11 +475,6 @@ fn several_multi_queue_devices_at_once() {
     let mut m = machine();
     let pci = m.add_pci().unwrap();
     let disk = DiskImage::open(&file.0, ImageFormat::Raw, false).unwrap();
-    let (dma, _) = "policy=force,slots=1024"
-        .parse::<BounceOptions>()
-        .unwrap()
-        .build(2)
-        .unwrap();
     let blk: SharedVirtioDevice = Arc::new(Mutex::new(
         Block::new(
             disk,
@@ -483,7 +482,7 @@ fn several_multi_queue_devices_at_once() {
                 num_queues: 2,
                 ..BlockConfig::default()
             },
-            dma,
+            dma("policy=force,slots=1024", 2),
         )
         .unwrap(),
     ));
@@ -491,11 +490,6 @@ fn several_multi_queue_devices_at_once() {
         Box::new(NullBackend::default()),
         Box::new(NullBackend::default()),
     ];
-    let (dma, _) = "policy=force,mode=iova,slots=1024"
-        .parse::<BounceOptions>()
-        .unwrap()
-        .build(2)
-        .unwrap();
     let net: SharedVirtioDevice = Arc::new(Mutex::new(
         Net::new(
             NetConfig {
@@ -503,7 +497,7 @@ fn several_multi_queue_devices_at_once() {
                 ..NetConfig::default()
             },
             backends,
-            dma,
+            dma("policy=force,mode=iova,slots=1024", 2),
         )
         .unwrap(),
     ));

@@ -173,6 +173,24 @@ fn bad_flag(flag: &str, value: &str, reason: &str) -> CliError {
     }
 }
 
+/// Splits `[key=]value,k=v,...` into property items; a bare first item is the value of `key`.
+fn props_with_implied_key(arg: &str, key: &str) -> Vec<String> {
+    let mut items = split_props(arg);
+    if items
+        .first()
+        .is_some_and(|i| !i.contains('=') && !i.is_empty())
+    {
+        items[0] = format!("{key}={}", items[0]);
+    }
+    items
+}
+
+/// `kernel-irqchip=on` of `-machine` and `-accel kvm`.
+const KERNEL_IRQCHIP: Prop<()> = Prop {
+    name: "kernel-irqchip",
+    set: |_, v| v.only_bool(true, "the irqchip is always in the kernel"),
+};
+
 /// Splits `first,k=v,...` into the leading name and the property items.
 fn head_and_props(arg: &str) -> (String, Vec<String>) {
     let mut items = split_props(arg);
@@ -230,13 +248,7 @@ impl Parser {
     /// `-smp [cpus=]N[,sockets=,dies=,cores=,threads=,maxcpus=]`: bouncevm's topology is one
     /// socket of N single-threaded cores (see `boot::cpuid`), so only that shape is accepted.
     fn smp(&mut self, flag: &str, arg: &str) -> Result<()> {
-        let mut items = split_props(arg);
-        if items
-            .first()
-            .is_some_and(|i| !i.contains('=') && !i.is_empty())
-        {
-            items[0] = format!("cpus={}", items[0]);
-        }
+        let items = props_with_implied_key(arg, "cpus");
         let mut s = Smp::default();
         apply(flag, &items, SMP_PROPS, &mut s)?;
         let cpus = match (s.cpus, s.cores) {
@@ -482,13 +494,7 @@ impl Parser {
     /// `-machine [type=]q35[,accel=kvm,...]`: q35 describes bouncevm's PCI host bridge (ECAM,
     /// no ISA bridge model, no HPET, no SMM).
     fn machine(&mut self, flag: &str, arg: &str) -> Result<()> {
-        let mut items = split_props(arg);
-        if items
-            .first()
-            .is_some_and(|i| !i.contains('=') && !i.is_empty())
-        {
-            items[0] = format!("type={}", items[0]);
-        }
+        let items = props_with_implied_key(arg, "type");
         // Same Prop-table shape as props.rs: each table has its own keys and refusals, no logic.
         let table: &[Prop<()>] = &[
             Prop {
@@ -505,10 +511,7 @@ impl Parser {
                 name: "accel",
                 set: |_, v| v.only("kvm", "only kvm is supported"),
             },
-            Prop {
-                name: "kernel-irqchip",
-                set: |_, v| v.only_bool(true, "the irqchip is always in the kernel"),
-            },
+            KERNEL_IRQCHIP,
             Prop {
                 name: "smm",
                 set: |_, v| v.only_bool(false, "there is no SMM"),
@@ -531,11 +534,7 @@ impl Parser {
         if accel != "kvm" {
             return Err(bad_flag(flag, &accel, "only kvm is supported"));
         }
-        let table: &[Prop<()>] = &[Prop {
-            name: "kernel-irqchip",
-            set: |_, v| v.only_bool(true, "the irqchip is always in the kernel"),
-        }];
-        apply(&format!("{flag} kvm"), &items, table, &mut ())?;
+        apply(&format!("{flag} kvm"), &items, &[KERNEL_IRQCHIP], &mut ())?;
         Ok(())
     }
 
@@ -560,6 +559,7 @@ impl Parser {
     }
 
     fn name(&mut self, flag: &str, arg: &str) -> Result<()> {
+        // Not props_with_implied_key: an empty `-name ""` still names the guest "".
         let mut items = split_props(arg);
         if items.first().is_some_and(|i| !i.contains('=')) {
             items[0] = format!("guest={}", items[0]);
@@ -598,6 +598,7 @@ impl Parser {
                 )));
             }
             match d {
+                // One claim_backend call per backend kind; the defaults set afterwards differ.
                 DeviceSpec::Blk(b) => {
                     let defined = cfg.drives.iter().any(|x| x.id == b.drive);
                     claim_backend(

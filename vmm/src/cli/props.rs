@@ -61,6 +61,11 @@ impl Val<'_> {
         }
     }
 
+    /// The value parsed by its type's `FromStr` (whose error is the reason given).
+    pub fn parsed<T: std::str::FromStr<Err = String>>(&self) -> Result<T> {
+        self.str().parse().map_err(|e: String| self.bad(&e))
+    }
+
     /// A number in `lo..=hi`.
     pub fn number<T>(&self, lo: T, hi: T) -> Result<T>
     where
@@ -213,10 +218,7 @@ pub(super) const DRIVE_PROPS: &[Prop<DriveSpec>] = &[
     },
     Prop {
         name: "format",
-        set: |d, v| {
-            let f = v.str().parse().map_err(|e: String| v.bad(&e))?;
-            put(&mut d.format, Some(f))
-        },
+        set: |d, v| put(&mut d.format, Some(v.parsed()?)),
     },
     Prop {
         name: "if",
@@ -239,17 +241,11 @@ pub(super) const DRIVE_PROPS: &[Prop<DriveSpec>] = &[
     },
     Prop {
         name: "aio",
-        set: |d, v| {
-            let a = v.str().parse().map_err(|e: String| v.bad(&e))?;
-            put(&mut d.aio, Some(a))
-        },
+        set: |d, v| put(&mut d.aio, Some(v.parsed()?)),
     },
     Prop {
         name: "cache",
-        set: |d, v| {
-            let c = v.str().parse().map_err(|e: String| v.bad(&e))?;
-            put(&mut d.cache, c)
-        },
+        set: |d, v| put(&mut d.cache, v.parsed()?),
     },
 ];
 

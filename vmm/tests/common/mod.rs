@@ -340,6 +340,35 @@ impl Asm {
         }
         self
     }
+    /// `lidt [idtr]` (32-bit mode: absolute address).
+    pub fn lidt(&mut self, idtr: u32) -> &mut Self {
+        self.b(&[0x0f, 0x01, 0x1d]).b(&idtr.to_le_bytes())
+    }
+    /// Programs the master 8259 PIC (ICW1 edge/cascade/ICW4, ICW2 vector base 0x20, ICW3 slave
+    /// on IR2, ICW4 8086 mode) and masks it with `master_mask`; with `Some(slave_mask)` then the
+    /// slave the same way (vector base 0x28, cascade identity 2). Clobbers al.
+    pub fn init_pics(&mut self, master_mask: u8, slave_mask: Option<u8>) -> &mut Self {
+        let mut writes = vec![
+            (0x20, 0x11),
+            (0x21, 0x20),
+            (0x21, 0x04),
+            (0x21, 0x01),
+            (0x21, master_mask),
+        ];
+        if let Some(mask) = slave_mask {
+            writes.extend([
+                (0xa0, 0x11),
+                (0xa1, 0x28),
+                (0xa1, 0x02),
+                (0xa1, 0x01),
+                (0xa1, mask),
+            ]);
+        }
+        for (port, v) in writes {
+            self.mov_al(v).out_imm_al(port);
+        }
+        self
+    }
     /// Writes eax... to PCI config register `reg` of 00:`dev`.0 (value in `v`).
     pub fn conf1_write(&mut self, dev: u8, reg: u8, v: u32) -> &mut Self {
         let addr = 0x8000_0000 | u32::from(dev) << 11 | u32::from(reg) << 2;
@@ -386,13 +415,13 @@ pub type Access = (u64, Vec<u8>);
 /// A bus device that records writes, answers reads with `read_value`, and optionally
 /// requests [`ExitReason::Stopped`] once it has seen `stop_after` writes.
 pub struct Recorder {
-    pub log: Arc<Mutex<Vec<Access>>>,
+    pub log: Log,
     pub read_value: u32,
     pub stop_after: Option<(usize, ExitHandle)>,
 }
 
 impl Recorder {
-    pub fn new(read_value: u32) -> (Arc<Mutex<Recorder>>, Arc<Mutex<Vec<Access>>>) {
+    pub fn new(read_value: u32) -> (Arc<Mutex<Recorder>>, Log) {
         let log = Arc::new(Mutex::new(Vec::new()));
         let r = Recorder {
             log: log.clone(),
@@ -420,6 +449,32 @@ impl BusDevice for Recorder {
             }
         }
     }
+}
+
+/// What a [`Recorder`] logs.
+pub type Log = Arc<Mutex<Vec<Access>>>;
+
+/// Puts a [`Recorder`] reading 0 on the `len` ports from [`REPORT_PORT`] of `m`'s PIO bus and
+/// returns its log.
+pub fn report_ports(m: &vmm::Machine, len: u64) -> Log {
+    insert_reporter(m, len, None)
+}
+
+/// [`report_ports`] whose recorder stops the machine once it has seen `writes` writes.
+pub fn report_ports_stopping_after(m: &vmm::Machine, len: u64, writes: usize) -> Log {
+    insert_reporter(m, len, Some((writes, m.exit_handle().clone())))
+}
+
+fn insert_reporter(m: &vmm::Machine, len: u64, stop_after: Option<(usize, ExitHandle)>) -> Log {
+    let (dev, log) = Recorder::new(0);
+    dev.lock().unwrap().stop_after = stop_after;
+    m.pio_bus().insert(dev, REPORT_PORT.into(), len).unwrap();
+    log
+}
+
+/// The 4-byte writes logged so far, decoded.
+pub fn reported(log: &Log) -> Vec<u32> {
+    log.lock().unwrap().iter().map(u32_of).collect()
 }
 
 /// Decodes a recorded 4-byte write.
