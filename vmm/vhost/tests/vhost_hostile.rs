@@ -25,6 +25,7 @@ mod vhost_support;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use bouncevm_vhost::relay::req::{ADD_MEM_REG, SET_MEM_TABLE, SET_VRING_NUM};
 use devices::block::STATUS_UNSET;
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_IN,
@@ -41,9 +42,6 @@ use vhost_support::{
 use vm_memory::{Bytes, GuestAddress};
 
 const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
-const SET_MEM_TABLE: u32 = 5;
-const SET_VRING_NUM: u32 = 8;
-const ADD_MEM_REG: u32 = 37;
 const NEEDS_RESET: u8 = 0x40;
 
 /// Connects and negotiates (REPLY_ACK, STATUS) up to SET_FEATURES.

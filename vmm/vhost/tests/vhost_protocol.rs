@@ -12,6 +12,8 @@ use std::thread;
 use std::time::Duration;
 
 use bounce::Dma;
+use bouncevm_vhost::relay::req::SET_VRING_ENABLE;
+use bouncevm_vhost::relay::{FLAG_NEED_REPLY, FLAG_VERSION};
 use bouncevm_vhost::{Server, VhostUserDevice};
 use devices::block::STATUS_UNSET;
 use devices::net::{Net, NetConfig};
@@ -58,9 +60,6 @@ fn start_server(
 }
 
 const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
-const SET_VRING_ENABLE: u32 = 18;
-const FLAG_VERSION: u32 = 0x1;
-const FLAG_NEED_REPLY: u32 = 0x8;
 
 /// QEMU 7.2's vhost-user-net start: SET_VRING_ENABLE before SET_FEATURES, never again.
 fn qemu_net_order(d: &mut Driver) -> vhost::Result<()> {
