@@ -196,19 +196,7 @@ fn stats_socket_sigusr1_reconnect_and_sigterm() {
     let (rx, reader) = stderr_lines(&mut server.0);
     let mut err = String::new();
     wait_json_lines(&rx, 1, &mut err);
-    signal(&server.0, libc::SIGTERM);
-    let status = server.0.wait().unwrap();
-    assert!(status.success(), "{status:?}");
-    reader.join().unwrap();
-    for line in rx.try_iter() {
-        err.push_str(&line);
-        err.push('\n');
-    }
-    let json_lines: Vec<serde_json::Value> = err
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (err, json_lines) = terminate(&mut server.0, &rx, reader, err);
     assert_eq!(
         json_lines.len(),
         2,
@@ -363,6 +351,27 @@ fn wait_json_lines(rx: &std::sync::mpsc::Receiver<String>, n: usize, err: &mut S
     }
 }
 
+/// Stops `child` with SIGTERM and asserts a clean exit; returns its stderr (`err`, read so
+/// far, and the rest) and the statistics (JSON) lines in it.
+fn terminate(
+    child: &mut Child,
+    rx: &std::sync::mpsc::Receiver<String>,
+    reader: std::thread::JoinHandle<()>,
+    mut err: String,
+) -> (String, Vec<serde_json::Value>) {
+    signal(child, libc::SIGTERM);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}: {err}");
+    reader.join().unwrap();
+    err.extend(rx.try_iter().map(|l| l + "\n"));
+    let json_lines = err
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (err, json_lines)
+}
+
 /// Two block devices in one process (`--also`) on one shared bounce pool: both serve I/O, each
 /// server's statistics carry its device's own counters and the shared pool under `pools`, and
 /// the devices' counts sum to the pool's; SIGUSR1 to the process prints a line per device, and
@@ -441,15 +450,7 @@ fn two_devices_in_one_process_share_a_bounce_pool() {
     let mut err = String::new();
     signal(&server.0, libc::SIGUSR1);
     wait_json_lines(&rx, 2, &mut err);
-    signal(&server.0, libc::SIGTERM);
-    assert!(server.0.wait().unwrap().success(), "{err}");
-    reader.join().unwrap();
-    err.extend(rx.try_iter().map(|l| l + "\n"));
-    let lines: Vec<serde_json::Value> = err
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (err, lines) = terminate(&mut server.0, &rx, reader, err);
     assert_eq!(
         lines.len(),
         4,
