@@ -90,13 +90,11 @@ fn peers(img: Option<&Path>) -> Option<[Peer; 2]> {
 fn negotiated(sock: &Path, timeout: Duration) -> Driver {
     let mut d = Driver::connect(sock, 1);
     d.raw.set_read_timeout(Some(timeout)).unwrap();
-    let offered = d
-        .handshake_with(
-            VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-                | VhostUserProtocolFeatures::RESET_DEVICE,
-        )
-        .unwrap();
-    d.set_features(offered & WANTED).unwrap();
+    d.negotiate(
+        VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS | VhostUserProtocolFeatures::RESET_DEVICE,
+        WANTED,
+    )
+    .unwrap();
     d
 }
 
@@ -646,11 +644,11 @@ fn net_server(
 /// A net session negotiated (REPLY_ACK, CONFIGURE_MEM_SLOTS) up to SET_FEATURES.
 fn net_negotiated(path: &Path) -> Driver {
     let mut d = Driver::connect(path, 2);
-    let offered = d
-        .handshake_with(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
-        .unwrap();
-    d.set_features(offered & feature(VIRTIO_F_VERSION_1))
-        .unwrap();
+    d.negotiate(
+        VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+        feature(VIRTIO_F_VERSION_1),
+    )
+    .unwrap();
     d
 }
 
