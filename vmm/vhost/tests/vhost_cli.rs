@@ -236,16 +236,15 @@ fn pidfile_and_socket_modes() {
         let _ = std::fs::remove_file(p);
     }
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-    let mut server = spawn(&blk_args(
-        sock.to_str().unwrap(),
-        img.to_str().unwrap(),
-        &[
-            "--stats-socket",
-            stats_sock.to_str().unwrap(),
-            "--pidfile",
-            pidfile.to_str().unwrap(),
-        ],
-    ));
+    // The server with its statistics socket and `flag value`.
+    let start = |flag: &str, value: &str| {
+        spawn(&blk_args(
+            sock.to_str().unwrap(),
+            img.to_str().unwrap(),
+            &["--stats-socket", stats_sock.to_str().unwrap(), flag, value],
+        ))
+    };
+    let mut server = start("--pidfile", pidfile.to_str().unwrap());
     wait_for_path(&pidfile);
     // Written after the bind: the sockets are there and answer.
     assert!(UnixStream::connect(&sock).is_ok());
@@ -261,16 +260,7 @@ fn pidfile_and_socket_modes() {
     assert!(server.0.wait().unwrap().success());
     assert!(!pidfile.exists(), "pid file removed on exit");
 
-    let mut server = spawn(&blk_args(
-        sock.to_str().unwrap(),
-        img.to_str().unwrap(),
-        &[
-            "--stats-socket",
-            stats_sock.to_str().unwrap(),
-            "--socket-mode",
-            "0660",
-        ],
-    ));
+    let mut server = start("--socket-mode", "0660");
     wait_for_path(&stats_sock);
     assert_eq!((mode(&sock), mode(&stats_sock)), (0o660, 0o660));
     signal(&server.0, libc::SIGTERM);
