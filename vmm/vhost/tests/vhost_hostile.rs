@@ -25,7 +25,7 @@ mod vhost_support;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use bouncevm_vhost::relay::req::{ADD_MEM_REG, SET_MEM_TABLE, SET_VRING_NUM};
+use bouncevm_vhost::relay::req::{ADD_MEM_REG, SET_MEM_TABLE, SET_VRING_KICK, SET_VRING_NUM};
 use devices::block::STATUS_UNSET;
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_IN,
@@ -146,12 +146,8 @@ fn a_call_eventfd_whose_counter_is_full_blocks_nothing() {
     let mut server = Server::start();
     let mut d = negotiated(&server);
     d.calls[0] = full_eventfd();
-    d.set_mem_table().unwrap();
-    d.configure_default_ring(0).unwrap();
-    d.frontend.set_vring_enable(0, true).unwrap();
-    let data = vec![0x5a; 4096];
-    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&data));
-    assert!(d.poll_used(0).is_some(), "the write never completed");
+    start_queue_0(&mut d);
+    write_completes(&mut d, 0x5a);
     assert_eq!(blk_status(&d, 0), VIRTIO_BLK_S_OK);
     // The worker did not block signalling the full counter: the stop answers.
     assert_eq!(d.stop_ring(0), 1);
@@ -435,6 +431,60 @@ fn assert_no_fd_outlives(server: &mut Server, serve: fn(&Server, u8), sessions: 
     }
 }
 
+/// A session of a device of `queues` queues with kick, call and error eventfds on queue 0,
+/// its worker broken (the error fd signalled), queues `running` configured and enabled.
+fn with_error_fd(server: &Server, queues: usize, running: &[usize]) -> Driver {
+    let mut d = negotiated_queues(server, queues);
+    d.set_mem_table().unwrap();
+    for &q in running {
+        d.configure_default_ring(q).unwrap();
+        d.frontend.set_vring_enable(q, true).unwrap();
+    }
+    break_queue_0(&mut d);
+    assert!(
+        d.wait_err(0, Duration::from_secs(10)),
+        "the error fd was not signalled"
+    );
+    d
+}
+
+/// A session whose kick fd for queue `index` is a pipe holding one byte, refused.
+fn kick_pipe_refused(server: &Server, queues: usize, index: u64) -> Driver {
+    let mut d = negotiated_queues(server, queues);
+    d.set_mem_table().unwrap();
+    let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
+    assert!(
+        refused(&d, SET_VRING_KICK, &index.to_le_bytes(), vec![pipe]),
+        "the pipe was accepted"
+    );
+    d
+}
+
+/// A session that ends mid-setup: memory mapped, queue 0's fds handed over, never enabled.
+fn ended_mid_setup(server: &Server, queues: usize) -> Driver {
+    let mut d = negotiated_queues(server, queues);
+    d.set_mem_table().unwrap();
+    d.configure_default_ring(0).unwrap();
+    d
+}
+
+/// Writes 4 KiB of `byte` at sector 8 on queue 0 and waits for its completion.
+fn write_completes(d: &mut Driver, byte: u8) {
+    blk_request(d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[byte; 4096]));
+    assert!(d.poll_used(0).is_some(), "the write never completed");
+}
+
+/// Guest memory added region by region (ADD_MEM_REG, two halves), queue 0 running on it, and
+/// a write of `byte`s served.
+fn write_on_added_regions(d: &mut Driver, byte: u8) {
+    for region in d.regions_split_at(MEM_SIZE as u64 / 2) {
+        d.frontend.add_mem_region(&region).unwrap();
+    }
+    d.configure_default_ring(0).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    write_completes(d, byte);
+}
+
 #[test]
 fn no_front_end_fd_outlives_its_session() {
     let mut server = Server::start();
@@ -443,31 +493,13 @@ fn no_front_end_fd_outlives_its_session() {
         // signalled).
         (
             "a session with an error fd",
-            |server| {
-                let mut d = negotiated(server);
-                d.set_mem_table().unwrap();
-                break_queue_0(&mut d);
-                assert!(
-                    d.wait_err(0, Duration::from_secs(10)),
-                    "the error fd was not signalled"
-                );
-                d
-            },
+            |server| with_error_fd(server, 1, &[]),
             2,
         ),
         // A kick fd that is a pipe holding one byte, refused.
         (
             "a refused kick pipe",
-            |server| {
-                let mut d = negotiated(server);
-                d.set_mem_table().unwrap();
-                let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
-                assert!(
-                    refused(&d, 12, &0u64.to_le_bytes(), vec![pipe]),
-                    "the pipe was accepted"
-                );
-                d
-            },
+            |server| kick_pipe_refused(server, 1, 0),
             3,
         ),
         // A call eventfd at its maximum, the queue served, then gone.
@@ -477,8 +509,7 @@ fn no_front_end_fd_outlives_its_session() {
                 let mut d = negotiated(server);
                 d.calls[0] = full_eventfd();
                 start_queue_0(&mut d);
-                blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x5a; 4096]));
-                assert!(d.poll_used(0).is_some(), "the write never completed");
+                write_completes(&mut d, 0x5a);
                 d
             },
             4,
@@ -487,12 +518,7 @@ fn no_front_end_fd_outlives_its_session() {
         // enabled.
         (
             "a session ended mid-setup",
-            |server| {
-                let mut d = negotiated(server);
-                d.set_mem_table().unwrap();
-                d.configure_default_ring(0).unwrap();
-                d
-            },
+            |server| ended_mid_setup(server, 1),
             5,
         ),
         // Memory added region by region (ADD_MEM_REG), a queue running on it.
@@ -500,13 +526,7 @@ fn no_front_end_fd_outlives_its_session() {
             "a session with added regions",
             |server| {
                 let mut d = negotiated(server);
-                for region in d.regions_split_at(MEM_SIZE as u64 / 2) {
-                    d.frontend.add_mem_region(&region).unwrap();
-                }
-                d.configure_default_ring(0).unwrap();
-                d.frontend.set_vring_enable(0, true).unwrap();
-                blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0xa5; 4096]));
-                assert!(d.poll_used(0).is_some(), "the write never completed");
+                write_on_added_regions(&mut d, 0xa5);
                 d
             },
             6,
@@ -531,13 +551,7 @@ fn no_front_end_fd_outlives_its_session() {
                 d.frontend
                     .set_inflight_fd(&info, region.as_raw_fd())
                     .unwrap();
-                for r in d.regions_split_at(MEM_SIZE as u64 / 2) {
-                    d.frontend.add_mem_region(&r).unwrap();
-                }
-                d.configure_default_ring(0).unwrap();
-                d.frontend.set_vring_enable(0, true).unwrap();
-                blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x3c; 4096]));
-                assert!(d.poll_used(0).is_some(), "the write never completed");
+                write_on_added_regions(&mut d, 0x3c);
                 drop(region);
                 let st = server.stats();
                 let relay = &st["server"]["relay"];
@@ -598,33 +612,13 @@ fn no_front_end_fd_outlives_a_net_session() {
         // RX's rings at the end of guest memory: the worker is broken, the error fd signalled.
         (
             "a net session with an error fd",
-            |server| {
-                let mut d = negotiated_queues(server, 3);
-                d.set_mem_table().unwrap();
-                d.configure_default_ring(1).unwrap();
-                d.frontend.set_vring_enable(1, true).unwrap();
-                break_queue_0(&mut d);
-                assert!(
-                    d.wait_err(0, Duration::from_secs(10)),
-                    "the error fd was not signalled"
-                );
-                d
-            },
+            |server| with_error_fd(server, 3, &[1]),
             2,
         ),
         // A kick fd that is a pipe holding one byte, refused.
         (
             "a refused net kick pipe",
-            |server| {
-                let mut d = negotiated_queues(server, 3);
-                d.set_mem_table().unwrap();
-                let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
-                assert!(
-                    refused(&d, 12, &1u64.to_le_bytes(), vec![pipe]),
-                    "the pipe was accepted"
-                );
-                d
-            },
+            |server| kick_pipe_refused(server, 3, 1),
             3,
         ),
         // Call eventfds at their maximum, TX served, then gone.
@@ -660,12 +654,7 @@ fn no_front_end_fd_outlives_a_net_session() {
         // A session that ends mid-setup.
         (
             "a net session ended mid-setup",
-            |server| {
-                let mut d = negotiated_queues(server, 3);
-                d.set_mem_table().unwrap();
-                d.configure_default_ring(0).unwrap();
-                d
-            },
+            |server| ended_mid_setup(server, 3),
             8,
         ),
     ];
