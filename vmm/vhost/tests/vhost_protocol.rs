@@ -40,16 +40,18 @@ use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
-/// Starts a server for an echo device; returns the join handle (giving the server back) and a
-/// stop handle.
+/// Starts a server for an echo device; returns the device's counters, the socket, the join
+/// handle (giving the server back) and a stop handle.
 fn start_server(
     name: &str,
     device: EchoDevice,
 ) -> (
+    Arc<EchoCounters>,
     PathBuf,
     thread::JoinHandle<Server<EchoDevice>>,
     bouncevm_vhost::StopHandle,
 ) {
+    let counters = device.counters.clone();
     let path = socket_path(name);
     let mut server = Server::bind("echo", device, &path).unwrap();
     let stop = server.stop_handle().unwrap();
@@ -57,7 +59,7 @@ fn start_server(
         server.run().unwrap();
         server
     });
-    (path, t, stop)
+    (counters, path, t, stop)
 }
 
 const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
@@ -89,9 +91,7 @@ fn assert_extra_event_handled(d: &Driver, extra: &EventFd, counters: &EchoCounte
 
 #[test]
 fn early_vring_enable_is_applied_after_set_features() {
-    let device = EchoDevice::new(1);
-    let counters = device.counters.clone();
-    let (path, server, stop) = start_server("early.sock", device);
+    let (counters, path, server, stop) = start_server("early.sock", EchoDevice::new(1));
     let mut d = Driver::connect(&path, 1);
     qemu_net_order(&mut d).expect("QEMU's order must be accepted");
     assert_eq!(
@@ -181,9 +181,8 @@ fn plain_vhost_user_backend_drops_the_early_enable() {
 #[test]
 fn blk_order_config_space_and_worker_fds() {
     let device = EchoDevice::new(1);
-    let counters = device.counters.clone();
     let extra = device.extra.clone();
-    let (path, server, stop) = start_server("blk.sock", device);
+    let (counters, path, server, stop) = start_server("blk.sock", device);
     let mut d = Driver::connect(&path, 1);
     let offered = d.handshake().unwrap();
     let (_, cfg) = d
@@ -210,9 +209,7 @@ fn blk_order_config_space_and_worker_fds() {
 
 #[test]
 fn reconnect_resets_the_device_and_serves_again() {
-    let device = EchoDevice::new(1);
-    let counters = device.counters.clone();
-    let (path, server, stop) = start_server("reconnect.sock", device);
+    let (counters, path, server, stop) = start_server("reconnect.sock", EchoDevice::new(1));
     for round in 0..3 {
         let mut d = Driver::connect(&path, 1);
         qemu_net_order(&mut d).unwrap();
@@ -240,9 +237,7 @@ fn reconnect_resets_the_device_and_serves_again() {
 #[test]
 fn guest_reset_stops_and_restarts_the_device() {
     // QEMU on a guest reset: GET_VRING_BASE, then a new start with SET_FEATURES.
-    let device = EchoDevice::new(1);
-    let counters = device.counters.clone();
-    let (path, server, stop) = start_server("restart.sock", device);
+    let (counters, path, server, stop) = start_server("restart.sock", EchoDevice::new(1));
     let mut d = Driver::connect(&path, 1);
     qemu_net_order(&mut d).unwrap();
     assert!(d.echo(0, b"one").is_some());
@@ -260,7 +255,7 @@ fn guest_reset_stops_and_restarts_the_device() {
 
 #[test]
 fn a_live_socket_is_refused_and_a_stale_one_replaced() {
-    let (path, server, stop) = start_server("live.sock", EchoDevice::new(1));
+    let (_, path, server, stop) = start_server("live.sock", EchoDevice::new(1));
     // Wait until it listens.
     drop(Driver::connect(&path, 1));
     let e = Server::bind("echo", EchoDevice::new(1), &path).unwrap_err();
@@ -394,7 +389,7 @@ fn the_backend_request_channel_stays_open_for_the_session() {
     // Regression: the adapter dropped the SET_BACKEND_REQ_FD channel on
     // arrival; QEMU 7.2 then read EOF on it and printed "Unexpected end-of-file before all
     // data were read" on every run with ACCESS_PLATFORM offered.
-    let (path, server, stop) = start_server("backreq.sock", EchoDevice::new(1));
+    let (_, path, server, stop) = start_server("backreq.sock", EchoDevice::new(1));
     let mut d = Driver::connect(&path, 1);
     d.handshake_with(VhostUserProtocolFeatures::BACKEND_REQ)
         .unwrap();
