@@ -104,13 +104,7 @@ def _qemu_paths() -> tuple[str, str]:
     env_q = os.environ.get("BVM_QEMU")
     if env_q:
         return env_q, os.environ.get("BVM_QSD") or (shutil.which("qemu-storage-daemon") or "")
-    try:
-        out = subprocess.run(
-            ["bash", str(IMAGES_DIR / "qemu.sh")], capture_output=True, text=True, timeout=900
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise Missing(f"images/qemu.sh failed: {e}")
-    kv = _parse_kv_lines(out.stdout)
+    out, kv = _run_images_script("qemu.sh", timeout=900)
     if out.returncode != 0 or not kv.get("QEMU"):
         raise Missing(f"no usable qemu-system-x86_64 (images/qemu.sh: {out.stderr.strip()[-300:]})")
     return kv["QEMU"], kv.get("QSD", "")
@@ -127,6 +121,18 @@ def require_qsd() -> str:
     if not q:
         raise Missing("no qemu-storage-daemon")
     return q
+
+
+def _run_images_script(script: str, timeout: int) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """Runs images/<script>; its result and the KEY=value lines of its stdout. A script that
+    cannot be run or runs out of time is Missing."""
+    try:
+        r = subprocess.run(
+            ["bash", str(IMAGES_DIR / script)], capture_output=True, text=True, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Missing(f"images/{script} failed: {e}")
+    return r, _parse_kv_lines(r.stdout)
 
 
 def _parse_kv_lines(text: str) -> dict[str, str]:
@@ -155,13 +161,7 @@ def images() -> Images:
     out = IMAGES_DIR / "out"
     if os.geteuid() != 0 and not (out / "vmlinuz").exists():
         raise Missing("guest images not built and not root to build them (run images/build.sh)")
-    try:
-        r = subprocess.run(
-            ["bash", str(IMAGES_DIR / "build.sh")], capture_output=True, text=True, timeout=1800
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise Missing(f"images/build.sh failed: {e}")
-    kv = _parse_kv_lines(r.stdout)
+    r, kv = _run_images_script("build.sh", timeout=1800)
     if r.returncode != 0 or "VMLINUZ" not in kv:
         raise Missing(f"images/build.sh failed (rc={r.returncode}): {r.stderr.strip()[-500:]}")
     return Images(Path(kv["VMLINUZ"]), Path(kv["INITRAMFS"]), kv.get("KERNEL_RELEASE", ""))

@@ -3,6 +3,8 @@
 import re
 import sys
 
+import pytest
+
 import rig1
 
 
@@ -130,12 +132,8 @@ def test_tcg_threading_is_checked(monkeypatch):
         monkeypatch.setattr(rig1, "TCG_THREAD", mode)
         assert rig1.tcg_thread() == mode
     monkeypatch.setattr(rig1, "TCG_THREAD", "Multi")
-    try:
+    with pytest.raises(ValueError, match="BVM_RIG1_TCG"):
         rig1.tcg_thread()
-    except ValueError as e:
-        assert "BVM_RIG1_TCG" in str(e)
-    else:
-        raise AssertionError("a bad BVM_RIG1_TCG was accepted")
 
 
 def _fake_backend(name: str, sock) -> rig1.Backend:

@@ -44,12 +44,14 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
+use devices::metrics::{lock, Counter, LogOnce};
 use devices::virtio::dispatch::{Dispatcher, Outcome};
 use devices::virtio::spec::{feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_ID_BLOCK};
 use devices::virtio::{VirtioDevice, WorkerEvent};
+use serde::Serialize;
 use serde_json::json;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Backend;
@@ -64,7 +66,7 @@ use vmm_sys_util::event::{
 use crate::inflight::Inflight;
 use crate::layout::QueueLayout;
 use crate::report::Report;
-use crate::vring::{count_lock, Call};
+use crate::vring::{count_lock, try_lock, Call};
 use smallvec::SmallVec;
 
 /// Guest memory as the vhost-user backend maps it (no dirty-page bitmap).
@@ -108,39 +110,51 @@ where
     }
 }
 
-/// Transport counters (atomics: read by the stats reporter while the threads run).
-#[derive(Debug, Default)]
+/// Transport counters (atomics: read by the stats reporter while the threads run); they
+/// serialise as the `transport` statistics' counters.
+#[derive(Debug, Default, Serialize)]
 struct Counters {
-    kicks: AtomicU64,
-    fd_events: AtomicU64,
-    signals: AtomicU64,
-    signal_errors: AtomicU64,
-    activations: AtomicU64,
-    activation_failures: AtomicU64,
-    resets: AtomicU64,
-    broken_workers: AtomicU64,
-    ignored_events: AtomicU64,
-    not_ready_events: AtomicU64,
+    kicks: Counter,
+    fd_events: Counter,
+    signals: Counter,
+    signal_errors: Counter,
+    activations: Counter,
+    activation_failures: Counter,
+    resets: Counter,
+    broken_workers: Counter,
+    ignored_events: Counter,
+    not_ready_events: Counter,
     /// Workers given their queue's inflight log.
-    inflight_logs: AtomicU64,
+    inflight_logs: Counter,
     /// Inflight regions that arrived after a worker had served (used from the next activation).
-    late_inflight_regions: AtomicU64,
+    late_inflight_regions: Counter,
     /// A front end may ask for features the device refuses, again and again.
-    activation_failure_logged: devices::metrics::LogOnce,
-    late_inflight_logged: devices::metrics::LogOnce,
+    #[serde(skip)]
+    activation_failure_logged: LogOnce,
+    #[serde(skip)]
+    late_inflight_logged: LogOnce,
     /// A front end may hand over a call eventfd whose counter is full, or close it.
-    signal_error_logged: devices::metrics::LogOnce,
+    #[serde(skip)]
+    signal_error_logged: LogOnce,
+}
+
+/// The `transport` statistics: the negotiation's state and the counters.
+#[derive(Serialize)]
+struct TransportStats<'a> {
+    /// Whether the device is active, or `"busy"`.
+    active: serde_json::Value,
+    /// The acked features in hex (null before SET_FEATURES), or `"busy"`.
+    acked_features: serde_json::Value,
+    event_idx: bool,
+    #[serde(flatten)]
+    counters: &'a Counters,
 }
 
 impl Counters {
-    fn inc(c: &AtomicU64) {
-        c.fetch_add(1, Ordering::Relaxed);
-    }
-
     /// A used-buffer notification of the queue at `position` failed: counted, the first
     /// logged (a full counter is already readable, so the front end sees it anyway).
     fn signal_failed(&self, position: usize, e: &io::Error) {
-        Self::inc(&self.signal_errors);
+        self.signal_errors.inc();
         if self.signal_error_logged.first() {
             tracing::info!(
                 "signalling the queue at position {position}: {e} (a call eventfd full or gone; logged once per session, counted in signal_errors)"
@@ -343,6 +357,7 @@ pub struct VhostUserDevice<D> {
     counters: Counters,
 }
 
+// By hand, as Server's is (`D` need not be Debug); each names its own identifying fields.
 impl<D> std::fmt::Debug for VhostUserDevice<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VhostUserDevice")
@@ -351,12 +366,6 @@ impl<D> std::fmt::Debug for VhostUserDevice<D> {
             .field("features", &format_args!("{:#x}", self.features))
             .finish_non_exhaustive()
     }
-}
-
-/// Locks a mutex, recovering the data of a poisoned one (a panicking worker must not take
-/// the whole server down with it).
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
@@ -522,11 +531,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
     /// Never waits for a worker or the negotiation: a thread busy in a worker (or a stop
     /// waiting for one) shows as `"busy"`, so the statistics socket and SIGUSR1 always answer.
     pub fn stats(&self) -> serde_json::Value {
-        let device = match self.device.try_lock() {
-            Ok(d) => d.stats(),
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().stats(),
-            Err(std::sync::TryLockError::WouldBlock) => json!("busy"),
-        };
+        let device = try_lock(&self.device).map_or_else(|| json!("busy"), |d| d.stats());
         let mut workers = Vec::new();
         let of = |g: &Group| {
             g.workers
@@ -535,13 +540,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 .collect::<Vec<_>>()
         };
         for t in &self.threads {
-            let early = match t.early.try_lock() {
-                Ok(e) => e,
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    workers.push(json!("busy"));
-                    continue;
-                }
+            let Some(early) = try_lock(&t.early) else {
+                workers.push(json!("busy"));
+                continue;
             };
             match early.vrings.first() {
                 None => workers.extend(of(&early.group)),
@@ -551,37 +552,20 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 },
             }
         }
-        let c = &self.counters;
-        let (active, acked) = match self.neg.try_lock() {
-            Ok(n) => (json!(n.active), json!(n.acked.map(|f| format!("{f:#x}")))),
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                let n = p.into_inner();
-                (json!(n.active), json!(n.acked.map(|f| format!("{f:#x}"))))
-            }
-            Err(std::sync::TryLockError::WouldBlock) => (json!("busy"), json!("busy")),
-        };
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (active, acked) = try_lock(&self.neg).map_or_else(
+            || (json!("busy"), json!("busy")),
+            |n| (json!(n.active), json!(n.acked.map(|f| format!("{f:#x}")))),
+        );
         json!({
             "device": device,
             "workers": workers,
             "report": self.report.stats(),
-            "transport": {
-                "active": active,
-                "acked_features": acked,
-                "event_idx": self.event_idx.load(Ordering::Relaxed),
-                "kicks": get(&c.kicks),
-                "fd_events": get(&c.fd_events),
-                "signals": get(&c.signals),
-                "signal_errors": get(&c.signal_errors),
-                "activations": get(&c.activations),
-                "activation_failures": get(&c.activation_failures),
-                "resets": get(&c.resets),
-                "broken_workers": get(&c.broken_workers),
-                "ignored_events": get(&c.ignored_events),
-                "not_ready_events": get(&c.not_ready_events),
-                "inflight_logs": get(&c.inflight_logs),
-                "late_inflight_regions": get(&c.late_inflight_regions),
-            }
+            "transport": TransportStats {
+                active,
+                acked_features: acked,
+                event_idx: self.event_idx.load(Ordering::Relaxed),
+                counters: &self.counters,
+            },
         })
     }
 
@@ -599,7 +583,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 } else {
                     tracing::debug!("activating the device failed: {e}");
                 }
-                Counters::inc(&self.counters.activation_failures);
+                self.counters.activation_failures.inc();
                 neg.failed = true;
                 return;
             }
@@ -612,7 +596,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                     "device worker serves queues {queues:?}, which no thread of layout {:?} holds together",
                     self.layout
                 );
-                Counters::inc(&self.counters.activation_failures);
+                self.counters.activation_failures.inc();
                 neg.failed = true;
                 lock(&self.device).reset();
                 return;
@@ -662,7 +646,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         self.active.store(true, Ordering::Release);
         neg.failed = false;
         self.report.clear();
-        Counters::inc(&self.counters.activations);
+        self.counters.activations.inc();
     }
 }
 
@@ -689,7 +673,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         }
         lock(&self.device).reset();
         neg.active = false;
-        Counters::inc(&self.counters.resets);
+        self.counters.resets.inc();
     }
 
     /// Gives `w` its queues' logs of the session's inflight region, if there is one and `w`
@@ -704,7 +688,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         }
         w.inflight_seen = generation;
         if w.served {
-            Counters::inc(&self.counters.late_inflight_regions);
+            self.counters.late_inflight_regions.inc();
             if self.counters.late_inflight_logged.first() {
                 tracing::warn!(
                     "an inflight region arrived after queues {:?} started; used from their next start (logged once, counted in late_inflight_regions)",
@@ -715,7 +699,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         }
         if let Some(logs) = inflight.logs(w.worker.queue_indexes()) {
             if w.worker.track_heads(logs) {
-                Counters::inc(&self.counters.inflight_logs);
+                self.counters.inflight_logs.inc();
             }
         }
     }
@@ -782,16 +766,16 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
     /// is released.
     fn dispatch(&self, device_event: u16, evset: EventSet, vrings: &[Vring], thread_id: usize) {
         let Some(slot) = self.threads.get(thread_id) else {
-            Counters::inc(&self.counters.ignored_events);
+            self.counters.ignored_events.inc();
             return;
         };
         if !slot.known.load(Ordering::Acquire) && !self.learn_vrings(slot, vrings) {
-            Counters::inc(&self.counters.ignored_events);
+            self.counters.ignored_events.inc();
             return;
         }
         self.ensure_active();
         let Some(first) = vrings.first() else {
-            Counters::inc(&self.counters.ignored_events);
+            self.counters.ignored_events.inc();
             return;
         };
         let after = {
@@ -801,7 +785,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         };
         match after {
             Some(after) => self.act(after),
-            None => Counters::inc(&self.counters.ignored_events),
+            None => self.counters.ignored_events.inc(),
         }
     }
 
@@ -862,7 +846,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         match after {
             After::Signal(calls) => {
                 for (i, call) in calls {
-                    Counters::inc(&self.counters.signals);
+                    self.counters.signals.inc();
                     if let Err(e) = call.signal() {
                         // The counter may be full, or the fd gone, while the frontend
                         // reconfigures.
@@ -870,14 +854,14 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                     }
                 }
             }
-            After::NotReady => Counters::inc(&self.counters.not_ready_events),
-            After::Ignored => Counters::inc(&self.counters.ignored_events),
+            After::NotReady => self.counters.not_ready_events.inc(),
+            After::Ignored => self.counters.ignored_events.inc(),
             After::Nothing => {}
             After::Broken(queues) => {
                 // The dispatcher logged why; report it to the frontend: DEVICE_NEEDS_RESET
                 // and the error eventfds of its queues (so the guest's I/O fails instead of
                 // hanging).
-                Counters::inc(&self.counters.broken_workers);
+                self.counters.broken_workers.inc();
                 self.report.broken(&queues);
             }
         }
@@ -895,7 +879,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
         thread_id: usize,
     ) -> Option<(usize, WorkerEvent)> {
         if usize::from(device_event) < vrings.len() {
-            Counters::inc(&self.counters.kicks);
+            self.counters.kicks.inc();
             let pos = usize::from(device_event);
             let found = group.workers.iter().enumerate().find_map(|(i, w)| {
                 w.positions
@@ -904,17 +888,17 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                     .map(|k| (i, WorkerEvent::Kick(k)))
             });
             if found.is_none() {
-                Counters::inc(&self.counters.ignored_events);
+                self.counters.ignored_events.inc();
             }
             return found;
         }
-        Counters::inc(&self.counters.fd_events);
+        self.counters.fd_events.inc();
         let Some(k) = group
             .extra
             .iter()
             .position(|e| e.data == u64::from(device_event))
         else {
-            Counters::inc(&self.counters.ignored_events);
+            self.counters.ignored_events.inc();
             return None;
         };
         let extra = group.extra[k];

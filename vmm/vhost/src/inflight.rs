@@ -44,6 +44,8 @@ use std::sync::{Arc, Mutex};
 use devices::virtio::headlog::HeadLog;
 use vm_memory::{Bytes, FileOffset, MmapRegion, VolatileMemory};
 
+// Sizes and offsets of the inflight region's format (QEMU's layout): constants, alike in
+// shape only to other tables.
 /// Alignment of each queue's region.
 const QUEUE_ALIGN: usize = 64;
 /// Bytes of a queue region's header (features, version, desc_num, last_batch_head, used_idx).

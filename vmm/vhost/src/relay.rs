@@ -100,7 +100,7 @@ use crate::report::Report;
 use crate::slots::{self, Slots, MAX_MEM_SLOTS};
 use devices::metrics::LogOnce;
 use vhost::vhost_user::message::{
-    FrontendReq, VhostUserProtocolFeatures, VhostUserVirtioFeatures, MAX_ATTACHED_FD_ENTRIES,
+    VhostUserProtocolFeatures, VhostUserVirtioFeatures, MAX_ATTACHED_FD_ENTRIES,
 };
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
@@ -425,23 +425,47 @@ enum Action {
     Refuse(Option<Message>),
 }
 
-const SET_FEATURES: u32 = FrontendReq::SET_FEATURES as u32;
-const SET_PROTOCOL_FEATURES: u32 = FrontendReq::SET_PROTOCOL_FEATURES as u32;
-const GET_FEATURES: u32 = FrontendReq::GET_FEATURES as u32;
-const SET_VRING_ENABLE: u32 = FrontendReq::SET_VRING_ENABLE as u32;
-const RESET_OWNER: u32 = FrontendReq::RESET_OWNER as u32;
-const RESET_DEVICE: u32 = FrontendReq::RESET_DEVICE as u32;
-const SET_VRING_ERR: u32 = FrontendReq::SET_VRING_ERR as u32;
-const SET_STATUS: u32 = FrontendReq::SET_STATUS as u32;
-const GET_STATUS: u32 = FrontendReq::GET_STATUS as u32;
-const SET_VRING_NUM: u32 = FrontendReq::SET_VRING_NUM as u32;
-const SET_VRING_KICK: u32 = FrontendReq::SET_VRING_KICK as u32;
-const SET_VRING_CALL: u32 = FrontendReq::SET_VRING_CALL as u32;
-const SET_MEM_TABLE: u32 = FrontendReq::SET_MEM_TABLE as u32;
-const ADD_MEM_REG: u32 = FrontendReq::ADD_MEM_REG as u32;
-const GET_INFLIGHT_FD: u32 = FrontendReq::GET_INFLIGHT_FD as u32;
-const SET_INFLIGHT_FD: u32 = FrontendReq::SET_INFLIGHT_FD as u32;
-const REM_MEM_REG: u32 = FrontendReq::REM_MEM_REG as u32;
+/// The vhost-user request numbers as a message header carries them.
+pub mod req {
+    use vhost::vhost_user::message::FrontendReq;
+
+    /// Acks virtio features.
+    pub const SET_FEATURES: u32 = FrontendReq::SET_FEATURES as u32;
+    /// Acks vhost-user protocol features.
+    pub const SET_PROTOCOL_FEATURES: u32 = FrontendReq::SET_PROTOCOL_FEATURES as u32;
+    /// Asks for the offered virtio features.
+    pub const GET_FEATURES: u32 = FrontendReq::GET_FEATURES as u32;
+    /// Enables or disables a vring.
+    pub const SET_VRING_ENABLE: u32 = FrontendReq::SET_VRING_ENABLE as u32;
+    /// Resets the session (the older request that RESET_DEVICE replaces).
+    pub const RESET_OWNER: u32 = FrontendReq::RESET_OWNER as u32;
+    /// Resets the device.
+    pub const RESET_DEVICE: u32 = FrontendReq::RESET_DEVICE as u32;
+    /// Hands over a vring's error eventfd.
+    pub const SET_VRING_ERR: u32 = FrontendReq::SET_VRING_ERR as u32;
+    /// Sets the virtio device status.
+    pub const SET_STATUS: u32 = FrontendReq::SET_STATUS as u32;
+    /// Asks for the virtio device status.
+    pub const GET_STATUS: u32 = FrontendReq::GET_STATUS as u32;
+    /// Sets a vring's size.
+    pub const SET_VRING_NUM: u32 = FrontendReq::SET_VRING_NUM as u32;
+    /// Hands over a vring's kick eventfd.
+    pub const SET_VRING_KICK: u32 = FrontendReq::SET_VRING_KICK as u32;
+    /// Hands over a vring's call eventfd.
+    pub const SET_VRING_CALL: u32 = FrontendReq::SET_VRING_CALL as u32;
+    /// Replaces the guest memory table.
+    pub const SET_MEM_TABLE: u32 = FrontendReq::SET_MEM_TABLE as u32;
+    /// Adds one guest memory region.
+    pub const ADD_MEM_REG: u32 = FrontendReq::ADD_MEM_REG as u32;
+    /// Asks the back end for an inflight region.
+    pub const GET_INFLIGHT_FD: u32 = FrontendReq::GET_INFLIGHT_FD as u32;
+    /// Hands an inflight region to the back end.
+    pub const SET_INFLIGHT_FD: u32 = FrontendReq::SET_INFLIGHT_FD as u32;
+    /// Removes one guest memory region.
+    pub const REM_MEM_REG: u32 = FrontendReq::REM_MEM_REG as u32;
+}
+use req::*;
+
 /// SET_VRING_ERR/KICK/CALL body: the queue index's bits.
 const VRING_INDEX_MASK: u64 = 0xff;
 /// SET_VRING_ERR/KICK/CALL body: no fd attached.

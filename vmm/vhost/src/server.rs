@@ -31,7 +31,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::backend::{Memory, VhostUserDevice};
 use crate::layout::{check_queue_count, LayoutError};
 use crate::relay::{Relay, RelayCounters};
-use devices::metrics::LogOnce;
+use devices::metrics::{lock, LogOnce};
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -583,11 +583,9 @@ fn connect_daemon<D: VirtioDevice<Memory> + 'static>(
     result
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// Polls `sources` for input; returns the ready ones.
+// devices::testing's driver builds its pollfds the same way; that one is test support in
+// the devices crate (below this one), so the server keeps its own.
 fn poll(sources: &[(Source, RawFd)], timeout_ms: i32) -> io::Result<Vec<Source>> {
     let mut fds: Vec<libc::pollfd> = sources
         .iter()

@@ -43,6 +43,16 @@ pub(crate) fn count_lock() {
     EVENT_LOCKS.with(|c| c.set(c.get() + 1));
 }
 
+/// `m` if nobody holds it, poison recovered (the statistics never wait, and a panicking
+/// worker must not take the server down with it).
+pub(crate) fn try_lock<T: ?Sized>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// What [`Vring::lock`] guards: the queue the workers serve and the back end's payload.
 #[derive(Debug)]
 pub struct Serving<T> {
@@ -120,11 +130,7 @@ impl<T> Vring<T> {
 
     /// The served queue and payload if nobody holds them (statistics never wait).
     pub fn try_lock(&self) -> Option<MutexGuard<'_, Serving<T>>> {
-        match self.0.serving.try_lock() {
-            Ok(g) => Some(g),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
+        try_lock(&self.0.serving)
     }
 
     /// Whether the front end enabled the vring (`SET_VRING_ENABLE`, or `SET_FEATURES` without

@@ -7,7 +7,7 @@
 mod vhost_support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bounce::testing::qemu_img_available;
@@ -20,6 +20,7 @@ use devices::virtio::spec::{
     VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
 use vhost::vhost_user::VhostUserFrontend;
+use vhost_support::child::Server;
 use vhost_support::Driver;
 
 const BIN: &str = env!("CARGO_BIN_EXE_bouncevm-vhost");
@@ -36,15 +37,6 @@ fn tmp(name: &str) -> PathBuf {
     let p = dir.join(name);
     let _ = std::fs::remove_file(&p);
     p
-}
-
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// A virtio-blk request: the 16-byte header (type, reserved, sector) then the data.
@@ -78,31 +70,20 @@ fn crash_after_acknowledged_writes(format: &str, cache: &str, aio: &str, flush: 
     let what = format!("{format} cache={cache} aio={aio}");
     let img = tmp(&format!("{cache}-{aio}.{format}"));
     create_image(&img, format);
-    let sock = tmp(&format!("{cache}-{aio}-{format}.sock"));
-    let server = Running(
-        Command::new(BIN)
-            .args([
-                "blk",
-                "--socket",
-                sock.to_str().unwrap(),
-                "--file",
-                img.to_str().unwrap(),
-                "--format",
-                format,
-                "--cache",
-                cache,
-                "--aio",
-                aio,
-                "--bounce",
-                "policy=force",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
+    let mut server = Server::start_on(
+        Some(&img),
+        &[
+            "--format",
+            format,
+            "--cache",
+            cache,
+            "--aio",
+            aio,
+            "--bounce",
+            "policy=force",
+        ],
     );
-    let mut d = Driver::connect(&sock, 1);
+    let mut d = Driver::connect(&server.sock, 1);
     let offered = d.handshake().unwrap();
     assert_eq!(offered & CACHE_FEATURES, CACHE_FEATURES);
     d.set_features(
@@ -133,15 +114,13 @@ fn crash_after_acknowledged_writes(format: &str, cache: &str, aio: &str, flush: 
         assert_eq!(f[0].1, VIRTIO_BLK_S_OK, "FLUSH failed");
     }
     // SIGKILL: no destructor, no final flush of ours runs.
-    let mut server = server;
-    server.0.kill().unwrap();
-    let status = server.0.wait().unwrap();
+    server.child.kill().unwrap();
+    let status = server.child.wait().unwrap();
     assert!(!status.success());
     let data = read_back(&img, format, &what);
     let all: Vec<u64> = (0..WRITES).collect();
     assert_acknowledged(&data, &all, 512, &what);
     let _ = std::fs::remove_file(&img);
-    let _ = std::fs::remove_file(&sock);
 }
 
 fn exists(p: &Path) -> bool {
@@ -158,26 +137,29 @@ fn crash_with_each_aio(format: &str, cache: &str, aios: [&str; 2], flush: bool) 
     }
 }
 
-#[test]
-fn writethrough_writes_survive_sigkill_without_a_flush() {
-    crash_with_each_aio("raw", "writethrough", ["io_uring", "threads"], false);
+/// One test per case: `name: format, cache, aios, flush`.
+macro_rules! crash_tests {
+    ($($(#[$doc:meta])* $name:ident: $format:literal, $cache:literal, $aios:expr, $flush:literal;)*) => {
+        $(
+            $(#[$doc])*
+            #[test]
+            fn $name() {
+                crash_with_each_aio($format, $cache, $aios, $flush);
+            }
+        )*
+    };
 }
 
-#[test]
-fn cache_none_writes_survive_sigkill_after_flush() {
-    crash_with_each_aio("raw", "none", ["io_uring", "threads"], true);
-}
-
-/// qcow2: every write allocates (a data cluster, an L2 table, refcounts), so the metadata
-/// must be durable too, and the image must pass `qemu-img check` after the kill.
-#[test]
-fn qcow2_writethrough_writes_survive_sigkill_without_a_flush() {
-    crash_with_each_aio("qcow2", "writethrough", ["threads", "sync"], false);
-}
-
-#[test]
-fn qcow2_cache_none_writes_survive_sigkill_after_flush() {
-    crash_with_each_aio("qcow2", "none", ["threads", "sync"], true);
+crash_tests! {
+    writethrough_writes_survive_sigkill_without_a_flush:
+        "raw", "writethrough", ["io_uring", "threads"], false;
+    cache_none_writes_survive_sigkill_after_flush: "raw", "none", ["io_uring", "threads"], true;
+    /// qcow2: every write allocates (a data cluster, an L2 table, refcounts), so the metadata
+    /// must be durable too, and the image must pass `qemu-img check` after the kill.
+    qcow2_writethrough_writes_survive_sigkill_without_a_flush:
+        "qcow2", "writethrough", ["threads", "sync"], false;
+    qcow2_cache_none_writes_survive_sigkill_after_flush:
+        "qcow2", "none", ["threads", "sync"], true;
 }
 
 #[test]

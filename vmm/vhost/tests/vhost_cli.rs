@@ -196,19 +196,7 @@ fn stats_socket_sigusr1_reconnect_and_sigterm() {
     let (rx, reader) = stderr_lines(&mut server.0);
     let mut err = String::new();
     wait_json_lines(&rx, 1, &mut err);
-    signal(&server.0, libc::SIGTERM);
-    let status = server.0.wait().unwrap();
-    assert!(status.success(), "{status:?}");
-    reader.join().unwrap();
-    for line in rx.try_iter() {
-        err.push_str(&line);
-        err.push('\n');
-    }
-    let json_lines: Vec<serde_json::Value> = err
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (err, json_lines) = terminate(&mut server.0, &rx, reader, err);
     assert_eq!(
         json_lines.len(),
         2,
@@ -248,16 +236,15 @@ fn pidfile_and_socket_modes() {
         let _ = std::fs::remove_file(p);
     }
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-    let mut server = spawn(&blk_args(
-        sock.to_str().unwrap(),
-        img.to_str().unwrap(),
-        &[
-            "--stats-socket",
-            stats_sock.to_str().unwrap(),
-            "--pidfile",
-            pidfile.to_str().unwrap(),
-        ],
-    ));
+    // The server with its statistics socket and `flag value`.
+    let start = |flag: &str, value: &str| {
+        spawn(&blk_args(
+            sock.to_str().unwrap(),
+            img.to_str().unwrap(),
+            &["--stats-socket", stats_sock.to_str().unwrap(), flag, value],
+        ))
+    };
+    let mut server = start("--pidfile", pidfile.to_str().unwrap());
     wait_for_path(&pidfile);
     // Written after the bind: the sockets are there and answer.
     assert!(UnixStream::connect(&sock).is_ok());
@@ -273,16 +260,7 @@ fn pidfile_and_socket_modes() {
     assert!(server.0.wait().unwrap().success());
     assert!(!pidfile.exists(), "pid file removed on exit");
 
-    let mut server = spawn(&blk_args(
-        sock.to_str().unwrap(),
-        img.to_str().unwrap(),
-        &[
-            "--stats-socket",
-            stats_sock.to_str().unwrap(),
-            "--socket-mode",
-            "0660",
-        ],
-    ));
+    let mut server = start("--socket-mode", "0660");
     wait_for_path(&stats_sock);
     assert_eq!((mode(&sock), mode(&stats_sock)), (0o660, 0o660));
     signal(&server.0, libc::SIGTERM);
@@ -363,6 +341,27 @@ fn wait_json_lines(rx: &std::sync::mpsc::Receiver<String>, n: usize, err: &mut S
     }
 }
 
+/// Stops `child` with SIGTERM and asserts a clean exit; returns its stderr (`err`, read so
+/// far, and the rest) and the statistics (JSON) lines in it.
+fn terminate(
+    child: &mut Child,
+    rx: &std::sync::mpsc::Receiver<String>,
+    reader: std::thread::JoinHandle<()>,
+    mut err: String,
+) -> (String, Vec<serde_json::Value>) {
+    signal(child, libc::SIGTERM);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}: {err}");
+    reader.join().unwrap();
+    err.extend(rx.try_iter().map(|l| l + "\n"));
+    let json_lines = err
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (err, json_lines)
+}
+
 /// Two block devices in one process (`--also`) on one shared bounce pool: both serve I/O, each
 /// server's statistics carry its device's own counters and the shared pool under `pools`, and
 /// the devices' counts sum to the pool's; SIGUSR1 to the process prints a line per device, and
@@ -441,15 +440,7 @@ fn two_devices_in_one_process_share_a_bounce_pool() {
     let mut err = String::new();
     signal(&server.0, libc::SIGUSR1);
     wait_json_lines(&rx, 2, &mut err);
-    signal(&server.0, libc::SIGTERM);
-    assert!(server.0.wait().unwrap().success(), "{err}");
-    reader.join().unwrap();
-    err.extend(rx.try_iter().map(|l| l + "\n"));
-    let lines: Vec<serde_json::Value> = err
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (err, lines) = terminate(&mut server.0, &rx, reader, err);
     assert_eq!(
         lines.len(),
         4,

@@ -164,10 +164,8 @@ fn a_region_removed_with_reads_in_flight_stays_mapped_until_they_complete() {
         let device = Block::new(disk, BlockConfig::default(), dma).unwrap();
         let (path, stats_path, server, stop) = start_server_with_stats("held-rem.sock", device);
         let mut d = Driver::connect(&path, 1);
-        let offered = d
-            .handshake_with(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
+        d.negotiate(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS, WANTED)
             .unwrap();
-        d.set_features(offered & WANTED).unwrap();
         // Rings, headers and status bytes below BLK_DATA; the data buffers above it.
         let [low, high] = d.regions_split_at(BLK_DATA);
         d.frontend.add_mem_region(&low).unwrap();
@@ -261,9 +259,11 @@ fn requests_that_find_the_pool_full_wait_as_long_as_the_disk_holds_its_slots() {
     let device = Block::new(disk, config, dma).unwrap();
     let (path, stats_path, server, stop) = start_server_with_stats("held-full.sock", device);
     let mut d = Driver::connect(&path, 2);
-    let offered = d.handshake().unwrap();
-    d.set_features(offered & (WANTED | feature(VIRTIO_BLK_F_MQ)))
-        .unwrap();
+    d.negotiate(
+        VhostUserProtocolFeatures::empty(),
+        WANTED | feature(VIRTIO_BLK_F_MQ),
+    )
+    .unwrap();
     d.setup_rings(2).unwrap();
     d.frontend.set_vring_enable(0, true).unwrap();
     d.frontend.set_vring_enable(1, true).unwrap();

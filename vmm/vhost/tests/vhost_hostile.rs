@@ -25,6 +25,7 @@ mod vhost_support;
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use bouncevm_vhost::relay::req::{ADD_MEM_REG, SET_MEM_TABLE, SET_VRING_KICK, SET_VRING_NUM};
 use devices::block::STATUS_UNSET;
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_IN,
@@ -41,9 +42,6 @@ use vhost_support::{
 use vm_memory::{Bytes, GuestAddress};
 
 const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
-const SET_MEM_TABLE: u32 = 5;
-const SET_VRING_NUM: u32 = 8;
-const ADD_MEM_REG: u32 = 37;
 const NEEDS_RESET: u8 = 0x40;
 
 /// Connects and negotiates (REPLY_ACK, STATUS) up to SET_FEATURES.
@@ -54,12 +52,11 @@ fn negotiated(server: &Server) -> Driver {
 /// [`negotiated`] for a device of `queues` queues.
 fn negotiated_queues(server: &Server, queues: usize) -> Driver {
     let mut d = Driver::connect(&server.sock, queues);
-    let offered = d
-        .handshake_with(
-            VhostUserProtocolFeatures::STATUS | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
-        )
-        .unwrap();
-    d.set_features(offered & WANTED).unwrap();
+    d.negotiate(
+        VhostUserProtocolFeatures::STATUS | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+        WANTED,
+    )
+    .unwrap();
     d
 }
 
@@ -149,12 +146,8 @@ fn a_call_eventfd_whose_counter_is_full_blocks_nothing() {
     let mut server = Server::start();
     let mut d = negotiated(&server);
     d.calls[0] = full_eventfd();
-    d.set_mem_table().unwrap();
-    d.configure_default_ring(0).unwrap();
-    d.frontend.set_vring_enable(0, true).unwrap();
-    let data = vec![0x5a; 4096];
-    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&data));
-    assert!(d.poll_used(0).is_some(), "the write never completed");
+    start_queue_0(&mut d);
+    write_completes(&mut d, 0x5a);
     assert_eq!(blk_status(&d, 0), VIRTIO_BLK_S_OK);
     // The worker did not block signalling the full counter: the stop answers.
     assert_eq!(d.stop_ring(0), 1);
@@ -407,134 +400,172 @@ fn fds_by_kind(server: &Server) -> std::collections::BTreeMap<String, usize> {
     kinds
 }
 
-/// Ends `d`'s session on the block server and asserts the server holds the fds of
-/// `baseline` once the next benign front end (`seed`) has been served.
-fn ended_with_fds_back(
-    server: &mut Server,
-    d: Driver,
-    baseline: &std::collections::BTreeMap<String, usize>,
-    what: &str,
-    seed: u64,
-) {
-    ended_with_fds_back_after(server, d, baseline, what, |s| {
-        assert_blk_served(&s.sock, seed)
-    });
-}
+/// What a front end's session is, the session (its driver left as the session ends), and the
+/// seed of the benign front end served after it.
+type Session = (&'static str, fn(&Server) -> Driver, u8);
 
-/// Ends `d`'s session and asserts the server holds the fds of `baseline` once `serve` (a
-/// benign front end) has been served.
-fn ended_with_fds_back_after(
-    server: &mut Server,
-    d: Driver,
-    baseline: &std::collections::BTreeMap<String, usize>,
-    what: &str,
-    serve: impl FnOnce(&Server),
-) {
-    drop(d);
-    wait_disconnected(server, what);
-    server.assert_alive(what);
-    serve(server);
-    wait_disconnected(server, what);
-    assert_eq!(
-        &fds_by_kind(server),
-        baseline,
-        "the server keeps a front end's fd after {what}"
-    );
-}
-
-#[test]
-fn no_front_end_fd_outlives_its_session() {
-    let mut server = Server::start();
-    // A benign session first: whatever the server creates once and keeps (the listening
-    // socket, its log, the disk file, the bounce pool) is in the baseline.
-    assert_blk_served(&server.sock, 1);
-    wait_disconnected(&server, "first session");
-    let baseline = fds_by_kind(&server);
+/// Serves a benign front end first (`serve` with seed 1): whatever the server creates once and
+/// keeps (the listening socket, its log, the disk file or tap, the bounce pool) is the
+/// baseline. Then each of `sessions`: once it has ended and the next benign front end (its
+/// seed) has been served, the server holds the fds of the baseline.
+fn assert_no_fd_outlives(server: &mut Server, serve: fn(&Server, u8), sessions: &[Session]) {
+    serve(server, 1);
+    wait_disconnected(server, "first session");
+    let baseline = fds_by_kind(server);
     assert!(
         baseline.get("socket") >= Some(&1),
         "the listening socket is not among the server's fds: {baseline:?}"
     );
+    for &(what, session, seed) in sessions {
+        // The session ends with its driver.
+        drop(session(server));
+        wait_disconnected(server, what);
+        server.assert_alive(what);
+        serve(server, seed);
+        wait_disconnected(server, what);
+        assert_eq!(
+            fds_by_kind(server),
+            baseline,
+            "the server keeps a front end's fd after {what}"
+        );
+    }
+}
 
-    // Kick, call and error eventfds on its queue, its worker broken (the error fd signalled).
-    let mut d = negotiated(&server);
+/// A session of a device of `queues` queues with kick, call and error eventfds on queue 0,
+/// its worker broken (the error fd signalled), queues `running` configured and enabled.
+fn with_error_fd(server: &Server, queues: usize, running: &[usize]) -> Driver {
+    let mut d = negotiated_queues(server, queues);
     d.set_mem_table().unwrap();
+    for &q in running {
+        d.configure_default_ring(q).unwrap();
+        d.frontend.set_vring_enable(q, true).unwrap();
+    }
     break_queue_0(&mut d);
     assert!(
         d.wait_err(0, Duration::from_secs(10)),
         "the error fd was not signalled"
     );
-    ended_with_fds_back(&mut server, d, &baseline, "a session with an error fd", 2);
+    d
+}
 
-    // A kick fd that is a pipe holding one byte, refused.
-    let mut d = negotiated(&server);
+/// A session whose kick fd for queue `index` is a pipe holding one byte, refused.
+fn kick_pipe_refused(server: &Server, queues: usize, index: u64) -> Driver {
+    let mut d = negotiated_queues(server, queues);
     d.set_mem_table().unwrap();
     let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
     assert!(
-        refused(&d, 12, &0u64.to_le_bytes(), vec![pipe]),
+        refused(&d, SET_VRING_KICK, &index.to_le_bytes(), vec![pipe]),
         "the pipe was accepted"
     );
-    ended_with_fds_back(&mut server, d, &baseline, "a refused kick pipe", 3);
+    d
+}
 
-    // A call eventfd at its maximum, the queue served, then gone.
-    let mut d = negotiated(&server);
-    d.calls[0] = full_eventfd();
-    start_queue_0(&mut d);
-    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x5a; 4096]));
-    assert!(d.poll_used(0).is_some(), "the write never completed");
-    ended_with_fds_back(&mut server, d, &baseline, "a full call counter", 4);
-
-    // A session that ends mid-setup: memory mapped, the ring's fds handed over, never enabled.
-    let mut d = negotiated(&server);
+/// A session that ends mid-setup: memory mapped, queue 0's fds handed over, never enabled.
+fn ended_mid_setup(server: &Server, queues: usize) -> Driver {
+    let mut d = negotiated_queues(server, queues);
     d.set_mem_table().unwrap();
     d.configure_default_ring(0).unwrap();
-    ended_with_fds_back(&mut server, d, &baseline, "a session ended mid-setup", 5);
+    d
+}
 
-    // Memory added region by region (ADD_MEM_REG), a queue running on it.
-    let mut d = negotiated(&server);
+/// Writes 4 KiB of `byte` at sector 8 on queue 0 and waits for its completion.
+fn write_completes(d: &mut Driver, byte: u8) {
+    blk_request(d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[byte; 4096]));
+    assert!(d.poll_used(0).is_some(), "the write never completed");
+}
+
+/// Guest memory added region by region (ADD_MEM_REG, two halves), queue 0 running on it, and
+/// a write of `byte`s served.
+fn write_on_added_regions(d: &mut Driver, byte: u8) {
     for region in d.regions_split_at(MEM_SIZE as u64 / 2) {
         d.frontend.add_mem_region(&region).unwrap();
     }
     d.configure_default_ring(0).unwrap();
     d.frontend.set_vring_enable(0, true).unwrap();
-    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0xa5; 4096]));
-    assert!(d.poll_used(0).is_some(), "the write never completed");
-    ended_with_fds_back(&mut server, d, &baseline, "a session with added regions", 6);
+    write_completes(d, byte);
+}
 
-    // An inflight region asked for (GET_INFLIGHT_FD: a memfd the server creates) and handed
-    // back (SET_INFLIGHT_FD), memory added region by region, a queue running on both.
-    let mut d = Driver::connect(&server.sock, 1);
-    let offered = d
-        .handshake_with(
-            VhostUserProtocolFeatures::INFLIGHT_SHMFD
-                | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
-        )
-        .unwrap();
-    d.set_features(offered & WANTED).unwrap();
-    let (info, region) = d
-        .frontend
-        .get_inflight_fd(&VhostUserInflight::new(0, 0, 1, QSIZE))
-        .unwrap();
-    d.frontend
-        .set_inflight_fd(&info, region.as_raw_fd())
-        .unwrap();
-    for r in d.regions_split_at(MEM_SIZE as u64 / 2) {
-        d.frontend.add_mem_region(&r).unwrap();
-    }
-    d.configure_default_ring(0).unwrap();
-    d.frontend.set_vring_enable(0, true).unwrap();
-    blk_request(&mut d, 0, VIRTIO_BLK_T_OUT, 8, Some(&[0x3c; 4096]));
-    assert!(d.poll_used(0).is_some(), "the write never completed");
-    drop(region);
-    let st = server.stats();
-    let relay = &st["server"]["relay"];
-    assert_eq!(relay["inflight_regions_created"], 1, "{st}");
-    assert_eq!(relay["inflight_regions_adopted"], 1, "{st}");
-    ended_with_fds_back(
+#[test]
+fn no_front_end_fd_outlives_its_session() {
+    let mut server = Server::start();
+    let sessions: [Session; 6] = [
+        // Kick, call and error eventfds on its queue, its worker broken (the error fd
+        // signalled).
+        (
+            "a session with an error fd",
+            |server| with_error_fd(server, 1, &[]),
+            2,
+        ),
+        // A kick fd that is a pipe holding one byte, refused.
+        (
+            "a refused kick pipe",
+            |server| kick_pipe_refused(server, 1, 0),
+            3,
+        ),
+        // A call eventfd at its maximum, the queue served, then gone.
+        (
+            "a full call counter",
+            |server| {
+                let mut d = negotiated(server);
+                d.calls[0] = full_eventfd();
+                start_queue_0(&mut d);
+                write_completes(&mut d, 0x5a);
+                d
+            },
+            4,
+        ),
+        // A session that ends mid-setup: memory mapped, the ring's fds handed over, never
+        // enabled.
+        (
+            "a session ended mid-setup",
+            |server| ended_mid_setup(server, 1),
+            5,
+        ),
+        // Memory added region by region (ADD_MEM_REG), a queue running on it.
+        (
+            "a session with added regions",
+            |server| {
+                let mut d = negotiated(server);
+                write_on_added_regions(&mut d, 0xa5);
+                d
+            },
+            6,
+        ),
+        // An inflight region asked for (GET_INFLIGHT_FD: a memfd the server creates) and
+        // handed back (SET_INFLIGHT_FD), memory added region by region, a queue running on
+        // both.
+        (
+            "a session with an inflight region and added regions",
+            |server| {
+                let mut d = Driver::connect(&server.sock, 1);
+                d.negotiate(
+                    VhostUserProtocolFeatures::INFLIGHT_SHMFD
+                        | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+                    WANTED,
+                )
+                .unwrap();
+                let (info, region) = d
+                    .frontend
+                    .get_inflight_fd(&VhostUserInflight::new(0, 0, 1, QSIZE))
+                    .unwrap();
+                d.frontend
+                    .set_inflight_fd(&info, region.as_raw_fd())
+                    .unwrap();
+                write_on_added_regions(&mut d, 0x3c);
+                drop(region);
+                let st = server.stats();
+                let relay = &st["server"]["relay"];
+                assert_eq!(relay["inflight_regions_created"], 1, "{st}");
+                assert_eq!(relay["inflight_regions_adopted"], 1, "{st}");
+                d
+            },
+            7,
+        ),
+    ];
+    assert_no_fd_outlives(
         &mut server,
-        d,
-        &baseline,
-        "a session with an inflight region and added regions",
-        7,
+        |s, seed| assert_blk_served(&s.sock, u64::from(seed)),
+        &sessions,
     );
 }
 
@@ -577,92 +608,57 @@ fn no_front_end_fd_outlives_a_net_session() {
     // are dropped and counted, the guest's chains complete.
     let tap = format!("bvmfd{}", std::process::id() % 1_000_000);
     let mut server = Server::start_net(&tap, &["--bounce", "policy=force,slots=1024"]);
-    assert_net_served(&server, 1);
-    wait_disconnected(&server, "first session");
-    let baseline = fds_by_kind(&server);
-    assert!(
-        baseline.get("socket") >= Some(&1),
-        "the listening socket is not among the server's fds: {baseline:?}"
-    );
-    let served = |seed| move |s: &Server| assert_net_served(s, seed);
-
-    // RX's rings at the end of guest memory: the worker is broken, the error fd signalled.
-    let mut d = negotiated_queues(&server, 3);
-    d.set_mem_table().unwrap();
-    d.configure_default_ring(1).unwrap();
-    d.frontend.set_vring_enable(1, true).unwrap();
-    break_queue_0(&mut d);
-    assert!(
-        d.wait_err(0, Duration::from_secs(10)),
-        "the error fd was not signalled"
-    );
-    ended_with_fds_back_after(
-        &mut server,
-        d,
-        &baseline,
-        "a net session with an error fd",
-        served(2),
-    );
-
-    // A kick fd that is a pipe holding one byte, refused.
-    let mut d = negotiated_queues(&server, 3);
-    d.set_mem_table().unwrap();
-    let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
-    assert!(
-        refused(&d, 12, &1u64.to_le_bytes(), vec![pipe]),
-        "the pipe was accepted"
-    );
-    ended_with_fds_back_after(
-        &mut server,
-        d,
-        &baseline,
-        "a refused net kick pipe",
-        served(3),
-    );
-
-    // Call eventfds at their maximum, TX served, then gone.
-    let mut d = net_started(&server, |d| {
-        d.calls[0] = full_eventfd();
-        d.calls[1] = full_eventfd();
-        d.setup_rings(2).unwrap();
-    });
-    net_tx(&mut d, 4);
-    ended_with_fds_back_after(
-        &mut server,
-        d,
-        &baseline,
-        "full net call counters",
-        served(5),
-    );
-
-    // Memory added region by region (ADD_MEM_REG), TX running on it.
-    let mut d = net_started(&server, |d| {
-        for r in d.regions_split_at(MEM_SIZE as u64 / 2) {
-            d.frontend.add_mem_region(&r).unwrap();
-        }
-        d.configure_default_ring(0).unwrap();
-        d.configure_default_ring(1).unwrap();
-    });
-    net_tx(&mut d, 6);
-    ended_with_fds_back_after(
-        &mut server,
-        d,
-        &baseline,
-        "a net session with added regions",
-        served(7),
-    );
-
-    // A session that ends mid-setup.
-    let mut d = negotiated_queues(&server, 3);
-    d.set_mem_table().unwrap();
-    d.configure_default_ring(0).unwrap();
-    ended_with_fds_back_after(
-        &mut server,
-        d,
-        &baseline,
-        "a net session ended mid-setup",
-        served(8),
-    );
+    let sessions: [Session; 5] = [
+        // RX's rings at the end of guest memory: the worker is broken, the error fd signalled.
+        (
+            "a net session with an error fd",
+            |server| with_error_fd(server, 3, &[1]),
+            2,
+        ),
+        // A kick fd that is a pipe holding one byte, refused.
+        (
+            "a refused net kick pipe",
+            |server| kick_pipe_refused(server, 3, 1),
+            3,
+        ),
+        // Call eventfds at their maximum, TX served, then gone.
+        (
+            "full net call counters",
+            |server| {
+                let mut d = net_started(server, |d| {
+                    d.calls[0] = full_eventfd();
+                    d.calls[1] = full_eventfd();
+                    d.setup_rings(2).unwrap();
+                });
+                net_tx(&mut d, 4);
+                d
+            },
+            5,
+        ),
+        // Memory added region by region (ADD_MEM_REG), TX running on it.
+        (
+            "a net session with added regions",
+            |server| {
+                let mut d = net_started(server, |d| {
+                    for r in d.regions_split_at(MEM_SIZE as u64 / 2) {
+                        d.frontend.add_mem_region(&r).unwrap();
+                    }
+                    d.configure_default_ring(0).unwrap();
+                    d.configure_default_ring(1).unwrap();
+                });
+                net_tx(&mut d, 6);
+                d
+            },
+            7,
+        ),
+        // A session that ends mid-setup.
+        (
+            "a net session ended mid-setup",
+            |server| ended_mid_setup(server, 3),
+            8,
+        ),
+    ];
+    assert_no_fd_outlives(&mut server, assert_net_served, &sessions);
 }
 
 /// Bytes of each request of [`a_stop_with_requests_in_flight_returns_every_one_it_counts`]:

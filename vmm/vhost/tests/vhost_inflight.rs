@@ -18,6 +18,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
+use bouncevm_vhost::relay::req::{GET_INFLIGHT_FD, SET_INFLIGHT_FD};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_NEEDS_RESET, VIRTIO_F_VERSION_1,
 };
@@ -30,8 +31,6 @@ use vhost_support::{
 };
 use vm_memory::{Bytes, GuestAddress};
 
-const GET_INFLIGHT_FD: u32 = 31;
-const SET_INFLIGHT_FD: u32 = 32;
 /// The region's layout (vhost-user specification, "Inflight I/O tracking"): queue 0's header
 /// fields, then 16 bytes per head (inflight flag, padding, next, counter).
 const VERSION: u64 = 8;

@@ -12,9 +12,11 @@ use std::thread;
 use std::time::Duration;
 
 use bounce::Dma;
+use bouncevm_vhost::relay::req::SET_VRING_ENABLE;
+use bouncevm_vhost::relay::{FLAG_NEED_REPLY, FLAG_VERSION};
 use bouncevm_vhost::{Server, VhostUserDevice};
 use devices::block::STATUS_UNSET;
-use devices::net::{Net, NetConfig};
+use devices::net::{MemBackend, Net, NetConfig};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_CONFIG_S_NEEDS_RESET,
     VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF,
@@ -31,22 +33,25 @@ use vhost_support::net::{net_device, net_frame};
 use vhost_support::vring_state;
 use vhost_support::{
     blk_request, blk_session, blk_status, block_pattern, data_addr, full_eventfd, poll_now,
-    refused, wait_fd, wait_used, Driver, EchoDevice, NotEventFd, BATCH, BLK_DATA, CONFIG,
-    EXTRA_TOKEN, MEM_SIZE, QSIZE,
+    refused, wait_fd, wait_used, Driver, EchoCounters, EchoDevice, NotEventFd, BATCH, BLK_DATA,
+    CONFIG, EXTRA_TOKEN, MEM_SIZE, QSIZE,
 };
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
 
-/// Starts a server for an echo device; returns the join handle (giving the server back) and a
-/// stop handle.
+/// Starts a server for an echo device; returns the device's counters, the socket, the join
+/// handle (giving the server back) and a stop handle.
 fn start_server(
     name: &str,
     device: EchoDevice,
 ) -> (
+    Arc<EchoCounters>,
     PathBuf,
     thread::JoinHandle<Server<EchoDevice>>,
     bouncevm_vhost::StopHandle,
 ) {
+    let counters = device.counters.clone();
     let path = socket_path(name);
     let mut server = Server::bind("echo", device, &path).unwrap();
     let stop = server.stop_handle().unwrap();
@@ -54,13 +59,10 @@ fn start_server(
         server.run().unwrap();
         server
     });
-    (path, t, stop)
+    (counters, path, t, stop)
 }
 
 const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
-const SET_VRING_ENABLE: u32 = 18;
-const FLAG_VERSION: u32 = 0x1;
-const FLAG_NEED_REPLY: u32 = 0x8;
 
 /// QEMU 7.2's vhost-user-net start: SET_VRING_ENABLE before SET_FEATURES, never again.
 fn qemu_net_order(d: &mut Driver) -> vhost::Result<()> {
@@ -76,11 +78,20 @@ fn qemu_net_order(d: &mut Driver) -> vhost::Result<()> {
     d.setup_rings(1)
 }
 
+/// An event on the echo worker's own fd (`extra`) reaches the worker (its first), which
+/// answers with a call on queue 0.
+fn assert_extra_event_handled(d: &Driver, extra: &EventFd, counters: &EchoCounters) {
+    extra.write(1).unwrap();
+    assert!(
+        d.wait_call(0, Duration::from_secs(5)),
+        "extra fd event not handled"
+    );
+    assert_eq!(counters.extra_events.load(Ordering::Relaxed), 1);
+}
+
 #[test]
 fn early_vring_enable_is_applied_after_set_features() {
-    let device = EchoDevice::new(1);
-    let counters = device.counters.clone();
-    let (path, server, stop) = start_server("early.sock", device);
+    let (counters, path, server, stop) = start_server("early.sock", EchoDevice::new(1));
     let mut d = Driver::connect(&path, 1);
     qemu_net_order(&mut d).expect("QEMU's order must be accepted");
     assert_eq!(
@@ -137,12 +148,7 @@ fn worker_events_before_the_rings_are_ready_are_not_delivered() {
         Some(&b"still works"[..])
     );
     // Once ready, the worker's fd is delivered.
-    extra.write(1).unwrap();
-    assert!(
-        d.wait_call(0, Duration::from_secs(5)),
-        "extra fd event not handled"
-    );
-    assert_eq!(counters.extra_events.load(Ordering::Relaxed), 1);
+    assert_extra_event_handled(&d, &extra, &counters);
     drop(d);
     stop.stop();
     server.join().unwrap();
@@ -175,9 +181,8 @@ fn plain_vhost_user_backend_drops_the_early_enable() {
 #[test]
 fn blk_order_config_space_and_worker_fds() {
     let device = EchoDevice::new(1);
-    let counters = device.counters.clone();
     let extra = device.extra.clone();
-    let (path, server, stop) = start_server("blk.sock", device);
+    let (counters, path, server, stop) = start_server("blk.sock", device);
     let mut d = Driver::connect(&path, 1);
     let offered = d.handshake().unwrap();
     let (_, cfg) = d
@@ -194,12 +199,7 @@ fn blk_order_config_space_and_worker_fds() {
     assert_eq!(d.echo(0, b"blk").as_deref(), Some(&b"blk"[..]));
     assert_eq!(counters.config_writes.load(Ordering::Relaxed), 1);
     // The worker's own fd is polled on its thread.
-    extra.write(1).unwrap();
-    assert!(
-        d.wait_call(0, Duration::from_secs(5)),
-        "extra fd event not handled"
-    );
-    assert_eq!(counters.extra_events.load(Ordering::Relaxed), 1);
+    assert_extra_event_handled(&d, &extra, &counters);
     drop(d);
     stop.stop();
     let server = server.join().unwrap();
@@ -209,9 +209,7 @@ fn blk_order_config_space_and_worker_fds() {
 
 #[test]
 fn reconnect_resets_the_device_and_serves_again() {
-    let device = EchoDevice::new(1);
-    let counters = device.counters.clone();
-    let (path, server, stop) = start_server("reconnect.sock", device);
+    let (counters, path, server, stop) = start_server("reconnect.sock", EchoDevice::new(1));
     for round in 0..3 {
         let mut d = Driver::connect(&path, 1);
         qemu_net_order(&mut d).unwrap();
@@ -239,9 +237,7 @@ fn reconnect_resets_the_device_and_serves_again() {
 #[test]
 fn guest_reset_stops_and_restarts_the_device() {
     // QEMU on a guest reset: GET_VRING_BASE, then a new start with SET_FEATURES.
-    let device = EchoDevice::new(1);
-    let counters = device.counters.clone();
-    let (path, server, stop) = start_server("restart.sock", device);
+    let (counters, path, server, stop) = start_server("restart.sock", EchoDevice::new(1));
     let mut d = Driver::connect(&path, 1);
     qemu_net_order(&mut d).unwrap();
     assert!(d.echo(0, b"one").is_some());
@@ -259,7 +255,7 @@ fn guest_reset_stops_and_restarts_the_device() {
 
 #[test]
 fn a_live_socket_is_refused_and_a_stale_one_replaced() {
-    let (path, server, stop) = start_server("live.sock", EchoDevice::new(1));
+    let (_, path, server, stop) = start_server("live.sock", EchoDevice::new(1));
     // Wait until it listens.
     drop(Driver::connect(&path, 1));
     let e = Server::bind("echo", EchoDevice::new(1), &path).unwrap_err();
@@ -393,7 +389,7 @@ fn the_backend_request_channel_stays_open_for_the_session() {
     // Regression: the adapter dropped the SET_BACKEND_REQ_FD channel on
     // arrival; QEMU 7.2 then read EOF on it and printed "Unexpected end-of-file before all
     // data were read" on every run with ACCESS_PLATFORM offered.
-    let (path, server, stop) = start_server("backreq.sock", EchoDevice::new(1));
+    let (_, path, server, stop) = start_server("backreq.sock", EchoDevice::new(1));
     let mut d = Driver::connect(&path, 1);
     d.handshake_with(VhostUserProtocolFeatures::BACKEND_REQ)
         .unwrap();
@@ -556,6 +552,51 @@ fn sync(d: &mut Driver) {
     d.frontend.get_features().unwrap();
 }
 
+/// A net device served in-process with its statistics socket, and the memory backends of
+/// its queue pairs (none for a tap).
+struct NetServer {
+    path: PathBuf,
+    stats_path: PathBuf,
+    bes: Vec<MemBackend>,
+    /// Queues a front end drives: two per pair and the control queue.
+    queues: usize,
+    server: thread::JoinHandle<Server<Net>>,
+    stop: bouncevm_vhost::StopHandle,
+}
+
+impl NetServer {
+    /// A device of `pairs` queue pairs on memory backends, served on `name`.
+    fn start(name: &str, pairs: u16) -> Self {
+        let (net, bes) = net_device(pairs);
+        Self::serve(name, net, bes, 2 * usize::from(pairs) + 1)
+    }
+
+    /// `net` (of `queues` queues, backends `bes`) served on `name`.
+    fn serve(name: &str, net: Net, bes: Vec<MemBackend>, queues: usize) -> Self {
+        let (path, stats_path, server, stop) = start_server_with_stats(name, net);
+        Self {
+            path,
+            stats_path,
+            bes,
+            queues,
+            server,
+            stop,
+        }
+    }
+
+    /// A new front end (nothing negotiated).
+    fn connect(&self) -> Driver {
+        Driver::connect(&self.path, self.queues)
+    }
+
+    /// Ends the session of `d`, then stops the server; it must shut down cleanly.
+    fn end(self, d: Driver) {
+        drop(d);
+        self.stop.stop();
+        self.server.join().expect("clean shutdown");
+    }
+}
+
 /// QEMU 7.2's start of a vhost-user-net device: the enables it keeps, then SET_FEATURES.
 fn net_start(d: &mut Driver, enables: &[(u32, bool)], acked: u64) {
     for &(q, on) in enables {
@@ -569,17 +610,16 @@ fn rx_buffers_a_waiting_frame_holds_survive_a_stop_and_are_served_after_it() {
     // Regression: the RX chains the worker held for a frame waiting for
     // more buffers (MRG_RXBUF) were counted in the base GET_VRING_BASE reported, so the
     // frontend resumed after them and the guest lost them on every stop/cont or migration.
-    let (net, bes) = net_device(1);
-    let (path, stats_path, server, stop) = start_server_with_stats("netstop.sock", net);
-    let mut d = Driver::connect(&path, 3);
+    let s = NetServer::start("netstop.sock", 1);
+    let mut d = s.connect();
     let offered = d.handshake().unwrap();
     let acked = offered & (feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_NET_F_MRG_RXBUF));
     net_start(&mut d, &[(0, true), (1, true)], acked);
     d.setup_rings(2).unwrap();
     // One 600-byte buffer for a 3000-byte frame: the worker holds it and waits for more.
     d.post_descs(0, 0, &[(data_addr(0), 600, true)]);
-    bes[0].inject(net_frame(3000, 1));
-    wait_stats(&stats_path, "the frame waits for buffers", |st| {
+    s.bes[0].inject(net_frame(3000, 1));
+    wait_stats(&s.stats_path, "the frame waits for buffers", |st| {
         st["device"]["net"]["rx_no_buffers"].as_u64() >= Some(1)
     });
     // The frontend stops the device (`stop`, or a migration).
@@ -599,7 +639,7 @@ fn rx_buffers_a_waiting_frame_holds_survive_a_stop_and_are_served_after_it() {
     let second = data_addr(0) + 0x1000;
     d.post_descs(0, 1, &[(second, 2048, true)]);
     let f = net_frame(2000, 2);
-    bes[0].inject(f.clone());
+    s.bes[0].inject(f.clone());
     assert_eq!(
         wait_next_used(&mut d, 0),
         (0, 600),
@@ -615,9 +655,7 @@ fn rx_buffers_a_waiting_frame_holds_survive_a_stop_and_are_served_after_it() {
         .unwrap();
     assert_eq!(u16::from_le_bytes([got[10], got[11]]), 2, "num_buffers");
     assert!(got[12..] == f[12..], "payload");
-    drop(d);
-    stop.stop();
-    server.join().unwrap();
+    s.end(d);
 }
 
 #[test]
@@ -625,9 +663,8 @@ fn mq_net_is_served_as_qemu_negotiates_it_pairs_follow_vring_enable() {
     // Regression: QEMU acks MQ but not CTRL_VQ to a vhost-user-net
     // backend (it answers the guest's VQ_PAIRS_SET itself and enables the pairs' rings);
     // the device refused to activate. Pair 1 starts disabled, as QEMU starts it.
-    let (net, bes) = net_device(2);
-    let (path, stats_path, server, stop) = start_server_with_stats("netmq.sock", net);
-    let mut d = Driver::connect(&path, 5);
+    let s = NetServer::start("netmq.sock", 2);
+    let mut d = s.connect();
     let offered = d.handshake().unwrap();
     assert_eq!(d.frontend.get_queue_num().unwrap(), 5);
     let mq = feature(VIRTIO_NET_F_MQ);
@@ -639,30 +676,30 @@ fn mq_net_is_served_as_qemu_negotiates_it_pairs_follow_vring_enable() {
         acked,
     );
     d.setup_rings(4).unwrap();
-    let st = stats(&stats_path);
+    let st = stats(&s.stats_path);
     assert_eq!(st["transport"]["activation_failures"], 0, "{st}");
     assert_eq!(st["transport"]["active"], true, "{st}");
     // Pair 0 receives; pair 1's tap queue stays detached while its rings are disabled.
     d.post_descs(0, 0, &[(data_addr(0), 2048, true)]);
-    bes[0].inject(net_frame(100, 1));
+    s.bes[0].inject(net_frame(100, 1));
     assert_eq!(wait_next_used(&mut d, 0), (0, 112));
-    assert!(!bes[1].state().enabled);
+    assert!(!s.bes[1].state().enabled);
     // The guest asks for two pairs: QEMU enables pair 1's rings.
     d.frontend.set_vring_enable(2, true).unwrap();
     d.frontend.set_vring_enable(3, true).unwrap();
     sync(&mut d);
     d.post_descs(2, 0, &[(data_addr(2), 2048, true)]);
     let f = net_frame(200, 2);
-    bes[1].inject(f.clone());
+    s.bes[1].inject(f.clone());
     assert_eq!(wait_next_used(&mut d, 2), (0, f.len() as u32));
-    assert!(bes[1].state().enabled, "pair 1 attached its tap queue");
+    assert!(s.bes[1].state().enabled, "pair 1 attached its tap queue");
     // Pair 1 transmits too.
     let tx = net_frame(300, 3);
     d.mem.write_slice(&tx, GuestAddress(data_addr(3))).unwrap();
     d.post_descs(3, 0, &[(data_addr(3), tx.len() as u32, false)]);
     assert_eq!(wait_next_used(&mut d, 3), (0, 0));
-    assert_eq!(bes[1].take_sent(), vec![tx]);
-    let st = stats(&stats_path);
+    assert_eq!(s.bes[1].take_sent(), vec![tx]);
+    let st = stats(&s.stats_path);
     let per_pair: Vec<_> = st["workers"]
         .as_array()
         .unwrap()
@@ -679,15 +716,13 @@ fn mq_net_is_served_as_qemu_negotiates_it_pairs_follow_vring_enable() {
     d.frontend.set_vring_enable(2, false).unwrap();
     d.frontend.set_vring_enable(3, false).unwrap();
     sync(&mut d);
-    bes[1].inject(net_frame(100, 4));
-    wait_stats(&stats_path, "pair 1 detached", |st| {
+    s.bes[1].inject(net_frame(100, 4));
+    wait_stats(&s.stats_path, "pair 1 detached", |st| {
         st["workers"][1]["receiving"] == false
     });
-    assert!(!bes[1].state().enabled);
-    assert!(bes[0].state().enabled);
-    drop(d);
-    stop.stop();
-    server.join().unwrap();
+    assert!(!s.bes[1].state().enabled);
+    assert!(s.bes[0].state().enabled);
+    s.end(d);
 }
 
 #[test]
@@ -695,10 +730,9 @@ fn hostile_net_front_ends_cost_only_their_session() {
     // A front end's kick, call or error fd that is not an eventfd is refused; a call eventfd
     // whose counter is full (a blocking write would never return) blocks neither the
     // worker nor the stop; after each such session the next front end is served.
-    let (net, bes) = net_device(1);
-    let (path, stats_path, server, stop) = start_server_with_stats("nethostile.sock", net);
+    let s = NetServer::start("nethostile.sock", 1);
     let ended = |what: &str| {
-        wait_stats(&stats_path, what, |st| st["server"]["connected"] == false);
+        wait_stats(&s.stats_path, what, |st| st["server"]["connected"] == false);
     };
     let start = |d: &mut Driver| {
         d.handshake().unwrap();
@@ -710,14 +744,14 @@ fn hostile_net_front_ends_cost_only_their_session() {
         d.mem.write_slice(&f, GuestAddress(data_addr(1))).unwrap();
         d.post_descs(1, 0, &[(data_addr(1), f.len() as u32, false)]);
         assert_eq!(d.poll_used(1), Some((0, 0)), "TX chain {seed}");
-        assert_eq!(bes[0].take_sent(), vec![f], "frame {seed}");
+        assert_eq!(s.bes[0].take_sent(), vec![f], "frame {seed}");
     };
     for (code, kind) in [
         (12u32, NotEventFd::PipeWithByte),
         (13, NotEventFd::Socket),
         (14, NotEventFd::File),
     ] {
-        let mut d = Driver::connect(&path, 3);
+        let mut d = s.connect();
         start(&mut d);
         d.set_mem_table().unwrap();
         let (fd, _other_end) = kind.make();
@@ -728,7 +762,7 @@ fn hostile_net_front_ends_cost_only_their_session() {
         drop(d);
         ended(&format!("{kind:?}"));
     }
-    let mut d = Driver::connect(&path, 3);
+    let mut d = s.connect();
     start(&mut d);
     d.calls[0] = full_eventfd();
     d.calls[1] = full_eventfd();
@@ -737,24 +771,22 @@ fn hostile_net_front_ends_cost_only_their_session() {
     tx(&mut d, 1);
     // RX too: a frame into the guest's buffer, signalled into the full counter.
     d.post_descs(0, 0, &[(data_addr(0), 2048, true)]);
-    bes[0].inject(net_frame(64, 2));
+    s.bes[0].inject(net_frame(64, 2));
     assert_eq!(d.poll_used(0), Some((0, 76)));
     assert_eq!(d.stop_ring(0), 1);
     assert_eq!(d.stop_ring(1), 1);
-    let st = stats(&stats_path);
+    let st = stats(&s.stats_path);
     assert!(st["transport"]["signal_errors"].as_u64() >= Some(2), "{st}");
     drop(d);
     ended("full call counters");
-    let mut d = Driver::connect(&path, 3);
+    let mut d = s.connect();
     start(&mut d);
     d.setup_rings(2).unwrap();
     sync(&mut d);
     tx(&mut d, 3);
-    let st = stats(&stats_path);
+    let st = stats(&s.stats_path);
     assert_eq!(st["server"]["relay"]["refused_fds"], 3, "{st}");
-    drop(d);
-    stop.stop();
-    server.join().unwrap();
+    s.end(d);
 }
 
 #[test]
@@ -763,9 +795,8 @@ fn net_regions_added_once_per_queue_pair_and_removed_while_running_are_served() 
     // every region once per queue pair on the one connection. The copies are references to
     // one mapping: traffic goes on while any copy is registered, and a region removed for
     // good and added again (memory hot-unplug, then hot-plug) is served again.
-    let (net, bes) = net_device(2);
-    let (path, stats_path, server, stop) = start_server_with_stats("netslots.sock", net);
-    let mut d = Driver::connect(&path, 5);
+    let s = NetServer::start("netslots.sock", 2);
+    let mut d = s.connect();
     let offered = d
         .handshake_with(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
         .unwrap();
@@ -796,7 +827,7 @@ fn net_regions_added_once_per_queue_pair_and_removed_while_running_are_served() 
         let buf = data_addr(rxq) + u64::from(desc) * 0x800;
         d.post_descs(rxq, desc, &[(buf, 2048, true)]);
         let f = net_frame(100, seed);
-        bes[pair].inject(f.clone());
+        s.bes[pair].inject(f.clone());
         assert_eq!(wait_next_used(d, rxq), (u32::from(desc), f.len() as u32));
         let mut got = vec![0u8; f.len()];
         d.mem.read_slice(&mut got, GuestAddress(buf)).unwrap();
@@ -806,7 +837,7 @@ fn net_regions_added_once_per_queue_pair_and_removed_while_running_are_served() 
         d.mem.write_slice(&tx, GuestAddress(tbuf)).unwrap();
         d.post_descs(txq, desc, &[(tbuf, tx.len() as u32, false)]);
         assert_eq!(wait_next_used(d, txq), (u32::from(desc), 0));
-        assert_eq!(bes[pair].take_sent(), vec![tx], "TX frame {seed}");
+        assert_eq!(s.bes[pair].take_sent(), vec![tx], "TX frame {seed}");
     };
     traffic(&mut d, 0, 0, 1);
     traffic(&mut d, 1, 0, 2);
@@ -822,14 +853,12 @@ fn net_regions_added_once_per_queue_pair_and_removed_while_running_are_served() 
     sync(&mut d);
     traffic(&mut d, 0, 2, 5);
     traffic(&mut d, 1, 2, 6);
-    let st = stats(&stats_path);
+    let st = stats(&s.stats_path);
     // Copies: two adds at the start, one removal, one add after the hot-plug.
     assert_eq!(st["server"]["relay"]["region_copies"], 4, "{st}");
     assert_eq!(st["server"]["connected"], true, "{st}");
     assert_eq!(st["server"]["failed_sessions"], 0, "{st}");
-    drop(d);
-    stop.stop();
-    server.join().unwrap();
+    s.end(d);
 }
 
 /// Runs `ip args`, panicking with its stderr on failure.
@@ -900,8 +929,8 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
     let net = net_with_tap_in(&ns);
     {
         ip(&["-n", &ns, "link", "set", "bvmvh0", "up"]);
-        let (path, stats_path, server, stop) = start_server_with_stats("nettapgone.sock", net);
-        let mut d = Driver::connect(&path, 3);
+        let s = NetServer::serve("nettapgone.sock", net, Vec::new(), 3);
+        let mut d = s.connect();
         d.handshake().unwrap();
         net_start(&mut d, &[(0, true), (1, true)], feature(VIRTIO_F_VERSION_1));
         d.setup_rings(2).unwrap();
@@ -915,7 +944,7 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
         };
         tx(&mut d, 0);
         let net_stat = |st: &serde_json::Value, k: &str| st["device"]["net"][k].as_u64().unwrap();
-        assert_eq!(net_stat(&stats(&stats_path), "tx_frames"), 1);
+        assert_eq!(net_stat(&stats(&s.stats_path), "tx_frames"), 1);
 
         ip(&["-n", &ns, "link", "del", "bvmvh0"]);
         // TX keeps completing the guest's chains, counted as dropped.
@@ -923,7 +952,7 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
         tx(&mut d, 2);
         // RX: a buffer and a kick; the read error is counted, the buffer stays the guest's.
         d.post_descs(0, 0, &[(data_addr(0), 2048, true)]);
-        let st = wait_stats(&stats_path, "rx error counted", |st| {
+        let st = wait_stats(&s.stats_path, "rx error counted", |st| {
             net_stat(st, "rx_backend_errors") >= 1
         });
         assert_eq!(net_stat(&st, "tx_frames"), 1, "{st}");
@@ -936,9 +965,9 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
                 st["transport"]["kicks"].clone(),
             )
         };
-        let before = events(&stats(&stats_path));
+        let before = events(&stats(&s.stats_path));
         thread::sleep(Duration::from_millis(300));
-        let after = events(&stats(&stats_path));
+        let after = events(&stats(&s.stats_path));
         assert_eq!(before, after, "events keep coming from the dead tap");
         // The control path answers: the stop counts the 3 TX chains, and on RX only a buffer
         // the guest got back (a frame the tap sent before it went, e.g. IPv6 neighbour
@@ -946,8 +975,6 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
         let rx_used = std::iter::from_fn(|| d.next_used(0)).count();
         assert_eq!(d.frontend.get_vring_base(0).unwrap() as usize, rx_used);
         assert_eq!(d.frontend.get_vring_base(1).unwrap(), 3);
-        drop(d);
-        stop.stop();
-        server.join().expect("clean shutdown");
+        s.end(d);
     }
 }

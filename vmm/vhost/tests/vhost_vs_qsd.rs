@@ -10,12 +10,16 @@ mod vhost_support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use bouncevm_vhost::relay::req::{
+    ADD_MEM_REG, REM_MEM_REG, RESET_DEVICE, SET_MEM_TABLE, SET_VRING_CALL, SET_VRING_KICK,
+    SET_VRING_NUM,
+};
 use devices::net::{MemBackend, Net};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1,
     VIRTIO_RING_F_EVENT_IDX,
 };
-use vhost::vhost_user::message::{FrontendReq, VhostUserProtocolFeatures};
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::child::Server;
@@ -32,13 +36,6 @@ use vm_memory::{
 };
 
 const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
-const SET_MEM_TABLE: u32 = FrontendReq::SET_MEM_TABLE as u32;
-const SET_VRING_NUM: u32 = FrontendReq::SET_VRING_NUM as u32;
-const SET_VRING_KICK: u32 = FrontendReq::SET_VRING_KICK as u32;
-const SET_VRING_CALL: u32 = FrontendReq::SET_VRING_CALL as u32;
-const ADD_MEM_REG: u32 = FrontendReq::ADD_MEM_REG as u32;
-const REM_MEM_REG: u32 = FrontendReq::REM_MEM_REG as u32;
-const RESET_DEVICE: u32 = FrontendReq::RESET_DEVICE as u32;
 /// The largest queue size both back ends accept (libvhost-user's VIRTQUEUE_MAX_SIZE; ours
 /// is started with `--queue-size` of it).
 const MAX_QUEUE: u32 = 1024;
@@ -93,13 +90,11 @@ fn peers(img: Option<&Path>) -> Option<[Peer; 2]> {
 fn negotiated(sock: &Path, timeout: Duration) -> Driver {
     let mut d = Driver::connect(sock, 1);
     d.raw.set_read_timeout(Some(timeout)).unwrap();
-    let offered = d
-        .handshake_with(
-            VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
-                | VhostUserProtocolFeatures::RESET_DEVICE,
-        )
-        .unwrap();
-    d.set_features(offered & WANTED).unwrap();
+    d.negotiate(
+        VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS | VhostUserProtocolFeatures::RESET_DEVICE,
+        WANTED,
+    )
+    .unwrap();
     d
 }
 
@@ -649,11 +644,11 @@ fn net_server(
 /// A net session negotiated (REPLY_ACK, CONFIGURE_MEM_SLOTS) up to SET_FEATURES.
 fn net_negotiated(path: &Path) -> Driver {
     let mut d = Driver::connect(path, 2);
-    let offered = d
-        .handshake_with(VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS)
-        .unwrap();
-    d.set_features(offered & feature(VIRTIO_F_VERSION_1))
-        .unwrap();
+    d.negotiate(
+        VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+        feature(VIRTIO_F_VERSION_1),
+    )
+    .unwrap();
     d
 }
 

@@ -329,6 +329,17 @@ impl Driver {
         Ok(features)
     }
 
+    /// [`Driver::handshake_with`] `extra`, then SET_FEATURES with what the backend offers of
+    /// `wanted`.
+    pub fn negotiate(
+        &mut self,
+        extra: VhostUserProtocolFeatures,
+        wanted: u64,
+    ) -> vhost::Result<()> {
+        let offered = self.handshake_with(extra)?;
+        self.set_features(offered & wanted)
+    }
+
     /// Sends one request on the raw socket and, when `reply` is set, reads its reply (for
     /// requests the `vhost` frontend does not send: GET_STATUS, out-of-range indexes, QEMU's
     /// early enables with NEED_REPLY).
@@ -670,8 +681,8 @@ pub fn wait_used(d: &mut Driver, n: usize) -> Vec<u16> {
 /// Connects and starts a block device the way QEMU's vhost-user-blk does.
 pub fn blk_session(path: &Path, wanted: u64) -> Driver {
     let mut d = Driver::connect(path, 1);
-    let offered = d.handshake().unwrap();
-    d.set_features(offered & wanted).unwrap();
+    d.negotiate(VhostUserProtocolFeatures::empty(), wanted)
+        .unwrap();
     d.setup_rings(1).unwrap();
     d.frontend.set_vring_enable(0, true).unwrap();
     d
