@@ -520,7 +520,7 @@ fn flush_reaches_the_file() {
     ] {
         let path = raw_file(dir.path(), "f.raw", DISK, 4);
         let mut blk = Blk::new(
-            ProbeDisk::new(RawDisk::open(&path, false).unwrap()),
+            probe_disk(RawDisk::open(&path, false).unwrap()),
             BlockConfig::default(),
             Dma::direct(),
             drop,
@@ -528,7 +528,7 @@ fn flush_reaches_the_file() {
         let probe = std::sync::Arc::clone(blk.drv.device.disk());
         let data = pattern(42, 8192);
         ok(&blk.write(16, &data, Layout::Simple));
-        let after_write = probe.state();
+        let after_write = probe.hook.state();
         assert!(after_write.writes >= 1, "drop={drop:#x}: {after_write:?}");
         if drop == 0 {
             // writeback: the write completed unflushed, the FLUSH request flushes it
@@ -538,7 +538,7 @@ fn flush_reaches_the_file() {
             );
             assert!(after_write.unflushed >= 1);
             assert_eq!(blk.flush(), VIRTIO_BLK_S_OK);
-            let s = probe.state();
+            let s = probe.hook.state();
             assert_eq!(s.flushes, 1, "FLUSH did not reach the disk: {s:?}");
             assert_eq!(s.unflushed, 0, "{s:?}");
         } else {
@@ -790,7 +790,7 @@ fn disk_faults_fail_only_the_affected_request() {
         ] {
             let what = format!("{name} {op:?} errno {errno}");
             let mut blk = Blk::new(
-                ProbeDisk::new(MemDisk::new(DISK).unwrap()),
+                probe_disk(MemDisk::new(DISK).unwrap()),
                 BlockConfig::default(),
                 dma.clone(),
                 0,
@@ -800,7 +800,7 @@ fn disk_faults_fail_only_the_affected_request() {
             // Six 4 KiB writes at sectors 8*i; with op == Write the fourth one fails.
             for i in 0..6u64 {
                 if op == DiskOp::Write && i == 3 {
-                    probe.fail_nth(DiskOp::Write, 1, errno);
+                    probe.hook.fail_nth(DiskOp::Write, 1, errno);
                 }
                 let w = blk.write(8 * i, &block(i), Layout::Split(2));
                 let want = if op == DiskOp::Write && i == 3 {
@@ -811,7 +811,7 @@ fn disk_faults_fail_only_the_affected_request() {
                 assert_eq!((w.status, w.len), (want, 1), "{what}: write {i}");
             }
             if op == DiskOp::Flush {
-                probe.fail_nth(DiskOp::Flush, 1, errno);
+                probe.hook.fail_nth(DiskOp::Flush, 1, errno);
                 assert_eq!(blk.flush(), VIRTIO_BLK_S_IOERR, "{what}: the failed flush");
             }
             assert_eq!(
@@ -822,7 +822,7 @@ fn disk_faults_fail_only_the_affected_request() {
             // Every acknowledged write reads back; the failed one left its sectors as they were.
             for i in 0..6u64 {
                 if op == DiskOp::Read && i == 2 {
-                    probe.fail_nth(DiskOp::Read, 1, errno);
+                    probe.hook.fail_nth(DiskOp::Read, 1, errno);
                     let r = blk.read(8 * i, 4096, Layout::Simple);
                     assert_eq!(
                         (r.status, r.len),
@@ -841,7 +841,11 @@ fn disk_faults_fail_only_the_affected_request() {
                     assert!(r.data == block(i), "{what}: acknowledged write {i} lost");
                 }
             }
-            assert_eq!(probe.state().injected, 1, "{what}: the fault was never hit");
+            assert_eq!(
+                probe.hook.state().injected,
+                1,
+                "{what}: the fault was never hit"
+            );
             // The device keeps serving.
             ok(&blk.write(100, &block(9), Layout::Indirect));
             assert_eq!(blk.read(100, 4096, Layout::Merged).data, block(9), "{what}");
