@@ -48,22 +48,11 @@ use proptest::prelude::*;
 const TABLE: usize = 16;
 const RAM: u64 = 32 << 20;
 
-/// A vnet header with any field values (odd gso types, ECN, csum outside the frame, ...).
-#[derive(Clone, Debug)]
-struct Hdr {
-    flags: u8,
-    gso_type: u8,
-    hdr_len: u16,
-    gso_size: u16,
-    csum_start: u16,
-    csum_offset: u16,
-    num_buffers: u16,
-}
-
-fn hdr() -> impl Strategy<Value = Hdr> {
-    (
-        prop_oneof![Just(0u8), Just(1), Just(2), Just(3), any::<u8>()],
-        prop_oneof![
+prop_compose! {
+    /// A vnet header with any field values (odd gso types, ECN, csum outside the frame, ...).
+    fn hdr()(
+        flags in prop_oneof![Just(0u8), Just(1), Just(2), Just(3), any::<u8>()],
+        gso_type in prop_oneof![
             Just(0u8),
             Just(1),
             Just(3),
@@ -72,35 +61,20 @@ fn hdr() -> impl Strategy<Value = Hdr> {
             Just(0x81),
             any::<u8>()
         ],
-        prop_oneof![Just(0u16), Just(54), any::<u16>()],
-        prop_oneof![Just(0u16), Just(1448), any::<u16>()],
-        prop_oneof![Just(0u16), Just(34), Just(1500), any::<u16>()],
-        prop_oneof![Just(6u16), Just(16), any::<u16>()],
-        any::<u16>(),
-    )
-        .prop_map(
-            |(flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, num_buffers)| Hdr {
-                flags,
-                gso_type,
-                hdr_len,
-                gso_size,
-                csum_start,
-                csum_offset,
-                num_buffers,
-            },
-        )
-}
-
-impl Hdr {
-    fn vnet(&self) -> VnetHeader {
+        hdr_len in prop_oneof![Just(0u16), Just(54), any::<u16>()],
+        gso_size in prop_oneof![Just(0u16), Just(1448), any::<u16>()],
+        csum_start in prop_oneof![Just(0u16), Just(34), Just(1500), any::<u16>()],
+        csum_offset in prop_oneof![Just(6u16), Just(16), any::<u16>()],
+        num_buffers in any::<u16>(),
+    ) -> VnetHeader {
         VnetHeader {
-            flags: self.flags,
-            gso_type: self.gso_type,
-            hdr_len: self.hdr_len,
-            gso_size: self.gso_size,
-            csum_start: self.csum_start,
-            csum_offset: self.csum_offset,
-            num_buffers: self.num_buffers,
+            flags,
+            gso_type,
+            hdr_len,
+            gso_size,
+            csum_start,
+            csum_offset,
+            num_buffers,
         }
     }
 }
@@ -194,10 +168,10 @@ struct NetCase {
     ctrl: QueueInput,
     indirect: Vec<FuzzDesc>,
     /// Vnet headers written (with a frame behind each) for TX descriptors to point at.
-    tx_hdrs: Vec<(Hdr, u16)>,
+    tx_hdrs: Vec<(VnetHeader, u16)>,
     cmds: Vec<Cmd>,
     /// Frames injected into the backend: header and a length selector.
-    rx_frames: Vec<(Hdr, u8, u32)>,
+    rx_frames: Vec<(VnetHeader, u8, u32)>,
     /// Features dropped from the offer (bit i drops DROPPABLE[i]).
     drop: u16,
     bounce: u8,
@@ -222,46 +196,36 @@ const DROPPABLE: [u64; 12] = [
     feature(VIRTIO_F_ACCESS_PLATFORM),
 ];
 
-fn net_case() -> impl Strategy<Value = NetCase> {
-    (
-        (queue_input(), queue_input(), queue_input()),
-        prop::collection::vec(fuzz_desc(), 1..24),
-        prop::collection::vec((hdr(), any::<u16>()), 2),
-        prop::collection::vec(cmd(), 2),
-        prop::collection::vec((hdr(), any::<u8>(), any::<u32>()), 0..12),
-        any::<u16>(),
-        0u8..4,
-        any::<u8>(),
-        1u8..=2,
-        any::<u8>(),
-    )
-        .prop_map(
-            |(
-                (tx, rx, ctrl),
-                indirect,
-                tx_hdrs,
-                cmds,
-                rx_frames,
-                drop,
-                bounce,
-                qsize_log2,
-                pairs,
-                kicks,
-            )| NetCase {
-                tx,
-                rx,
-                ctrl,
-                indirect,
-                tx_hdrs,
-                cmds,
-                rx_frames,
-                drop,
-                bounce,
-                qsize_log2,
-                pairs,
-                kicks,
-            },
-        )
+prop_compose! {
+    fn net_case()(
+        tx in queue_input(),
+        rx in queue_input(),
+        ctrl in queue_input(),
+        indirect in prop::collection::vec(fuzz_desc(), 1..24),
+        tx_hdrs in prop::collection::vec((hdr(), any::<u16>()), 2),
+        cmds in prop::collection::vec(cmd(), 2),
+        rx_frames in prop::collection::vec((hdr(), any::<u8>(), any::<u32>()), 0..12),
+        drop in any::<u16>(),
+        bounce in 0u8..4,
+        qsize_log2 in any::<u8>(),
+        pairs in 1u8..=2,
+        kicks in any::<u8>(),
+    ) -> NetCase {
+        NetCase {
+            tx,
+            rx,
+            ctrl,
+            indirect,
+            tx_hdrs,
+            cmds,
+            rx_frames,
+            drop,
+            bounce,
+            qsize_log2,
+            pairs,
+            kicks,
+        }
+    }
 }
 
 /// Deterministic frame bytes.
@@ -780,7 +744,7 @@ fn run_case(c: &NetCase) {
         .tx_hdrs
         .iter()
         .map(|(h, n)| {
-            let mut v = h.vnet().to_bytes().to_vec();
+            let mut v = h.to_bytes().to_vec();
             v.extend(payload(*n, usize::from(*n % 2048)));
             v
         })
@@ -851,7 +815,7 @@ fn run_case(c: &NetCase) {
         .enumerate()
         .map(|(i, (h, sel, raw))| {
             let n = rx_len(*sel, *raw);
-            let mut v = h.vnet().to_bytes().to_vec();
+            let mut v = h.to_bytes().to_vec();
             v.extend(payload(i as u16, n.saturating_sub(VNET_HDR_LEN)));
             v.truncate(n);
             v
