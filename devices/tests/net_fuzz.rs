@@ -483,6 +483,21 @@ struct CtrlTargets<'a> {
     acks: u64,
 }
 
+/// `len` bytes at `addr` as `n` readable descriptors of nearly equal lengths.
+fn readable_pieces(addr: u64, len: u32, n: u32) -> Vec<Desc> {
+    (0..n)
+        .map(|j| {
+            let (s, e) = (len * j / n, len * (j + 1) / n);
+            Desc {
+                addr: addr + u64::from(s),
+                len: e - s,
+                flags: 0,
+                next: 0,
+            }
+        })
+        .collect()
+}
+
 /// The control stage's chains: each a command cut in `pieces` readable descriptors followed
 /// by its one-byte writable ack.
 fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<Desc>> {
@@ -494,18 +509,7 @@ fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<Desc>> {
         .map(|(k, &(pieces, _))| {
             let i = k % t.cmd_bytes.len();
             let (a, len) = (t.tg.hdrs[t.first + i], t.cmd_bytes[i].len() as u32);
-            let n = u32::from(pieces).min(len).max(1);
-            let mut v: Vec<Desc> = (0..n)
-                .map(|j| {
-                    let (s, e) = (len * j / n, len * (j + 1) / n);
-                    Desc {
-                        addr: a + u64::from(s),
-                        len: e - s,
-                        flags: 0,
-                        next: 0,
-                    }
-                })
-                .collect();
+            let mut v = readable_pieces(a, len, u32::from(pieces).min(len).max(1));
             v.push(Desc {
                 addr: t.acks + (k as u64 % 64),
                 len: 1,
@@ -626,18 +630,7 @@ fn check_tx(
             .map(|(k, &(pieces, _))| {
                 let f = k % tx_frames.len();
                 let (a, len) = (tg.hdrs[f], tx_frames[f].len() as u32);
-                let n = u32::from(pieces).min(len);
-                (0..n)
-                    .map(|i| {
-                        let (s, e) = (len * i / n, len * (i + 1) / n);
-                        Desc {
-                            addr: a + u64::from(s),
-                            len: e - s,
-                            flags: 0,
-                            next: 0,
-                        }
-                    })
-                    .collect()
+                readable_pieces(a, len, u32::from(pieces).min(len))
             })
             .collect();
     let laid = write_queue(drv, txq, qsize, &c.tx, &tx_chains, tg, &c.indirect);
