@@ -411,6 +411,42 @@ fn counters(dev: &Net) -> serde_json::Value {
     dev.metrics().to_json()
 }
 
+/// Guest RAM (below the high-water mark `hw` and the top 64 KiB) and the device's counters
+/// as a stage found them, to check its run against.
+struct Before {
+    hw: u64,
+    ram: (Vec<u8>, Vec<u8>),
+    counters: serde_json::Value,
+}
+
+impl Before {
+    fn take(drv: &mut TestDriver<Net>) -> Self {
+        let hw = drv.ram.alloc(1, 1);
+        Self {
+            hw,
+            ram: snapshot(&drv.ram, hw),
+            counters: counters(&drv.device),
+        }
+    }
+
+    /// What every stage holds to: the used heads are published ones, each completed at most
+    /// once (exactly once when `all`), and no byte outside `allowed` changed. Returns the
+    /// counters after the run.
+    fn check(
+        &self,
+        drv: &TestDriver<Net>,
+        used: &[Used],
+        heads: &[u16],
+        all: bool,
+        allowed: &[(u64, u64)],
+        tag: &str,
+    ) -> serde_json::Value {
+        check_heads(used, heads, all, tag);
+        assert_only_writable_changed(&drv.ram, self.hw, &self.ram, allowed, tag);
+        counters(&drv.device)
+    }
+}
+
 fn delta(before: &serde_json::Value, after: &serde_json::Value, names: &[&str]) -> u64 {
     names
         .iter()
@@ -539,16 +575,13 @@ fn check_ctrl(
     let laid = write_queue(drv, ctrlq, qsize, &c.ctrl, &ctrl_chains, t.tg, &c.indirect);
     let mut allowed = laid.allowed.clone();
     allowed.push((t.acks, t.acks + 64));
-    let hw = drv.ram.alloc(1, 1);
-    let before = snapshot(&drv.ram, hw);
-    let m0 = counters(&drv.device);
+    let before = Before::take(drv);
     let used = publish_and_run(drv, ctrlq, &laid.heads, kicks, what, |_| {});
     let tag = format!("{what} CTRL");
-    check_heads(&used, &laid.heads, true, &tag);
-    assert_only_writable_changed(&drv.ram, hw, &before, &allowed, &tag);
-    let m1 = counters(&drv.device);
+    let m1 = before.check(drv, &used, &laid.heads, true, &allowed, &tag);
+    let m0 = &before.counters;
     assert_eq!(
-        delta(&m0, &m1, &["ctrl_ok", "ctrl_err", "ctrl_bad_chains"]),
+        delta(m0, &m1, &["ctrl_ok", "ctrl_err", "ctrl_bad_chains"]),
         used.len() as u64,
         "{tag}: every completion is counted: {m1}"
     );
@@ -635,20 +668,17 @@ fn check_tx(
             .collect();
     let laid = write_queue(drv, txq, qsize, &c.tx, &tx_chains, tg, &c.indirect);
     let tx_allowed = rings(drv, txq);
-    let hw = drv.ram.alloc(1, 1);
-    let before = snapshot(&drv.ram, hw);
-    let m0 = counters(&drv.device);
+    let before = Before::take(drv);
     let used = publish_and_run(drv, txq, &laid.heads, kicks, what, |_| {});
     let tag = format!("{what} TX");
-    check_heads(&used, &laid.heads, true, &tag);
+    let m1 = before.check(drv, &used, &laid.heads, true, &tx_allowed, &tag);
+    let m0 = &before.counters;
     assert!(used.iter().all(|u| u.len == 0), "{tag}: {used:?}");
-    assert_only_writable_changed(&drv.ram, hw, &before, &tx_allowed, &tag);
-    let m1 = counters(&drv.device);
     let sent = backend.take_sent();
-    assert_eq!(delta(&m0, &m1, &["tx_frames"]), sent.len() as u64, "{tag}");
+    assert_eq!(delta(m0, &m1, &["tx_frames"]), sent.len() as u64, "{tag}");
     assert_eq!(
         delta(
-            &m0,
+            m0,
             &m1,
             &[
                 "tx_frames",
@@ -799,9 +829,7 @@ fn run_case(c: &NetCase) {
         })
         .collect();
     let laid = write_queue(&drv, rxq, qsize, &c.rx, &rx_chains, &tg, &c.indirect);
-    let hw = drv.ram.alloc(1, 1);
-    let before = snapshot(&drv.ram, hw);
-    let m0 = counters(&drv.device);
+    let before = Before::take(&mut drv);
     let frames: Vec<Vec<u8>> = c
         .rx_frames
         .iter()
@@ -832,7 +860,8 @@ fn run_case(c: &NetCase) {
     let mut used = used;
     used.extend(drv.reap(rxq));
     let tag = format!("{what} RX");
-    check_heads(&used, &laid.heads, false, &tag);
+    let m1 = before.check(&drv, &used, &laid.heads, false, &laid.allowed, &tag);
+    let m0 = &before.counters;
     for u in &used {
         assert!(
             u64::from(u.len) <= laid.writable_bytes,
@@ -842,11 +871,9 @@ fn run_case(c: &NetCase) {
             laid.writable_bytes
         );
     }
-    assert_only_writable_changed(&drv.ram, hw, &before, &laid.allowed, &tag);
-    let m1 = counters(&drv.device);
     assert_eq!(
         delta(
-            &m0,
+            m0,
             &m1,
             &[
                 "rx_bad_chains",
@@ -859,7 +886,7 @@ fn run_case(c: &NetCase) {
          that could not go back on the ring: {m1}"
     );
     let accounted = delta(
-        &m0,
+        m0,
         &m1,
         &[
             "rx_frames",
