@@ -60,8 +60,25 @@ struct Req {
     st: u64,
 }
 
-/// Posts (without kicking) a read or write of `len` bytes at `sector` whose data buffer is at
-/// `data_align` plus `misalign` bytes.
+/// Posts (without kicking) a request of type `t` at `sector` with its header, `data` (if it
+/// has a data buffer) and its status byte.
+fn post_bufs<D: Disk>(drv: &mut Drv<D>, t: u32, sector: u64, data: Option<Buf>) -> Req {
+    let h = drv.ram.alloc_bytes(&RequestHeader::encode(t, sector));
+    let st = drv.ram.alloc(1, 1);
+    drv.ram.write(st, &[STATUS_UNSET]);
+    let mut bufs = vec![Buf::ro(h, 16)];
+    bufs.extend(data);
+    bufs.push(Buf::wo(st, 1));
+    let head = drv.post(0, &bufs).expect("free descriptors");
+    Req {
+        head,
+        data: data.map_or(0, |b| b.addr),
+        st,
+    }
+}
+
+/// Posts (without kicking) a read or write of `len` bytes at `sector` whose data buffer is
+/// 4 KiB aligned plus `misalign` bytes.
 fn post<D: Disk>(
     drv: &mut Drv<D>,
     t: u32,
@@ -70,22 +87,19 @@ fn post<D: Disk>(
     len: u32,
     misalign: u64,
 ) -> Req {
-    let h = drv.ram.alloc_bytes(&RequestHeader::encode(t, sector));
     let data = drv.ram.alloc(u64::from(len) + 4096, 4096) + misalign;
-    let st = drv.ram.alloc(1, 1);
-    drv.ram.write(st, &[STATUS_UNSET]);
-    let mut bufs = vec![Buf::ro(h, 16)];
-    match t {
-        VIRTIO_BLK_T_IN => bufs.push(Buf::wo(data, len)),
+    let buf = match t {
+        VIRTIO_BLK_T_IN => Some(Buf::wo(data, len)),
         VIRTIO_BLK_T_OUT => {
             drv.ram.write(data, payload);
-            bufs.push(Buf::ro(data, len));
+            Some(Buf::ro(data, len))
         }
-        _ => {}
+        _ => None,
+    };
+    Req {
+        data,
+        ..post_bufs(drv, t, sector, buf)
     }
-    bufs.push(Buf::wo(st, 1));
-    let head = drv.post(0, &bufs).expect("free descriptors");
-    Req { head, data, st }
 }
 
 /// Posts write `i`: 4 KiB of `pattern(i, 4096)` at 4 KiB block `i`.
@@ -575,18 +589,8 @@ fn hostile_chains_at_depth() {
                     1 => bad.push(post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 700, 0)),
                     // Data buffer outside guest memory.
                     2 => {
-                        let h = drv
-                            .ram
-                            .alloc_bytes(&RequestHeader::encode(VIRTIO_BLK_T_IN, 0));
-                        let st = drv.ram.alloc(1, 1);
-                        drv.ram.write(st, &[STATUS_UNSET]);
-                        let head = drv
-                            .post(
-                                0,
-                                &[Buf::ro(h, 16), Buf::wo(RAM - 512, 4096), Buf::wo(st, 1)],
-                            )
-                            .unwrap();
-                        bad.push(Req { head, data: 0, st });
+                        let outside = Buf::wo(RAM - 512, 4096);
+                        bad.push(post_bufs(&mut drv, VIRTIO_BLK_T_IN, 0, Some(outside)));
                     }
                     // Unsupported type.
                     _ => bad.push(post(&mut drv, 0x77, 0, &[], 0, 0)),
