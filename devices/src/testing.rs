@@ -631,6 +631,25 @@ pub fn dma_matrix(slots: usize) -> Vec<(String, bounce::Dma)> {
     out
 }
 
+/// The DMA handles a net test runs under: `off`, then forced `force/swiotlb` and
+/// `force/iova` pools of `slots` for `workers` workers, each with its mode's allocator.
+///
+/// # Panics
+/// When a pool cannot be built (a test setup failure).
+pub fn forced_dmas(slots: usize, workers: usize) -> Vec<(&'static str, bounce::Dma)> {
+    use bounce::{BouncePool, Dma, Policy, PoolConfig};
+    let mut out = vec![("off", Dma::direct())];
+    for (name, mut cfg) in [
+        ("force/swiotlb", PoolConfig::swiotlb(slots)),
+        ("force/iova", PoolConfig::iova(slots)),
+    ] {
+        cfg.workers = workers;
+        let pool = BouncePool::new(&cfg).unwrap_or_else(|e| panic!("{name} pool: {e}"));
+        out.push((name, Dma::bounced(Policy::Force, std::sync::Arc::new(pool))));
+    }
+    out
+}
+
 /// A TCP over IPv4 segmentation header as Linux sends it for a large frame (Ethernet, IPv4 and
 /// TCP headers of 54 bytes, MSS 1448, the TCP checksum left to the device).
 pub fn tso4_header() -> VnetHeader {

@@ -15,15 +15,14 @@
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bounce::testing::Resource;
-use bounce::{BouncePool, Dma, Policy, PoolConfig};
+use bounce::Dma;
 use devices::net::header::VnetHeader;
 use devices::net::worker::TOKEN_BACKEND;
 use devices::net::{Net, NetConfig, MAX_FRAME_LEN, VNET_HDR_LEN};
-use devices::testing::{tso4_header, TestDriver};
+use devices::testing::{forced_dmas, tso4_header, TestDriver};
 use devices::virtio::driver::Buf;
 use devices::virtio::spec::{
     feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ,
@@ -231,30 +230,6 @@ fn ip_frame(dst: [u8; 6], src: [u8; 6], tcp: bool, payload: usize, marker: u16) 
 fn ip_id(frame: &[u8]) -> Option<u16> {
     (frame.len() >= 20 && frame[12..14] == [0x08, 0x00])
         .then(|| u16::from_be_bytes([frame[18], frame[19]]))
-}
-
-fn dmas() -> Vec<(&'static str, Dma)> {
-    let mut sw = PoolConfig::swiotlb(8192);
-    sw.workers = 2;
-    let mut iova = PoolConfig::iova(8192);
-    iova.workers = 2;
-    vec![
-        ("off", Dma::direct()),
-        (
-            "force/swiotlb",
-            Dma::bounced(
-                Policy::Force,
-                Arc::new(BouncePool::new(&sw).expect("swiotlb pool")),
-            ),
-        ),
-        (
-            "force/iova",
-            Dma::bounced(
-                Policy::Force,
-                Arc::new(BouncePool::new(&iova).expect("iova pool")),
-            ),
-        ),
-    ]
 }
 
 /// TX phase: a plain, a CSUM-partial and a TSO frame, each split over three descriptors
@@ -470,7 +445,7 @@ fn net_through_tap_in_namespace() {
                 "net.ipv6.conf.all.disable_ipv6=1",
             ])
             .output();
-        for (name, dma) in dmas() {
+        for (name, dma) in forced_dmas(8192, 2) {
             run(ns, name, dma);
         }
     });
