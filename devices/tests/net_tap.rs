@@ -65,8 +65,7 @@ fn ip(args: &[&str]) {
 struct Netns(String);
 
 impl Netns {
-    /// A new namespace `bvm-{tag}-{pid}` (one left by an earlier run of this process id is
-    /// deleted first).
+    /// A new namespace `bvm-{tag}-{pid}` (a stale one of that name is deleted first).
     fn create(tag: &str) -> Self {
         let name = format!("bvm-{tag}-{}", std::process::id());
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
