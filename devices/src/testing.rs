@@ -46,20 +46,22 @@
 //! contract of production (only ready, valid, enabled queues). A worker that breaks is parked
 //! ([`TestDriver::broken`]) and not called again, as a transport would set DEVICE_NEEDS_RESET.
 //!
+//! [`HookedDisk`] builds the disks tests need (holding, counting, failing I/O) around another
+//! with a [`DiskHook`]; [`GateDisk`] and [`SocketDisk`] are shared ones.
+//!
 //! [`durable`] holds the crash-durability checks of block images (raw and qcow2) that the
 //! SIGKILL tests of both transports' binaries share.
 
+mod disk;
 pub mod durable;
 
+pub use disk::{gate_disk, DiskHook, DiskOp, GateDisk, HookedDisk, ReadGate, SocketDisk};
+
 use std::collections::HashMap;
-use std::io;
-use std::sync::{mpsc, Mutex};
 
 use virtio_queue::{Queue, QueueT};
-use vm_memory::bitmap::BitmapSlice;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap, VolatileSlice};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
 
-use crate::block::{Disk, MemDisk};
 use crate::net::header::VnetHeader;
 use crate::virtio::dispatch::{Dispatcher, Outcome};
 use crate::virtio::driver::{Buf, DriverQueue, Layout, Used};
@@ -629,79 +631,23 @@ pub fn dma_matrix(slots: usize) -> Vec<(String, bounce::Dma)> {
     out
 }
 
-/// A memory disk whose reads of sector 0 wait until the test sends on the other end of
-/// `gate`: a slow request, to see what the engine and the worker do behind it.
-#[derive(Debug)]
-pub struct GateDisk {
-    /// What the disk holds.
-    pub mem: MemDisk,
-    /// One message releases one read of sector 0.
-    pub gate: Mutex<mpsc::Receiver<()>>,
-}
-
-impl Disk for GateDisk {
-    fn capacity(&self) -> u64 {
-        self.mem.capacity()
+/// The DMA handles a net test runs under: `off`, then forced `force/swiotlb` and
+/// `force/iova` pools of `slots` for `workers` workers, each with its mode's allocator.
+///
+/// # Panics
+/// When a pool cannot be built (a test setup failure).
+pub fn forced_dmas(slots: usize, workers: usize) -> Vec<(&'static str, bounce::Dma)> {
+    use bounce::{BouncePool, Dma, Policy, PoolConfig};
+    let mut out = vec![("off", Dma::direct())];
+    for (name, mut cfg) in [
+        ("force/swiotlb", PoolConfig::swiotlb(slots)),
+        ("force/iova", PoolConfig::iova(slots)),
+    ] {
+        cfg.workers = workers;
+        let pool = BouncePool::new(&cfg).unwrap_or_else(|e| panic!("{name} pool: {e}"));
+        out.push((name, Dma::bounced(Policy::Force, std::sync::Arc::new(pool))));
     }
-    fn read_at<B: BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &mut VolatileSlice<B>,
-    ) -> io::Result<usize> {
-        if offset == 0 {
-            // A dropped sender (a test that failed while a read was held) lets the read
-            // through, so the device can wind down instead of waiting for it for ever.
-            let _ = self.gate.lock().unwrap().recv();
-        }
-        self.mem.read_at(offset, buf)
-    }
-    fn write_at<B: BitmapSlice>(&self, offset: u64, buf: &VolatileSlice<B>) -> io::Result<usize> {
-        self.mem.write_at(offset, buf)
-    }
-    fn flush(&self) -> io::Result<()> {
-        Ok(())
-    }
-    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
-        self.mem.discard(o, l)
-    }
-    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
-        self.mem.write_zeroes(o, l, u)
-    }
-    fn kind(&self) -> &'static str {
-        "gate"
-    }
-}
-
-/// A disk that is one end of a socket pair, for io_uring only: a read waits for the peer (for
-/// ever, if the peer never sends), a write goes to the peer at once.
-#[derive(Debug)]
-pub struct SocketDisk(pub std::os::unix::net::UnixStream);
-
-impl Disk for SocketDisk {
-    fn capacity(&self) -> u64 {
-        1 << 20
-    }
-    fn read_at<B: BitmapSlice>(&self, _: u64, _: &mut VolatileSlice<B>) -> io::Result<usize> {
-        Err(io::Error::other("io_uring only"))
-    }
-    fn write_at<B: BitmapSlice>(&self, _: u64, _: &VolatileSlice<B>) -> io::Result<usize> {
-        Err(io::Error::other("io_uring only"))
-    }
-    fn flush(&self) -> io::Result<()> {
-        Ok(())
-    }
-    fn discard(&self, _: u64, _: u64) -> io::Result<()> {
-        Ok(())
-    }
-    fn write_zeroes(&self, _: u64, _: u64, _: bool) -> io::Result<()> {
-        Ok(())
-    }
-    fn kind(&self) -> &'static str {
-        "socket"
-    }
-    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
-        Some(std::os::fd::AsRawFd::as_raw_fd(&self.0))
-    }
+    out
 }
 
 /// A TCP over IPv4 segmentation header as Linux sends it for a large frame (Ethernet, IPv4 and

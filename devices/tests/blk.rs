@@ -49,6 +49,11 @@ fn file_bytes(p: &Path, off: u64, len: usize) -> Vec<u8> {
     all[off as usize..off as usize + len].to_vec()
 }
 
+/// A device on a fresh memory disk of `DISK` bytes (see [`Blk::new`]).
+fn mem_blk(cfg: BlockConfig, dma: Dma, drop: u64) -> Blk<MemDisk> {
+    Blk::new(MemDisk::new(DISK).unwrap(), cfg, dma, drop)
+}
+
 /// Writes and reads back through every layout, checking the file and the guest buffers.
 fn exercise_rw<D: Disk>(blk: &mut Blk<D>, check: &dyn Fn(u64, &[u8]), tag: &str) {
     let layouts = [
@@ -119,7 +124,7 @@ fn raw_read_write_all_dma_policies() {
 #[test]
 fn memory_disk_read_write_all_dma_policies() {
     for (name, dma) in dmas() {
-        let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), dma, 0);
+        let mut blk = mem_blk(BlockConfig::default(), dma, 0);
         let disk = std::sync::Arc::clone(blk.drv.device.disk());
         let check = move |off: u64, data: &[u8]| {
             let mut v = vec![0u8; data.len()];
@@ -291,12 +296,7 @@ fn features_and_config_space() {
 
 #[test]
 fn config_writes_are_ignored_and_counted() {
-    let mut blk = Blk::new(
-        MemDisk::new(DISK).unwrap(),
-        BlockConfig::default(),
-        Dma::direct(),
-        0,
-    );
+    let mut blk = mem_blk(BlockConfig::default(), Dma::direct(), 0);
     let before = blk.drv.read_config(0, 60);
     VirtioDevice::<GuestMemoryMmap>::write_config(&mut blk.drv.device, 0, &[1, 2, 3, 4]);
     VirtioDevice::<GuestMemoryMmap>::write_config(&mut blk.drv.device, 32, &[1, 0]);
@@ -346,7 +346,7 @@ fn multiqueue_one_worker_per_queue() {
             num_queues: 4,
             ..BlockConfig::default()
         };
-        let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), cfg, dma, 0);
+        let mut blk = mem_blk(cfg, dma, 0);
         assert_eq!(blk.drv.num_workers(), 4, "{name}");
         for q in 0..4u16 {
             assert_eq!(blk.drv.worker_queues(q as usize), vec![q]);
@@ -373,19 +373,14 @@ fn multiqueue_one_worker_per_queue() {
         num_queues: 4,
         ..BlockConfig::default()
     };
-    let blk = Blk::new(
-        MemDisk::new(DISK).unwrap(),
-        cfg,
-        Dma::direct(),
-        feature(VIRTIO_BLK_F_MQ),
-    );
+    let blk = mem_blk(cfg, Dma::direct(), feature(VIRTIO_BLK_F_MQ));
     assert_eq!(blk.drv.num_workers(), 1);
 }
 
 #[test]
 fn read_past_end_is_ioerr() {
     for (name, dma) in dmas().into_iter().take(3) {
-        let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), BlockConfig::default(), dma, 0);
+        let mut blk = mem_blk(BlockConfig::default(), dma, 0);
         let cap = DISK / 512;
         for (sector, len) in [
             (cap, 512),
@@ -426,17 +421,7 @@ fn readonly_refuses_writes() {
         blk.write(0, &[1u8; 512], Layout::Simple).status,
         VIRTIO_BLK_S_IOERR
     );
-    let seg = discard_seg(0, 8, 0);
-    assert_eq!(
-        blk.request(0, VIRTIO_BLK_T_DISCARD, 0, &seg, 0, Layout::Simple)
-            .status,
-        VIRTIO_BLK_S_IOERR
-    );
-    assert_eq!(
-        blk.request(0, VIRTIO_BLK_T_WRITE_ZEROES, 0, &seg, 0, Layout::Simple)
-            .status,
-        VIRTIO_BLK_S_IOERR
-    );
+    assert_eq!(discard_and_zeroes(&mut blk), [VIRTIO_BLK_S_IOERR; 2]);
     assert_eq!(blk.metric("err_readonly"), 3);
     let r = blk.read(0, 4096, Layout::Simple);
     ok(&r);
@@ -451,8 +436,7 @@ fn readonly_refuses_writes() {
 
 #[test]
 fn unknown_and_unnegotiated_types_are_unsupp() {
-    let mut blk = Blk::new(
-        MemDisk::new(DISK).unwrap(),
+    let mut blk = mem_blk(
         BlockConfig::default(),
         Dma::direct(),
         feature(VIRTIO_BLK_F_DISCARD) | feature(VIRTIO_BLK_F_WRITE_ZEROES),
@@ -462,17 +446,7 @@ fn unknown_and_unnegotiated_types_are_unsupp() {
         assert_eq!(d.status, VIRTIO_BLK_S_UNSUPP, "type {t}");
         assert_eq!(d.len, 1);
     }
-    let seg = discard_seg(0, 8, 0);
-    assert_eq!(
-        blk.request(0, VIRTIO_BLK_T_DISCARD, 0, &seg, 0, Layout::Simple)
-            .status,
-        VIRTIO_BLK_S_UNSUPP
-    );
-    assert_eq!(
-        blk.request(0, VIRTIO_BLK_T_WRITE_ZEROES, 0, &seg, 0, Layout::Simple)
-            .status,
-        VIRTIO_BLK_S_UNSUPP
-    );
+    assert_eq!(discard_and_zeroes(&mut blk), [VIRTIO_BLK_S_UNSUPP; 2]);
     assert_eq!(blk.metric("reqs_unsupported"), 9);
     assert_eq!(blk.metric("err_unsupported"), 11);
 }
@@ -484,7 +458,7 @@ fn get_id_returns_the_serial() {
             serial: "serial-0123456789-abcdef".into(),
             ..BlockConfig::default()
         };
-        let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), cfg, dma, 0);
+        let mut blk = mem_blk(cfg, dma, 0);
         let d = blk.request(0, VIRTIO_BLK_T_GET_ID, 0, &[], 20, Layout::Simple);
         ok(&d);
         assert_eq!(&d.data, b"serial-0123456789-ab", "{name}");
@@ -494,7 +468,7 @@ fn get_id_returns_the_serial() {
             serial: "xy".into(),
             ..BlockConfig::default()
         };
-        let mut blk = Blk::new(MemDisk::new(DISK).unwrap(), cfg, Dma::direct(), 0);
+        let mut blk = mem_blk(cfg, Dma::direct(), 0);
         let d = blk.request(0, VIRTIO_BLK_T_GET_ID, 0, &[], 20, Layout::Merged);
         ok(&d);
         assert_eq!(&d.data[..3], b"xy\0");
@@ -520,7 +494,7 @@ fn flush_reaches_the_file() {
     ] {
         let path = raw_file(dir.path(), "f.raw", DISK, 4);
         let mut blk = Blk::new(
-            ProbeDisk::new(RawDisk::open(&path, false).unwrap()),
+            probe_disk(RawDisk::open(&path, false).unwrap()),
             BlockConfig::default(),
             Dma::direct(),
             drop,
@@ -528,7 +502,7 @@ fn flush_reaches_the_file() {
         let probe = std::sync::Arc::clone(blk.drv.device.disk());
         let data = pattern(42, 8192);
         ok(&blk.write(16, &data, Layout::Simple));
-        let after_write = probe.state();
+        let after_write = probe.hook.state();
         assert!(after_write.writes >= 1, "drop={drop:#x}: {after_write:?}");
         if drop == 0 {
             // writeback: the write completed unflushed, the FLUSH request flushes it
@@ -538,7 +512,7 @@ fn flush_reaches_the_file() {
             );
             assert!(after_write.unflushed >= 1);
             assert_eq!(blk.flush(), VIRTIO_BLK_S_OK);
-            let s = probe.state();
+            let s = probe.hook.state();
             assert_eq!(s.flushes, 1, "FLUSH did not reach the disk: {s:?}");
             assert_eq!(s.unflushed, 0, "{s:?}");
         } else {
@@ -556,6 +530,12 @@ fn flush_reaches_the_file() {
 /// The status of a one-payload request of type `t` on queue 0 in the simple layout.
 fn simple_status<D: Disk>(blk: &mut Blk<D>, t: u32, payload: &[u8]) -> u8 {
     blk.request(0, t, 0, payload, 0, Layout::Simple).status
+}
+
+/// The statuses of a DISCARD and of a WRITE_ZEROES of sectors 0..8.
+fn discard_and_zeroes<D: Disk>(blk: &mut Blk<D>) -> [u8; 2] {
+    let seg = discard_seg(0, 8, 0);
+    [VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_WRITE_ZEROES].map(|t| simple_status(blk, t, &seg))
 }
 
 #[test]
@@ -652,12 +632,7 @@ fn discard_and_write_zeroes_raw() {
 
 #[test]
 fn event_idx_suppresses_and_re_arms() {
-    let mut blk = Blk::new(
-        MemDisk::new(DISK).unwrap(),
-        BlockConfig::default(),
-        Dma::direct(),
-        0,
-    );
+    let mut blk = mem_blk(BlockConfig::default(), Dma::direct(), 0);
     assert_ne!(blk.drv.acked() & feature(VIRTIO_RING_F_EVENT_IDX), 0);
     // used_event = 0: the first completion (used idx 0 -> 1) notifies.
     blk.drv.vqs[0].set_used_event(blk.drv.ram.mem(), 0).unwrap();
@@ -689,8 +664,7 @@ fn event_idx_suppresses_and_re_arms() {
     assert_eq!(blk.metric("queue_depth_hiwater"), 4);
 
     // Without EVENT_IDX: NO_INTERRUPT suppresses.
-    let mut blk = Blk::new(
-        MemDisk::new(DISK).unwrap(),
+    let mut blk = mem_blk(
         BlockConfig::default(),
         Dma::direct(),
         feature(VIRTIO_RING_F_EVENT_IDX),
@@ -711,12 +685,7 @@ fn event_idx_suppresses_and_re_arms() {
 
 #[test]
 fn full_queue_is_drained_in_one_kick() {
-    let mut blk = Blk::new(
-        MemDisk::new(DISK).unwrap(),
-        BlockConfig::default(),
-        Dma::direct(),
-        0,
-    );
+    let mut blk = mem_blk(BlockConfig::default(), Dma::direct(), 0);
     let mut heads = Vec::new();
     // 64-entry queue, 3 descriptors per request: 21 requests fit.
     for i in 0..21u64 {
@@ -747,12 +716,7 @@ fn full_queue_is_drained_in_one_kick() {
 #[test]
 fn stats_are_json_with_bounce_pool() {
     let dmas = dma_matrix(1024);
-    let mut blk = Blk::new(
-        MemDisk::new(DISK).unwrap(),
-        BlockConfig::default(),
-        dmas[1].1.clone(),
-        0,
-    );
+    let mut blk = mem_blk(BlockConfig::default(), dmas[1].1.clone(), 0);
     ok(&blk.write(0, &[7u8; 4096], Layout::Simple));
     ok(&blk.read(0, 4096, Layout::Simple));
     let s = blk.stats();
@@ -765,13 +729,7 @@ fn stats_are_json_with_bounce_pool() {
     assert_eq!(s["metrics"]["bytes_written"], 4096);
     assert!(s["bounce"]["maps"].as_u64().unwrap() >= 6, "{s}");
     assert_eq!(s["bounce"]["used"], 0);
-    let s = Blk::new(
-        MemDisk::new(DISK).unwrap(),
-        BlockConfig::default(),
-        Dma::direct(),
-        0,
-    )
-    .stats();
+    let s = mem_blk(BlockConfig::default(), Dma::direct(), 0).stats();
     assert!(s["bounce"].is_null());
 }
 
@@ -790,7 +748,7 @@ fn disk_faults_fail_only_the_affected_request() {
         ] {
             let what = format!("{name} {op:?} errno {errno}");
             let mut blk = Blk::new(
-                ProbeDisk::new(MemDisk::new(DISK).unwrap()),
+                probe_disk(MemDisk::new(DISK).unwrap()),
                 BlockConfig::default(),
                 dma.clone(),
                 0,
@@ -800,7 +758,7 @@ fn disk_faults_fail_only_the_affected_request() {
             // Six 4 KiB writes at sectors 8*i; with op == Write the fourth one fails.
             for i in 0..6u64 {
                 if op == DiskOp::Write && i == 3 {
-                    probe.fail_nth(DiskOp::Write, 1, errno);
+                    probe.hook.fail_nth(DiskOp::Write, 1, errno);
                 }
                 let w = blk.write(8 * i, &block(i), Layout::Split(2));
                 let want = if op == DiskOp::Write && i == 3 {
@@ -811,7 +769,7 @@ fn disk_faults_fail_only_the_affected_request() {
                 assert_eq!((w.status, w.len), (want, 1), "{what}: write {i}");
             }
             if op == DiskOp::Flush {
-                probe.fail_nth(DiskOp::Flush, 1, errno);
+                probe.hook.fail_nth(DiskOp::Flush, 1, errno);
                 assert_eq!(blk.flush(), VIRTIO_BLK_S_IOERR, "{what}: the failed flush");
             }
             assert_eq!(
@@ -822,7 +780,7 @@ fn disk_faults_fail_only_the_affected_request() {
             // Every acknowledged write reads back; the failed one left its sectors as they were.
             for i in 0..6u64 {
                 if op == DiskOp::Read && i == 2 {
-                    probe.fail_nth(DiskOp::Read, 1, errno);
+                    probe.hook.fail_nth(DiskOp::Read, 1, errno);
                     let r = blk.read(8 * i, 4096, Layout::Simple);
                     assert_eq!(
                         (r.status, r.len),
@@ -841,7 +799,11 @@ fn disk_faults_fail_only_the_affected_request() {
                     assert!(r.data == block(i), "{what}: acknowledged write {i} lost");
                 }
             }
-            assert_eq!(probe.state().injected, 1, "{what}: the fault was never hit");
+            assert_eq!(
+                probe.hook.state().injected,
+                1,
+                "{what}: the fault was never hit"
+            );
             // The device keeps serving.
             ok(&blk.write(100, &block(9), Layout::Indirect));
             assert_eq!(blk.read(100, 4096, Layout::Merged).data, block(9), "{what}");

@@ -16,15 +16,14 @@ use common::{pattern, RAM};
 use devices::block::io::{AioMode, CacheMode, OnFull, RawDisk};
 use devices::block::request::RequestHeader;
 use devices::block::{Block, BlockConfig, Disk, MemDisk, STATUS_UNSET};
-use devices::testing::{dma_matrix, GateDisk, TestDriver};
+use devices::testing::{dma_matrix, gate_disk, DiskHook, DiskOp, GateDisk, HookedDisk, TestDriver};
 use devices::virtio::driver::{Buf, Used};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_F_CONFIG_WCE, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
     VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use devices::virtio::VirtioDevice;
-use vm_memory::bitmap::BitmapSlice;
-use vm_memory::{GuestMemoryMmap, VolatileSlice};
+use vm_memory::GuestMemoryMmap;
 
 const DISK: u64 = 16 << 20;
 
@@ -61,8 +60,25 @@ struct Req {
     st: u64,
 }
 
-/// Posts (without kicking) a read or write of `len` bytes at `sector` whose data buffer is at
-/// `data_align` plus `misalign` bytes.
+/// Posts (without kicking) a request of type `t` at `sector` with its header, `data` (if it
+/// has a data buffer) and its status byte.
+fn post_bufs<D: Disk>(drv: &mut Drv<D>, t: u32, sector: u64, data: Option<Buf>) -> Req {
+    let h = drv.ram.alloc_bytes(&RequestHeader::encode(t, sector));
+    let st = drv.ram.alloc(1, 1);
+    drv.ram.write(st, &[STATUS_UNSET]);
+    let mut bufs = vec![Buf::ro(h, 16)];
+    bufs.extend(data);
+    bufs.push(Buf::wo(st, 1));
+    let head = drv.post(0, &bufs).expect("free descriptors");
+    Req {
+        head,
+        data: data.map_or(0, |b| b.addr),
+        st,
+    }
+}
+
+/// Posts (without kicking) a read or write of `len` bytes at `sector` whose data buffer is
+/// 4 KiB aligned plus `misalign` bytes.
 fn post<D: Disk>(
     drv: &mut Drv<D>,
     t: u32,
@@ -71,22 +87,19 @@ fn post<D: Disk>(
     len: u32,
     misalign: u64,
 ) -> Req {
-    let h = drv.ram.alloc_bytes(&RequestHeader::encode(t, sector));
     let data = drv.ram.alloc(u64::from(len) + 4096, 4096) + misalign;
-    let st = drv.ram.alloc(1, 1);
-    drv.ram.write(st, &[STATUS_UNSET]);
-    let mut bufs = vec![Buf::ro(h, 16)];
-    match t {
-        VIRTIO_BLK_T_IN => bufs.push(Buf::wo(data, len)),
+    let buf = match t {
+        VIRTIO_BLK_T_IN => Some(Buf::wo(data, len)),
         VIRTIO_BLK_T_OUT => {
             drv.ram.write(data, payload);
-            bufs.push(Buf::ro(data, len));
+            Some(Buf::ro(data, len))
         }
-        _ => {}
+        _ => None,
+    };
+    Req {
+        data,
+        ..post_bufs(drv, t, sector, buf)
     }
-    bufs.push(Buf::wo(st, 1));
-    let head = drv.post(0, &bufs).expect("free descriptors");
-    Req { head, data, st }
 }
 
 /// Posts write `i`: 4 KiB of `pattern(i, 4096)` at 4 KiB block `i`.
@@ -235,13 +248,8 @@ fn a_burst_reaches_the_kernel_in_doubling_batches() {
 #[test]
 fn used_ring_follows_completion_order() {
     for (name, dma) in dma_matrix(4096) {
-        let (tx, rx) = mpsc::channel();
-        let mem = MemDisk::new(DISK).unwrap();
-        mem.write_bytes(0, &pattern(99, 4096)).unwrap();
-        let disk = GateDisk {
-            mem,
-            gate: Mutex::new(rx),
-        };
+        let (disk, tx) = gated_disk();
+        disk.inner.write_bytes(0, &pattern(99, 4096)).unwrap();
         let mut drv = driver(disk, cfg(AioMode::Threads, CacheMode::Writeback), dma, 64);
         let held = post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096, 0);
         let rest: Vec<Req> = (1..8)
@@ -272,36 +280,24 @@ fn used_ring_follows_completion_order() {
     }
 }
 
-/// A disk that counts what reaches it, to check each cache mode's flushes.
-#[derive(Debug)]
-struct Counting {
-    inner: MemDisk,
-    writes: AtomicU64,
-    flushes: AtomicU64,
+/// Counts the flushes that reach a memory disk, to check each cache mode's.
+#[derive(Debug, Default)]
+struct FlushCount(AtomicU64);
+
+impl FlushCount {
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
 }
 
-impl Disk for Counting {
-    fn capacity(&self) -> u64 {
-        self.inner.capacity()
+impl DiskHook<MemDisk> for FlushCount {
+    fn before(&self, op: DiskOp, _: u64, len: u64) -> io::Result<u64> {
+        if op == DiskOp::Flush {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(len)
     }
-    fn read_at<B: BitmapSlice>(&self, o: u64, b: &mut VolatileSlice<B>) -> io::Result<usize> {
-        self.inner.read_at(o, b)
-    }
-    fn write_at<B: BitmapSlice>(&self, o: u64, b: &VolatileSlice<B>) -> io::Result<usize> {
-        self.writes.fetch_add(1, Ordering::SeqCst);
-        self.inner.write_at(o, b)
-    }
-    fn flush(&self) -> io::Result<()> {
-        self.flushes.fetch_add(1, Ordering::SeqCst);
-        Ok(())
-    }
-    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
-        self.inner.discard(o, l)
-    }
-    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
-        self.inner.write_zeroes(o, l, u)
-    }
-    fn kind(&self) -> &'static str {
+    fn kind(&self, _: &MemDisk) -> &'static str {
         "counting"
     }
 }
@@ -320,11 +316,7 @@ fn one<D: Disk>(drv: &mut Drv<D>, t: u32, sector: u64, data: &[u8], len: u32) ->
 fn cache_modes_decide_wce_and_flushes() {
     for cache in CacheMode::ALL {
         for aio in [AioMode::Threads, AioMode::Sync] {
-            let disk = Counting {
-                inner: MemDisk::new(DISK).unwrap(),
-                writes: AtomicU64::new(0),
-                flushes: AtomicU64::new(0),
-            };
+            let disk = HookedDisk::new(MemDisk::new(DISK).unwrap(), FlushCount::default());
             let mut drv = driver(disk, cfg(aio, cache), Dma::direct(), 64);
             let offered = VirtioDevice::<GuestMemoryMmap>::avail_features(&drv.device);
             assert_ne!(offered & feature(VIRTIO_BLK_F_CONFIG_WCE), 0);
@@ -336,7 +328,7 @@ fn cache_modes_decide_wce_and_flushes() {
             );
             let w = one(&mut drv, VIRTIO_BLK_T_OUT, 8, &pattern(1, 4096), 4096);
             assert_eq!(status_of(&drv, w), VIRTIO_BLK_S_OK);
-            let flushes = drv.device.disk().flushes.load(Ordering::SeqCst);
+            let flushes = drv.device.disk().hook.get();
             assert_eq!(
                 flushes,
                 u64::from(!cache.write_cache()),
@@ -344,7 +336,7 @@ fn cache_modes_decide_wce_and_flushes() {
             );
             let f = one(&mut drv, VIRTIO_BLK_T_FLUSH, 0, &[], 0);
             assert_eq!(status_of(&drv, f), VIRTIO_BLK_S_OK);
-            let after = drv.device.disk().flushes.load(Ordering::SeqCst);
+            let after = drv.device.disk().hook.get();
             assert_eq!(
                 after - flushes,
                 u64::from(!cache.no_flush()),
@@ -355,11 +347,7 @@ fn cache_modes_decide_wce_and_flushes() {
             assert_eq!(drv.read_config(32, 1)[0], 0);
             let w = one(&mut drv, VIRTIO_BLK_T_OUT, 16, &pattern(2, 512), 512);
             assert_eq!(status_of(&drv, w), VIRTIO_BLK_S_OK);
-            assert_eq!(
-                drv.device.disk().flushes.load(Ordering::SeqCst),
-                after + 1,
-                "{cache}"
-            );
+            assert_eq!(drv.device.disk().hook.get(), after + 1, "{cache}");
         }
     }
 }
@@ -401,49 +389,34 @@ fn every_cache_mode_with_unaligned_guest_buffers() {
     }
 }
 
-/// A disk with a volatile cache and durable storage: writes land in the cache, a flush
-/// copies the cache to storage; `durable` is what survives a host crash.
+/// The durable storage behind a memory disk that plays a volatile cache: writes land in the
+/// cache, a flush copies the cache to storage; `durable` is what survives a host crash.
 #[derive(Debug)]
-struct CrashDisk {
-    cache: MemDisk,
-    durable: Mutex<Vec<u8>>,
-}
+struct Durable(Mutex<Vec<u8>>);
 
-impl CrashDisk {
-    fn new() -> Self {
-        Self {
-            cache: MemDisk::new(1 << 20).unwrap(),
-            durable: Mutex::new(vec![0; 1 << 20]),
-        }
-    }
+impl Durable {
     fn durable(&self, off: usize, len: usize) -> Vec<u8> {
-        self.durable.lock().unwrap()[off..off + len].to_vec()
+        self.0.lock().unwrap()[off..off + len].to_vec()
     }
 }
 
-impl Disk for CrashDisk {
-    fn capacity(&self) -> u64 {
-        self.cache.capacity()
+impl DiskHook<MemDisk> for Durable {
+    fn after(&self, op: DiskOp, cache: &MemDisk) -> io::Result<()> {
+        if op != DiskOp::Flush {
+            return Ok(());
+        }
+        let mut d = self.0.lock().unwrap();
+        cache.read_bytes(0, &mut d)
     }
-    fn read_at<B: BitmapSlice>(&self, o: u64, b: &mut VolatileSlice<B>) -> io::Result<usize> {
-        self.cache.read_at(o, b)
-    }
-    fn write_at<B: BitmapSlice>(&self, o: u64, b: &VolatileSlice<B>) -> io::Result<usize> {
-        self.cache.write_at(o, b)
-    }
-    fn flush(&self) -> io::Result<()> {
-        let mut d = self.durable.lock().unwrap();
-        self.cache.read_bytes(0, &mut d).map(|_| ())
-    }
-    fn discard(&self, o: u64, l: u64) -> io::Result<()> {
-        self.cache.discard(o, l)
-    }
-    fn write_zeroes(&self, o: u64, l: u64, u: bool) -> io::Result<()> {
-        self.cache.write_zeroes(o, l, u)
-    }
-    fn kind(&self) -> &'static str {
+    fn kind(&self, _: &MemDisk) -> &'static str {
         "crash"
     }
+}
+
+/// A 1 MiB cache with its durable storage.
+fn crash_disk() -> HookedDisk<MemDisk, Durable> {
+    let cache = MemDisk::new(1 << 20).unwrap();
+    HookedDisk::new(cache, Durable(Mutex::new(vec![0; 1 << 20])))
 }
 
 /// A FLUSH covers every write completed before it: eight writes at depth complete, then a
@@ -458,14 +431,14 @@ fn flush_covers_every_write_completed_before_it() {
             CacheMode::Unsafe,
             CacheMode::Writethrough,
         ] {
-            let mut drv = driver(CrashDisk::new(), cfg(aio, cache), Dma::direct(), 64);
+            let mut drv = driver(crash_disk(), cfg(aio, cache), Dma::direct(), 64);
             let writes: Vec<Req> = (0..8).map(|i| write_block(&mut drv, i)).collect();
             drv.kick(0).unwrap();
             settle(&mut drv, 8, Vec::new());
             assert!(writes
                 .iter()
                 .all(|w| status_of(&drv, *w) == VIRTIO_BLK_S_OK));
-            let durable_before = drv.device.disk().durable(0, 4096) == pattern(0, 4096);
+            let durable_before = drv.device.disk().hook.durable(0, 4096) == pattern(0, 4096);
             assert_eq!(
                 durable_before,
                 cache == CacheMode::Writethrough,
@@ -479,7 +452,7 @@ fn flush_covers_every_write_completed_before_it() {
             assert!(later.iter().all(|w| status_of(&drv, *w) == VIRTIO_BLK_S_OK));
             for i in 0..8u64 {
                 let at = usize::try_from(i * 8 * 512).unwrap();
-                let durable = drv.device.disk().durable(at, 4096) == pattern(i, 4096);
+                let durable = drv.device.disk().hook.durable(at, 4096) == pattern(i, 4096);
                 assert_eq!(
                     durable,
                     cache != CacheMode::Unsafe,
@@ -616,18 +589,8 @@ fn hostile_chains_at_depth() {
                     1 => bad.push(post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 700, 0)),
                     // Data buffer outside guest memory.
                     2 => {
-                        let h = drv
-                            .ram
-                            .alloc_bytes(&RequestHeader::encode(VIRTIO_BLK_T_IN, 0));
-                        let st = drv.ram.alloc(1, 1);
-                        drv.ram.write(st, &[STATUS_UNSET]);
-                        let head = drv
-                            .post(
-                                0,
-                                &[Buf::ro(h, 16), Buf::wo(RAM - 512, 4096), Buf::wo(st, 1)],
-                            )
-                            .unwrap();
-                        bad.push(Req { head, data: 0, st });
+                        let outside = Buf::wo(RAM - 512, 4096);
+                        bad.push(post_bufs(&mut drv, VIRTIO_BLK_T_IN, 0, Some(outside)));
                     }
                     // Unsupported type.
                     _ => bad.push(post(&mut drv, 0x77, 0, &[], 0, 0)),
@@ -662,11 +625,7 @@ fn hostile_chains_at_depth() {
 /// A device reset with requests in flight waits for their host I/O and releases every slot.
 #[test]
 fn reset_with_requests_in_flight_releases_the_pool() {
-    let (tx, rx) = mpsc::channel();
-    let disk = GateDisk {
-        mem: MemDisk::new(DISK).unwrap(),
-        gate: Mutex::new(rx),
-    };
+    let (disk, tx) = gated_disk();
     let dma = small_pool(1024);
     let mut drv = driver(
         disk,
@@ -709,15 +668,10 @@ fn competing(shared: bool) -> (&'static str, devices::pools::PoolRegistry, Block
     (name, devices::pools::PoolRegistry::default(), c)
 }
 
-/// A memory disk that holds each read until the returned sender lets it through (or is
-/// dropped).
+/// A memory disk that holds each read of sector 0 until the returned sender lets it through
+/// (or is dropped).
 fn gated_disk() -> (GateDisk, mpsc::Sender<()>) {
-    let (tx, rx) = mpsc::channel();
-    let gated = GateDisk {
-        mem: MemDisk::new(DISK).unwrap(),
-        gate: Mutex::new(rx),
-    };
-    (gated, tx)
+    gate_disk(MemDisk::new(DISK).unwrap())
 }
 
 /// Two disks whose bounce options name one pool share its slots: a read one disk holds in

@@ -19,7 +19,7 @@ use bounce::Dma;
 use common::{Blk, Layout, RAM};
 use devices::block::io::AioMode;
 use devices::block::{BlockConfig, Disk, MemDisk};
-use devices::testing::{GateDisk, SocketDisk};
+use devices::testing::{gate_disk, SocketDisk};
 use devices::virtio::spec::VIRTIO_BLK_T_IN;
 use vm_memory::{GuestAddress, GuestMemoryBackend};
 
@@ -187,12 +187,8 @@ fn a_reset_with_a_read_that_never_completes_ends_after_the_time_limit() {
     let (blk, _peer, _) = stuck_read();
     reset_ends_after_the_limit(blk, "io_uring");
     // The gate's sender is kept for good: the read stays blocked in its thread.
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (gated, tx) = gate_disk(MemDisk::new(16 << 20).unwrap());
     std::mem::forget(tx);
-    let gated = GateDisk {
-        mem: MemDisk::new(16 << 20).unwrap(),
-        gate: Mutex::new(rx),
-    };
     let (blk, _) = post_stuck(gated, AioMode::Threads);
     reset_ends_after_the_limit(blk, "threads");
 }

@@ -13,8 +13,8 @@ use bounce::{Direction, Dma, Policy, PoolConfig};
 use common::*;
 use devices::block::io::OnFull;
 use devices::block::request::RequestHeader;
-use devices::block::{BlockConfig, Disk, MemDisk, STATUS_UNSET};
-use devices::testing::first_fit_pool;
+use devices::block::{BlockConfig, MemDisk, STATUS_UNSET};
+use devices::testing::{first_fit_pool, DiskHook, DiskOp, HookedDisk};
 use devices::virtio::driver::{write_table_desc, Desc, Used};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
@@ -680,49 +680,22 @@ fn header_split_across_descriptors_is_fine() {
     assert_eq!(blk.drv.ram.read(b.data, 512), pattern(3, 1024)[512..]);
 }
 
-/// A memory disk whose reads fail (EIO) past the first 512 bytes of a request while `fail`
-/// is set: the device has then written 512 bytes of an 8 KiB read.
-#[derive(Debug)]
-struct FailingDisk {
-    inner: MemDisk,
-    fail: std::sync::atomic::AtomicBool,
-}
+/// Makes a memory disk's reads fail (EIO) past the first 512 bytes of a request while
+/// set: the device has then written 512 bytes of an 8 KiB read.
+#[derive(Debug, Default)]
+struct FailPastFirstSector(std::sync::atomic::AtomicBool);
 
-impl Disk for FailingDisk {
-    fn capacity(&self) -> u64 {
-        self.inner.capacity()
-    }
-    fn read_at<B: vm_memory::bitmap::BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &mut vm_memory::VolatileSlice<B>,
-    ) -> std::io::Result<usize> {
-        if !self.fail.load(std::sync::atomic::Ordering::Relaxed) {
-            return self.inner.read_at(offset, buf);
+impl DiskHook<MemDisk> for FailPastFirstSector {
+    fn before(&self, op: DiskOp, offset: u64, len: u64) -> std::io::Result<u64> {
+        if op != DiskOp::Read || !self.0.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(len);
         }
         if offset >= 512 {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
         }
-        let n = (512 - offset as usize).min(buf.len());
-        self.inner.read_at(offset, &mut buf.subslice(0, n).unwrap())
+        Ok(512 - offset)
     }
-    fn write_at<B: vm_memory::bitmap::BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &vm_memory::VolatileSlice<B>,
-    ) -> std::io::Result<usize> {
-        self.inner.write_at(offset, buf)
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.inner.discard(offset, len)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> std::io::Result<()> {
-        self.inner.write_zeroes(offset, len, unmap)
-    }
-    fn kind(&self) -> &'static str {
+    fn kind(&self, _: &MemDisk) -> &'static str {
         "failing"
     }
 }
@@ -737,10 +710,7 @@ fn failed_read_leaks_no_stale_pool_bytes() {
         ("iova", PoolConfig::iova(64)),
         ("swiotlb", PoolConfig::swiotlb(64)),
     ] {
-        let disk = FailingDisk {
-            inner: MemDisk::new(DISK).unwrap(),
-            fail: false.into(),
-        };
+        let disk = HookedDisk::new(MemDisk::new(DISK).unwrap(), FailPastFirstSector::default());
         let dma = Dma::bounced(Policy::Force, first_fit_pool(&cfg));
         let mut blk = Blk::new(disk, BlockConfig::default(), dma.clone(), 0);
         // A write of "secret" bytes leaves them in the pool slots the read will reuse.
@@ -749,7 +719,8 @@ fn failed_read_leaks_no_stale_pool_bytes() {
         blk.drv
             .device
             .disk()
-            .fail
+            .hook
+            .0
             .store(true, std::sync::atomic::Ordering::Relaxed);
         let r = blk.read(0, 8192, Layout::Simple);
         assert_eq!((r.status, r.len), (VIRTIO_BLK_S_IOERR, 1), "{name}");

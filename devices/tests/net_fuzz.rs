@@ -48,22 +48,11 @@ use proptest::prelude::*;
 const TABLE: usize = 16;
 const RAM: u64 = 32 << 20;
 
-/// A vnet header with any field values (odd gso types, ECN, csum outside the frame, ...).
-#[derive(Clone, Debug)]
-struct Hdr {
-    flags: u8,
-    gso_type: u8,
-    hdr_len: u16,
-    gso_size: u16,
-    csum_start: u16,
-    csum_offset: u16,
-    num_buffers: u16,
-}
-
-fn hdr() -> impl Strategy<Value = Hdr> {
-    (
-        prop_oneof![Just(0u8), Just(1), Just(2), Just(3), any::<u8>()],
-        prop_oneof![
+prop_compose! {
+    /// A vnet header with any field values (odd gso types, ECN, csum outside the frame, ...).
+    fn hdr()(
+        flags in prop_oneof![Just(0u8), Just(1), Just(2), Just(3), any::<u8>()],
+        gso_type in prop_oneof![
             Just(0u8),
             Just(1),
             Just(3),
@@ -72,35 +61,20 @@ fn hdr() -> impl Strategy<Value = Hdr> {
             Just(0x81),
             any::<u8>()
         ],
-        prop_oneof![Just(0u16), Just(54), any::<u16>()],
-        prop_oneof![Just(0u16), Just(1448), any::<u16>()],
-        prop_oneof![Just(0u16), Just(34), Just(1500), any::<u16>()],
-        prop_oneof![Just(6u16), Just(16), any::<u16>()],
-        any::<u16>(),
-    )
-        .prop_map(
-            |(flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, num_buffers)| Hdr {
-                flags,
-                gso_type,
-                hdr_len,
-                gso_size,
-                csum_start,
-                csum_offset,
-                num_buffers,
-            },
-        )
-}
-
-impl Hdr {
-    fn vnet(&self) -> VnetHeader {
+        hdr_len in prop_oneof![Just(0u16), Just(54), any::<u16>()],
+        gso_size in prop_oneof![Just(0u16), Just(1448), any::<u16>()],
+        csum_start in prop_oneof![Just(0u16), Just(34), Just(1500), any::<u16>()],
+        csum_offset in prop_oneof![Just(6u16), Just(16), any::<u16>()],
+        num_buffers in any::<u16>(),
+    ) -> VnetHeader {
         VnetHeader {
-            flags: self.flags,
-            gso_type: self.gso_type,
-            hdr_len: self.hdr_len,
-            gso_size: self.gso_size,
-            csum_start: self.csum_start,
-            csum_offset: self.csum_offset,
-            num_buffers: self.num_buffers,
+            flags,
+            gso_type,
+            hdr_len,
+            gso_size,
+            csum_start,
+            csum_offset,
+            num_buffers,
         }
     }
 }
@@ -194,10 +168,10 @@ struct NetCase {
     ctrl: QueueInput,
     indirect: Vec<FuzzDesc>,
     /// Vnet headers written (with a frame behind each) for TX descriptors to point at.
-    tx_hdrs: Vec<(Hdr, u16)>,
+    tx_hdrs: Vec<(VnetHeader, u16)>,
     cmds: Vec<Cmd>,
     /// Frames injected into the backend: header and a length selector.
-    rx_frames: Vec<(Hdr, u8, u32)>,
+    rx_frames: Vec<(VnetHeader, u8, u32)>,
     /// Features dropped from the offer (bit i drops DROPPABLE[i]).
     drop: u16,
     bounce: u8,
@@ -222,46 +196,36 @@ const DROPPABLE: [u64; 12] = [
     feature(VIRTIO_F_ACCESS_PLATFORM),
 ];
 
-fn net_case() -> impl Strategy<Value = NetCase> {
-    (
-        (queue_input(), queue_input(), queue_input()),
-        prop::collection::vec(fuzz_desc(), 1..24),
-        prop::collection::vec((hdr(), any::<u16>()), 2),
-        prop::collection::vec(cmd(), 2),
-        prop::collection::vec((hdr(), any::<u8>(), any::<u32>()), 0..12),
-        any::<u16>(),
-        0u8..4,
-        any::<u8>(),
-        1u8..=2,
-        any::<u8>(),
-    )
-        .prop_map(
-            |(
-                (tx, rx, ctrl),
-                indirect,
-                tx_hdrs,
-                cmds,
-                rx_frames,
-                drop,
-                bounce,
-                qsize_log2,
-                pairs,
-                kicks,
-            )| NetCase {
-                tx,
-                rx,
-                ctrl,
-                indirect,
-                tx_hdrs,
-                cmds,
-                rx_frames,
-                drop,
-                bounce,
-                qsize_log2,
-                pairs,
-                kicks,
-            },
-        )
+prop_compose! {
+    fn net_case()(
+        tx in queue_input(),
+        rx in queue_input(),
+        ctrl in queue_input(),
+        indirect in prop::collection::vec(fuzz_desc(), 1..24),
+        tx_hdrs in prop::collection::vec((hdr(), any::<u16>()), 2),
+        cmds in prop::collection::vec(cmd(), 2),
+        rx_frames in prop::collection::vec((hdr(), any::<u8>(), any::<u32>()), 0..12),
+        drop in any::<u16>(),
+        bounce in 0u8..4,
+        qsize_log2 in any::<u8>(),
+        pairs in 1u8..=2,
+        kicks in any::<u8>(),
+    ) -> NetCase {
+        NetCase {
+            tx,
+            rx,
+            ctrl,
+            indirect,
+            tx_hdrs,
+            cmds,
+            rx_frames,
+            drop,
+            bounce,
+            qsize_log2,
+            pairs,
+            kicks,
+        }
+    }
 }
 
 /// Deterministic frame bytes.
@@ -447,6 +411,42 @@ fn counters(dev: &Net) -> serde_json::Value {
     dev.metrics().to_json()
 }
 
+/// Guest RAM (below the high-water mark `hw` and the top 64 KiB) and the device's counters
+/// as a stage found them, to check its run against.
+struct Before {
+    hw: u64,
+    ram: (Vec<u8>, Vec<u8>),
+    counters: serde_json::Value,
+}
+
+impl Before {
+    fn take(drv: &mut TestDriver<Net>) -> Self {
+        let hw = drv.ram.alloc(1, 1);
+        Self {
+            hw,
+            ram: snapshot(&drv.ram, hw),
+            counters: counters(&drv.device),
+        }
+    }
+
+    /// What every stage holds to: the used heads are published ones, each completed at most
+    /// once (exactly once when `all`), and no byte outside `allowed` changed. Returns the
+    /// counters after the run.
+    fn check(
+        &self,
+        drv: &TestDriver<Net>,
+        used: &[Used],
+        heads: &[u16],
+        all: bool,
+        allowed: &[(u64, u64)],
+        tag: &str,
+    ) -> serde_json::Value {
+        check_heads(used, heads, all, tag);
+        assert_only_writable_changed(&drv.ram, self.hw, &self.ram, allowed, tag);
+        counters(&drv.device)
+    }
+}
+
 fn delta(before: &serde_json::Value, after: &serde_json::Value, names: &[&str]) -> u64 {
     names
         .iter()
@@ -519,6 +519,21 @@ struct CtrlTargets<'a> {
     acks: u64,
 }
 
+/// `len` bytes at `addr` as `n` readable descriptors of nearly equal lengths.
+fn readable_pieces(addr: u64, len: u32, n: u32) -> Vec<Desc> {
+    (0..n)
+        .map(|j| {
+            let (s, e) = (len * j / n, len * (j + 1) / n);
+            Desc {
+                addr: addr + u64::from(s),
+                len: e - s,
+                flags: 0,
+                next: 0,
+            }
+        })
+        .collect()
+}
+
 /// The control stage's chains: each a command cut in `pieces` readable descriptors followed
 /// by its one-byte writable ack.
 fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<Desc>> {
@@ -530,18 +545,7 @@ fn ctrl_chains(c: &NetCase, t: &CtrlTargets) -> Vec<Vec<Desc>> {
         .map(|(k, &(pieces, _))| {
             let i = k % t.cmd_bytes.len();
             let (a, len) = (t.tg.hdrs[t.first + i], t.cmd_bytes[i].len() as u32);
-            let n = u32::from(pieces).min(len).max(1);
-            let mut v: Vec<Desc> = (0..n)
-                .map(|j| {
-                    let (s, e) = (len * j / n, len * (j + 1) / n);
-                    Desc {
-                        addr: a + u64::from(s),
-                        len: e - s,
-                        flags: 0,
-                        next: 0,
-                    }
-                })
-                .collect();
+            let mut v = readable_pieces(a, len, u32::from(pieces).min(len).max(1));
             v.push(Desc {
                 addr: t.acks + (k as u64 % 64),
                 len: 1,
@@ -571,16 +575,13 @@ fn check_ctrl(
     let laid = write_queue(drv, ctrlq, qsize, &c.ctrl, &ctrl_chains, t.tg, &c.indirect);
     let mut allowed = laid.allowed.clone();
     allowed.push((t.acks, t.acks + 64));
-    let hw = drv.ram.alloc(1, 1);
-    let before = snapshot(&drv.ram, hw);
-    let m0 = counters(&drv.device);
+    let before = Before::take(drv);
     let used = publish_and_run(drv, ctrlq, &laid.heads, kicks, what, |_| {});
     let tag = format!("{what} CTRL");
-    check_heads(&used, &laid.heads, true, &tag);
-    assert_only_writable_changed(&drv.ram, hw, &before, &allowed, &tag);
-    let m1 = counters(&drv.device);
+    let m1 = before.check(drv, &used, &laid.heads, true, &allowed, &tag);
+    let m0 = &before.counters;
     assert_eq!(
-        delta(&m0, &m1, &["ctrl_ok", "ctrl_err", "ctrl_bad_chains"]),
+        delta(m0, &m1, &["ctrl_ok", "ctrl_err", "ctrl_bad_chains"]),
         used.len() as u64,
         "{tag}: every completion is counted: {m1}"
     );
@@ -662,36 +663,22 @@ fn check_tx(
             .map(|(k, &(pieces, _))| {
                 let f = k % tx_frames.len();
                 let (a, len) = (tg.hdrs[f], tx_frames[f].len() as u32);
-                let n = u32::from(pieces).min(len);
-                (0..n)
-                    .map(|i| {
-                        let (s, e) = (len * i / n, len * (i + 1) / n);
-                        Desc {
-                            addr: a + u64::from(s),
-                            len: e - s,
-                            flags: 0,
-                            next: 0,
-                        }
-                    })
-                    .collect()
+                readable_pieces(a, len, u32::from(pieces).min(len))
             })
             .collect();
     let laid = write_queue(drv, txq, qsize, &c.tx, &tx_chains, tg, &c.indirect);
     let tx_allowed = rings(drv, txq);
-    let hw = drv.ram.alloc(1, 1);
-    let before = snapshot(&drv.ram, hw);
-    let m0 = counters(&drv.device);
+    let before = Before::take(drv);
     let used = publish_and_run(drv, txq, &laid.heads, kicks, what, |_| {});
     let tag = format!("{what} TX");
-    check_heads(&used, &laid.heads, true, &tag);
+    let m1 = before.check(drv, &used, &laid.heads, true, &tx_allowed, &tag);
+    let m0 = &before.counters;
     assert!(used.iter().all(|u| u.len == 0), "{tag}: {used:?}");
-    assert_only_writable_changed(&drv.ram, hw, &before, &tx_allowed, &tag);
-    let m1 = counters(&drv.device);
     let sent = backend.take_sent();
-    assert_eq!(delta(&m0, &m1, &["tx_frames"]), sent.len() as u64, "{tag}");
+    assert_eq!(delta(m0, &m1, &["tx_frames"]), sent.len() as u64, "{tag}");
     assert_eq!(
         delta(
-            &m0,
+            m0,
             &m1,
             &[
                 "tx_frames",
@@ -780,7 +767,7 @@ fn run_case(c: &NetCase) {
         .tx_hdrs
         .iter()
         .map(|(h, n)| {
-            let mut v = h.vnet().to_bytes().to_vec();
+            let mut v = h.to_bytes().to_vec();
             v.extend(payload(*n, usize::from(*n % 2048)));
             v
         })
@@ -842,16 +829,14 @@ fn run_case(c: &NetCase) {
         })
         .collect();
     let laid = write_queue(&drv, rxq, qsize, &c.rx, &rx_chains, &tg, &c.indirect);
-    let hw = drv.ram.alloc(1, 1);
-    let before = snapshot(&drv.ram, hw);
-    let m0 = counters(&drv.device);
+    let before = Before::take(&mut drv);
     let frames: Vec<Vec<u8>> = c
         .rx_frames
         .iter()
         .enumerate()
         .map(|(i, (h, sel, raw))| {
             let n = rx_len(*sel, *raw);
-            let mut v = h.vnet().to_bytes().to_vec();
+            let mut v = h.to_bytes().to_vec();
             v.extend(payload(i as u16, n.saturating_sub(VNET_HDR_LEN)));
             v.truncate(n);
             v
@@ -875,7 +860,8 @@ fn run_case(c: &NetCase) {
     let mut used = used;
     used.extend(drv.reap(rxq));
     let tag = format!("{what} RX");
-    check_heads(&used, &laid.heads, false, &tag);
+    let m1 = before.check(&drv, &used, &laid.heads, false, &laid.allowed, &tag);
+    let m0 = &before.counters;
     for u in &used {
         assert!(
             u64::from(u.len) <= laid.writable_bytes,
@@ -885,11 +871,9 @@ fn run_case(c: &NetCase) {
             laid.writable_bytes
         );
     }
-    assert_only_writable_changed(&drv.ram, hw, &before, &laid.allowed, &tag);
-    let m1 = counters(&drv.device);
     assert_eq!(
         delta(
-            &m0,
+            m0,
             &m1,
             &[
                 "rx_bad_chains",
@@ -902,7 +886,7 @@ fn run_case(c: &NetCase) {
          that could not go back on the ring: {m1}"
     );
     let accounted = delta(
-        &m0,
+        m0,
         &m1,
         &[
             "rx_frames",

@@ -15,15 +15,14 @@
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bounce::testing::Resource;
-use bounce::{BouncePool, Dma, Policy, PoolConfig};
+use bounce::Dma;
 use devices::net::header::VnetHeader;
 use devices::net::worker::TOKEN_BACKEND;
 use devices::net::{Net, NetConfig, MAX_FRAME_LEN, VNET_HDR_LEN};
-use devices::testing::{tso4_header, TestDriver};
+use devices::testing::{forced_dmas, tso4_header, TestDriver};
 use devices::virtio::driver::Buf;
 use devices::virtio::spec::{
     feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ,
@@ -66,8 +65,9 @@ fn ip(args: &[&str]) {
 struct Netns(String);
 
 impl Netns {
-    fn create() -> Self {
-        let name = format!("bvm-test-{}", std::process::id());
+    /// A new namespace `bvm-{tag}-{pid}` (a stale one of that name is deleted first).
+    fn create(tag: &str) -> Self {
+        let name = format!("bvm-{tag}-{}", std::process::id());
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
         ip(&["netns", "add", &name]);
         Self(name)
@@ -85,6 +85,28 @@ impl Netns {
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// Runs `body` on a thread that entered a new namespace ([`Netns::create`] with `tag`),
+/// deletes the namespace whatever happened, and passes on the thread's panic. Reports what
+/// is missing and returns at once on a machine that cannot run it ([`skip_reason`]).
+fn in_netns(tag: &str, body: impl FnOnce(&Netns) + Send) {
+    if let Some((resource, why)) = skip_reason() {
+        bounce::testing::missing(resource, why);
+        return;
+    }
+    let ns = Netns::create(tag);
+    let r = std::thread::scope(|s| {
+        s.spawn(|| {
+            ns.enter();
+            body(&ns);
+        })
+        .join()
+    });
+    drop(ns);
+    if let Err(e) = r {
+        std::panic::resume_unwind(e);
     }
 }
 
@@ -207,30 +229,6 @@ fn ip_frame(dst: [u8; 6], src: [u8; 6], tcp: bool, payload: usize, marker: u16) 
 fn ip_id(frame: &[u8]) -> Option<u16> {
     (frame.len() >= 20 && frame[12..14] == [0x08, 0x00])
         .then(|| u16::from_be_bytes([frame[18], frame[19]]))
-}
-
-fn dmas() -> Vec<(&'static str, Dma)> {
-    let mut sw = PoolConfig::swiotlb(8192);
-    sw.workers = 2;
-    let mut iova = PoolConfig::iova(8192);
-    iova.workers = 2;
-    vec![
-        ("off", Dma::direct()),
-        (
-            "force/swiotlb",
-            Dma::bounced(
-                Policy::Force,
-                Arc::new(BouncePool::new(&sw).expect("swiotlb pool")),
-            ),
-        ),
-        (
-            "force/iova",
-            Dma::bounced(
-                Policy::Force,
-                Arc::new(BouncePool::new(&iova).expect("iova pool")),
-            ),
-        ),
-    ]
 }
 
 /// TX phase: a plain, a CSUM-partial and a TSO frame, each split over three descriptors
@@ -435,52 +433,28 @@ fn run(ns: &Netns, name: &str, dma: Dma) {
 
 #[test]
 fn net_through_tap_in_namespace() {
-    if let Some((resource, why)) = skip_reason() {
-        bounce::testing::missing(resource, why);
-        return;
-    }
-    let ns = Netns::create();
-    let nsname = ns.0.clone();
-    let sysctl = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &nsname,
-            "sysctl",
-            "-qw",
-            "net.ipv6.conf.all.disable_ipv6=1",
-        ])
-        .output();
-    let _ = sysctl;
-    let ns = Arc::new(ns);
-    let ns2 = ns.clone();
-    let r = std::thread::spawn(move || {
-        ns2.enter();
-        for (name, dma) in dmas() {
-            run(&ns2, name, dma);
+    in_netns("test", |ns| {
+        let _ = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &ns.0,
+                "sysctl",
+                "-qw",
+                "net.ipv6.conf.all.disable_ipv6=1",
+            ])
+            .output();
+        for (name, dma) in forced_dmas(8192, 2) {
+            run(ns, name, dma);
         }
-    })
-    .join();
-    drop(ns);
-    if let Err(e) = r {
-        std::panic::resume_unwind(e);
-    }
+    });
 }
 
 /// `Tap::open(Tap::KERNEL_NAMED, n)`: the kernel picks `tapN` (QEMU's `-netdev tap` without
 /// `ifname=`), every queue attaches to that one interface, and `name()` reports it.
 #[test]
 fn a_kernel_named_tap_reports_its_name_and_every_queue_joins_it() {
-    if let Some((resource, why)) = skip_reason() {
-        bounce::testing::missing(resource, why);
-        return;
-    }
-    let name = format!("bvm-tapname-{}", std::process::id());
-    let _ = Command::new("ip").args(["netns", "del", &name]).output();
-    ip(&["netns", "add", &name]);
-    let ns = Netns(name);
-    let r = std::thread::spawn(move || {
-        ns.enter();
+    in_netns("tapname", |_| {
         let taps = devices::net::Tap::open(devices::net::Tap::KERNEL_NAMED, 2).unwrap();
         let n = taps[0].name().to_string();
         assert!(n.starts_with("tap") && !n.contains('%'), "{n}");
@@ -493,13 +467,7 @@ fn a_kernel_named_tap_reports_its_name_and_every_queue_joins_it() {
         let text = String::from_utf8_lossy(&out.stdout);
         assert_eq!(text.matches(": tap").count(), 1, "{text}");
         assert!(text.contains("multi_queue"), "{text}");
-        drop(taps);
-        drop(ns);
-    })
-    .join();
-    if let Err(e) = r {
-        std::panic::resume_unwind(e);
-    }
+    });
 }
 
 /// The tap is deleted under a running device (`ip link del`, or its
@@ -508,16 +476,7 @@ fn a_kernel_named_tap_reports_its_name_and_every_queue_joins_it() {
 /// counted, RX buffers stay the guest's, and the device keeps answering every event.
 #[test]
 fn a_tap_deleted_under_the_device_drops_and_counts_and_keeps_serving() {
-    if let Some((resource, why)) = skip_reason() {
-        bounce::testing::missing(resource, why);
-        return;
-    }
-    let name = format!("bvm-tapgone-{}", std::process::id());
-    let _ = Command::new("ip").args(["netns", "del", &name]).output();
-    ip(&["netns", "add", &name]);
-    let ns = Netns(name);
-    let r = std::thread::spawn(move || {
-        ns.enter();
+    in_netns("tapgone", |ns| {
         let dev = Net::with_tap(NetConfig::default(), TAP, Dma::direct()).unwrap();
         ip(&["-n", &ns.0, "link", "set", TAP, "up"]);
         let mut drv = TestDriver::new(dev, 8 << 20);
@@ -577,11 +536,5 @@ fn a_tap_deleted_under_the_device_drops_and_counts_and_keeps_serving() {
         assert_eq!(counters(&drv).1, 3, "tx_dropped_backend");
         // A reset (the driver gives up on the device) and the end are clean.
         drv.reset();
-        drop(drv);
-        drop(ns);
-    })
-    .join();
-    if let Err(e) = r {
-        std::panic::resume_unwind(e);
-    }
+    });
 }

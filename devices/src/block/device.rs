@@ -17,11 +17,10 @@ use super::{BlockConfig, BlockError, CONFIG_SPACE_LEN, ID_BYTES, SECTOR_SHIFT};
 use crate::virtio::spec::{
     feature, virtio_blk_config, VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_CONFIG_WCE,
     VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO,
-    VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX, VIRTIO_BLK_F_WRITE_ZEROES,
-    VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
-    VIRTIO_RING_F_INDIRECT_DESC,
+    VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_F_VERSION_1,
+    VIRTIO_ID_BLOCK, VIRTIO_RING_F_INDIRECT_DESC,
 };
-use crate::virtio::{ActivateError, QueueWorker, VirtioDevice};
+use crate::virtio::{common_features, ActivateError, QueueWorker, VirtioDevice};
 
 /// `max_discard_sectors` and `max_write_zeroes_sectors`: 2 GiB - 512 per segment (QEMU's
 /// `BDRV_REQUEST_MAX_SECTORS`), well inside a u32 and inside `off_t` arithmetic.
@@ -71,18 +70,12 @@ impl<D: Disk> Block<D> {
                 "the disk is smaller than one sector".into(),
             ));
         }
-        // The block feature set; the net device (net/device.rs) builds its own the same way.
-        let mut f = feature(VIRTIO_F_VERSION_1)
-            | feature(VIRTIO_RING_F_EVENT_IDX)
-            | feature(VIRTIO_RING_F_INDIRECT_DESC)
+        let mut f = common_features(config.access_platform)
             | feature(VIRTIO_BLK_F_SIZE_MAX)
             | feature(VIRTIO_BLK_F_SEG_MAX)
             | feature(VIRTIO_BLK_F_BLK_SIZE)
             | feature(VIRTIO_BLK_F_FLUSH)
             | feature(VIRTIO_BLK_F_CONFIG_WCE);
-        if config.access_platform {
-            f |= feature(VIRTIO_F_ACCESS_PLATFORM);
-        }
         if config.readonly {
             f |= feature(VIRTIO_BLK_F_RO);
         }

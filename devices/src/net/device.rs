@@ -17,13 +17,12 @@ use super::{
     config_offset as off, Error, Result, DUPLEX_FULL, MAX_QUEUE_PAIRS, QUEUE_MAX_SIZE, SPEED_MBPS,
 };
 use crate::virtio::spec::{
-    feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_F_VERSION_1, VIRTIO_ID_NET, VIRTIO_NET_F_CSUM,
-    VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4,
-    VIRTIO_NET_F_GUEST_TSO6, VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC,
-    VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_F_SPEED_DUPLEX, VIRTIO_NET_F_STATUS,
-    VIRTIO_NET_S_LINK_UP, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+    feature, VIRTIO_F_VERSION_1, VIRTIO_ID_NET, VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ,
+    VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
+    VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MQ,
+    VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_F_SPEED_DUPLEX, VIRTIO_NET_F_STATUS, VIRTIO_NET_S_LINK_UP,
 };
-use crate::virtio::{ActivateError, QueueWorker, VirtioDevice};
+use crate::virtio::{common_features, ActivateError, QueueWorker, VirtioDevice};
 
 /// How a net device is set up.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,9 +86,7 @@ pub struct Net {
 impl Net {
     /// The features a device with `config` offers.
     pub fn features_for(config: &NetConfig) -> u64 {
-        let mut f = feature(VIRTIO_F_VERSION_1)
-            | feature(VIRTIO_RING_F_EVENT_IDX)
-            | feature(VIRTIO_RING_F_INDIRECT_DESC)
+        common_features(config.access_platform)
             | feature(VIRTIO_NET_F_MAC)
             | feature(VIRTIO_NET_F_STATUS)
             | feature(VIRTIO_NET_F_SPEED_DUPLEX)
@@ -101,11 +98,7 @@ impl Net {
             | feature(VIRTIO_NET_F_HOST_TSO4)
             | feature(VIRTIO_NET_F_HOST_TSO6)
             | feature(VIRTIO_NET_F_GUEST_TSO4)
-            | feature(VIRTIO_NET_F_GUEST_TSO6);
-        if config.access_platform {
-            f |= feature(VIRTIO_F_ACCESS_PLATFORM);
-        }
-        f
+            | feature(VIRTIO_NET_F_GUEST_TSO6)
     }
 
     /// A device over one backend per queue pair.

@@ -340,6 +340,19 @@ impl RateLimiter {
         })
     }
 
+    /// A shaper at 1 byte per microsecond (8 Mbit/s) with a `burst_bytes` bucket, on a
+    /// [`ManualClock`] the test moves (returned with it).
+    #[cfg(test)]
+    pub(crate) fn on_manual_clock(burst_bytes: u64) -> (Self, ManualClock) {
+        let clock = ManualClock::default();
+        let cfg = ShaperConfig {
+            rate_bps: 8_000_000,
+            burst_bytes,
+        };
+        let limiter = Self::with_clock(cfg, Box::new(clock.clone())).expect("timerfd");
+        (limiter, clock)
+    }
+
     /// The refill timer's fd, for the transport to poll.
     pub fn timer_fd(&self) -> RawFd {
         self.timer.0.as_raw_fd()
@@ -483,12 +496,7 @@ mod tests {
 
     #[test]
     fn limiter_holds_the_average_rate() {
-        let clock = ManualClock::default();
-        let cfg = ShaperConfig {
-            rate_bps: 8_000_000, // 1 MB/s
-            burst_bytes: 10_000,
-        };
-        let mut l = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
+        let (mut l, clock) = RateLimiter::on_manual_clock(10_000);
         let mut sent = 0u64;
         let mut refusals = 0u32;
         let mut passes_while_blocked = 0u32;
@@ -526,12 +534,7 @@ mod tests {
     fn an_rx_flood_does_not_hold_tx_back() {
         // Regression: one `armed` flag for both directions, so a throttled
         // RX direction made TX wait for the RX refill.
-        let clock = ManualClock::default();
-        let cfg = ShaperConfig {
-            rate_bps: 8_000_000, // 1 byte per microsecond
-            burst_bytes: 3000,
-        };
-        let mut l = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
+        let (mut l, clock) = RateLimiter::on_manual_clock(3000);
         assert!(l.consume(Dir::Rx, 3000));
         assert!(!l.consume(Dir::Rx, 1500), "RX is out of tokens");
         // RX waits for 1500 B: until t = 1.5 ms.
@@ -556,12 +559,7 @@ mod tests {
 
     #[test]
     fn a_direction_is_released_only_at_its_own_deadline() {
-        let clock = ManualClock::default();
-        let cfg = ShaperConfig {
-            rate_bps: 8_000_000,
-            burst_bytes: 4000,
-        };
-        let mut l = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
+        let (mut l, clock) = RateLimiter::on_manual_clock(4000);
         assert!(l.consume(Dir::Tx, 4000));
         assert!(!l.consume(Dir::Tx, 1000)); // waits for 1000 B: 1 ms
         assert!(l.consume(Dir::Rx, 4000));

@@ -1,6 +1,7 @@
 //! Helpers for the net unit tests: guest memory with split rings driven by
-//! [`crate::virtio::driver`], and DMA handles (direct, forced swiotlb, forced iova, always
-//! full) built on [`crate::testing`]'s test allocator.
+//! [`crate::virtio::driver`], and DMA handles (direct, forced swiotlb and iova from
+//! [`crate::testing::forced_dmas`], and one whose pool is always full, built on
+//! [`crate::testing`]'s test allocator).
 
 #![allow(missing_docs)]
 
@@ -25,12 +26,6 @@ pub const RING_STRIDE: u64 = 0x1_0000;
 /// Data buffers are carved from here up.
 pub const DATA_BASE: u64 = 0x10_0000;
 
-/// A pool for `cfg`: its real allocator, or the crate's test allocator when that one does
-/// not build for `cfg`.
-pub fn pool(cfg: &PoolConfig) -> Arc<BouncePool> {
-    BouncePool::new(cfg).map_or_else(|_| crate::testing::first_fit_pool(cfg), Arc::new)
-}
-
 /// A forced-bounce handle whose every map fails ("buffer is full").
 pub fn failing_dma() -> Dma {
     let geom = PoolConfig::swiotlb(1024).geometry().unwrap();
@@ -43,15 +38,7 @@ pub fn failing_dma() -> Dma {
 
 /// The three DMA setups every data test runs with.
 pub fn dmas() -> Vec<(&'static str, Dma)> {
-    let mut sw = PoolConfig::swiotlb(4096);
-    sw.workers = 4;
-    let mut iova = PoolConfig::iova(4096);
-    iova.workers = 4;
-    vec![
-        ("off", Dma::direct()),
-        ("swiotlb-force", Dma::bounced(Policy::Force, pool(&sw))),
-        ("iova-force", Dma::bounced(Policy::Force, pool(&iova))),
-    ]
+    crate::testing::forced_dmas(4096, 4)
 }
 
 /// Guest memory, rings for `nqueues` queues (the driver's and the device's side of each),

@@ -14,7 +14,7 @@ use super::backend::{MemBackend, NetBackend};
 use super::ctrl::CtrlWorker;
 use super::header::VnetHeader;
 use super::metrics::NetMetrics;
-use super::rate_limiter::{ManualClock, RateLimiter, ShaperConfig};
+use super::rate_limiter::RateLimiter;
 use super::test_utils::*;
 use super::worker::{PairWorker, SharedBackend, TOKEN_BACKEND, TOKEN_SHAPER};
 use super::*;
@@ -546,12 +546,7 @@ fn hostile_rx_chains_completed_with_zero_and_good_buffers_used() {
 
 #[test]
 fn shaper_holds_tx_in_the_ring_until_the_timer() {
-    let clock = ManualClock::default();
-    let cfg = ShaperConfig {
-        rate_bps: 8_000_000, // 1 byte per microsecond
-        burst_bytes: 3000,
-    };
-    let shaper = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
+    let (shaper, clock) = RateLimiter::on_manual_clock(3000);
     let mut p = Pair::with_shaper(BASE, Dma::direct(), Some(shaper));
     assert_eq!(p.w.extra_fds().len(), 2);
     for i in 0..3 {
@@ -577,12 +572,7 @@ fn shaper_holds_tx_in_the_ring_until_the_timer() {
 
 #[test]
 fn shaper_holds_rx_frame_pending() {
-    let clock = ManualClock::default();
-    let cfg = ShaperConfig {
-        rate_bps: 8_000_000,
-        burst_bytes: 1000,
-    };
-    let shaper = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
+    let (shaper, clock) = RateLimiter::on_manual_clock(1000);
     let mut p = Pair::with_shaper(BASE, Dma::direct(), Some(shaper));
     p.g.post_writable(RXQ, &[2048]);
     p.g.post_writable(RXQ, &[2048]);
@@ -602,12 +592,7 @@ fn shaper_holds_rx_frame_pending() {
 fn shaper_rx_flood_does_not_throttle_tx() {
     // Regression: one `armed` flag for both directions, so a throttled RX
     // frame made the TX path stop too, until RX's refill.
-    let clock = ManualClock::default();
-    let cfg = ShaperConfig {
-        rate_bps: 8_000_000,
-        burst_bytes: 2000,
-    };
-    let shaper = RateLimiter::with_clock(cfg, Box::new(clock.clone())).unwrap();
+    let (shaper, _) = RateLimiter::on_manual_clock(2000);
     let mut p = Pair::with_shaper(BASE, Dma::direct(), Some(shaper));
     for _ in 0..3 {
         p.g.post_writable(RXQ, &[2048]);

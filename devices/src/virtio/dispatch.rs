@@ -261,98 +261,89 @@ mod tests {
         }
     }
 
-    fn setup() -> (
-        GuestRam,
-        Queue,
-        Dispatcher<GuestMemoryMmap>,
-        std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    ) {
-        let mut ram = GuestRam::new(1 << 20);
-        let q = device_queue(&ram.new_queue(8, false).layout(), 8, false);
-        let calls = std::sync::Arc::default();
-        let d = Dispatcher::new(Box::new(Probe(std::sync::Arc::clone(&calls))));
-        (ram, q, d, calls)
+    /// A dispatcher around a [`Probe`], one queue of 8 in 1 MiB of guest RAM, and the
+    /// probe's call count.
+    struct Rig {
+        ram: GuestRam,
+        q: Queue,
+        d: Dispatcher<GuestMemoryMmap>,
+        calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     }
 
-    fn calls(c: &std::sync::atomic::AtomicUsize) -> usize {
-        c.load(std::sync::atomic::Ordering::Relaxed)
+    impl Rig {
+        fn new() -> Self {
+            let mut ram = GuestRam::new(1 << 20);
+            let q = device_queue(&ram.new_queue(8, false).layout(), 8, false);
+            let calls = std::sync::Arc::default();
+            let d = Dispatcher::new(Box::new(Probe(std::sync::Arc::clone(&calls))));
+            Self { ram, q, d, calls }
+        }
+
+        /// Dispatches `ev` with the rig's memory and queue, the device `enabled` or not.
+        fn send(&mut self, ev: WorkerEvent, enabled: bool) -> Outcome {
+            self.d
+                .dispatch(ev, self.ram.mem(), &mut [&mut self.q], enabled)
+        }
+
+        fn calls(&self) -> usize {
+            self.calls.load(std::sync::atomic::Ordering::Relaxed)
+        }
     }
+
+    const KICK: WorkerEvent = WorkerEvent::Kick(0);
 
     #[test]
     fn the_worker_only_sees_ready_valid_enabled_queues() {
-        let (ram, mut q, mut d, c) = setup();
-        let ev = WorkerEvent::Kick(0);
-        assert_eq!(
-            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
-            Outcome::Served(Signal(1))
-        );
-        assert_eq!(
-            d.dispatch(ev, ram.mem(), &mut [&mut q], false),
-            Outcome::NotReady
-        );
-        q.set_ready(false);
-        assert_eq!(
-            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
-            Outcome::NotReady
-        );
-        assert_eq!(calls(&c), 1);
+        let mut r = Rig::new();
+        assert_eq!(r.send(KICK, true), Outcome::Served(Signal(1)));
+        assert_eq!(r.send(KICK, false), Outcome::NotReady);
+        r.q.set_ready(false);
+        assert_eq!(r.send(KICK, true), Outcome::NotReady);
+        assert_eq!(r.calls(), 1);
         // Ready and enabled, but the used ring is outside guest memory: broken, parked.
-        q.set_ready(true);
-        q.set_used_ring_address(Some(0xfff0_0000), Some(0));
-        assert!(matches!(
-            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
-            Outcome::Broken(_)
-        ));
-        assert_eq!(
-            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
-            Outcome::Parked
-        );
-        assert_eq!(calls(&c), 1, "never called with an invalid queue");
-        assert!(d.broken().is_some());
+        r.q.set_ready(true);
+        r.q.set_used_ring_address(Some(0xfff0_0000), Some(0));
+        assert!(matches!(r.send(KICK, true), Outcome::Broken(_)));
+        assert_eq!(r.send(KICK, true), Outcome::Parked);
+        assert_eq!(r.calls(), 1, "never called with an invalid queue");
+        assert!(r.d.broken().is_some());
     }
 
     #[test]
     fn rings_are_checked_again_when_the_memory_changes() {
-        let (ram, mut q, mut d, c) = setup();
-        let ev = WorkerEvent::Kick(0);
-        assert_eq!(
-            d.dispatch(ev, ram.mem(), &mut [&mut q], true),
-            Outcome::Served(Signal(1))
-        );
+        let mut r = Rig::new();
+        assert_eq!(r.send(KICK, true), Outcome::Served(Signal(1)));
         // The same rings, in a new memory table that ends where the used ring starts: the
         // ring sits at the region's edge, outside it.
         let short = GuestMemoryMmap::<()>::from_ranges(&[(
             vm_memory::GuestAddress(0),
-            usize::try_from(q.used_ring()).unwrap(),
+            usize::try_from(r.q.used_ring()).unwrap(),
         )])
         .unwrap();
         assert!(matches!(
-            d.dispatch(ev, &short, &mut [&mut q], true),
+            r.d.dispatch(KICK, &short, &mut [&mut r.q], true),
             Outcome::Broken(_)
         ));
-        assert_eq!(calls(&c), 1, "never called with rings outside memory");
+        assert_eq!(r.calls(), 1, "never called with rings outside memory");
     }
 
     #[test]
     fn a_broken_worker_is_parked_and_refusals_are_reported() {
-        let (ram, mut q, mut d, c) = setup();
+        let mut r = Rig::new();
         assert_eq!(
-            d.dispatch(WorkerEvent::Fd(1), ram.mem(), &mut [&mut q], true),
+            r.send(WorkerEvent::Fd(1), true),
             Outcome::Refused(WorkerEvent::Fd(1))
         );
         assert!(matches!(
-            d.dispatch(WorkerEvent::Fd(9), ram.mem(), &mut [&mut q], true),
+            r.send(WorkerEvent::Fd(9), true),
             Outcome::Broken(w) if w == "asked to"
         ));
-        assert_eq!(
-            d.dispatch(WorkerEvent::Kick(0), ram.mem(), &mut [&mut q], true),
-            Outcome::Parked
-        );
-        assert_eq!(calls(&c), 2);
+        assert_eq!(r.send(KICK, true), Outcome::Parked);
+        assert_eq!(r.calls(), 2);
         // A transport that lends the wrong number of queues breaks the worker, not the VMM.
-        let (ram, _q, mut d, _) = setup();
+        let mut r = Rig::new();
         assert!(matches!(
-            d.dispatch(WorkerEvent::Kick(0), ram.mem(), &mut [], true),
+            r.d.dispatch(KICK, r.ram.mem(), &mut [], true),
             Outcome::Broken(_)
         ));
     }
@@ -379,8 +370,7 @@ mod tests {
             .finish();
         tracing::subscriber::with_default(subscriber, || {
             for _ in 0..40 {
-                let (ram, mut q, mut d, _) = setup();
-                let out = d.dispatch(WorkerEvent::Fd(9), ram.mem(), &mut [&mut q], true);
+                let out = Rig::new().send(WorkerEvent::Fd(9), true);
                 assert!(matches!(out, Outcome::Broken(_)), "{out:?}");
             }
         });

@@ -101,6 +101,20 @@ impl Signal {
     }
 }
 
+/// The features every device here offers before its own: VERSION_1 (no legacy drivers),
+/// EVENT_IDX, INDIRECT_DESC, and ACCESS_PLATFORM when `access_platform` (the driver then maps
+/// its buffers through the DMA API, which a bouncing device needs from a guest with an IOMMU).
+pub fn common_features(access_platform: bool) -> u64 {
+    let f = spec::feature(spec::VIRTIO_F_VERSION_1)
+        | spec::feature(spec::VIRTIO_RING_F_EVENT_IDX)
+        | spec::feature(spec::VIRTIO_RING_F_INDIRECT_DESC);
+    if access_platform {
+        f | spec::feature(spec::VIRTIO_F_ACCESS_PLATFORM)
+    } else {
+        f
+    }
+}
+
 /// A device as its transport sees it: identity, features, configuration space, lifecycle.
 pub trait VirtioDevice<M: GuestMemory>: Send {
     /// The virtio device type ([`spec::VIRTIO_ID_BLOCK`], [`spec::VIRTIO_ID_NET`]).

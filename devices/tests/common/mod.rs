@@ -7,7 +7,8 @@ pub mod fuzz;
 use bounce::Dma;
 use devices::block::request::RequestHeader;
 use devices::block::{Block, BlockConfig, Disk, STATUS_UNSET};
-use devices::testing::TestDriver;
+pub use devices::testing::DiskOp;
+use devices::testing::{DiskHook, HookedDisk, TestDriver};
 use devices::virtio::driver::Buf;
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
@@ -228,22 +229,19 @@ pub fn ok(d: &Done) {
     assert_eq!(d.status, VIRTIO_BLK_S_OK, "request failed: {d:?}");
 }
 
-/// The disk operations a [`ProbeDisk`] counts and can fail.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DiskOp {
-    Read,
-    Write,
-    Flush,
-}
-
 /// A [`Disk`] around another that counts every operation and what is not flushed yet, and can
 /// fail the Nth operation of a kind with an errno (fault injection: EIO, ENOSPC, ...). The test
-/// reaches it through the device (`blk.drv.device.disk()`).
-#[derive(Debug)]
-pub struct ProbeDisk<D: Disk> {
-    inner: D,
-    state: std::sync::Mutex<ProbeState>,
+/// reaches the [`Probe`] through the device (`blk.drv.device.disk().hook`).
+pub type ProbeDisk<D> = HookedDisk<D, Probe>;
+
+/// `inner` behind a fresh [`Probe`].
+pub fn probe_disk<D: Disk>(inner: D) -> ProbeDisk<D> {
+    HookedDisk::new(inner, Probe::default())
 }
+
+/// The hook of a [`ProbeDisk`].
+#[derive(Debug, Default)]
+pub struct Probe(std::sync::Mutex<ProbeState>);
 
 /// What a [`ProbeDisk`] saw.
 #[derive(Debug, Default, Clone)]
@@ -260,25 +258,14 @@ pub struct ProbeState {
     armed_at: u64,
 }
 
-impl<D: Disk> ProbeDisk<D> {
-    pub fn new(inner: D) -> Self {
-        Self {
-            inner,
-            state: std::sync::Mutex::new(ProbeState::default()),
-        }
-    }
-
-    pub fn inner(&self) -> &D {
-        &self.inner
-    }
-
+impl Probe {
     pub fn state(&self) -> ProbeState {
-        self.state.lock().unwrap().clone()
+        self.0.lock().unwrap().clone()
     }
 
     /// From now on, the `n`-th `op` (1-based) fails with `errno`, once.
     pub fn fail_nth(&self, op: DiskOp, n: u64, errno: i32) {
-        let mut s = self.state.lock().unwrap();
+        let mut s = self.0.lock().unwrap();
         s.armed_at = match op {
             DiskOp::Read => s.reads,
             DiskOp::Write => s.writes,
@@ -289,7 +276,7 @@ impl<D: Disk> ProbeDisk<D> {
 
     /// Counts `op`; Err when it is the one armed to fail.
     fn count(&self, op: DiskOp) -> std::io::Result<()> {
-        let mut s = self.state.lock().unwrap();
+        let mut s = self.0.lock().unwrap();
         let n = match op {
             DiskOp::Read => {
                 s.reads += 1;
@@ -315,54 +302,20 @@ impl<D: Disk> ProbeDisk<D> {
     }
 }
 
-impl<D: Disk> Disk for ProbeDisk<D> {
-    fn capacity(&self) -> u64 {
-        self.inner.capacity()
+impl<D: Disk> DiskHook<D> for Probe {
+    fn before(&self, op: DiskOp, _: u64, len: u64) -> std::io::Result<u64> {
+        self.count(op)?;
+        Ok(len)
     }
 
-    fn read_at<B: vm_memory::bitmap::BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &mut vm_memory::VolatileSlice<B>,
-    ) -> std::io::Result<usize> {
-        self.count(DiskOp::Read)?;
-        self.inner.read_at(offset, buf)
-    }
-
-    fn write_at<B: vm_memory::bitmap::BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &vm_memory::VolatileSlice<B>,
-    ) -> std::io::Result<usize> {
-        self.count(DiskOp::Write)?;
-        let n = self.inner.write_at(offset, buf)?;
-        self.state.lock().unwrap().unflushed += 1;
-        Ok(n)
-    }
-
-    fn flush(&self) -> std::io::Result<()> {
-        self.count(DiskOp::Flush)?;
-        self.inner.flush()?;
-        self.state.lock().unwrap().unflushed = 0;
+    fn after(&self, op: DiskOp, _: &D) -> std::io::Result<()> {
+        let mut s = self.0.lock().unwrap();
+        match op {
+            DiskOp::Read => {}
+            DiskOp::Write => s.unflushed += 1,
+            DiskOp::Flush => s.unflushed = 0,
+        }
         Ok(())
-    }
-
-    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.count(DiskOp::Write)?;
-        self.inner.discard(offset, len)?;
-        self.state.lock().unwrap().unflushed += 1;
-        Ok(())
-    }
-
-    fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> std::io::Result<()> {
-        self.count(DiskOp::Write)?;
-        self.inner.write_zeroes(offset, len, unmap)?;
-        self.state.lock().unwrap().unflushed += 1;
-        Ok(())
-    }
-
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
     }
 }
 

@@ -177,7 +177,12 @@ impl<'a, D: Disk> DiskIo<'a, D> {
         self.offset
     }
 
-    fn advance(&mut self, n: usize) -> Result<usize, VolatileMemoryError> {
+    /// Runs `op` (a read or a write at the current offset) and moves past the bytes it moved.
+    fn transfer(
+        &mut self,
+        op: impl FnOnce(&D, u64) -> io::Result<usize>,
+    ) -> Result<usize, VolatileMemoryError> {
+        let n = op(self.disk, self.offset).map_err(VolatileMemoryError::IOError)?;
         self.offset = self.offset.checked_add(n as u64).ok_or_else(|| {
             VolatileMemoryError::IOError(io::Error::other("disk offset overflows"))
         })?;
@@ -190,11 +195,7 @@ impl<D: Disk> ReadVolatile for DiskIo<'_, D> {
         &mut self,
         buf: &mut VolatileSlice<B>,
     ) -> Result<usize, VolatileMemoryError> {
-        let n = self
-            .disk
-            .read_at(self.offset, buf)
-            .map_err(VolatileMemoryError::IOError)?;
-        self.advance(n)
+        self.transfer(|disk, offset| disk.read_at(offset, buf))
     }
 }
 
@@ -203,11 +204,7 @@ impl<D: Disk> WriteVolatile for DiskIo<'_, D> {
         &mut self,
         buf: &VolatileSlice<B>,
     ) -> Result<usize, VolatileMemoryError> {
-        let n = self
-            .disk
-            .write_at(self.offset, buf)
-            .map_err(VolatileMemoryError::IOError)?;
-        self.advance(n)
+        self.transfer(|disk, offset| disk.write_at(offset, buf))
     }
 }
 

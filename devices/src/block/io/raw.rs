@@ -77,6 +77,22 @@ fn off_t(offset: u64) -> io::Result<libc::off_t> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset exceeds off_t"))
 }
 
+/// Runs `call` (one `pread` or `pwrite`) again for as long as it fails with EINTR: the byte
+/// count it returned, or the error it failed with.
+fn retry_eintr(mut call: impl FnMut() -> libc::ssize_t) -> io::Result<usize> {
+    loop {
+        let n = call();
+        if n >= 0 {
+            // A count that is not negative always fits usize.
+            return Ok(usize::try_from(n).unwrap_or(0));
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
 /// One `pread` into a volatile slice, retried on EINTR.
 fn pread_volatile<B: BitmapSlice>(
     file: &File,
@@ -85,35 +101,31 @@ fn pread_volatile<B: BitmapSlice>(
 ) -> io::Result<usize> {
     let off = off_t(offset)?;
     let guard = buf.ptr_guard_mut();
-    loop {
+    let r = retry_eintr(|| {
         // SAFETY: the fd is open for the lifetime of `file`; `guard` points to `buf.len()`
         // bytes that a `VolatileSlice` guarantees valid for writes while the guard lives, and
         // the kernel writes at most `buf.len()` bytes there. No Rust reference to that memory
         // exists (it is volatile memory, written here only by the kernel).
-        let n = unsafe {
+        unsafe {
             libc::pread(
                 file.as_raw_fd(),
                 guard.as_ptr().cast::<libc::c_void>(),
                 buf.len(),
                 off,
             )
-        };
-        if n >= 0 {
-            // n <= buf.len() by the contract of pread, so the conversion cannot fail.
-            let n = usize::try_from(n).unwrap_or(0);
-            buf.bitmap().mark_dirty(0, n);
-            return Ok(n);
         }
-        let err = io::Error::last_os_error();
-        if err.kind() != io::ErrorKind::Interrupted {
-            // A failed read may have written part of the buffer.
-            buf.bitmap().mark_dirty(0, buf.len());
-            return Err(err);
-        }
+    });
+    match r {
+        // n <= buf.len() by the contract of pread.
+        Ok(n) => buf.bitmap().mark_dirty(0, n),
+        // A failed read may have written part of the buffer.
+        Err(_) => buf.bitmap().mark_dirty(0, buf.len()),
     }
+    r
 }
 
-// pread_volatile for writes: the pointer guard and the SAFETY terms differ, so two bodies.
+// The call mirrors pread_volatile's; the guard (read-only here) and the SAFETY terms differ,
+// so each keeps its own unsafe block.
 /// One `pwrite` from a volatile slice, retried on EINTR.
 fn pwrite_volatile<B: BitmapSlice>(
     file: &File,
@@ -122,26 +134,19 @@ fn pwrite_volatile<B: BitmapSlice>(
 ) -> io::Result<usize> {
     let off = off_t(offset)?;
     let guard = buf.ptr_guard();
-    loop {
+    retry_eintr(|| {
         // SAFETY: the fd is open for the lifetime of `file`; `guard` points to `buf.len()`
         // bytes that a `VolatileSlice` guarantees valid for reads while the guard lives; the
         // kernel only reads them.
-        let n = unsafe {
+        unsafe {
             libc::pwrite(
                 file.as_raw_fd(),
                 guard.as_ptr().cast::<libc::c_void>(),
                 buf.len(),
                 off,
             )
-        };
-        if n >= 0 {
-            return Ok(usize::try_from(n).unwrap_or(0));
         }
-        let err = io::Error::last_os_error();
-        if err.kind() != io::ErrorKind::Interrupted {
-            return Err(err);
-        }
-    }
+    })
 }
 
 /// `fallocate(2)`; `Ok(false)` when the file system does not support `mode`.

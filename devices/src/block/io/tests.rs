@@ -5,10 +5,10 @@
 use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::Ordering;
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::Arc;
 
 use super::*;
-use crate::testing::{GateDisk, SocketDisk};
+use crate::testing::{gate_disk, SocketDisk};
 
 /// Test memory for buffers: a page-aligned heap block cut into pieces at chosen offsets.
 struct Arena(AlignedBuf, usize);
@@ -351,12 +351,9 @@ fn o_direct_refused_is_a_clear_error() {
 /// sector 0 is held until the seven ops after it have been reaped.
 #[test]
 fn thread_pool_completes_out_of_order() {
-    let (tx, rx) = mpsc::channel();
-    let disk = Arc::new(GateDisk {
-        mem: MemDisk::new(DISK).unwrap(),
-        gate: Mutex::new(rx),
-    });
-    disk.mem.write_bytes(0, &pattern(1, 4096)).unwrap();
+    let (disk, tx) = gate_disk(MemDisk::new(DISK).unwrap());
+    let disk = Arc::new(disk);
+    disk.inner.write_bytes(0, &pattern(1, 4096)).unwrap();
     let mut e = ThreadEngine::new(Arc::clone(&disk), 8).unwrap();
     let arena = Arena::new(8 * 4096);
     for i in 0..8u64 {
