@@ -14,8 +14,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use bounce::Dma;
-use devices::block::io::Disk;
 use devices::block::{Block, BlockConfig, MemDisk};
+use devices::testing::{DiskHook, DiskOp, HookedDisk};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_F_MQ, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_T_IN, VIRTIO_F_VERSION_1,
     VIRTIO_RING_F_EVENT_IDX,
@@ -28,8 +28,7 @@ use vhost_support::{
     blk_request_on, blk_status, blk_status_on, post_zeroed_reads, wait_used, Driver, BLK_DATA,
     MEM_SIZE,
 };
-use vm_memory::bitmap::BitmapSlice;
-use vm_memory::{Bytes, GuestAddress, VolatileSlice};
+use vm_memory::{Bytes, GuestAddress};
 
 const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
 const DISK_SIZE: u64 = 8 << 20;
@@ -67,43 +66,23 @@ impl Gate {
     }
 }
 
-/// A memory disk behind a [`Gate`] (it may block: the device runs it on its thread pool).
-#[derive(Debug)]
-struct HeldDisk {
-    inner: MemDisk,
-    gate: Arc<Gate>,
-}
+/// A memory disk whose reads and writes wait at a [`Gate`] (it may block: the device runs it
+/// on its thread pool); flushes pass.
+type HeldDisk = HookedDisk<MemDisk, Held>;
 
-impl Disk for HeldDisk {
-    fn capacity(&self) -> u64 {
-        self.inner.capacity()
+/// The hook of [`HeldDisk`].
+#[derive(Debug)]
+struct Held(Arc<Gate>);
+
+impl DiskHook<MemDisk> for Held {
+    fn before(&self, op: DiskOp, _: u64, len: u64) -> std::io::Result<u64> {
+        if op != DiskOp::Flush {
+            self.0.pass();
+        }
+        Ok(len)
     }
-    fn read_at<B: BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &mut VolatileSlice<B>,
-    ) -> std::io::Result<usize> {
-        self.gate.pass();
-        self.inner.read_at(offset, buf)
-    }
-    fn write_at<B: BitmapSlice>(
-        &self,
-        offset: u64,
-        buf: &VolatileSlice<B>,
-    ) -> std::io::Result<usize> {
-        self.gate.pass();
-        self.inner.write_at(offset, buf)
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
-    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        self.inner.discard(offset, len)
-    }
-    fn write_zeroes(&self, offset: u64, len: u64, unmap: bool) -> std::io::Result<()> {
-        self.inner.write_zeroes(offset, len, unmap)
-    }
-    fn kind(&self) -> &'static str {
+
+    fn kind(&self, _: &MemDisk) -> &'static str {
         "held"
     }
 }
@@ -122,11 +101,7 @@ fn held_disk() -> (HeldDisk, Arc<Gate>) {
         inner.write_bytes(s * 512, &disk_pattern(s, 4096)).unwrap();
     }
     let gate = Arc::new(Gate::default());
-    let disk = HeldDisk {
-        inner,
-        gate: Arc::clone(&gate),
-    };
-    (disk, gate)
+    (HookedDisk::new(inner, Held(Arc::clone(&gate))), gate)
 }
 
 /// Mappings of the file behind `fd` in this process (`/proc/self/maps`, by inode).
