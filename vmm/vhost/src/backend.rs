@@ -108,9 +108,12 @@ where
     }
 }
 
-/// Transport counters (atomics: read by the stats reporter while the threads run).
+/// Transport counters (atomics: read by the stats reporter while the threads run). The
+/// server hands one set to the adapter of each of its connections
+/// ([`VhostUserDevice::counting_into`]), so they add up over its sessions: what a session that
+/// ended did stays in the statistics.
 #[derive(Debug, Default)]
-struct Counters {
+pub(crate) struct Counters {
     kicks: AtomicU64,
     fd_events: AtomicU64,
     signals: AtomicU64,
@@ -130,6 +133,11 @@ struct Counters {
     late_inflight_logged: devices::metrics::LogOnce,
     /// A front end may hand over a call eventfd whose counter is full, or close it.
     signal_error_logged: devices::metrics::LogOnce,
+    /// Vring error eventfds signalled for broken workers ([`Report::broken`]).
+    errors_signalled: AtomicU64,
+    /// Vring error eventfds that could not be signalled (a counter full, an fd closed).
+    error_signal_failures: AtomicU64,
+    error_signal_failure_logged: devices::metrics::LogOnce,
 }
 
 impl Counters {
@@ -143,10 +151,29 @@ impl Counters {
         Self::inc(&self.signal_errors);
         if self.signal_error_logged.first() {
             tracing::info!(
-                "signalling the queue at position {position}: {e} (a call eventfd full or gone; logged once per session, counted in signal_errors)"
+                "signalling the queue at position {position}: {e} (a call eventfd full or gone; logged once, counted in signal_errors)"
             );
         } else {
             tracing::debug!("signalling the queue at position {position}: {e}");
+        }
+    }
+
+    /// Counts what signalling a broken worker's error eventfds did; the first failure is
+    /// logged (a full counter is already readable, so the front end sees the error anyway).
+    fn error_signals(&self, sent: crate::report::ErrorSignals) {
+        self.errors_signalled
+            .fetch_add(sent.signalled, Ordering::Relaxed);
+        self.error_signal_failures
+            .fetch_add(sent.failed, Ordering::Relaxed);
+        let Some((queue, e)) = sent.last_failure else {
+            return;
+        };
+        if self.error_signal_failure_logged.first() {
+            tracing::info!(
+                "signalling the error fd of queue {queue}: {e} (an error eventfd full or gone; logged once, counted in error_signal_failures)"
+            );
+        } else {
+            tracing::debug!("signalling the error fd of queue {queue}: {e}");
         }
     }
 }
@@ -340,7 +367,7 @@ pub struct VhostUserDevice<D> {
     /// eventfd per epoll thread per daemon. [`VhostUserDevice::take_exit_consumers`] gives them
     /// to whoever drops the daemon (the server closes them).
     exit_consumers: Mutex<Vec<RawFd>>,
-    counters: Counters,
+    counters: Arc<Counters>,
 }
 
 impl<D> std::fmt::Debug for VhostUserDevice<D> {
@@ -438,8 +465,15 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             report: Arc::new(Report::new(num_queues)),
             inflight: is_block.then(Arc::default),
             exit_consumers: Mutex::default(),
-            counters: Counters::default(),
+            counters: Arc::default(),
         }
+    }
+
+    /// Counts into `counters` (the server's, shared by the adapters of all its connections)
+    /// instead of a set of its own.
+    pub(crate) fn counting_into(mut self, counters: Arc<Counters>) -> Self {
+        self.counters = counters;
+        self
     }
 
     /// Error reporting of this connection (give it to the relay).
@@ -581,6 +615,8 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 "not_ready_events": get(&c.not_ready_events),
                 "inflight_logs": get(&c.inflight_logs),
                 "late_inflight_regions": get(&c.late_inflight_regions),
+                "errors_signalled": get(&c.errors_signalled),
+                "error_signal_failures": get(&c.error_signal_failures),
             }
         })
     }
@@ -594,7 +630,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             Err(e) => {
                 if self.counters.activation_failure_logged.first() {
                     tracing::error!(
-                        "activating the device failed: {e} (logged once per session, counted in activation_failures)"
+                        "activating the device failed: {e} (logged once, counted in activation_failures)"
                     );
                 } else {
                     tracing::debug!("activating the device failed: {e}");
@@ -878,7 +914,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 // and the error eventfds of its queues (so the guest's I/O fails instead of
                 // hanging).
                 Counters::inc(&self.counters.broken_workers);
-                self.report.broken(&queues);
+                self.counters.error_signals(self.report.broken(&queues));
             }
         }
     }
