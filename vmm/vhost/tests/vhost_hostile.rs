@@ -27,20 +27,19 @@ use std::time::Duration;
 
 use devices::block::STATUS_UNSET;
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_IN,
-    VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::child::Server;
+use vhost_support::net::{assert_net_served, net_started, net_tx, tap_missing};
 use vhost_support::{
-    assert_blk_served, blk_request, blk_request_on, blk_status, data_addr, full_eventfd,
-    mem_table_body, post_zeroed_reads, refused, Driver, NotEventFd, BATCH, BLK_DATA, BLK_HDRS,
-    BLK_STATUS, MEM_SIZE, QSIZE,
+    assert_blk_served, blk_request, blk_request_on, blk_status, break_queue_0, full_eventfd,
+    mem_table_body, negotiated_on, post_zeroed_reads, refused, Driver, NotEventFd, BATCH, BLK_DATA,
+    BLK_HDRS, BLK_STATUS, MEM_SIZE, QSIZE, WANTED,
 };
 use vm_memory::{Bytes, GuestAddress};
 
-const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
 const SET_MEM_TABLE: u32 = 5;
 const SET_VRING_NUM: u32 = 8;
 const ADD_MEM_REG: u32 = 37;
@@ -48,35 +47,7 @@ const NEEDS_RESET: u8 = 0x40;
 
 /// Connects and negotiates (REPLY_ACK, STATUS) up to SET_FEATURES.
 fn negotiated(server: &Server) -> Driver {
-    negotiated_queues(server, 1)
-}
-
-/// [`negotiated`] for a device of `queues` queues.
-fn negotiated_queues(server: &Server, queues: usize) -> Driver {
-    let mut d = Driver::connect(&server.sock, queues);
-    let offered = d
-        .handshake_with(
-            VhostUserProtocolFeatures::STATUS | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
-        )
-        .unwrap();
-    d.set_features(offered & WANTED).unwrap();
-    d
-}
-
-/// Waits for the session to end (the server noticed the disconnect).
-fn wait_disconnected(server: &Server, what: &str) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let st = server.stats();
-        if st["server"]["connected"] == false {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: the session never ended: {st}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    negotiated_on(&server.sock, 1)
 }
 
 /// Sends `message` (request, body, fds) on `d`, which the server must refuse, ending the
@@ -96,19 +67,9 @@ fn refused_then_next_served(
 /// Ends `d`'s session; the server notices, is alive, and serves the next front end (`seed`).
 fn ended_then_next_served(server: &mut Server, d: Driver, what: &str, seed: u64) {
     drop(d);
-    wait_disconnected(server, what);
+    server.wait_disconnected(what);
     server.assert_alive(what);
     assert_blk_served(&server.sock, seed);
-}
-
-/// Starts queue 0 with its avail ring in the last 4 bytes of guest memory, publishes a
-/// request and kicks: the worker is broken, and the error fd signalled.
-fn break_queue_0(d: &mut Driver) {
-    let end = MEM_SIZE as u64;
-    d.configure_ring(0, 0, end - 4, 0x2000).unwrap();
-    d.frontend.set_vring_enable(0, true).unwrap();
-    d.mem.write_obj(1u16, GuestAddress(end - 2)).unwrap();
-    d.kicks[0].write(1).unwrap();
 }
 
 /// SET_MEM_TABLE and queue 0 configured and enabled (with whatever fds the driver holds).
@@ -265,15 +226,6 @@ fn a_memory_table_out_of_address_order_is_served() {
     assert_eq!(st["server"]["relay"]["mem_tables_sorted"], 1, "{st}");
 }
 
-/// Lines of the server's log containing `needle`.
-fn log_lines(server: &Server, needle: &str) -> usize {
-    std::fs::read_to_string(&server.log)
-        .unwrap()
-        .lines()
-        .filter(|l| l.contains(needle))
-        .count()
-}
-
 #[test]
 fn conditions_a_front_end_repeats_are_logged_once_and_counted_always() {
     let mut server = Server::start();
@@ -292,14 +244,14 @@ fn conditions_a_front_end_repeats_are_logged_once_and_counted_always() {
         // Answered after everything before it was handled.
         d.raw_request(1, 0x1, &[], true);
         drop(d);
-        wait_disconnected(&server, &format!("session {session}"));
+        server.wait_disconnected(&format!("session {session}"));
     }
     // Sessions the backend ends on a protocol error: features it never offered.
     for session in 0..3 {
         let mut d = Driver::connect(&server.sock, 1);
         d.handshake().unwrap();
         d.raw_request(2, 0x1, &u64::MAX.to_le_bytes(), false);
-        wait_disconnected(&server, &format!("refused features {session}"));
+        server.wait_disconnected(&format!("refused features {session}"));
     }
     server.assert_alive("after the repeats");
     let st = server.stats();
@@ -307,9 +259,9 @@ fn conditions_a_front_end_repeats_are_logged_once_and_counted_always() {
     assert_eq!(relay["early_enables_refused"], 2 * REPEATS, "{st}");
     assert_eq!(relay["malformed_status"], 2 * REPEATS, "{st}");
     assert_eq!(st["server"]["failed_sessions"], 3, "{st}");
-    assert_eq!(log_lines(&server, "refusing early SET_VRING_ENABLE"), 1);
-    assert_eq!(log_lines(&server, "SET_STATUS without a status"), 1);
-    assert_eq!(log_lines(&server, "ended:"), 1);
+    assert_eq!(server.log_lines("refusing early SET_VRING_ENABLE"), 1);
+    assert_eq!(server.log_lines("SET_STATUS without a status"), 1);
+    assert_eq!(server.log_lines("ended:"), 1);
     assert_blk_served(&server.sock, 7);
 }
 
@@ -350,7 +302,7 @@ fn request_errors_and_failed_signals_in_one_session_are_logged_once_and_counted_
     assert!(transport["signals"].as_u64() >= Some(REPEATS), "{st}");
     assert_eq!(transport["signal_errors"], transport["signals"], "{st}");
     drop(d);
-    wait_disconnected(&server, "repeated request errors");
+    server.wait_disconnected("repeated request errors");
     for counter in [
         "metrics.err_bad_chain",
         "metrics.err_out_of_range",
@@ -358,7 +310,7 @@ fn request_errors_and_failed_signals_in_one_session_are_logged_once_and_counted_
         "signal_errors",
     ] {
         assert_eq!(
-            log_lines(&server, &format!("counted in {counter})")),
+            server.log_lines(&format!("counted in {counter})")),
             1,
             "log lines naming {counter}"
         );
@@ -378,9 +330,9 @@ fn request_errors_and_failed_signals_in_one_session_are_logged_once_and_counted_
             );
             std::thread::sleep(Duration::from_millis(5));
         }
-        wait_disconnected(&server, "unreadable message");
+        server.wait_disconnected("unreadable message");
     }
-    assert_eq!(log_lines(&server, "message cannot be read"), 1);
+    assert_eq!(server.log_lines("message cannot be read"), 1);
     server.assert_alive("after the repeats");
     assert_blk_served(&server.sock, 8);
 }
@@ -431,10 +383,10 @@ fn ended_with_fds_back_after(
     serve: impl FnOnce(&Server),
 ) {
     drop(d);
-    wait_disconnected(server, what);
+    server.wait_disconnected(what);
     server.assert_alive(what);
     serve(server);
-    wait_disconnected(server, what);
+    server.wait_disconnected(what);
     assert_eq!(
         &fds_by_kind(server),
         baseline,
@@ -448,7 +400,7 @@ fn no_front_end_fd_outlives_its_session() {
     // A benign session first: whatever the server creates once and keeps (the listening
     // socket, its log, the disk file, the bounce pool) is in the baseline.
     assert_blk_served(&server.sock, 1);
-    wait_disconnected(&server, "first session");
+    server.wait_disconnected("first session");
     let baseline = fds_by_kind(&server);
     assert!(
         baseline.get("socket") >= Some(&1),
@@ -538,47 +490,17 @@ fn no_front_end_fd_outlives_its_session() {
     );
 }
 
-/// One queue pair of `bouncevm-vhost net` started (features, memory, both rings): the rings
-/// configured with the driver's fds by `rings`, then enabled.
-fn net_started(server: &Server, rings: impl FnOnce(&mut Driver)) -> Driver {
-    let mut d = negotiated_queues(server, 3);
-    rings(&mut d);
-    d.frontend.set_vring_enable(0, true).unwrap();
-    d.frontend.set_vring_enable(1, true).unwrap();
-    d
-}
-
-/// A frame of `len` bytes after a zeroed vnet header, sent on TX (queue 1) and completed.
-fn net_tx(d: &mut Driver, seed: u8) {
-    let mut f = vec![0u8; 12];
-    f.extend((0..200u8).map(|i| i.wrapping_mul(7).wrapping_add(seed)));
-    d.mem.write_slice(&f, GuestAddress(data_addr(1))).unwrap();
-    d.post_descs(1, 0, &[(data_addr(1), f.len() as u32, false)]);
-    assert_eq!(d.poll_used(1), Some((0, 0)), "TX chain {seed}");
-}
-
-/// A well-formed front end gets a frame sent through `bouncevm-vhost net`.
-fn assert_net_served(server: &Server, seed: u8) {
-    let mut d = net_started(server, |d| d.setup_rings(2).unwrap());
-    net_tx(&mut d, seed);
-}
-
 #[test]
 fn no_front_end_fd_outlives_a_net_session() {
-    use bounce::testing::{missing, Resource};
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return missing(Resource::Root, "not root");
-    }
-    if !std::path::Path::new("/dev/net/tun").exists() {
-        return missing(Resource::Tun, "/dev/net/tun is missing");
+    if let Some((resource, why)) = tap_missing() {
+        return bounce::testing::missing(resource, why);
     }
     // The tap is the server's own (created, down, gone with the process); frames sent to it
     // are dropped and counted, the guest's chains complete.
     let tap = format!("bvmfd{}", std::process::id() % 1_000_000);
     let mut server = Server::start_net(&tap, &["--bounce", "policy=force,slots=1024"]);
     assert_net_served(&server, 1);
-    wait_disconnected(&server, "first session");
+    server.wait_disconnected("first session");
     let baseline = fds_by_kind(&server);
     assert!(
         baseline.get("socket") >= Some(&1),
@@ -587,7 +509,7 @@ fn no_front_end_fd_outlives_a_net_session() {
     let served = |seed| move |s: &Server| assert_net_served(s, seed);
 
     // RX's rings at the end of guest memory: the worker is broken, the error fd signalled.
-    let mut d = negotiated_queues(&server, 3);
+    let mut d = negotiated_on(&server.sock, 3);
     d.set_mem_table().unwrap();
     d.configure_default_ring(1).unwrap();
     d.frontend.set_vring_enable(1, true).unwrap();
@@ -605,7 +527,7 @@ fn no_front_end_fd_outlives_a_net_session() {
     );
 
     // A kick fd that is a pipe holding one byte, refused.
-    let mut d = negotiated_queues(&server, 3);
+    let mut d = negotiated_on(&server.sock, 3);
     d.set_mem_table().unwrap();
     let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
     assert!(
@@ -653,7 +575,7 @@ fn no_front_end_fd_outlives_a_net_session() {
     );
 
     // A session that ends mid-setup.
-    let mut d = negotiated_queues(&server, 3);
+    let mut d = negotiated_on(&server.sock, 3);
     d.set_mem_table().unwrap();
     d.configure_default_ring(0).unwrap();
     ended_with_fds_back_after(
@@ -716,7 +638,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 }
                 assert_eq!(used, base, "{what}: writes counted but not returned");
                 drop(d);
-                wait_disconnected(&server, &what);
+                server.wait_disconnected(&what);
                 // Reads at depth of what every write put there (each write the stop did not
                 // count is written again first), stopped at once, checked byte for byte.
                 let mut d = negotiated(&server);
@@ -731,7 +653,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                     );
                 }
                 drop(d);
-                wait_disconnected(&server, &what);
+                server.wait_disconnected(&what);
                 let mut d = negotiated(&server);
                 start_queue_0(&mut d);
                 post_zeroed_reads(&mut d, 0, 0..BATCH, sector, buf, LARGE);
@@ -751,7 +673,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 }
                 assert_eq!(used, base, "{what}: reads counted but not returned");
                 drop(d);
-                wait_disconnected(&server, &what);
+                server.wait_disconnected(&what);
             }
         }
     }
