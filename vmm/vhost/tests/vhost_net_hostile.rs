@@ -194,19 +194,19 @@ fn post_at_depth(d: &mut Driver, slots: std::ops::Range<u16>, inject: impl Fn(u1
     }
 }
 
-/// Posts the first half of [`DEPTH`] on both queues, waits until the device has returned a
-/// chain of each queue it is given frames for (`busy`), takes the pending calls, and posts the
-/// second half. Returns the used indexes read once the calls were taken: a used entry past
-/// them must be signalled again.
+/// Takes the pending calls, posts the first half of [`DEPTH`] on both queues, waits until
+/// the device has returned a chain of each queue it is given frames for (`busy`) and posts
+/// the second half. Returns the used indexes read once the calls were taken: a used entry
+/// past them must have been signalled.
 fn at_depth(d: &mut Driver, busy: &[usize], inject: impl Fn(u16)) -> [u16; 2] {
-    post_at_depth(d, 0..DEPTH / 2, &inject);
-    for &q in busy {
-        first_completion(d, q);
-    }
     let seen = [0, 1].map(|q| {
         let _ = d.calls[q].read();
         d.used_idx(q)
     });
+    post_at_depth(d, 0..DEPTH / 2, &inject);
+    for &q in busy {
+        first_completion(d, q);
+    }
     post_at_depth(d, DEPTH / 2..DEPTH, &inject);
     seen
 }
@@ -404,7 +404,15 @@ fn a_net_device_reset_at_depth_returns_every_chain_it_took_before_its_answer() {
     stopped_at_depth(
         "netdepth-reset.sock",
         VhostUserProtocolFeatures::RESET_DEVICE,
-        |d, _| assert_eq!(reply_to(d, RESET_DEVICE, &[], vec![]), Reply::Acked),
+        |d, _| {
+            assert_eq!(reply_to(d, RESET_DEVICE, &[], vec![]), Reply::Acked);
+            // Kicks a reset device must not serve; a device still running after its answer
+            // would return a chain within the time of two frames of the shaped line.
+            for kick in &d.kicks {
+                kick.write(1).unwrap();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        },
     );
 }
 
