@@ -161,10 +161,12 @@ fn a_net_region_past_the_end_of_its_file_added_alone_is_refused() {
 
 // ------------------------------------------------------------ chains in flight at depth
 
+/// Where the frame of TX slot `slot` is (2 KiB a slot, above the middle of guest memory).
 fn tx_buf(slot: u16) -> u64 {
     data_addr(1) + u64::from(slot) * 0x800
 }
 
+/// The buffer of RX slot `slot`.
 fn rx_buf(slot: u16) -> u64 {
     data_addr(0) + u64::from(slot) * 0x800
 }
