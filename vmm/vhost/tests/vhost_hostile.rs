@@ -17,8 +17,8 @@
 //!   asked for and handed back), for `bouncevm-vhost blk` and `bouncevm-vhost net` (on a tap of
 //!   its own).
 //!
-//! The other hostile net front ends are in `vhost_protocol.rs` (an in-process server over
-//! memory backends).
+//! The other hostile net front ends are in `vhost_net_hostile.rs` (the binary, and an
+//! in-process server over memory backends for stops at depth) and `vhost_protocol.rs`.
 
 mod vhost_support;
 
