@@ -111,9 +111,11 @@ where
 }
 
 /// Transport counters (atomics: read by the stats reporter while the threads run); they
-/// serialise as the `transport` statistics' counters.
+/// serialise as the `transport` statistics' counters. The server hands one set to the adapter
+/// of each of its connections ([`VhostUserDevice::counting_into`]), so they add up over its
+/// sessions: what a session that ended did stays in the statistics.
 #[derive(Debug, Default, Serialize)]
-struct Counters {
+pub(crate) struct Counters {
     kicks: Counter,
     fd_events: Counter,
     signals: Counter,
@@ -136,6 +138,12 @@ struct Counters {
     /// A front end may hand over a call eventfd whose counter is full, or close it.
     #[serde(skip)]
     signal_error_logged: LogOnce,
+    /// Vring error eventfds signalled for broken workers ([`Report::broken`]).
+    errors_signalled: Counter,
+    /// Vring error eventfds that could not be signalled (a counter full, an fd closed).
+    error_signal_failures: Counter,
+    #[serde(skip)]
+    error_signal_failure_logged: LogOnce,
 }
 
 /// The `transport` statistics: the negotiation's state and the counters.
@@ -157,10 +165,27 @@ impl Counters {
         self.signal_errors.inc();
         if self.signal_error_logged.first() {
             tracing::info!(
-                "signalling the queue at position {position}: {e} (a call eventfd full or gone; logged once per session, counted in signal_errors)"
+                "signalling the queue at position {position}: {e} (a call eventfd full or gone; logged once, counted in signal_errors)"
             );
         } else {
             tracing::debug!("signalling the queue at position {position}: {e}");
+        }
+    }
+
+    /// Counts what signalling a broken worker's error eventfds did; the first failure is
+    /// logged (a full counter is already readable, so the front end sees the error anyway).
+    fn error_signals(&self, sent: crate::report::ErrorSignals) {
+        self.errors_signalled.add(sent.signalled);
+        self.error_signal_failures.add(sent.failed);
+        let Some((queue, e)) = sent.last_failure else {
+            return;
+        };
+        if self.error_signal_failure_logged.first() {
+            tracing::info!(
+                "signalling the error fd of queue {queue}: {e} (an error eventfd full or gone; logged once, counted in error_signal_failures)"
+            );
+        } else {
+            tracing::debug!("signalling the error fd of queue {queue}: {e}");
         }
     }
 }
@@ -354,7 +379,7 @@ pub struct VhostUserDevice<D> {
     /// eventfd per epoll thread per daemon. [`VhostUserDevice::take_exit_consumers`] gives them
     /// to whoever drops the daemon (the server closes them).
     exit_consumers: Mutex<Vec<RawFd>>,
-    counters: Counters,
+    counters: Arc<Counters>,
 }
 
 // By hand, as Server's is (`D` need not be Debug); each names its own identifying fields.
@@ -447,8 +472,15 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             report: Arc::new(Report::new(num_queues)),
             inflight: is_block.then(Arc::default),
             exit_consumers: Mutex::default(),
-            counters: Counters::default(),
+            counters: Arc::default(),
         }
+    }
+
+    /// Counts into `counters` (the server's, shared by the adapters of all its connections)
+    /// instead of a set of its own.
+    pub(crate) fn counting_into(mut self, counters: Arc<Counters>) -> Self {
+        self.counters = counters;
+        self
     }
 
     /// Error reporting of this connection (give it to the relay).
@@ -578,7 +610,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
             Err(e) => {
                 if self.counters.activation_failure_logged.first() {
                     tracing::error!(
-                        "activating the device failed: {e} (logged once per session, counted in activation_failures)"
+                        "activating the device failed: {e} (logged once, counted in activation_failures)"
                     );
                 } else {
                     tracing::debug!("activating the device failed: {e}");
@@ -862,7 +894,7 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 // and the error eventfds of its queues (so the guest's I/O fails instead of
                 // hanging).
                 self.counters.broken_workers.inc();
-                self.report.broken(&queues);
+                self.counters.error_signals(self.report.broken(&queues));
             }
         }
     }

@@ -44,8 +44,9 @@
 //! Every condition a front end (or the guest through it) can repeat at will, across the
 //! crate and the device cores it serves. Statistics paths are those of the statistics JSON
 //! (`--stats-socket`, SIGUSR1). "Server" counters and latches live as long as the process
-//! serves the device (all sessions); "session" ones are the current connection's adapter's;
-//! "device" ones are the device core's (all sessions). Later occurrences go to debug level.
+//! serves the device (all sessions; the `transport` counters too, so a session that ended
+//! still shows); "device" ones are the device core's (all sessions); `report` and `workers`
+//! describe the current connection. Later occurrences go to debug level.
 //!
 //! | condition | counter | logged |
 //! |---|---|---|
@@ -60,13 +61,13 @@
 //! | `GET_INFLIGHT_FD`/`SET_INFLIGHT_FD` not negotiated, malformed, or a bad region | `server.relay.refused_inflight` | once per server |
 //! | a message body over [`MAX_BODY`], or a message cut short | `server.relay.unreadable_messages` | once per server |
 //! | a message `vhost-user-backend` refuses (features never offered, a queue index out of range, the removal of an unknown region, a malformed body) | `server.failed_sessions` | once per server |
-//! | features the device cannot be activated with | `transport.activation_failures` | once per session |
-//! | an inflight region after a queue started | `transport.late_inflight_regions` | once per session |
-//! | a call eventfd full or closed (the notification fails) | `transport.signal_errors` | once per session (info) |
+//! | features the device cannot be activated with | `transport.activation_failures` | once per server |
+//! | an inflight region after a queue started | `transport.late_inflight_regions` | once per server |
+//! | a call eventfd full or closed (the notification fails) | `transport.signal_errors` | once per server (info) |
 //! | a kick before the queue is ready and enabled | `transport.not_ready_events` | no (normal during setup) |
 //! | an event nobody serves (a kick before the memory table) | `transport.ignored_events` | no |
-//! | rings outside guest memory or misaligned, an avail index far ahead, a status byte that cannot be found or written (`device.metrics.no_status`), a bad inflight record: the worker is broken (NEEDS_RESET, error fds) | `transport.broken_workers`, `report.errors_signalled` | once per worker start (an error line each time the front end starts the queues again) |
-//! | an error eventfd full or closed | `report.error_signal_failures` | no (at most once per broken queue) |
+//! | rings outside guest memory or misaligned, an avail index far ahead, a status byte that cannot be found or written (`device.metrics.no_status`), a bad inflight record: the worker is broken (NEEDS_RESET, error fds) | `transport.broken_workers`, `transport.errors_signalled` | once per worker start (an error line each time the front end starts the queues again) |
+//! | an error eventfd full or closed | `transport.error_signal_failures` | once per server (info) |
 //! | blk: a malformed chain (loop, too long, header short, bad indirect table) | `device.metrics.err_bad_chain` | once per device |
 //! | blk: a buffer outside guest memory | `device.metrics.err_guest_access` | once per device |
 //! | blk: sectors past the end, unaligned lengths, discard or write-zeroes over the limits | `device.metrics.err_out_of_range` | once per device |

@@ -18,7 +18,7 @@
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Mutex;
 
 use devices::virtio::spec::VIRTIO_CONFIG_S_NEEDS_RESET;
@@ -31,10 +31,17 @@ pub struct Report {
     /// The status the frontend last set (`SET_STATUS`).
     status: AtomicU8,
     needs_reset: AtomicBool,
+}
+
+/// What signalling the error fds of a broken worker's queues did (the adapter counts it).
+#[derive(Debug, Default)]
+pub struct ErrorSignals {
     /// Error fds signalled.
-    errors_signalled: AtomicU64,
-    /// Error fds that could not be signalled (closed by the frontend).
-    error_signal_failures: AtomicU64,
+    pub signalled: u64,
+    /// Error fds that could not be signalled (a counter full, an fd the frontend closed).
+    pub failed: u64,
+    /// The queue and the error of the last failure.
+    pub last_failure: Option<(u16, std::io::Error)>,
 }
 
 impl Report {
@@ -44,8 +51,6 @@ impl Report {
             err_fds: Mutex::new((0..num_queues).map(|_| None).collect()),
             status: AtomicU8::new(0),
             needs_reset: AtomicBool::new(false),
-            errors_signalled: AtomicU64::new(0),
-            error_signal_failures: AtomicU64::new(0),
         }
     }
 
@@ -69,25 +74,25 @@ impl Report {
     }
 
     /// A worker serving `queues` is broken: sets DEVICE_NEEDS_RESET and signals the error
-    /// eventfd of each of those queues.
-    pub fn broken(&self, queues: &[u16]) {
+    /// eventfd of each of those queues (non-blocking, as the relay's checks made it).
+    pub fn broken(&self, queues: &[u16]) -> ErrorSignals {
         self.needs_reset.store(true, Ordering::Release);
         let fds = self.fds();
+        let mut out = ErrorSignals::default();
         for &q in queues {
             let Some(Some(fd)) = fds.get(usize::from(q)) else {
                 continue;
             };
             // An eventfd write is 8 bytes of native-endian counter increment.
             match (&*fd).write_all(&1u64.to_ne_bytes()) {
-                Ok(()) => {
-                    self.errors_signalled.fetch_add(1, Ordering::Relaxed);
-                }
+                Ok(()) => out.signalled += 1,
                 Err(e) => {
-                    self.error_signal_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!("signalling the error fd of queue {q}: {e}");
+                    out.failed += 1;
+                    out.last_failure = Some((q, e));
                 }
             }
         }
+        out
     }
 
     /// The device runs again (activated afresh): DEVICE_NEEDS_RESET clears.
@@ -131,13 +136,12 @@ impl Report {
         }
     }
 
-    /// Counters for the statistics.
+    /// The state for the statistics (what was signalled is counted with the transport's
+    /// counters, which outlive the session).
     pub fn stats(&self) -> serde_json::Value {
         serde_json::json!({
             "needs_reset": self.needs_reset(),
             "status": self.status(),
-            "errors_signalled": self.errors_signalled.load(Ordering::Relaxed),
-            "error_signal_failures": self.error_signal_failures.load(Ordering::Relaxed),
         })
     }
 }
@@ -171,7 +175,12 @@ mod tests {
         r.set_err_fd(7, None);
         r.set_status(0x0f);
         assert_eq!(r.status(), 0x0f);
-        r.broken(&[0, 1]);
+        let sent = r.broken(&[0, 1]);
+        assert_eq!(
+            (sent.signalled, sent.failed),
+            (1, 0),
+            "queue 1 has no error fd"
+        );
         assert_eq!(read(&e0), Some(1));
         assert_eq!(read(&e2), None, "queue 2's worker is not broken");
         assert_eq!(r.status(), 0x0f | VIRTIO_CONFIG_S_NEEDS_RESET);

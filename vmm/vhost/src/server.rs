@@ -139,6 +139,8 @@ struct ServerCounters {
     failed_sessions: AtomicU64,
     failed_session_logged: LogOnce,
     relay: Arc<RelayCounters>,
+    /// The adapters' transport counters, shared by every connection's adapter.
+    transport: Arc<crate::backend::Counters>,
 }
 
 /// A vhost-user server for one device.
@@ -294,8 +296,9 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
         &self.socket
     }
 
-    /// The statistics as JSON: the device's (with its workers' and the current connection's
-    /// transport counters), the extra sources and the server's own counters.
+    /// The statistics as JSON: the device's (with the current connection's workers and
+    /// state, and the transport counters of all connections), the extra sources and the
+    /// server's own counters.
     pub fn stats(&self) -> Value {
         let mut v = match &self.current {
             Some(adapter) => adapter.stats(),
@@ -441,7 +444,10 @@ impl<D: VirtioDevice<Memory> + 'static> Server<D> {
     fn start_connection(&mut self, frontend: UnixStream) -> io::Result<Connection> {
         let n = self.counters.connections.fetch_add(1, Ordering::Relaxed) + 1;
         tracing::info!("frontend connected (connection {n})");
-        let adapter = Arc::new(VhostUserDevice::shared(self.device.clone()));
+        let adapter = Arc::new(
+            VhostUserDevice::shared(self.device.clone())
+                .counting_into(self.counters.transport.clone()),
+        );
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::<()>::new());
         let mut daemon = match VhostUserDaemon::new(self.name.clone(), adapter.clone(), mem) {
             Ok(d) => d,

@@ -17,8 +17,8 @@
 //!   asked for and handed back), for `bouncevm-vhost blk` and `bouncevm-vhost net` (on a tap of
 //!   its own).
 //!
-//! The other hostile net front ends are in `vhost_protocol.rs` (an in-process server over
-//! memory backends).
+//! The other hostile net front ends are in `vhost_net_hostile.rs` (the binary, and an
+//! in-process server over memory backends for stops at depth) and `vhost_protocol.rs`.
 
 mod vhost_support;
 
@@ -28,52 +28,23 @@ use std::time::Duration;
 use bouncevm_vhost::relay::req::{ADD_MEM_REG, SET_MEM_TABLE, SET_VRING_KICK, SET_VRING_NUM};
 use devices::block::STATUS_UNSET;
 use devices::virtio::spec::{
-    feature, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_IN,
-    VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
 };
 use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
 use vhost::vhost_user::VhostUserFrontend;
 use vhost_support::child::Server;
 use vhost_support::{
-    assert_blk_served, blk_request, blk_request_on, blk_status, data_addr, full_eventfd,
-    mem_table_body, post_zeroed_reads, refused, Driver, NotEventFd, BATCH, BLK_DATA, BLK_HDRS,
-    BLK_STATUS, MEM_SIZE, QSIZE,
+    assert_blk_served, blk_request, blk_request_on, blk_status, break_queue_0, data_addr,
+    full_eventfd, mem_table_body, negotiated_on, post_zeroed_reads, refused, Driver, NotEventFd,
+    BATCH, BLK_DATA, BLK_HDRS, BLK_STATUS, MEM_SIZE, QSIZE, WANTED,
 };
 use vm_memory::{Bytes, GuestAddress};
 
-const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
 const NEEDS_RESET: u8 = 0x40;
 
 /// Connects and negotiates (REPLY_ACK, STATUS) up to SET_FEATURES.
 fn negotiated(server: &Server) -> Driver {
-    negotiated_queues(server, 1)
-}
-
-/// [`negotiated`] for a device of `queues` queues.
-fn negotiated_queues(server: &Server, queues: usize) -> Driver {
-    let mut d = Driver::connect(&server.sock, queues);
-    d.negotiate(
-        VhostUserProtocolFeatures::STATUS | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
-        WANTED,
-    )
-    .unwrap();
-    d
-}
-
-/// Waits for the session to end (the server noticed the disconnect).
-fn wait_disconnected(server: &Server, what: &str) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let st = server.stats();
-        if st["server"]["connected"] == false {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: the session never ended: {st}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    negotiated_on(&server.sock, 1)
 }
 
 /// Sends `message` (request, body, fds) on `d`, which the server must refuse, ending the
@@ -93,19 +64,9 @@ fn refused_then_next_served(
 /// Ends `d`'s session; the server notices, is alive, and serves the next front end (`seed`).
 fn ended_then_next_served(server: &mut Server, d: Driver, what: &str, seed: u64) {
     drop(d);
-    wait_disconnected(server, what);
+    server.wait_disconnected(what);
     server.assert_alive(what);
     assert_blk_served(&server.sock, seed);
-}
-
-/// Starts queue 0 with its avail ring in the last 4 bytes of guest memory, publishes a
-/// request and kicks: the worker is broken, and the error fd signalled.
-fn break_queue_0(d: &mut Driver) {
-    let end = MEM_SIZE as u64;
-    d.configure_ring(0, 0, end - 4, 0x2000).unwrap();
-    d.frontend.set_vring_enable(0, true).unwrap();
-    d.mem.write_obj(1u16, GuestAddress(end - 2)).unwrap();
-    d.kicks[0].write(1).unwrap();
 }
 
 /// SET_MEM_TABLE and queue 0 configured and enabled (with whatever fds the driver holds).
@@ -285,14 +246,14 @@ fn conditions_a_front_end_repeats_are_logged_once_and_counted_always() {
         // Answered after everything before it was handled.
         d.raw_request(1, 0x1, &[], true);
         drop(d);
-        wait_disconnected(&server, &format!("session {session}"));
+        server.wait_disconnected(&format!("session {session}"));
     }
     // Sessions the backend ends on a protocol error: features it never offered.
     for session in 0..3 {
         let mut d = Driver::connect(&server.sock, 1);
         d.handshake().unwrap();
         d.raw_request(2, 0x1, &u64::MAX.to_le_bytes(), false);
-        wait_disconnected(&server, &format!("refused features {session}"));
+        server.wait_disconnected(&format!("refused features {session}"));
     }
     server.assert_alive("after the repeats");
     let st = server.stats();
@@ -343,7 +304,7 @@ fn request_errors_and_failed_signals_in_one_session_are_logged_once_and_counted_
     assert!(transport["signals"].as_u64() >= Some(REPEATS), "{st}");
     assert_eq!(transport["signal_errors"], transport["signals"], "{st}");
     drop(d);
-    wait_disconnected(&server, "repeated request errors");
+    server.wait_disconnected("repeated request errors");
     for counter in [
         "metrics.err_bad_chain",
         "metrics.err_out_of_range",
@@ -371,7 +332,7 @@ fn request_errors_and_failed_signals_in_one_session_are_logged_once_and_counted_
             );
             std::thread::sleep(Duration::from_millis(5));
         }
-        wait_disconnected(&server, "unreadable message");
+        server.wait_disconnected("unreadable message");
     }
     assert_eq!(log_lines(&server, "message cannot be read"), 1);
     server.assert_alive("after the repeats");
@@ -410,7 +371,7 @@ type Session = (&'static str, fn(&Server) -> Driver, u8);
 /// seed) has been served, the server holds the fds of the baseline.
 fn assert_no_fd_outlives(server: &mut Server, serve: fn(&Server, u8), sessions: &[Session]) {
     serve(server, 1);
-    wait_disconnected(server, "first session");
+    server.wait_disconnected("first session");
     let baseline = fds_by_kind(server);
     assert!(
         baseline.get("socket") >= Some(&1),
@@ -419,10 +380,10 @@ fn assert_no_fd_outlives(server: &mut Server, serve: fn(&Server, u8), sessions: 
     for &(what, session, seed) in sessions {
         // The session ends with its driver.
         drop(session(server));
-        wait_disconnected(server, what);
+        server.wait_disconnected(what);
         server.assert_alive(what);
         serve(server, seed);
-        wait_disconnected(server, what);
+        server.wait_disconnected(what);
         assert_eq!(
             fds_by_kind(server),
             baseline,
@@ -434,7 +395,7 @@ fn assert_no_fd_outlives(server: &mut Server, serve: fn(&Server, u8), sessions: 
 /// A session of a device of `queues` queues with kick, call and error eventfds on queue 0,
 /// its worker broken (the error fd signalled), queues `running` configured and enabled.
 fn with_error_fd(server: &Server, queues: usize, running: &[usize]) -> Driver {
-    let mut d = negotiated_queues(server, queues);
+    let mut d = negotiated_on(&server.sock, queues);
     d.set_mem_table().unwrap();
     for &q in running {
         d.configure_default_ring(q).unwrap();
@@ -450,7 +411,7 @@ fn with_error_fd(server: &Server, queues: usize, running: &[usize]) -> Driver {
 
 /// A session whose kick fd for queue `index` is a pipe holding one byte, refused.
 fn kick_pipe_refused(server: &Server, queues: usize, index: u64) -> Driver {
-    let mut d = negotiated_queues(server, queues);
+    let mut d = negotiated_on(&server.sock, queues);
     d.set_mem_table().unwrap();
     let (pipe, _write_end) = NotEventFd::PipeWithByte.make();
     assert!(
@@ -462,7 +423,7 @@ fn kick_pipe_refused(server: &Server, queues: usize, index: u64) -> Driver {
 
 /// A session that ends mid-setup: memory mapped, queue 0's fds handed over, never enabled.
 fn ended_mid_setup(server: &Server, queues: usize) -> Driver {
-    let mut d = negotiated_queues(server, queues);
+    let mut d = negotiated_on(&server.sock, queues);
     d.set_mem_table().unwrap();
     d.configure_default_ring(0).unwrap();
     d
@@ -572,7 +533,7 @@ fn no_front_end_fd_outlives_its_session() {
 /// One queue pair of `bouncevm-vhost net` started (features, memory, both rings): the rings
 /// configured with the driver's fds by `rings`, then enabled.
 fn net_started(server: &Server, rings: impl FnOnce(&mut Driver)) -> Driver {
-    let mut d = negotiated_queues(server, 3);
+    let mut d = negotiated_on(&server.sock, 3);
     rings(&mut d);
     d.frontend.set_vring_enable(0, true).unwrap();
     d.frontend.set_vring_enable(1, true).unwrap();
@@ -712,7 +673,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 }
                 assert_eq!(used, base, "{what}: writes counted but not returned");
                 drop(d);
-                wait_disconnected(&server, &what);
+                server.wait_disconnected(&what);
                 // Reads at depth of what every write put there (each write the stop did not
                 // count is written again first), stopped at once, checked byte for byte.
                 let mut d = negotiated(&server);
@@ -727,7 +688,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                     );
                 }
                 drop(d);
-                wait_disconnected(&server, &what);
+                server.wait_disconnected(&what);
                 let mut d = negotiated(&server);
                 start_queue_0(&mut d);
                 post_zeroed_reads(&mut d, 0, 0..BATCH, sector, buf, LARGE);
@@ -747,7 +708,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 }
                 assert_eq!(used, base, "{what}: reads counted but not returned");
                 drop(d);
-                wait_disconnected(&server, &what);
+                server.wait_disconnected(&what);
             }
         }
     }

@@ -5,7 +5,7 @@ mod vhost_support;
 use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread;
@@ -29,7 +29,7 @@ use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
 use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::inproc::{socket_path, start_server_with_stats, stats, wait_stats};
-use vhost_support::net::{net_device, net_frame};
+use vhost_support::net::{ip, net_device, net_frame, netns_missing, Netns};
 use vhost_support::vring_state;
 use vhost_support::{
     blk_request, blk_session, blk_status, block_pattern, data_addr, full_eventfd, poll_now,
@@ -861,36 +861,16 @@ fn net_regions_added_once_per_queue_pair_and_removed_while_running_are_served() 
     s.end(d);
 }
 
-/// Runs `ip args`, panicking with its stderr on failure.
-fn ip(args: &[&str]) {
-    let out = std::process::Command::new("ip")
-        .args(args)
-        .output()
-        .expect("run ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A net device (front-end steering) on a new tap `bvmvh0` in the namespace `ns`: the tap is
-/// created inside the namespace (by a thread that entered it); its fds work from anywhere.
-fn net_with_tap_in(ns: &str) -> Net {
-    let nspath = format!("/var/run/netns/{ns}");
-    thread::spawn(move || {
-        let f = std::fs::File::open(nspath).unwrap();
-        // SAFETY: `f` is an open namespace file; setns only moves this thread.
-        let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+/// created inside the namespace; its fds work from anywhere.
+fn net_with_tap_in(ns: &Netns) -> Net {
+    ns.run(|| {
         let cfg = NetConfig {
             frontend_steering: true,
             ..NetConfig::default()
         };
         Net::with_tap(cfg, "bvmvh0", Dma::direct())
     })
-    .join()
-    .unwrap()
     .expect("tap in the namespace")
 }
 
@@ -900,33 +880,12 @@ fn a_tap_deleted_under_the_backend_is_counted_and_the_backend_keeps_serving() {
     // its namespace removed). Its fd polls as EPOLLERR: the adapter must stop polling it (no
     // busy loop), the guest's frames are dropped and counted, and the control path, the
     // statistics and the shutdown keep working.
-    use bounce::testing::{missing, Resource};
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return missing(Resource::Root, "not root");
+    if let Some((resource, why)) = netns_missing() {
+        return bounce::testing::missing(resource, why);
     }
-    if !Path::new("/dev/net/tun").exists() {
-        return missing(Resource::Tun, "/dev/net/tun is missing");
-    }
-    if std::process::Command::new("ip").arg("-V").output().is_err() {
-        return missing(Resource::Root, "the `ip` command is missing");
-    }
-    let ns = format!("bvm-vhtap-{}", std::process::id());
-    let _ = std::process::Command::new("ip")
-        .args(["netns", "del", &ns])
-        .output();
-    ip(&["netns", "add", &ns]);
-    /// Deletes the namespace (and the tap if still there) whatever happens.
-    struct Gone(String);
-    impl Drop for Gone {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", &self.0])
-                .output();
-        }
-    }
-    let _gone = Gone(ns.clone());
-    let net = net_with_tap_in(&ns);
+    let netns = Netns::new("bvm-vhtap");
+    let ns = netns.0.clone();
+    let net = net_with_tap_in(&netns);
     {
         ip(&["-n", &ns, "link", "set", "bvmvh0", "up"]);
         let s = NetServer::serve("nettapgone.sock", net, Vec::new(), 3);

@@ -7,14 +7,13 @@
 
 mod vhost_support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use bouncevm_vhost::relay::req::{
     ADD_MEM_REG, REM_MEM_REG, RESET_DEVICE, SET_MEM_TABLE, SET_VRING_CALL, SET_VRING_KICK,
     SET_VRING_NUM,
 };
-use devices::net::{MemBackend, Net};
 use devices::virtio::spec::{
     feature, VIRTIO_BLK_S_OK, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT, VIRTIO_F_VERSION_1,
     VIRTIO_RING_F_EVENT_IDX,
@@ -23,13 +22,15 @@ use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostUserMemoryRegionInfo;
 use vhost_support::child::Server;
-use vhost_support::inproc::{start_server_with_stats, stats as stats_of, wait_stats};
-use vhost_support::net::{net_device, net_frame};
+use vhost_support::inproc::stats as stats_of;
+use vhost_support::net::{
+    net_frame, net_negotiated, net_next_served, net_rings, net_server, net_traffic,
+};
 use vhost_support::qsd::{qsd, qsd_on, slow_image, Qsd};
 use vhost_support::{
     assert_blk_served, blk_request, blk_request_on, blk_status, blk_status_on, data_addr,
-    full_eventfd, mem_table_body, memfd, refused, reply_to, session_answers, vring_state, Driver,
-    NotEventFd, Reply, BLK_DATA, MEM_SIZE,
+    first_completion, full_eventfd, mem_table_body, memfd, refused, reply_to, session_answers,
+    vring_state, Driver, NotEventFd, Reply, BLK_DATA, MEM_SIZE,
 };
 use vm_memory::{
     Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
@@ -412,16 +413,6 @@ fn all_done(d: &mut Driver, n: usize, what: &str) {
     }
 }
 
-/// Waits for the first used entry of queue `q` (the back end has taken the requests posted
-/// at depth, and a slow disk holds most of them).
-fn first_completion(d: &Driver, q: usize) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while d.used_idx(q) == 0 {
-        assert!(Instant::now() < deadline, "no request completed");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
 /// Writes [`DEPTH`] patterns, then, on a new session, reads them back at depth: the session,
 /// once the first read is back and the slow disk holds most of the others.
 fn reads_held_at_depth(sock: &Path) -> Driver {
@@ -624,76 +615,6 @@ fn a_region_added_and_removed_while_a_queue_runs() {
 
 // The same classes for net, against `bouncevm-vhost`'s net device alone (in process, over
 // memory backends): qemu-storage-daemon has no net export.
-
-/// An in-process net server with one queue pair; its socket, statistics socket, thread,
-/// stop handle and backend.
-fn net_server(
-    name: &str,
-) -> (
-    PathBuf,
-    PathBuf,
-    std::thread::JoinHandle<bouncevm_vhost::Server<Net>>,
-    bouncevm_vhost::StopHandle,
-    MemBackend,
-) {
-    let (net, mut bes) = net_device(1);
-    let (path, stats, server, stop) = start_server_with_stats(name, net);
-    (path, stats, server, stop, bes.remove(0))
-}
-
-/// A net session negotiated (REPLY_ACK, CONFIGURE_MEM_SLOTS) up to SET_FEATURES.
-fn net_negotiated(path: &Path) -> Driver {
-    let mut d = Driver::connect(path, 2);
-    d.negotiate(
-        VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
-        feature(VIRTIO_F_VERSION_1),
-    )
-    .unwrap();
-    d
-}
-
-/// Configures and enables RX (0) and TX (1) at `size` entries, memory already set.
-fn net_rings(d: &mut Driver, size: u16) {
-    for q in 0..2 {
-        d.configure_sized_ring(q, size).unwrap();
-        d.frontend.set_vring_enable(q, true).unwrap();
-    }
-}
-
-/// A frame sent from TX descriptor `desc` reaches the backend, and one injected lands in RX
-/// descriptor `desc` (both in the data area above the middle of guest memory).
-fn net_traffic(d: &mut Driver, be: &MemBackend, desc: u16, seed: u8) {
-    let f = net_frame(100, seed);
-    let tbuf = data_addr(1) + u64::from(desc) * 0x800;
-    d.mem.write_slice(&f, GuestAddress(tbuf)).unwrap();
-    d.post_descs(1, desc, &[(tbuf, f.len() as u32, false)]);
-    assert_eq!(d.poll_used(1), Some((u32::from(desc), 0)), "TX {seed}");
-    assert_eq!(be.take_sent(), vec![f], "TX frame {seed}");
-    let rbuf = data_addr(0) + u64::from(desc) * 0x800;
-    d.post_descs(0, desc, &[(rbuf, 2048, true)]);
-    let f = net_frame(200, seed ^ 0x80);
-    be.inject(f.clone());
-    assert_eq!(
-        d.poll_used(0),
-        Some((u32::from(desc), f.len() as u32)),
-        "RX {seed}"
-    );
-    let mut got = vec![0u8; f.len()];
-    d.mem.read_slice(&mut got, GuestAddress(rbuf)).unwrap();
-    assert!(got[12..] == f[12..], "RX payload {seed}");
-}
-
-/// The session on `d` ended; a well-formed net front end is served next.
-fn net_next_served(path: &Path, stats: &Path, be: &MemBackend, d: Driver, seed: u8) {
-    drop(d);
-    wait_stats(stats, "the session ends", |st| {
-        st["server"]["connected"] == false
-    });
-    let mut d = net_negotiated(path);
-    d.set_mem_table().unwrap();
-    net_rings(&mut d, 16);
-    net_traffic(&mut d, be, 0, seed);
-}
 
 #[test]
 fn net_refuses_bad_queue_sizes_and_short_regions_and_serves_regions_in_any_order() {

@@ -21,6 +21,8 @@ pub struct Server {
     pub stats: PathBuf,
     /// Its stderr (a file: a pipe nobody reads would fill and stall it).
     pub log: PathBuf,
+    /// What runs the binary (`ip netns exec NS`), if anything.
+    prefix: Vec<std::ffi::OsString>,
     /// Its command line after the program name.
     args: Vec<std::ffi::OsString>,
 }
@@ -68,10 +70,29 @@ impl Server {
         Self::start_device(|_| vec!["net".into(), "--tap".into(), tap.into()], extra)
     }
 
+    /// [`Server::start_net`] with the process in the network namespace `ns` (its tap too):
+    /// run through `ip netns exec`, which execs the binary (the child is the server itself).
+    pub fn start_net_in(ns: &str, tap: &str, extra: &[&str]) -> Self {
+        Self::start_prefixed(
+            ["ip", "netns", "exec", ns].map(Into::into).to_vec(),
+            |_| vec!["net".into(), "--tap".into(), tap.into()],
+            extra,
+        )
+    }
+
     /// The binary with the subcommand and flags `device` makes in the server's own new
     /// directory (the tests of a file run in parallel), then `--socket`, `--stats-socket` and
     /// `extra`.
     fn start_device(
+        device: impl FnOnce(&std::path::Path) -> Vec<std::ffi::OsString>,
+        extra: &[&str],
+    ) -> Self {
+        Self::start_prefixed(Vec::new(), device, extra)
+    }
+
+    /// [`Server::start_device`] run by the command `prefix` (nothing: the binary itself).
+    fn start_prefixed(
+        prefix: Vec<std::ffi::OsString>,
         device: impl FnOnce(&std::path::Path) -> Vec<std::ffi::OsString>,
         extra: &[&str],
     ) -> Self {
@@ -88,19 +109,34 @@ impl Server {
         args.extend(["--socket".into(), sock.clone().into()]);
         args.extend(["--stats-socket".into(), stats.clone().into()]);
         args.extend(extra.iter().map(Into::into));
-        let child = Self::spawn(&args, &stats, &log);
+        let child = Self::spawn(&prefix, &args, &stats, &log);
         Self {
             child,
             sock,
             stats,
             log,
+            prefix,
             args,
         }
     }
 
-    /// Runs the binary with `args` and waits for its statistics socket.
-    fn spawn(args: &[std::ffi::OsString], stats: &std::path::Path, log: &std::path::Path) -> Child {
-        let child = Command::new(BIN)
+    /// Runs the binary with `args` (through `prefix`, if any) and waits for its statistics
+    /// socket.
+    fn spawn(
+        prefix: &[std::ffi::OsString],
+        args: &[std::ffi::OsString],
+        stats: &std::path::Path,
+        log: &std::path::Path,
+    ) -> Child {
+        let mut command = match prefix.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(BIN);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        let child = command
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -123,7 +159,7 @@ impl Server {
         // The dead process's sockets stay behind; the new one replaces them, and its stats
         // socket appearing says it is up.
         let _ = std::fs::remove_file(&self.stats);
-        self.child = Self::spawn(&self.args, &self.stats, &self.log);
+        self.child = Self::spawn(&self.prefix, &self.args, &self.stats, &self.log);
     }
 
     /// Panics with the server's stderr if it is gone.
@@ -166,5 +202,30 @@ impl Server {
         s.read_to_string(&mut line)
             .expect("the stats socket answers within 5 s");
         serde_json::from_str(line.trim()).unwrap()
+    }
+
+    /// Waits for the session to end (the server noticed the disconnect).
+    pub fn wait_disconnected(&self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let st = self.stats();
+            if st["server"]["connected"] == false {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: the session never ended: {st}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Lines of the server's log containing `needle`.
+    pub fn log_lines(&self, needle: &str) -> usize {
+        std::fs::read_to_string(&self.log)
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains(needle))
+            .count()
     }
 }

@@ -439,7 +439,7 @@ impl Driver {
     /// Restarts queue `q` after a stop (GET_VRING_BASE) at ring position `base`, with its
     /// rings where they were and their contents kept (what QEMU does on `cont`).
     pub fn resume_ring(&mut self, q: usize, base: u16) -> vhost::Result<()> {
-        let l = layout(q);
+        let l = self.vqs[q].layout();
         self.configure_ring(q, l.desc, l.avail, l.used)?;
         self.frontend.set_vring_base(q, base)
     }
@@ -447,7 +447,7 @@ impl Driver {
     /// Starts queue `q` again at ring position `base`, its rings where they were and their
     /// contents kept, the way QEMU starts it on a new connection (base before kick).
     pub fn restart_ring(&mut self, q: usize, base: u16) -> vhost::Result<()> {
-        let l = layout(q);
+        let l = self.vqs[q].layout();
         self.configure_ring_from(q, l.desc, l.avail, l.used, base)
     }
 
@@ -570,6 +570,41 @@ pub fn poll_now(fd: RawFd) -> i16 {
     } else {
         0
     }
+}
+
+/// Waits for the first used entry of queue `q` (the back end has taken what was posted at
+/// depth and is busy with the rest).
+pub fn first_completion(d: &Driver, q: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while d.used_idx(q) == 0 {
+        assert!(Instant::now() < deadline, "no request completed");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Features a test front end acknowledges when offered.
+pub const WANTED: u64 = feature(VIRTIO_F_VERSION_1) | feature(VIRTIO_RING_F_EVENT_IDX);
+
+/// Connects to `sock` for a device of `queues` queues and negotiates (REPLY_ACK, STATUS,
+/// CONFIGURE_MEM_SLOTS) up to SET_FEATURES.
+pub fn negotiated_on(sock: &Path, queues: usize) -> Driver {
+    let mut d = Driver::connect(sock, queues);
+    d.negotiate(
+        VhostUserProtocolFeatures::STATUS | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS,
+        WANTED,
+    )
+    .unwrap();
+    d
+}
+
+/// Starts queue 0 with its avail ring in the last 4 bytes of guest memory, publishes a
+/// request and kicks: the worker is broken, and the error fd signalled.
+pub fn break_queue_0(d: &mut Driver) {
+    let end = MEM_SIZE as u64;
+    d.configure_ring(0, 0, end - 4, 0x2000).unwrap();
+    d.frontend.set_vring_enable(0, true).unwrap();
+    d.mem.write_obj(1u16, GuestAddress(end - 2)).unwrap();
+    d.kicks[0].write(1).unwrap();
 }
 
 /// Guest memory used by block requests (above the rings and the echo buffers): 16-byte headers, status bytes, 4 KiB data buffers.
