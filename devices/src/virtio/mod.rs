@@ -90,6 +90,13 @@ impl Signal {
         }
     }
 
+    /// Every one of the first `n` queues (at most 64).
+    pub fn first(n: usize) -> Self {
+        let mut s = Self::NONE;
+        (0..n).for_each(|p| s.add(p));
+        s
+    }
+
     /// True when the queue at `position` needs a notification.
     pub fn has(&self, position: usize) -> bool {
         position < 64 && self.0 & (1 << position) != 0

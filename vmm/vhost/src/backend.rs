@@ -50,7 +50,7 @@ use std::sync::{Arc, Mutex};
 use devices::metrics::{lock, Counter, LogOnce};
 use devices::virtio::dispatch::{Dispatcher, Outcome};
 use devices::virtio::spec::{feature, VIRTIO_F_ACCESS_PLATFORM, VIRTIO_ID_BLOCK};
-use devices::virtio::{VirtioDevice, WorkerEvent};
+use devices::virtio::{Signal, VirtioDevice, WorkerEvent};
 use serde::Serialize;
 use serde_json::json;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -852,8 +852,9 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
     }
 
     /// Lets every worker finish the requests it popped ([`Dispatcher::quiesce`]) and signals
-    /// what they completed: before a stop or a reset drops them, so the ring positions the
-    /// frontend gets back count only requests it got back. Called with the negotiation lock.
+    /// each of its queues: before a stop or a reset drops them, so the ring positions the
+    /// frontend gets back count only requests it got back, and every completion is signalled
+    /// before the reply. Called with the negotiation lock.
     fn quiesce(&self) {
         for thread in 0..self.threads.len() {
             let done = self.with_group(thread, |group, known| {
@@ -863,7 +864,20 @@ impl<D: VirtioDevice<Memory> + 'static> VhostUserDevice<D> {
                 let afters: Vec<After> = group
                     .workers
                     .iter_mut()
-                    .filter_map(|w| w.run(first, vrings, |d, queues, _| d.quiesce(&*mem, queues)))
+                    .filter_map(|w| {
+                        w.run(first, vrings, |d, queues, _| {
+                            match d.quiesce(&*mem, queues) {
+                                // Every queue of the worker is signalled, whatever this pass
+                                // completed: an event thread may have written used entries
+                                // just before and not signalled them yet (it signals once its
+                                // locks are released), and the frontend must have every
+                                // completion signalled before the reply. A spurious
+                                // notification is harmless.
+                                Outcome::Served(_) => Outcome::Served(Signal::first(queues.len())),
+                                other => other,
+                            }
+                        })
+                    })
                     .collect();
                 Some(afters)
             });

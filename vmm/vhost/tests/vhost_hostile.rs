@@ -661,6 +661,10 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                     write(&mut d, slot, round);
                 }
                 let base = d.stop_ring(0);
+                assert!(
+                    base == 0 || d.calls[0].read().is_ok(),
+                    "{what}: {base} writes counted at the stop but no call signalled before its reply"
+                );
                 let mut used = 0;
                 while let Some((id, _)) = d.next_used(0) {
                     let slot = u16::try_from(id / 3).unwrap();
@@ -693,6 +697,10 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 start_queue_0(&mut d);
                 post_zeroed_reads(&mut d, 0, 0..BATCH, sector, buf, LARGE);
                 let base = d.stop_ring(0);
+                assert!(
+                    base == 0 || d.calls[0].read().is_ok(),
+                    "{what}: {base} reads counted at the stop but no call signalled before its reply"
+                );
                 let mut used = 0;
                 while let Some((id, len)) = d.next_used(0) {
                     let slot = u16::try_from(id / 3).unwrap();
