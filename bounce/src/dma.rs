@@ -981,17 +981,8 @@ mod tests {
 
     #[test]
     fn device_pieces_name_where_the_device_sees_a_mapping() {
-        use vm_memory::bitmap::{AtomicBitmap, Bitmap};
-        use vm_memory::GuestMemoryRegion;
-        let mem = GuestMemoryMmap::<AtomicBitmap>::from_ranges(&[
-            (GuestAddress(0), 0x10000),
-            (GuestAddress(0x10000), 0x10000),
-        ])
-        .unwrap();
-        let dirty = |a: u64| {
-            let r = mem.find_region(GuestAddress(a)).unwrap();
-            r.bitmap().dirty_at((a - r.start_addr().0) as usize)
-        };
+        let mem = crate::orig::logged_memory(0x10000, 0x10000);
+        let dirty = |a: u64| crate::orig::is_dirty(&mem, a);
         // Direct, across the region boundary: one piece per region, in order, at the guest
         // bytes' host addresses; a device write marks them dirty now.
         let direct = Dma::direct();
