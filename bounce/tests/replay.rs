@@ -356,6 +356,11 @@ use bounce::IO_TLB_SEGSIZE;
 
 /// A live capture of this repository's rig-1 guest (images/swiotlb-capture.sh): fio on a
 /// bouncevm-vhost disk, Linux 6.12, `swiotlb=1024,1,force`, 2430 maps of which 8 failed.
+/// The advisor's sizer over the trace at `path`, with default replay options.
+fn sizer_of(path: &Path) -> Sizer {
+    Sizer::load(trace::open(path).unwrap(), &ReplayOptions::default()).unwrap()
+}
+
 fn sample_trace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/rig1-fio-1024slots-1area.jsonl.gz")
 }
@@ -451,11 +456,7 @@ fn check_advice(sizer: &Sizer, kind: AllocatorKind) -> bounce::trace::advise::Ad
 
 #[test]
 fn advisor_sizes_the_sample_trace_for_every_allocator() {
-    let sizer = Sizer::load(
-        trace::open(&sample_trace()).unwrap(),
-        &ReplayOptions::default(),
-    )
-    .unwrap();
+    let sizer = sizer_of(&sample_trace());
     for kind in AllocatorKind::ALL {
         let a = check_advice(&sizer, kind);
         eprintln!(
@@ -514,11 +515,7 @@ fn advisor_tells_capacity_from_fragmentation() {
 
 #[test]
 fn advisor_answer_holds_on_the_kernel_trace() {
-    let sizer = Sizer::load(
-        trace::open(&full_trace()).unwrap(),
-        &ReplayOptions::default(),
-    )
-    .unwrap();
+    let sizer = sizer_of(&full_trace());
     let a = check_advice(&sizer, AllocatorKind::Areas);
     assert_eq!(a.current.failures.pool_full, KERNEL_FAILURES);
     eprintln!("kernel trace: {a:?}");
