@@ -27,7 +27,7 @@
 //! (including its blind spots: after a wrap with a stride > 1 some aligned candidates are never
 //! visited in that search), which the trace replay test checks against a real kernel.
 
-use crate::alloc::locked::{Locked, SlotRange};
+use crate::alloc::locked::{Locked, SlotRange, Split};
 use crate::alloc::SlotRequest;
 use crate::error::Result;
 use crate::geometry::Geometry;
@@ -258,9 +258,13 @@ impl SlotRange for FreeRuns {
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
 pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeRuns>> {
-    Locked::per_area(AllocatorKind::Areas, geom, true, |base, len| {
-        FreeRuns::new(base, len, geom.segsize, SearchStart::Index)
-    })
+    Locked::new(
+        AllocatorKind::Areas,
+        geom,
+        Split::PerArea,
+        true,
+        |base, len| FreeRuns::new(base, len, geom.segsize, SearchStart::Index),
+    )
 }
 
 /// Builds `areas` for a geometry whose areas need not be whole segments (a transient pool's
@@ -269,9 +273,13 @@ pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeRuns>> {
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) when the areas do not split the pool evenly.
 pub(crate) fn partial(geom: &Geometry) -> Result<Locked<FreeRuns>> {
-    Locked::per_area(AllocatorKind::Areas, geom, false, |base, len| {
-        FreeRuns::new(base, len, geom.segsize, SearchStart::Index)
-    })
+    Locked::new(
+        AllocatorKind::Areas,
+        geom,
+        Split::PerArea,
+        false,
+        |base, len| FreeRuns::new(base, len, geom.segsize, SearchStart::Index),
+    )
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@
 use std::collections::VecDeque;
 
 use crate::alloc::areas::{FreeRuns, SearchStart};
-use crate::alloc::locked::{Locked, SlotRange};
+use crate::alloc::locked::{Locked, SlotRange, Split};
 use crate::alloc::SlotRequest;
 use crate::error::Result;
 use crate::geometry::Geometry;
@@ -119,10 +119,16 @@ impl SlotRange for LifoArea {
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
 pub(crate) fn new(geom: &Geometry) -> Result<Locked<LifoArea>> {
-    Locked::per_area(AllocatorKind::AreasLifo, geom, true, |base, len| LifoArea {
-        runs: FreeRuns::new(base, len, geom.segsize, SearchStart::Index),
-        recent: VecDeque::with_capacity(RECENT_RUNS),
-    })
+    Locked::new(
+        AllocatorKind::AreasLifo,
+        geom,
+        Split::PerArea,
+        true,
+        |base, len| LifoArea {
+            runs: FreeRuns::new(base, len, geom.segsize, SearchStart::Index),
+            recent: VecDeque::with_capacity(RECENT_RUNS),
+        },
+    )
 }
 
 #[cfg(test)]

@@ -64,7 +64,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::alloc::bitmap::FreeBitmap;
-use crate::alloc::locked::{check_geometry, Locked};
+use crate::alloc::locked::{check_geometry, Locked, Split};
 use crate::alloc::{pow2, LockSnapshot, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
@@ -296,7 +296,13 @@ impl MagazineAllocator {
                 geom.nslabs
             )));
         }
-        let depot = Locked::per_area(AllocatorKind::Magazine, geom, false, FreeBitmap::new)?;
+        let depot = Locked::new(
+            AllocatorKind::Magazine,
+            geom,
+            Split::PerArea,
+            false,
+            FreeBitmap::new,
+        )?;
         let limit = geom.segsize.min(geom.area_nslabs);
         let max_class = (0..=MAX_CLASS)
             .take_while(|&c| 1usize << c <= limit)
