@@ -682,18 +682,11 @@ impl Dma {
         M: GuestMemory + ?Sized,
         W: WriteVolatile,
     {
-        let mut done = 0;
-        let mut short = false;
+        let mut moved = Streamed::default();
         self.for_each_slice(mem, buf, offset, len, false, |p| {
-            if short {
-                return Ok(());
-            }
-            let n = p.write_all_to(sink)?;
-            done += n;
-            short = n < p.len();
-            Ok(())
+            moved.piece(p.len(), || p.write_all_to(sink))
         })?;
-        Ok(done)
+        Ok(moved.done)
     }
 
     /// Device fills `len` bytes of the buffer at `offset` from `source` (a file, a tap),
@@ -713,18 +706,32 @@ impl Dma {
         M: GuestMemory + ?Sized,
         R: ReadVolatile,
     {
-        let mut done = 0;
-        let mut short = false;
+        let mut moved = Streamed::default();
         self.for_each_slice(mem, buf, offset, len, true, |p| {
-            if short {
-                return Ok(());
-            }
-            let n = p.read_all_from(source)?;
-            done += n;
-            short = n < p.len();
-            Ok(())
+            moved.piece(p.len(), || p.read_all_from(source))
         })?;
-        Ok(done)
+        Ok(moved.done)
+    }
+}
+
+/// The progress of [`Dma::read_to`] or [`Dma::write_from`]: the bytes moved so far, and
+/// whether a piece came up short (the sink or source had no more), which ends the transfer.
+#[derive(Default)]
+struct Streamed {
+    done: usize,
+    short: bool,
+}
+
+impl Streamed {
+    /// Moves the next piece, of `len` bytes, with `io` (which returns the bytes it moved),
+    /// unless an earlier piece came up short.
+    fn piece(&mut self, len: usize, io: impl FnOnce() -> Result<usize>) -> Result<()> {
+        if !self.short {
+            let n = io()?;
+            self.done += n;
+            self.short = n < len;
+        }
+        Ok(())
     }
 }
 
@@ -792,26 +799,28 @@ fn write_slice<B: BitmapSlice, W: WriteVolatile>(
     s: &VolatileSlice<'_, B>,
     sink: &mut W,
 ) -> Result<usize> {
-    let mut done = 0;
-    while done < s.len() {
-        let part = s.offset(done).map_err(|e| Error::Io(e.to_string()))?;
-        match sink.write_volatile(&part) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) => return Err(Error::Io(e.to_string())),
-        }
-    }
-    Ok(done)
+    pump(s, |part| sink.write_volatile(part))
 }
 
 fn read_slice<B: BitmapSlice, R: ReadVolatile>(
     s: &VolatileSlice<'_, B>,
     source: &mut R,
 ) -> Result<usize> {
+    pump(s, |part| source.read_volatile(part))
+}
+
+/// Runs `io` on the rest of `s` until all of it is moved or `io` moves nothing (end of file,
+/// a full sink); returns the bytes moved.
+fn pump<'a, B: BitmapSlice>(
+    s: &VolatileSlice<'a, B>,
+    mut io: impl FnMut(
+        &mut VolatileSlice<'a, B>,
+    ) -> std::result::Result<usize, vm_memory::VolatileMemoryError>,
+) -> Result<usize> {
     let mut done = 0;
     while done < s.len() {
         let mut part = s.offset(done).map_err(|e| Error::Io(e.to_string()))?;
-        match source.read_volatile(&mut part) {
+        match io(&mut part) {
             Ok(0) => break,
             Ok(n) => done += n,
             Err(e) => return Err(Error::Io(e.to_string())),
@@ -980,18 +989,46 @@ mod tests {
     }
 
     #[test]
-    fn device_pieces_name_where_the_device_sees_a_mapping() {
-        use vm_memory::bitmap::{AtomicBitmap, Bitmap};
-        use vm_memory::GuestMemoryRegion;
-        let mem = GuestMemoryMmap::<AtomicBitmap>::from_ranges(&[
+    fn streams_move_every_piece_until_one_comes_up_short() {
+        // Across a region boundary: two pieces of 0x800 when direct, one when bounced.
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[
             (GuestAddress(0), 0x10000),
             (GuestAddress(0x10000), 0x10000),
         ])
         .unwrap();
-        let dirty = |a: u64| {
-            let r = mem.find_region(GuestAddress(a)).unwrap();
-            r.bitmap().dirty_at((a - r.start_addr().0) as usize)
-        };
+        let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(64)).unwrap());
+        let at = 0x10000 - 0x800;
+        let data: Vec<u8> = (0..0xc00u32).map(|i| (i % 251) as u8).collect();
+        for (name, dma) in [
+            ("direct", Dma::direct()),
+            ("bounced", Dma::bounced(Policy::Force, Arc::clone(&pool))),
+        ] {
+            // A source with 0xc00 bytes fills that much of 0x1000 and ends the transfer.
+            let b = dma.map(&mem, at, 0x1000, Direction::FromDevice, 0).unwrap();
+            let mut source: &[u8] = &data;
+            let filled = dma.write_from(&mem, &b, 0, 0x1000, &mut source).unwrap();
+            assert_eq!(filled, 0xc00, "{name}");
+            dma.unmap(&mem, b, 0).unwrap();
+            let mut got = vec![0u8; 0xc00];
+            mem.read_slice(&mut got, GuestAddress(at)).unwrap();
+            assert_eq!(got, data, "{name}");
+            // A sink with room for 0x900 bytes takes that much and ends the transfer.
+            let b = dma.map(&mem, at, 0x1000, Direction::ToDevice, 0).unwrap();
+            let mut sink = vec![0u8; 0x900];
+            let sent = dma
+                .read_to(&mem, &b, 0, 0x1000, &mut &mut sink[..])
+                .unwrap();
+            assert_eq!(sent, 0x900, "{name}");
+            assert_eq!(sink, data[..0x900], "{name}");
+            dma.unmap(&mem, b, 0).unwrap();
+        }
+        assert_eq!(pool.used(), 0);
+    }
+
+    #[test]
+    fn device_pieces_name_where_the_device_sees_a_mapping() {
+        let mem = crate::orig::logged_memory(0x10000, 0x10000);
+        let dirty = |a: u64| crate::orig::is_dirty(&mem, a);
         // Direct, across the region boundary: one piece per region, in order, at the guest
         // bytes' host addresses; a device write marks them dirty now.
         let direct = Dma::direct();

@@ -77,29 +77,14 @@ impl<M: GuestMemory + ?Sized> OrigMemory for M {
             s.copy_to_volatile_slice(*dst);
             return Ok(());
         }
-        // Across regions (or not guest memory): check the whole range, then copy piecewise.
-        let err = || Error::OrigAccess { addr, len };
-        if !self.check(addr, len, false) {
-            return Err(err());
-        }
-        let mut done = 0;
-        let slices = self
-            .get_slices(GuestAddress(addr), len, Permissions::Read)
-            .map_err(|_| err())?;
-        for s in slices {
-            let s = s.map_err(|_| err())?;
-            let part = dst.subslice(done, s.len()).map_err(|_| err())?;
-            s.copy_to_volatile_slice(part);
-            done += s.len();
-        }
-        if done == len {
-            Ok(())
-        } else {
-            Err(err())
-        }
+        copy_piecewise(self, addr, len, false, |s, done| {
+            s.copy_to_volatile_slice(dst.subslice(done, s.len()).ok()?);
+            Some(())
+        })
     }
 
-    // Mirror of read_orig: copy direction and permissions differ at every step, so two bodies.
+    // Mirror of read_orig's two one-slice paths: the copy runs the other way and the whole
+    // slice is asked for ReadWrite, so each direction spells its own.
     fn write_orig(&self, addr: u64, src: &VolatileSlice<'_>) -> Result<()> {
         let len = src.len();
         if let Some(s) = region_slice(self, addr, len) {
@@ -112,26 +97,46 @@ impl<M: GuestMemory + ?Sized> OrigMemory for M {
             src.copy_to_volatile_slice(s);
             return Ok(());
         }
-        let err = || Error::OrigAccess { addr, len };
-        if !self.check(addr, len, true) {
-            return Err(err());
-        }
-        let mut done = 0;
-        let slices = self
-            .get_slices(GuestAddress(addr), len, Permissions::Write)
-            .map_err(|_| err())?;
-        for s in slices {
-            let s = s.map_err(|_| err())?;
-            let n = s.len();
-            let part = src.subslice(done, n).map_err(|_| err())?;
-            part.copy_to_volatile_slice(s);
-            done += n;
-        }
-        if done == len {
-            Ok(())
-        } else {
-            Err(err())
-        }
+        copy_piecewise(self, addr, len, true, |s, done| {
+            src.subslice(done, s.len()).ok()?.copy_to_volatile_slice(s);
+            Some(())
+        })
+    }
+}
+
+/// The copy of a range across regions (or not plain guest memory): checks the whole range
+/// (for writing, when `write`), then hands `copy` each piece with its offset in the range.
+/// `copy` returns `None` when the piece does not fit the caller's buffer.
+fn copy_piecewise<M: GuestMemory + ?Sized>(
+    mem: &M,
+    addr: u64,
+    len: usize,
+    write: bool,
+    mut copy: impl FnMut(VolatileSlice<'_, vm_memory::bitmap::BS<'_, M::Bitmap>>, usize) -> Option<()>,
+) -> Result<()> {
+    let err = || Error::OrigAccess { addr, len };
+    if !mem.check(addr, len, write) {
+        return Err(err());
+    }
+    let perm = if write {
+        Permissions::Write
+    } else {
+        Permissions::Read
+    };
+    let mut done = 0;
+    for s in mem
+        .get_slices(GuestAddress(addr), len, perm)
+        .map_err(|_| err())?
+    {
+        let s = s.map_err(|_| err())?;
+        let n = s.len();
+        copy(s, done).ok_or_else(err)?;
+        done += n;
+    }
+    if done == len {
+        Ok(())
+    } else {
+        Err(err())
     }
 }
 
@@ -203,6 +208,31 @@ impl OrigMemory for NoCopyMemory {
     }
 }
 
+/// Guest memory of two adjacent regions (`first` bytes at 0, then `second` bytes) with a dirty
+/// log, for the tests that check which copies mark guest pages dirty.
+#[cfg(test)]
+pub(crate) fn logged_memory(
+    first: usize,
+    second: usize,
+) -> vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap> {
+    vm_memory::GuestMemoryMmap::from_ranges(&[
+        (GuestAddress(0), first),
+        (GuestAddress(first as u64), second),
+    ])
+    .unwrap()
+}
+
+/// True when the dirty log of `mem` marks the page of guest address `addr`.
+#[cfg(test)]
+pub(crate) fn is_dirty(
+    mem: &vm_memory::GuestMemoryMmap<vm_memory::bitmap::AtomicBitmap>,
+    addr: u64,
+) -> bool {
+    use vm_memory::bitmap::Bitmap;
+    let (r, off) = mem.to_region_addr(GuestAddress(addr)).unwrap();
+    r.bitmap().dirty_at(off.0 as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use vm_memory::{Bytes, GuestMemoryMmap};
@@ -262,19 +292,10 @@ mod tests {
 
     #[test]
     fn copies_into_guest_memory_mark_its_dirty_bitmap() {
-        use vm_memory::bitmap::{AtomicBitmap, Bitmap};
-        use vm_memory::GuestMemoryBackend;
         // One region with a dirty log of 4 KiB pages (vhost-user's), and a range across two
         // regions: both the one-region fast path and the piecewise path must log the write.
-        let m = GuestMemoryMmap::<AtomicBitmap>::from_ranges(&[
-            (GuestAddress(0), 0x4000),
-            (GuestAddress(0x4000), 0x2000),
-        ])
-        .unwrap();
-        let dirty = |addr: u64| {
-            let (r, off) = m.to_region_addr(GuestAddress(addr)).unwrap();
-            r.bitmap().dirty_at(off.0 as usize)
-        };
+        let m = logged_memory(0x4000, 0x2000);
+        let dirty = |addr: u64| is_dirty(&m, addr);
         let data = pattern(0x100);
         m.write_orig(0x1080, &VolatileSlice::from(&mut data.clone()[..]))
             .unwrap();

@@ -535,27 +535,24 @@ impl BouncePool {
         req: &MapRequest,
         check_orig: bool,
     ) -> Fast<Mapping> {
-        let t0 = self.timing.start(TimedOp::Map);
-        let r = self.map_untimed(mem, req, check_orig);
-        self.timing
-            .record(TimedOp::Map, req.dir, t0, &self.counters);
-        r
+        self.timed(TimedOp::Map, req.dir, || {
+            let layout = self.checked_layout(mem, req, check_orig)?;
+            let sreq = self.request_of(req, &layout);
+            if let Some(d) = &self.dynamic {
+                return self.map_dynamic(&d.pools, mem, req, &sreq, &layout);
+            }
+            let index = self.claim(&sreq, layout.alloc_size, req.attrs.no_warn)?;
+            self.fill(&self.tlb, index, mem, req, &sreq, &layout)
+        })
     }
 
+    /// Runs `call` as one call of `op` in `dir` under the pool's time accounting.
     #[inline(always)]
-    fn map_untimed<M: OrigMemory + ?Sized>(
-        &self,
-        mem: &M,
-        req: &MapRequest,
-        check_orig: bool,
-    ) -> Fast<Mapping> {
-        let layout = self.checked_layout(mem, req, check_orig)?;
-        let sreq = self.request_of(req, &layout);
-        if let Some(d) = &self.dynamic {
-            return self.map_dynamic(&d.pools, mem, req, &sreq, &layout);
-        }
-        let index = self.claim(&sreq, layout.alloc_size, req.attrs.no_warn)?;
-        self.fill(&self.tlb, index, mem, req, &sreq, &layout)
+    pub(crate) fn timed<T>(&self, op: TimedOp, dir: Direction, call: impl FnOnce() -> T) -> T {
+        let t0 = self.timing.start(op);
+        let r = call();
+        self.timing.record(op, dir, t0, &self.counters);
+        r
     }
 
     /// Every check of a map before it allocates: the request's size and masks, and (when
@@ -849,77 +846,62 @@ impl BouncePool {
         dir: Direction,
         shard: ShardRef<'_>,
     ) -> Fast<()> {
-        let t0 = self.timing.start(TimedOp::Copy);
-        let r = self.bounce_untimed(mem, at, addr, size, dir, shard);
-        self.timing.record(TimedOp::Copy, dir, t0, &self.counters);
-        r
-    }
-
-    // `bounce` without its timing: the same parameters, passed through; the copy is here.
-    #[inline(always)]
-    fn bounce_untimed<M: OrigMemory + ?Sized>(
-        &self,
-        mem: &M,
-        at: CopyAt<'_>,
-        addr: u64,
-        size: usize,
-        dir: Direction,
-        shard: ShardRef<'_>,
-    ) -> Fast<()> {
-        if !self.contains(addr, size) {
-            return fail(Error::OutOfPool { addr, len: size });
-        }
-        let tlb = at.tlb;
-        let v = match at.view {
-            Some(v) => v,
-            None => {
-                let index = ((addr - tlb.geom.base) >> tlb.geom.slot_shift) as usize;
-                let m = tlb.meta.slot(index);
-                let orig = m.orig.load(Ordering::Relaxed);
-                if orig == INVALID {
-                    return fail(Error::NotMapped { addr });
-                }
-                SlotView {
-                    orig,
-                    alloc_size: m.alloc_size.load(Ordering::Relaxed),
-                    offset: m.offset.load(Ordering::Relaxed),
-                }
+        self.timed(TimedOp::Copy, dir, || {
+            if !self.contains(addr, size) {
+                return fail(Error::OutOfPool { addr, len: size });
             }
-        };
-        let (orig, alloc_size) = (v.orig, v.alloc_size);
-        // May be negative: addr can point into the first `offset` bytes of a later slot.
-        let tlb_offset = (addr & (tlb.geom.slot_size() - 1)) as i64 - i64::from(v.offset);
-        let orig = orig.wrapping_add(tlb_offset as u64);
-        let avail = (alloc_size as i64).saturating_sub(tlb_offset).max(0) as u64;
-        let mut size = size;
-        if size as u64 > avail {
-            if self.clamp_warned.swap(1, Ordering::Relaxed) == 0 {
-                tracing::warn!(
-                    addr,
-                    size,
-                    avail,
-                    "bounce copy runs past the end of its mapping; clamped"
-                );
+            let tlb = at.tlb;
+            let v = match at.view {
+                Some(v) => v,
+                None => {
+                    let index = ((addr - tlb.geom.base) >> tlb.geom.slot_shift) as usize;
+                    let m = tlb.meta.slot(index);
+                    let orig = m.orig.load(Ordering::Relaxed);
+                    if orig == INVALID {
+                        return fail(Error::NotMapped { addr });
+                    }
+                    SlotView {
+                        orig,
+                        alloc_size: m.alloc_size.load(Ordering::Relaxed),
+                        offset: m.offset.load(Ordering::Relaxed),
+                    }
+                }
+            };
+            let (orig, alloc_size) = (v.orig, v.alloc_size);
+            // May be negative: addr can point into the first `offset` bytes of a later slot.
+            let tlb_offset = (addr & (tlb.geom.slot_size() - 1)) as i64 - i64::from(v.offset);
+            let orig = orig.wrapping_add(tlb_offset as u64);
+            let avail = (alloc_size as i64).saturating_sub(tlb_offset).max(0) as u64;
+            let mut size = size;
+            if size as u64 > avail {
+                if self.clamp_warned.swap(1, Ordering::Relaxed) == 0 {
+                    tracing::warn!(
+                        addr,
+                        size,
+                        avail,
+                        "bounce copy runs past the end of its mapping; clamped"
+                    );
+                }
+                shard.add(Stat::Clamped, 1);
+                size = avail as usize;
             }
-            shard.add(Stat::Clamped, 1);
-            size = avail as usize;
-        }
-        if size == 0 {
-            return Ok(());
-        }
-        // Inside the pool: checked above for the larger unclamped size.
-        let slice = self
-            .memory
-            .get_slice((addr - self.window_base) as usize, size)
-            .map_err(|_| Error::OutOfPool { addr, len: size })?;
-        if dir == Direction::ToDevice {
-            mem.read_orig(orig, &slice)?;
-            shard.add(Stat::BytesToDevice, size as u64);
-        } else {
-            mem.write_orig(orig, &slice)?;
-            shard.add(Stat::BytesFromDevice, size as u64);
-        }
-        Ok(())
+            if size == 0 {
+                return Ok(());
+            }
+            // Inside the pool: checked above for the larger unclamped size.
+            let slice = self
+                .memory
+                .get_slice((addr - self.window_base) as usize, size)
+                .map_err(|_| Error::OutOfPool { addr, len: size })?;
+            if dir == Direction::ToDevice {
+                mem.read_orig(orig, &slice)?;
+                shard.add(Stat::BytesToDevice, size as u64);
+            } else {
+                mem.write_orig(orig, &slice)?;
+                shard.add(Stat::BytesFromDevice, size as u64);
+            }
+            Ok(())
+        })
     }
 
     /// Marks `index..index + nslots` unmapped and returns the run to the allocator.
@@ -978,19 +960,15 @@ impl BouncePool {
         attrs: DmaAttrs,
         worker: usize,
     ) -> Result<()> {
-        let t0 = self.timing.start(TimedOp::Unmap);
-        let r = self.unmap_untimed(
-            mem,
-            UnmapArgs {
-                addr,
-                size,
-                dir,
-                attrs,
-                worker,
-            },
-        );
-        self.timing.record(TimedOp::Unmap, dir, t0, &self.counters);
-        r.map_err(|e| *e)
+        let u = UnmapArgs {
+            addr,
+            size,
+            dir,
+            attrs,
+            worker,
+        };
+        self.timed(TimedOp::Unmap, dir, || self.unmap_untimed(mem, u))
+            .map_err(|e| *e)
     }
 
     #[inline(always)]
@@ -1122,6 +1100,8 @@ impl BouncePool {
         self.sync_counted(mem, addr, size, Stat::SyncsForDevice, copy)
     }
 
+    // Linux's second sync entry point: same arguments as sync_for_device, the other copy
+    // direction and counter; the work is in sync_counted.
     /// Makes the CPU see the device's writes to `addr..addr + size`: copies pool -> original
     /// for from-device and bidirectional, nothing for to-device (Linux
     /// `__swiotlb_sync_single_for_cpu`).

@@ -968,17 +968,20 @@ pub struct TimingStats {
 #[cfg(test)]
 mod timing_tests {
     use super::*;
+    use crate::{BouncePool, Direction, HostMemory, MapRequest, PoolConfig};
+
+    /// Maps `size` bytes at 0x10000 of `mem` for `dir`, then unmaps them.
+    fn map_unmap(pool: &BouncePool, mem: &HostMemory<'_>, size: usize, dir: Direction) {
+        let m = pool.map(mem, &MapRequest::new(0x10000, size, dir)).unwrap();
+        pool.unmap(mem, &m, 0).unwrap();
+    }
 
     #[test]
     fn pool_times_map_copy_and_unmap_per_direction() {
-        use crate::{BouncePool, Direction, HostMemory, MapRequest, PoolConfig};
         let pool = BouncePool::new(&PoolConfig::swiotlb(1024)).unwrap();
         let mut buf = vec![7u8; 8192];
         let mem = HostMemory::new(0x10000, &mut buf);
-        let m = pool
-            .map(&mem, &MapRequest::new(0x10000, 4096, Direction::FromDevice))
-            .unwrap();
-        pool.unmap(&mem, &m, 0).unwrap();
+        map_unmap(&pool, &mem, 4096, Direction::FromDevice);
         let t = pool.stats().timing;
         assert!(t.enabled);
         assert_eq!(t.map.from_device.count, 1);
@@ -990,10 +993,7 @@ mod timing_tests {
         pool.reset_hiwater();
         assert_eq!(pool.stats().timing.map, DirectionTimes::default());
         pool.set_timing(false);
-        let m = pool
-            .map(&mem, &MapRequest::new(0x10000, 512, Direction::ToDevice))
-            .unwrap();
-        pool.unmap(&mem, &m, 0).unwrap();
+        map_unmap(&pool, &mem, 512, Direction::ToDevice);
         let t = pool.stats().timing;
         assert!(!t.enabled);
         assert_eq!(t.map.to_device.count, 0);
@@ -1001,7 +1001,6 @@ mod timing_tests {
 
     #[test]
     fn sampled_timing_keeps_exact_counts_and_times_every_kind() {
-        use crate::{BouncePool, Direction, HostMemory, MapRequest, PoolConfig};
         let pool = BouncePool::new(&PoolConfig::swiotlb(1024)).unwrap();
         let mut buf = vec![7u8; 8192];
         let mem = HostMemory::new(0x10000, &mut buf);
@@ -1009,13 +1008,7 @@ mod timing_tests {
         // A strictly periodic pattern (map, copy in, copy back, unmap): one countdown shared by
         // every kind would time only some kinds; each kind has its own.
         for _ in 0..pairs {
-            let m = pool
-                .map(
-                    &mem,
-                    &MapRequest::new(0x10000, 4096, Direction::Bidirectional),
-                )
-                .unwrap();
-            pool.unmap(&mem, &m, 0).unwrap();
+            map_unmap(&pool, &mem, 4096, Direction::Bidirectional);
         }
         let t = pool.stats().timing;
         assert_eq!(t.sample_every, DEFAULT_SAMPLE_EVERY);
@@ -1041,10 +1034,7 @@ mod timing_tests {
         // Every call timed on request; a reset forgets counts too.
         pool.reset_hiwater();
         pool.set_timing_sample_every(1);
-        let m = pool
-            .map(&mem, &MapRequest::new(0x10000, 100, Direction::ToDevice))
-            .unwrap();
-        pool.unmap(&mem, &m, 0).unwrap();
+        map_unmap(&pool, &mem, 100, Direction::ToDevice);
         let t = pool.stats().timing;
         assert_eq!(t.sample_every, 1);
         assert_eq!((t.map.to_device.count, t.map.to_device.sampled), (1, 1));

@@ -210,7 +210,8 @@ impl MapRequest {
         }
     }
 
-    // Builder setters of MapRequest, one per field.
+    // Builder setters, one per field and alike in shape: each is a one-line public method,
+    // shorter than a macro that would generate them.
     /// Sets the calling worker.
     pub fn worker(mut self, worker: usize) -> Self {
         self.worker = worker;

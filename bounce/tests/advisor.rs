@@ -231,15 +231,17 @@ fn check_report(name: &str, inputs: &Inputs) -> Report {
     r
 }
 
+/// The advisor's inputs for a guest of 1 GiB, the rest as default.
+fn one_gib_guest() -> Inputs {
+    Inputs {
+        guest_mem: Some(1 << 30),
+        ..Inputs::default()
+    }
+}
+
 #[test]
 fn every_row_of_the_sample_trace_holds_on_an_independent_replay() {
-    let r = check_report(
-        SAMPLE,
-        &Inputs {
-            guest_mem: Some(1 << 30),
-            ..Inputs::default()
-        },
-    );
+    let r = check_report(SAMPLE, &one_gib_guest());
     // The kernel failed 8 maps at its size; so does the replay, all fragmentation, all large.
     let t = &r.static_pools[0].replay.failures;
     assert_eq!(
@@ -258,9 +260,8 @@ fn every_row_of_the_four_area_trace_holds_on_an_independent_replay() {
     let r = check_report(
         FOUR_AREAS,
         &Inputs {
-            guest_mem: Some(1 << 30),
             confidential: true,
-            ..Inputs::default()
+            ..one_gib_guest()
         },
     );
     assert_eq!(r.guest.cpus, 2);
@@ -538,11 +539,7 @@ fn a_guest_whose_memory_runs_out_keeps_capacity_failures() {
 fn the_recommendation_names_dynamic_pools_that_save_a_quarter() {
     let path = trace_path(SAMPLE);
     let sizer = Sizer::load(trace::open(&path).unwrap(), &ReplayOptions::default()).unwrap();
-    let inputs = Inputs {
-        guest_mem: Some(1 << 30),
-        ..Inputs::default()
-    };
-    let r = report::build(&sizer, AllocatorKind::Areas, &inputs).unwrap();
+    let r = report::build(&sizer, AllocatorKind::Areas, &one_gib_guest()).unwrap();
     let rec = &r.recommendation;
     let best = r
         .dynamic

@@ -75,19 +75,46 @@ fn shape(mode: PoolMode) -> impl Strategy<Value = Shape> {
     }
 }
 
+/// A map as generated: an original offset and size, and indexes into the mask tables.
+#[derive(Clone, Copy, Debug)]
+struct MapOp {
+    off: usize,
+    size: usize,
+    /// Some(k): the size is the maximum mapping size for the masks plus `NEAR_MAX[k]`.
+    near_max: Option<usize>,
+    dir: u8,
+    mask: u8,
+    align: u8,
+    boundary: u8,
+    worker: usize,
+}
+
+impl MapOp {
+    /// The request this op makes of a pool of `geom`, with the original's offset in the
+    /// model's buffer (the size fitted to the buffer, or to the maximum mapping size).
+    fn request(self, geom: &Geometry) -> (MapRequest, usize) {
+        let min_align_mask = MIN_ALIGN[self.mask as usize];
+        let (size, off) = match self.near_max {
+            Some(k) => {
+                let max = linux_max_mapping_size(geom, min_align_mask) as i64;
+                let size = (max + NEAR_MAX[k]).clamp(1, ORIG_LEN as i64) as usize;
+                (size, self.off % (ORIG_LEN - size + 1))
+            }
+            None => (self.size.min(ORIG_LEN - self.off).max(1), self.off),
+        };
+        let dir = Direction::from_linux(self.dir.into()).unwrap();
+        let req = MapRequest::new(ORIG_BASE + off as u64, size, dir)
+            .min_align_mask(min_align_mask)
+            .alloc_align_mask(ALLOC_ALIGN[self.align as usize])
+            .seg_boundary_mask(BOUNDARY[self.boundary as usize])
+            .worker(self.worker);
+        (req, off)
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Op {
-    Map {
-        off: usize,
-        size: usize,
-        /// Some(k): the size is the maximum mapping size for the masks plus `NEAR_MAX[k]`.
-        near_max: Option<usize>,
-        dir: u8,
-        mask: u8,
-        align: u8,
-        boundary: u8,
-        worker: usize,
-    },
+    Map(MapOp),
     DeviceWrite {
         pick: usize,
         at: usize,
@@ -126,7 +153,7 @@ fn op() -> impl Strategy<Value = Op> {
             (0..MIN_ALIGN.len() as u8, 0..ALLOC_ALIGN.len() as u8, 0..BOUNDARY.len() as u8),
             0usize..8,
         )
-            .prop_map(|(off, size, near_max, dir, (mask, align, boundary), worker)| Op::Map {
+            .prop_map(|(off, size, near_max, dir, (mask, align, boundary), worker)| Op::Map(MapOp {
                 off,
                 size,
                 near_max,
@@ -135,7 +162,7 @@ fn op() -> impl Strategy<Value = Op> {
                 align,
                 boundary,
                 worker,
-            }),
+            })),
         2 => (any::<usize>(), any::<usize>(), 1usize..9000, any::<u8>())
             .prop_map(|(pick, at, len, seed)| Op::DeviceWrite { pick, at, len, seed }),
         1 => (0..ORIG_LEN, 1usize..9000, any::<u8>()).prop_map(|(off, len, seed)| Op::CpuWrite { off, len, seed }),
@@ -153,6 +180,24 @@ struct Live {
     /// from-device buffers are not copied in): positions not yet written are "unknown".
     known: Vec<bool>,
     min_align_mask: u64,
+}
+
+/// The live mapping `pick` names and the sub-range (`at`, `len`) of it, both fitted to its
+/// size; `None` when nothing is live.
+fn pick_range(
+    live: &mut [Live],
+    pick: usize,
+    at: usize,
+    len: usize,
+) -> Option<(&mut Live, usize, usize)> {
+    if live.is_empty() {
+        return None;
+    }
+    let n = live.len();
+    let l = &mut live[pick % n];
+    let at = at % l.m.size;
+    let len = len.min(l.m.size - at);
+    Some((l, at, len))
 }
 
 fn bytes(seed: u8, len: usize) -> Vec<u8> {
@@ -187,34 +232,10 @@ fn run(kind: AllocatorKind, mode: PoolMode, shape: Shape, ops: &[Op]) -> Result<
     for op in ops {
         let mem = HostMemory::new(ORIG_BASE, &mut orig);
         match *op {
-            Op::Map {
-                off,
-                size,
-                near_max,
-                dir,
-                mask,
-                align,
-                boundary,
-                worker,
-            } => {
-                let min_align_mask = MIN_ALIGN[mask as usize];
-                let alloc_align_mask = ALLOC_ALIGN[align as usize];
-                let seg_boundary_mask = BOUNDARY[boundary as usize];
-                let (size, off) = match near_max {
-                    Some(k) => {
-                        let max = linux_max_mapping_size(&geom, min_align_mask) as i64;
-                        let size = (max + NEAR_MAX[k]).clamp(1, ORIG_LEN as i64) as usize;
-                        (size, off % (ORIG_LEN - size + 1))
-                    }
-                    None => (size.min(ORIG_LEN - off).max(1), off),
-                };
-                let dir = Direction::from_linux(dir.into()).unwrap();
-                let addr = ORIG_BASE + off as u64;
-                let req = MapRequest::new(addr, size, dir)
-                    .min_align_mask(min_align_mask)
-                    .alloc_align_mask(alloc_align_mask)
-                    .seg_boundary_mask(seg_boundary_mask)
-                    .worker(worker);
+            Op::Map(map) => {
+                let (req, off) = map.request(&geom);
+                let (addr, size, dir, min_align_mask) =
+                    (req.orig, req.size, req.dir, req.min_align_mask);
                 let want = expect(&geom, shape.kernel_limit, &req);
                 match pool.map(&mem, &req) {
                     Ok(m) => {
@@ -287,13 +308,9 @@ fn run(kind: AllocatorKind, mode: PoolMode, shape: Shape, ops: &[Op]) -> Result<
                 len,
                 seed,
             } => {
-                if live.is_empty() {
+                let Some((l, at, len)) = pick_range(&mut live, pick, at, len) else {
                     continue;
-                }
-                let n = live.len();
-                let l = &mut live[pick % n];
-                let at = at % l.m.size;
-                let len = len.min(l.m.size - at);
+                };
                 let data = bytes(seed, len);
                 pool.device_slice(l.m.dev_addr + at as u64, len)
                     .unwrap()
@@ -312,13 +329,9 @@ fn run(kind: AllocatorKind, mode: PoolMode, shape: Shape, ops: &[Op]) -> Result<
                 model[off..off + len].copy_from_slice(&data);
             }
             Op::SyncForDevice { pick, at, len } => {
-                if live.is_empty() {
+                let Some((l, at, len)) = pick_range(&mut live, pick, at, len) else {
                     continue;
-                }
-                let n = live.len();
-                let l = &mut live[pick % n];
-                let at = at % l.m.size;
-                let len = len.min(l.m.size - at);
+                };
                 pool.sync_for_device(&mem, l.m.dev_addr + at as u64, len, l.m.dir)
                     .unwrap();
                 if l.m.dir.device_reads() {
@@ -329,12 +342,9 @@ fn run(kind: AllocatorKind, mode: PoolMode, shape: Shape, ops: &[Op]) -> Result<
                 check_dev(&pool, &l.m, &l.dev, &l.known)?;
             }
             Op::SyncForCpu { pick, at, len } => {
-                if live.is_empty() {
+                let Some((l, at, len)) = pick_range(&mut live, pick, at, len) else {
                     continue;
-                }
-                let l = &live[pick % live.len()];
-                let at = at % l.m.size;
-                let len = len.min(l.m.size - at);
+                };
                 if l.m.dir.device_writes() && !l.known[at..at + len].iter().all(|k| *k) {
                     continue; // the model cannot predict unknown bytes
                 }

@@ -27,6 +27,9 @@
 //! (`bounce::testing::missing`, resource `kernel-trace-json`: counted by ./tests/run, a failure
 //! with `BVM_REQUIRE_RESOURCES`).
 
+#[macro_use]
+mod support;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -175,20 +178,11 @@ fn other_allocator(kind: AllocatorKind) {
     );
 }
 
-#[test]
-fn kernel_trace_through_legacy() {
-    other_allocator(AllocatorKind::Legacy);
-}
-
-#[test]
-fn kernel_trace_through_bitmap() {
-    other_allocator(AllocatorKind::Bitmap);
-}
-
-#[test]
-fn kernel_trace_through_areas_bitmap() {
-    other_allocator(AllocatorKind::AreasBitmap);
-}
+tests_of!(other_allocator {
+    kernel_trace_through_legacy: AllocatorKind::Legacy;
+    kernel_trace_through_bitmap: AllocatorKind::Bitmap;
+    kernel_trace_through_areas_bitmap: AllocatorKind::AreasBitmap;
+});
 
 /// An allocator that places differently from the kernel fails other maps: the trace's unmaps
 /// of maps it failed (where the kernel succeeded) are "unknown map" errors, and maps it placed
@@ -228,21 +222,16 @@ fn diverging_allocator(kind: AllocatorKind) {
     );
 }
 
-#[test]
-fn kernel_trace_through_areas_lifo() {
+tests_of!(diverging_allocator {
     // 20 pool-full failures against the kernel's 67: a freed run is reused only when that
     // splits no free extent (an exact hole, or the extent the rolling index is in), which
     // keeps more whole segments free than the rolling index alone.
-    diverging_allocator(AllocatorKind::AreasLifo);
-}
-
-#[test]
-fn kernel_trace_through_magazine() {
+    kernel_trace_through_areas_lifo: AllocatorKind::AreasLifo;
     // 12 pool-full failures against the kernel's 67: the depot search is complete (first fit
     // from the rolling index over the area's bitmap) and every cache is flushed before a map
     // is refused.
-    diverging_allocator(AllocatorKind::Magazine);
-}
+    kernel_trace_through_magazine: AllocatorKind::Magazine;
+});
 
 #[test]
 fn trace_head_excerpt_reproduces_every_decision() {
@@ -367,6 +356,11 @@ use bounce::IO_TLB_SEGSIZE;
 
 /// A live capture of this repository's rig-1 guest (images/swiotlb-capture.sh): fio on a
 /// bouncevm-vhost disk, Linux 6.12, `swiotlb=1024,1,force`, 2430 maps of which 8 failed.
+/// The advisor's sizer over the trace at `path`, with default replay options.
+fn sizer_of(path: &Path) -> Sizer {
+    Sizer::load(trace::open(path).unwrap(), &ReplayOptions::default()).unwrap()
+}
+
 fn sample_trace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/rig1-fio-1024slots-1area.jsonl.gz")
 }
@@ -462,11 +456,7 @@ fn check_advice(sizer: &Sizer, kind: AllocatorKind) -> bounce::trace::advise::Ad
 
 #[test]
 fn advisor_sizes_the_sample_trace_for_every_allocator() {
-    let sizer = Sizer::load(
-        trace::open(&sample_trace()).unwrap(),
-        &ReplayOptions::default(),
-    )
-    .unwrap();
+    let sizer = sizer_of(&sample_trace());
     for kind in AllocatorKind::ALL {
         let a = check_advice(&sizer, kind);
         eprintln!(
@@ -525,11 +515,7 @@ fn advisor_tells_capacity_from_fragmentation() {
 
 #[test]
 fn advisor_answer_holds_on_the_kernel_trace() {
-    let sizer = Sizer::load(
-        trace::open(&full_trace()).unwrap(),
-        &ReplayOptions::default(),
-    )
-    .unwrap();
+    let sizer = sizer_of(&full_trace());
     let a = check_advice(&sizer, AllocatorKind::Areas);
     assert_eq!(a.current.failures.pool_full, KERNEL_FAILURES);
     eprintln!("kernel trace: {a:?}");

@@ -7,7 +7,7 @@
 
 use bounce::{
     AllocatorKind, BouncePool, CopyOnMap, Direction, DmaAttrs, Error, HostMemory, MapRequest,
-    OrigMemory, PoolConfig, PoolMode, SizeLimit,
+    Mapping, OrigMemory, PoolConfig, PoolMode, SizeLimit,
 };
 use vm_memory::VolatileSlice;
 
@@ -62,56 +62,84 @@ fn dev_write(p: &BouncePool, addr: u64, data: &[u8]) {
 
 const SWIOTLB_KINDS: [AllocatorKind; AllocatorKind::ALL.len()] = AllocatorKind::ALL;
 
+/// Every direction, in the order the tests derive addresses and patterns from.
+const DIRECTIONS: [Direction; 3] = [
+    Direction::ToDevice,
+    Direction::FromDevice,
+    Direction::Bidirectional,
+];
+
+/// `DMA_ATTR_SKIP_CPU_SYNC`: map without copying in, unmap without copying back.
+const SKIP_CPU_SYNC: DmaAttrs = DmaAttrs {
+    skip_cpu_sync: true,
+    no_warn: false,
+};
+
+/// Maps `len` bytes of the original at `addr` for `dir`, without masks.
+fn map(p: &BouncePool, o: &mut Orig, addr: u64, len: usize, dir: Direction) -> Mapping {
+    p.map(&o.mem(), &MapRequest::new(addr, len, dir)).unwrap()
+}
+
+/// Unmaps every mapping of `live`.
+fn unmap_all(p: &BouncePool, o: &mut Orig, live: &[Mapping]) {
+    for m in live {
+        p.unmap(&o.mem(), m, 0).unwrap();
+    }
+}
+
+/// Unmaps `m` whole without copying back.
+fn unmap_skipping_sync(p: &BouncePool, o: &mut Orig, m: &Mapping) {
+    p.unmap_single(&o.mem(), m.dev_addr, m.size, m.dir, SKIP_CPU_SYNC, 0)
+        .unwrap();
+}
+
+/// Runs `test` once per allocator on a fresh one-area swiotlb-mode pool of `slots` slots, with
+/// fresh original memory.
+fn each_swiotlb_pool(slots: usize, mut test: impl FnMut(AllocatorKind, &BouncePool, &mut Orig)) {
+    for kind in SWIOTLB_KINDS {
+        test(
+            kind,
+            &pool(kind, PoolMode::Swiotlb, slots),
+            &mut Orig::new(),
+        );
+    }
+}
+
 // ---------------------------------------------------------------- copy rules: map
 
 #[test]
 fn map_copies_in_for_every_direction_in_swiotlb_mode() {
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 1024);
-        let mut o = Orig::new();
-        for dir in [
-            Direction::ToDevice,
-            Direction::FromDevice,
-            Direction::Bidirectional,
-        ] {
+    each_swiotlb_pool(1024, |kind, p, o| {
+        for dir in DIRECTIONS {
             let addr = ORIG_BASE + 0x3000;
             // Dirty the pool so a missing copy-in would show stale bytes.
-            let probe = p
-                .map(&o.mem(), &MapRequest::new(addr, 8192, Direction::ToDevice))
-                .unwrap();
-            dev_write(&p, probe.dev_addr, &[0xee; 8192]);
+            let probe = map(p, o, addr, 8192, Direction::ToDevice);
+            dev_write(p, probe.dev_addr, &[0xee; 8192]);
             p.unmap(&o.mem(), &probe, 0).unwrap();
 
-            let m = p.map(&o.mem(), &MapRequest::new(addr, 8192, dir)).unwrap();
+            let m = map(p, o, addr, 8192, dir);
             assert_eq!(
-                dev_read(&p, m.dev_addr, 8192),
+                dev_read(p, m.dev_addr, 8192),
                 o.at(addr, 8192),
                 "{kind} {dir:?}: map must copy the original in"
             );
             p.unmap(&o.mem(), &m, 0).unwrap();
         }
-    }
+    });
 }
 
 #[test]
 fn partial_device_write_keeps_unwritten_original_bytes() {
     // The 2022 info-leak fix: from-device, device writes only the first half.
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 1024);
-        let mut o = Orig::new();
+    each_swiotlb_pool(1024, |kind, p, o| {
         let addr = ORIG_BASE + 0x10000;
         let before = o.at(addr, 4096).to_vec();
-        let m = p
-            .map(
-                &o.mem(),
-                &MapRequest::new(addr, 4096, Direction::FromDevice),
-            )
-            .unwrap();
-        dev_write(&p, m.dev_addr, &[0xab; 2048]);
+        let m = map(p, o, addr, 4096, Direction::FromDevice);
+        dev_write(p, m.dev_addr, &[0xab; 2048]);
         p.unmap(&o.mem(), &m, 0).unwrap();
         assert_eq!(o.at(addr, 2048), &[0xab; 2048][..], "{kind}");
         assert_eq!(o.at(addr + 2048, 2048), &before[2048..], "{kind}");
-    }
+    });
 }
 
 #[test]
@@ -125,42 +153,34 @@ fn iova_mode_copies_in_only_when_the_device_reads() {
         AllocatorKind::AreasLifo,
         AllocatorKind::Magazine,
     ] {
-        let p = pool(kind, PoolMode::Iova, 256);
+        let p = &pool(kind, PoolMode::Iova, 256);
         assert_eq!(p.copy_on_map(), CopyOnMap::WhenDeviceReads);
-        let mut o = Orig::new();
+        let o = &mut Orig::new();
         let addr = ORIG_BASE + 0x2000;
         // to-device and bidirectional copy in
         for dir in [Direction::ToDevice, Direction::Bidirectional] {
-            let m = p.map(&o.mem(), &MapRequest::new(addr, 4096, dir)).unwrap();
+            let m = map(p, o, addr, 4096, dir);
             assert_eq!(
-                dev_read(&p, m.dev_addr, 4096),
+                dev_read(p, m.dev_addr, 4096),
                 o.at(addr, 4096),
                 "{kind} {dir:?}"
             );
-            dev_write(&p, m.dev_addr, &[0x5a; 4096]);
+            dev_write(p, m.dev_addr, &[0x5a; 4096]);
             p.unmap(&o.mem(), &m, 0).unwrap();
         }
         // from-device does not: the device sees whatever the pool held
-        let m = p
-            .map(
-                &o.mem(),
-                &MapRequest::new(addr + 0x1000, 4096, Direction::FromDevice),
-            )
-            .unwrap();
+        let m = map(p, o, addr + 0x1000, 4096, Direction::FromDevice);
         assert_ne!(
-            dev_read(&p, m.dev_addr, 4096),
+            dev_read(p, m.dev_addr, 4096),
             o.at(addr + 0x1000, 4096),
             "{kind}: iova mode must not copy a from-device buffer in"
         );
         p.unmap(&o.mem(), &m, 0).unwrap();
         // skip-cpu-sync suppresses the copy-in of a to-device buffer too (VDUSE)
-        let req = MapRequest::new(addr + 0x8000, 4096, Direction::ToDevice).attrs(DmaAttrs {
-            skip_cpu_sync: true,
-            no_warn: false,
-        });
+        let req = MapRequest::new(addr + 0x8000, 4096, Direction::ToDevice).attrs(SKIP_CPU_SYNC);
         let m = p.map(&o.mem(), &req).unwrap();
         assert_ne!(
-            dev_read(&p, m.dev_addr, 4096),
+            dev_read(p, m.dev_addr, 4096),
             o.at(addr + 0x8000, 4096),
             "{kind}"
         );
@@ -196,16 +216,11 @@ fn copy_rules_parse_by_the_names_the_statistics_show() {
 fn copy_on_map_is_selectable() {
     let mut cfg = PoolConfig::swiotlb(256);
     cfg.copy_on_map = Some(CopyOnMap::WhenDeviceReads);
-    let p = BouncePool::new(&cfg).unwrap();
-    let mut o = Orig::new();
-    let m = p
-        .map(
-            &o.mem(),
-            &MapRequest::new(ORIG_BASE, 2048, Direction::FromDevice),
-        )
-        .unwrap();
+    let p = &BouncePool::new(&cfg).unwrap();
+    let o = &mut Orig::new();
+    let m = map(p, o, ORIG_BASE, 2048, Direction::FromDevice);
     assert_eq!(
-        dev_read(&p, m.dev_addr, 2048),
+        dev_read(p, m.dev_addr, 2048),
         vec![0; 2048],
         "fresh pool is zeroed"
     );
@@ -213,14 +228,9 @@ fn copy_on_map_is_selectable() {
 
     let mut cfg = PoolConfig::iova(64);
     cfg.copy_on_map = Some(CopyOnMap::Always);
-    let p = BouncePool::new(&cfg).unwrap();
-    let m = p
-        .map(
-            &o.mem(),
-            &MapRequest::new(ORIG_BASE, 2048, Direction::FromDevice),
-        )
-        .unwrap();
-    assert_eq!(dev_read(&p, m.dev_addr, 2048), o.at(ORIG_BASE, 2048));
+    let p = &BouncePool::new(&cfg).unwrap();
+    let m = map(p, o, ORIG_BASE, 2048, Direction::FromDevice);
+    assert_eq!(dev_read(p, m.dev_addr, 2048), o.at(ORIG_BASE, 2048));
     p.unmap(&o.mem(), &m, 0).unwrap();
 }
 
@@ -230,21 +240,14 @@ fn copy_on_map_is_selectable() {
 fn unmap_copies_back_exactly_for_from_device_and_bidirectional() {
     for kind in SWIOTLB_KINDS {
         for mode in [PoolMode::Swiotlb, PoolMode::Iova] {
-            let p = pool(kind, mode, 512);
-            let mut o = Orig::new();
-            for (i, dir) in [
-                Direction::ToDevice,
-                Direction::FromDevice,
-                Direction::Bidirectional,
-            ]
-            .into_iter()
-            .enumerate()
-            {
+            let p = &pool(kind, mode, 512);
+            let o = &mut Orig::new();
+            for (i, dir) in DIRECTIONS.into_iter().enumerate() {
                 let addr = ORIG_BASE + 0x4000 * (i as u64 + 1);
                 let before = o.at(addr, 6000).to_vec();
-                let m = p.map(&o.mem(), &MapRequest::new(addr, 6000, dir)).unwrap();
+                let m = map(p, o, addr, 6000, dir);
                 let new = pattern(0x90 + i as u8, 6000);
-                dev_write(&p, m.dev_addr, &new);
+                dev_write(p, m.dev_addr, &new);
                 p.unmap(&o.mem(), &m, 0).unwrap();
                 let want = if dir.device_writes() { &new } else { &before };
                 assert_eq!(o.at(addr, 6000), &want[..], "{kind} {mode:?} {dir:?}");
@@ -255,48 +258,35 @@ fn unmap_copies_back_exactly_for_from_device_and_bidirectional() {
 
 #[test]
 fn unmap_with_skip_cpu_sync_does_not_copy_back() {
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 256);
-        let mut o = Orig::new();
+    each_swiotlb_pool(256, |kind, p, o| {
         let addr = ORIG_BASE + 0x8000;
         let before = o.at(addr, 3000).to_vec();
         for dir in [Direction::FromDevice, Direction::Bidirectional] {
-            let m = p.map(&o.mem(), &MapRequest::new(addr, 3000, dir)).unwrap();
-            dev_write(&p, m.dev_addr, &[0x11; 3000]);
-            let skip = DmaAttrs {
-                skip_cpu_sync: true,
-                no_warn: false,
-            };
-            p.unmap_single(&o.mem(), m.dev_addr, m.size, dir, skip, 0)
-                .unwrap();
+            let m = map(p, o, addr, 3000, dir);
+            dev_write(p, m.dev_addr, &[0x11; 3000]);
+            unmap_skipping_sync(p, o, &m);
             assert_eq!(o.at(addr, 3000), &before[..], "{kind} {dir:?}");
         }
         assert_eq!(p.used(), 0);
-    }
+    });
 }
 
 // ---------------------------------------------------------------- copy rules: sync
 
 #[test]
 fn sync_for_device_copies_in_for_to_device_and_bidirectional_only() {
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 256);
-        let mut o = Orig::new();
-        for dir in [
-            Direction::ToDevice,
-            Direction::FromDevice,
-            Direction::Bidirectional,
-        ] {
+    each_swiotlb_pool(256, |kind, p, o| {
+        for dir in DIRECTIONS {
             let addr = ORIG_BASE + 0x20000;
-            let m = p.map(&o.mem(), &MapRequest::new(addr, 8192, dir)).unwrap();
+            let m = map(p, o, addr, 8192, dir);
             // The CPU changes the original after map.
             let fresh = pattern(0x33, 8192);
             o.mem()
                 .write_orig(addr, &VolatileSlice::from(&mut fresh.clone()[..]))
                 .unwrap();
-            let stale = dev_read(&p, m.dev_addr, 8192);
+            let stale = dev_read(p, m.dev_addr, 8192);
             p.sync_for_device(&o.mem(), m.dev_addr, 8192, dir).unwrap();
-            let now = dev_read(&p, m.dev_addr, 8192);
+            let now = dev_read(p, m.dev_addr, 8192);
             if dir.device_reads() {
                 assert_eq!(now, fresh, "{kind} {dir:?}");
             } else {
@@ -305,62 +295,39 @@ fn sync_for_device_copies_in_for_to_device_and_bidirectional_only() {
                     "{kind} {dir:?}: from-device sync_for_device copies nothing"
                 );
             }
-            p.unmap_single(
-                &o.mem(),
-                m.dev_addr,
-                m.size,
-                dir,
-                DmaAttrs {
-                    skip_cpu_sync: true,
-                    no_warn: false,
-                },
-                0,
-            )
-            .unwrap();
-            o = Orig::new();
+            unmap_skipping_sync(p, o, &m);
+            *o = Orig::new();
         }
-    }
+    });
 }
 
 #[test]
 fn sync_for_cpu_copies_back_for_from_device_and_bidirectional_only() {
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 256);
-        for dir in [
-            Direction::ToDevice,
-            Direction::FromDevice,
-            Direction::Bidirectional,
-        ] {
-            let mut o = Orig::new();
+    each_swiotlb_pool(256, |kind, p, o| {
+        for dir in DIRECTIONS {
+            *o = Orig::new();
             let addr = ORIG_BASE + 0x30000;
             let before = o.at(addr, 8192).to_vec();
-            let m = p.map(&o.mem(), &MapRequest::new(addr, 8192, dir)).unwrap();
+            let m = map(p, o, addr, 8192, dir);
             let new = pattern(0x77, 8192);
-            dev_write(&p, m.dev_addr, &new);
+            dev_write(p, m.dev_addr, &new);
             p.sync_for_cpu(&o.mem(), m.dev_addr, 8192, dir).unwrap();
             let want = if dir.device_writes() { &new } else { &before };
             assert_eq!(o.at(addr, 8192), &want[..], "{kind} {dir:?}");
             p.unmap(&o.mem(), &m, 0).unwrap();
         }
-    }
+    });
 }
 
 #[test]
 fn partial_sync_from_the_middle_finds_its_source() {
     // Slot i of a mapping records orig + i * 2 KiB: a sync of a sub-range that starts in a
     // later slot (and at an odd offset) must copy exactly that sub-range.
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 256);
-        let mut o = Orig::new();
+    each_swiotlb_pool(256, |kind, p, o| {
         let addr = ORIG_BASE + 0x40000 + 100; // not slot aligned
-        let m = p
-            .map(
-                &o.mem(),
-                &MapRequest::new(addr, 20000, Direction::Bidirectional),
-            )
-            .unwrap();
+        let m = map(p, o, addr, 20000, Direction::Bidirectional);
         let new = pattern(0xc4, 20000);
-        dev_write(&p, m.dev_addr, &new);
+        dev_write(p, m.dev_addr, &new);
         let (off, len) = (5000usize, 3333usize);
         let before = o.at(addr, 20000).to_vec();
         p.sync_for_cpu(
@@ -388,52 +355,27 @@ fn partial_sync_from_the_middle_finds_its_source() {
             Direction::Bidirectional,
         )
         .unwrap();
-        assert_eq!(
-            dev_read(&p, m.dev_addr + off as u64 + 7, len),
-            cpu,
-            "{kind}"
-        );
-        p.unmap_single(
-            &o.mem(),
-            m.dev_addr,
-            m.size,
-            m.dir,
-            DmaAttrs {
-                skip_cpu_sync: true,
-                no_warn: false,
-            },
-            0,
-        )
-        .unwrap();
-    }
+        assert_eq!(dev_read(p, m.dev_addr + off as u64 + 7, len), cpu, "{kind}");
+        unmap_skipping_sync(p, o, &m);
+    });
 }
 
 #[test]
 fn sync_past_the_end_of_a_mapping_is_clamped() {
-    let p = pool(AllocatorKind::Areas, PoolMode::Swiotlb, 256);
-    let mut o = Orig::new();
+    let p = &pool(AllocatorKind::Areas, PoolMode::Swiotlb, 256);
+    let o = &mut Orig::new();
     let addr = ORIG_BASE + 0x1000;
     // Two mappings back to back: the first is 2 KiB, a sync of 4 KiB from it must not spill
     // into the second mapping's original.
-    let a = p
-        .map(
-            &o.mem(),
-            &MapRequest::new(addr, 2048, Direction::FromDevice),
-        )
-        .unwrap();
-    let b = p
-        .map(
-            &o.mem(),
-            &MapRequest::new(addr + 0x10000, 2048, Direction::FromDevice),
-        )
-        .unwrap();
+    let a = map(p, o, addr, 2048, Direction::FromDevice);
+    let b = map(p, o, addr + 0x10000, 2048, Direction::FromDevice);
     assert_eq!(
         b.dev_addr,
         a.dev_addr + 2048,
         "areas places them back to back"
     );
-    dev_write(&p, a.dev_addr, &[1; 2048]);
-    dev_write(&p, b.dev_addr, &[2; 2048]);
+    dev_write(p, a.dev_addr, &[1; 2048]);
+    dev_write(p, b.dev_addr, &[2; 2048]);
     let before_b = o.at(addr + 0x10000, 2048).to_vec();
     let after_a = o.at(addr + 2048, 2048).to_vec();
     p.sync_for_cpu(&o.mem(), a.dev_addr, 4096, Direction::FromDevice)
@@ -452,9 +394,7 @@ fn sync_past_the_end_of_a_mapping_is_clamped() {
 
 #[test]
 fn min_align_mask_preserves_the_offset_bits() {
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 1024);
-        let mut o = Orig::new();
+    each_swiotlb_pool(1024, |kind, p, o| {
         let mut live = Vec::new();
         for (i, mask) in [0xfffu64, 0x7ff, 0x3fff, 0x1ff].into_iter().enumerate() {
             for off in [0u64, 1, 0x200, 0x7ff, 0x800, 0x801, 0xabc, 0x1fff, 0x2f00] {
@@ -466,15 +406,13 @@ fn min_align_mask_preserves_the_offset_bits() {
                     addr & mask,
                     "{kind} mask {mask:#x} off {off:#x}"
                 );
-                assert_eq!(dev_read(&p, m.dev_addr, 5000), o.at(addr, 5000), "{kind}");
+                assert_eq!(dev_read(p, m.dev_addr, 5000), o.at(addr, 5000), "{kind}");
                 live.push(m);
             }
         }
-        for m in &live {
-            p.unmap(&o.mem(), m, 0).unwrap();
-        }
+        unmap_all(p, o, &live);
         assert_eq!(p.used(), 0, "{kind}: padding slots are released too");
-    }
+    });
 }
 
 #[test]
@@ -482,14 +420,9 @@ fn page_alignment_only_for_page_sized_mappings_without_masks() {
     // Linux's search: after a one-slot mapping at slot 0 the rolling index is 1, so the next
     // request is placed at slot 1 unless it must be page aligned.
     let after_one_slot = |kind: AllocatorKind, req: MapRequest| -> usize {
-        let p = pool(kind, PoolMode::Swiotlb, 1024);
-        let mut o = Orig::new();
-        let one = p
-            .map(
-                &o.mem(),
-                &MapRequest::new(ORIG_BASE, 100, Direction::ToDevice),
-            )
-            .unwrap();
+        let p = &pool(kind, PoolMode::Swiotlb, 1024);
+        let o = &mut Orig::new();
+        let one = map(p, o, ORIG_BASE, 100, Direction::ToDevice);
         assert_eq!(one.slot, 0, "{kind}");
         let m = p.map(&o.mem(), &req).unwrap();
         m.slot
@@ -521,38 +454,33 @@ fn page_alignment_only_for_page_sized_mappings_without_masks() {
         );
     }
     // Whatever the allocator, page-sized mappings without masks come out page aligned.
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 1024);
-        let mut o = Orig::new();
+    each_swiotlb_pool(1024, |kind, p, o| {
         let mut live = Vec::new();
         for (i, size) in [100usize, 4096, 2048, 10_000, 4097, 3000, 65536]
             .into_iter()
             .enumerate()
         {
-            let m = p
-                .map(
-                    &o.mem(),
-                    &MapRequest::new(ORIG_BASE + 0x800 * i as u64, size, Direction::ToDevice),
-                )
-                .unwrap();
+            let m = map(
+                p,
+                o,
+                ORIG_BASE + 0x800 * i as u64,
+                size,
+                Direction::ToDevice,
+            );
             if size >= 4096 {
                 assert_eq!(m.dev_addr % 4096, 0, "{kind} size {size}");
             }
             live.push(m);
         }
-        for m in &live {
-            p.unmap(&o.mem(), m, 0).unwrap();
-        }
-    }
+        unmap_all(p, o, &live);
+    });
 }
 
 #[test]
 fn padding_slots_keep_offsets_above_the_slot_size() {
     // min_align_mask and alloc_align_mask together: an original at page offset 0x900 needs one
     // padding slot so that the device address keeps the 0x900 offset inside an aligned page.
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 1024);
-        let mut o = Orig::new();
+    each_swiotlb_pool(1024, |kind, p, o| {
         let addr = ORIG_BASE + 0x5900;
         let req = MapRequest::new(addr, 6000, Direction::Bidirectional)
             .min_align_mask(0xfff)
@@ -568,26 +496,19 @@ fn padding_slots_keep_offsets_above_the_slot_size() {
             m.nslots, 6,
             "{kind}: 0x900 + 6000 bytes round up to three pages"
         );
-        assert_eq!(dev_read(&p, m.dev_addr, 6000), o.at(addr, 6000), "{kind}");
+        assert_eq!(dev_read(p, m.dev_addr, 6000), o.at(addr, 6000), "{kind}");
         let new = pattern(0x4b, 6000);
-        dev_write(&p, m.dev_addr, &new);
+        dev_write(p, m.dev_addr, &new);
         p.unmap(&o.mem(), &m, 0).unwrap();
         assert_eq!(o.at(addr, 6000), &new[..], "{kind}");
         assert_eq!(p.used(), 0, "{kind}: the padding slot was released");
-    }
+    });
 }
 
 #[test]
 fn alloc_align_mask_aligns_the_allocation() {
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 1024);
-        let mut o = Orig::new();
-        let one = p
-            .map(
-                &o.mem(),
-                &MapRequest::new(ORIG_BASE, 100, Direction::ToDevice),
-            )
-            .unwrap();
+    each_swiotlb_pool(1024, |kind, p, o| {
+        let one = map(p, o, ORIG_BASE, 100, Direction::ToDevice);
         for mask in [0xfffu64, 0x3fff, 0xffff] {
             let m = p
                 .map(
@@ -600,7 +521,7 @@ fn alloc_align_mask_aligns_the_allocation() {
             p.unmap(&o.mem(), &m, 0).unwrap();
         }
         p.unmap(&o.mem(), &one, 0).unwrap();
-    }
+    });
 }
 
 #[test]
@@ -612,10 +533,8 @@ fn no_mapping_crosses_a_segment() {
     let sizes = [
         5000usize, 100_000, 70_000, 262_144, 2048, 150_000, 9_000, 262_144,
     ];
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 2048);
+    each_swiotlb_pool(2048, |kind, p, o| {
         let base = p.geometry().base;
-        let mut o = Orig::new();
         let mut live = Vec::new();
         let mut addr = ORIG_BASE;
         for size in sizes {
@@ -634,27 +553,20 @@ fn no_mapping_crosses_a_segment() {
             live.push(m);
             addr += 0x1000;
         }
-        for m in &live {
-            p.unmap(&o.mem(), m, 0).unwrap();
-        }
+        unmap_all(p, o, &live);
         assert_eq!(p.used(), 0, "{kind}");
-    }
+    });
 }
 
 #[test]
 fn maximum_mapping_size_follows_linux() {
-    let p = pool(AllocatorKind::Areas, PoolMode::Swiotlb, 1024);
+    let p = &pool(AllocatorKind::Areas, PoolMode::Swiotlb, 1024);
     assert_eq!(p.max_mapping_size(0), 262_144);
     assert_eq!(p.max_mapping_size(0xfff), 262_144 - 4096);
     assert_eq!(p.max_mapping_size(0x7ff), 262_144 - 2048);
     assert_eq!(p.max_mapping_size(0x1), 262_144 - 2048);
-    let mut o = Orig::new();
-    let m = p
-        .map(
-            &o.mem(),
-            &MapRequest::new(ORIG_BASE, 262_144, Direction::ToDevice),
-        )
-        .unwrap();
+    let o = &mut Orig::new();
+    let m = map(p, o, ORIG_BASE, 262_144, Direction::ToDevice);
     p.unmap(&o.mem(), &m, 0).unwrap();
     assert!(matches!(
         p.map(
@@ -726,9 +638,7 @@ fn kernel_size_limit_places_the_band_above_max_mapping_size() {
 
 #[test]
 fn segment_boundary_mask_is_honoured() {
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 1024);
-        let mut o = Orig::new();
+    each_swiotlb_pool(1024, |kind, p, o| {
         let mut live = Vec::new();
         for i in 0..12u64 {
             let req = MapRequest::new(ORIG_BASE + i * 0x1000, 24_000, Direction::ToDevice)
@@ -742,19 +652,15 @@ fn segment_boundary_mask_is_honoured() {
             );
             live.push(m);
         }
-        for m in &live {
-            p.unmap(&o.mem(), m, 0).unwrap();
-        }
-    }
+        unmap_all(p, o, &live);
+    });
 }
 
 // ---------------------------------------------------------------- failure and bad input
 
 #[test]
 fn a_full_pool_fails_with_numbers_and_recovers() {
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 256);
-        let mut o = Orig::new();
+    each_swiotlb_pool(256, |kind, p, o| {
         let mut live = Vec::new();
         let mut addr = ORIG_BASE;
         let err = loop {
@@ -788,22 +694,15 @@ fn a_full_pool_fails_with_numbers_and_recovers() {
         }
         assert_eq!(p.stats().map_failures, 1, "{kind}");
         p.unmap(&o.mem(), &live.pop().unwrap(), 0).unwrap();
-        let m = p
-            .map(&o.mem(), &MapRequest::new(addr, 65536, Direction::ToDevice))
-            .unwrap();
-        live.push(m);
-        for m in &live {
-            p.unmap(&o.mem(), m, 0).unwrap();
-        }
+        live.push(map(p, o, addr, 65536, Direction::ToDevice));
+        unmap_all(p, o, &live);
         assert_eq!(p.used(), 0, "{kind}");
-    }
+    });
 }
 
 #[test]
 fn bad_input_gets_typed_errors_and_leaves_the_pool_intact() {
-    for kind in SWIOTLB_KINDS {
-        let p = pool(kind, PoolMode::Swiotlb, 256);
-        let mut o = Orig::new();
+    each_swiotlb_pool(256, |kind, p, o| {
         let mem = o.mem();
         let live = p
             .map(
@@ -884,27 +783,16 @@ fn bad_input_gets_typed_errors_and_leaves_the_pool_intact() {
             )
             .unwrap();
         p.unmap(&mem, &all, 0).unwrap();
-    }
+    });
 }
 
 #[test]
 fn statistics_count_maps_bytes_and_hiwater() {
-    let p = pool(AllocatorKind::Areas, PoolMode::Swiotlb, 256);
-    let mut o = Orig::new();
-    let a = p
-        .map(
-            &o.mem(),
-            &MapRequest::new(ORIG_BASE, 4096, Direction::ToDevice),
-        )
-        .unwrap();
-    let b = p
-        .map(
-            &o.mem(),
-            &MapRequest::new(ORIG_BASE, 3000, Direction::FromDevice),
-        )
-        .unwrap();
-    p.unmap(&o.mem(), &a, 0).unwrap();
-    p.unmap(&o.mem(), &b, 0).unwrap();
+    let p = &pool(AllocatorKind::Areas, PoolMode::Swiotlb, 256);
+    let o = &mut Orig::new();
+    let a = map(p, o, ORIG_BASE, 4096, Direction::ToDevice);
+    let b = map(p, o, ORIG_BASE, 3000, Direction::FromDevice);
+    unmap_all(p, o, &[a, b]);
     let s = p.stats();
     assert_eq!((s.maps, s.unmaps, s.used, s.used_hiwater), (2, 2, 0, 4));
     assert_eq!(s.bytes_to_device, 4096 + 3000);

@@ -4,6 +4,9 @@
 //! device buffer must keep exactly what its thread wrote; every from-device unmap must deliver
 //! exactly those bytes to the thread's own original buffer; at the end nothing is in use.
 
+#[macro_use]
+mod support;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -140,14 +143,7 @@ fn stress(kind: AllocatorKind, mode: PoolMode) {
     );
 }
 
-macro_rules! stress_tests {
-    ($($name:ident: $kind:expr, $mode:expr;)*) => {$(
-        #[test]
-        fn $name() { stress($kind, $mode); }
-    )*};
-}
-
-stress_tests! {
+tests_of!(stress {
     stress_legacy: AllocatorKind::Legacy, PoolMode::Swiotlb;
     stress_bitmap: AllocatorKind::Bitmap, PoolMode::Swiotlb;
     stress_areas: AllocatorKind::Areas, PoolMode::Swiotlb;
@@ -163,4 +159,4 @@ stress_tests! {
     stress_areas_lifo: AllocatorKind::AreasLifo, PoolMode::Swiotlb;
     stress_magazine: AllocatorKind::Magazine, PoolMode::Swiotlb;
     stress_iova_mode_magazine: AllocatorKind::Magazine, PoolMode::Iova;
-}
+});

@@ -27,7 +27,7 @@
 //! (including its blind spots: after a wrap with a stride > 1 some aligned candidates are never
 //! visited in that search), which the trace replay test checks against a real kernel.
 
-use crate::alloc::locked::{Locked, SlotRange};
+use crate::alloc::locked::{Locked, SlotRange, Split};
 use crate::alloc::SlotRequest;
 use crate::error::Result;
 use crate::geometry::Geometry;
@@ -258,9 +258,13 @@ impl SlotRange for FreeRuns {
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
 pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeRuns>> {
-    Locked::per_area(AllocatorKind::Areas, geom, true, |base, len| {
-        FreeRuns::new(base, len, geom.segsize, SearchStart::Index)
-    })
+    Locked::new(
+        AllocatorKind::Areas,
+        geom,
+        Split::PerArea,
+        true,
+        |base, len| FreeRuns::new(base, len, geom.segsize, SearchStart::Index),
+    )
 }
 
 /// Builds `areas` for a geometry whose areas need not be whole segments (a transient pool's
@@ -269,14 +273,19 @@ pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeRuns>> {
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) when the areas do not split the pool evenly.
 pub(crate) fn partial(geom: &Geometry) -> Result<Locked<FreeRuns>> {
-    Locked::per_area(AllocatorKind::Areas, geom, false, |base, len| {
-        FreeRuns::new(base, len, geom.segsize, SearchStart::Index)
-    })
+    Locked::new(
+        AllocatorKind::Areas,
+        geom,
+        Split::PerArea,
+        false,
+        |base, len| FreeRuns::new(base, len, geom.segsize, SearchStart::Index),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::iova_rbtree::test_support::{build_ok, expect_each};
     use crate::alloc::test_request as req;
     use crate::alloc::SlotAllocator;
 
@@ -291,8 +300,7 @@ mod tests {
     #[test]
     fn first_maps_follow_the_kernel_trace() {
         // The first maps of the Linux 6.12 trace: 16 bytes, then a page (page aligned).
-        let g = geom(4096, 1, 0x38f0_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(4096, 1, 0x38f0_0000), new);
         assert_eq!(a.alloc(&req(&g, 0x3e88_d7f8, 16, 0, 1)), Some(0));
         assert_eq!((a.area_used(), a.area_index()), (vec![1], vec![1]));
         assert_eq!(a.alloc(&req(&g, 0x1c98_e000, 4096, 0, 1)), Some(2));
@@ -304,8 +312,7 @@ mod tests {
 
     #[test]
     fn min_align_mask_keeps_the_original_bits() {
-        let g = geom(128, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(128, 1, 0x4000_0000), new);
         // Bit 11 of the original is set: with a 4 KiB mask the slot must be odd.
         let r = req(&g, 0x1000_0800, 512, 0xfff, 0);
         let i = a.alloc(&r).unwrap();
@@ -317,8 +324,7 @@ mod tests {
 
     #[test]
     fn runs_never_cross_a_segment() {
-        let g = geom(256, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(256, 1, 0x4000_0000), new);
         // 100 slots at 0; 64 more do not fit in the 28 left in segment 0.
         assert_eq!(a.alloc(&req(&g, 0, 100 * 2048, 0, 0)), Some(0));
         assert_eq!(a.alloc(&req(&g, 0, 64 * 2048, 0, 0)), Some(128));
@@ -333,8 +339,7 @@ mod tests {
 
     #[test]
     fn boundary_mask_is_honoured() {
-        let g = geom(128, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(128, 1, 0x4000_0000), new);
         let small = |n: u64| {
             // Under a page: no page alignment, stride 1. 64 KiB boundary = 32 slots.
             SlotRequest::new(&g, 0, n * 2048 - 1, 0, 0, 0xffff, 0)
@@ -349,8 +354,7 @@ mod tests {
 
     #[test]
     fn index_wraps_to_zero_and_search_continues_from_the_start() {
-        let g = geom(128, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(128, 1, 0x4000_0000), new);
         let one = req(&g, 0, 1, 0, 0);
         for i in 0..128 {
             assert_eq!(a.alloc(&one), Some(i));
@@ -374,11 +378,9 @@ mod tests {
     #[test]
     fn misaligned_base_page_alignment_across_the_wrap() {
         // A pool that starts half a page in: page-aligned slots are the odd ones.
-        let g = geom(128, 1, 0x4000_0800);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(128, 1, 0x4000_0800), new);
         let page = req(&g, 0, 4096, 0, 0);
-        assert_eq!(a.alloc(&page), Some(1));
-        assert_eq!(a.alloc(&page), Some(3));
+        expect_each(&a, &page, &[Some(1), Some(3)]);
         let i = a.alloc(&req(&g, 0, 2048, 0, 0)).unwrap();
         assert_eq!(i, 5);
         assert!(page.fits(&g, 7));
@@ -386,12 +388,9 @@ mod tests {
 
     #[test]
     fn release_merges_with_following_and_preceding_runs() {
-        let g = geom(128, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(128, 1, 0x4000_0000), new);
         let two = req(&g, 0, 4000, 0, 0);
-        assert_eq!(a.alloc(&two), Some(0));
-        assert_eq!(a.alloc(&two), Some(2));
-        assert_eq!(a.alloc(&two), Some(4));
+        expect_each(&a, &two, &[Some(0), Some(2), Some(4)]);
         assert_eq!(list(&a, 0)[..7], [0, 0, 0, 0, 0, 0, 122]);
         a.free(2, 2, 0);
         assert_eq!(list(&a, 0)[..6], [0, 0, 2, 1, 0, 0]);
@@ -405,8 +404,7 @@ mod tests {
 
     #[test]
     fn fixups_stop_at_segment_start() {
-        let g = geom(256, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(256, 1, 0x4000_0000), new);
         // Fill segment 0 except its last slot, then take slot 128..130.
         assert_eq!(a.alloc(&req(&g, 0, 127 * 2048, 0, 0)), Some(0));
         assert_eq!(a.alloc(&req(&g, 0, 4000, 0, 0)), Some(128));
@@ -438,8 +436,7 @@ mod tests {
 
     #[test]
     fn impossible_requests_fail_without_panicking() {
-        let g = geom(256, 2, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(256, 2, 0x4000_0000), new);
         let mut r = req(&g, 0, 1, 0, 0);
         for n in [0, 129, 200, 256, 257, usize::MAX] {
             r.nslots = n;

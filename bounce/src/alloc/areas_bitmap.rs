@@ -7,7 +7,7 @@
 //! [`bitmap`](super::bitmap), restricted to the area and starting at the area's rolling index.
 
 use crate::alloc::bitmap::FreeBitmap;
-use crate::alloc::locked::Locked;
+use crate::alloc::locked::{Locked, Split};
 use crate::error::Result;
 use crate::geometry::Geometry;
 use crate::types::AllocatorKind;
@@ -18,7 +18,13 @@ use crate::types::AllocatorKind;
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) for an inconsistent geometry.
 pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeBitmap>> {
-    Locked::per_area(AllocatorKind::AreasBitmap, geom, false, FreeBitmap::new)
+    Locked::new(
+        AllocatorKind::AreasBitmap,
+        geom,
+        Split::PerArea,
+        false,
+        FreeBitmap::new,
+    )
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@
 use std::collections::VecDeque;
 
 use crate::alloc::areas::{FreeRuns, SearchStart};
-use crate::alloc::locked::{Locked, SlotRange};
+use crate::alloc::locked::{Locked, SlotRange, Split};
 use crate::alloc::SlotRequest;
 use crate::error::Result;
 use crate::geometry::Geometry;
@@ -119,15 +119,22 @@ impl SlotRange for LifoArea {
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) when areas are not whole segments.
 pub(crate) fn new(geom: &Geometry) -> Result<Locked<LifoArea>> {
-    Locked::per_area(AllocatorKind::AreasLifo, geom, true, |base, len| LifoArea {
-        runs: FreeRuns::new(base, len, geom.segsize, SearchStart::Index),
-        recent: VecDeque::with_capacity(RECENT_RUNS),
-    })
+    Locked::new(
+        AllocatorKind::AreasLifo,
+        geom,
+        Split::PerArea,
+        true,
+        |base, len| LifoArea {
+            runs: FreeRuns::new(base, len, geom.segsize, SearchStart::Index),
+            recent: VecDeque::with_capacity(RECENT_RUNS),
+        },
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::alloc::iova_rbtree::test_support::{alloc_n, build_ok};
     use crate::alloc::SlotAllocator;
     use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
@@ -141,10 +148,9 @@ mod tests {
 
     #[test]
     fn a_freed_run_is_reused_first() {
-        let g = geom(1024, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(1024, 1, 0x4000_0000), new);
         let page = req(&g, 0, 4096, 0);
-        let runs: Vec<_> = (0..9).map(|_| a.alloc(&page).unwrap()).collect();
+        let runs = alloc_n(&a, &page, 9);
         assert_eq!(runs, (0..18).step_by(2).collect::<Vec<_>>());
         // Free the oldest, map again: the same two slots come back, not slot 18.
         for round in 0..100 {
@@ -159,8 +165,7 @@ mod tests {
 
     #[test]
     fn reuse_keeps_every_placement_rule() {
-        let g = geom(256, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(256, 1, 0x4000_0000), new);
         let one = |orig, min_align| req(&g, orig, 512, min_align);
         for i in 0..16 {
             assert_eq!(a.alloc(&one(0, 0)), Some(i));
@@ -198,10 +203,9 @@ mod tests {
 
     #[test]
     fn reuse_never_splits_a_free_extent() {
-        let g = geom(256, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(256, 1, 0x4000_0000), new);
         let page = req(&g, 0, 4096, 0);
-        let runs: Vec<_> = (0..8).map(|_| a.alloc(&page).unwrap()).collect();
+        let runs = alloc_n(&a, &page, 8);
         // 4..6 and 6..8 freed: one 4-slot extent. A page must not take either half, as a
         // rolling index far from it would not.
         a.free(runs[2], 2, 0);
@@ -216,8 +220,7 @@ mod tests {
 
     #[test]
     fn stale_recent_runs_are_skipped() {
-        let g = geom(128, 1, 0x4000_0000);
-        let a = new(&g).unwrap();
+        let (g, a) = build_ok(geom(128, 1, 0x4000_0000), new);
         let one = req(&g, 0, 1, 0);
         let two = req(&g, 0, 4095, 0);
         for i in 0..128 {

@@ -19,7 +19,7 @@
 //! Unlike the free-run search, this one is complete: it fails only when no run anywhere in the
 //! range satisfies [`SlotRequest::fits`].
 
-use crate::alloc::locked::{Locked, SlotRange};
+use crate::alloc::locked::{Locked, SlotRange, Split};
 use crate::alloc::SlotRequest;
 use crate::error::Result;
 use crate::geometry::Geometry;
@@ -220,7 +220,13 @@ impl SlotRange for FreeBitmap {
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) for an inconsistent geometry.
 pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeBitmap>> {
-    Locked::whole(AllocatorKind::Bitmap, geom, false, FreeBitmap::new)
+    Locked::new(
+        AllocatorKind::Bitmap,
+        geom,
+        Split::Whole,
+        false,
+        FreeBitmap::new,
+    )
 }
 
 #[cfg(test)]

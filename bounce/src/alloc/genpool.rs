@@ -210,23 +210,17 @@ mod tests {
 
     #[test]
     fn first_fit_from_the_bottom() {
-        let g = iova_geom(200, 1);
-        let a = Genpool::new(&g);
-        assert_eq!(a.alloc(&plain(&g, 3, 0)), Some(0));
-        assert_eq!(a.alloc(&plain(&g, 70, 0)), Some(3));
-        assert_eq!(a.alloc(&plain(&g, 1, 0)), Some(73));
+        let (g, a) = build(iova_geom(200, 1), Genpool::new);
+        expect_plain(&a, &g, &[(3, Some(0)), (70, Some(3)), (1, Some(73))]);
         a.free(0, 3, 0);
-        assert_eq!(a.alloc(&plain(&g, 2, 0)), Some(0));
-        assert_eq!(a.alloc(&plain(&g, 2, 0)), Some(74));
-        assert_eq!(a.alloc(&plain(&g, 1, 0)), Some(2));
+        expect_plain(&a, &g, &[(2, Some(0)), (2, Some(74)), (1, Some(2))]);
         assert_eq!(a.area_used(), vec![3 + 70 + 1 + 2 + 2 + 1 - 3]);
         assert!(a.lock_stats().is_empty());
     }
 
     #[test]
     fn claim_rolls_back_on_conflict() {
-        let g = iova_geom(256, 1);
-        let a = Genpool::new(&g);
+        let (g, a) = build(iova_geom(256, 1), Genpool::new);
         // Someone holds slot 130: a claim of 60..140 sets words 0 and 1, fails on word 2, and
         // leaves nothing set behind.
         a.bits[2].store(1 << 2, Ordering::Relaxed);
@@ -241,8 +235,7 @@ mod tests {
 
     #[test]
     fn double_free_is_reported_not_fatal() {
-        let g = iova_geom(64, 1);
-        let a = Genpool::new(&g);
+        let (g, a) = build(iova_geom(64, 1), Genpool::new);
         let x = a.alloc(&plain(&g, 4, 0)).unwrap();
         a.free(x, 4, 0);
         a.free(x, 4, 0);
@@ -253,12 +246,10 @@ mod tests {
 
     #[test]
     fn segments_are_not_crossed() {
-        let g = swiotlb_geom(512, 1);
-        let a = Genpool::new(&g);
-        assert_eq!(a.alloc(&plain(&g, 100, 0)), Some(0));
-        // 100 more do not fit in segment 0 (28 left): they start at segment 1 (page aligned).
-        assert_eq!(a.alloc(&plain(&g, 100, 0)), Some(128));
-        assert_eq!(a.alloc(&plain(&g, 28, 0)), Some(100));
+        let (g, a) = build(swiotlb_geom(512, 1), Genpool::new);
+        // The second 100 do not fit in segment 0 (28 left): they start at segment 1 (page
+        // aligned).
+        expect_plain(&a, &g, &[(100, Some(0)), (100, Some(128)), (28, Some(100))]);
     }
 
     uncached_allocator_tests!(Genpool::new, AllocatorKind::Genpool, exhaust_workers: 2, stress_workers: 8);

@@ -231,8 +231,7 @@ mod tests {
 
     #[test]
     fn small_requests_use_own_bitmap_large_ones_the_tree() {
-        let g = iova_geom(1024, 4);
-        let a = IovaBitmap::new(&g);
+        let (g, a) = build(iova_geom(1024, 4), IovaBitmap::new);
         assert_eq!(a.chunk_slots(), 128);
         // Worker 2's chunk is 256..384, first fit.
         assert_eq!(a.alloc(&plain(&g, 1, 2)), Some(256));
@@ -253,13 +252,10 @@ mod tests {
 
     #[test]
     fn full_bitmap_falls_back_to_tree_then_other_bitmaps() {
-        let g = iova_geom(64, 2);
-        let a = IovaBitmap::new(&g);
+        let (g, a) = build(iova_geom(64, 2), IovaBitmap::new);
         assert_eq!(a.chunk_slots(), 16);
         // Worker 0 fills its chunk, then the tree (32..64), then worker 1's chunk.
-        let xs: Vec<_> = (0..64)
-            .map(|_| a.alloc(&plain(&g, 1, 0)).unwrap())
-            .collect();
+        let xs = alloc_n(&a, &plain(&g, 1, 0), 64);
         assert!(xs[..16].iter().all(|&x| x < 16));
         assert!(xs[16..48].iter().all(|&x| x >= 32));
         assert!(xs[48..].iter().all(|&x| (16..32).contains(&x)));
@@ -272,8 +268,7 @@ mod tests {
 
     #[test]
     fn tiny_domain_has_no_bitmaps() {
-        let g = iova_geom(5, 8);
-        let a = IovaBitmap::new(&g);
+        let (g, a) = build(iova_geom(5, 8), IovaBitmap::new);
         assert_eq!(a.chunk_slots(), 0);
         assert_eq!(a.lock_stats().len(), 1);
         check_exhaustion(&a, &g, &|| {});
@@ -283,12 +278,9 @@ mod tests {
     fn unaligned_chunks() {
         // 400 slots, 3 workers: chunks of 66 at 0, 66, 132, which do not start or end on a
         // bitmap word boundary.
-        let g = iova_geom(400, 3);
-        let a = IovaBitmap::new(&g);
+        let (g, a) = build(iova_geom(400, 3), IovaBitmap::new);
         assert_eq!(a.chunk_slots(), 66);
-        let xs: Vec<_> = (0..66)
-            .map(|_| a.alloc(&plain(&g, 1, 1)).unwrap())
-            .collect();
+        let xs = alloc_n(&a, &plain(&g, 1, 1), 66);
         assert_eq!(xs, (66..132).collect::<Vec<_>>());
         // Worker 1's chunk is full: the next small request goes to the tree.
         assert!(a.alloc(&plain(&g, 1, 1)).unwrap() >= 198);

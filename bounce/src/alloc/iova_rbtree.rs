@@ -436,6 +436,49 @@ pub(crate) mod test_support {
         r
     }
 
+    /// `g` and the allocator `new` builds over it: how most allocator tests begin.
+    pub(crate) fn build<A>(g: Geometry, new: impl FnOnce(&Geometry) -> A) -> (Geometry, A) {
+        let a = new(&g);
+        (g, a)
+    }
+
+    /// As [`build`] for an allocator whose constructor can refuse the geometry (it must not).
+    pub(crate) fn build_ok<A>(
+        g: Geometry,
+        new: impl FnOnce(&Geometry) -> crate::Result<A>,
+    ) -> (Geometry, A) {
+        let a = new(&g).expect("the test geometry is valid");
+        (g, a)
+    }
+
+    /// Allocates `req` once per entry of `want`, checking each answer in turn.
+    pub(crate) fn expect_each(a: &dyn SlotAllocator, req: &SlotRequest, want: &[Option<usize>]) {
+        for (i, &w) in want.iter().enumerate() {
+            assert_eq!(a.alloc(req), w, "allocation {i} of {req:?}");
+        }
+    }
+
+    /// Allocates, by worker 0 and in order, a [`plain`] request of each step's slot count,
+    /// checking each answer.
+    pub(crate) fn expect_plain(
+        a: &dyn SlotAllocator,
+        g: &Geometry,
+        steps: &[(usize, Option<usize>)],
+    ) {
+        for (i, &(nslots, want)) in steps.iter().enumerate() {
+            assert_eq!(
+                a.alloc(&plain(g, nslots, 0)),
+                want,
+                "step {i}: {nslots} slots"
+            );
+        }
+    }
+
+    /// `n` allocations of `req` in a row, each of which must succeed.
+    pub(crate) fn alloc_n(a: &dyn SlotAllocator, req: &SlotRequest, n: usize) -> Vec<usize> {
+        (0..n).map(|_| a.alloc(req).unwrap()).collect()
+    }
+
     /// Allocates and checks the answer against `fits` and an occupancy map.
     pub(crate) fn alloc_checked(
         a: &dyn SlotAllocator,
@@ -699,9 +742,7 @@ mod tests {
     fn cached_node_and_retry_above_it() {
         let g = iova_geom(16, 1);
         let a = IovaRbtree::new(&g, false);
-        let runs: Vec<_> = (0..16)
-            .map(|_| a.alloc(&plain(&g, 1, 0)).unwrap())
-            .collect();
+        let runs = alloc_n(&a, &plain(&g, 1, 0), 16);
         assert_eq!(runs, (0..16).rev().collect::<Vec<_>>());
         assert_eq!(a.tree.lock().cached, Some(0));
         // A free at or above the cached node moves the cache to the freed node's successor; a

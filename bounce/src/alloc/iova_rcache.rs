@@ -381,8 +381,7 @@ mod tests {
 
     #[test]
     fn rounds_small_sizes_and_reuses_cached_ranges() {
-        let g = iova_geom(256, 2);
-        let a = IovaRcache::new(&g);
+        let (g, a) = build(iova_geom(256, 2), IovaRcache::new);
         // 3 slots are rounded to 4, size-aligned on device pfns (base pfn 1).
         let x = a.alloc(&plain(&g, 3, 0)).unwrap();
         assert_eq!((x + 1) % 4, 0);
@@ -410,8 +409,7 @@ mod tests {
 
     #[test]
     fn cached_range_must_fit_the_request() {
-        let g = iova_geom(256, 1);
-        let a = IovaRcache::new(&g);
+        let (g, a) = build(iova_geom(256, 1), IovaRcache::new);
         let x = a.alloc(&plain(&g, 1, 0)).unwrap();
         a.free(x, 1, 0);
         // A request that wants the other phase of an 8-slot alignment cannot take x.
@@ -427,8 +425,7 @@ mod tests {
 
     #[test]
     fn cross_worker_free_lands_in_the_freeing_workers_cache() {
-        let g = iova_geom(64, 2);
-        let a = IovaRcache::new(&g);
+        let (g, a) = build(iova_geom(64, 2), IovaRcache::new);
         let x = a.alloc(&plain(&g, 2, 0)).unwrap();
         a.free(x, 2, 1);
         // Worker 0 does not see it; worker 1 (3 is worker 1 modulo 2) does.
@@ -439,11 +436,8 @@ mod tests {
 
     #[test]
     fn magazines_spill_to_depot_and_serve_other_workers() {
-        let g = iova_geom(1024, 2);
-        let a = IovaRcache::new(&g);
-        let xs: Vec<_> = (0..3 * IOVA_MAG_SIZE)
-            .map(|_| a.alloc(&plain(&g, 1, 0)).unwrap())
-            .collect();
+        let (g, a) = build(iova_geom(1024, 2), IovaRcache::new);
+        let xs = alloc_n(&a, &plain(&g, 1, 0), 3 * IOVA_MAG_SIZE);
         for &x in &xs {
             a.free(x, 1, 0);
         }
@@ -460,8 +454,7 @@ mod tests {
 
     #[test]
     fn caches_flushed_on_failure() {
-        let g = iova_geom(512, 4);
-        let a = IovaRcache::new(&g);
+        let (g, a) = build(iova_geom(512, 4), IovaRcache::new);
         let xs: Vec<_> = (0..512)
             .map(|k| a.alloc(&plain(&g, 1, k)).unwrap())
             .collect();
@@ -481,11 +474,8 @@ mod tests {
 
     #[test]
     fn depot_is_trimmed_lazily() {
-        let g = iova_geom(4096, 1);
-        let a = IovaRcache::new(&g);
-        let xs: Vec<_> = (0..5 * IOVA_MAG_SIZE)
-            .map(|_| a.alloc(&plain(&g, 1, 0)).unwrap())
-            .collect();
+        let (g, a) = build(iova_geom(4096, 1), IovaRcache::new);
+        let xs = alloc_n(&a, &plain(&g, 1, 0), 5 * IOVA_MAG_SIZE);
         a.depots[0].lock().last_trim = Instant::now() - DEPOT_DELAY;
         for &x in &xs {
             a.free(x, 1, 0);
@@ -509,18 +499,15 @@ mod tests {
 
     #[test]
     fn exhaustion_and_recovery() {
-        let g = iova_geom(300, 3);
-        let a = IovaRcache::new(&g);
+        let (g, a) = build(iova_geom(300, 3), IovaRcache::new);
         check_exhaustion(&a, &g, &|| a.flush_caches());
-        let g = swiotlb_geom(512, 2);
-        let a = IovaRcache::new(&g);
+        let (g, a) = build(swiotlb_geom(512, 2), IovaRcache::new);
         check_exhaustion(&a, &g, &|| a.flush_caches());
     }
 
     #[test]
     fn lock_stats_cover_every_lock() {
-        let g = iova_geom(64, 3);
-        let a = IovaRcache::new(&g);
+        let (g, a) = build(iova_geom(64, 3), IovaRcache::new);
         assert_eq!(a.lock_stats().len(), 1 + 6 + 3 * 6);
         let x = a.alloc(&plain(&g, 1, 0)).unwrap();
         a.free(x, 1, 0);

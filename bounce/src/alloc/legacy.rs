@@ -16,7 +16,7 @@
 //! could spin forever under the lock when the phase never came back to the start).
 
 use crate::alloc::areas::{FreeRuns, SearchStart};
-use crate::alloc::locked::Locked;
+use crate::alloc::locked::{Locked, Split};
 use crate::error::Result;
 use crate::geometry::Geometry;
 use crate::types::AllocatorKind;
@@ -27,9 +27,13 @@ use crate::types::AllocatorKind;
 /// # Errors
 /// [`Error::Config`](crate::Error::Config) for a geometry that is not whole segments.
 pub(crate) fn new(geom: &Geometry) -> Result<Locked<FreeRuns>> {
-    Locked::whole(AllocatorKind::Legacy, geom, true, |base, len| {
-        FreeRuns::new(base, len, geom.segsize, SearchStart::AlignedIndex)
-    })
+    Locked::new(
+        AllocatorKind::Legacy,
+        geom,
+        Split::Whole,
+        true,
+        |base, len| FreeRuns::new(base, len, geom.segsize, SearchStart::AlignedIndex),
+    )
 }
 
 #[cfg(test)]

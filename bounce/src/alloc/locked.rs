@@ -68,56 +68,43 @@ pub(crate) fn check_geometry(geom: &Geometry, whole_segments: bool) -> Result<()
     Ok(())
 }
 
+/// How a [`Locked`] divides the pool into ranges, one lock each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Split {
+    /// One range per area of the geometry.
+    PerArea,
+    /// One range over the whole pool (the areas of the geometry are ignored, but must be
+    /// consistent).
+    Whole,
+}
+
 impl<T: SlotRange> Locked<T> {
-    /// One range per area of `geom`, built by `make(first slot, slots)`; `whole_segments` as
-    /// for [`check_geometry`].
+    /// The ranges `split` asks for, each built by `make(first slot, slots)`; `whole_segments`
+    /// as for [`check_geometry`].
     ///
     /// # Errors
     /// [`Error::Config`] for a geometry [`check_geometry`] refuses.
-    pub fn per_area(
+    pub fn new(
         kind: AllocatorKind,
         geom: &Geometry,
+        split: Split,
         whole_segments: bool,
         make: impl Fn(usize, usize) -> T,
     ) -> Result<Self> {
         check_geometry(geom, whole_segments)?;
-        let span = geom.area_nslabs;
-        Ok(Self::with_ranges(kind, geom, span, geom.nareas, |a| {
-            make(a * span, span)
-        }))
-    }
-
-    // Same parameters as `per_area`; both go through `with_ranges` (one range per area, or one).
-    /// One range over the whole pool (the areas of `geom` are ignored, but must be consistent).
-    ///
-    /// # Errors
-    /// [`Error::Config`] for a geometry [`check_geometry`] refuses.
-    pub fn whole(
-        kind: AllocatorKind,
-        geom: &Geometry,
-        whole_segments: bool,
-        make: impl Fn(usize, usize) -> T,
-    ) -> Result<Self> {
-        check_geometry(geom, whole_segments)?;
-        Ok(Self::with_ranges(kind, geom, geom.nslabs.max(1), 1, |_| {
-            make(0, geom.nslabs)
-        }))
-    }
-
-    /// `count` ranges, the `i`th built by `range(i)`, each lock covering `span` slots.
-    fn with_ranges(
-        kind: AllocatorKind,
-        geom: &Geometry,
-        span: usize,
-        count: usize,
-        range: impl Fn(usize) -> T,
-    ) -> Self {
-        Self {
+        // Both non-zero: check_geometry refuses empty areas.
+        let (span, count) = match split {
+            Split::PerArea => (geom.area_nslabs, geom.nareas),
+            Split::Whole => (geom.nslabs, 1),
+        };
+        Ok(Self {
             geom: *geom,
             span,
-            ranges: (0..count).map(|i| TimedMutex::new(range(i))).collect(),
+            ranges: (0..count)
+                .map(|i| TimedMutex::new(make(i * span, span)))
+                .collect(),
             kind,
-        }
+        })
     }
 
     /// Tries `f` on each range under its lock, from the calling worker's area and wrapping

@@ -64,7 +64,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::alloc::bitmap::FreeBitmap;
-use crate::alloc::locked::{check_geometry, Locked};
+use crate::alloc::locked::{check_geometry, Locked, Split};
 use crate::alloc::{pow2, LockSnapshot, SlotAllocator, SlotRequest};
 use crate::error::{Error, Result};
 use crate::geometry::Geometry;
@@ -296,7 +296,13 @@ impl MagazineAllocator {
                 geom.nslabs
             )));
         }
-        let depot = Locked::per_area(AllocatorKind::Magazine, geom, false, FreeBitmap::new)?;
+        let depot = Locked::new(
+            AllocatorKind::Magazine,
+            geom,
+            Split::PerArea,
+            false,
+            FreeBitmap::new,
+        )?;
         let limit = geom.segsize.min(geom.area_nslabs);
         let max_class = (0..=MAX_CLASS)
             .take_while(|&c| 1usize << c <= limit)
@@ -552,6 +558,12 @@ mod tests {
         crate::alloc::test_geometry(slots, areas, workers, PoolConfig::DEFAULT_SWIOTLB_BASE)
     }
 
+    /// Flushes the per-worker caches and checks that every slot is back in the depot.
+    fn assert_all_returned(a: &MagazineAllocator) {
+        a.flush_caches();
+        assert_eq!(a.area_used(), vec![0]);
+    }
+
     fn req(g: &Geometry, size: u64, worker: usize) -> SlotRequest {
         SlotRequest::new(g, 0, size, 0, 0, DEFAULT_SEG_BOUNDARY_MASK, worker)
     }
@@ -569,8 +581,7 @@ mod tests {
 
     #[test]
     fn a_freed_run_comes_back_first_without_touching_the_depot() {
-        let g = geom(1024, 1, 1);
-        let a = MagazineAllocator::new(&g).unwrap();
+        let (g, a) = build_ok(geom(1024, 1, 1), MagazineAllocator::new);
         let page = req(&g, 4096, 0);
         let first = a.alloc(&page).unwrap();
         // The load took half a class of 2-slot runs from the depot; one is live.
@@ -588,14 +599,12 @@ mod tests {
             "hot path took the depot lock"
         );
         a.free(first, 2, 0);
-        a.flush_caches();
-        assert_eq!(a.area_used(), vec![0]);
+        assert_all_returned(&a);
     }
 
     #[test]
     fn an_older_cached_run_serves_a_request_the_newest_does_not_fit() {
-        let g = geom(1024, 1, 1);
-        let a = MagazineAllocator::new(&g).unwrap();
+        let (g, a) = build_ok(geom(1024, 1, 1), MagazineAllocator::new);
         let any = req(&g, 1, 0);
         let (x, y) = (a.alloc(&any).unwrap(), a.alloc(&any).unwrap());
         a.free(x, 1, 0);
@@ -612,14 +621,12 @@ mod tests {
         assert_eq!(a.lock_stats()[0].acquisitions, locks, "went to the depot");
         assert!(a.magazine_has(0, y));
         a.free(x, 1, 0);
-        a.flush_caches();
-        assert_eq!(a.area_used(), vec![0]);
+        assert_all_returned(&a);
     }
 
     #[test]
     fn other_sizes_bypass_the_magazines_and_frees_are_checked() {
-        let g = geom(256, 1, 1);
-        let a = MagazineAllocator::new(&g).unwrap();
+        let (g, a) = build_ok(geom(256, 1, 1), MagazineAllocator::new);
         // 3 slots: straight from the depot, exactly 3 used, nothing cached.
         let three = req(&g, 3 * 2048 - 1, 0);
         let i = a.alloc(&three).unwrap();
@@ -637,20 +644,16 @@ mod tests {
         assert!(a.magazine_has(0, j));
         assert_eq!(a.alloc(&four), Some(j));
         a.free(j, 4, 0);
-        a.flush_caches();
-        assert_eq!(a.area_used(), vec![0]);
+        assert_all_returned(&a);
     }
 
     #[test]
     fn flush_and_retry_before_failing() {
         // Worker 1 caches freed runs; worker 0 then needs a whole segment.
-        let g = geom(256, 1, 2);
-        let a = MagazineAllocator::new(&g).unwrap();
+        let (g, a) = build_ok(geom(256, 1, 2), MagazineAllocator::new);
         let seg = req(&g, 128 * 2048, 0);
         let s0 = a.alloc(&seg).unwrap();
-        let small: Vec<_> = (0..64)
-            .map(|_| a.alloc(&req(&g, 4096, 1)).unwrap())
-            .collect();
+        let small = alloc_n(&a, &req(&g, 4096, 1), 64);
         for &i in &small {
             a.free(i, 2, 1);
         }

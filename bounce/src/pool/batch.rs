@@ -74,7 +74,7 @@ impl PoolBatch<'_> {
         self.map_checked(mem, reqs, true, mapped).map_err(|e| *e)
     }
 
-    // Thin wrapper: `map` with the range check skipped; the work is in map_range.
+    // Thin wrapper: `map` with the range check skipped; the work is in map_checked.
     /// As [`PoolBatch::map`] for originals the caller has checked
     /// ([`BouncePool::map_prevalidated`]).
     ///
@@ -229,13 +229,13 @@ impl PoolBatch<'_> {
             attrs,
             worker: self.worker,
         };
-        let t0 = pool.timing.start(TimedOp::Unmap);
-        let r = pool.unmap_static(mem, u, |tlb, index, nslots, _| {
-            BouncePool::forget(tlb, index, nslots);
-            self.defer(Run { index, nslots });
-        });
-        pool.timing.record(TimedOp::Unmap, dir, t0, &pool.counters);
-        r.map_err(|e| *e)
+        pool.timed(TimedOp::Unmap, dir, || {
+            pool.unmap_static(mem, u, |tlb, index, nslots, _| {
+                BouncePool::forget(tlb, index, nslots);
+                self.defer(Run { index, nslots });
+            })
+        })
+        .map_err(|e| *e)
     }
 
     /// Releases the runs the batch holds, in one allocator call.

@@ -25,6 +25,20 @@ fn no_cells() -> [String; 4] {
     ["-".into(), "-".into(), "-".into(), "-".into()]
 }
 
+/// The headers of the cells [`failure_cells`] gives.
+const FAILURE_COLUMNS: [&str; 4] = ["failures", "capacity", "fragmentation", "high-water"];
+
+/// `row` followed by the failure cells of `r`, or dashes when there is no replay.
+fn with_failures(mut row: Vec<String>, r: Option<&SizeReport>) -> Vec<String> {
+    row.extend(r.map_or_else(no_cells, failure_cells));
+    row
+}
+
+/// The header `head`, then [`FAILURE_COLUMNS`], then `tail`.
+fn failure_header<'a>(head: &[&'a str], tail: &[&'a str]) -> Vec<&'a str> {
+    [head, &FAILURE_COLUMNS[..], tail].concat()
+}
+
 /// The report as Markdown: a line on the inputs, then one table per section, the
 /// recommendation and the notes.
 pub fn table(r: &Report) -> String {
@@ -91,31 +105,18 @@ fn static_section(r: &Report, out: &mut String) {
         .static_pools
         .iter()
         .map(|s| {
-            let mut row = vec![
+            let row = vec![
                 s.kind.label().to_string(),
                 s.swiotlb.clone().unwrap_or_else(|| "-".into()),
                 s.replay.slots.to_string(),
                 s.replay.areas.to_string(),
                 mib(s.pool_bytes),
             ];
-            row.extend(failure_cells(&s.replay));
-            row
+            with_failures(row, Some(&s.replay))
         })
         .collect();
-    out.push_str(&markdown_table(
-        &[
-            "pool",
-            "swiotlb=",
-            "slots",
-            "areas",
-            "memory",
-            "failures",
-            "capacity",
-            "fragmentation",
-            "high-water",
-        ],
-        &rows,
-    ));
+    let head = failure_header(&["pool", "swiotlb=", "slots", "areas", "memory"], &[]);
+    out.push_str(&markdown_table(&head, &rows));
     let kind = |k| r.static_pools.iter().find(|s| s.kind == k);
     let (Some(k), Some(m)) = (kind(StaticKind::Kernel), kind(StaticKind::Minimum)) else {
         return;
@@ -135,7 +136,7 @@ fn static_section(r: &Report, out: &mut String) {
     out.push_str(".\n");
 }
 
-// Same table-building shape as static_section; its own rows and columns.
+// Builds its table as static_section does; its own rows and columns.
 /// One row per area count.
 fn areas_section(r: &Report, out: &mut String) {
     out.push_str("\n### Areas\n\nEach area count with the smallest pool that has no failure, as the kernel rounds it; its memory is the slots and the bookkeeping (24 bytes of `struct io_tlb_slot` per slot, page-aligned, and 16 of `struct io_tlb_area` per area). Failures and high-water: at the trace's pool size.\n\n");
@@ -143,35 +144,18 @@ fn areas_section(r: &Report, out: &mut String) {
         .areas
         .iter()
         .map(|a| {
-            let mut row = vec![
+            let row = vec![
                 a.areas.to_string(),
                 a.min_slots.to_string(),
                 a.swiotlb.clone(),
                 mib(a.pool_bytes),
                 format!("{} KiB", a.metadata_bytes.div_ceil(1024)),
             ];
-            row.extend(
-                a.at_trace_size
-                    .as_ref()
-                    .map_or_else(no_cells, failure_cells),
-            );
-            row
+            with_failures(row, a.at_trace_size.as_ref())
         })
         .collect();
-    out.push_str(&markdown_table(
-        &[
-            "areas",
-            "smallest",
-            "swiotlb=",
-            "pool",
-            "metadata",
-            "failures",
-            "capacity",
-            "fragmentation",
-            "high-water",
-        ],
-        &rows,
-    ));
+    let head = failure_header(&["areas", "smallest", "swiotlb=", "pool", "metadata"], &[]);
+    out.push_str(&markdown_table(&head, &rows));
 }
 
 /// The segment-size what-if, or why it is left out.
@@ -197,27 +181,13 @@ fn segment_section(r: &Report, out: &mut String) {
         .rows
         .iter()
         .map(|s| {
-            let mut row = vec![s.segsize.to_string()];
-            row.extend(
-                s.at_trace_size
-                    .as_ref()
-                    .map_or_else(no_cells, failure_cells),
-            );
+            let mut row = with_failures(vec![s.segsize.to_string()], s.at_trace_size.as_ref());
             row.push(s.min_slots.to_string());
             row
         })
         .collect();
-    out.push_str(&markdown_table(
-        &[
-            "slots per segment",
-            "failures",
-            "capacity",
-            "fragmentation",
-            "high-water",
-            "smallest without failure",
-        ],
-        &rows,
-    ));
+    let head = failure_header(&["slots per segment"], &["smallest without failure"]);
+    out.push_str(&markdown_table(&head, &rows));
 }
 
 /// One row per default pool with dynamic pools on.

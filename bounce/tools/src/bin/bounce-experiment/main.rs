@@ -166,15 +166,22 @@ struct Cell {
     pool: Option<bounce::PoolStats>,
 }
 
-// Same head as `Report` in map_bench.rs; kept apart because each tool's JSON names its rows.
-/// A whole run: what was asked, where, and every cell.
+/// A whole run of either subcommand: what was asked, where, and its rows (`R`, a struct of
+/// one field, names them in the JSON: `cells` for the matrix, `results` for map-benchmark).
 #[derive(Debug, Serialize)]
-struct Report {
+struct Report<R> {
     tool: &'static str,
     meta: Meta,
     config: serde_json::Value,
-    /// True when Ctrl-C stopped the run: the cells hold the rounds measured until then.
+    /// True when Ctrl-C stopped the run: the rows hold the rounds measured until then.
     interrupted: bool,
+    #[serde(flatten)]
+    rows: R,
+}
+
+/// The rows of a matrix run.
+#[derive(Debug, Serialize)]
+struct Cells {
     cells: Vec<Cell>,
 }
 
@@ -377,26 +384,12 @@ fn measure_alone(
 /// bidirectional map+unmap pair copies) for `dur`; returns pairs per second in millions, or
 /// `None` after Ctrl-C.
 fn memcpy_reference(threads: usize, size: usize, dur: Duration) -> Option<f64> {
-    let (results, elapsed, complete) = timed(threads, dur, |_| {
-        let orig = vec![0x5au8; size];
-        let mut bounce = vec![0u8; size];
-        let mut back = vec![0u8; size];
-        move |stop: &AtomicBool| {
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                bounce.copy_from_slice(std::hint::black_box(&orig));
-                back.copy_from_slice(std::hint::black_box(&bounce));
-                std::hint::black_box(&back);
-                n += 1;
-            }
-            n
-        }
-    });
-    let pairs: u64 = results.iter().sum();
-    complete.then(|| pairs as f64 / elapsed.as_secs_f64() / 1e6)
+    copy_reference(threads, size, size, dur, |orig, bounce, back, _| {
+        bounce.copy_from_slice(std::hint::black_box(orig));
+        back.copy_from_slice(std::hint::black_box(bounce));
+    })
 }
 
-// memcpy_reference over a rolling slot; kept apart so the hot reference loop has no index.
 /// The cold reference: as [`memcpy_reference`], but each thread's bounce side walks through its
 /// share of `pool_bytes`, `size` bytes further each pair (what a rolling index costs in cache
 /// misses); pairs per second in millions, or `None` after Ctrl-C.
@@ -407,19 +400,41 @@ fn streaming_reference(
     dur: Duration,
 ) -> Option<f64> {
     let share = (pool_bytes / threads.max(1)).max(size);
+    copy_reference(threads, size, share, dur, |orig, pool, back, at| {
+        let slot = &mut pool[*at..*at + size];
+        slot.copy_from_slice(std::hint::black_box(orig));
+        back.copy_from_slice(std::hint::black_box(slot));
+        *at = if *at + 2 * size > share {
+            0
+        } else {
+            *at + size
+        };
+    })
+}
+
+/// Both references: `threads` threads each run `pair(orig, bounce side, back, at)` until `dur`
+/// is up, with an original of `size` bytes, a bounce side of `bounce_len` bytes, a copy-back
+/// buffer of `size` bytes and a position `at` (from 0) that `pair` may move. `pair` is inlined
+/// into each reference's loop, so the plain one keeps a loop with no index. Pairs per second in
+/// millions, or `None` after Ctrl-C.
+fn copy_reference(
+    threads: usize,
+    size: usize,
+    bounce_len: usize,
+    dur: Duration,
+    pair: impl Fn(&[u8], &mut [u8], &mut [u8], &mut usize) + Sync,
+) -> Option<f64> {
+    let pair = &pair;
     let (results, elapsed, complete) = timed(threads, dur, |_| {
         let orig = vec![0x5au8; size];
-        let mut pool = vec![0u8; share];
+        let mut bounce = vec![0u8; bounce_len];
         let mut back = vec![0u8; size];
         move |stop: &AtomicBool| {
             let mut n = 0u64;
             let mut at = 0usize;
             while !stop.load(Ordering::Relaxed) {
-                let slot = &mut pool[at..at + size];
-                slot.copy_from_slice(std::hint::black_box(&orig));
-                back.copy_from_slice(std::hint::black_box(slot));
+                pair(&orig, &mut bounce, &mut back, &mut at);
                 std::hint::black_box(&back);
-                at = if at + 2 * size > share { 0 } else { at + size };
                 n += 1;
             }
             n
@@ -838,8 +853,9 @@ fn panels(cells: &[Cell]) -> Vec<Panel> {
 }
 
 /// What the pools were and how each cell was measured, in one sentence.
-fn setup_line(args: &Args, report: &Report) -> String {
+fn setup_line(args: &Args, report: &Report<Cells>) -> String {
     let mode = report
+        .rows
         .cells
         .iter()
         .find_map(|c| c.geometry.map(|_| c.mode))
@@ -852,7 +868,7 @@ fn setup_line(args: &Args, report: &Report) -> String {
         args.areas
             .map_or_else(|| "one area per thread".to_string(), |a| format!("{a} areas")),
         args.depth,
-        report.cells.iter().map(|c| c.rounds).max().unwrap_or(0),
+        report.rows.cells.iter().map(|c| c.rounds).max().unwrap_or(0),
         report::count(args.rounds, "interleaved round"),
         args.seconds,
         args.timing,
@@ -861,21 +877,21 @@ fn setup_line(args: &Args, report: &Report) -> String {
 }
 
 /// The chart of a run: one panel per size and copy mode, the conditions in the caption.
-fn chart(args: &Args, report: &Report) -> Chart {
+fn chart(args: &Args, report: &Report<Cells>) -> Chart {
     let mut caption = vec![setup_line(args, report)];
-    if report.cells.iter().any(|c| c.copy) {
+    if report.rows.cells.iter().any(|c| c.copy) {
         caption.push("Dashed: the copy references, measured in the same rounds: memcpy of the same bytes in and out on hot buffers, and the same copies walking a 64 MiB buffer (a new place for every pair, as a rolling index walks the pool).".into());
     }
     caption.push(format!("Measured {}.", report.meta.conditions()));
     Chart {
         title: "bounce-experiment: map+unmap pairs per second by allocator and threads".into(),
-        panels: panels(&report.cells),
+        panels: panels(&report.rows.cells),
         caption,
     }
 }
 
 /// The report file's body: the question, the conditions, the table and how to read it.
-fn report_body(args: &Args, report: &Report, table_md: &str) -> String {
+fn report_body(args: &Args, report: &Report<Cells>, table_md: &str) -> String {
     let baseline = report
         .config
         .get("baseline")
@@ -897,8 +913,8 @@ fn report_body(args: &Args, report: &Report, table_md: &str) -> String {
 
 /// Prints the table or JSON; writes them with the chart under `--out`, and the report file
 /// with its chart under `--report`.
-fn emit(args: &Args, report: &Report) -> Result<(), String> {
-    let md = table(&report.cells);
+fn emit(args: &Args, report: &Report<Cells>) -> Result<(), String> {
+    let md = table(&report.rows.cells);
     report::print_and_save(report, &md, args.json, args.out.as_deref(), "table.md")?;
     if let Some(dir) = &args.out {
         write_chart(&dir.join("chart.svg"), &chart(args, report))?;
@@ -941,7 +957,7 @@ fn matrix(args: &Args) -> Result<bool, String> {
             "split": p.split,
         }),
         interrupted,
-        cells,
+        rows: Cells { cells },
     };
     emit(args, &report)?;
     Ok(!interrupted)

@@ -134,13 +134,9 @@ struct AllocResult {
     pool: bounce::PoolStats,
 }
 
-// Same head as `Report` in main.rs; kept apart because each tool's JSON names its rows.
+/// The rows of a map-benchmark run.
 #[derive(Debug, Serialize)]
-struct Report {
-    tool: &'static str,
-    meta: Meta,
-    config: serde_json::Value,
-    interrupted: bool,
+struct Results {
     results: Vec<AllocResult>,
 }
 
@@ -429,7 +425,7 @@ pub fn main(a: &Args) -> Result<bool, String> {
         })
         .collect();
     let body: String = results.iter().map(|r| text(a, r)).collect();
-    let rep = Report {
+    let rep = crate::Report {
         tool: "bounce-experiment map-benchmark",
         meta,
         config: serde_json::json!({
@@ -438,7 +434,7 @@ pub fn main(a: &Args) -> Result<bool, String> {
             "slots": a.slots, "areas": a.areas, "policy": a.policy, "rounds": a.rounds,
         }),
         interrupted,
-        results,
+        rows: Results { results },
     };
     report::print_and_save(&rep, &body, a.json, a.out.as_deref(), "map-benchmark.txt")?;
     Ok(!interrupted)
