@@ -633,6 +633,17 @@ fn large_pattern(slot: u16, round: u8) -> Vec<u8> {
         .collect()
 }
 
+/// GET_VRING_BASE of queue 0: the base it answers, once it is checked that a call is pending
+/// when the base counts completions (each completion is signalled before the reply).
+fn stopped_and_signalled(d: &mut Driver, what: &str) -> u32 {
+    let base = d.stop_ring(0);
+    assert!(
+        base == 0 || d.calls[0].read().is_ok(),
+        "{what}: {base} counted at the stop but no call signalled before its reply"
+    );
+    base
+}
+
 #[test]
 fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
     // QEMU sends GET_VRING_BASE on `stop`, on migration and on a device reset, and resumes
@@ -660,11 +671,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 for slot in 0..BATCH {
                     write(&mut d, slot, round);
                 }
-                let base = d.stop_ring(0);
-                assert!(
-                    base == 0 || d.calls[0].read().is_ok(),
-                    "{what}: {base} writes counted at the stop but no call signalled before its reply"
-                );
+                let base = stopped_and_signalled(&mut d, &format!("{what}: writes"));
                 let mut used = 0;
                 while let Some((id, _)) = d.next_used(0) {
                     let slot = u16::try_from(id / 3).unwrap();
@@ -696,11 +703,7 @@ fn a_stop_with_requests_in_flight_returns_every_one_it_counts() {
                 let mut d = negotiated(&server);
                 start_queue_0(&mut d);
                 post_zeroed_reads(&mut d, 0, 0..BATCH, sector, buf, LARGE);
-                let base = d.stop_ring(0);
-                assert!(
-                    base == 0 || d.calls[0].read().is_ok(),
-                    "{what}: {base} reads counted at the stop but no call signalled before its reply"
-                );
+                let base = stopped_and_signalled(&mut d, &format!("{what}: reads"));
                 let mut used = 0;
                 while let Some((id, len)) = d.next_used(0) {
                     let slot = u16::try_from(id / 3).unwrap();
