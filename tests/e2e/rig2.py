@@ -888,6 +888,18 @@ SYNC_TRACE_POST = """grep -E 'sys_(fdatasync|fsync)\\(' /sys/kernel/tracing/trac
 """
 
 
+# Part of every run_l2 script unless apic_trace=False: L1's KVM traces the interrupts it delivers
+# to L2 (IPIs, INIT/SIPI included, and every accepted interrupt) into a 4 MiB ring from before the
+# VMM starts; if L2 falls silent, l1-vmm prints the last of them ("BVM-L1 log apic: ...").
+APIC_TRACE_PREP = """T=/sys/kernel/tracing
+mount -t tracefs nodev $T 2>/dev/null
+echo 4096 > $T/buffer_size_kb 2>/dev/null
+for e in kvm_apic_ipi kvm_apic_accept_irq; do
+    echo 1 > $T/events/kvm/$e/enable || echo "BVM-L1 log cannot trace kvm:$e"
+done
+"""
+
+
 def stage_l2(share: Share, kernel: str = "pvh") -> tuple[str, str]:
     """Puts the L2 kernel ('pvh': the uncompressed vmlinux, PVH entry; 'bzimage': the Debian
     vmlinuz as it is) and the fio/iperf3 initramfs into the share; returns their L1 paths."""
@@ -943,7 +955,8 @@ def run_l2(name: str, vmm: str = "qemu", test: str = "fio-verify", params: dict 
            query: str | None = None, timeout: float = DEFAULT_TIMEOUT, vmm_timeout: int | None = None,
            bounce: str = "policy=force", boot_retries: int = 1, tcg_thread: str | None = None,
            kernel: str = "pvh", at: Sequence[tuple[str, str]] = (), host_ends_vm: bool = False,
-           l1_prep: str = "", l1_post: str = "", l1_debug: str | None = None) -> L1Run:
+           l1_prep: str = "", l1_post: str = "", l1_debug: str | None = None,
+           apic_trace: bool = True) -> L1Run:
     """Boots L1, which runs `vmm` ('qemu' or 'bouncevm' or a path to a bouncevm-compatible
     binary) booting L2 = Debian cloud kernel (PVH vmlinux) + the fio/iperf3 initramfs with the
     images/init test(s) `test`.
@@ -960,7 +973,9 @@ def run_l2(name: str, vmm: str = "qemu", test: str = "fio-verify", params: dict 
         (L1Run.unclean_end then asks for the action instead);
     l1_prep / l1_post: shell lines run-l2.sh runs in L1 before the VMM / after it ended (with
         $vmm_rc and $vmm_pid set);
-    l1_debug: QEMU -d items for L1 (default BVM_RIG2_L1_DEBUG; log in NAME.l1-qemu.log)."""
+    l1_debug: QEMU -d items for L1 (default BVM_RIG2_L1_DEBUG; log in NAME.l1-qemu.log);
+    apic_trace: APIC_TRACE_PREP in L1 (what L1's KVM delivered to L2, printed if L2 falls
+        silent)."""
     require_root()
     images()
     l1_images()
@@ -980,6 +995,8 @@ def run_l2(name: str, vmm: str = "qemu", test: str = "fio-verify", params: dict 
     cmdline = l2_cmdline(test, p, append, timeout=max(30, ptimeout - 30))
     line = l2_vmm_command(share, vmm, k, i, cmdline, dpath, net=net, query=query, bounce=bounce,
                           at=at, vmm_timeout=ptimeout)
+    if apic_trace:
+        prep += APIC_TRACE_PREP
     script = ("#!/bin/sh\n# written by tests/e2e/rig2.py; run by L1's /init (l1.cmd)\n" + prep + l1_prep +
               line + "\nvmm_rc=$?\nvmm_pid=\"$(cat /tmp/vmm.pid 2>/dev/null)\"\n" + l1_post +
               "\nexit $vmm_rc\n")
