@@ -200,6 +200,33 @@ def test_a_retried_boot_gets_fresh_back_ends(tmp_path):
     assert backend.log_path != first_log, "the back end was not restarted"
 
 
+@rig1.skip_if_missing
+def test_the_reconnect_test_boots_again_after_a_boot_crash(tmp_path):
+    """test_rig1_vhost_reconnect drives its guest by hand (it kills the back end while fio
+    runs), so it retries a boot that died before /init itself (_boot_to_fio), as Guest.run does:
+    a second boot, on a restarted back end."""
+    from test_rig1_bouncevm_vhost import _blk_backend, _prereqs
+    from test_rig1_vhost_reconnect import _boot_to_fio
+
+    binary = _prereqs()
+    wrapper = tmp_path / "qemu-crash-first-boot"
+    wrapper.write_text(_CRASH_FIRST_BOOT.format(python=sys.executable, qemu=rig1.require_qemu(),
+                                                marker=str(tmp_path / "crashed")))
+    wrapper.chmod(0o755)
+    img = rig1.make_raw_image(rig1.out_path("harness_fio_retry", ".img"), "64M")
+    backend, sock, _ = _blk_backend("harness_fio_retry", binary, img, bounce=None)
+    with backend:
+        first_log = backend.log_path
+        guest = rig1.Guest("harness_fio_retry", "fio-verify", qemu=str(wrapper),
+                           params={"size": "8M"}, devices=rig1.blk_vhost_user(sock))
+        _boot_to_fio(guest, backend)
+        run = guest.wait()
+    assert guest._attempt == 1 and run.log_path.name.endswith(".retry1.serial.log"), run.describe()
+    assert backend.log_path != first_log, "the back end was not restarted"
+    run.assert_clean_end()
+    run.fio_verified()
+
+
 def test_the_tsc_rate_is_read_from_a_kernel_log():
     detected = "[    0.000057] tsc: Detected 2600.000 MHz processor\n"
     assert rig1.tsc_khz_from_kernel_log(detected) == 2600000
