@@ -31,7 +31,7 @@ use vhost_support::child::Server;
 use vhost_support::inproc::wait_stats;
 use vhost_support::net::{
     assert_net_served, ip, net_frame, net_negotiate, net_negotiated_with, net_next_served,
-    net_rings, net_server_shaped, netns_missing, tap_missing, Netns,
+    net_rings, net_server_on, netns_missing, tap_missing, Netns,
 };
 use vhost_support::{
     assert_blk_served, blk_request, break_queue_0, data_addr, first_completion, full_eventfd,
@@ -329,17 +329,30 @@ fn slow_line() -> ShaperConfig {
     }
 }
 
-/// An in-process net session at depth (shaped: [`slow_line`]) stopped by `stop` (given the
-/// statistics socket) once each queue returned a chain: every chain returned by then is
-/// complete and signalled, nothing is written after, and a new connection resuming at the
-/// used indexes serves the rest: every chain once, in order; the frames in order, none twice,
-/// at most the one the shaper held in the worker lost.
+/// [`stopped_at_depth_on`] with bounce off, then forced through a swiotlb and an iova pool.
 fn stopped_at_depth(
     name: &str,
     extra: VhostUserProtocolFeatures,
     stop: impl Fn(&mut Driver, &Path),
 ) {
-    let (path, stats, server, stop_server, be) = net_server_shaped(name, Some(slow_line()));
+    for (bounce, dma) in devices::testing::forced_dmas(1024, 1) {
+        let name = format!("{}-{name}", bounce.replace('/', "-"));
+        stopped_at_depth_on(&name, dma, extra, &stop);
+    }
+}
+
+/// An in-process net session at depth (shaped: [`slow_line`]; guest memory through `dma`)
+/// stopped by `stop` (given the statistics socket) once each queue returned a chain: every
+/// chain returned by then is complete and signalled, nothing is written after, and a new
+/// connection resuming at the used indexes serves the rest: every chain once, in order; the
+/// frames in order, none twice, at most the one the shaper held in the worker lost.
+fn stopped_at_depth_on(
+    name: &str,
+    dma: bounce::Dma,
+    extra: VhostUserProtocolFeatures,
+    stop: &impl Fn(&mut Driver, &Path),
+) {
+    let (path, stats, server, stop_server, be) = net_server_on(name, Some(slow_line()), dma);
     let mut d = net_negotiated_with(&path, extra);
     d.set_mem_table().unwrap();
     net_rings(&mut d, DEEP_QUEUE);

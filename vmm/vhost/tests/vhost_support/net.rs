@@ -23,6 +23,11 @@ pub fn net_device(pairs: u16) -> (Net, Vec<MemBackend>) {
 
 /// [`net_device`] with each queue pair shaped by `shaper` (`--rate`).
 pub fn net_device_shaped(pairs: u16, shaper: Option<ShaperConfig>) -> (Net, Vec<MemBackend>) {
+    net_device_on(pairs, shaper, Dma::direct())
+}
+
+/// [`net_device_shaped`] whose guest-memory accesses go through `dma` (a bounce pool).
+pub fn net_device_on(pairs: u16, shaper: Option<ShaperConfig>, dma: Dma) -> (Net, Vec<MemBackend>) {
     let bes: Vec<MemBackend> = (0..pairs).map(|_| MemBackend::new().unwrap()).collect();
     let boxed = bes
         .iter()
@@ -34,7 +39,7 @@ pub fn net_device_shaped(pairs: u16, shaper: Option<ShaperConfig>) -> (Net, Vec<
         shaper,
         ..NetConfig::default()
     };
-    (Net::new(cfg, boxed, Dma::direct()).unwrap(), bes)
+    (Net::new(cfg, boxed, dma).unwrap(), bes)
 }
 
 /// A frame as the tap hands it over: a zeroed vnet header, then `len` bytes from `seed`.
@@ -60,7 +65,12 @@ pub fn net_server(name: &str) -> NetServer {
 
 /// [`net_server`] with the queue pair shaped by `shaper`.
 pub fn net_server_shaped(name: &str, shaper: Option<ShaperConfig>) -> NetServer {
-    let (net, mut bes) = net_device_shaped(1, shaper);
+    net_server_on(name, shaper, Dma::direct())
+}
+
+/// [`net_server_shaped`] on a device whose guest-memory accesses go through `dma`.
+pub fn net_server_on(name: &str, shaper: Option<ShaperConfig>, dma: Dma) -> NetServer {
+    let (net, mut bes) = net_device_on(1, shaper, dma);
     let (path, stats, server, stop) = start_server_with_stats(name, net);
     (path, stats, server, stop, bes.remove(0))
 }
