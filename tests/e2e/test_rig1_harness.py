@@ -168,6 +168,20 @@ os.execv(real, [real] + args)
 """
 
 
+def _crash_first_boot_rig(tmp_path, name: str, size: str):
+    """A QEMU (a wrapper in tmp_path) whose first boot has no /init, so the guest kernel dies
+    before /init as in the TCG race (later boots are QEMU's own), and a `bouncevm-vhost blk`
+    back end (bounce off) on a fresh `size` image: (wrapper, backend, socket, stats socket)."""
+    from test_rig1_bouncevm_vhost import _blk_backend, _prereqs
+
+    wrapper = tmp_path / "qemu-crash-first-boot"
+    wrapper.write_text(_CRASH_FIRST_BOOT.format(python=sys.executable, qemu=rig1.require_qemu(),
+                                                marker=str(tmp_path / "crashed")))
+    wrapper.chmod(0o755)
+    img = rig1.make_raw_image(rig1.out_path(name, ".img"), size)
+    return (wrapper, *_blk_backend(name, _prereqs(), img, bounce=None))
+
+
 @rig1.skip_if_missing
 def test_a_retried_boot_gets_fresh_back_ends(tmp_path):
     """A boot that crashes before /init is retried. The crashed boot has already connected to
@@ -175,16 +189,9 @@ def test_a_retried_boot_gets_fresh_back_ends(tmp_path):
     back end: then the run returned is the only session its statistics count. A reused back end
     counts two connections, and a test that asserts one session (as
     test_bvm_vhost_blk_qemu_stderr_stays_clean does) fails whenever the TCG boot race hits."""
-    from test_rig1_bouncevm_vhost import _blk_backend, _final_stats, _prereqs
+    from test_rig1_bouncevm_vhost import _final_stats
 
-    binary = _prereqs()
-    qemu = rig1.require_qemu()
-    wrapper = tmp_path / "qemu-crash-first-boot"
-    wrapper.write_text(_CRASH_FIRST_BOOT.format(python=sys.executable, qemu=qemu,
-                                                marker=str(tmp_path / "crashed")))
-    wrapper.chmod(0o755)
-    img = rig1.make_raw_image(rig1.out_path("harness_retry", ".img"), "16M")
-    backend, sock, stats = _blk_backend("harness_retry", binary, img, bounce=None)
+    wrapper, backend, sock, stats = _crash_first_boot_rig(tmp_path, "harness_retry", "16M")
     with backend:
         first_log = backend.log_path
         run = rig1.run_guest("harness_retry", "write-pattern", qemu=str(wrapper),
@@ -205,16 +212,9 @@ def test_the_reconnect_test_boots_again_after_a_boot_crash(tmp_path):
     """test_rig1_vhost_reconnect drives its guest by hand (it kills the back end while fio
     runs), so it retries a boot that died before /init itself (_boot_to_fio), as Guest.run does:
     a second boot, on a restarted back end."""
-    from test_rig1_bouncevm_vhost import _blk_backend, _prereqs
     from test_rig1_vhost_reconnect import _boot_to_fio
 
-    binary = _prereqs()
-    wrapper = tmp_path / "qemu-crash-first-boot"
-    wrapper.write_text(_CRASH_FIRST_BOOT.format(python=sys.executable, qemu=rig1.require_qemu(),
-                                                marker=str(tmp_path / "crashed")))
-    wrapper.chmod(0o755)
-    img = rig1.make_raw_image(rig1.out_path("harness_fio_retry", ".img"), "64M")
-    backend, sock, _ = _blk_backend("harness_fio_retry", binary, img, bounce=None)
+    wrapper, backend, sock, _ = _crash_first_boot_rig(tmp_path, "harness_fio_retry", "64M")
     with backend:
         first_log = backend.log_path
         guest = rig1.Guest("harness_fio_retry", "fio-verify", qemu=str(wrapper),
