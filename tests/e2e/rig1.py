@@ -653,17 +653,27 @@ class Guest:
         while True:
             with self:
                 run = self.wait()
-            if not run.boot_crash or len(crashed) >= boot_retries:
+            if not self.boot_again(run, crashed, boot_retries, on_retry):
                 run.retried = crashed
                 if clean_end:
                     run.assert_clean_end()
                 return run
-            crashed.append(run)
-            self._attempt += 1
-            for backend in Backend.serving(run.argv):
-                backend.restart()
-            if on_retry is not None:
-                on_retry()
+
+    def boot_again(self, run: GuestRun, crashed: list[GuestRun], boot_retries: int,
+                   on_retry=None) -> bool:
+        """After `run` ended: True when it crashed before /init and fewer than boot_retries
+        boots have (`crashed`, which gets `run`); then every running Backend it connected to is
+        restarted, on_retry() called, and the next start() is the next attempt. Guest.run's
+        retry, for tests that drive a guest by hand."""
+        if not run.boot_crash or len(crashed) >= boot_retries:
+            return False
+        crashed.append(run)
+        self._attempt += 1
+        for backend in Backend.serving(run.argv):
+            backend.restart()
+        if on_retry is not None:
+            on_retry()
+        return True
 
     def __enter__(self) -> "Guest":
         return self.start()

@@ -219,7 +219,7 @@ def test_the_reconnect_test_boots_again_after_a_boot_crash(tmp_path):
         first_log = backend.log_path
         guest = rig1.Guest("harness_fio_retry", "fio-verify", qemu=str(wrapper),
                            params={"size": "8M"}, devices=rig1.blk_vhost_user(sock))
-        _boot_to_fio(guest, backend)
+        _boot_to_fio(guest)
         run = guest.wait()
     assert guest._attempt == 1 and run.log_path.name.endswith(".retry1.serial.log"), run.describe()
     assert backend.log_path != first_log, "the back end was not restarted"

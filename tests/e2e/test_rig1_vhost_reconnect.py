@@ -79,11 +79,11 @@ def _guest_log(guest: Guest) -> str:
     return guest.log_path.read_bytes().decode("utf-8", "replace")
 
 
-def _boot_to_fio(guest: Guest, backend, boot_retries: int = 1) -> None:
-    """Starts `guest` and waits until fio has started. A guest kernel that dies before /init
-    (rig1.GuestRun.boot_crash: the multi-threaded TCG race, nothing the back end did) is booted
-    again, up to boot_retries times, with the back end restarted first (as rig1.Guest.run does),
-    so its statistics are this boot's alone."""
+def _boot_to_fio(guest: Guest, boot_retries: int = 1) -> None:
+    """Starts `guest` and waits until fio has started; a guest kernel that dies before /init
+    (the multi-threaded TCG race, nothing the back end did) is booted again as rig1.Guest.run
+    does (Guest.boot_again: its back ends restarted first)."""
+    crashed = []
     while True:
         guest.start()
         try:
@@ -92,11 +92,9 @@ def _boot_to_fio(guest: Guest, backend, boot_retries: int = 1) -> None:
             return
         except AssertionError:
             run = guest.wait(timeout=1)
-            if not run.boot_crash or guest._attempt >= boot_retries:
+            if not guest.boot_again(run, crashed, boot_retries):
                 raise
             print(f"guest kernel died before /init ({run.kernel_crash}): booting again")
-            guest._attempt += 1
-            backend.restart()
 
 
 @skip_if_missing
@@ -110,7 +108,7 @@ def test_bvm_vhost_blk_kill9_and_reconnect_loses_no_io():
     resubmitted, adopted, kills = [], [], 0
     with backend:
         guest = Guest("bvm_reconnect", "fio-verify", params=FIO, devices=devices, timeout=170)
-        _boot_to_fio(guest, backend)
+        _boot_to_fio(guest)
         try:
             while kills < MAX_KILLS:
                 # I/O flowing, and a request in flight right now: kill.
