@@ -138,7 +138,7 @@ def _run_images_script(script: str, timeout: int) -> tuple[subprocess.CompletedP
 def _parse_kv_lines(text: str) -> dict[str, str]:
     kv = {}
     for line in text.splitlines():
-        if "=" in line and re.match(r"^[A-Z_]+=", line):
+        if "=" in line and re.match(r"^[A-Z_][A-Z0-9_]*=", line):
             k, v = line.split("=", 1)
             kv[k] = v
     return kv
@@ -146,25 +146,35 @@ def _parse_kv_lines(text: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Images:
+    """A guest kernel and its initramfs."""
     vmlinuz: Path
     initramfs: Path
     kernel_release: str
 
 
+def build_images(script: str, prefix: str, what: str) -> Images:
+    """Builds (or reuses) images/out/{p}vmlinuz and {p}initramfs.cpio via images/<script>, which
+    prints <prefix>VMLINUZ=, <prefix>INITRAMFS= and <prefix>KERNEL_RELEASE= ({p} is `prefix` in
+    lower case with '-' for '_'). BVM_<prefix>VMLINUZ and BVM_<prefix>INITRAMFS (with
+    BVM_<prefix>KERNEL_RELEASE) name prebuilt ones instead; `what` names them in errors."""
+    vm = os.environ.get(f"BVM_{prefix}VMLINUZ")
+    ini = os.environ.get(f"BVM_{prefix}INITRAMFS")
+    if vm and ini:
+        return Images(Path(vm), Path(ini), os.environ.get(f"BVM_{prefix}KERNEL_RELEASE", "unknown"))
+    out = IMAGES_DIR / "out"
+    if os.geteuid() != 0 and not (out / f"{prefix.lower().replace('_', '-')}vmlinuz").exists():
+        raise Missing(f"{what} images not built and not root to build them (run images/{script})")
+    r, kv = _run_images_script(script, timeout=1800)
+    if r.returncode != 0 or f"{prefix}VMLINUZ" not in kv:
+        raise Missing(f"images/{script} failed (rc={r.returncode}): {r.stderr.strip()[-500:]}")
+    return Images(Path(kv[f"{prefix}VMLINUZ"]), Path(kv[f"{prefix}INITRAMFS"]),
+                  kv.get(f"{prefix}KERNEL_RELEASE", ""))
+
+
 @functools.lru_cache(maxsize=None)
 def images() -> Images:
-    """Builds (or reuses) images/out/{vmlinuz,initramfs.cpio} via images/build.sh."""
-    vm = os.environ.get("BVM_VMLINUZ")
-    ini = os.environ.get("BVM_INITRAMFS")
-    if vm and ini:
-        return Images(Path(vm), Path(ini), os.environ.get("BVM_KERNEL_RELEASE", "unknown"))
-    out = IMAGES_DIR / "out"
-    if os.geteuid() != 0 and not (out / "vmlinuz").exists():
-        raise Missing("guest images not built and not root to build them (run images/build.sh)")
-    r, kv = _run_images_script("build.sh", timeout=1800)
-    if r.returncode != 0 or "VMLINUZ" not in kv:
-        raise Missing(f"images/build.sh failed (rc={r.returncode}): {r.stderr.strip()[-500:]}")
-    return Images(Path(kv["VMLINUZ"]), Path(kv["INITRAMFS"]), kv.get("KERNEL_RELEASE", ""))
+    """The rig-1 guest's images (images/build.sh)."""
+    return build_images("build.sh", "", "guest")
 
 
 # ----------------------------------------------------------------------------- serial log parsing
@@ -175,6 +185,18 @@ _CRASH = re.compile(r"(Oops: .*|BUG: .*|Kernel panic - .*|general protection fau
                     r"watchdog: .*lockup.*|rcu: INFO: rcu_.*(?:stall|detected).*|"
                     r"INFO: task .* blocked for more than.*)")
 _BVM_LINE = re.compile(r"BVM-(RESULT|SWIOTLB|BOOT|INFO|POWERDOWN|DONE|LOG)(?:\s+(.*))?$")
+
+
+def first_crash(text: str, crash: re.Pattern = _CRASH) -> str:
+    """The first kernel death or hang that `crash` finds in `text` (stripped), or ''."""
+    m = crash.search(text)
+    return m.group(0).strip() if m else ""
+
+
+def first_uptime(parsed: dict[str, list], kind: str) -> float:
+    """The guest's uptime on the first BVM-<kind> line of a parse_log result (nan without one)."""
+    d = parsed.get(kind)
+    return num(d[0].get("uptime")) if d else float("nan")
 
 
 def parse_kv(text: str) -> dict[str, str]:
@@ -417,8 +439,43 @@ def tsc_words() -> list[str]:
 
 # ----------------------------------------------------------------------------- guest
 
+class ResultChecks:
+    """The checks on a boot's outcome that rig 1 and rig 2 share. The subclass gives `name`,
+    `results` (the BVM-RESULT dicts of the guest under test), `unclean_end` and `describe()`;
+    `RUN` names the run and `GUEST` prefixes the guest's lines in the errors."""
+    RUN = "guest"
+    GUEST = ""
+
+    def result(self, test: str) -> dict:
+        """The BVM-RESULT dict of one test; AssertionError with the log tail if absent."""
+        for r in self.results:
+            if r.get("test") == test:
+                return r
+        raise AssertionError(f"no {self.GUEST}BVM-RESULT for test={test}\n{self.describe()}")
+
+    def ok(self, test: str) -> dict:
+        """result(test), asserting status=ok."""
+        r = self.result(test)
+        if r.get("status") != "ok":
+            raise AssertionError(f"{self.GUEST}test={test} status={r.get('status')} "
+                                 f"reason={r.get('reason')}\n{self.describe()}")
+        return r
+
+    def assert_clean_end(self):
+        """AssertionError (with the log tail) unless the run ended clean (unclean_end); else
+        the run itself."""
+        why = self.unclean_end
+        if why:
+            raise AssertionError(f"{self.RUN} {self.name} did not end clean: {why}\n{self.describe()}")
+        return self
+
+    def fio_verified(self, test: str = "fio-verify") -> dict:
+        """ok(test) + check_fio_verify (the verify pass re-read every written byte)."""
+        return check_fio_verify(self.ok(test), self.describe)
+
+
 @dataclass
-class GuestRun:
+class GuestRun(ResultChecks):
     """The outcome of one guest boot."""
     name: str
     argv: list[str]
@@ -433,21 +490,6 @@ class GuestRun:
     def results(self) -> list[dict]:
         return self.parsed.get("RESULT", [])
 
-    def result(self, test: str) -> dict:
-        """The BVM-RESULT dict of one test; AssertionError with the log tail if absent."""
-        for r in self.results:
-            if r.get("test") == test:
-                return r
-        raise AssertionError(f"no BVM-RESULT for test={test}\n{self.describe()}")
-
-    def ok(self, test: str) -> dict:
-        """result(test), asserting status=ok."""
-        r = self.result(test)
-        if r.get("status") != "ok":
-            raise AssertionError(f"test={test} status={r.get('status')} reason={r.get('reason')}\n"
-                                 f"{self.describe()}")
-        return r
-
     @property
     def swiotlb(self) -> dict[str, dict]:
         """{'before': {...}, 'after': {...}} from the BVM-SWIOTLB lines."""
@@ -456,16 +498,14 @@ class GuestRun:
     @property
     def boot_s(self) -> float:
         """Seconds from kernel start to /init (the guest's own clock)."""
-        b = self.parsed.get("BOOT")
-        return num(b[0].get("uptime")) if b else float("nan")
+        return first_uptime(self.parsed, "BOOT")
 
     @property
     def uptime_s(self) -> float:
         """The guest's uptime at BVM-DONE (its own clock; nan without BVM-DONE). Above wall_s
         (the host's, which also counts QEMU's start and the firmware), the guest clock ran
         fast."""
-        d = self.parsed.get("DONE")
-        return num(d[0].get("uptime")) if d else float("nan")
+        return first_uptime(self.parsed, "DONE")
 
     @property
     def done(self) -> bool:
@@ -479,8 +519,7 @@ class GuestRun:
     @property
     def kernel_crash(self) -> str:
         """The first Oops/BUG/panic line of the guest kernel, or ''."""
-        m = _CRASH.search(self.log)
-        return m.group(0).strip() if m else ""
+        return first_crash(self.log)
 
     @property
     def boot_crash(self) -> bool:
@@ -507,17 +546,6 @@ class GuestRun:
         if self.returncode != 0:
             return f"QEMU exited rc={self.returncode}"
         return ""
-
-    def assert_clean_end(self) -> "GuestRun":
-        """AssertionError (with the log tail) unless the run ended clean (unclean_end)."""
-        why = self.unclean_end
-        if why:
-            raise AssertionError(f"guest {self.name} did not end clean: {why}\n{self.describe()}")
-        return self
-
-    def fio_verified(self, test: str = "fio-verify") -> dict:
-        """ok(test) + check_fio_verify (the verify pass ran over every written byte)."""
-        return check_fio_verify(self.ok(test), self.describe)
 
     def describe(self, tail: int = 40) -> str:
         lines = self.log.replace("\r", "").splitlines()

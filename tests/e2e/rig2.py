@@ -84,32 +84,10 @@ def require_bouncevm() -> Path:
     return p
 
 
-@dataclass(frozen=True)
-class L1Images:
-    vmlinuz: Path
-    initramfs: Path
-    kernel_release: str
-
-
 @functools.lru_cache(maxsize=None)
-def l1_images() -> L1Images:
-    """Builds (or reuses) images/out/l1-{vmlinuz,initramfs.cpio} via images/build-l1.sh."""
-    vm, ini = os.environ.get("BVM_L1_VMLINUZ"), os.environ.get("BVM_L1_INITRAMFS")
-    if vm and ini:
-        return L1Images(Path(vm), Path(ini), "unknown")
-    out = IMAGES_DIR / "out"
-    if os.geteuid() != 0 and not (out / "l1-vmlinuz").exists():
-        raise Missing("L1 images not built and not root to build them (run images/build-l1.sh)")
-    try:
-        r = subprocess.run(["bash", str(IMAGES_DIR / "build-l1.sh")], capture_output=True,
-                           text=True, timeout=1800)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise Missing(f"images/build-l1.sh failed: {e}")
-    kv = dict(line.split("=", 1) for line in r.stdout.splitlines()
-              if re.match(r"^L1_[A-Z_]+=", line))
-    if r.returncode != 0 or "L1_VMLINUZ" not in kv:
-        raise Missing(f"images/build-l1.sh failed (rc={r.returncode}): {r.stderr.strip()[-500:]}")
-    return L1Images(Path(kv["L1_VMLINUZ"]), Path(kv["L1_INITRAMFS"]), kv.get("L1_KERNEL_RELEASE", ""))
+def l1_images() -> rig1.Images:
+    """The L1 guest's images (images/build-l1.sh)."""
+    return rig1.build_images("build-l1.sh", "L1_", "L1")
 
 
 # ----------------------------------------------------------------------------- L2 kernel
@@ -325,8 +303,10 @@ def _strip(line: str) -> str:
 
 
 @dataclass
-class L1Run:
+class L1Run(rig1.ResultChecks):
     """The outcome of one L1 boot."""
+    RUN = "rig2"
+    GUEST = "L2 "
     name: str
     argv: list[str]
     log_path: Path
@@ -361,15 +341,14 @@ class L1Run:
     def l1_crash(self) -> str:
         """First Oops/BUG/panic of the L1 kernel (L2 lines excluded), or ''."""
         for line in self.l1_lines:
-            m = _CRASH.search(line)
-            if m:
-                return m.group(0).strip()
+            crash = rig1.first_crash(line, _CRASH)
+            if crash:
+                return crash
         return ""
 
     @property
     def l2_crash(self) -> str:
-        m = _CRASH.search(self.l2_log)
-        return m.group(0).strip() if m else ""
+        return rig1.first_crash(self.l2_log, _CRASH)
 
     @property
     def l1_booted(self) -> bool:
@@ -446,16 +425,6 @@ class L1Run:
             return f"L1 failed after the VMM started: {self.l1_failure}"
         return ""
 
-    def assert_clean_end(self) -> "L1Run":
-        why = self.unclean_end
-        if why:
-            raise AssertionError(f"rig2 {self.name} did not end clean: {why}\n{self.describe()}")
-        return self
-
-    def fio_verified(self, test: str = "fio-verify") -> dict:
-        """ok(test) + rig1.check_fio_verify (the verify pass re-read every written byte)."""
-        return rig1.check_fio_verify(self.ok(test), self.describe)
-
     # ---- VMM / L2 facts
     @property
     def vmm(self) -> dict:
@@ -496,19 +465,6 @@ class L1Run:
     def results(self) -> list[dict]:
         return self.l2.get("RESULT", [])
 
-    def result(self, test: str) -> dict:
-        for r in self.results:
-            if r.get("test") == test:
-                return r
-        raise AssertionError(f"no L2 BVM-RESULT for test={test}\n{self.describe()}")
-
-    def ok(self, test: str) -> dict:
-        r = self.result(test)
-        if r.get("status") != "ok":
-            raise AssertionError(f"L2 test={test} status={r.get('status')} reason={r.get('reason')}"
-                                 f"\n{self.describe()}")
-        return r
-
     @property
     def l1_boot_s(self) -> float:
         """L1 kernel start -> /init (L1 clock)."""
@@ -522,8 +478,7 @@ class L1Run:
     @property
     def l2_boot_s(self) -> float:
         """L2 kernel start -> L2 /init (L2 clock)."""
-        b = self.l2.get("BOOT")
-        return num(b[0].get("uptime")) if b else float("nan")
+        return rig1.first_uptime(self.l2, "BOOT")
 
     @property
     def l2_wall_to_init_s(self) -> float:
