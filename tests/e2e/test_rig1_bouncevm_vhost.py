@@ -58,6 +58,18 @@ def _final_stats(path: Path, timeout: float = 10.0) -> dict:
         time.sleep(0.1)
 
 
+def _served_run(backend: Backend, stats: Path | None, name: str, tests: str,
+                **kw) -> tuple[rig1.GuestRun, dict | None]:
+    """Boots guest `name` running `tests` (run_guest's keywords) while `backend` serves it and
+    then stops the backend: the run, and the backend's final statistics read from `stats`
+    (None without)."""
+    with backend:
+        run = run_guest(name, tests, **kw)
+        assert backend.alive(), backend.log()[-2000:]
+        st = _final_stats(stats) if stats else None
+    return run, st
+
+
 def _blk_backend(name: str, binary: str, image: Path, bounce: str | None = "policy=force",
                  fmt: str = "raw", extra: tuple[str, ...] = ()) -> tuple[Backend, Path, Path]:
     sock = out_path(name, ".sock")
@@ -107,11 +119,8 @@ def test_bvm_vhost_blk_fio_verify_bounce_forced():
     binary = _prereqs()
     img = make_raw_image(out_path("bvm_blk", ".img"), "256M")
     backend, sock, stats = _blk_backend("bvm_blk", binary, img)
-    with backend:
-        run = run_guest("bvm_blk_fio_verify", "fio-verify,fio-randread",
-                        params={"size": "32M", "runtime": 5}, devices=blk_vhost_user(sock))
-        assert backend.alive(), backend.log()[-2000:]
-        st = _final_stats(stats)
+    run, st = _served_run(backend, stats, "bvm_blk_fio_verify", "fio-verify,fio-randread",
+                          params={"size": "32M", "runtime": 5}, devices=blk_vhost_user(sock))
     v = _check_fio_verify(run)
     rr = run.ok("fio-randread")
     assert _qemu_messages(run) == [], run.describe()
@@ -133,11 +142,9 @@ def test_bvm_vhost_blk_double_bounce():
     binary = _prereqs()
     img = make_raw_image(out_path("bvm_blk_double", ".img"), "256M")
     backend, sock, stats = _blk_backend("bvm_blk_double", binary, img)
-    with backend:
-        run = run_guest("bvm_blk_double_bounce", "fio-verify", params={"size": "32M"},
-                        append="swiotlb=force", devices=blk_vhost_user(sock, iommu=True))
-        assert backend.alive(), backend.log()[-2000:]
-        st = _final_stats(stats)
+    run, st = _served_run(backend, stats, "bvm_blk_double_bounce", "fio-verify",
+                          params={"size": "32M"}, append="swiotlb=force",
+                          devices=blk_vhost_user(sock, iommu=True))
     _check_fio_verify(run)
     hiwater = _guest_hiwater(run)
     assert hiwater > 0, f"guest swiotlb never used: {run.swiotlb}"
@@ -161,12 +168,10 @@ def test_bvm_vhost_blk_qcow2_written_by_guest():
                    timeout=60)
     offs = [0, 4096 * 7, 5 << 20, (64 << 20) - 4096]
     backend, sock, _ = _blk_backend("bvm_qcow2", binary, img, fmt="qcow2")
-    with backend:
-        # fio first (it rewrites the start of the disk), then the pattern blocks.
-        run = run_guest("bvm_qcow2_write", "fio-verify,write-pattern",
-                        params={**rig1.pattern_params(offs, seed="qcow2"), "size": "8M"},
-                        devices=blk_vhost_user(sock))
-        assert backend.alive(), backend.log()[-2000:]
+    # fio first (it rewrites the start of the disk), then the pattern blocks.
+    run, _ = _served_run(backend, None, "bvm_qcow2_write", "fio-verify,write-pattern",
+                         params={**rig1.pattern_params(offs, seed="qcow2"), "size": "8M"},
+                         devices=blk_vhost_user(sock))
     # The backend is stopped: the image is closed and flushed.
     assert run.ok("write-pattern")["blocks"] == str(len(offs))
     _check_fio_verify(run)
@@ -189,12 +194,9 @@ def test_bvm_vhost_blk_qemu_stderr_stays_clean():
     img = make_raw_image(out_path("bvm_quiet", ".img"), "64M")
     offs = [0, 1 << 20, (64 << 20) - 4096]
     backend, sock, stats = _blk_backend("bvm_quiet", binary, img, bounce=None)
-    with backend:
-        run = run_guest("bvm_quiet", "write-pattern",
-                        params=rig1.pattern_params(offs, seed="quiet"),
-                        devices=blk_vhost_user(sock))
-        assert backend.alive(), backend.log()[-2000:]
-        st = _final_stats(stats)
+    run, st = _served_run(backend, stats, "bvm_quiet", "write-pattern",
+                          params=rig1.pattern_params(offs, seed="quiet"),
+                          devices=blk_vhost_user(sock))
     assert run.ok("write-pattern")["blocks"] == str(len(offs)), run.describe()
     assert run.done and not run.timed_out and run.returncode == 0, run.describe()
     assert _qemu_messages(run) == [], run.describe()
@@ -219,11 +221,8 @@ def test_bvm_vhost_blk_each_allocator(alloc, mode):
     slots = 32768 if mode == "swiotlb" else 16384
     backend, sock, stats = _blk_backend(f"bvm_alloc_{alloc}", binary, img,
                                         bounce=f"policy=force,mode={mode},alloc={alloc},slots={slots}")
-    with backend:
-        run = run_guest(f"bvm_alloc_{alloc}", "fio-verify", params=FIO_SHORT,
-                        devices=blk_vhost_user(sock))
-        assert backend.alive(), backend.log()[-2000:]
-        st = _final_stats(stats)
+    run, st = _served_run(backend, stats, f"bvm_alloc_{alloc}", "fio-verify", params=FIO_SHORT,
+                          devices=blk_vhost_user(sock))
     v = _check_fio_verify(run)
     b = _check_host_bounce(st, alloc)
     assert b["allocator"] == alloc and b["mode"] == mode, b
@@ -247,13 +246,11 @@ def test_bvm_vhost_net_iperf3():
         backend = Backend("bvm_net", [binary, "net", "--socket", str(sock), "--tap", ns.tap,
                                       "--bounce", "policy=force", "--stats-socket", str(stats)],
                           socket=sock, netns=ns, env={"BOUNCEVM_LOG": "info"})
-        with backend:
-            run = run_guest("bvm_net_iperf3", "iperf3,net-sha",
-                            params={"ip": ns.guest_cidr, "server": ns.host_ip, "time": 5,
-                                    "shasize": 16, "sha": hashlib.sha256(blob).hexdigest()},
-                            devices=net_vhost_user(sock, extra=",speed=10000,duplex=full"))
-            assert backend.alive(), backend.log()[-2000:]
-            st = _final_stats(stats)
+        run, st = _served_run(backend, stats, "bvm_net_iperf3", "iperf3,net-sha",
+                              params={"ip": ns.guest_cidr, "server": ns.host_ip,
+                                      "time": 5, "shasize": 16,
+                                      "sha": hashlib.sha256(blob).hexdigest()},
+                              devices=net_vhost_user(sock, extra=",speed=10000,duplex=full"))
     r = run.ok("iperf3")
     tx, rx = num(r["guest_to_host_gbps"]), num(r["host_to_guest_gbps"])
     assert tx > 0 and rx > 0, run.describe()
@@ -361,12 +358,9 @@ def test_bvm_vhost_blk_two_queues_two_fio_jobs():
     binary = _prereqs()
     img = make_raw_image(out_path("bvm_blk_mq", ".img"), "128M")
     backend, sock, stats = _blk_backend("bvm_blk_mq", binary, img, extra=("--queues", "2"))
-    with backend:
-        run = run_guest("bvm_blk_mq", "fio-verify",
-                        params={**FIO_SHORT, "numjobs": 2},
-                        devices=blk_vhost_user(sock, num_queues=2))
-        assert backend.alive(), backend.log()[-2000:]
-        st = _final_stats(stats)
+    run, st = _served_run(backend, stats, "bvm_blk_mq", "fio-verify",
+                          params={**FIO_SHORT, "numjobs": 2},
+                          devices=blk_vhost_user(sock, num_queues=2))
     v = _check_fio_verify(run)
     assert v["numjobs"] == "2" and v["hw_queues"] == "2", run.describe()
     _check_host_bounce(st, "two queues")
@@ -380,11 +374,8 @@ def test_bvm_vhost_blk_non_default_queue_size(qsize):
     binary = _prereqs()
     img = make_raw_image(out_path(f"bvm_blk_q{qsize}", ".img"), "64M")
     backend, sock, stats = _blk_backend(f"bvm_blk_q{qsize}", binary, img)
-    with backend:
-        run = run_guest(f"bvm_blk_q{qsize}", "fio-verify", params=FIO_SHORT,
-                        devices=blk_vhost_user(sock, extra=f",queue-size={qsize}"))
-        assert backend.alive(), backend.log()[-2000:]
-        st = _final_stats(stats)
+    run, st = _served_run(backend, stats, f"bvm_blk_q{qsize}", "fio-verify", params=FIO_SHORT,
+                          devices=blk_vhost_user(sock, extra=f",queue-size={qsize}"))
     v = _check_fio_verify(run)
     assert v["nr_tags"] == str(qsize), f"guest tag depth {v['nr_tags']} for queue-size={qsize}"
     _check_host_bounce(st, f"queue-size={qsize}")
@@ -403,12 +394,9 @@ def test_bvm_vhost_blk_readonly():
     rig1.write_pattern(img, offs, seed="ro")
     digest = hashlib.sha256(img.read_bytes()).hexdigest()
     backend, sock, stats = _blk_backend("bvm_blk_ro", binary, img, extra=("--readonly",))
-    with backend:
-        run = run_guest("bvm_blk_ro", "readonly,read-pattern",
-                        params=rig1.pattern_params(offs, seed="ro"),
-                        devices=blk_vhost_user(sock))
-        assert backend.alive(), backend.log()[-2000:]
-        st = _final_stats(stats)
+    run, st = _served_run(backend, stats, "bvm_blk_ro", "readonly,read-pattern",
+                          params=rig1.pattern_params(offs, seed="ro"),
+                          devices=blk_vhost_user(sock))
     r = run.ok("readonly")
     assert r["ro"] == "1" and r["open_write_refused"] == "1", run.describe()
     assert r["setrw_write_refused"] == "1", run.describe()
