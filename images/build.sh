@@ -23,6 +23,9 @@ OUT="$HERE/out"
 CACHE="$HERE/cache"
 INIT_SRC="$HERE/init"
 HOST_PKGS=(fio iperf3 busybox-static cpio xz-utils kmod)
+PKGS=(fio iperf3 busybox-static libc6)
+OUT_PREFIX=
+KEY_PREFIX=
 
 NAME=build.sh
 # shellcheck source=images/lib.sh
@@ -40,36 +43,12 @@ pick_kernel() {
     fi
     printf '%s' "$k"
 }
-KPKG="${BVM_KERNEL_PKG:-$(pick_kernel)}"
-if [ -z "$KPKG" ]; then
-    apt_update_once
-    KPKG="$(pick_kernel)"
-fi
-[ -n "$KPKG" ] || die "no cloud kernel package found (apt-get update?)"
-KVER_PKG="$(apt-cache show --no-all-versions "$KPKG" 2>/dev/null | sed -n 's/^Version: //p' | head -n1)"
-[ -n "$KVER_PKG" ] || die "apt-cache knows no version of $KPKG"
+choose_kernel "${BVM_KERNEL_PKG:-}" "no cloud kernel package found (apt-get update?)"
 
 # ---------------------------------------------------------------- input hash / cache check
-inputs() {
-    sha256sum "$HERE/build.sh" "$HERE/lib.sh" "$INIT_SRC" "$HERE/swiotlb-capture.sh" | awk '{print $1}'
-    echo "kernel $KPKG $KVER_PKG"
-    for p in fio iperf3 busybox-static libc6; do echo "$p $(pkg_ver "$p")"; done
-}
 [ -f "$INIT_SRC" ] || die "missing $INIT_SRC"
-HASH="$(inputs | sha256sum | awk '{print $1}')"
-
-print_outputs() {
-    echo "VMLINUZ=$OUT/vmlinuz"
-    echo "INITRAMFS=$OUT/initramfs.cpio"
-    echo "KERNEL_RELEASE=$(cat "$OUT/kernel-release")"
-}
-
-if [ "${BVM_FORCE:-0}" != 1 ] && [ -f "$OUT/stamp" ] && [ "$(cat "$OUT/stamp")" = "$HASH" ] \
-    && [ -s "$OUT/vmlinuz" ] && [ -s "$OUT/initramfs.cpio" ] && [ -s "$OUT/kernel-release" ]; then
-    log "up to date ($KPKG $KVER_PKG)"
-    print_outputs
-    exit 0
-fi
+HASH="$(inputs "$HERE/build.sh" "$HERE/lib.sh" "$INIT_SRC" "$HERE/swiotlb-capture.sh" | sha256sum | awk '{print $1}')"
+exit_if_up_to_date
 
 [ "$(id -u)" = 0 ] || die "building needs root (mknod /dev/console, apt-get download)"
 mkdir -p "$OUT" "$CACHE"
@@ -79,17 +58,7 @@ fetch_kernel "$CACHE/kernel"
 
 # ---------------------------------------------------------------- staging root
 STAGE="$CACHE/rootfs"
-rm -rf "$STAGE"
-mkdir -p "$STAGE"/{usr/bin,usr/sbin,usr/lib,usr/lib64,proc,sys,dev,tmp,etc,root,mnt,run,var/tmp,lib/modules}
-# merged-/usr layout, like the host, so library paths from ldd can be used as they are
-ln -s usr/bin "$STAGE/bin"
-ln -s usr/sbin "$STAGE/sbin"
-rm -rf "$STAGE/lib"; ln -s usr/lib "$STAGE/lib"
-ln -s usr/lib64 "$STAGE/lib64"
-mkdir -p "$STAGE/usr/lib/modules"
-chmod 1777 "$STAGE/tmp" "$STAGE/var/tmp"
-mknod -m 600 "$STAGE/dev/console" c 5 1
-mknod -m 666 "$STAGE/dev/null" c 1 3
+new_stage
 
 # ---------------------------------------------------------------- modules
 # Wanted drivers; on kernels where virtio_pci is a module (6.1) it is resolved too. Each module's
@@ -105,29 +74,9 @@ stage_modules
 stage_busybox
 
 LDPATH=/usr/lib/x86_64-linux-gnu/ceph:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu
-BINS=(/usr/bin/fio /usr/bin/iperf3)
-for b in "${BINS[@]}"; do
-    [ -x "$b" ] || die "missing $b"
-    rm -f "$STAGE$b"
-    copy_file "$b"
-done
-LIBS="$(for b in "${BINS[@]}"; do LD_LIBRARY_PATH=$LDPATH ldd "$b"; done)"
-if printf '%s\n' "$LIBS" | grep -q 'not found'; then
-    printf '%s\n' "$LIBS" | grep 'not found' >&2
-    die "unresolved libraries"
-fi
-nlibs=0
-while IFS= read -r lib; do
-    [ -n "$lib" ] || continue
-    copy_file "$lib"
-    nlibs=$((nlibs + 1))
-done < <(printf '%s\n' "$LIBS" | awk '/=> \//{print $3} /^\t\//{print $1}' | sort -u)
-log "copied $nlibs shared libraries"
+stage_binaries /usr/bin/fio /usr/bin/iperf3
 
-# small /etc so tools that look up names do not complain
-printf 'root:x:0:0:root:/root:/bin/sh\n' > "$STAGE/etc/passwd"
-printf 'root:x:0:\n' > "$STAGE/etc/group"
-printf '127.0.0.1 localhost\n' > "$STAGE/etc/hosts"
+stage_etc
 printf '%s\n' "$LDPATH" | tr ':' '\n' > "$STAGE/etc/ld.so.conf"
 printf 'kernel=%s\nkernel_pkg=%s %s\nfio=%s\niperf3=%s\nbusybox=%s\n' "$KREL" "$KPKG" "$KVER_PKG" \
     "$(pkg_ver fio)" "$(pkg_ver iperf3)" "$(pkg_ver busybox-static)" > "$STAGE/etc/bvm-image"
@@ -136,18 +85,5 @@ install -m 0755 "$INIT_SRC" "$STAGE/init"
 install -D -m 0755 "$HERE/swiotlb-capture.sh" "$STAGE/usr/lib/bvm/swiotlb-capture.sh"
 
 # ---------------------------------------------------------------- outputs
-(cd "$STAGE" && find . -mindepth 1 | LC_ALL=C sort | cpio -o -H newc -R 0:0 --quiet) > "$OUT/initramfs.cpio.tmp"
-mv "$OUT/initramfs.cpio.tmp" "$OUT/initramfs.cpio"
-cp "$KROOT/boot/vmlinuz-$KREL" "$OUT/vmlinuz.tmp" && mv "$OUT/vmlinuz.tmp" "$OUT/vmlinuz"
-echo "$KREL" > "$OUT/kernel-release"
-{
-    echo "kernel_pkg=$KPKG $KVER_PKG"
-    echo "kernel_release=$KREL"
-    echo "modules=${ORDER[*]}"
-    for p in fio iperf3 busybox-static libc6; do echo "$p=$(pkg_ver "$p")"; done
-    echo "libraries=$nlibs"
-    echo "initramfs_bytes=$(stat -c %s "$OUT/initramfs.cpio")"
-} > "$OUT/build-info.txt"
-echo "$HASH" > "$OUT/stamp"
-log "built $KREL, initramfs $(du -h "$OUT/initramfs.cpio" | cut -f1)"
+write_outputs
 print_outputs
