@@ -210,6 +210,32 @@ pub struct Cell {
     pub note: Option<String>,
 }
 
+impl Cell {
+    /// A row of `series` at `x` in `panel` that runs `workload`, the ratio baseline of its
+    /// panel and x when `baseline`: no seed figures, notes or metric of its own (set those
+    /// fields on the result).
+    pub fn new(
+        panel: impl Into<String>,
+        series: impl Into<String>,
+        x: u32,
+        workload: Workload,
+        baseline: bool,
+    ) -> Self {
+        Self {
+            panel: panel.into(),
+            series: series.into(),
+            x,
+            workload,
+            baseline,
+            primary: None,
+            seed: None,
+            seed_ratio: None,
+            shape_note: None,
+            note: None,
+        }
+    }
+}
+
 /// A column of the table.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Metric {

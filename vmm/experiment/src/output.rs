@@ -499,21 +499,20 @@ mod tests {
     fn cell(series: &str, x: u32, ours: f64, seed: Option<f64>, baseline: bool) -> CellResult {
         CellResult {
             cell: Cell {
-                panel: "p".into(),
-                series: series.into(),
-                x,
-                workload: Workload::MapCost {
-                    mode: PoolMode::Swiotlb,
-                    alloc: AllocatorKind::Areas,
-                    size: 64,
-                    dynamic: false,
-                },
-                baseline,
-                primary: None,
                 seed,
                 seed_ratio: seed.map(|s| s / 100.0),
-                shape_note: None,
-                note: None,
+                ..Cell::new(
+                    "p",
+                    series,
+                    x,
+                    Workload::MapCost {
+                        mode: PoolMode::Swiotlb,
+                        alloc: AllocatorKind::Areas,
+                        size: 64,
+                        dynamic: false,
+                    },
+                    baseline,
+                )
             },
             samples: Vec::new(),
             summary: [("iops".to_string(), Summary::of(&[ours]))].into(),

@@ -243,29 +243,22 @@ fn swiotlb_2022(level: Level, quick: bool) -> Plan {
     for &(rw, panel) in patterns {
         for jobs in [1u16, 4] {
             for (i, &(alloc, seed)) in allocs.iter().enumerate() {
-                let seed = if jobs == 4 { seed } else { None };
+                let workload = Workload::Block {
+                    bounce: format!("policy=force,mode=swiotlb,alloc={}", alloc.name()),
+                    rw,
+                    bs: 4096,
+                    iodepth,
+                    numjobs: jobs,
+                    queues: 4,
+                };
                 cells.push(Cell {
-                    panel: panel.into(),
-                    series: alloc.name().into(),
-                    x: u32::from(jobs),
-                    workload: Workload::Block {
-                        bounce: format!("policy=force,mode=swiotlb,alloc={}", alloc.name()),
-                        rw,
-                        bs: 4096,
-                        iodepth,
-                        numjobs: jobs,
-                        queues: 4,
-                    },
-                    baseline: i == 0,
-                    primary: None,
-                    seed,
+                    seed: if jobs == 4 { seed } else { None },
                     seed_ratio: match (jobs, alloc) {
                         (4, AllocatorKind::Legacy) => Some(1.0),
                         (4, AllocatorKind::AreasBitmap) => Some(2320.0 / 885.0),
                         _ => None,
                     },
-                    shape_note: None,
-                    note: None,
+                    ..Cell::new(panel, alloc.name(), u32::from(jobs), workload, i == 0)
                 });
             }
         }
@@ -317,26 +310,19 @@ fn vduse_2021(level: Level, quick: bool) -> Plan {
             4 => 2,
             _ => 3,
         };
-        // Cell literal as in the other presets; each preset has its own workload and seeds.
         for (i, (alloc, seed)) in allocs.iter().enumerate() {
+            let workload = Workload::Block {
+                bounce: format!("policy=force,mode=iova,alloc={}", alloc.name()),
+                rw: Rw::RandRead,
+                bs: 4096,
+                iodepth: 16,
+                numjobs: j,
+                queues: 8,
+            };
             cells.push(Cell {
-                panel: panel.into(),
-                series: alloc.name().into(),
-                x: u32::from(j),
-                workload: Workload::Block {
-                    bounce: format!("policy=force,mode=iova,alloc={}", alloc.name()),
-                    rw: Rw::RandRead,
-                    bs: 4096,
-                    iodepth: 16,
-                    numjobs: j,
-                    queues: 8,
-                },
-                baseline: i == 0,
-                primary: None,
                 seed: Some(seed[k]),
                 seed_ratio: Some(seed[k] / allocs[0].1[k]),
-                shape_note: None,
-                note: None,
+                ..Cell::new(panel, alloc.name(), u32::from(j), workload, i == 0)
             });
         }
     }
@@ -374,23 +360,18 @@ fn iova_2015(level: Level, quick: bool) -> Plan {
     for &q in queues {
         for (i, &(alloc, seed)) in allocs.iter().enumerate() {
             let last = q == *queues.last().unwrap_or(&1);
+            let workload = Workload::Net {
+                bounce: format!("policy=force,mode=iova,alloc={}", alloc.name()),
+                queues: q,
+                frame: 1500,
+            };
             cells.push(Cell {
-                panel: panel.into(),
-                series: alloc.name().into(),
-                x: u32::from(q),
-                workload: Workload::Net {
-                    bounce: format!("policy=force,mode=iova,alloc={}", alloc.name()),
-                    queues: q,
-                    frame: 1500,
-                },
-                baseline: i == 0,
-                primary: None,
                 seed: last.then_some(seed),
                 seed_ratio: last.then_some(seed / allocs[0].1),
                 shape_note: last.then(|| {
                     "the seed's figures are at 48 threads: 2 cores cannot show 48-thread lock contention (testpmd busy-polls one of them), so the seed's 9.3x is not comparable with this row".into()
                 }),
-                note: None,
+                ..Cell::new(panel, alloc.name(), u32::from(q), workload, i == 0)
             });
         }
     }
@@ -418,23 +399,26 @@ fn iova_2015_guest(allocs: &[(AllocatorKind, f64); 2]) -> Plan {
     let cells = allocs
         .iter()
         .enumerate()
-        .map(|(i, &(alloc, seed))| Cell {
-            panel: format!("iperf3 -P {parallel} guest -> host, {queues} queue pairs (rig-1 guest)"),
-            series: alloc.name().into(),
-            x: u32::from(parallel),
-            workload: Workload::Iperf3 {
+        .map(|(i, &(alloc, seed))| {
+            let workload = Workload::Iperf3 {
                 bounce: format!("policy=force,mode=iova,alloc={}", alloc.name()),
                 queues,
                 parallel,
-            },
-            baseline: i == 0,
-            primary: None,
-            seed: Some(seed),
-            seed_ratio: Some(seed / allocs[0].1),
-            shape_note: Some(
-                "the seed's figures are at 48 threads on bare metal; here 4 flows from a TCG guest (2 vCPUs) share 2 host cores with the backend, and the emulated guest, not the allocator, sets the rate".into(),
-            ),
-            note: None,
+            };
+            Cell {
+                seed: Some(seed),
+                seed_ratio: Some(seed / allocs[0].1),
+                shape_note: Some(
+                    "the seed's figures are at 48 threads on bare metal; here 4 flows from a TCG guest (2 vCPUs) share 2 host cores with the backend, and the emulated guest, not the allocator, sets the rate".into(),
+                ),
+                ..Cell::new(
+                    format!("iperf3 -P {parallel} guest -> host, {queues} queue pairs (rig-1 guest)"),
+                    alloc.name(),
+                    u32::from(parallel),
+                    workload,
+                    i == 0,
+                )
+            }
         })
         .collect();
     Plan {
@@ -519,32 +503,27 @@ fn phys_2012_frame_cells(guest: bool) -> Vec<Cell> {
         ),
     ];
     for (i, (name, bounce, seed, seed_ratio)) in variants.into_iter().enumerate() {
+        let workload = if guest {
+            Workload::Iperf3 {
+                bounce: bounce.into(),
+                queues: 1,
+                parallel: 1,
+            }
+        } else {
+            Workload::Net {
+                bounce: bounce.into(),
+                queues: 1,
+                frame: 64,
+            }
+        };
         cells.push(Cell {
-            panel: panel.into(),
-            series: name.into(),
-            x: if guest { 1 } else { 64 },
-            workload: if guest {
-                Workload::Iperf3 {
-                    bounce: bounce.into(),
-                    queues: 1,
-                    parallel: 1,
-                }
-            } else {
-                Workload::Net {
-                    bounce: bounce.into(),
-                    queues: 1,
-                    frame: 64,
-                }
-            },
-            baseline: i == 0,
-            primary: None,
             // The seed's figure is a 64 B frame rate: no iperf3 Gbit/s to set beside it.
             seed: seed.filter(|_| !guest),
             seed_ratio,
-            shape_note: None,
             note: seed.map(|_| {
                 "the seed's 1.06x is swiotlb with physical addresses over swiotlb with virtual-to-physical translation calls (10.0 -> 10.6 Mpps); ours compares bouncing with not bouncing. Our translation is already O(1): its cost is in the map ns rows below".into()
             }),
+            ..Cell::new(panel, name, if guest { 1 } else { 64 }, workload, i == 0)
         });
     }
     cells
@@ -571,22 +550,21 @@ fn phys_2012_map_cost_cells(quick: bool) -> Vec<Cell> {
         .into_iter()
         .enumerate()
         {
+            let workload = Workload::MapCost {
+                mode,
+                alloc,
+                size,
+                dynamic: false,
+            };
             cells.push(Cell {
-                panel: "map+unmap cost in the bounce library".into(),
-                series: name.into(),
-                x: size as u32,
-                workload: Workload::MapCost {
-                    mode,
-                    alloc,
-                    size,
-                    dynamic: false,
-                },
-                baseline: i == 0,
                 primary: Some(PAIR_NS),
-                seed: None,
-                seed_ratio: None,
-                shape_note: None,
-                note: None,
+                ..Cell::new(
+                    "map+unmap cost in the bounce library",
+                    name,
+                    size as u32,
+                    workload,
+                    i == 0,
+                )
             });
         }
     }
