@@ -607,11 +607,18 @@ impl Drivers {
                 .as_mut()
                 .ok_or_else(|| Error::Run("no guest driver".into()))?
                 .measure(w, dur),
-            (Workload::Net { .. }, _) => self
+            (
+                Workload::Net {
+                    bounce,
+                    queues,
+                    frame,
+                },
+                _,
+            ) => self
                 .net
                 .as_mut()
                 .ok_or_else(|| Error::Run("no net driver".into()))?
-                .measure(w, dur),
+                .measure(bounce, *queues, *frame, dur),
         }
     }
 }

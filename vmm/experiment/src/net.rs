@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::host::{self, BackendPaths, Child, NetNs, WorkDir};
-use crate::{backend_pool, Error, Result, Sample, Workload};
+use crate::{backend_pool, Error, Result, Sample};
 
 /// What to install when testpmd is missing.
 pub const DPDK_INSTALL: &str =
@@ -57,20 +57,18 @@ impl NetDriver {
         })
     }
 
-    // Destructures Workload::Net as block.rs does Workload::Block; different fields.
-    /// One sample of `w` (a [`Workload::Net`]) for `dur` after a warm-up.
+    /// One sample of a [`crate::Workload::Net`] (its `bounce`, `queues` and `frame`) for `dur` after a
+    /// warm-up.
     ///
     /// # Errors
     /// The backend's or testpmd's failure.
-    pub fn measure(&mut self, w: &Workload, dur: Duration) -> Result<Sample> {
-        let Workload::Net {
-            bounce,
-            queues,
-            frame,
-        } = w
-        else {
-            return Err(Error::Run("not a net workload".into()));
-        };
+    pub fn measure(
+        &mut self,
+        bounce: &str,
+        queues: u16,
+        frame: u32,
+        dur: Duration,
+    ) -> Result<Sample> {
         self.count += 1;
         let tag = format!("bvmx{}n{}", std::process::id(), self.count);
         let ns = NetNs::new(&tag)?;
@@ -84,7 +82,7 @@ impl NetDriver {
         );
         let mut backend = paths.spawn("bouncevm-vhost net", &ns.exec(&argv))?;
         host::run_cmd("ip", &["-n", ns.name(), "link", "set", "tap0", "up"])?;
-        let tp = self.testpmd_argv(&tag, &paths.sock, *frame, &q);
+        let tp = self.testpmd_argv(&tag, &paths.sock, frame, &q);
         let tp_log = self.work.path("testpmd.log");
         let mut testpmd = Child::spawn("dpdk-testpmd", &tp, &tp_log, None, Duration::ZERO)?;
         wait_for_frames(&ns, &mut testpmd)?;
@@ -118,7 +116,7 @@ impl NetDriver {
                     .join(" | ")
             )));
         }
-        Ok(sample(frames, secs, *frame, (cpu0, cpu1), &st))
+        Ok(sample(frames, secs, frame, (cpu0, cpu1), &st))
     }
 
     /// testpmd's command line: `virtio_user` on the backend's socket `sock` with `q` queue
