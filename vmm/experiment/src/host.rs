@@ -41,6 +41,17 @@ pub fn which(name: &str) -> Option<PathBuf> {
     })
 }
 
+/// How [`Child::wait_until`] ended.
+#[derive(Debug)]
+pub enum Waited {
+    /// What it waited for holds.
+    Ready,
+    /// The process exited first.
+    Exited(std::process::ExitStatus),
+    /// The timeout passed first.
+    Late,
+}
+
 /// A started helper process, stopped (SIGTERM, then SIGKILL) when dropped.
 #[derive(Debug)]
 pub struct Child {
@@ -85,27 +96,42 @@ impl Child {
             log: log.into(),
             stopped: false,
         };
-        if let Some(ready) = ready {
-            let deadline = Instant::now() + timeout;
-            while !ready.exists() {
-                if let Ok(Some(st)) = c.child.try_wait() {
-                    c.stopped = true;
-                    return Err(Error::Run(format!(
-                        "{name} exited ({st}) before it was ready: {}",
-                        c.log_tail()
-                    )));
-                }
-                if Instant::now() > deadline {
-                    return Err(Error::Run(format!(
-                        "{name} was not ready in {timeout:?} ({} missing): {}",
-                        ready.display(),
-                        c.log_tail()
-                    )));
-                }
-                std::thread::sleep(Duration::from_millis(10));
+        let Some(ready) = ready else {
+            return Ok(c);
+        };
+        let why = match c.wait_until(timeout, Duration::from_millis(10), || Ok(ready.exists()))? {
+            Waited::Ready => return Ok(c),
+            Waited::Exited(st) => format!("{name} exited ({st}) before it was ready"),
+            Waited::Late => format!(
+                "{name} was not ready in {timeout:?} ({} missing)",
+                ready.display()
+            ),
+        };
+        Err(Error::Run(format!("{why}: {}", c.log_tail())))
+    }
+
+    /// Polls `ready` every `period` until it holds, the process exits or `timeout` passes.
+    ///
+    /// # Errors
+    /// What `ready` returns.
+    pub fn wait_until(
+        &mut self,
+        timeout: Duration,
+        period: Duration,
+        mut ready: impl FnMut() -> Result<bool>,
+    ) -> Result<Waited> {
+        let deadline = Instant::now() + timeout;
+        while !ready()? {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                self.stopped = true;
+                return Ok(Waited::Exited(st));
             }
+            if Instant::now() > deadline {
+                return Ok(Waited::Late);
+            }
+            std::thread::sleep(period);
         }
-        Ok(c)
+        Ok(Waited::Ready)
     }
 
     /// The process id.
@@ -402,5 +428,50 @@ impl WorkDir {
 impl Drop for WorkDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str, log: &Path, ready: Option<&Path>, timeout: Duration) -> Result<Child> {
+        let argv: Vec<OsString> = ["sh", "-c", script].iter().map(OsString::from).collect();
+        Child::spawn("sh", &argv, log, ready, timeout)
+    }
+
+    #[test]
+    fn spawn_waits_for_ready_and_says_why_it_is_not() {
+        let dir = std::env::temp_dir().join(format!("bvmx-host-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (log, ready) = (dir.join("log"), dir.join("ready"));
+        let _ = std::fs::remove_file(&ready);
+        let touch = format!("sleep 0.2; touch {}; sleep 5", ready.display());
+        let mut c = sh(&touch, &log, Some(&ready), Duration::from_secs(10)).unwrap();
+        assert!(ready.exists() && c.running());
+        c.stop();
+        // (script, timeout in ms, what the error says)
+        let cases: [(&str, u64, &[&str]); 2] = [
+            (
+                "echo gone; exit 3",
+                10_000,
+                &["sh exited (exit status: 3) before it was ready: gone"],
+            ),
+            (
+                "sleep 5",
+                100,
+                &["sh was not ready in 100ms (", "never missing)"],
+            ),
+        ];
+        for (script, ms, wanted) in cases {
+            let never = dir.join("never");
+            let e = sh(script, &log, Some(&never), Duration::from_millis(ms))
+                .unwrap_err()
+                .to_string();
+            for w in wanted {
+                assert!(e.contains(w), "{script}: {e}");
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

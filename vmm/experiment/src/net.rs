@@ -9,7 +9,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::host::{self, BackendPaths, Child, NetNs, WorkDir};
+use crate::host::{self, BackendPaths, Child, NetNs, Waited, WorkDir};
 use crate::{backend_pool, Error, Result, Sample};
 
 /// What to install when testpmd is missing.
@@ -150,31 +150,27 @@ impl NetDriver {
     }
 }
 
-// Same poll-until-or-fail loop as Child::start in host.rs; each waits for its own sign.
 /// Waits until frames from `testpmd` reach the tap in `ns` (at most 30 s).
 ///
 /// testpmd's EAL start-up (1 GiB of --no-huge memory) takes seconds on a loaded machine: wait
 /// until frames flow, then warm up.
 fn wait_for_frames(ns: &NetNs, testpmd: &mut Child) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while ns.counter("tap0", "rx_packets")? == 0 {
-        if !testpmd.running() {
-            return Err(Error::Run(format!(
-                "dpdk-testpmd exited before sending: {}",
-                testpmd.log_tail()
-            )));
+    let flowing = || {
+        if ns.counter("tap0", "rx_packets")? > 0 {
+            return Ok(true);
         }
-        if Instant::now() > deadline {
-            return Err(Error::Run(format!(
-                "no frame reached the tap in 30 s: {}",
-                testpmd.log_tail()
-            )));
-        }
-        if !bounce_tools::report::sleep_unless_stopped(Duration::from_millis(100)) {
+        if bounce_tools::report::stopped() {
             return Err(Error::Run("interrupted".into()));
         }
-    }
-    Ok(())
+        Ok(false)
+    };
+    let why =
+        match testpmd.wait_until(Duration::from_secs(30), Duration::from_millis(100), flowing)? {
+            Waited::Ready => return Ok(()),
+            Waited::Exited(_) => "dpdk-testpmd exited before sending",
+            Waited::Late => "no frame reached the tap in 30 s",
+        };
+    Err(Error::Run(format!("{why}: {}", testpmd.log_tail())))
 }
 
 /// The sample's metrics from `frames` of `frame` bytes in `secs`, the backend's CPU time
