@@ -22,7 +22,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$HERE/out"
 CACHE="$HERE/cache"
 INIT_SRC="$HERE/init"
-HOST_PKGS=(fio iperf3 busybox-static cpio xz-utils kmod)
+HOST_PKGS=(fio iperf3 busybox-static mawk cpio xz-utils kmod)
 
 NAME=build.sh
 # shellcheck source=images/lib.sh
@@ -53,7 +53,7 @@ KVER_PKG="$(apt-cache show --no-all-versions "$KPKG" 2>/dev/null | sed -n 's/^Ve
 inputs() {
     sha256sum "$HERE/build.sh" "$HERE/lib.sh" "$INIT_SRC" "$HERE/swiotlb-capture.sh" | awk '{print $1}'
     echo "kernel $KPKG $KVER_PKG"
-    for p in fio iperf3 busybox-static libc6; do echo "$p $(pkg_ver "$p")"; done
+    for p in fio iperf3 busybox-static mawk libc6; do echo "$p $(pkg_ver "$p")"; done
 }
 [ -f "$INIT_SRC" ] || die "missing $INIT_SRC"
 HASH="$(inputs | sha256sum | awk '{print $1}')"
@@ -105,7 +105,9 @@ stage_modules
 stage_busybox
 
 LDPATH=/usr/lib/x86_64-linux-gnu/ceph:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu
-BINS=(/usr/bin/fio /usr/bin/iperf3)
+# mawk: images/swiotlb-capture.sh converts a trace of ~100,000 maps with it, about three times
+# faster than busybox's awk under TCG.
+BINS=(/usr/bin/fio /usr/bin/iperf3 /usr/bin/mawk)
 for b in "${BINS[@]}"; do
     [ -x "$b" ] || die "missing $b"
     rm -f "$STAGE$b"
@@ -144,7 +146,7 @@ echo "$KREL" > "$OUT/kernel-release"
     echo "kernel_pkg=$KPKG $KVER_PKG"
     echo "kernel_release=$KREL"
     echo "modules=${ORDER[*]}"
-    for p in fio iperf3 busybox-static libc6; do echo "$p=$(pkg_ver "$p")"; done
+    for p in fio iperf3 busybox-static mawk libc6; do echo "$p=$(pkg_ver "$p")"; done
     echo "libraries=$nlibs"
     echo "initramfs_bytes=$(stat -c %s "$OUT/initramfs.cpio")"
 } > "$OUT/build-info.txt"
