@@ -546,7 +546,8 @@ fn ioeventfd_catches_a_doorbell_without_an_exit() {
     let doorbell = 0xd000_0000u32;
     let evt = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
     m.vm()
-        .register_ioeventfd(
+        .ioeventfd(
+            vmm::vm::IoeventOp::Register,
             &evt,
             kvm_ioctls::IoEventAddress::Mmio(doorbell.into()),
             vmm::vm::IoeventMatch::U16(3),
