@@ -94,16 +94,25 @@ pub trait PciDevice: Send {
         self.config().read_reg(reg)
     }
 
-    /// Writes `data` to configuration register `reg` at byte `offset`. Returns the BAR move
-    /// the write caused, if any; [`PciRoot`] then remaps the BAR on the MMIO bus. By default
-    /// the write goes to [`PciDevice::config_mut`] and nothing else happens.
+    /// Writes `data` to configuration register `reg` at byte `offset` of
+    /// [`PciDevice::config_mut`], then tells [`PciDevice::config_written`]. Returns the BAR
+    /// move the write caused, if any; [`PciRoot`] then remaps the BAR on the MMIO bus.
     fn write_config_register(
         &mut self,
         reg: usize,
         offset: u64,
         data: &[u8],
     ) -> Option<BarReprogram> {
-        self.config_mut().write_reg(reg, offset, data)
+        let moved = self.config_mut().write_reg(reg, offset, data);
+        self.config_written(reg, moved.as_ref());
+        moved
+    }
+
+    /// Called after a guest write to configuration register `reg` has been stored, with the
+    /// BAR move it caused, if any, for a function that follows its own registers (MSI-X
+    /// enable, a moved notification area). By default nothing happens.
+    fn config_written(&mut self, reg: usize, moved: Option<&BarReprogram>) {
+        let _ = (reg, moved);
     }
 
     /// The memory BARs as currently programmed, mapped on the MMIO bus when the device is

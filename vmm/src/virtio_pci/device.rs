@@ -489,21 +489,13 @@ impl PciDevice for VirtioPciDevice {
         &mut self.config
     }
 
-    // Overrides the PciDevice default (pci/mod.rs) to also follow the MSI-X capability.
-    fn write_config_register(
-        &mut self,
-        reg: usize,
-        offset: u64,
-        data: &[u8],
-    ) -> Option<BarReprogram> {
-        let moved = self.config.write_reg(reg, offset, data);
+    fn config_written(&mut self, reg: usize, moved: Option<&BarReprogram>) {
         if reg == self.msix_cap_reg {
             self.sync_msix_control();
         }
-        if let Some(m) = &moved {
+        if let Some(m) = moved {
             self.bar_moved(m);
         }
-        moved
     }
 
     fn read_bar(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
