@@ -376,13 +376,13 @@ fn long_mode_entry_with_patched_cpuid_on_two_vcpus() {
         let mut a = Asm::new();
         a.mov_eax(1)
             .cpuid()
-            .mov_eax_ebx()
+            .mov_rr(EAX, EBX)
             .shr_eax(24)
             .report_eax(port)
             .mov_eax(0xb)
-            .xor_ecx()
+            .xor_rr(ECX, ECX)
             .cpuid()
-            .mov_eax_edx()
+            .mov_rr(EAX, EDX)
             .report_eax(port + 4)
             .hlt_forever();
         let rip = 0x1000 + 0x100 * u64::from(id);

@@ -81,7 +81,7 @@ fn print_completion(a: &mut Asm, k: u64) {
         .cmp_eax(u32::try_from(k + 1).unwrap())
         .jb_to(poll)
         .load_eax(u32::try_from(USED + 4 + 8 * k).unwrap()) // used.ring[k].id
-        .mov_ecx_eax()
+        .mov_rr(ECX, EAX)
         .add_al(b'A')
         .mov_dx(0x3f8)
         .out_dx_al()
@@ -95,7 +95,7 @@ fn print_completion(a: &mut Asm, k: u64) {
 
 /// Makes the first `n` avail entries visible and notifies queue 0 (BAR 4 in ebx).
 fn publish(a: &mut Asm, n: u64) {
-    a.xor_ecx()
+    a.xor_rr(ECX, ECX)
         .st16(ECX, (AVAIL + 2) as u32, u16::try_from(n).unwrap())
         .st16(EBX, 0x3000, 0);
 }
