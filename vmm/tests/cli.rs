@@ -12,8 +12,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_bouncevm");
-
 struct Tmp(PathBuf);
 impl Drop for Tmp {
     fn drop(&mut self) {
@@ -618,34 +616,31 @@ fn qmp_sock(name: &str) -> PathBuf {
 
 /// Starts bouncevm on `kernel` with a read-only drive and `-qmp PATH,server,nowait`.
 fn spawn_vm(kernel: &Tmp, disk: &Tmp, sock: &Path, extra: &[&str]) -> std::process::Child {
-    Command::new(BIN)
-        .args([
-            "-m",
-            "64M",
-            "-name",
-            "qmp-test",
-            "-kernel",
-            kernel.0.to_str().unwrap(),
-            "-drive",
-            &format!(
-                "file={},format=raw,if=none,id=disk0,readonly=on",
-                disk.0.display()
-            ),
-            "-device",
-            "virtio-blk-pci,drive=disk0,id=blk0,serial=s1",
-            "-bounce",
-            "id=blk0,policy=force,slots=256",
-            "-nographic",
-            "-no-reboot",
-            "-qmp",
-            &format!("unix:{},server,nowait", sock.display()),
-        ])
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    spawn_piped(
+        Command::new(BIN)
+            .args([
+                "-m",
+                "64M",
+                "-name",
+                "qmp-test",
+                "-kernel",
+                kernel.0.to_str().unwrap(),
+                "-drive",
+                &format!(
+                    "file={},format=raw,if=none,id=disk0,readonly=on",
+                    disk.0.display()
+                ),
+                "-device",
+                "virtio-blk-pci,drive=disk0,id=blk0,serial=s1",
+                "-bounce",
+                "id=blk0,policy=force,slots=256",
+                "-nographic",
+                "-no-reboot",
+                "-qmp",
+                &format!("unix:{},server,nowait", sock.display()),
+            ])
+            .args(extra),
+    )
 }
 
 /// Waits for `child` up to `secs`; kills it and panics on timeout.

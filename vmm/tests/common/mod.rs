@@ -31,6 +31,18 @@ pub fn kvm_available() -> bool {
     }
 }
 
+/// The `bouncevm` binary this package builds.
+pub const BIN: &str = env!("CARGO_BIN_EXE_bouncevm");
+
+/// Starts `cmd` (a `bouncevm` line) with stdin from /dev/null and stdout and stderr piped.
+pub fn spawn_piped(cmd: &mut std::process::Command) -> std::process::Child {
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn bouncevm")
+}
+
 /// A port for test results.
 pub const REPORT_PORT: u16 = 0xe0;
 /// The debug-exit port used by the tests.
