@@ -472,9 +472,9 @@ fn a_usual_qemu_command_line_boots() {
 /// `fail` and executes `ud2` (no IDT: a triple fault).
 fn acpi_poweroff_kernel() -> Vec<u8> {
     let mut a = Asm::new();
-    a.raw(&[0x89, 0xdf]); // mov edi, ebx (keep the start info pointer)
+    a.mov_rr(EDI, EBX); // keep the start info pointer
     a.print(b"acpi\n");
-    a.raw(&[0x89, 0xfb]); // mov ebx, edi
+    a.mov_rr(EBX, EDI);
     let fail = a.acpi_poweroff(true);
     a.raw(&[0xfa]).hlt_forever();
     a.patch_rel32_here(&fail).print(b"fail\n");
@@ -533,9 +533,9 @@ fn guest_acpi_poweroff_ends_bouncevm_with_status_zero() {
 /// FADT's PM1a_CNT (S5).
 fn power_button_kernel() -> Vec<u8> {
     let mut a = Asm::new();
-    a.raw(&[0x89, 0xdf]); // mov edi, ebx (keep the start info pointer)
+    a.mov_rr(EDI, EBX); // keep the start info pointer
     a.print(b"up\n").wait_power_button().print(b"button\n");
-    a.raw(&[0x89, 0xfb]); // mov ebx, edi
+    a.mov_rr(EBX, EDI);
     let fail = a.acpi_poweroff(true);
     a.raw(&[0xfa]).hlt_forever();
     a.patch_rel32_here(&fail).raw(&[0x0f, 0x0b]); // ud2

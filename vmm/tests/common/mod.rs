@@ -412,6 +412,7 @@ pub const EAX: u8 = 0;
 pub const ECX: u8 = 1;
 pub const EDX: u8 = 2;
 pub const EBX: u8 = 3;
+pub const EDI: u8 = 7;
 
 /// One recorded write: absolute address and bytes.
 pub type Access = (u64, Vec<u8>);
