@@ -149,6 +149,7 @@ fn mmio_dispatch_reaches_a_device_in_the_hole() {
 }
 
 /// A PCI function with one 4 KiB memory BAR whose reads return `0xb0000000 | offset`.
+#[derive(Debug)]
 struct BarFunction {
     config: PciConfiguration,
 }

@@ -81,8 +81,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// Register indices are 32-bit register numbers (`offset / 4`) in `0..NUM_CONFIG_REGISTERS`;
 /// `offset` is the byte offset within the register and `data.len()` the access width. The
 /// caller guarantees `offset + data.len() <= 4`; implementations must still not panic on
-/// other values (guest-controlled).
-pub trait PciDevice: Send {
+/// other values (guest-controlled). `Debug` lets a [`PciBarRegion`] show the function it
+/// routes to.
+pub trait PciDevice: Send + std::fmt::Debug {
     /// The function's configuration space (header, BARs, capabilities).
     fn config(&self) -> &PciConfiguration;
 
