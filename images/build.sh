@@ -22,8 +22,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$HERE/out"
 CACHE="$HERE/cache"
 INIT_SRC="$HERE/init"
-HOST_PKGS=(fio iperf3 busybox-static cpio xz-utils kmod)
-PKGS=(fio iperf3 busybox-static libc6)
+HOST_PKGS=(fio iperf3 busybox-static mawk cpio xz-utils kmod)
+PKGS=(fio iperf3 busybox-static mawk libc6)
 OUT_PREFIX=
 KEY_PREFIX=
 
@@ -74,7 +74,9 @@ stage_modules
 stage_busybox
 
 LDPATH=/usr/lib/x86_64-linux-gnu/ceph:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu
-stage_binaries /usr/bin/fio /usr/bin/iperf3
+# mawk: images/swiotlb-capture.sh converts a trace of ~100,000 maps with it, about three times
+# faster than busybox's awk under TCG.
+stage_binaries /usr/bin/fio /usr/bin/iperf3 /usr/bin/mawk
 
 stage_etc
 printf '%s\n' "$LDPATH" | tr ':' '\n' > "$STAGE/etc/ld.so.conf"

@@ -63,6 +63,8 @@ done
 dev="${C_dev:-/dev/vda}"
 serial="${C_trace_serial:-bvmtrace}"
 mode="${C_capture:-kprobes}"
+# Where the capture's time goes: the guest's uptime at the end of each phase.
+phase() { echo "BVM-INFO phase=$1 uptime=$(cut -d' ' -f1 /proc/uptime)"; }
 fail() { echo "BVM-RESULT test=$T status=fail reason=$1 ${2:-}"; exit 0; }
 case "$mode" in kprobes|dma-events) ;; *) fail bad-capture-mode "capture=$mode" ;; esac
 
@@ -236,6 +238,7 @@ fio --name=capture --filename="$dev" --ioengine=libaio --direct=1 --rw="${C_rw:-
     --time_based --runtime="${C_runtime:-3}" --numjobs="${C_numjobs:-1}" --output=/tmp/fio.out >/tmp/fio.err 2>&1
 fio_rc=$?
 echo 0 > "$TR/tracing_on"
+phase fio
 for e in $events; do echo 0 > "$TR/events/$e/enable"; done
 after="$(counters)"
 [ $fio_rc -eq 0 ] || { tail -n 5 /tmp/fio.err /tmp/fio.out | sed 's/^/BVM-LOG /'; fail fio-error "rc=$fio_rc"; }
@@ -261,7 +264,9 @@ missed_unmap="$(awk '$1 ~ /bvm_unmap$/ {s += $3} END {print s + 0}' "$TR/kprobe_
 # events of the mapping CPU inside that window (schedule_work, swiotlb_alloc_pool,
 # swiotlb_dyn_free) belong to the map.
 cmdline="$(cat /proc/cmdline)"
-awk -v nslabs="$nslabs" -v nareas="$nareas" -v default_nareas="$default_nareas" -v dyn="$dyn" \
+# mawk when the image has it (images/build.sh): the conversion is most of a capture's time.
+AWK="$(command -v mawk || echo awk)"
+"$AWK" -v nslabs="$nslabs" -v nareas="$nareas" -v default_nareas="$default_nareas" -v dyn="$dyn" \
     -v mode="$mode" -v pool_start="$pool_start" -v pool_end="$pool_end" -v kernel="$(uname -r)" \
     -v cmdline="$cmdline" -v cpus="$(grep -c ^processor /proc/cpuinfo)" -v lost="$lost" \
     -v missed="$missed" -v missed_unmap="$missed_unmap" -v backstop="$backstop" -v skip_unmap="${C_skip_unmap_probe:-0}" -v before="$before" -v after="$after" -v start_used="$start_used" \
@@ -578,6 +583,7 @@ END {
     printf "\n" > "/tmp/counts"
 }' "$TR/trace" > /tmp/trace.jsonl || fail convert-error
 cat /tmp/trace.body >> /tmp/trace.jsonl && rm -f /tmp/trace.body
+phase convert
 [ -w "$TR/kprobe_events" ] && echo > "$TR/kprobe_events" 2>/dev/null
 counts="$(sed 's/^BVM-COUNTS //' /tmp/counts)"
 if [ "$mode" = kprobes ]; then
@@ -590,9 +596,11 @@ fi
 
 # ---------------------------------------------------------------- write out
 gzip -c /tmp/trace.jsonl > /tmp/trace.jsonl.gz
+phase gzip
 gz_bytes="$(wc -c < /tmp/trace.jsonl.gz)"
 sum="$(sha256sum /tmp/trace.jsonl.gz | cut -d' ' -f1)"
 { printf 'BVMTRACE1 %s %s\n' "$gz_bytes" "$sum"; head -c 4096 /dev/zero; } | head -c 4096 > /tmp/trace.hdr
 dd if=/tmp/trace.hdr of="$out" bs=4096 count=1 conv=notrunc,fsync status=none || fail write-error
 dd if=/tmp/trace.jsonl.gz of="$out" bs=4096 seek=1 conv=notrunc,fsync status=none || fail write-error
+phase write
 echo "BVM-RESULT test=$T status=ok $counts gz_bytes=$gz_bytes nslabs=$nslabs nareas=$nareas dynamic=$dyn capture=$mode dev=$dev out=$out"

@@ -252,6 +252,13 @@ def main():
             f"{sorted(os.sched_getaffinity(0))})")
     if os.geteuid() != 0:
         die("needs root (network namespaces, tap)")
+    if args.perf_dir:
+        if not shutil.which("perf"):
+            die("--perf-dir needs perf: apt-get install linux-perf")
+        try:
+            Path(args.perf_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            die(f"--perf-dir {args.perf_dir}: {e}")
     if not shutil.which("dpdk-testpmd"):
         die("dpdk-testpmd is missing: apt-get install --no-install-recommends dpdk-dev librte-net-virtio23")
     for spec in args.backend_bin:

@@ -155,6 +155,15 @@ pub enum IoeventMatch {
     U32(u32),
 }
 
+/// Whether [`Vm::ioeventfd`] adds or removes an ioeventfd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoeventOp {
+    /// KVM_IOEVENTFD: start signalling the eventfd.
+    Register,
+    /// KVM_IOEVENTFD with the deassign flag: stop signalling it.
+    Unregister,
+}
+
 impl Vm {
     /// Creates the VM: TSS and identity-map addresses, in-kernel irqchip, PIT2 (with a dummy
     /// speaker port so 0x61 reads work), and one memory slot per region of `memory`.
@@ -301,43 +310,39 @@ impl Vm {
             .map_err(|e| Error::Routing(crate::irq::Error::Commit(e)))
     }
 
-    /// Makes guest writes to `addr` that match `datamatch` signal `evt` inside KVM, without
-    /// an exit to the VMM.
+    /// [`IoeventOp::Register`]: makes guest writes to `addr` that match `datamatch` signal
+    /// `evt` inside KVM, without an exit to the VMM. [`IoeventOp::Unregister`] undoes that
+    /// (same `evt`, `addr` and `datamatch`).
     ///
     /// # Errors
     /// [`Error::Ioeventfd`].
-    pub fn register_ioeventfd(
+    pub fn ioeventfd(
         &self,
+        op: IoeventOp,
         evt: &EventFd,
         addr: IoEventAddress,
         datamatch: IoeventMatch,
     ) -> Result<()> {
+        // kvm-ioctls takes the datamatch width as a type parameter: one call per width.
         let r = match datamatch {
-            IoeventMatch::Any => self.fd.register_ioevent(evt, &addr, NoDatamatch),
-            IoeventMatch::U16(v) => self.fd.register_ioevent(evt, &addr, v),
-            IoeventMatch::U32(v) => self.fd.register_ioevent(evt, &addr, v),
+            IoeventMatch::Any => self.ioevent(op, evt, &addr, NoDatamatch),
+            IoeventMatch::U16(v) => self.ioevent(op, evt, &addr, v),
+            IoeventMatch::U32(v) => self.ioevent(op, evt, &addr, v),
         };
         r.map_err(|source| Error::Ioeventfd { addr, source })
     }
 
-    /// Undoes [`Vm::register_ioeventfd`] (same arguments).
-    // The same match as there: kvm-ioctls takes the datamatch as a type parameter, one call
-    // per width, and the two ioctls are two methods.
-    ///
-    /// # Errors
-    /// [`Error::Ioeventfd`].
-    pub fn unregister_ioeventfd(
+    fn ioevent<T: Into<u64>>(
         &self,
+        op: IoeventOp,
         evt: &EventFd,
-        addr: IoEventAddress,
-        datamatch: IoeventMatch,
-    ) -> Result<()> {
-        let r = match datamatch {
-            IoeventMatch::Any => self.fd.unregister_ioevent(evt, &addr, NoDatamatch),
-            IoeventMatch::U16(v) => self.fd.unregister_ioevent(evt, &addr, v),
-            IoeventMatch::U32(v) => self.fd.unregister_ioevent(evt, &addr, v),
-        };
-        r.map_err(|source| Error::Ioeventfd { addr, source })
+        addr: &IoEventAddress,
+        datamatch: T,
+    ) -> std::result::Result<(), kvm_ioctls::Error> {
+        match op {
+            IoeventOp::Register => self.fd.register_ioevent(evt, addr, datamatch),
+            IoeventOp::Unregister => self.fd.unregister_ioevent(evt, addr, datamatch),
+        }
     }
 
     /// Creates vCPU `id`.

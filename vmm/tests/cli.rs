@@ -12,8 +12,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_bouncevm");
-
 struct Tmp(PathBuf);
 impl Drop for Tmp {
     fn drop(&mut self) {
@@ -474,9 +472,9 @@ fn a_usual_qemu_command_line_boots() {
 /// `fail` and executes `ud2` (no IDT: a triple fault).
 fn acpi_poweroff_kernel() -> Vec<u8> {
     let mut a = Asm::new();
-    a.raw(&[0x89, 0xdf]); // mov edi, ebx (keep the start info pointer)
+    a.mov_rr(EDI, EBX); // keep the start info pointer
     a.print(b"acpi\n");
-    a.raw(&[0x89, 0xfb]); // mov ebx, edi
+    a.mov_rr(EBX, EDI);
     let fail = a.acpi_poweroff(true);
     a.raw(&[0xfa]).hlt_forever();
     a.patch_rel32_here(&fail).print(b"fail\n");
@@ -535,9 +533,9 @@ fn guest_acpi_poweroff_ends_bouncevm_with_status_zero() {
 /// FADT's PM1a_CNT (S5).
 fn power_button_kernel() -> Vec<u8> {
     let mut a = Asm::new();
-    a.raw(&[0x89, 0xdf]); // mov edi, ebx (keep the start info pointer)
+    a.mov_rr(EDI, EBX); // keep the start info pointer
     a.print(b"up\n").wait_power_button().print(b"button\n");
-    a.raw(&[0x89, 0xfb]); // mov ebx, edi
+    a.mov_rr(EBX, EDI);
     let fail = a.acpi_poweroff(true);
     a.raw(&[0xfa]).hlt_forever();
     a.patch_rel32_here(&fail).raw(&[0x0f, 0x0b]); // ud2
@@ -618,34 +616,31 @@ fn qmp_sock(name: &str) -> PathBuf {
 
 /// Starts bouncevm on `kernel` with a read-only drive and `-qmp PATH,server,nowait`.
 fn spawn_vm(kernel: &Tmp, disk: &Tmp, sock: &Path, extra: &[&str]) -> std::process::Child {
-    Command::new(BIN)
-        .args([
-            "-m",
-            "64M",
-            "-name",
-            "qmp-test",
-            "-kernel",
-            kernel.0.to_str().unwrap(),
-            "-drive",
-            &format!(
-                "file={},format=raw,if=none,id=disk0,readonly=on",
-                disk.0.display()
-            ),
-            "-device",
-            "virtio-blk-pci,drive=disk0,id=blk0,serial=s1",
-            "-bounce",
-            "id=blk0,policy=force,slots=256",
-            "-nographic",
-            "-no-reboot",
-            "-qmp",
-            &format!("unix:{},server,nowait", sock.display()),
-        ])
-        .args(extra)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    spawn_piped(
+        Command::new(BIN)
+            .args([
+                "-m",
+                "64M",
+                "-name",
+                "qmp-test",
+                "-kernel",
+                kernel.0.to_str().unwrap(),
+                "-drive",
+                &format!(
+                    "file={},format=raw,if=none,id=disk0,readonly=on",
+                    disk.0.display()
+                ),
+                "-device",
+                "virtio-blk-pci,drive=disk0,id=blk0,serial=s1",
+                "-bounce",
+                "id=blk0,policy=force,slots=256",
+                "-nographic",
+                "-no-reboot",
+                "-qmp",
+                &format!("unix:{},server,nowait", sock.display()),
+            ])
+            .args(extra),
+    )
 }
 
 /// Waits for `child` up to `secs`; kills it and panics on timeout.

@@ -45,6 +45,17 @@ fn required_capabilities_and_report() {
         leaves(0x1f)
     );
     assert!(!cpuid.is_empty());
+    // KVM leaves the TSC-deadline bit out of its supported CPUID; the VMM offers it whenever
+    // KVM can emulate it.
+    let leaf1 = cpuid
+        .iter()
+        .find(|e| e.function == 1)
+        .expect("CPUID leaf 1");
+    assert_eq!(
+        leaf1.ecx & (1 << 24) != 0,
+        kvm.check_extension(Cap::TscDeadlineTimer),
+        "CPUID.1:ECX TSC-deadline bit against KVM_CAP_TSC_DEADLINE_TIMER"
+    );
     assert!(
         kvm.check_extension(Cap::Ioeventfd),
         "virtio-pci notifications need ioeventfd"

@@ -149,6 +149,7 @@ fn mmio_dispatch_reaches_a_device_in_the_hole() {
 }
 
 /// A PCI function with one 4 KiB memory BAR whose reads return `0xb0000000 | offset`.
+#[derive(Debug)]
 struct BarFunction {
     config: PciConfiguration,
 }
@@ -376,13 +377,13 @@ fn long_mode_entry_with_patched_cpuid_on_two_vcpus() {
         let mut a = Asm::new();
         a.mov_eax(1)
             .cpuid()
-            .mov_eax_ebx()
+            .mov_rr(EAX, EBX)
             .shr_eax(24)
             .report_eax(port)
             .mov_eax(0xb)
-            .xor_ecx()
+            .xor_rr(ECX, ECX)
             .cpuid()
-            .mov_eax_edx()
+            .mov_rr(EAX, EDX)
             .report_eax(port + 4)
             .hlt_forever();
         let rip = 0x1000 + 0x100 * u64::from(id);
@@ -546,7 +547,8 @@ fn ioeventfd_catches_a_doorbell_without_an_exit() {
     let doorbell = 0xd000_0000u32;
     let evt = vmm_sys_util::eventfd::EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK).unwrap();
     m.vm()
-        .register_ioeventfd(
+        .ioeventfd(
+            vmm::vm::IoeventOp::Register,
             &evt,
             kvm_ioctls::IoEventAddress::Mmio(doorbell.into()),
             vmm::vm::IoeventMatch::U16(3),

@@ -144,13 +144,13 @@ fn driver_program() -> (Asm, Asm) {
         .report_eax(REPORT_PORT) // 3: subsystem
         .conf1_read(DEV, 13)
         .and_eax(0xfc)
-        .mov_ebx_eax();
+        .mov_rr(EBX, EAX);
     // Capability walk: report the first dword of each capability.
     let walk = a.here();
-    a.test_ebx();
+    a.test_rr(EBX, EBX);
     let done = a.jz_fwd();
     a.mov_eax(0x8000_0000 | u32::from(DEV) << 11)
-        .or_eax_ebx()
+        .or_rr(EAX, EBX)
         .mov_dx(0xcf8)
         .out_dx_eax()
         .mov_dx(0xcfc)
@@ -158,7 +158,7 @@ fn driver_program() -> (Asm, Asm) {
         .report_eax(REPORT_PORT)
         .shr_eax(8)
         .and_eax(0xfc)
-        .mov_ebx_eax()
+        .mov_rr(EBX, EAX)
         .jmp_to(walk)
         .patch_to_here(done);
     // MSI-X: enable (message control bit 15 = bit 31 of the capability's first dword at
@@ -166,7 +166,7 @@ fn driver_program() -> (Asm, Asm) {
     a.conf1_write(DEV, 0x40 / 4, 0x8000_0000)
         .conf1_read(DEV, 5) // BAR1 (MSI-X)
         .and_eax(!0xf)
-        .mov_ecx_eax()
+        .mov_rr(ECX, EAX)
         .st32(ECX, 0, 0xfee0_0000)
         .st32(ECX, 4, 0)
         .st32(ECX, 8, VECTOR)

@@ -15,7 +15,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -34,7 +34,6 @@ use devices::virtio::spec::{
 };
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-const BIN: &str = env!("CARGO_BIN_EXE_bouncevm");
 /// The virtio-blk-pci function of the only `-drive if=virtio`: 00:01.0.
 const DEV: u8 = 1;
 /// Writes submitted at once (three descriptors each, plus two for the FLUSH: 26 of 32).
@@ -81,7 +80,7 @@ fn print_completion(a: &mut Asm, k: u64) {
         .cmp_eax(u32::try_from(k + 1).unwrap())
         .jb_to(poll)
         .load_eax(u32::try_from(USED + 4 + 8 * k).unwrap()) // used.ring[k].id
-        .mov_ecx_eax()
+        .mov_rr(ECX, EAX)
         .add_al(b'A')
         .mov_dx(0x3f8)
         .out_dx_al()
@@ -95,7 +94,7 @@ fn print_completion(a: &mut Asm, k: u64) {
 
 /// Makes the first `n` avail entries visible and notifies queue 0 (BAR 4 in ebx).
 fn publish(a: &mut Asm, n: u64) {
-    a.xor_ecx()
+    a.xor_rr(ECX, ECX)
         .st16(ECX, (AVAIL + 2) as u32, u16::try_from(n).unwrap())
         .st16(EBX, 0x3000, 0);
 }
@@ -211,25 +210,22 @@ impl Vm {
         std::fs::write(&elf, kernel(flush)).unwrap();
         let img = dir.join(format!("{tag}.{format}"));
         create_image(&img, format);
-        let mut child = Command::new(BIN)
-            .args(["-m", "64M", "-kernel"])
-            .arg(&elf)
-            .arg("-drive")
-            .arg(format!(
-                "file={},format={format},if=virtio,cache={cache}",
-                img.display()
-            ))
-            .args([
-                "-bounce",
-                "policy=force,slots=1024",
-                "-nographic",
-                "-no-reboot",
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = spawn_piped(
+            Command::new(BIN)
+                .args(["-m", "64M", "-kernel"])
+                .arg(&elf)
+                .arg("-drive")
+                .arg(format!(
+                    "file={},format={format},if=virtio,cache={cache}",
+                    img.display()
+                ))
+                .args([
+                    "-bounce",
+                    "policy=force,slots=1024",
+                    "-nographic",
+                    "-no-reboot",
+                ]),
+        );
         let out = child.stdout.take().unwrap();
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {

@@ -10,11 +10,19 @@
 //!   (`n` cores, shift `ceil(log2 n)`), then an invalid level; EDX = x2APIC id. 0xB is added
 //!   if KVM did not report it while the max basic leaf allows it;
 //! * leaf 0x8000_0008 ECX (AMD): NC = `n - 1` and ApicIdCoreIdSize.
+//!
+//! [`supported_cpuid`] also sets CPUID.1:ECX bit 24 (TSC-deadline mode of the LAPIC timer) when
+//! KVM has `KVM_CAP_TSC_DEADLINE_TIMER`: KVM emulates that mode in its in-kernel LAPIC (which
+//! every bouncevm VM has) but leaves the bit out of `KVM_GET_SUPPORTED_CPUID`, since it depends on
+//! the VMM's irqchip choice; QEMU, Cloud Hypervisor and Firecracker set it the same way. Without
+//! it a Linux guest runs its LAPIC timers in one-shot mode calibrated against the PIT at boot,
+//! and falls back to the PIT's periodic interrupts (broadcast to the other CPUs) when that
+//! calibration fails, as it does under nested virtualization on a loaded host.
 
 use kvm_bindings::{
     kvm_cpuid_entry2, CpuId, KVM_CPUID_FLAG_SIGNIFCANT_INDEX, KVM_MAX_CPUID_ENTRIES,
 };
-use kvm_ioctls::Kvm;
+use kvm_ioctls::{Cap, Kvm};
 
 /// Errors of CPUID setup.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +55,7 @@ const LEAF_CACHE: u32 = 0x4;
 const LEAF_TOPOLOGY: u32 = 0xb;
 const LEAF_TOPOLOGY_V2: u32 = 0x1f;
 const LEAF_AMD_SIZES: u32 = 0x8000_0008;
+const ECX_TSC_DEADLINE: u32 = 1 << 24;
 const ECX_HYPERVISOR: u32 = 1 << 31;
 const EDX_HTT: u32 = 1 << 28;
 const LEVEL_SMT: u32 = 1;
@@ -125,7 +134,8 @@ pub fn patch_cpuid(entries: &mut Vec<kvm_cpuid_entry2>, id: u8, count: u8) -> Re
     Ok(())
 }
 
-/// The supported CPUID of this host's KVM.
+/// The supported CPUID of this host's KVM, with the TSC-deadline timer bit set when KVM can
+/// emulate it (see the module documentation).
 ///
 /// # Errors
 /// [`Error::Supported`].
@@ -133,7 +143,18 @@ pub fn supported_cpuid(kvm: &Kvm) -> Result<Vec<kvm_cpuid_entry2>> {
     let cpuid = kvm
         .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
         .map_err(Error::Supported)?;
-    Ok(cpuid.as_slice().to_vec())
+    let mut entries = cpuid.as_slice().to_vec();
+    if kvm.check_extension(Cap::TscDeadlineTimer) {
+        offer_tsc_deadline(&mut entries);
+    }
+    Ok(entries)
+}
+
+/// Sets CPUID.1:ECX bit 24, the TSC-deadline mode of the in-kernel LAPIC timer.
+fn offer_tsc_deadline(entries: &mut [kvm_cpuid_entry2]) {
+    for e in entries.iter_mut().filter(|e| e.function == LEAF_FEATURES) {
+        e.ecx |= ECX_TSC_DEADLINE;
+    }
 }
 
 /// Patches `base` for `vcpu` and sets it with KVM_SET_CPUID2.
@@ -239,6 +260,20 @@ mod tests {
         let amd = e.iter().find(|e| e.function == 0x8000_0008).unwrap();
         assert_eq!(amd.ecx & 0xff, 3);
         assert_eq!((amd.ecx >> 12) & 0xf, 2);
+    }
+
+    #[test]
+    fn tsc_deadline_offered_on_leaf_1_only() {
+        let mut e = base();
+        offer_tsc_deadline(&mut e);
+        for x in &e {
+            let want = if x.function == 1 { ECX_TSC_DEADLINE } else { 0 };
+            assert_eq!(x.ecx & ECX_TSC_DEADLINE, want, "leaf {:#x}", x.function);
+        }
+        // The topology patch keeps it.
+        patch_cpuid(&mut e, 1, 2).unwrap();
+        let l1 = e.iter().find(|e| e.function == 1).unwrap();
+        assert_ne!(l1.ecx & ECX_TSC_DEADLINE, 0);
     }
 
     #[test]

@@ -143,26 +143,38 @@ pub(super) const FLAGS: &[Flag] = &[
     },
 ];
 
-/// Checks that the back end `id` of a `device` (a `-drive` or a `-netdev`, as `kind` says) is
-/// defined and that no other device uses it; records it in `used`.
-fn claim_backend(
-    device: &str,
-    kind: &str,
-    id: &str,
-    defined: bool,
-    used: &mut std::collections::HashSet<String>,
-) -> Result<()> {
-    if !defined {
-        return Err(CliError::Reference(format!(
-            "-device {device}: {kind} '{id}' is not defined by a -{kind}"
-        )));
+/// The back ends of one kind (`-drive` or `-netdev`) that devices name by id: each one a
+/// device names must be defined, and no two devices may name the same one.
+struct Backends<'a> {
+    kind: &'static str,
+    defined: Vec<&'a str>,
+    used: std::collections::HashSet<String>,
+}
+
+impl<'a> Backends<'a> {
+    fn new(kind: &'static str, defined: impl Iterator<Item = &'a str>) -> Self {
+        Backends {
+            kind,
+            defined: defined.collect(),
+            used: std::collections::HashSet::new(),
+        }
     }
-    if !used.insert(id.to_string()) {
-        return Err(CliError::Reference(format!(
-            "{kind} '{id}' is used by more than one device"
-        )));
+
+    /// Records that `-device device` uses the back end `id`.
+    fn claim(&mut self, device: &str, id: &str) -> Result<()> {
+        let kind = self.kind;
+        if !self.defined.contains(&id) {
+            return Err(CliError::Reference(format!(
+                "-device {device}: {kind} '{id}' is not defined by a -{kind}"
+            )));
+        }
+        if !self.used.insert(id.to_string()) {
+            return Err(CliError::Reference(format!(
+                "{kind} '{id}' is used by more than one device"
+            )));
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 fn bad_flag(flag: &str, value: &str, reason: &str) -> CliError {
@@ -587,8 +599,8 @@ impl Parser {
     pub(super) fn finish(mut self) -> Result<Config> {
         let cfg = &mut self.cfg;
         let mut ids = std::collections::HashSet::new();
-        let mut used_drives = std::collections::HashSet::new();
-        let mut used_netdevs = std::collections::HashSet::new();
+        let mut drives = Backends::new("drive", cfg.drives.iter().map(|x| x.id.as_str()));
+        let mut netdevs = Backends::new("netdev", cfg.netdevs.iter().map(|x| x.id.as_str()));
         let mut default_macs = 0u8;
         for d in &mut cfg.devices {
             if !ids.insert(d.id().to_string()) {
@@ -598,30 +610,15 @@ impl Parser {
                 )));
             }
             match d {
-                // One claim_backend call per backend kind; the defaults set afterwards differ.
                 DeviceSpec::Blk(b) => {
-                    let defined = cfg.drives.iter().any(|x| x.id == b.drive);
-                    claim_backend(
-                        "virtio-blk-pci",
-                        "drive",
-                        &b.drive,
-                        defined,
-                        &mut used_drives,
-                    )?;
+                    drives.claim("virtio-blk-pci", &b.drive)?;
                     if b.serial.is_empty() {
                         b.serial = b.drive.clone();
                     }
                 }
                 DeviceSpec::Net(n) => {
                     // As QEMU: "Property 'virtio-net-pci.netdev' can't take value, it's in use".
-                    let defined = cfg.netdevs.iter().any(|x| x.id == n.netdev);
-                    claim_backend(
-                        "virtio-net-pci",
-                        "netdev",
-                        &n.netdev,
-                        defined,
-                        &mut used_netdevs,
-                    )?;
+                    netdevs.claim("virtio-net-pci", &n.netdev)?;
                     if n.mac.is_none() {
                         let mut mac = DEFAULT_MAC;
                         mac[5] = mac[5].wrapping_add(default_macs);

@@ -81,8 +81,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// Register indices are 32-bit register numbers (`offset / 4`) in `0..NUM_CONFIG_REGISTERS`;
 /// `offset` is the byte offset within the register and `data.len()` the access width. The
 /// caller guarantees `offset + data.len() <= 4`; implementations must still not panic on
-/// other values (guest-controlled).
-pub trait PciDevice: Send {
+/// other values (guest-controlled). `Debug` lets a [`PciBarRegion`] show the function it
+/// routes to.
+pub trait PciDevice: Send + std::fmt::Debug {
     /// The function's configuration space (header, BARs, capabilities).
     fn config(&self) -> &PciConfiguration;
 
@@ -94,16 +95,25 @@ pub trait PciDevice: Send {
         self.config().read_reg(reg)
     }
 
-    /// Writes `data` to configuration register `reg` at byte `offset`. Returns the BAR move
-    /// the write caused, if any; [`PciRoot`] then remaps the BAR on the MMIO bus. By default
-    /// the write goes to [`PciDevice::config_mut`] and nothing else happens.
+    /// Writes `data` to configuration register `reg` at byte `offset` of
+    /// [`PciDevice::config_mut`], then tells [`PciDevice::config_written`]. Returns the BAR
+    /// move the write caused, if any; [`PciRoot`] then remaps the BAR on the MMIO bus.
     fn write_config_register(
         &mut self,
         reg: usize,
         offset: u64,
         data: &[u8],
     ) -> Option<BarReprogram> {
-        self.config_mut().write_reg(reg, offset, data)
+        let moved = self.config_mut().write_reg(reg, offset, data);
+        self.config_written(reg, moved.as_ref());
+        moved
+    }
+
+    /// Called after a guest write to configuration register `reg` has been stored, with the
+    /// BAR move it caused, if any, for a function that follows its own registers (MSI-X
+    /// enable, a moved notification area). By default nothing happens.
+    fn config_written(&mut self, reg: usize, moved: Option<&BarReprogram>) {
+        let _ = (reg, moved);
     }
 
     /// The memory BARs as currently programmed, mapped on the MMIO bus when the device is

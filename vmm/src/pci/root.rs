@@ -176,19 +176,11 @@ impl PciRoot {
     }
 }
 
-// Plain fields and a hand-written Debug; alike in shape only to other small structs.
 /// The MMIO window of one BAR, routed to its function.
+#[derive(Debug)]
 pub struct PciBarRegion {
     device: SharedPciDevice,
     bar: usize,
-}
-
-impl std::fmt::Debug for PciBarRegion {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PciBarRegion")
-            .field("bar", &self.bar)
-            .finish()
-    }
 }
 
 impl BusDevice for PciBarRegion {
@@ -348,6 +340,7 @@ mod tests {
     use super::super::{BarKind, PciBar, PciConfiguration, PciHeader};
     use super::*;
 
+    #[derive(Debug)]
     struct BarDev {
         config: PciConfiguration,
         last_write: Option<(usize, u64, Vec<u8>)>,

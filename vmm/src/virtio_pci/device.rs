@@ -19,7 +19,7 @@ use super::msix::{MsixInterrupts, ENTRY_SIZE};
 use super::worker::{WorkerSetup, WorkerThread};
 use super::*;
 use crate::pci::{BarKind, BarReprogram, PciBar, PciConfiguration, PciDevice, PciHeader, PciRoot};
-use crate::vm::{IoeventMatch, Vm};
+use crate::vm::{IoeventMatch, IoeventOp, Vm};
 
 /// A device core shared between its transport and the monitor (for statistics).
 pub type SharedVirtioDevice = Arc<Mutex<dyn VirtioDevice<GuestMemoryMmap>>>;
@@ -371,6 +371,18 @@ impl VirtioPciDevice {
         );
     }
 
+    /// Registers or unregisters the ioeventfd of queue `q`'s notification address in the
+    /// notification area at `base`.
+    fn queue_ioevent(&self, op: IoeventOp, base: u64, q: usize) -> crate::vm::Result<()> {
+        let addr = base + q as u64 * u64::from(NOTIFY_OFF_MULTIPLIER);
+        self.vm.ioeventfd(
+            op,
+            &self.kicks[q],
+            IoEventAddress::Mmio(addr),
+            IoeventMatch::Any,
+        )
+    }
+
     fn register_ioevents(&mut self, queues: Vec<usize>) {
         if !self.options.ioeventfd {
             return;
@@ -378,12 +390,7 @@ impl VirtioPciDevice {
         let base = self.notify_base();
         let mut done = Vec::new();
         for &q in &queues {
-            let addr = base + q as u64 * u64::from(NOTIFY_OFF_MULTIPLIER);
-            if let Err(e) = self.vm.register_ioeventfd(
-                &self.kicks[q],
-                IoEventAddress::Mmio(addr),
-                IoeventMatch::Any,
-            ) {
+            if let Err(e) = self.queue_ioevent(IoeventOp::Register, base, q) {
                 // The MMIO write path still kicks the queue (see `write_bar`).
                 tracing::warn!(device = %self.id, queue = q, error = %e,
                     "ioeventfd registration failed; notifications take the MMIO exit path");
@@ -399,12 +406,7 @@ impl VirtioPciDevice {
             return;
         };
         for q in queues {
-            let addr = base + q as u64 * u64::from(NOTIFY_OFF_MULTIPLIER);
-            if let Err(e) = self.vm.unregister_ioeventfd(
-                &self.kicks[q],
-                IoEventAddress::Mmio(addr),
-                IoeventMatch::Any,
-            ) {
+            if let Err(e) = self.queue_ioevent(IoeventOp::Unregister, base, q) {
                 tracing::warn!(device = %self.id, queue = q, error = %e, "ioeventfd unregistration failed");
             }
         }
@@ -487,21 +489,13 @@ impl PciDevice for VirtioPciDevice {
         &mut self.config
     }
 
-    // Overrides the PciDevice default (pci/mod.rs) to also follow the MSI-X capability.
-    fn write_config_register(
-        &mut self,
-        reg: usize,
-        offset: u64,
-        data: &[u8],
-    ) -> Option<BarReprogram> {
-        let moved = self.config.write_reg(reg, offset, data);
+    fn config_written(&mut self, reg: usize, moved: Option<&BarReprogram>) {
         if reg == self.msix_cap_reg {
             self.sync_msix_control();
         }
-        if let Some(m) = &moved {
+        if let Some(m) = moved {
             self.bar_moved(m);
         }
-        moved
     }
 
     fn read_bar(&mut self, bar: usize, offset: u64, data: &mut [u8]) {

@@ -31,6 +31,18 @@ pub fn kvm_available() -> bool {
     }
 }
 
+/// The `bouncevm` binary this package builds.
+pub const BIN: &str = env!("CARGO_BIN_EXE_bouncevm");
+
+/// Starts `cmd` (a `bouncevm` line) with stdin from /dev/null and stdout and stderr piped.
+pub fn spawn_piped(cmd: &mut std::process::Command) -> std::process::Child {
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn bouncevm")
+}
+
 /// A port for test results.
 pub const REPORT_PORT: u16 = 0xe0;
 /// The debug-exit port used by the tests.
@@ -93,21 +105,30 @@ impl Asm {
     pub fn load_eax(&mut self, addr: u32) -> &mut Self {
         self.b(&[0xa1]).b(&addr.to_le_bytes())
     }
-    /// `xor ecx, ecx` (any).
-    pub fn xor_ecx(&mut self) -> &mut Self {
-        self.b(&[0x31, 0xc9])
-    }
     /// `cpuid` (any).
     pub fn cpuid(&mut self) -> &mut Self {
         self.b(&[0x0f, 0xa2])
     }
-    /// `mov eax, ebx` (any).
-    pub fn mov_eax_ebx(&mut self) -> &mut Self {
-        self.b(&[0x89, 0xd8])
+    /// `op r/m32, r32` between two registers (ModRM mod 11): `dst` is the r/m operand, `src`
+    /// the reg operand, both register numbers ([`EAX`] ...).
+    fn rr(&mut self, op: u8, dst: u8, src: u8) -> &mut Self {
+        self.b(&[op, 0xc0 | src << 3 | dst])
     }
-    /// `mov eax, edx` (any).
-    pub fn mov_eax_edx(&mut self) -> &mut Self {
-        self.b(&[0x89, 0xd0])
+    /// `mov dst, src` (any).
+    pub fn mov_rr(&mut self, dst: u8, src: u8) -> &mut Self {
+        self.rr(0x89, dst, src)
+    }
+    /// `or dst, src` (any).
+    pub fn or_rr(&mut self, dst: u8, src: u8) -> &mut Self {
+        self.rr(0x09, dst, src)
+    }
+    /// `xor dst, src` (any).
+    pub fn xor_rr(&mut self, dst: u8, src: u8) -> &mut Self {
+        self.rr(0x31, dst, src)
+    }
+    /// `test a, b` (any).
+    pub fn test_rr(&mut self, a: u8, b: u8) -> &mut Self {
+        self.rr(0x85, a, b)
     }
     /// `shr eax, imm8` (any).
     pub fn shr_eax(&mut self, n: u8) -> &mut Self {
@@ -155,26 +176,6 @@ impl Asm {
     /// `and eax, imm32` (any).
     pub fn and_eax(&mut self, v: u32) -> &mut Self {
         self.b(&[0x25]).b(&v.to_le_bytes())
-    }
-    /// `mov ebx, eax` (any).
-    pub fn mov_ebx_eax(&mut self) -> &mut Self {
-        self.b(&[0x89, 0xc3])
-    }
-    /// `mov ecx, eax` (any).
-    pub fn mov_ecx_eax(&mut self) -> &mut Self {
-        self.b(&[0x89, 0xc1])
-    }
-    /// `or eax, ebx` (any).
-    pub fn or_eax_ebx(&mut self) -> &mut Self {
-        self.b(&[0x09, 0xd8])
-    }
-    /// `test ebx, ebx` (any).
-    pub fn test_ebx(&mut self) -> &mut Self {
-        self.b(&[0x85, 0xdb])
-    }
-    /// `test eax, eax` (any).
-    pub fn test_eax(&mut self) -> &mut Self {
-        self.b(&[0x85, 0xc0])
     }
     /// `jz rel8` with a placeholder; returns the position to patch with [`Asm::patch_to_here`].
     pub fn jz_fwd(&mut self) -> usize {
@@ -384,7 +385,7 @@ impl Asm {
     pub fn virtio_reset_to_driver(&mut self, dev: u8) -> &mut Self {
         self.conf1_read(dev, 8)
             .and_eax(!0xf)
-            .mov_ebx_eax()
+            .mov_rr(EBX, EAX)
             .st8(EBX, 0x14, 0) // reset
             .st8(EBX, 0x14, VIRTIO_CONFIG_S_ACKNOWLEDGE)
             .st8(
@@ -405,9 +406,13 @@ impl Asm {
     }
 }
 
-/// Register numbers of the `base` operands of [`Asm`]'s loads and stores.
-pub const EBX: u8 = 3;
+/// Register numbers of [`Asm`]'s register operands and of the `base` operands of its loads
+/// and stores.
+pub const EAX: u8 = 0;
 pub const ECX: u8 = 1;
+pub const EDX: u8 = 2;
+pub const EBX: u8 = 3;
+pub const EDI: u8 = 7;
 
 /// One recorded write: absolute address and bytes.
 pub type Access = (u64, Vec<u8>);
