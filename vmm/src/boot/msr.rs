@@ -125,7 +125,8 @@ const APIC_LVT1: usize = 0x360;
 const APIC_MODE_NMI: u32 = 0x4;
 const APIC_MODE_EXTINT: u32 = 0x7;
 
-fn lapic_reg(state: &kvm_lapic_state, offset: usize) -> u32 {
+/// The 32-bit LAPIC register at `offset` of a `KVM_GET_LAPIC` image.
+pub(crate) fn lapic_reg(state: &kvm_lapic_state, offset: usize) -> u32 {
     let mut b = [0u8; 4];
     for (i, byte) in b.iter_mut().enumerate() {
         *byte = state.regs[offset + i] as u8;
