@@ -13,12 +13,11 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 use vm_memory::{Bytes, GuestAddress};
-use vmm::boot::regs::EntryState;
 use vmm::bus::BusDevice;
 use vmm::exit::ExitReason;
 use vmm::qmp::{self, Monitor, QmpContext};
 use vmm::vcpu::state::QUERY_TIMEOUT;
-use vmm::{Machine, MachineConfig};
+use vmm::Machine;
 
 /// Where the spinning vCPU's loop starts, and the counter it increments.
 const SPIN: u64 = 0x1000;
@@ -30,25 +29,10 @@ const UNCLAIMED_PORT: u16 = 0x2f0;
 /// The port of the device that holds its vCPU thread in the VMM.
 const GATE_PORT: u16 = 0x2e0;
 
-fn machine(vcpus: u8) -> Machine {
-    Machine::new(&MachineConfig {
-        mem_size: 4 << 20,
-        vcpus,
-    })
-    .expect("create machine")
-}
-
+/// Loads `code` at `addr` and starts `vcpu` there in flat 32-bit mode (an AP made runnable).
 fn load_flat32(m: &Machine, vcpu: usize, addr: u64, code: &Asm) {
-    m.memory()
-        .write_slice(&code.code, GuestAddress(addr))
-        .expect("load code");
-    EntryState::Flat32 {
-        eip: addr as u32,
-        ebx: 0,
-        esp: 0x8000,
-    }
-    .apply(&m.vcpus()[vcpu], m.memory())
-    .expect("entry state");
+    load(m, addr, code);
+    flat32(m, vcpu, addr);
     if vcpu > 0 {
         m.vcpus()[vcpu].set_runnable().expect("runnable");
     }
@@ -155,10 +139,9 @@ fn wait_for(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
 /// the spinning vCPU keeps counting after them; `info registers -a` prints the same.
 #[test]
 fn x_query_vcpus_reports_a_spinning_a_halted_and_an_unstarted_vcpu() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(3) else {
         return;
-    }
-    let m = machine(3);
+    };
     let (spin, spin_len) = spin_with_exits();
     load_flat32(&m, 0, SPIN, &spin);
     let mut halt = Asm::new();
@@ -300,10 +283,9 @@ impl BusDevice for GateDevice {
 /// vCPU still answers, and once the handler returns the vCPU answers again and goes on.
 #[test]
 fn a_vcpu_held_in_an_exit_handler_is_reported_unanswered_within_the_bound() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(2) else {
         return;
-    }
-    let m = machine(2);
+    };
     let gate = Arc::new(Gate::default());
     m.pio_bus()
         .insert(
@@ -368,10 +350,9 @@ fn a_vcpu_held_in_an_exit_handler_is_reported_unanswered_within_the_bound() {
 /// Hostile `human-monitor-command` input gets a QMP error and the session goes on.
 #[test]
 fn human_monitor_command_refuses_what_it_does_not_know() {
-    if !kvm_available() {
+    let Some(m) = kvm_machine(1) else {
         return;
-    }
-    let m = machine(1);
+    };
     let mut c = Client::serve(&m, "hmp");
     for args in [
         json!({}),

@@ -393,8 +393,10 @@ pub struct VcpuSnapshot {
     pub tsc: Result<(Option<u64>, Option<u64>), kvm_ioctls::Error>,
 }
 
-/// LAPIC register offsets (Intel SDM vol. 3, table "Local APIC Register Address Map").
+/// LAPIC register offsets (Intel SDM vol. 3, table "Local APIC Register Address Map"); the
+/// LINT entries are the ones boot set-up programs.
 mod apic {
+    pub(crate) use crate::boot::msr::{APIC_LVT0 as LVT_LINT0, APIC_LVT1 as LVT_LINT1};
     pub const ID: usize = 0x20;
     pub const TPR: usize = 0x80;
     pub const PPR: usize = 0xa0;
@@ -405,8 +407,6 @@ mod apic {
     pub const ICR_LO: usize = 0x300;
     pub const ICR_HI: usize = 0x310;
     pub const LVT_TIMER: usize = 0x320;
-    pub const LVT_LINT0: usize = 0x350;
-    pub const LVT_LINT1: usize = 0x360;
     pub const LVT_ERROR: usize = 0x370;
     pub const TIMER_INITIAL: usize = 0x380;
     pub const TIMER_CURRENT: usize = 0x390;
@@ -579,11 +579,7 @@ mod tests {
 
     fn snapshot() -> VcpuSnapshot {
         let mut lapic = kvm_lapic_state::default();
-        let mut set = |off: usize, v: u32| {
-            for (i, b) in v.to_le_bytes().iter().enumerate() {
-                lapic.regs[off + i] = *b as _;
-            }
-        };
+        let mut set = |off, v| crate::boot::msr::set_lapic_reg(&mut lapic, off, v);
         set(apic::ID, 1 << 24);
         set(apic::TPR, 0x10);
         // Vector 0xec (236) in IRR: word 7, bit 12; vector 0x30 in IRR and ISR: word 1, bit 16.
