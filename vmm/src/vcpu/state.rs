@@ -13,7 +13,9 @@
 //! The run loop sees the flag before its next `KVM_RUN`, enters `KVM_RUN` once with
 //! `immediate_exit` set (KVM then completes a pending PIO/MMIO access, so the registers read
 //! are consistent, and returns `EINTR` without entering the guest), reads the state with
-//! `KVM_GET_*` ioctls only (nothing guest-visible changes) and goes on. A vCPU that does not
+//! `KVM_GET_*` ioctls only (nothing guest-visible changes: `KVM_GET_MP_STATE` and
+//! `KVM_GET_VCPU_EVENTS` let KVM take in pending INIT/SIPI and NMI events first, as the next
+//! `KVM_RUN` would, and QEMU makes the same calls on every register read) and goes on. A vCPU that does not
 //! answer in time (its thread held in a long exit handler) is reported with what is known
 //! without it: thread state and counters.
 
