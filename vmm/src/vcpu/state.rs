@@ -725,7 +725,8 @@ mod tests {
         let a = query(&v, Duration::from_millis(100));
         let took = t.elapsed();
         assert!(took >= Duration::from_millis(100), "{took:?}");
-        assert!(took < Duration::from_millis(400), "{took:?}");
+        // The bound, plus slack for a host whose cores other work keeps busy.
+        assert!(took < Duration::from_secs(2), "{took:?}");
         assert_eq!(a[0]["answered"], false);
         assert_eq!(a[0]["thread-state"], "vmm");
         assert!(v[0].state_wanted());
