@@ -25,7 +25,6 @@
 //! of `KVM_RUN`, joins the threads and returns the [`MachineExit`].
 
 use std::io::Write;
-use std::sync::atomic::AtomicI32;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -46,7 +45,7 @@ use crate::legacy::{
 };
 use crate::memory::{self, RamRange};
 use crate::pci::{PciConfigIo, PciConfigMmio, PciRoot};
-use crate::vcpu::{self, Vcpu, VcpuStats};
+use crate::vcpu::{self, Vcpu, VcpuShared, VcpuStats};
 use crate::vm::{self, Vm};
 
 /// How long [`RunningMachine::wait`] keeps kicking a vCPU thread before giving up on it.
@@ -124,7 +123,7 @@ pub struct Machine {
     pci: Option<Arc<PciRoot>>,
     rsdp: Option<u64>,
     power_button: Option<PowerButton>,
-    vcpu_tids: Arc<[AtomicI32]>,
+    vcpu_shared: Arc<[VcpuShared]>,
 }
 
 /// The SCI as a KVM irqchip line (`KVM_IRQ_LINE`, level).
@@ -178,7 +177,7 @@ impl Machine {
             pci: None,
             rsdp: None,
             power_button: None,
-            vcpu_tids: (0..cfg.vcpus).map(|_| AtomicI32::new(0)).collect(),
+            vcpu_shared: (0..cfg.vcpus).map(VcpuShared::new).collect(),
         })
     }
 
@@ -305,9 +304,10 @@ impl Machine {
         self.power_button.as_ref()
     }
 
-    /// The kernel thread id of each vCPU thread (0 until it runs), in id order.
-    pub fn vcpu_thread_ids(&self) -> Arc<[AtomicI32]> {
-        self.vcpu_tids.clone()
+    /// What each vCPU thread shares with the monitor (thread id, thread state, exit
+    /// counters, state requests), in id order.
+    pub fn vcpu_shared(&self) -> Arc<[VcpuShared]> {
+        self.vcpu_shared.clone()
     }
 
     /// The ACPI RSDP address, once [`Machine::add_acpi`] was called.
@@ -385,7 +385,7 @@ impl Machine {
             mmio,
             exit,
             pci,
-            vcpu_tids,
+            vcpu_shared,
             ..
         } = self;
         let mut running = RunningMachine {
@@ -396,11 +396,11 @@ impl Machine {
         };
         for v in vcpus {
             let id = v.id();
-            let t = v.spawn_with_tid(
+            let t = v.spawn(
                 pio.clone(),
                 mmio.clone(),
                 running.exit.clone(),
-                vcpu_tids.clone(),
+                vcpu_shared.clone(),
             )?;
             running.threads.push((id, t));
         }

@@ -10,13 +10,15 @@
 //! that lands between the flag check and `KVM_RUN` is lost, so the machine re-sends it until
 //! the thread ends (see [`crate::machine::RunningMachine::wait`]).
 //!
+//! State for the monitor: each vCPU thread keeps its exit counters and where it is in a
+//! [`VcpuShared`], and reads its own registers when the monitor asks ([`state::query`]).
+//!
 //! Known limitation: a string PIO instruction (`rep outsb`/`rep insw`, KVM_EXIT_IO with
 //! `count > 1`) reaches the device as one access of `size * count` bytes, because kvm-ioctls
 //! does not expose `size` and `count` separately. None of the devices here is driven that way
 //! by Linux (the 8250, i8042 and conf1 drivers use single `in`/`out`); a device that is
 //! (ATA PIO) needs the exit split per element first.
 
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 
@@ -27,6 +29,10 @@ use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::bus::Bus;
 use crate::exit::{ExitHandle, ExitReason};
+
+pub mod state;
+
+pub use state::{ExitKind, ThreadState, VcpuShared};
 
 /// Errors of vCPU handling.
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +63,8 @@ pub enum Error {
 /// Result alias of this module.
 pub type Result<T> = std::result::Result<T, Error>;
 
-/// Counters of one vCPU's exits, returned when its thread ends.
+/// Counters of one vCPU's exits, returned when its thread ends (a summary of its
+/// [`VcpuShared`] counters).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct VcpuStats {
     /// KVM_EXIT_IO exits.
@@ -145,7 +152,8 @@ impl Vcpu {
             .map_err(self.ioctl_err("KVM_SET_MP_STATE"))
     }
 
-    /// Moves the vCPU into a new thread named `vcpu<id>` running [`Vcpu::run_loop`].
+    /// Moves the vCPU into a new thread named `vcpu<id>` running [`Vcpu::run_loop`], which
+    /// reports to `shared[id]` (to a block of its own when `shared` is shorter).
     ///
     /// # Errors
     /// [`Error::Signal`], [`Error::Spawn`].
@@ -154,97 +162,103 @@ impl Vcpu {
         pio: Arc<Bus>,
         mmio: Arc<Bus>,
         exit: ExitHandle,
-    ) -> Result<JoinHandle<VcpuStats>> {
-        self.spawn_with_tid(pio, mmio, exit, Arc::from(Vec::new()))
-    }
-
-    /// [`Vcpu::spawn`], storing the thread's kernel thread id in `tids[id]` once it runs
-    /// (for QMP `query-cpus-fast`; ignored when `tids` is shorter).
-    ///
-    /// # Errors
-    /// [`Error::Signal`], [`Error::Spawn`].
-    pub fn spawn_with_tid(
-        self,
-        pio: Arc<Bus>,
-        mmio: Arc<Bus>,
-        exit: ExitHandle,
-        tids: Arc<[AtomicI32]>,
+        shared: Arc<[VcpuShared]>,
     ) -> Result<JoinHandle<VcpuStats>> {
         install_kick_handler()?;
         let id = self.id;
         std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
-                if let Some(t) = tids.get(usize::from(id)) {
-                    // SAFETY: gettid has no preconditions.
-                    t.store(unsafe { libc::gettid() }, Ordering::Relaxed);
-                }
-                self.run_loop(&pio, &mmio, &exit)
+                let own = VcpuShared::new(id);
+                let shared = shared.get(usize::from(id)).unwrap_or(&own);
+                self.run_loop(&pio, &mmio, &exit, shared)
             })
             .map_err(|source| Error::Spawn { id, source })
     }
 
-    /// Runs the vCPU until an exit is requested (by anyone) or the vCPU itself ends the VM.
-    pub fn run_loop(mut self, pio: &Bus, mmio: &Bus, exit: &ExitHandle) -> VcpuStats {
+    /// Runs the vCPU until an exit is requested (by anyone) or the vCPU itself ends the VM,
+    /// keeping `shared` (counters, thread state) current and answering its state requests.
+    pub fn run_loop(
+        mut self,
+        pio: &Bus,
+        mmio: &Bus,
+        exit: &ExitHandle,
+        shared: &VcpuShared,
+    ) -> VcpuStats {
         let id = self.id;
-        let mut stats = VcpuStats::default();
+        shared.thread_started();
         tracing::debug!(vcpu = id, "vCPU thread started");
         while !exit.is_requested() {
-            match self.fd.run() {
+            // A state request: this KVM_RUN completes a pending PIO/MMIO access and returns
+            // EINTR without entering the guest, so the state read after it is consistent.
+            let wanted = shared.state_wanted();
+            if wanted {
+                self.fd.set_kvm_immediate_exit(1);
+            }
+            shared.set_thread_state(ThreadState::KvmRun);
+            let result = self.fd.run();
+            shared.set_thread_state(ThreadState::Vmm);
+            let kind = match result {
                 Ok(VcpuExit::IoIn(port, data)) => {
-                    stats.pio_exits += 1;
                     if !pio.read(u64::from(port), data) {
-                        stats.pio_unhandled += 1;
+                        shared.count_pio_unhandled();
                         data.fill(0xff);
                         tracing::trace!(vcpu = id, port, "unhandled PIO read");
                     }
+                    ExitKind::Io
                 }
                 Ok(VcpuExit::IoOut(port, data)) => {
-                    stats.pio_exits += 1;
                     if !pio.write(u64::from(port), data) {
-                        stats.pio_unhandled += 1;
+                        shared.count_pio_unhandled();
                         tracing::trace!(vcpu = id, port, ?data, "unhandled PIO write");
                     }
+                    ExitKind::Io
                 }
                 Ok(VcpuExit::MmioRead(addr, data)) => {
-                    stats.mmio_exits += 1;
                     if !mmio.read(addr, data) {
-                        stats.mmio_unhandled += 1;
+                        shared.count_mmio_unhandled();
                         data.fill(0xff);
                         tracing::debug!(vcpu = id, addr, "unhandled MMIO read");
                     }
+                    ExitKind::Mmio
                 }
                 Ok(VcpuExit::MmioWrite(addr, data)) => {
-                    stats.mmio_exits += 1;
                     if !mmio.write(addr, data) {
-                        stats.mmio_unhandled += 1;
+                        shared.count_mmio_unhandled();
                         tracing::debug!(vcpu = id, addr, ?data, "unhandled MMIO write");
                     }
+                    ExitKind::Mmio
                 }
                 Ok(VcpuExit::Hlt) => {
                     exit.request(ExitReason::Halted { vcpu: id });
+                    ExitKind::Hlt
                 }
                 Ok(VcpuExit::Shutdown) => {
                     exit.request(ExitReason::TripleFault);
+                    ExitKind::Shutdown
                 }
-                Ok(VcpuExit::SystemEvent(kind, data)) => match kind {
-                    kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => {
-                        exit.request(ExitReason::PowerOff);
+                Ok(VcpuExit::SystemEvent(kind, data)) => {
+                    match kind {
+                        kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => {
+                            exit.request(ExitReason::PowerOff);
+                        }
+                        kvm_bindings::KVM_SYSTEM_EVENT_RESET => {
+                            exit.request(ExitReason::Reset);
+                        }
+                        kvm_bindings::KVM_SYSTEM_EVENT_CRASH => {
+                            exit.request(ExitReason::GuestCrash);
+                        }
+                        other => {
+                            tracing::warn!(vcpu = id, kind = other, ?data, "ignored system event");
+                        }
                     }
-                    kvm_bindings::KVM_SYSTEM_EVENT_RESET => {
-                        exit.request(ExitReason::Reset);
-                    }
-                    kvm_bindings::KVM_SYSTEM_EVENT_CRASH => {
-                        exit.request(ExitReason::GuestCrash);
-                    }
-                    other => {
-                        tracing::warn!(vcpu = id, kind = other, ?data, "ignored system event");
-                    }
-                },
+                    ExitKind::SystemEvent
+                }
                 Ok(VcpuExit::FailEntry(reason, cpu)) => {
                     exit.request(ExitReason::Error(format!(
                         "vCPU {id}: VM entry failed, hardware reason {reason:#x} on host cpu {cpu}"
                     )));
+                    ExitKind::FailEntry
                 }
                 Ok(VcpuExit::InternalError) => {
                     let suberror = self.fd.get_kvm_run().__bindgen_anon_1;
@@ -254,22 +268,33 @@ impl Vcpu {
                     exit.request(ExitReason::Error(format!(
                         "vCPU {id}: KVM internal error, suberror {sub}"
                     )));
+                    ExitKind::InternalError
                 }
-                Ok(VcpuExit::Intr) => stats.interrupted += 1,
-                Ok(VcpuExit::IoapicEoi(_)) | Ok(VcpuExit::IrqWindowOpen) => {}
+                Ok(VcpuExit::Intr) => ExitKind::Intr,
+                Ok(VcpuExit::IoapicEoi(_)) => ExitKind::IoapicEoi,
+                Ok(VcpuExit::IrqWindowOpen) => ExitKind::IrqWindowOpen,
                 Ok(other) => {
                     exit.request(ExitReason::Error(format!(
                         "vCPU {id}: unhandled exit {other:?}"
                     )));
+                    ExitKind::Other
                 }
-                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-                    stats.interrupted += 1;
-                }
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => ExitKind::Intr,
                 Err(e) => {
                     exit.request(ExitReason::Error(format!("vCPU {id}: KVM_RUN: {e}")));
+                    ExitKind::Error
+                }
+            };
+            shared.count(kind);
+            if wanted {
+                self.fd.set_kvm_immediate_exit(0);
+                if kind == ExitKind::Intr {
+                    shared.answer(&self.fd);
                 }
             }
         }
+        shared.set_thread_state(ThreadState::Exited);
+        let stats = shared.stats();
         tracing::debug!(vcpu = id, ?stats, "vCPU thread ends");
         stats
     }

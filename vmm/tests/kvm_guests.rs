@@ -17,27 +17,6 @@ use vmm::layout::{PCI_ECAM_START, PCI_MMIO32_START};
 use vmm::pci::{BarKind, PciBar, PciConfiguration, PciDevice, PciHeader};
 use vmm::{Machine, MachineConfig};
 
-const MEM: u64 = 4 << 20;
-
-/// A machine of `vcpus` vCPUs, or `None` (the skip recorded) when KVM cannot run guests.
-fn kvm_machine(vcpus: u8) -> Option<Machine> {
-    kvm_available().then(|| machine(vcpus))
-}
-
-fn machine(vcpus: u8) -> Machine {
-    Machine::new(&MachineConfig {
-        mem_size: MEM,
-        vcpus,
-    })
-    .expect("create machine")
-}
-
-fn load(m: &Machine, addr: u64, code: &Asm) {
-    m.memory()
-        .write_slice(&code.code, GuestAddress(addr))
-        .expect("load code");
-}
-
 /// Where the interrupt tests put their IDT, the IDTR image `lidt` loads, and the handler.
 const IDT: u64 = 0x3000;
 const IDTR: u64 = 0x2ff0;
@@ -48,16 +27,6 @@ const HANDLER: u64 = 0x1800;
 fn interrupt_handler(m: &Machine, vector: u64, handler: &Asm) {
     idt_gate(m, IDT, IDTR, HANDLER, vector);
     load(m, HANDLER, handler);
-}
-
-fn flat32(m: &Machine, vcpu: usize, eip: u64) {
-    EntryState::Flat32 {
-        eip: eip as u32,
-        ebx: 0,
-        esp: 0x8000,
-    }
-    .apply(&m.vcpus()[vcpu], m.memory())
-    .expect("entry state");
 }
 
 fn long64(m: &Machine, vcpu: usize, rip: u64, rsp: u64) {

@@ -26,9 +26,9 @@
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::AtomicI32;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
+use vmm::vcpu::VcpuShared;
 
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
@@ -68,7 +68,7 @@ fn server() -> &'static PathBuf {
                 pool: None,
             }],
             name: Some("fuzz".into()),
-            vcpu_tids: Arc::from(vec![AtomicI32::new(1), AtomicI32::new(2)]),
+            vcpus: Arc::from(vec![VcpuShared::new(0), VcpuShared::new(1)]),
             power_button: None,
             pools: Arc::default(),
         };
@@ -120,6 +120,8 @@ fn cmd() -> impl Strategy<Value = Cmd> {
         1 => Just(Some(json!({"enable": []}))),
         1 => json_value().prop_map(|v| Some(json!({"enable": v}))),
         1 => Just(Some(json!({"query-nodes": true}))),
+        1 => Just(Some(json!({"command-line": "info registers -a"}))),
+        1 => (json_value(), json_value()).prop_map(|(l, c)| Some(json!({"command-line": l, "cpu-index": c}))),
         1 => json_value().prop_map(Some),
     ];
     (
@@ -188,6 +190,7 @@ impl Cmd {
             "qmp_capabilities" => &["enable"],
             "query-blockstats" => &["query-nodes"],
             "x-reset-bounce" => &["id"],
+            "human-monitor-command" => &["command-line", "cpu-index"],
             _ => &[],
         };
         if args.keys().any(|k| !allowed.contains(&k.as_str())) {
@@ -199,6 +202,22 @@ impl Cmd {
                 Some(Value::String(id)) if id == "virtio-blk0" => {}
                 Some(Value::String(_)) => return Err("DeviceNotFound"),
                 Some(_) => return Err(GENERIC),
+            }
+        }
+        if name == "human-monitor-command" {
+            let words: Option<Vec<&str>> = args
+                .get("command-line")
+                .and_then(Value::as_str)
+                .map(|l| l.split_whitespace().collect());
+            let line_ok = matches!(
+                words.as_deref(),
+                Some(["info", "registers"] | ["info", "registers", "-a"])
+            );
+            let cpu_ok = args
+                .get("cpu-index")
+                .is_none_or(|v| v.as_u64().is_some_and(|n| n < 2));
+            if !line_ok || !cpu_ok {
+                return Err(GENERIC);
             }
         }
         if name == "qmp_capabilities" {

@@ -250,7 +250,7 @@ fn start_qmp(
         devices: built.qmp_devices.clone(),
         pools: built.pools.clone(),
         name: cfg.name.clone(),
-        vcpu_tids: m.vcpu_thread_ids(),
+        vcpus: m.vcpu_shared(),
         power_button: m.power_button().cloned(),
     };
     let listener = sock

@@ -120,12 +120,15 @@ pub fn setup_fpu(vcpu: &Vcpu) -> Result<()> {
     Ok(())
 }
 
-const APIC_LVT0: usize = 0x350;
-const APIC_LVT1: usize = 0x360;
+/// LAPIC LVT LINT0 register offset.
+pub(crate) const APIC_LVT0: usize = 0x350;
+/// LAPIC LVT LINT1 register offset.
+pub(crate) const APIC_LVT1: usize = 0x360;
 const APIC_MODE_NMI: u32 = 0x4;
 const APIC_MODE_EXTINT: u32 = 0x7;
 
-fn lapic_reg(state: &kvm_lapic_state, offset: usize) -> u32 {
+/// The 32-bit LAPIC register at `offset` of a `KVM_GET_LAPIC` image.
+pub(crate) fn lapic_reg(state: &kvm_lapic_state, offset: usize) -> u32 {
     let mut b = [0u8; 4];
     for (i, byte) in b.iter_mut().enumerate() {
         *byte = state.regs[offset + i] as u8;
@@ -133,7 +136,8 @@ fn lapic_reg(state: &kvm_lapic_state, offset: usize) -> u32 {
     u32::from_le_bytes(b)
 }
 
-fn set_lapic_reg(state: &mut kvm_lapic_state, offset: usize, value: u32) {
+/// Sets the 32-bit LAPIC register at `offset` of a `KVM_SET_LAPIC` image.
+pub(crate) fn set_lapic_reg(state: &mut kvm_lapic_state, offset: usize, value: u32) {
     for (i, byte) in value.to_le_bytes().iter().enumerate() {
         state.regs[offset + i] = *byte as _;
     }

@@ -1,11 +1,10 @@
 //! Commands: the envelope check, the dispatch and each command's reply, as QEMU's QMP gives
 //! them (see the module table in [`super`]).
 
-use std::sync::atomic::Ordering;
-
 use serde_json::{json, Map, Value};
 
 use super::{BlockInfo, DeviceInfo, QmpContext};
+use crate::vcpu::state::{query, QUERY_TIMEOUT};
 
 /// A QMP error reply of `class`.
 pub(super) fn error(class: &str, desc: impl Into<String>) -> Value {
@@ -55,6 +54,8 @@ pub const COMMANDS: &[&str] = &[
     "quit",
     "x-query-bounce",
     "x-reset-bounce",
+    "x-query-vcpus",
+    "human-monitor-command",
 ];
 
 /// The arguments `cmd` takes (all optional here).
@@ -64,6 +65,7 @@ fn arguments_of(cmd: &str) -> &'static [&'static str] {
         // QEMU's query-blockstats takes `query-nodes`; bouncevm reports devices only.
         "query-blockstats" => &["query-nodes"],
         "x-reset-bounce" => &["id"],
+        "human-monitor-command" => &["command-line", "cpu-index"],
         _ => &[],
     }
 }
@@ -136,14 +138,14 @@ pub(super) fn execute(msg: &Value, ctx: &QmpContext, negotiated: &mut bool) -> (
         }),
         "query-kvm" => ok(json!({"enabled": true, "present": true})),
         "query-cpus-fast" => ok(ctx
-            .vcpu_tids
+            .vcpus
             .iter()
             .enumerate()
-            .map(|(i, tid)| {
+            .map(|(i, v)| {
                 json!({
                     "cpu-index": i,
                     "qom-path": format!("/machine/unattached/device[{i}]"),
-                    "thread-id": tid.load(Ordering::Relaxed),
+                    "thread-id": v.thread_id(),
                     "props": {"socket-id": 0, "core-id": i, "thread-id": 0},
                     "target": "x86_64",
                 })
@@ -153,6 +155,11 @@ pub(super) fn execute(msg: &Value, ctx: &QmpContext, negotiated: &mut bool) -> (
         "query-blockstats" => ok(ctx.blocks.iter().map(block_stats).collect()),
         "x-query-bounce" => ok(bounce_report(&ctx.devices, &ctx.pools)),
         "x-reset-bounce" => reset_bounce(&args, ctx),
+        "x-query-vcpus" => ok(query(&ctx.vcpus, QUERY_TIMEOUT).into()),
+        "human-monitor-command" => (
+            super::hmp::human_monitor_command(&args, ctx),
+            After::Nothing,
+        ),
         "system_powerdown" => (json!({"return": {}}), After::PowerDown),
         "quit" | "x-exit-now" => (json!({"return": {}}), After::Quit),
         _ => unreachable!("every name in COMMANDS is handled"),
@@ -291,7 +298,6 @@ fn block_stats(b: &BlockInfo) -> Value {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicI32;
     use std::sync::{Arc, Mutex};
 
     use super::*;
@@ -364,7 +370,7 @@ mod tests {
             blocks: Vec::new(),
             devices: Vec::new(),
             name: Some("vm1".into()),
-            vcpu_tids: Arc::from(vec![AtomicI32::new(7)]),
+            vcpus: Arc::from(vec![crate::vcpu::VcpuShared::new(0)]),
             power_button: None,
             pools: Arc::default(),
         }
@@ -450,9 +456,10 @@ mod tests {
             ex(json!({"execute": "query-name"}))["return"]["name"],
             "vm1"
         );
+        // The vCPU thread has not run: no thread id yet.
         assert_eq!(
             ex(json!({"execute": "query-cpus-fast"}))["return"][0]["thread-id"],
-            7
+            0
         );
         assert_eq!(
             ex(json!({"execute": "query-kvm"}))["return"]["enabled"],

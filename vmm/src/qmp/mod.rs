@@ -19,6 +19,8 @@
 //! | `x-exit-now` | `{}`; the VM ends from the host side at once (vCPUs stopped, disks flushed), status 0 |
 //! | `quit` | `{}`; the VM ends the same way, status 0 |
 //! | `x-query-bounce` | per device: `id`, `driver`, `stats` (`VirtioDevice::stats`: device counters, `dma` (what the device mapped: `maps`, `bytes`, `map_failures`, `unmaps`) and `bounce`, its own pool's statistics or `{"pool": NAME}` for a shared pool); then per shared pool: `pool`, `devices` (ids), `stats` (the pool's statistics) |
+//! | `x-query-vcpus` | per vCPU: `cpu-index`, `thread-id`, `thread-state`, `answered`, `exits` by reason, `unhandled`; when its thread answered within 500 ms: `mp-state`, `regs`, `interrupts-enabled`, `sregs`, `events`, `lapic`, `msrs` ([`crate::vcpu::state`]) |
+//! | `human-monitor-command` | `command-line` `info registers` (vCPU `cpu-index`, default 0) or `info registers -a`: the `x-query-vcpus` data as text |
 //! | `x-reset-bounce` | resets the bounce pools' high-water marks, lock counters and time histograms (`arguments: {"id": ID}` for one device); returns `{"reset": [ids of the pools reset]}`, or `DeviceNotFound` for an unknown id |
 //!
 //! Errors use QEMU's classes: `CommandNotFound` for unknown commands (and before
@@ -49,7 +51,6 @@
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::AtomicI32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -61,6 +62,7 @@ use crate::virtio_pci::SharedVirtioDevice;
 
 mod commands;
 mod framing;
+mod hmp;
 
 pub use commands::{device_stats, greeting, version, COMMANDS};
 use commands::{execute, generic, After};
@@ -135,8 +137,8 @@ pub struct QmpContext {
     pub devices: Vec<DeviceInfo>,
     /// `-name`.
     pub name: Option<String>,
-    /// The vCPU threads' ids (0 until a thread runs).
-    pub vcpu_tids: Arc<[AtomicI32]>,
+    /// The vCPUs' shared blocks (thread ids, thread states, exit counters, state requests).
+    pub vcpus: Arc<[crate::vcpu::VcpuShared]>,
     /// The ACPI power button (none with `-no-acpi`).
     pub power_button: Option<PowerButton>,
     /// The shared bounce pools (`-bounce ...,pool=NAME`), listed once each by

@@ -582,3 +582,39 @@ pub fn high_word(bits: &[u32]) -> u32 {
     let mask = bits.iter().fold(0, |m, &b| m | feature(b));
     (mask >> 32) as u32
 }
+
+/// Guest RAM of the small-guest machines.
+pub const MEM: u64 = 4 << 20;
+
+/// A machine of `vcpus` vCPUs, or `None` (the skip recorded) when KVM cannot run guests.
+pub fn kvm_machine(vcpus: u8) -> Option<vmm::Machine> {
+    kvm_available().then(|| machine(vcpus))
+}
+
+/// A machine of `vcpus` vCPUs and [`MEM`] of RAM.
+pub fn machine(vcpus: u8) -> vmm::Machine {
+    vmm::Machine::new(&vmm::MachineConfig {
+        mem_size: MEM,
+        vcpus,
+    })
+    .expect("create machine")
+}
+
+/// Writes `code` into guest memory at `addr`.
+pub fn load(m: &vmm::Machine, addr: u64, code: &Asm) {
+    use vm_memory::Bytes;
+    m.memory()
+        .write_slice(&code.code, vm_memory::GuestAddress(addr))
+        .expect("load code");
+}
+
+/// Starts vCPU `vcpu` at `eip` in flat 32-bit protected mode (stack at 0x8000).
+pub fn flat32(m: &vmm::Machine, vcpu: usize, eip: u64) {
+    vmm::boot::regs::EntryState::Flat32 {
+        eip: eip as u32,
+        ebx: 0,
+        esp: 0x8000,
+    }
+    .apply(&m.vcpus()[vcpu], m.memory())
+    .expect("entry state");
+}
