@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::{json, Value};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm::bus::BusDevice;
 use vmm::exit::ExitReason;
 use vmm::qmp::{self, Monitor, QmpContext};
 use vmm::vcpu::state::QUERY_TIMEOUT;
-use vmm::Machine;
+use vmm::{Machine, RunningMachine};
 
 /// Where the spinning vCPU's loop starts, and the counter it increments.
 const SPIN: u64 = 0x1000;
@@ -49,6 +49,17 @@ fn spin_with_exits() -> (Asm, u64) {
         .jmp_to(top);
     let len = a.code.len() as u64;
     (a, len)
+}
+
+/// Loads a `hlt` loop (interrupts off) for vCPU 1, serves QMP for `m` as `name` and starts it:
+/// the guest memory, the client and the running machine.
+fn start_with_vcpu1_halted(m: Machine, name: &str) -> (GuestMemoryMmap, Client, RunningMachine) {
+    let mut halt = Asm::new();
+    halt.hlt_forever();
+    load_flat32(&m, 1, HALT, &halt);
+    let mem = m.memory().clone();
+    let c = Client::serve(&m, name);
+    (mem, c, m.start().unwrap())
 }
 
 /// A QMP client on a fresh socket served by [`qmp::serve`] for `m`'s vCPUs.
@@ -173,12 +184,7 @@ fn x_query_vcpus_reports_a_spinning_a_halted_and_an_unstarted_vcpu() {
     };
     let (spin, spin_len) = spin_with_exits();
     load_flat32(&m, 0, SPIN, &spin);
-    let mut halt = Asm::new();
-    halt.hlt_forever();
-    load_flat32(&m, 1, HALT, &halt);
-    let mem = m.memory().clone();
-    let mut c = Client::serve(&m, "three");
-    let running = m.start().unwrap();
+    let (mem, mut c, running) = start_with_vcpu1_halted(m, "three");
     assert!(
         wait_for(Duration::from_secs(10), || counter(&mem) > 10),
         "the spinning vCPU does not count"
@@ -342,12 +348,7 @@ fn a_vcpu_held_in_an_exit_handler_is_reported_unanswered_within_the_bound() {
     let spin_at = SPIN + a.code.len() as u64;
     a.raw(&spin.code);
     load_flat32(&m, 0, SPIN, &a);
-    let mut halt = Asm::new();
-    halt.hlt_forever();
-    load_flat32(&m, 1, HALT, &halt);
-    let mem = m.memory().clone();
-    let mut c = Client::serve(&m, "held");
-    let running = m.start().unwrap();
+    let (mem, mut c, running) = start_with_vcpu1_halted(m, "held");
     assert!(gate.wait_entered(), "vCPU 0 never reached the gate");
 
     let t = Instant::now();
