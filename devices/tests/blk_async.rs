@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
-use bounce::{Direction, Dma, Policy, PoolConfig};
+use bounce::{Direction, Dma, Policy, PoolConfig, RangeCheck};
 use common::{pattern, RAM};
 use devices::block::io::{AioMode, CacheMode, OnFull, RawDisk};
 use devices::block::request::RequestHeader;
@@ -549,7 +549,14 @@ fn waiting_with_nothing_in_flight_retries_on_the_timer() {
     // Another user takes all but one slot.
     let hog = drv.ram.alloc(127 * 2048, 4096);
     let held = dma
-        .map(drv.ram.mem(), hog, 127 * 2048, Direction::ToDevice, 1)
+        .map(
+            drv.ram.mem(),
+            hog,
+            127 * 2048,
+            Direction::ToDevice,
+            1,
+            RangeCheck::Here,
+        )
         .unwrap();
     let r = post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096, 0);
     drv.kick(0).unwrap();
