@@ -837,8 +837,8 @@ mod tests {
         let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
         mem.write_slice(&[0xaa; 4096], GuestAddress(0x8000))
             .unwrap();
-        let b = dma
-            .map(
+        let map = || {
+            dma.map(
                 &mem,
                 0x8000,
                 4096,
@@ -846,7 +846,9 @@ mod tests {
                 0,
                 RangeCheck::Here,
             )
-            .unwrap();
+            .unwrap()
+        };
+        let b = map();
         dma.write(&mem, &b, 0, &[0x11; 4096]).unwrap();
         dma.unmap_written(&mem, b, 100, 0).unwrap();
         let mut got = [0u8; 4096];
@@ -857,16 +859,7 @@ mod tests {
             "unwritten bytes copied back"
         );
         // Nothing written: nothing copied; the slots are released either way.
-        let b = dma
-            .map(
-                &mem,
-                0x8000,
-                4096,
-                Direction::FromDevice,
-                0,
-                RangeCheck::Here,
-            )
-            .unwrap();
+        let b = map();
         dma.write(&mem, &b, 0, &[0x22; 4096]).unwrap();
         dma.unmap_written(&mem, b, 0, 0).unwrap();
         mem.read_slice(&mut got, GuestAddress(0x8000)).unwrap();
@@ -988,16 +981,20 @@ mod tests {
         // Direct, across the region boundary: one piece per region, in order, at the guest
         // bytes' host addresses; a device write marks them dirty now.
         let direct = Dma::direct();
-        let b = direct
-            .map(
+        // A device write of 4 KiB straddling the region boundary.
+        let straddling = |d: &Dma| {
+            let gpa = 0x10000 - 0x800;
+            d.map(
                 &mem,
-                0x10000 - 0x800,
+                gpa,
                 0x1000,
                 Direction::FromDevice,
                 0,
                 RangeCheck::Here,
             )
-            .unwrap();
+            .unwrap()
+        };
+        let b = straddling(&direct);
         let mut pieces = Vec::new();
         direct
             .device_pieces(&mem, &b, |p, n| pieces.push((p as usize, n)))
@@ -1024,16 +1021,7 @@ mod tests {
         // Bounced: one piece inside the pool, at the mapping's device address.
         let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(64)).unwrap());
         let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
-        let b = dma
-            .map(
-                &mem,
-                0x10000 - 0x800,
-                0x1000,
-                Direction::FromDevice,
-                0,
-                RangeCheck::Here,
-            )
-            .unwrap();
+        let b = straddling(&dma);
         let mut pieces = Vec::new();
         dma.device_pieces(&mem, &b, |p, n| pieces.push((p as usize, n)))
             .unwrap();
