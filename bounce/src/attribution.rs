@@ -126,7 +126,7 @@ mod tests {
     use vm_memory::{GuestAddress, GuestMemoryMmap};
 
     use super::*;
-    use crate::{BouncePool, Direction, Dma, Policy, PoolConfig};
+    use crate::{BouncePool, Direction, Dma, Policy, PoolConfig, RangeCheck};
 
     #[test]
     fn two_devices_on_one_pool_sum_to_the_pools_counters() {
@@ -148,24 +148,54 @@ mod tests {
         let mut held = Vec::new();
         for i in 0..3u64 {
             held.push(
-                a.map(&mem, i * 0x1_0000, 0x1_0000, Direction::ToDevice, 0)
-                    .unwrap(),
+                a.map(
+                    &mem,
+                    i * 0x1_0000,
+                    0x1_0000,
+                    Direction::ToDevice,
+                    0,
+                    RangeCheck::Here,
+                )
+                .unwrap(),
             );
         }
         // 96 of 128 slots held by A: C's 80 KiB map finds no room, then a 16 KiB one fits.
         assert!(matches!(
-            c.map(&mem, 0x8_0000, 0x1_4000, Direction::FromDevice, 3),
+            c.map(
+                &mem,
+                0x8_0000,
+                0x1_4000,
+                Direction::FromDevice,
+                3,
+                RangeCheck::Here
+            ),
             Err(Error::PoolFull { .. })
         ));
         let cbuf = c
-            .map(&mem, 0x8_0000, 0x4000, Direction::FromDevice, 17)
+            .map(
+                &mem,
+                0x8_0000,
+                0x4000,
+                Direction::FromDevice,
+                17,
+                RangeCheck::Here,
+            )
             .unwrap();
         // Not bounced under B's mask: the pool never sees it.
-        let direct = b.map(&mem, 0x1000, 0x1000, Direction::ToDevice, 0).unwrap();
+        let direct = b
+            .map(
+                &mem,
+                0x1000,
+                0x1000,
+                Direction::ToDevice,
+                0,
+                RangeCheck::Here,
+            )
+            .unwrap();
         assert!(!direct.is_bounced());
         b.unmap(&mem, direct, 0).unwrap();
         assert!(matches!(
-            b.map(&mem, 0x1000, 16, Direction::ToDevice, 1),
+            b.map(&mem, 0x1000, 16, Direction::ToDevice, 1, RangeCheck::Here),
             Ok(buf) if !buf.is_bounced()
         ));
         c.unmap_written(&mem, cbuf, 100, 17).unwrap();
@@ -174,7 +204,8 @@ mod tests {
             c.unmap(&mem, cbuf, 17),
             Err(Error::NotMapped { .. })
         ));
-        a.write_guest(&mem, 0x9_0000, &[1, 2, 3], 5).unwrap();
+        a.write_guest(&mem, 0x9_0000, &[1, 2, 3], 5, RangeCheck::Here)
+            .unwrap();
         for buf in held.drain(..2) {
             a.unmap(&mem, buf, 0).unwrap();
         }

@@ -20,7 +20,7 @@ use crate::attribution::{DmaCounters, DmaStats};
 use crate::error::{Error, Result};
 use crate::pool::{BouncePool, Mapping};
 use crate::stats::PoolStats;
-use crate::types::{Direction, DmaAttrs, MapRequest};
+use crate::types::{Direction, DmaAttrs, MapRequest, RangeCheck, SyncFor};
 use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
 mod batch;
@@ -161,14 +161,6 @@ pub struct Dma {
     counters: Option<Arc<DmaCounters>>,
 }
 
-/// Who checks a guest range against guest memory on a map: [`Dma`] itself, or the caller
-/// already did (a chain walker).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum RangeCheck {
-    Here,
-    Prevalidated,
-}
-
 impl Dma {
     /// Direct access, no pool.
     pub fn direct() -> Self {
@@ -239,44 +231,17 @@ impl Dma {
 
     /// Maps guest buffer `gpa..gpa + len` for a transfer in `dir` on behalf of `worker`.
     ///
-    /// The whole guest range is checked first (readable, and writable when the device writes):
-    /// the one check of the range on this path (a bounced map does not check it again in
-    /// [`BouncePool::map`]).
+    /// With [`RangeCheck::Here`] the whole guest range is checked first (readable, and
+    /// writable when the device writes): the one check of the range on this path (a bounced
+    /// map does not check it again in [`BouncePool::map`]). With [`RangeCheck::Prevalidated`]
+    /// the caller has checked it (the buffers of a walked descriptor chain) and nothing is
+    /// checked again; a range that is not guest memory after all still fails safely, with
+    /// [`Error::OrigAccess`] from the copy (bounced) or the transfer (direct).
     ///
     /// # Errors
     /// [`Error::ZeroLength`], [`Error::OrigAccess`] (not guest memory), and every error of
     /// [`BouncePool::map`] when bouncing ([`Error::PoolFull`] among them).
     pub fn map<M: GuestMemory + ?Sized>(
-        &self,
-        mem: &M,
-        gpa: u64,
-        len: usize,
-        dir: Direction,
-        worker: usize,
-    ) -> Result<DmaBuffer> {
-        self.map_range(mem, gpa, len, dir, worker, RangeCheck::Here)
-    }
-
-    /// As [`Dma::map`] for a range the caller has already checked against guest memory with
-    /// the direction's permission (the buffers of a walked descriptor chain: the walker's
-    /// check is the request's one check of each guest range). Nothing is checked again; a
-    /// range that is not guest memory after all still fails safely, with
-    /// [`Error::OrigAccess`] from the copy (bounced) or the transfer (direct).
-    ///
-    /// # Errors
-    /// As [`Dma::map`].
-    pub fn map_prevalidated<M: GuestMemory + ?Sized>(
-        &self,
-        mem: &M,
-        gpa: u64,
-        len: usize,
-        dir: Direction,
-        worker: usize,
-    ) -> Result<DmaBuffer> {
-        self.map_range(mem, gpa, len, dir, worker, RangeCheck::Prevalidated)
-    }
-
-    fn map_range<M: GuestMemory + ?Sized>(
         &self,
         mem: &M,
         gpa: u64,
@@ -377,7 +342,7 @@ impl Dma {
 
     /// A small device read of guest bytes `gpa..gpa + dst.len()` (a request header, a
     /// command): map to-device, read, unmap, in one call. The one helper for transfers too
-    /// small to keep a mapping for.
+    /// small to keep a mapping for; `check` as for [`Dma::map`].
     ///
     /// # Errors
     /// Those of [`Dma::map`], [`Dma::read`] and [`Dma::unmap`]; the mapping is released
@@ -388,27 +353,16 @@ impl Dma {
         gpa: u64,
         dst: &mut [u8],
         worker: usize,
+        check: RangeCheck,
     ) -> Result<()> {
-        self.small_read(mem, gpa, dst, worker, RangeCheck::Here)
-    }
-
-    // Thin wrappers, one per direction and range check; the work is in small_read/small_write.
-    /// As [`Dma::read_guest`] for a range the caller has checked ([`Dma::map_prevalidated`]).
-    ///
-    /// # Errors
-    /// As [`Dma::read_guest`].
-    pub fn read_guest_prevalidated<M: GuestMemory + ?Sized>(
-        &self,
-        mem: &M,
-        gpa: u64,
-        dst: &mut [u8],
-        worker: usize,
-    ) -> Result<()> {
-        self.small_read(mem, gpa, dst, worker, RangeCheck::Prevalidated)
+        let buf = self.map(mem, gpa, dst.len(), Direction::ToDevice, worker, check)?;
+        let read = self.read(mem, &buf, 0, dst);
+        let unmapped = self.unmap(mem, buf, worker);
+        read.and(unmapped)
     }
 
     /// A small device write of `src` to guest address `gpa` (a status byte, an ack, an id
-    /// string): map from-device, write, unmap, in one call.
+    /// string): map from-device, write, unmap, in one call; `check` as for [`Dma::map`].
     ///
     /// # Errors
     /// As [`Dma::read_guest`].
@@ -418,47 +372,9 @@ impl Dma {
         gpa: u64,
         src: &[u8],
         worker: usize,
-    ) -> Result<()> {
-        self.small_write(mem, gpa, src, worker, RangeCheck::Here)
-    }
-
-    /// As [`Dma::write_guest`] for a range the caller has checked ([`Dma::map_prevalidated`]).
-    ///
-    /// # Errors
-    /// As [`Dma::read_guest`].
-    pub fn write_guest_prevalidated<M: GuestMemory + ?Sized>(
-        &self,
-        mem: &M,
-        gpa: u64,
-        src: &[u8],
-        worker: usize,
-    ) -> Result<()> {
-        self.small_write(mem, gpa, src, worker, RangeCheck::Prevalidated)
-    }
-
-    fn small_read<M: GuestMemory + ?Sized>(
-        &self,
-        mem: &M,
-        gpa: u64,
-        dst: &mut [u8],
-        worker: usize,
         check: RangeCheck,
     ) -> Result<()> {
-        let buf = self.map_range(mem, gpa, dst.len(), Direction::ToDevice, worker, check)?;
-        let read = self.read(mem, &buf, 0, dst);
-        let unmapped = self.unmap(mem, buf, worker);
-        read.and(unmapped)
-    }
-
-    fn small_write<M: GuestMemory + ?Sized>(
-        &self,
-        mem: &M,
-        gpa: u64,
-        src: &[u8],
-        worker: usize,
-        check: RangeCheck,
-    ) -> Result<()> {
-        let buf = self.map_range(mem, gpa, src.len(), Direction::FromDevice, worker, check)?;
+        let buf = self.map(mem, gpa, src.len(), Direction::FromDevice, worker, check)?;
         let wrote = self.write(mem, &buf, 0, src);
         let unmapped = self.unmap(mem, buf, worker);
         wrote.and(unmapped)
@@ -506,7 +422,7 @@ impl Dma {
     /// client's — into the guest after a failed or short read. A direct buffer needs nothing.
     ///
     /// # Errors
-    /// Those of [`BouncePool::sync_for_cpu`] and [`BouncePool::unmap_single`]; the mapping is
+    /// Those of [`BouncePool::sync`] and [`BouncePool::unmap_single`]; the mapping is
     /// released whatever happens.
     pub fn unmap_written<M: GuestMemory + ?Sized>(
         &self,
@@ -537,7 +453,7 @@ impl Dma {
     ) -> Result<()> {
         let n = written.min(buf.len);
         let copied = if n > 0 && buf.dir.device_writes() {
-            pool.sync_for_cpu(mem, m.dev_addr, n, m.dir)
+            pool.sync(mem, m.dev_addr, n, m.dir, SyncFor::Cpu)
         } else {
             Ok(())
         };
@@ -860,31 +776,45 @@ mod tests {
     }
 
     #[test]
-    fn map_checks_the_range_once_and_map_prevalidated_still_fails_safely() {
+    fn map_checks_the_range_once_and_a_prevalidated_map_still_fails_safely() {
         let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap();
         let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(64)).unwrap());
         let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
         let outside = 0x10_0000 - 8;
         // `map` refuses a range that leaves guest memory, before the pool is asked.
         assert!(matches!(
-            dma.map(&mem, outside, 16, Direction::ToDevice, 0),
+            dma.map(&mem, outside, 16, Direction::ToDevice, 0, RangeCheck::Here),
             Err(Error::OrigAccess { addr, len: 16 }) if addr == outside
         ));
         assert_eq!(pool.stats().map_failures, 0);
         // A caller that claims to have checked and did not: the copy-in fails, the slots are
         // given back.
         assert!(matches!(
-            dma.map_prevalidated(&mem, outside, 16, Direction::ToDevice, 0),
+            dma.map(
+                &mem,
+                outside,
+                16,
+                Direction::ToDevice,
+                0,
+                RangeCheck::Prevalidated
+            ),
             Err(Error::OrigAccess { .. })
         ));
         assert!(matches!(
-            dma.read_guest_prevalidated(&mem, outside, &mut [0u8; 16], 0),
+            dma.read_guest(&mem, outside, &mut [0u8; 16], 0, RangeCheck::Prevalidated),
             Err(Error::OrigAccess { .. })
         ));
         // Direct (no pool): the transfer fails instead.
         let direct = Dma::direct();
         let b = direct
-            .map_prevalidated(&mem, outside, 16, Direction::FromDevice, 0)
+            .map(
+                &mem,
+                outside,
+                16,
+                Direction::FromDevice,
+                0,
+                RangeCheck::Prevalidated,
+            )
             .unwrap();
         assert!(matches!(
             direct.write(&mem, &b, 0, &[1; 16]),
@@ -892,10 +822,10 @@ mod tests {
         ));
         assert_eq!(pool.stats().used, 0, "no slot leaked");
         // Checked ranges inside memory work as with `map`.
-        dma.write_guest_prevalidated(&mem, 0x1000, &[7; 4], 0)
+        dma.write_guest(&mem, 0x1000, &[7; 4], 0, RangeCheck::Prevalidated)
             .unwrap();
         let mut got = [0u8; 4];
-        dma.read_guest_prevalidated(&mem, 0x1000, &mut got, 0)
+        dma.read_guest(&mem, 0x1000, &mut got, 0, RangeCheck::Prevalidated)
             .unwrap();
         assert_eq!(got, [7; 4]);
     }
@@ -907,9 +837,18 @@ mod tests {
         let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
         mem.write_slice(&[0xaa; 4096], GuestAddress(0x8000))
             .unwrap();
-        let b = dma
-            .map(&mem, 0x8000, 4096, Direction::FromDevice, 0)
-            .unwrap();
+        let map = || {
+            dma.map(
+                &mem,
+                0x8000,
+                4096,
+                Direction::FromDevice,
+                0,
+                RangeCheck::Here,
+            )
+            .unwrap()
+        };
+        let b = map();
         dma.write(&mem, &b, 0, &[0x11; 4096]).unwrap();
         dma.unmap_written(&mem, b, 100, 0).unwrap();
         let mut got = [0u8; 4096];
@@ -920,9 +859,7 @@ mod tests {
             "unwritten bytes copied back"
         );
         // Nothing written: nothing copied; the slots are released either way.
-        let b = dma
-            .map(&mem, 0x8000, 4096, Direction::FromDevice, 0)
-            .unwrap();
+        let b = map();
         dma.write(&mem, &b, 0, &[0x22; 4096]).unwrap();
         dma.unmap_written(&mem, b, 0, 0).unwrap();
         mem.read_slice(&mut got, GuestAddress(0x8000)).unwrap();
@@ -931,9 +868,11 @@ mod tests {
         // write_direct bypasses the pool; read_guest/write_guest round-trip.
         dma.write_direct(&mem, 0x9000, &[7]).unwrap();
         let mut one = [0u8; 1];
-        dma.read_guest(&mem, 0x9000, &mut one, 0).unwrap();
+        dma.read_guest(&mem, 0x9000, &mut one, 0, RangeCheck::Here)
+            .unwrap();
         assert_eq!(one, [7]);
-        dma.write_guest(&mem, 0x9001, &[8, 9], 0).unwrap();
+        dma.write_guest(&mem, 0x9001, &[8, 9], 0, RangeCheck::Here)
+            .unwrap();
         assert!(dma.write_direct(&mem, 0x10_0000, &[1]).is_err());
         assert_eq!(pool.used(), 0);
     }
@@ -962,7 +901,9 @@ mod tests {
             let mem = new_mem();
             let src: Vec<u8> = (0..4096).map(|i| (i * 7 + gpa as usize) as u8).collect();
             mem.write_slice(&src, GuestAddress(gpa)).unwrap();
-            let b = dma.map(&mem, gpa, 4096, Direction::ToDevice, 0).unwrap();
+            let b = dma
+                .map(&mem, gpa, 4096, Direction::ToDevice, 0, RangeCheck::Here)
+                .unwrap();
             let mut seen = vec![0u8; 4096];
             dma.read(&mem, &b, 0, &mut seen).unwrap();
             assert_eq!(seen, src, "copy in at {gpa:#x}");
@@ -970,7 +911,9 @@ mod tests {
             // A device write is copied back and marks its pages dirty.
             let mem = new_mem();
             assert!(!dirty(&mem, gpa) && !dirty(&mem, gpa + 4095));
-            let b = dma.map(&mem, gpa, 4096, Direction::FromDevice, 0).unwrap();
+            let b = dma
+                .map(&mem, gpa, 4096, Direction::FromDevice, 0, RangeCheck::Here)
+                .unwrap();
             dma.write(&mem, &b, 0, &[0x5a; 4096]).unwrap();
             dma.unmap(&mem, b, 0).unwrap();
             let mut got = vec![0u8; 4096];
@@ -978,7 +921,9 @@ mod tests {
             assert!(got.iter().all(|&x| x == 0x5a), "copy out at {gpa:#x}");
             assert!(dirty(&mem, gpa) && dirty(&mem, gpa + 4095), "at {gpa:#x}");
             // A prefix written back only: the rest keeps the guest's bytes.
-            let b = dma.map(&mem, gpa, 4096, Direction::FromDevice, 0).unwrap();
+            let b = dma
+                .map(&mem, gpa, 4096, Direction::FromDevice, 0, RangeCheck::Here)
+                .unwrap();
             dma.write(&mem, &b, 0, &[0x11; 4096]).unwrap();
             dma.unmap_written(&mem, b, 3000, 0).unwrap();
             mem.read_slice(&mut got, GuestAddress(gpa)).unwrap();
@@ -1004,7 +949,9 @@ mod tests {
             ("bounced", Dma::bounced(Policy::Force, Arc::clone(&pool))),
         ] {
             // A source with 0xc00 bytes fills that much of 0x1000 and ends the transfer.
-            let b = dma.map(&mem, at, 0x1000, Direction::FromDevice, 0).unwrap();
+            let b = dma
+                .map(&mem, at, 0x1000, Direction::FromDevice, 0, RangeCheck::Here)
+                .unwrap();
             let mut source: &[u8] = &data;
             let filled = dma.write_from(&mem, &b, 0, 0x1000, &mut source).unwrap();
             assert_eq!(filled, 0xc00, "{name}");
@@ -1013,7 +960,9 @@ mod tests {
             mem.read_slice(&mut got, GuestAddress(at)).unwrap();
             assert_eq!(got, data, "{name}");
             // A sink with room for 0x900 bytes takes that much and ends the transfer.
-            let b = dma.map(&mem, at, 0x1000, Direction::ToDevice, 0).unwrap();
+            let b = dma
+                .map(&mem, at, 0x1000, Direction::ToDevice, 0, RangeCheck::Here)
+                .unwrap();
             let mut sink = vec![0u8; 0x900];
             let sent = dma
                 .read_to(&mem, &b, 0, 0x1000, &mut &mut sink[..])
@@ -1032,9 +981,20 @@ mod tests {
         // Direct, across the region boundary: one piece per region, in order, at the guest
         // bytes' host addresses; a device write marks them dirty now.
         let direct = Dma::direct();
-        let b = direct
-            .map(&mem, 0x10000 - 0x800, 0x1000, Direction::FromDevice, 0)
-            .unwrap();
+        // A device write of 4 KiB straddling the region boundary.
+        let straddling = |d: &Dma| {
+            let gpa = 0x10000 - 0x800;
+            d.map(
+                &mem,
+                gpa,
+                0x1000,
+                Direction::FromDevice,
+                0,
+                RangeCheck::Here,
+            )
+            .unwrap()
+        };
+        let b = straddling(&direct);
         let mut pieces = Vec::new();
         direct
             .device_pieces(&mem, &b, |p, n| pieces.push((p as usize, n)))
@@ -1047,16 +1007,21 @@ mod tests {
         assert!(dirty(0x10000 - 0x800) && dirty(0x10000));
         // A device read marks nothing.
         let b = direct
-            .map(&mem, 0x4000, 0x1000, Direction::ToDevice, 0)
+            .map(
+                &mem,
+                0x4000,
+                0x1000,
+                Direction::ToDevice,
+                0,
+                RangeCheck::Here,
+            )
             .unwrap();
         direct.device_pieces(&mem, &b, |_, _| {}).unwrap();
         assert!(!dirty(0x4000));
         // Bounced: one piece inside the pool, at the mapping's device address.
         let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(64)).unwrap());
         let dma = Dma::bounced(Policy::Force, Arc::clone(&pool));
-        let b = dma
-            .map(&mem, 0x10000 - 0x800, 0x1000, Direction::FromDevice, 0)
-            .unwrap();
+        let b = straddling(&dma);
         let mut pieces = Vec::new();
         dma.device_pieces(&mem, &b, |p, n| pieces.push((p as usize, n)))
             .unwrap();
@@ -1078,12 +1043,26 @@ mod tests {
         let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(256)).unwrap());
         let dma = Dma::bounced(Policy::Mask(32), Arc::clone(&pool));
         let low = dma
-            .map(&mem, 0xffff_0000, 4096, Direction::FromDevice, 0)
+            .map(
+                &mem,
+                0xffff_0000,
+                4096,
+                Direction::FromDevice,
+                0,
+                RangeCheck::Here,
+            )
             .unwrap();
         assert!(!low.is_bounced());
         assert_eq!(low.dev_addr(), 0xffff_0000);
         let high = dma
-            .map(&mem, 0x1_0000_0000, 4096, Direction::FromDevice, 0)
+            .map(
+                &mem,
+                0x1_0000_0000,
+                4096,
+                Direction::FromDevice,
+                0,
+                RangeCheck::Here,
+            )
             .unwrap();
         assert!(high.is_bounced());
         assert!(pool.contains(high.dev_addr(), 4096));
@@ -1101,13 +1080,22 @@ mod tests {
         assert_eq!((pool.stats().maps, pool.used()), (1, 0));
         // Out-of-range offsets within a buffer are errors, not panics.
         let b = dma
-            .map(&mem, 0x1_0000_0000, 16, Direction::ToDevice, 0)
+            .map(
+                &mem,
+                0x1_0000_0000,
+                16,
+                Direction::ToDevice,
+                0,
+                RangeCheck::Here,
+            )
             .unwrap();
         assert!(dma.read(&mem, &b, 8, &mut [0u8; 9]).is_err());
         assert!(dma.write(&mem, &b, usize::MAX, &[0u8; 2]).is_err());
         dma.unmap(&mem, b, 0).unwrap();
         // Not guest memory at all.
-        assert!(dma.map(&mem, 0x5000, 16, Direction::ToDevice, 0).is_err());
+        assert!(dma
+            .map(&mem, 0x5000, 16, Direction::ToDevice, 0, RangeCheck::Here)
+            .is_err());
         let _ = mem.num_regions();
     }
 }

@@ -54,7 +54,9 @@ pub use geometry::{Geometry, PoolConfig, SizeLimit};
 pub use orig::{HostMemory, NoCopyMemory, OrigMemory};
 pub use pool::{BouncePool, Mapping, PoolBatch};
 pub use stats::PoolStats;
-pub use types::{AllocatorKind, CopyOnMap, Direction, DmaAttrs, MapRequest, PoolMode};
+pub use types::{
+    AllocatorKind, CopyOnMap, Direction, DmaAttrs, MapRequest, PoolMode, RangeCheck, SyncFor,
+};
 
 /// log2 of the swiotlb slot size (Linux `IO_TLB_SHIFT`).
 pub const IO_TLB_SHIFT: u32 = 11;

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::geometry::{Geometry, PoolConfig, SizeLimit};
 use crate::orig::OrigMemory;
 use crate::stats::{Counters, PoolStats, ShardRef, Stat, TimedOp, Timing};
-use crate::types::{CopyOnMap, Direction, DmaAttrs, MapRequest, PoolMode};
+use crate::types::{CopyOnMap, Direction, DmaAttrs, MapRequest, PoolMode, SyncFor};
 
 mod batch;
 
@@ -555,6 +555,7 @@ impl BouncePool {
         r
     }
 
+    // map_timed's arguments because it is map_timed's (and PoolBatch's) first step.
     /// Every check of a map before it allocates: the request's size and masks, and (when
     /// `check_orig`) the whole original range, before anything is allocated or copied.
     #[inline(always)]
@@ -1082,62 +1083,45 @@ impl BouncePool {
         copied
     }
 
-    /// Makes the device see the CPU's latest writes to `addr..addr + size` (any sub-range of a
-    /// mapping): copies original -> pool for to-device and bidirectional, nothing for
-    /// from-device (Linux `__swiotlb_sync_single_for_device`).
+    /// Makes the device see the CPU's latest writes to `addr..addr + size` (any sub-range of
+    /// a mapping) with [`SyncFor::Device`]: copies original -> pool for to-device and
+    /// bidirectional, nothing for from-device (Linux `__swiotlb_sync_single_for_device`).
+    /// Makes the CPU see the device's writes with [`SyncFor::Cpu`]: copies pool -> original
+    /// for from-device and bidirectional, nothing for to-device (Linux
+    /// `__swiotlb_sync_single_for_cpu`). Each call counts in its own statistic.
     ///
     /// # Errors
     /// [`Error::OutOfPool`], [`Error::NotMapped`] (the slot holds no mapping),
     /// [`Error::OrigAccess`].
-    pub fn sync_for_device<M: OrigMemory + ?Sized>(
+    #[inline]
+    pub fn sync<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
         addr: u64,
         size: usize,
         dir: Direction,
+        target: SyncFor,
     ) -> Result<()> {
-        let copy = dir.device_reads().then_some(Direction::ToDevice);
-        self.sync_counted(mem, addr, size, Stat::SyncsForDevice, copy)
-    }
-
-    // Linux's second sync entry point: same arguments as sync_for_device, the other copy
-    // direction and counter; the work is in sync_counted.
-    /// Makes the CPU see the device's writes to `addr..addr + size`: copies pool -> original
-    /// for from-device and bidirectional, nothing for to-device (Linux
-    /// `__swiotlb_sync_single_for_cpu`).
-    ///
-    /// # Errors
-    /// As [`BouncePool::sync_for_device`].
-    pub fn sync_for_cpu<M: OrigMemory + ?Sized>(
-        &self,
-        mem: &M,
-        addr: u64,
-        size: usize,
-        dir: Direction,
-    ) -> Result<()> {
-        let copy = dir.device_writes().then_some(Direction::FromDevice);
-        self.sync_counted(mem, addr, size, Stat::SyncsForCpu, copy)
-    }
-
-    /// A sync's copy, in the pool `addr` is in.
-    /// Counts a sync call in `stat`, then copies in direction `copy`, if any.
-    fn sync_counted<M: OrigMemory + ?Sized>(
-        &self,
-        mem: &M,
-        addr: u64,
-        size: usize,
-        stat: Stat,
-        copy: Option<Direction>,
-    ) -> Result<()> {
+        let (stat, copy) = match target {
+            SyncFor::Device => (
+                Stat::SyncsForDevice,
+                dir.device_reads().then_some(Direction::ToDevice),
+            ),
+            SyncFor::Cpu => (
+                Stat::SyncsForCpu,
+                dir.device_writes().then_some(Direction::FromDevice),
+            ),
+        };
         let shard = self.counters.shard();
         shard.add(stat, 1);
         match copy {
-            Some(dir) => self.sync(mem, addr, size, dir, shard),
+            Some(dir) => self.sync_copy(mem, addr, size, dir, shard),
             None => Ok(()),
         }
     }
 
-    fn sync<M: OrigMemory + ?Sized>(
+    /// A sync's copy in direction `dir`, in the pool `addr` is in.
+    fn sync_copy<M: OrigMemory + ?Sized>(
         &self,
         mem: &M,
         addr: u64,

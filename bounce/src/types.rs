@@ -147,6 +147,29 @@ impl Direction {
     }
 }
 
+/// Who checks a guest (original) range against memory on a map: the callee, or the caller
+/// already did with the direction's permission (a chain walker: its check is the request's
+/// one check of each range). A range that is not memory after all still fails safely, with
+/// [`Error::OrigAccess`] from the copy or the transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RangeCheck {
+    /// The callee checks the whole range before anything is allocated or copied.
+    Here,
+    /// The caller has checked it; nothing is checked again.
+    Prevalidated,
+}
+
+/// Whom a sync of a live mapping is for, as Linux's two entry points
+/// (`dma_sync_single_for_device` / `_for_cpu`): the device, which must see the CPU's writes,
+/// or the CPU, which must see the device's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncFor {
+    /// Before the device reads: original -> pool when the device reads the buffer.
+    Device,
+    /// After the device wrote: pool -> original when the device writes the buffer.
+    Cpu,
+}
+
 /// DMA attributes that change what the bounce module does.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DmaAttrs {

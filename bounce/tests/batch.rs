@@ -5,7 +5,7 @@
 
 use bounce::{
     AllocatorKind, BouncePool, Direction, DmaAttrs, DynamicConfig, HostMemory, MapRequest, Mapping,
-    PoolConfig,
+    PoolConfig, RangeCheck,
 };
 use proptest::prelude::*;
 use vm_memory::Bytes;
@@ -117,7 +117,7 @@ fn run(
             out.unmaps.push(b.unmap(&mem, m).map_err(|e| e.to_string()));
         }
         let mut mapped = Vec::new();
-        let r = b.map(&mem, &reqs, |m| mapped.push(m));
+        let r = b.map(&mem, &reqs, RangeCheck::Here, |m| mapped.push(m));
         out.maps.extend(mapped.into_iter().map(Ok));
         if let Err(e) = r {
             out.maps.push(Err(e.to_string()));
@@ -218,7 +218,8 @@ fn a_batch_of_three_maps_and_three_unmaps_takes_two_area_locks() {
     ];
     let mut maps = Vec::new();
     let mut b = p.batch(0);
-    b.map(&mem, &reqs, |m| maps.push(m)).unwrap();
+    b.map(&mem, &reqs, RangeCheck::Here, |m| maps.push(m))
+        .unwrap();
     assert_eq!(locks(), 1);
     for m in &maps {
         b.unmap(&mem, m).unwrap();
@@ -267,7 +268,7 @@ fn a_dma_batch_keeps_direct_and_bounced_buffers_in_order_and_stops_at_a_failure(
     let mut seq = Vec::new();
     let mut seq_err = None;
     for &(gpa, len, dir) in &bufs {
-        match d1.map(&mem, gpa, len, dir, 1) {
+        match d1.map(&mem, gpa, len, dir, 1, RangeCheck::Here) {
             Ok(b) => seq.push(b),
             Err(e) => {
                 seq_err = Some(e.to_string());
@@ -277,7 +278,9 @@ fn a_dma_batch_keeps_direct_and_bounced_buffers_in_order_and_stops_at_a_failure(
     }
     let mut got = Vec::new();
     let mut b = d2.batch(1);
-    let err = b.map(&mem, &bufs, |buf| got.push(buf)).unwrap_err();
+    let err = b
+        .map(&mem, &bufs, RangeCheck::Here, |buf| got.push(buf))
+        .unwrap_err();
     assert_eq!(Some(err.to_string()), seq_err);
     assert_eq!(got, seq);
     assert_eq!(got.len(), 4);

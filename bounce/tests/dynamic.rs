@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use bounce::{
     BouncePool, Direction, DynamicConfig, Error, HostMemory, MapRequest, PoolConfig, PoolKind,
-    PoolPages, SizeLimit,
+    PoolPages, SizeLimit, SyncFor,
 };
 use proptest::prelude::*;
 
@@ -242,7 +242,8 @@ fn grows_into_its_own_memory() {
     let m = pool.map(&mem, &one(0x8_0000)).unwrap();
     assert_eq!(m.dev_addr, added.start);
     assert_eq!(pool.pool_of(m.dev_addr).unwrap().kind, PoolKind::Added);
-    pool.sync_for_cpu(&mem, m.dev_addr, 16, m.dir).unwrap();
+    pool.sync(&mem, m.dev_addr, 16, m.dir, SyncFor::Cpu)
+        .unwrap();
     maps.push(m);
     for m in maps.drain(..) {
         pool.unmap(&mem, &m, 0).unwrap();

@@ -24,7 +24,7 @@
 
 use bounce::{
     AllocatorKind, BouncePool, Direction, DmaAttrs, Error, Geometry, HostMemory, MapRequest,
-    Mapping, OrigMemory, PoolConfig, PoolMode, SizeLimit,
+    Mapping, OrigMemory, PoolConfig, PoolMode, SizeLimit, SyncFor,
 };
 use proptest::prelude::*;
 use vm_memory::VolatileSlice;
@@ -332,8 +332,14 @@ fn run(kind: AllocatorKind, mode: PoolMode, shape: Shape, ops: &[Op]) -> Result<
                 let Some((l, at, len)) = pick_range(&mut live, pick, at, len) else {
                     continue;
                 };
-                pool.sync_for_device(&mem, l.m.dev_addr + at as u64, len, l.m.dir)
-                    .unwrap();
+                pool.sync(
+                    &mem,
+                    l.m.dev_addr + at as u64,
+                    len,
+                    l.m.dir,
+                    SyncFor::Device,
+                )
+                .unwrap();
                 if l.m.dir.device_reads() {
                     let o = (l.m.orig - ORIG_BASE) as usize + at;
                     l.dev[at..at + len].copy_from_slice(&model[o..o + len]);
@@ -348,7 +354,7 @@ fn run(kind: AllocatorKind, mode: PoolMode, shape: Shape, ops: &[Op]) -> Result<
                 if l.m.dir.device_writes() && !l.known[at..at + len].iter().all(|k| *k) {
                     continue; // the model cannot predict unknown bytes
                 }
-                pool.sync_for_cpu(&mem, l.m.dev_addr + at as u64, len, l.m.dir)
+                pool.sync(&mem, l.m.dev_addr + at as u64, len, l.m.dir, SyncFor::Cpu)
                     .unwrap();
                 if l.m.dir.device_writes() {
                     let o = (l.m.orig - ORIG_BASE) as usize + at;

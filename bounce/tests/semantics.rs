@@ -7,7 +7,7 @@
 
 use bounce::{
     AllocatorKind, BouncePool, CopyOnMap, Direction, DmaAttrs, Error, HostMemory, MapRequest,
-    Mapping, OrigMemory, PoolConfig, PoolMode, SizeLimit,
+    Mapping, OrigMemory, PoolConfig, PoolMode, SizeLimit, SyncFor,
 };
 use vm_memory::VolatileSlice;
 
@@ -285,7 +285,8 @@ fn sync_for_device_copies_in_for_to_device_and_bidirectional_only() {
                 .write_orig(addr, &VolatileSlice::from(&mut fresh.clone()[..]))
                 .unwrap();
             let stale = dev_read(p, m.dev_addr, 8192);
-            p.sync_for_device(&o.mem(), m.dev_addr, 8192, dir).unwrap();
+            p.sync(&o.mem(), m.dev_addr, 8192, dir, SyncFor::Device)
+                .unwrap();
             let now = dev_read(p, m.dev_addr, 8192);
             if dir.device_reads() {
                 assert_eq!(now, fresh, "{kind} {dir:?}");
@@ -311,7 +312,8 @@ fn sync_for_cpu_copies_back_for_from_device_and_bidirectional_only() {
             let m = map(p, o, addr, 8192, dir);
             let new = pattern(0x77, 8192);
             dev_write(p, m.dev_addr, &new);
-            p.sync_for_cpu(&o.mem(), m.dev_addr, 8192, dir).unwrap();
+            p.sync(&o.mem(), m.dev_addr, 8192, dir, SyncFor::Cpu)
+                .unwrap();
             let want = if dir.device_writes() { &new } else { &before };
             assert_eq!(o.at(addr, 8192), &want[..], "{kind} {dir:?}");
             p.unmap(&o.mem(), &m, 0).unwrap();
@@ -330,11 +332,12 @@ fn partial_sync_from_the_middle_finds_its_source() {
         dev_write(p, m.dev_addr, &new);
         let (off, len) = (5000usize, 3333usize);
         let before = o.at(addr, 20000).to_vec();
-        p.sync_for_cpu(
+        p.sync(
             &o.mem(),
             m.dev_addr + off as u64,
             len,
             Direction::Bidirectional,
+            SyncFor::Cpu,
         )
         .unwrap();
         let mut want = before.clone();
@@ -348,11 +351,12 @@ fn partial_sync_from_the_middle_finds_its_source() {
                 &VolatileSlice::from(&mut cpu.clone()[..]),
             )
             .unwrap();
-        p.sync_for_device(
+        p.sync(
             &o.mem(),
             m.dev_addr + off as u64 + 7,
             len,
             Direction::Bidirectional,
+            SyncFor::Device,
         )
         .unwrap();
         assert_eq!(dev_read(p, m.dev_addr + off as u64 + 7, len), cpu, "{kind}");
@@ -378,8 +382,14 @@ fn sync_past_the_end_of_a_mapping_is_clamped() {
     dev_write(p, b.dev_addr, &[2; 2048]);
     let before_b = o.at(addr + 0x10000, 2048).to_vec();
     let after_a = o.at(addr + 2048, 2048).to_vec();
-    p.sync_for_cpu(&o.mem(), a.dev_addr, 4096, Direction::FromDevice)
-        .unwrap();
+    p.sync(
+        &o.mem(),
+        a.dev_addr,
+        4096,
+        Direction::FromDevice,
+        SyncFor::Cpu,
+    )
+    .unwrap();
     assert_eq!(o.at(addr, 2048), &[1; 2048][..]);
     assert_eq!(
         o.at(addr + 2048, 2048),
@@ -773,7 +783,7 @@ fn bad_input_gets_typed_errors_and_leaves_the_pool_intact() {
         assert_eq!(p.stats().bad_unmaps, 5, "{kind}");
         // sync of an unmapped address
         assert!(p
-            .sync_for_cpu(&mem, live.dev_addr, 10, Direction::FromDevice)
+            .sync(&mem, live.dev_addr, 10, Direction::FromDevice, SyncFor::Cpu)
             .is_err());
         // the pool still works in full
         let all = p

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
-use bounce::{Direction, Dma, Policy, PoolConfig};
+use bounce::{Direction, Dma, Policy, PoolConfig, RangeCheck};
 use common::{pattern, RAM};
 use devices::block::io::{AioMode, CacheMode, OnFull, RawDisk};
 use devices::block::request::RequestHeader;
@@ -472,6 +472,14 @@ fn small_pool(slots: usize) -> Dma {
     )
 }
 
+/// A driver on `disk` with `aio`, a write-back cache, queues of 64 and a [`small_pool`] of
+/// `slots`; with the pool's handle.
+fn small_pool_driver<D: Disk>(disk: D, aio: AioMode, slots: usize) -> (Drv<D>, Dma) {
+    let dma = small_pool(slots);
+    let drv = driver(disk, cfg(aio, CacheMode::Writeback), dma.clone(), 64);
+    (drv, dma)
+}
+
 /// A pool too small for the queue's depth: with `on-full=wait` requests that do not fit stay
 /// on the ring and go in as others complete, and all succeed; with `on-full=fail` some fail
 /// with IOERR at once. Both are counted.
@@ -519,12 +527,7 @@ fn back_pressure_wait_and_fail() {
 fn a_request_that_can_never_fit_fails() {
     let dir = tempfile::tempdir().unwrap();
     let disk = raw_image(dir.path(), CacheMode::Writeback);
-    let mut drv = driver(
-        disk,
-        cfg(AioMode::IoUring, CacheMode::Writeback),
-        small_pool(128),
-        64,
-    );
+    let (mut drv, _) = small_pool_driver(disk, AioMode::IoUring, 128);
     // 128 slots * 2 KiB = 256 KiB; ask for 384 KiB.
     let big = one(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 384 << 10);
     assert_eq!(status_of(&drv, big), VIRTIO_BLK_S_IOERR);
@@ -539,17 +542,18 @@ fn a_request_that_can_never_fit_fails() {
 fn waiting_with_nothing_in_flight_retries_on_the_timer() {
     let dir = tempfile::tempdir().unwrap();
     let disk = raw_image(dir.path(), CacheMode::Writeback);
-    let dma = small_pool(128);
-    let mut drv = driver(
-        disk,
-        cfg(AioMode::IoUring, CacheMode::Writeback),
-        dma.clone(),
-        64,
-    );
+    let (mut drv, dma) = small_pool_driver(disk, AioMode::IoUring, 128);
     // Another user takes all but one slot.
     let hog = drv.ram.alloc(127 * 2048, 4096);
     let held = dma
-        .map(drv.ram.mem(), hog, 127 * 2048, Direction::ToDevice, 1)
+        .map(
+            drv.ram.mem(),
+            hog,
+            127 * 2048,
+            Direction::ToDevice,
+            1,
+            RangeCheck::Here,
+        )
         .unwrap();
     let r = post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096, 0);
     drv.kick(0).unwrap();
@@ -626,13 +630,7 @@ fn hostile_chains_at_depth() {
 #[test]
 fn reset_with_requests_in_flight_releases_the_pool() {
     let (disk, tx) = gated_disk();
-    let dma = small_pool(1024);
-    let mut drv = driver(
-        disk,
-        cfg(AioMode::Threads, CacheMode::Writeback),
-        dma.clone(),
-        64,
-    );
+    let (mut drv, dma) = small_pool_driver(disk, AioMode::Threads, 1024);
     post(&mut drv, VIRTIO_BLK_T_IN, 0, &[], 4096, 0);
     for i in 1..8 {
         post(&mut drv, VIRTIO_BLK_T_IN, i * 8, &[], 4096, 0);

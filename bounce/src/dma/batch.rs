@@ -3,10 +3,10 @@
 
 use vm_memory::GuestMemory;
 
-use super::{Dma, DmaBuffer, RangeCheck};
+use super::{Dma, DmaBuffer};
 use crate::error::Result;
 use crate::pool::{Mapping, PoolBatch};
-use crate::types::{Direction, DmaAttrs, MapRequest};
+use crate::types::{Direction, DmaAttrs, MapRequest, RangeCheck};
 
 /// Bounced buffers handed to the pool at once.
 const BATCH: usize = 8;
@@ -48,36 +48,13 @@ impl DmaBuffer {
 }
 
 impl DmaBatch<'_> {
-    /// Maps `bufs` in order as [`Dma::map`] on each would, handing each buffer to `mapped`,
-    /// until one fails.
+    /// Maps `bufs` in order as [`Dma::map`] on each would (`check` as there), handing each
+    /// buffer to `mapped`, until one fails.
     ///
     /// # Errors
     /// The first failure, as [`Dma::map`] reports it; the buffers handed out before it stay
     /// mapped.
     pub fn map<M: GuestMemory + ?Sized>(
-        &mut self,
-        mem: &M,
-        bufs: &[GuestBuf],
-        mapped: impl FnMut(DmaBuffer),
-    ) -> Result<()> {
-        self.map_range(mem, bufs, RangeCheck::Here, mapped)
-    }
-
-    // Thin wrapper: `map` with the range check skipped; the work is in map_range.
-    /// As [`DmaBatch::map`] for ranges the caller has checked ([`Dma::map_prevalidated`]).
-    ///
-    /// # Errors
-    /// As [`DmaBatch::map`].
-    pub fn map_prevalidated<M: GuestMemory + ?Sized>(
-        &mut self,
-        mem: &M,
-        bufs: &[GuestBuf],
-        mapped: impl FnMut(DmaBuffer),
-    ) -> Result<()> {
-        self.map_range(mem, bufs, RangeCheck::Prevalidated, mapped)
-    }
-
-    fn map_range<M: GuestMemory + ?Sized>(
         &mut self,
         mem: &M,
         bufs: &[GuestBuf],
@@ -135,7 +112,7 @@ impl DmaBatch<'_> {
         match self.pool.as_mut() {
             // The ranges were checked by `checked_request` or by the caller.
             Some(pool) if !reqs.is_empty() => {
-                let r = pool.map_prevalidated(mem, reqs, |m| {
+                let r = pool.map(mem, reqs, RangeCheck::Prevalidated, |m| {
                     dma.count_map(worker, m.size, &Ok::<(), _>(()));
                     mapped(DmaBuffer::bounced(m))
                 });

@@ -28,7 +28,7 @@ use crate::alloc::{Run, SlotBatch, SlotRequest};
 use crate::error::Result;
 use crate::orig::OrigMemory;
 use crate::stats::TimedOp;
-use crate::types::{Direction, DmaAttrs, MapRequest};
+use crate::types::{Direction, DmaAttrs, MapRequest, RangeCheck};
 
 /// Requests claimed in one allocator call, and runs held for release.
 const BATCH: usize = 8;
@@ -60,7 +60,8 @@ impl BouncePool {
 
 impl PoolBatch<'_> {
     /// Maps `reqs` in order as [`BouncePool::map`] on each would, handing each mapping to
-    /// `mapped`, until one fails.
+    /// `mapped`, until one fails. With [`RangeCheck::Prevalidated`] the originals are not
+    /// checked (the caller did, as for [`crate::Dma::map`]).
     ///
     /// # Errors
     /// The first failure, as [`BouncePool::map`] reports it; the mappings handed out before
@@ -69,42 +70,20 @@ impl PoolBatch<'_> {
         &mut self,
         mem: &M,
         reqs: &[MapRequest],
-        mapped: impl FnMut(Mapping),
-    ) -> Result<()> {
-        self.map_checked(mem, reqs, true, mapped).map_err(|e| *e)
-    }
-
-    // Thin wrapper: `map` with the range check skipped; the work is in map_checked.
-    /// As [`PoolBatch::map`] for originals the caller has checked
-    /// ([`BouncePool::map_prevalidated`]).
-    ///
-    /// # Errors
-    /// As [`PoolBatch::map`].
-    pub(crate) fn map_prevalidated<M: OrigMemory + ?Sized>(
-        &mut self,
-        mem: &M,
-        reqs: &[MapRequest],
-        mapped: impl FnMut(Mapping),
-    ) -> Result<()> {
-        self.map_checked(mem, reqs, false, mapped).map_err(|e| *e)
-    }
-
-    fn map_checked<M: OrigMemory + ?Sized>(
-        &mut self,
-        mem: &M,
-        reqs: &[MapRequest],
-        check_orig: bool,
+        check: RangeCheck,
         mut mapped: impl FnMut(Mapping),
-    ) -> Fast<()> {
+    ) -> Result<()> {
+        let check_orig = check == RangeCheck::Here;
         let pool = self.pool;
         if pool.dynamic.is_some() {
             for req in reqs {
-                mapped(pool.map_timed(mem, req, check_orig)?);
+                mapped(pool.map_timed(mem, req, check_orig).map_err(|e| *e)?);
             }
             return Ok(());
         }
         for chunk in reqs.chunks(BATCH) {
-            self.map_chunk(mem, chunk, check_orig, &mut mapped)?;
+            self.map_chunk(mem, chunk, check_orig, &mut mapped)
+                .map_err(|e| *e)?;
         }
         Ok(())
     }

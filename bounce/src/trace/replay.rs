@@ -12,7 +12,7 @@ use crate::error::Error;
 use crate::geometry::{PoolConfig, SizeLimit};
 use crate::orig::OrigMemory;
 use crate::pool::{BouncePool, Mapping};
-use crate::types::{AllocatorKind, DmaAttrs, MapRequest, PoolMode};
+use crate::types::{AllocatorKind, DmaAttrs, MapRequest, PoolMode, SyncFor};
 use crate::DEFAULT_SEG_BOUNDARY_MASK;
 
 /// Original memory that is not there: every address is accessible, reads produce zeros, writes
@@ -452,10 +452,14 @@ impl Replayer {
                 addr: mapping.dev_addr,
                 len: size,
             }),
-            Some(addr) if for_cpu => self.pool.sync_for_cpu(&NullMemory, addr, size, mapping.dir),
-            Some(addr) => self
-                .pool
-                .sync_for_device(&NullMemory, addr, size, mapping.dir),
+            Some(addr) => {
+                let target = if for_cpu {
+                    SyncFor::Cpu
+                } else {
+                    SyncFor::Device
+                };
+                self.pool.sync(&NullMemory, addr, size, mapping.dir, target)
+            }
         };
         match r {
             Ok(()) => {

@@ -39,6 +39,24 @@ fn failure_header<'a>(head: &[&'a str], tail: &[&'a str]) -> Vec<&'a str> {
     [head, &FAILURE_COLUMNS[..], tail].concat()
 }
 
+/// A table of one row per item: the cells `cells` gives (under `head`), then the failure
+/// cells of the replay it names (dashes for none).
+fn failure_table<T>(
+    out: &mut String,
+    head: &[&str],
+    items: &[T],
+    cells: impl Fn(&T) -> (Vec<String>, Option<&SizeReport>),
+) {
+    let rows: Vec<Vec<String>> = items
+        .iter()
+        .map(|item| {
+            let (row, replay) = cells(item);
+            with_failures(row, replay)
+        })
+        .collect();
+    out.push_str(&markdown_table(&failure_header(head, &[]), &rows));
+}
+
 /// The report as Markdown: a line on the inputs, then one table per section, the
 /// recommendation and the notes.
 pub fn table(r: &Report) -> String {
@@ -101,22 +119,17 @@ fn inputs_section(r: &Report, out: &mut String) {
 /// The static pools and how Linux rounds the minimum.
 fn static_section(r: &Report, out: &mut String) {
     out.push_str("### Static pools\n\n");
-    let rows: Vec<Vec<String>> = r
-        .static_pools
-        .iter()
-        .map(|s| {
-            let row = vec![
-                s.kind.label().to_string(),
-                s.swiotlb.clone().unwrap_or_else(|| "-".into()),
-                s.replay.slots.to_string(),
-                s.replay.areas.to_string(),
-                mib(s.pool_bytes),
-            ];
-            with_failures(row, Some(&s.replay))
-        })
-        .collect();
-    let head = failure_header(&["pool", "swiotlb=", "slots", "areas", "memory"], &[]);
-    out.push_str(&markdown_table(&head, &rows));
+    let head = ["pool", "swiotlb=", "slots", "areas", "memory"];
+    failure_table(out, &head, &r.static_pools, |s| {
+        let row = vec![
+            s.kind.label().to_string(),
+            s.swiotlb.clone().unwrap_or_else(|| "-".into()),
+            s.replay.slots.to_string(),
+            s.replay.areas.to_string(),
+            mib(s.pool_bytes),
+        ];
+        (row, Some(&s.replay))
+    });
     let kind = |k| r.static_pools.iter().find(|s| s.kind == k);
     let (Some(k), Some(m)) = (kind(StaticKind::Kernel), kind(StaticKind::Minimum)) else {
         return;
@@ -136,26 +149,21 @@ fn static_section(r: &Report, out: &mut String) {
     out.push_str(".\n");
 }
 
-// Builds its table as static_section does; its own rows and columns.
+// Begins as static_section does; its own columns and cells, the table is failure_table's.
 /// One row per area count.
 fn areas_section(r: &Report, out: &mut String) {
     out.push_str("\n### Areas\n\nEach area count with the smallest pool that has no failure, as the kernel rounds it; its memory is the slots and the bookkeeping (24 bytes of `struct io_tlb_slot` per slot, page-aligned, and 16 of `struct io_tlb_area` per area). Failures and high-water: at the trace's pool size.\n\n");
-    let rows: Vec<Vec<String>> = r
-        .areas
-        .iter()
-        .map(|a| {
-            let row = vec![
-                a.areas.to_string(),
-                a.min_slots.to_string(),
-                a.swiotlb.clone(),
-                mib(a.pool_bytes),
-                format!("{} KiB", a.metadata_bytes.div_ceil(1024)),
-            ];
-            with_failures(row, a.at_trace_size.as_ref())
-        })
-        .collect();
-    let head = failure_header(&["areas", "smallest", "swiotlb=", "pool", "metadata"], &[]);
-    out.push_str(&markdown_table(&head, &rows));
+    let head = ["areas", "smallest", "swiotlb=", "pool", "metadata"];
+    failure_table(out, &head, &r.areas, |a| {
+        let row = vec![
+            a.areas.to_string(),
+            a.min_slots.to_string(),
+            a.swiotlb.clone(),
+            mib(a.pool_bytes),
+            format!("{} KiB", a.metadata_bytes.div_ceil(1024)),
+        ];
+        (row, a.at_trace_size.as_ref())
+    });
 }
 
 /// The segment-size what-if, or why it is left out.

@@ -37,7 +37,7 @@ use std::os::fd::RawFd;
 use std::sync::{Arc, Mutex};
 
 use bounce::error::ErrorClass;
-use bounce::{Direction, Dma, DmaBuffer};
+use bounce::{Direction, Dma, DmaBuffer, RangeCheck};
 use smallvec::SmallVec;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestMemory, VolatileSlice};
@@ -295,12 +295,13 @@ impl<M: GuestMemory> PairWorker<M> {
         self.tx_pieces.clear();
         let mut mapped = Ok(());
         for seg in &c.readable {
-            match self.dma.map_prevalidated(
+            match self.dma.map(
                 mem,
                 seg.addr,
                 seg.len as usize,
                 Direction::ToDevice,
                 worker,
+                RangeCheck::Prevalidated,
             ) {
                 Ok(b) => self.tx_mapped.push(b),
                 Err(e) => {
@@ -521,11 +522,12 @@ impl<M: GuestMemory> PairWorker<M> {
                 }
                 let n = (seg.len as usize).min(len - off);
                 // The walk checked the buffer (writable guest memory): no second check.
-                let r = self.dma.write_guest_prevalidated(
+                let r = self.dma.write_guest(
                     mem,
                     seg.addr,
                     &self.rx_buf[off..off + n],
                     self.worker_id(),
+                    RangeCheck::Prevalidated,
                 );
                 if let Err(e) = r {
                     tracing::debug!(pair = self.pair, "rx scatter: {e}");

@@ -30,13 +30,14 @@
 //!
 //! [`copy_from`] and [`copy_to`] move a byte range of a buffer list through a [`bounce::Dma`]
 //! handle in pieces (one small map → copy → unmap per piece,
-//! [`bounce::Dma::read_guest_prevalidated`] and [`bounce::Dma::write_guest_prevalidated`]: a
-//! buffer the walker pushed is in guest memory, the walk was its one check);
+//! [`bounce::Dma::read_guest`] and [`bounce::Dma::write_guest`] with
+//! [`bounce::RangeCheck::Prevalidated`]: a buffer the walker pushed is in guest memory, the
+//! walk was its one check);
 //! [`for_each_piece`] is the stream arithmetic under them.
 
 use std::mem::size_of;
 
-use bounce::Dma;
+use bounce::{Dma, RangeCheck};
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions};
 
@@ -413,7 +414,7 @@ pub fn locate(segs: &[Seg], pos: u64) -> Option<u64> {
 /// Reads `dst.len()` bytes at `start` of the stream `segs` form, through `dma` on behalf of
 /// bounce worker `worker` (headers, commands: small transfers). `segs` are buffers of a
 /// walked chain: the walker checked them against guest memory, `dma` does not again
-/// ([`Dma::read_guest_prevalidated`]).
+/// ([`RangeCheck::Prevalidated`]).
 ///
 /// # Errors
 /// [`CopyError`].
@@ -427,7 +428,13 @@ pub fn copy_from<M: GuestMemory + ?Sized>(
 ) -> Result<(), CopyError> {
     let mut done = 0usize;
     for_each_piece(segs, start, dst.len() as u64, u64::MAX, |addr, n| {
-        dma.read_guest_prevalidated(mem, addr, &mut dst[done..done + n], worker)?;
+        dma.read_guest(
+            mem,
+            addr,
+            &mut dst[done..done + n],
+            worker,
+            RangeCheck::Prevalidated,
+        )?;
         done += n;
         Ok::<(), CopyError>(())
     })
@@ -448,7 +455,13 @@ pub fn copy_to<M: GuestMemory + ?Sized>(
 ) -> Result<(), CopyError> {
     let mut done = 0usize;
     for_each_piece(segs, start, src.len() as u64, u64::MAX, |addr, n| {
-        dma.write_guest_prevalidated(mem, addr, &src[done..done + n], worker)?;
+        dma.write_guest(
+            mem,
+            addr,
+            &src[done..done + n],
+            worker,
+            RangeCheck::Prevalidated,
+        )?;
         done += n;
         Ok::<(), CopyError>(())
     })

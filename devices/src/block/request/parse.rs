@@ -3,7 +3,7 @@
 
 use std::mem::offset_of;
 
-use bounce::{Direction, DmaBatch, DmaBuffer, GuestBuf};
+use bounce::{Direction, DmaBatch, DmaBuffer, GuestBuf, RangeCheck};
 use smallvec::SmallVec;
 use vm_memory::GuestMemory;
 
@@ -154,7 +154,7 @@ impl RequestCtx {
         };
         let mut status = None;
         let mut maps = SmallVec::new();
-        let mapped = batch.map_prevalidated(mem, &bufs, |b| match status {
+        let mapped = batch.map(mem, &bufs, RangeCheck::Prevalidated, |b| match status {
             None => status = Some(b),
             Some(_) => maps.push(b),
         });
@@ -180,7 +180,7 @@ impl RequestCtx {
         let mut bufs = HeadBufs::new();
         let listed = header_bufs(chain, &mut bufs);
         let mut maps = SmallVec::new();
-        let mapped = batch.map_prevalidated(mem, &bufs, |b| maps.push(b));
+        let mapped = batch.map(mem, &bufs, RangeCheck::Prevalidated, |b| maps.push(b));
         let failed = mapped.err().map(BlockError::from).or(listed.err());
         self.read_head(mem, HeadMaps { maps, failed }, batch)
     }

@@ -2,7 +2,7 @@
 //! into the request, and the [`IoOp`] on their device-visible pieces, built once here and
 //! handed to the engine as it is.
 
-use bounce::{Direction, DmaBatch, GuestBuf};
+use bounce::{Direction, DmaBatch, GuestBuf, RangeCheck};
 use smallvec::SmallVec;
 use vm_memory::GuestMemory;
 
@@ -165,7 +165,7 @@ impl RequestCtx {
         });
         let maps = &mut req.maps;
         let r = batch
-            .map_prevalidated(mem, &pieces, |b| maps.push(b))
+            .map(mem, &pieces, RangeCheck::Prevalidated, |b| maps.push(b))
             .map_err(BlockError::from)
             .and(listed);
         if r.is_err() {
