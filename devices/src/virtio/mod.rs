@@ -123,7 +123,8 @@ pub fn common_features(access_platform: bool) -> u64 {
 }
 
 /// A device as its transport sees it: identity, features, configuration space, lifecycle.
-pub trait VirtioDevice<M: GuestMemory>: Send {
+/// `Debug` so that what holds a device (the transport, the monitor's tables) can derive it.
+pub trait VirtioDevice<M: GuestMemory>: Send + std::fmt::Debug {
     /// The virtio device type ([`spec::VIRTIO_ID_BLOCK`], [`spec::VIRTIO_ID_NET`]).
     fn device_type(&self) -> u32;
 

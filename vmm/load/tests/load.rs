@@ -370,6 +370,7 @@ enum Fault {
 
 const FAKE_SECTORS: u64 = 2048; // 1 MiB
 
+#[derive(Debug)]
 struct FakeBlk {
     fault: Fault,
     disk: Arc<std::sync::Mutex<Vec<u8>>>,

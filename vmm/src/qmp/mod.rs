@@ -78,7 +78,7 @@ pub const MAX_NESTING: usize = 64;
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// A drive as `query-block` reports it.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct BlockInfo {
     /// Drive id.
     pub id: String,
@@ -95,7 +95,7 @@ pub struct BlockInfo {
 }
 
 /// A device as `x-query-bounce` reports it.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct DeviceInfo {
     /// Device id.
     pub id: String,
@@ -105,25 +105,6 @@ pub struct DeviceInfo {
     pub device: SharedVirtioDevice,
     /// The device's bounce pool, when it bounces (for `x-reset-bounce`).
     pub pool: Option<Arc<bounce::BouncePool>>,
-}
-
-// Hand-written Debug impls that skip fields without Debug; alike in shape only.
-impl std::fmt::Debug for DeviceInfo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceInfo")
-            .field("id", &self.id)
-            .field("driver", &self.driver)
-            .finish_non_exhaustive()
-    }
-}
-
-impl std::fmt::Debug for BlockInfo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BlockInfo")
-            .field("id", &self.id)
-            .field("qdev", &self.qdev)
-            .finish_non_exhaustive()
-    }
 }
 
 /// What the monitor can see and do.

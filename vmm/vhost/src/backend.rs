@@ -1091,7 +1091,7 @@ mod tests {
     /// A device whose queues are all on one thread, served by one worker that takes them in
     /// `order`: it records the sizes of the queues it is lent on each event and asks for the
     /// interrupt of the first of them.
-    #[derive(Clone)]
+    #[derive(Clone, Debug)]
     struct Counting {
         order: Vec<u16>,
         seen: Arc<Mutex<Vec<Vec<u16>>>>,

@@ -56,6 +56,7 @@ pub struct EchoCounters {
 
 /// A device with `queues` queues; every chain's readable bytes are copied into its writable
 /// buffers. One worker serves all queues (so the layout puts them on one thread).
+#[derive(Debug)]
 pub struct EchoDevice {
     pub queues: usize,
     pub counters: Arc<EchoCounters>,
