@@ -131,6 +131,7 @@ pub(super) fn registers_text(v: &Value) -> String {
             hex(&s["apic-base"], 16)
         ));
     }
+    // The lines below are format arguments of different registers: alike in shape only.
     let e = &v["events"];
     if e.is_object() {
         let (i, n, x) = (&e["interrupt"], &e["nmi"], &e["exception"]);
