@@ -18,6 +18,23 @@
 //! `KVM_RUN` would, and QEMU makes the same calls on every register read) and goes on. A vCPU that does not
 //! answer in time (its thread held in a long exit handler) is reported with what is known
 //! without it: thread state and counters.
+//!
+//! The members of each vCPU's `x-query-vcpus` object (numbers are plain JSON integers):
+//!
+//! | member | what |
+//! |---|---|
+//! | `cpu-index`, `thread-id` | the vCPU id and its thread's kernel tid (0 before the thread runs) |
+//! | `thread-state` | `kvm-run` (inside `KVM_RUN`: running guest code, or halted / waiting for SIPI in the kernel), `vmm` (handling an exit in the VMM), `not-started`, `exited`; bouncevm has no pause |
+//! | `answered` | whether the vCPU thread read its own state within 500 ms; `false` (a thread held in a long exit handler, or not running) leaves out the members below `unhandled` |
+//! | `exits` | `KVM_RUN` returns since the thread started, by reason: `io`, `mmio`, `hlt`, `shutdown`, `system-event`, `fail-entry`, `internal-error`, `intr` (signals: kicks, including each query's own, about two per answered query), `irq-window-open`, `ioapic-eoi`, `other`, `error` |
+//! | `unhandled` | `pio`, `mmio`: accesses no device claimed |
+//! | `mp-state` | `KVM_GET_MP_STATE` by name: `runnable`, `uninitialized` (an AP waiting for INIT/SIPI), `init-received`, `halted`, `sipi-received`, `stopped`, ... (`unknown-N` otherwise) |
+//! | `regs`, `interrupts-enabled` | `KVM_GET_REGS`: `rax`...`r15`, `rip`, `rflags`; `interrupts-enabled` is RFLAGS.IF |
+//! | `sregs` | `KVM_GET_SREGS`: `cr0`, `cr2`, `cr3`, `cr4`, `cr8`, `efer`, `apic-base`, the segments `cs` `ss` `ds` `es` `fs` `gs` `tr` `ldt` (`selector`, `base`, `limit`, `type`, `dpl`, `present`, `db`, `l`), `gdt`/`idt` (`base`, `limit`) |
+//! | `events` | `KVM_GET_VCPU_EVENTS`: `interrupt` (`injected`, `vector`, `soft`, `shadow`: the STI/MOV-SS interrupt shadow), `nmi` (`injected`, `pending`, `masked`), `exception` (`injected`, `pending`, `vector`, `error-code`), `sipi-vector` |
+//! | `lapic` | `KVM_GET_LAPIC`: `id`, `tpr`, `ppr`, `svr`, `irr-highest` / `isr-highest` (the highest vector pending / in service, `null` when none), `esr`, `icr`, `lvt-timer`, `timer-initial-count`, `timer-current-count`, `timer-divide`, `lvt-lint0`, `lvt-lint1`, `lvt-error` |
+//! | `msrs` | `tsc`, `tsc-deadline` (`IA32_TSC_DEADLINE`; 0 when disarmed) |
+//! | `errors` | the `KVM_GET_*` calls that failed, if any (their members are left out) |
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError};
