@@ -258,7 +258,7 @@ impl Dma {
             // again.
             (Some(req), Some(pool)) => {
                 let r = pool.map_prevalidated(mem, &req);
-                self.count_map(worker, len, &r);
+                self.count_map(len, &r);
                 Some(r?)
             }
             _ => None,
@@ -321,22 +321,22 @@ impl Dma {
         match (&buf.bounce, &self.pool) {
             (Some(m), Some(pool)) => {
                 let r = pool.unmap(mem, m, worker);
-                self.count_unmap(worker, &r);
+                self.count_unmap(&r);
                 r
             }
             _ => Ok(()),
         }
     }
 
-    fn count_map<T>(&self, worker: usize, len: usize, r: &Result<T>) {
+    fn count_map<T>(&self, len: usize, r: &Result<T>) {
         if let Some(c) = &self.counters {
-            c.count_map(worker, len, r);
+            c.count_map(len, r);
         }
     }
 
-    fn count_unmap(&self, worker: usize, r: &Result<()>) {
+    fn count_unmap(&self, r: &Result<()>) {
         if let Some(c) = &self.counters {
-            c.count_unmap(worker, r);
+            c.count_unmap(r);
         }
     }
 
@@ -436,7 +436,7 @@ impl Dma {
         };
         Self::unmap_prefix(pool, mem, &buf, m, written, |attrs| {
             let released = pool.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs, worker);
-            self.count_unmap(worker, &released);
+            self.count_unmap(&released);
             released
         })
     }

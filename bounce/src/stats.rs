@@ -35,7 +35,7 @@ fn call_entry(op: TimedOp, dir: crate::Direction) -> usize {
 /// prefetcher pairs 64-byte lines).
 #[derive(Debug, Default)]
 #[repr(align(128))]
-struct Shard {
+pub(crate) struct Shard {
     counts: [AtomicU64; ENTRIES],
     /// Occupancy quota this shard holds and does not use (see [`Counters`]): a map takes from
     /// it, an unmap gives back to it. Negative never at rest (a map that finds too little
@@ -62,15 +62,7 @@ const GRANT: i64 = 64;
 
 /// Live counters of a pool. All relaxed: they are statistics, not synchronisation.
 ///
-/// Event counters (maps, bytes, syncs, ...) are sharded per thread: each live thread holds a
-/// process-wide number of its own ([`thread_number`], recycled when the thread exits), and the
-/// first [`EXCLUSIVE_SHARDS`] numbers each own a shard of every pool, alone on its cache lines.
-/// A thread is the only writer of its shard, so it adds with a plain load and store (no atomic
-/// read-modify-write, no cache line shared with another core); threads beyond those numbers add
-/// atomically to one shared overflow shard. A read sums the shards. The sum is exact: every add
-/// lands in exactly one shard and no two writers race on a plain add (a shard changes hands only
-/// through the number's release and reuse, which a mutex orders), so it counts every event that
-/// completed before the read, as a single counter would.
+/// Event counters (maps, bytes, syncs, ...) are per-thread shards ([`ThreadShards`]).
 ///
 /// `used` and `hiwater` (Linux `total_used`, `used_hiwater`) are kept as a quota, so that a
 /// pool at a steady occupancy writes no shared cache line (one shared atomic `used` written by
@@ -92,22 +84,66 @@ const GRANT: i64 = 64;
 /// counters). [`Counters::reset_hiwater`] restarts the mark at the current occupancy (Linux
 /// shows 0 until the next map, which sets it to the occupancy after that map: the same value
 /// unless unmaps ran in between).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct Counters {
     occupancy: Occupancy,
-    /// `EXCLUSIVE_SHARDS` single-writer shards, then the shared overflow shard.
-    shards: Box<[Shard]>,
+    shards: ThreadShards<Shard>,
 }
 
-/// Threads that get a single-writer shard in every pool.
+/// Threads that get a single-writer shard in every [`ThreadShards`].
 pub(crate) const EXCLUSIVE_SHARDS: usize = 64;
 
-impl Default for Counters {
+/// Counters sharded per thread, one shard of `S` per thread number: each live thread holds a
+/// process-wide number of its own ([`thread_number`], recycled when the thread exits), and the
+/// first [`EXCLUSIVE_SHARDS`] numbers each own a shard, which `S` keeps alone on its cache
+/// lines. A thread is the only writer of its shard, so it adds with a plain load and store (no
+/// atomic read-modify-write, no cache line shared with another core); threads beyond those
+/// numbers add atomically to one shared overflow shard. A read sums the shards. The sum is
+/// exact: every add lands in exactly one shard and no two writers race on a plain add (a shard
+/// changes hands only through the number's release and reuse, which a mutex orders), so it
+/// counts every event that completed before the read, as a single counter would.
+#[derive(Debug)]
+pub(crate) struct ThreadShards<S> {
+    /// `EXCLUSIVE_SHARDS` single-writer shards, then the shared overflow shard.
+    shards: Box<[S]>,
+}
+
+impl<S: Default> Default for ThreadShards<S> {
     fn default() -> Self {
         Self {
-            occupancy: Occupancy::default(),
-            shards: (0..=EXCLUSIVE_SHARDS).map(|_| Shard::default()).collect(),
+            shards: (0..=EXCLUSIVE_SHARDS).map(|_| S::default()).collect(),
         }
+    }
+}
+
+impl<S> ThreadShards<S> {
+    /// This thread's shard.
+    #[inline]
+    pub fn local(&self) -> ShardRef<'_, S> {
+        let t = thread_number();
+        match self.shards.get(t).filter(|_| t < EXCLUSIVE_SHARDS) {
+            Some(shard) => ShardRef {
+                shard,
+                exclusive: true,
+            },
+            None => ShardRef {
+                shard: &self.shards[EXCLUSIVE_SHARDS],
+                exclusive: false,
+            },
+        }
+    }
+
+    /// Every shard, the overflow shard included.
+    pub fn iter(&self) -> std::slice::Iter<'_, S> {
+        self.shards.iter()
+    }
+
+    /// The sum over the shards of the counter `counter` picks.
+    pub fn sum(&self, counter: impl Fn(&S) -> &AtomicU64) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| counter(s).load(Ordering::Relaxed))
+            .fold(0u64, u64::wrapping_add)
     }
 }
 
@@ -188,12 +224,33 @@ fn first_number() -> usize {
     n
 }
 
-/// A thread's counter shard in one pool, looked up once per call: adds through it cost a plain
-/// load and store (or one atomic add on the shared overflow shard).
-#[derive(Clone, Copy)]
-pub(crate) struct ShardRef<'a> {
-    shard: &'a Shard,
+/// A thread's shard of a [`ThreadShards`], looked up once per call: adds through it cost a
+/// plain load and store (or one atomic add on the shared overflow shard).
+pub(crate) struct ShardRef<'a, S = Shard> {
+    shard: &'a S,
     exclusive: bool,
+}
+
+impl<S> Clone for ShardRef<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<S> Copy for ShardRef<'_, S> {}
+
+impl<'a, S> ShardRef<'a, S> {
+    /// Adds `n` to the counter of this shard that `counter` picks.
+    #[inline]
+    pub fn add_to(self, counter: impl FnOnce(&'a S) -> &'a AtomicU64, n: u64) {
+        let c = counter(self.shard);
+        if self.exclusive {
+            // Single writer (see [`ThreadShards`]): a plain add.
+            c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        } else {
+            c.fetch_add(n, Ordering::Relaxed);
+        }
+    }
 }
 
 impl ShardRef<'_> {
@@ -205,13 +262,7 @@ impl ShardRef<'_> {
 
     #[inline]
     fn add_entry(self, entry: usize, n: u64) {
-        let c = &self.shard.counts[entry];
-        if self.exclusive {
-            // Single writer (see [`Counters`]): a plain add.
-            c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
-        } else {
-            c.fetch_add(n, Ordering::Relaxed);
-        }
+        self.add_to(|s| &s.counts[entry], n);
     }
 }
 
@@ -219,17 +270,7 @@ impl Counters {
     /// This thread's shard.
     #[inline]
     pub fn shard(&self) -> ShardRef<'_> {
-        let t = thread_number();
-        match self.shards.get(t).filter(|_| t < EXCLUSIVE_SHARDS) {
-            Some(shard) => ShardRef {
-                shard,
-                exclusive: true,
-            },
-            None => ShardRef {
-                shard: &self.shards[EXCLUSIVE_SHARDS],
-                exclusive: false,
-            },
-        }
+        self.shards.local()
     }
 
     /// Adds `n` to `stat` on this thread's shard.
@@ -244,10 +285,7 @@ impl Counters {
     }
 
     fn get_entry(&self, entry: usize) -> u64 {
-        self.shards
-            .iter()
-            .map(|s| s.counts[entry].load(Ordering::Relaxed))
-            .fold(0u64, u64::wrapping_add)
+        self.shards.sum(|s| &s.counts[entry])
     }
 
     /// Linux `inc_used_and_hiwater`: `n` more slots in use (see the type's docs).

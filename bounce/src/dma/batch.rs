@@ -108,16 +108,16 @@ impl DmaBatch<'_> {
         reqs: &[MapRequest],
         mapped: &mut impl FnMut(DmaBuffer),
     ) -> Result<()> {
-        let (dma, worker) = (self.dma, self.worker);
+        let dma = self.dma;
         match self.pool.as_mut() {
             // The ranges were checked by `checked_request` or by the caller.
             Some(pool) if !reqs.is_empty() => {
                 let r = pool.map(mem, reqs, RangeCheck::Prevalidated, |m| {
-                    dma.count_map(worker, m.size, &Ok::<(), _>(()));
+                    dma.count_map(m.size, &Ok::<(), _>(()));
                     mapped(DmaBuffer::bounced(m))
                 });
                 if r.is_err() {
-                    dma.count_map(worker, 0, &r);
+                    dma.count_map(0, &r);
                 }
                 r
             }
@@ -134,7 +134,7 @@ impl DmaBatch<'_> {
         match (&buf.bounce, self.pool.as_mut()) {
             (Some(m), Some(pool)) => {
                 let r = pool.unmap(mem, m);
-                self.dma.count_unmap(self.worker, &r);
+                self.dma.count_unmap(&r);
                 r
             }
             _ => Ok(()),
@@ -156,10 +156,10 @@ impl DmaBatch<'_> {
         else {
             return Ok(());
         };
-        let (dma, worker) = (self.dma, self.worker);
+        let dma = self.dma;
         Dma::unmap_prefix(pool, mem, &buf, m, written, |attrs| {
             let released = batch.unmap_single(mem, m.dev_addr, m.size, m.dir, attrs);
-            dma.count_unmap(worker, &released);
+            dma.count_unmap(&released);
             released
         })
     }
