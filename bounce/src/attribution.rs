@@ -18,6 +18,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::stats::ThreadShards;
 
+/// One thread's counters of a device, alone on its cache lines (128 bytes: the adjacent-line
+/// prefetcher pairs 64-byte lines).
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Shard {
@@ -236,8 +238,8 @@ mod tests {
         let pool = Arc::new(BouncePool::new(&PoolConfig::swiotlb(1024)).unwrap());
         let counters = Arc::new(DmaCounters::new(None));
         let dma = Dma::bounced(Policy::Force, Arc::clone(&pool)).with_counters(counters.clone());
-        // More threads than exclusive shards, so some add on the shared overflow shard, and
-        // two threads passing the same worker index.
+        // More threads than exclusive shards, so some add on the shared overflow shard; all
+        // of them pass worker index 0, so only the thread picks the shard.
         let threads = crate::stats::EXCLUSIVE_SHARDS as u64 + 4;
         std::thread::scope(|s| {
             for t in 0..threads {
