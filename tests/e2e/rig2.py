@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import builds
 import rig1
-from rig1 import (IMAGES_DIR, REPO, Missing, OptIn, _kill_group, images, make_raw_image,
+from rig1 import (IMAGES_DIR, Missing, OptIn, _kill_group, images, make_raw_image,
                   num, out_path, parse_kv, parse_log, record_figures, require_qemu, require_root,
                   skip_if_missing)
 
@@ -70,8 +71,7 @@ def require_rig2() -> None:
 def bouncevm_path() -> Path:
     if os.environ.get("BVM_BOUNCEVM"):
         return Path(os.environ["BVM_BOUNCEVM"])
-    target = Path(os.environ.get("CARGO_TARGET_DIR") or (REPO / "target"))
-    return target / "release" / "bouncevm"
+    return builds.bin_dir("release") / "bouncevm"
 
 
 def require_bouncevm() -> Path:

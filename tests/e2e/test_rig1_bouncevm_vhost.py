@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import builds
 import rig1
 from rig1 import (Backend, NetNS, blk_vhost_user, images, make_raw_image, net_vhost_user, num,
                   out_path, record_figures, require_qemu, require_root, require_tun, run_guest,
@@ -29,14 +30,10 @@ FIO_SHORT = {"size": "16M", "iodepth": 8}
 
 
 def _binary() -> str:
-    env = os.environ.get("BVM_VHOST")
-    candidates = [Path(env)] if env else []
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    candidates += [target / "release" / "bouncevm-vhost", REPO / "target" / "release" / "bouncevm-vhost"]
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    raise rig1.Missing("no bouncevm-vhost binary (cargo build --release --bins, or set BVM_VHOST)")
+    found = builds.find("bouncevm-vhost", "BVM_VHOST")
+    if found is None:
+        raise rig1.Missing("no bouncevm-vhost binary (cargo build --release --bins, or set BVM_VHOST)")
+    return str(found)
 
 
 def _prereqs(tun: bool = False) -> str:

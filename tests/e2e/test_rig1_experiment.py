@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import builds
 import rig1
 from rig1 import images, require_qemu, require_root, skip_if_missing
 
@@ -17,11 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _binary(name: str) -> str:
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    for c in (target / "release" / name, REPO / "target" / "release" / name):
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    raise rig1.Missing(f"no {name} binary (cargo build --release --bins)")
+    found = builds.find(name)
+    if found is None:
+        raise rig1.Missing(f"no {name} binary (cargo build --release --bins)")
+    return str(found)
 
 
 def _run_guest_level(preset: str, *args: str) -> tuple[str, dict]:

@@ -37,12 +37,12 @@ import gzip
 import hashlib
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import builds
 import rig1
 from rig1 import (Backend, Guest, blk_builtin, blk_vhost_user, images, make_raw_image, out_path,
                   require_qemu, require_root, skip_if_missing)
@@ -60,13 +60,10 @@ EXACT_DYNAMIC = ("head_mismatch", "unknown_pool", "unknown_free", "unpaired_apoo
 
 
 def _target_binary(name: str, env: str) -> str:
-    candidates = [Path(os.environ[env])] if os.environ.get(env) else []
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    candidates += [target / "release" / name, REPO / "target" / "release" / name]
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return str(c)
-    raise rig1.Missing(f"no {name} binary (cargo build --release --bins, or set {env})")
+    found = builds.find(name, env)
+    if found is None:
+        raise rig1.Missing(f"no {name} binary (cargo build --release --bins, or set {env})")
+    return str(found)
 
 
 def _check_trace_module():
