@@ -7,6 +7,7 @@ and bouncevm-vhost blk (bounce off / forced swiotlb / forced iova), interleaved 
                                     [--variant LABEL=OPTS ...]
                                     [--size 1G] [--file-dir /var/tmp] [--json OUT]
                                     [--backend-bin NAME=PATH ...] [--pin 1:0]
+                                    [--profile dist|release]
 
 Same client, same image, same cache mode for every variant: qemu-storage-daemon runs with
 cache.direct=on,aio=io_uring (O_DIRECT), bouncevm-vhost with `--cache none --aio io_uring`
@@ -33,7 +34,9 @@ with the same load generator (ours from target/release). --pin BACKEND_CPUS:LOAD
 1:0) runs every back end, qsd and ours alike, io_uring workers included, on the first CPUs and
 the load generator on the others: the scheduler then no longer moves the three kinds of thread
 about, and a row's rounds repeat more closely. A benchmark, not a test: run it on a quiet
-machine and report the spread. Build first: cargo build --release -p bouncevm-vhost -p bouncevm-load.
+machine and report the spread. The binaries are the dist build (Cargo.toml's [profile.dist], the
+build to ship), --profile release the tests' build. Build first:
+cargo build --profile dist -p bouncevm-vhost -p bouncevm-load.
 """
 
 import argparse
@@ -49,9 +52,7 @@ import time
 from pathlib import Path
 
 import bounce_variants
-
-ROOT = Path(__file__).resolve().parents[2]
-BIN = ROOT / "target" / "release"
+import builds
 
 # The variants --variants may name: qemu-storage-daemon and our back end with each bounce setting.
 KNOWN = {"qsd": None, **bounce_variants.VARIANTS}
@@ -212,7 +213,7 @@ def children_cpu_seconds():
 def measure(variant, img, sock, jobs, args, backends):
     p = start(variant, img, sock, max(args.jobs), backends, args.pin_backend)
     try:
-        argv = [str(BIN / "bouncevm-load"), "--socket", str(sock), "--json", "--rw", "randread",
+        argv = [str(args.bin_dir / "bouncevm-load"), "--socket", str(sock), "--json", "--rw", "randread",
                 "--bs", "4k", "--iodepth", "32", "--numjobs", str(jobs),
                 "--runtime", str(args.runtime), "--size", args.size]
         cpu0, load0 = cpu_seconds(p.pid), children_cpu_seconds()
@@ -328,7 +329,10 @@ def main():
     ap.add_argument("--pin", metavar="BACKEND_CPUS:LOAD_CPUS",
                     help="run every back end (qsd and ours alike) on BACKEND_CPUS and the load "
                          "generator on LOAD_CPUS, e.g. 1:0")
+    ap.add_argument("--profile", choices=builds.PROFILES, default="dist",
+                    help="the cargo profile whose bouncevm-load and bouncevm-vhost run (default dist)")
     args = ap.parse_args()
+    args.bin_dir = builds.bin_dir(args.profile)
     args.pin_backend, args.pin_load = parse_pin(args.pin)
     args.jobs = [int(j) for j in args.jobs.split(",")]
     disks = args.disks.split(",")
@@ -341,12 +345,13 @@ def main():
         if d not in ("file", "mem"):
             die(f"unknown disk {d} (expected file, mem)")
     for b in ("bouncevm-load", "bouncevm-vhost"):
-        if not (BIN / b).exists():
-            die(f"{BIN / b} is missing: cargo build --release -p {b}")
+        if not (args.bin_dir / b).exists():
+            die(f"{args.bin_dir / b} is missing: {builds.build_command(args.profile, b)}")
     if "qsd" in variants and not shutil.which("qemu-storage-daemon"):
         die("qemu-storage-daemon is not on PATH (apt-get install qemu-utils)")
     # bin name -> (bouncevm-vhost, its cache/aio flags, the cache mode they give)
-    backends = {None: (BIN / "bouncevm-vhost",) + ours_flags(BIN / "bouncevm-vhost")}
+    vhost = args.bin_dir / "bouncevm-vhost"
+    backends = {None: (vhost,) + ours_flags(vhost)}
     for name, path in parse_backend_bins(args.backend_bin).items():
         backends[name] = (path,) + ours_flags(path)
     variants = [v if v == "qsd" or b is None else f"{v}@{b}"

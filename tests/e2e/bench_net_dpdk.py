@@ -28,14 +28,16 @@ for frames/s and for the back end's CPU time per frame (user + system of the pro
 window, from /proc/PID/stat: on a loaded machine each process gets about its fair share of a
 CPU, so frames/s follow the scheduler while CPU per frame says what a frame costs).
 --backend-bin LABEL=PATH (repeatable) runs every variant on each of these back-end binaries
-instead of target/release's, interleaved in the same rounds (rows "LABEL:variant", "vs off"
+instead of the --profile build, interleaved in the same rounds (rows "LABEL:variant", "vs off"
 against the same binary's off): a change measured side by side against a copy of main's.
 --pin runs the back end on CPU 0, beside testpmd's mostly idle main core and off its
 busy-polling forwarding core (CPU 1); unpinned, the scheduler sometimes places the back end
 badly, so that a sample lands about 15 % low whatever the variant (docs/studies/net-host-speed.md
 has the A/A runs that show it).
 --perf-dir records `perf record -e cpu-clock -F 5000 -g` of the back end over every measured window. testpmd busy-polls one core: absolute figures depend on the
-machine's load; state it with the figures. Build first: cargo build --release -p bouncevm-vhost.
+machine's load; state it with the figures. The back end is the dist build (Cargo.toml's
+[profile.dist], the build to ship), --profile release the tests' build. Build first:
+cargo build --profile dist -p bouncevm-vhost.
 """
 
 import argparse
@@ -53,9 +55,8 @@ import time
 from pathlib import Path
 
 import bounce_variants
+import builds
 
-ROOT = Path(__file__).resolve().parents[2]
-VHOST = ROOT / "target" / "release" / "bouncevm-vhost"
 MAC = "52:54:00:12:34:56"
 # testpmd's lcores: its main one (statistics, mostly asleep) and the one forwarding core, which
 # busy-polls. --pin puts the back end on the main one's CPU, never on the forwarding core's.
@@ -112,7 +113,7 @@ def pps_lines(text, key):
 def split_variant(key):
     """(binary, bounce options) of a variant key: "VARIANT" or "LABEL:VARIANT"."""
     label, _, v = key.rpartition(":")
-    return (BINS[label] if label else VHOST), VARIANTS[v]
+    return BINS[label], VARIANTS[v]
 
 
 BINS = {}
@@ -234,9 +235,12 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--backend-bin", action="append", default=[], metavar="LABEL=PATH",
                     help="run the variants on this bouncevm-vhost binary (repeatable; replaces "
-                         "target/release's: label that one too to compare against it)")
+                         "the --profile build: label that one too to compare against it)")
     ap.add_argument("--perf-dir", help="also `perf record -g` the backend over each measured window, "
                                        "one file per sample in this directory")
+    ap.add_argument("--profile", choices=builds.PROFILES, default="dist",
+                    help="the cargo profile whose bouncevm-vhost runs without --backend-bin "
+                         "(default dist)")
     args = ap.parse_args()
     try:
         VARIANTS.update(bounce_variants.select(args.variants.split(","), args.variant))
@@ -266,11 +270,14 @@ def main():
         if not eq or not label or ":" in label or not Path(path).is_file():
             die(f"--backend-bin {spec!r}: expected LABEL=PATH of an existing binary")
         BINS[label] = Path(path).resolve()
-    if not BINS and not VHOST.exists():
-        die(f"{VHOST} is missing: cargo build --release -p bouncevm-vhost")
+    if not BINS:
+        vhost = builds.bin_dir(args.profile) / "bouncevm-vhost"
+        if not vhost.exists():
+            die(f"{vhost} is missing: {builds.build_command(args.profile, 'bouncevm-vhost')}")
+        BINS[""] = vhost
     sizes = [int(s) for s in args.sizes.split(",")]
     base_variants = list(VARIANTS)
-    variants = [f"{b}:{v}" for b in BINS for v in base_variants] if BINS else base_variants
+    variants = [f"{b}:{v}" if b else v for b in BINS for v in base_variants]
     dirs = ["tx"] if args.no_rx else ["tx", "rx"]
     work = Path(tempfile.mkdtemp(prefix="bench-net-dpdk-"))
     samples = {}

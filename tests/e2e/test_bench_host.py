@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from bench_host import BIN
+import builds
 from bounce_variants import VARIANTS as BOUNCE_VARIANTS, select
-from rig1 import Backend, read_stats, require_qsd, skip_if_missing
+from rig1 import Backend, read_stats, require_cmd, require_qsd, require_root, skip_if_missing
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ["qsd", "off", "swiotlb-magazine"]
@@ -41,7 +41,8 @@ def test_bench_host_runs_and_reports_every_column(tmp_path, pin):
     out = tmp_path / "bench.json"
     argv = [sys.executable, str(REPO / "tests/e2e/bench_host.py"), "--rounds", "1",
             "--runtime", "1", "--jobs", "1", "--disks", "mem", "--size", "64M",
-            "--variants", ",".join(VARIANTS), "--variant", "=".join(CUSTOM), "--json", str(out)]
+            "--variants", ",".join(VARIANTS), "--variant", "=".join(CUSTOM), "--json", str(out),
+            "--profile", "release"]
     if pin:
         argv += ["--pin", pin_spec()]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
@@ -131,7 +132,7 @@ def test_every_benchmark_variant_builds_the_pool_it_names(tmp_path, variant):
     """Each `--bounce` string the benchmarks compare is accepted by bouncevm-vhost and reaches
     its pool: mode, allocator, copy rule and time accounting as the string says (a misspelt
     key would fail here, not minutes into a benchmark run)."""
-    vhost = BIN / "bouncevm-vhost"
+    vhost = builds.bin_dir("release") / "bouncevm-vhost"
     if not vhost.is_file():
         pytest.fail(f"{vhost} is missing: cargo build --release -p bouncevm-vhost")
     opts = dict(item.split("=", 1) for item in BOUNCE_VARIANTS[variant].split(","))
@@ -152,3 +153,24 @@ def test_every_benchmark_variant_builds_the_pool_it_names(tmp_path, variant):
     assert pool["allocator"] == opts["alloc"], pool
     assert pool["copy_on_map"] == opts.get("copy-on-map", default_rule), pool
     assert pool["timing"]["enabled"] == (opts.get("timing", "on") == "on"), pool["timing"]
+
+
+@pytest.mark.parametrize("script,profile", [("bench_host.py", "dist"), ("bench_host.py", "release"),
+                                            ("bench_net_dpdk.py", "dist")])
+@skip_if_missing
+def test_both_benchmarks_name_the_build_they_miss_in_one_line(tmp_path, script, profile):
+    """Without a build of the chosen profile (here an empty $CARGO_TARGET_DIR) a benchmark says
+    which binary is missing and the cargo command that builds it, before it starts anything."""
+    if script == "bench_net_dpdk.py":
+        require_root()
+        require_cmd("dpdk-testpmd")
+    env = dict(os.environ, CARGO_TARGET_DIR=str(tmp_path))
+    argv = [sys.executable, str(REPO / "tests/e2e" / script), "--variants", "off"]
+    argv += [] if profile == "dist" else ["--profile", profile]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert f"{tmp_path / profile}/bouncevm-" in lines[0], r.stderr
+    assert f"is missing: cargo build --profile {profile} -p bouncevm-" in lines[0], r.stderr
+    assert r.stdout == ""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_net_dpdk import VHOST
+import builds
 from bounce_variants import VARIANTS as BOUNCE_VARIANTS
 from rig1 import require_cmd, require_root, require_tun, skip_if_missing
 
@@ -28,12 +28,14 @@ def test_bench_net_dpdk_runs_and_reports_every_row(tmp_path, pin):
     require_root()
     require_tun()
     require_cmd("dpdk-testpmd")
-    if not VHOST.is_file():
-        pytest.fail(f"{VHOST} is missing: cargo build --release -p bouncevm-vhost")
+    vhost = builds.bin_dir("release") / "bouncevm-vhost"
+    if not vhost.is_file():
+        pytest.fail(f"{vhost} is missing: cargo build --release -p bouncevm-vhost")
     out = tmp_path / "net.json"
     argv = [sys.executable, str(REPO / "tests/e2e/bench_net_dpdk.py"), "--rounds", "1",
             "--seconds", "2", "--warmup", "1", "--sizes", "64", "--variants", ",".join(NAMED),
-            "--variant", "=".join(CUSTOM), "--json", str(out)] + (["--pin"] if pin else [])
+            "--variant", "=".join(CUSTOM), "--json", str(out), "--profile", "release"]
+    argv += ["--pin"] if pin else []
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("the back end is pinned to CPU 0" in r.stdout) == pin, r.stdout
