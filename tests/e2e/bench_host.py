@@ -30,7 +30,7 @@ another string) to see how far apart two identical set-ups land in this run.
 --backend-bin NAME=PATH
 (repeatable) runs every bouncevm-vhost variant with each of those binaries too, in the same
 rounds (rows "VARIANT@NAME", ratios against the same binary's "off"): two builds side by side
-with the same load generator (ours from target/release). --pin BACKEND_CPUS:LOAD_CPUS (e.g.
+with the same load generator (ours, of the --profile build). --pin BACKEND_CPUS:LOAD_CPUS (e.g.
 1:0) runs every back end, qsd and ours alike, io_uring workers included, on the first CPUs and
 the load generator on the others: the scheduler then no longer moves the three kinds of thread
 about, and a row's rounds repeat more closely. A benchmark, not a test: run it on a quiet
