@@ -121,15 +121,11 @@ impl<S> ThreadShards<S> {
     #[inline]
     pub fn local(&self) -> ShardRef<'_, S> {
         let t = thread_number();
-        match self.shards.get(t).filter(|_| t < EXCLUSIVE_SHARDS) {
-            Some(shard) => ShardRef {
-                shard,
-                exclusive: true,
-            },
-            None => ShardRef {
-                shard: &self.shards[EXCLUSIVE_SHARDS],
-                exclusive: false,
-            },
+        let exclusive = t < EXCLUSIVE_SHARDS;
+        ShardRef {
+            // The overflow shard is the last one.
+            shard: &self.shards[if exclusive { t } else { EXCLUSIVE_SHARDS }],
+            exclusive,
         }
     }
 
