@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import builds
+
 REPO = Path(__file__).resolve().parents[2]
 IMAGES_DIR = REPO / "images"
 OUT_DIR = Path(os.environ.get("BVM_TEST_OUT", REPO / "tests" / "out"))
@@ -96,6 +98,15 @@ def require_cmd(name: str) -> str:
     if not p:
         raise Missing(f"no {name} on PATH")
     return p
+
+
+def require_binary(name: str, env: str | None = None) -> str:
+    """Our binary NAME of the release build (`$ENV` first when given: builds.find)."""
+    found = builds.find(name, env)
+    if found is None:
+        also = f", or set {env}" if env else ""
+        raise Missing(f"no {name} binary (cargo build --release --bins{also})")
+    return str(found)
 
 
 @functools.lru_cache(maxsize=None)

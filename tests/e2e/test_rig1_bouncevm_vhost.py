@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-import builds
 import rig1
 from rig1 import (Backend, NetNS, blk_vhost_user, images, make_raw_image, net_vhost_user, num,
                   out_path, record_figures, require_qemu, require_root, require_tun, run_guest,
@@ -30,10 +29,7 @@ FIO_SHORT = {"size": "16M", "iodepth": 8}
 
 
 def _binary() -> str:
-    found = builds.find("bouncevm-vhost", "BVM_VHOST")
-    if found is None:
-        raise rig1.Missing("no bouncevm-vhost binary (cargo build --release --bins, or set BVM_VHOST)")
-    return str(found)
+    return rig1.require_binary("bouncevm-vhost", "BVM_VHOST")
 
 
 def _prereqs(tun: bool = False) -> str:

@@ -10,18 +10,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import builds
 import rig1
-from rig1 import images, require_qemu, require_root, skip_if_missing
+from rig1 import images, require_binary, require_qemu, require_root, skip_if_missing
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _binary(name: str) -> str:
-    found = builds.find(name)
-    if found is None:
-        raise rig1.Missing(f"no {name} binary (cargo build --release --bins)")
-    return str(found)
 
 
 def _run_guest_level(preset: str, *args: str) -> tuple[str, dict]:
@@ -30,10 +22,10 @@ def _run_guest_level(preset: str, *args: str) -> tuple[str, dict]:
     require_root()
     require_qemu()
     images()
-    exp = _binary("bouncevm-experiment")
+    exp = require_binary("bouncevm-experiment")
     with tempfile.TemporaryDirectory(prefix="bvm-exp-guest-") as out:
         r = subprocess.run([exp, preset, "--level", "guest", "--quick", "--rounds", "1", *args,
-                            "--vhost", _binary("bouncevm-vhost"), "--out", out],
+                            "--vhost", require_binary("bouncevm-vhost"), "--out", out],
                            capture_output=True, text=True, timeout=600,
                            env={**os.environ, "BVM_REPO": str(REPO)})
         assert r.returncode == 0, f"rc={r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"

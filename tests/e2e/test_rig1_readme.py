@@ -29,7 +29,7 @@ import rig2
 from rig1 import (Backend, Guest, NetNS, images, make_raw_image, out_path, require_qemu,
                   require_root, skip_if_missing)
 from test_rig1_bouncevm_vhost import _final_stats
-from test_rig1_experiment import _binary as binary
+from rig1 import require_binary as binary
 
 REPO = Path(__file__).resolve().parents[2]
 

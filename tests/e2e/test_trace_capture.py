@@ -42,10 +42,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import builds
 import rig1
 from rig1 import (Backend, Guest, blk_builtin, blk_vhost_user, images, make_raw_image, out_path,
-                  require_qemu, require_root, skip_if_missing)
+                  require_binary, require_qemu, require_root, skip_if_missing)
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "bounce" / "traces"
@@ -57,13 +56,6 @@ EXACT = ("unmatched", "unpaired", "interleaved", "pending", "live", "lost", "unr
          "reused", "unparsed")
 EXACT_DYNAMIC = ("head_mismatch", "unknown_pool", "unknown_free", "unpaired_apool",
                  "apool_unexpected")
-
-
-def _target_binary(name: str, env: str) -> str:
-    found = builds.find(name, env)
-    if found is None:
-        raise rig1.Missing(f"no {name} binary (cargo build --release --bins, or set {env})")
-    return str(found)
 
 
 def _check_trace_module():
@@ -196,7 +188,7 @@ def capture(name: str, append: str, params: dict, *, dynamic: DynamicKernel | No
               kernel=dynamic.vmlinuz if dynamic else None)
     trace_dev = blk_builtin(trace_img, id="trace", extra=",serial=bvmtrace")
     if backend == "vhost":
-        vhost = _target_binary("bouncevm-vhost", "BVM_VHOST")
+        vhost = require_binary("bouncevm-vhost", "BVM_VHOST")
         sock = out_path(name, ".sock")
         with Backend(name, [vhost, "blk", "--socket", str(sock), "--file", str(disk),
                             "--format", "raw"], socket=sock):
@@ -223,7 +215,7 @@ def capture(name: str, append: str, params: dict, *, dynamic: DynamicKernel | No
 
 def replay(trace: Path) -> dict:
     """bounce-replay --compare --quiet on a trace: its final JSON report (asserting exit 0)."""
-    exe = _target_binary("bounce-replay", "BVM_REPLAY")
+    exe = require_binary("bounce-replay", "BVM_REPLAY")
     p = subprocess.run([exe, str(trace), "--compare", "--quiet"], capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, f"bounce-replay rc={p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-2000:]}"
