@@ -75,17 +75,17 @@ impl DmaCounters {
         self.pool.as_deref()
     }
 
-    /// Counts the outcome of a bounced map of `len` bytes.
+    /// Counts `maps` bounced maps of `bytes` bytes in all, made by one call (a map or a batch)
+    /// whose outcome is `r`: a full pool counts one failure.
     #[inline]
-    pub(crate) fn count_map<T>(&self, len: usize, r: &Result<T>) {
+    pub(crate) fn count_maps<T>(&self, maps: u64, bytes: u64, r: &Result<T>) {
         let s = self.shards.local();
-        match r {
-            Ok(_) => {
-                s.add_to(|s| &s.maps, 1);
-                s.add_to(|s| &s.bytes, len as u64);
-            }
-            Err(Error::PoolFull { .. }) => s.add_to(|s| &s.map_failures, 1),
-            Err(_) => {}
+        if maps > 0 {
+            s.add_to(|s| &s.maps, maps);
+            s.add_to(|s| &s.bytes, bytes);
+        }
+        if let Err(Error::PoolFull { .. }) = r {
+            s.add_to(|s| &s.map_failures, 1);
         }
     }
 

@@ -328,9 +328,15 @@ impl Dma {
         }
     }
 
+    /// Counts the outcome of one bounced map of `len` bytes.
     fn count_map<T>(&self, len: usize, r: &Result<T>) {
+        let maps = u64::from(r.is_ok());
+        self.count_maps(maps, maps * len as u64, r);
+    }
+
+    fn count_maps<T>(&self, maps: u64, bytes: u64, r: &Result<T>) {
         if let Some(c) = &self.counters {
-            c.count_map(len, r);
+            c.count_maps(maps, bytes, r);
         }
     }
 

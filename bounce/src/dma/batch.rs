@@ -112,13 +112,14 @@ impl DmaBatch<'_> {
         match self.pool.as_mut() {
             // The ranges were checked by `checked_request` or by the caller.
             Some(pool) if !reqs.is_empty() => {
+                // Counted once for the batch: what it mapped, and how it ended.
+                let (mut maps, mut bytes) = (0u64, 0u64);
                 let r = pool.map(mem, reqs, RangeCheck::Prevalidated, |m| {
-                    dma.count_map(m.size, &Ok::<(), _>(()));
+                    maps += 1;
+                    bytes += m.size as u64;
                     mapped(DmaBuffer::bounced(m))
                 });
-                if r.is_err() {
-                    dma.count_map(0, &r);
-                }
+                dma.count_maps(maps, bytes, &r);
                 r
             }
             _ => Ok(()),
