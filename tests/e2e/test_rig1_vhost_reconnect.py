@@ -17,10 +17,13 @@ import time
 from rig1 import Guest, blk_vhost_user, make_raw_image, out_path, read_stats, skip_if_missing
 from test_rig1_bouncevm_vhost import _blk_backend, _prereqs
 
-# fio-verify's region and depth: long enough under TCG for a few kills and reconnects.
-FIO = {"size": "48M", "iodepth": 32}
+# fio-verify's region and depth: long enough under TCG for several kills and reconnects (each
+# takes 2-3 s). A kill can still catch nothing: the statistics showed a request in flight, but
+# an O_DIRECT write takes the host well under a millisecond and may complete before SIGKILL
+# lands, so the test needs room for several tries.
+FIO = {"size": "128M", "iodepth": 32}
 # Kills before the test gives up on catching requests in flight.
-MAX_KILLS = 4
+MAX_KILLS = 8
 # The guest's own I/O error lines (printed at KERN_ERR, which `quiet` keeps): a request failed,
 # or the driver saw a used entry for a head it had not posted (a request served twice).
 IO_ERRORS = ("I/O error", "blk_update_request", "Buffer I/O error", "is not a head")
@@ -107,7 +110,7 @@ def test_bvm_vhost_blk_kill9_and_reconnect_loses_no_io():
     devices[1] += ",reconnect=1"
     resubmitted, adopted, kills = [], [], 0
     with backend:
-        guest = Guest("bvm_reconnect", "fio-verify", params=FIO, devices=devices, timeout=170)
+        guest = Guest("bvm_reconnect", "fio-verify", params=FIO, devices=devices, timeout=300)
         _boot_to_fio(guest)
         try:
             while kills < MAX_KILLS:
