@@ -204,6 +204,28 @@ def first_crash(text: str, crash: re.Pattern = _CRASH) -> str:
     return m.group(0).strip() if m else ""
 
 
+# RFLAGS as a crash report prints it: the flags the CPU pushed when it took the exception.
+_EFLAGS = re.compile(r"EFLAGS: ([0-9a-f]+)\b")
+# Bits 3, 5, 15 and 22-63 of RFLAGS read as 0 on every x86 CPU, bit 1 as 1.
+_RFLAGS_ZERO = 0xFFFF_FFFF_FFC0_0000 | 1 << 15 | 1 << 5 | 1 << 3
+_RFLAGS_ONE = 1 << 1
+
+
+def impossible_rflags(text: str) -> str:
+    """The first RFLAGS in `text`'s register dumps that no x86 CPU can hold, described
+    ('EFLAGS 04b08666: reserved bits 15, 23, 26 set'), or ''. Neither code in the guest (popf and
+    iret leave those bits alone) nor a VMM after boot can put them there; an emulated CPU that
+    made up its state can (docs/studies/rig2-l1-one-vcpu.md)."""
+    for m in _EFLAGS.finditer(text):
+        flags = int(m.group(1), 16)
+        bad = [b for b in range(64) if flags >> b & 1 and _RFLAGS_ZERO >> b & 1]
+        wrong = ([f"reserved bit{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} set"]
+                 if bad else []) + ([] if flags & _RFLAGS_ONE else ["bit 1 clear"])
+        if wrong:
+            return f"EFLAGS {m.group(1)}: {' and '.join(wrong)}"
+    return ""
+
+
 def first_uptime(parsed: dict[str, list], kind: str) -> float:
     """The guest's uptime on the first BVM-<kind> line of a parse_log result (nan without one)."""
     d = parsed.get(kind)

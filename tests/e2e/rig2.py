@@ -28,6 +28,7 @@ import struct
 import subprocess
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -39,7 +40,7 @@ from rig1 import (IMAGES_DIR, Missing, OptIn, _kill_group, images, make_raw_imag
                   skip_if_missing)
 
 __all__ = ["Missing", "skip_if_missing", "record_figures", "num", "require_root", "l1_images",
-           "l2_vmlinux", "Share", "L1", "L1Run", "qemu_l2_argv", "bouncevm_l2_argv", "run_l2",
+           "l2_vmlinux", "Share", "L1", "L1Run", "RigFault", "qemu_l2_argv", "bouncevm_l2_argv", "run_l2",
            "require_bouncevm", "require_rig2", "L2_IP", "L1_IP", "stage_l2", "l2_vmm_command"]
 
 L1_IP = "192.168.100.1"          # tap0 inside L1 (L1's own isolated network)
@@ -215,6 +216,10 @@ def _place(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:
         shutil.copy2(src, dst)
+
+
+class RigFault(UserWarning):
+    """A rig-2 run that said nothing about the VMM under test, and was run again."""
 
 
 class Share:
@@ -400,6 +405,26 @@ class L1Run(rig1.ResultChecks):
         return "" if self.vmm_started else self.l1_failure
 
     @property
+    def emulation_fault(self) -> str:
+        """A register dump of L1's or L2's kernel with RFLAGS no x86 CPU can hold ('' if none):
+        the emulated CPU made the state up (QEMU 7.2's nested SVM hands it over on VMRUN and
+        #VMEXIT), and neither the kernel nor the VMM under test can load it."""
+        for who, text in (("L1", "\n".join(self.l1_lines)), ("L2", self.l2_log)):
+            bad = rig1.impossible_rflags(text)
+            if bad:
+                return f"{who}'s CPU held {bad}, a state the emulation made up"
+        return ""
+
+    @property
+    def retry_reason(self) -> str:
+        """Why this run says nothing about the VMM under test ('' if it does): L1 failed before
+        the VMM started (skip_reason), or a kernel's register dump shows the emulation made up a
+        CPU state (emulation_fault). Any other failure is the VMM's to answer for."""
+        if self.skip_reason:
+            return f"L1 failed before the VMM started: {self.skip_reason}"
+        return self.emulation_fault
+
+    @property
     def unclean_end(self) -> str:
         """Why the run did not end clean ('' if it did): L2 crashed or never reached BVM-DONE
         (or, when the host ends the VM, the host's action did not run), the VMM did not exit 0
@@ -531,8 +556,8 @@ class L1Run(rig1.ResultChecks):
         extra = f" L1-problem={why!r}" if why else ""
         if self.l2_crash:
             extra += f" L2-crash={self.l2_crash!r}"
-        ret = (" after L1 failure(s) before the VMM started: " +
-               ", ".join(f"{r.l1_failure} ({r.log_path})" for r in self.retried)
+        ret = (" after run(s) that said nothing about the VMM: " +
+               ", ".join(f"{r.retry_reason} ({r.log_path})" for r in self.retried)
                if self.retried else "")
         return (f"rig2 {self.name}: rc={self.returncode} timed_out={self.timed_out} "
                 f"wall={self.wall_s:.1f}s vmm={self.vmm} log={self.log_path} "
@@ -713,15 +738,19 @@ class L1:
                 return True
 
     def run(self, boot_retries: int = 1) -> L1Run:
-        """Boots L1 again (up to boot_retries times) when L1 failed before the VMM under test
-        started (L1Run.skip_reason: its kernel died, its QEMU exited, no /dev/kvm, ...); a
-        failure after the VMM started is reported, never retried."""
+        """Boots L1 again (up to boot_retries times) when a run says nothing about the VMM under
+        test (L1Run.retry_reason): L1 failed before the VMM started (its kernel died, its QEMU
+        exited, no /dev/kvm, ...), or a kernel's register dump holds RFLAGS the emulation made
+        up. Any other failure is reported, never retried. Each run boot again is named in a
+        warning, which pytest prints in its summary, and kept in L1Run.retried."""
         failed: list[L1Run] = []
         while True:
             run = self._once()
-            if not run.skip_reason or len(failed) >= boot_retries:
+            if not run.retry_reason or len(failed) >= boot_retries:
                 run.retried = failed
                 return run
+            warnings.warn(f"rig2 {run.name}: booting L1 again: {run.retry_reason} "
+                          f"({run.log_path})", RigFault, stacklevel=2)
             failed.append(run)
             self._attempt += 1
 
