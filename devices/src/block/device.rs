@@ -20,7 +20,9 @@ use crate::virtio::spec::{
     VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX, VIRTIO_BLK_F_WRITE_ZEROES, VIRTIO_F_VERSION_1,
     VIRTIO_ID_BLOCK, VIRTIO_RING_F_INDIRECT_DESC,
 };
-use crate::virtio::{common_features, ActivateError, QueueWorker, VirtioDevice};
+use crate::virtio::{
+    common_features, read_config_window, ActivateError, QueueWorker, VirtioDevice,
+};
 
 /// `max_discard_sectors` and `max_write_zeroes_sectors`: 2 GiB - 512 per segment (QEMU's
 /// `BDRV_REQUEST_MAX_SECTORS`), well inside a u32 and inside `off_t` arithmetic.
@@ -253,14 +255,7 @@ where
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let c = self.config_space();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = offset
-                .checked_add(i as u64)
-                .and_then(|o| usize::try_from(o).ok())
-                .and_then(|o| c.get(o).copied())
-                .unwrap_or(0);
-        }
+        read_config_window(&self.config_space(), offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {

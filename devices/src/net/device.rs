@@ -22,7 +22,9 @@ use crate::virtio::spec::{
     VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MQ,
     VIRTIO_NET_F_MRG_RXBUF, VIRTIO_NET_F_SPEED_DUPLEX, VIRTIO_NET_F_STATUS, VIRTIO_NET_S_LINK_UP,
 };
-use crate::virtio::{common_features, ActivateError, QueueWorker, VirtioDevice};
+use crate::virtio::{
+    common_features, read_config_window, ActivateError, QueueWorker, VirtioDevice,
+};
 
 /// How a net device is set up.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -257,15 +259,7 @@ impl<M: GuestMemory + 'static> VirtioDevice<M> for Net {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        data.fill(0);
-        let Ok(start) = usize::try_from(offset) else {
-            return;
-        };
-        if start >= self.config_space.len() {
-            return;
-        }
-        let n = data.len().min(self.config_space.len() - start);
-        data[..n].copy_from_slice(&self.config_space[start..start + n]);
+        read_config_window(&self.config_space, offset, data);
     }
 
     fn write_config(&mut self, offset: u64, data: &[u8]) {

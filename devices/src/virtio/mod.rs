@@ -122,6 +122,19 @@ pub fn common_features(access_platform: bool) -> u64 {
     }
 }
 
+/// Copies the window of `space` (a device's configuration space) that starts at `offset` into
+/// `data`: what [`VirtioDevice::read_config`] answers. Bytes past the end of `space`, and every
+/// byte of a window whose offset does not fit in memory, read as zero; the driver controls
+/// `offset` and `data.len()`, so nothing here can overflow or index out of bounds.
+pub fn read_config_window(space: &[u8], offset: u64, data: &mut [u8]) {
+    data.fill(0);
+    let Some(tail) = usize::try_from(offset).ok().and_then(|o| space.get(o..)) else {
+        return;
+    };
+    let n = data.len().min(tail.len());
+    data[..n].copy_from_slice(&tail[..n]);
+}
+
 /// A device as its transport sees it: identity, features, configuration space, lifecycle.
 /// `Debug` so that what holds a device (the transport, the monitor's tables) can derive it.
 pub trait VirtioDevice<M: GuestMemory>: Send + std::fmt::Debug {
@@ -238,5 +251,37 @@ pub trait QueueWorker<M: GuestMemory>: Send {
     /// wants them).
     fn stats(&self) -> serde_json::Value {
         serde_json::Value::Null
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_config_window;
+
+    /// Byte `i` of a read at `offset`, one byte at a time.
+    fn byte(space: &[u8], offset: u64, i: usize) -> u8 {
+        offset
+            .checked_add(i as u64)
+            .and_then(|o| usize::try_from(o).ok())
+            .and_then(|o| space.get(o).copied())
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn a_config_window_reads_the_space_and_zeros_past_its_end() {
+        let space: Vec<u8> = (1..=12).collect();
+        for offset in (0..20).chain([u64::MAX - 3, u64::MAX]) {
+            for len in [0, 1, 2, 4, 8, 13, 64] {
+                let mut data = vec![0xAA; len];
+                read_config_window(&space, offset, &mut data);
+                let want: Vec<u8> = (0..len).map(|i| byte(&space, offset, i)).collect();
+                assert_eq!(data, want, "offset {offset} len {len}");
+            }
+        }
+        let mut data = [0xAA; 4];
+        read_config_window(&space, 10, &mut data);
+        assert_eq!(data, [11, 12, 0, 0]);
+        read_config_window(&[], 0, &mut data);
+        assert_eq!(data, [0; 4]);
     }
 }

@@ -23,7 +23,8 @@ use devices::virtio::spec::{
     VIRTIO_ID_BLOCK, VIRTIO_RING_F_EVENT_IDX,
 };
 use devices::virtio::{
-    ActivateError, Handled, QueueWorker, Queues, Signal, VirtioDevice, WorkerError, WorkerEvent,
+    read_config_window, ActivateError, Handled, QueueWorker, Queues, Signal, VirtioDevice,
+    WorkerError, WorkerEvent,
 };
 use serde_json::Value;
 use virtio_queue::{Queue, QueueT};
@@ -393,13 +394,7 @@ impl VirtioDevice<Memory> for FakeBlk {
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         let mut c = [0u8; 60];
         c[0..8].copy_from_slice(&FAKE_SECTORS.to_le_bytes());
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| c.get(o + i))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_window(&c, offset, data);
     }
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
     fn activate(

@@ -25,7 +25,8 @@ use devices::virtio::spec::{
     VIRTIO_RING_F_EVENT_IDX,
 };
 use devices::virtio::{
-    ActivateError, Handled, QueueWorker, Queues, Signal, VirtioDevice, WorkerError, WorkerEvent,
+    read_config_window, ActivateError, Handled, QueueWorker, Queues, Signal, VirtioDevice,
+    WorkerError, WorkerEvent,
 };
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
@@ -96,14 +97,7 @@ impl VirtioDevice<Memory> for EchoDevice {
             | feature(VIRTIO_F_ACCESS_PLATFORM)
     }
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|at| CONFIG.get(at))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_window(CONFIG, offset, data);
     }
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {
         self.counters.config_writes.fetch_add(1, Ordering::Relaxed);
