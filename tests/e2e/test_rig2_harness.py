@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+import rig1
 import rig2
 from rig2 import skip_if_missing
 
@@ -284,9 +285,14 @@ def test_l1_has_one_vcpu_unless_asked(monkeypatch):
 
 
 def test_l1_gets_the_host_tsc_rate(monkeypatch):
-    monkeypatch.setenv("BVM_HOST_TSC_KHZ", "2600000")
-    l1 = rig2.L1("tsc", rig2.Share("tsc"), cmd="/host/run-l2.sh")
-    assert "tsc_early_khz=2600000" in l1.kernel_cmdline().split()
+    # the rate is looked up once per process: whatever an earlier test found is dropped first
+    monkeypatch.setenv("BVM_HOST_TSC_KHZ", "2345678")
+    rig1.host_tsc_khz.cache_clear()
+    try:
+        l1 = rig2.L1("tsc", rig2.Share("tsc"), cmd="/host/run-l2.sh")
+        assert "tsc_early_khz=2345678" in l1.kernel_cmdline().split()
+    finally:
+        rig1.host_tsc_khz.cache_clear()
 
 
 def test_l1_monitor_socket_answers(tmp_path, monkeypatch):
