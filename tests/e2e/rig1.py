@@ -213,9 +213,10 @@ _RFLAGS_ONE = 1 << 1
 
 def impossible_rflags(text: str) -> str:
     """The first RFLAGS in `text`'s register dumps that no x86 CPU can hold, described
-    ('EFLAGS 04b08666: reserved bits 15, 23, 26 set'), or ''. Neither code in the guest (popf and
-    iret leave those bits alone) nor a VMM after boot can put them there; an emulated CPU that
-    made up its state can (docs/studies/rig2-l1-one-vcpu.md)."""
+    ('EFLAGS 04b08666: reserved bits 5, 15, 23, 26 set'), or ''. Code in the guest cannot load
+    those bits (popf and iret leave them alone), nor can the VMMs the rigs run: they write 0x2
+    when a vCPU starts and otherwise only the RFLAGS KVM gave them. An emulated CPU that made up
+    its state can (docs/studies/rig2-l1-one-vcpu.md)."""
     for m in _EFLAGS.finditer(text):
         flags = int(m.group(1), 16)
         bad = [b for b in range(64) if flags >> b & 1 and _RFLAGS_ZERO >> b & 1]

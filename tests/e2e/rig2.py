@@ -40,8 +40,9 @@ from rig1 import (IMAGES_DIR, Missing, OptIn, _kill_group, images, make_raw_imag
                   skip_if_missing)
 
 __all__ = ["Missing", "skip_if_missing", "record_figures", "num", "require_root", "l1_images",
-           "l2_vmlinux", "Share", "L1", "L1Run", "RigFault", "qemu_l2_argv", "bouncevm_l2_argv", "run_l2",
-           "require_bouncevm", "require_rig2", "L2_IP", "L1_IP", "stage_l2", "l2_vmm_command"]
+           "l2_vmlinux", "Share", "L1", "L1Run", "RigFault", "qemu_l2_argv", "bouncevm_l2_argv",
+           "run_l2", "require_bouncevm", "require_rig2", "L2_IP", "L1_IP", "stage_l2",
+           "l2_vmm_command"]
 
 L1_IP = "192.168.100.1"          # tap0 inside L1 (L1's own isolated network)
 L2_IP = "192.168.100.2"
@@ -741,7 +742,7 @@ class L1:
         """Boots L1 again (up to boot_retries times) when a run says nothing about the VMM under
         test (L1Run.retry_reason): L1 failed before the VMM started (its kernel died, its QEMU
         exited, no /dev/kvm, ...), or a kernel's register dump holds RFLAGS the emulation made
-        up. Any other failure is reported, never retried. Each run boot again is named in a
+        up. Any other failure is reported, never retried. Each run booted again is named in a
         warning, which pytest prints in its summary, and kept in L1Run.retried."""
         failed: list[L1Run] = []
         while True:
