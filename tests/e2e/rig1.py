@@ -430,7 +430,6 @@ def _tsc_khz_counted(seconds: float = 0.2) -> int | None:
     return round((c1 - c0) * 1_000_000 / (t1 - t0))
 
 
-@functools.lru_cache(maxsize=None)
 def host_tsc_khz() -> tuple[int | None, str]:
     """(the host TSC's rate in kHz, where it comes from), or (None, why it is unknown).
 
@@ -443,13 +442,19 @@ def host_tsc_khz() -> tuple[int | None, str]:
     tsc_words() passes this rate as tsc_early_khz=, which skips that measurement (the guest
     still refines the rate against its HPET, within 1 %).
 
-    From, in order: BVM_HOST_TSC_KHZ; the host kernel's log (dmesg); a count of the TSC (perf's
-    msr PMU) over 0.2 s."""
+    From, in order: BVM_HOST_TSC_KHZ (read at every call); the host kernel's log (dmesg); a
+    count of the TSC (perf's msr PMU) over 0.2 s (those two found once per process)."""
     env = os.environ.get("BVM_HOST_TSC_KHZ")
     if env:
         if not env.isdigit() or int(env) == 0:
             raise ValueError(f"BVM_HOST_TSC_KHZ={env!r}: expected the host TSC's rate in kHz")
         return int(env), "BVM_HOST_TSC_KHZ"
+    return _found_host_tsc_khz()
+
+
+@functools.lru_cache(maxsize=None)
+def _found_host_tsc_khz() -> tuple[int | None, str]:
+    """host_tsc_khz without BVM_HOST_TSC_KHZ: the host kernel's log, else a count."""
     try:
         log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
