@@ -26,10 +26,9 @@ from pathlib import Path
 
 import rig1
 import rig2
-from rig1 import (Backend, Guest, NetNS, images, make_raw_image, out_path, require_qemu,
-                  require_root, skip_if_missing)
+from rig1 import (Backend, Guest, NetNS, images, make_raw_image, out_path, require_binary,
+                  require_qemu, require_root, skip_if_missing)
 from test_rig1_bouncevm_vhost import _final_stats
-from rig1 import require_binary as binary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,7 +71,7 @@ def run_as_written(argv: list[str], timeout: float = 600) -> str:
     stdout, asserting exit status 0."""
     argv = list(argv)
     if argv[0].startswith("target/release/"):
-        argv[0] = binary(argv[0].removeprefix("target/release/"))
+        argv[0] = require_binary(argv[0].removeprefix("target/release/"))
     r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{shlex.join(argv)}: rc={r.returncode}\n{r.stderr[-3000:]}"
     return r.stdout
@@ -181,7 +180,7 @@ class ReadmeGuest(Guest):
 def _subs(name: str) -> dict[str, str]:
     img = images()
     return {
-        "target/release/bouncevm-vhost": binary("bouncevm-vhost"),
+        "target/release/bouncevm-vhost": require_binary("bouncevm-vhost"),
         "vmlinuz": str(img.vmlinuz),
         "initrd.img": str(img.initramfs),
         "disk.img": str(out_path(f"{name}", ".img")),
@@ -259,7 +258,7 @@ def test_readme_bouncevm_experiment_runs_as_written():
     (argv,) = commands(b)
     out_dir = out_path("readme_seed", "")
     argv = substitute(argv, {"/tmp/seed-2021": str(out_dir)})
-    binary("bouncevm-vhost")  # the experiment starts it from next to its own binary
+    require_binary("bouncevm-vhost")  # the experiment starts it from next to its own binary
     printed = run_as_written(argv)
     assert (out_dir / "table.md").read_text() == printed
     assert (out_dir / "chart.svg").read_text().lstrip().startswith("<svg")
