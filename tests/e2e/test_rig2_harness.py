@@ -175,8 +175,8 @@ def test_l1_failing_before_the_vmm_is_booted_once_more():
 
 
 def test_a_state_the_emulation_made_up_is_run_again_with_a_warning():
-    # L2 faults with RFLAGS no CPU can hold (reserved bits 5, 15, 23 and 26 set): QEMU's nested
-    # SVM, seen in CI as a NULL dereference in down_write during L2's boot
+    # L2 faults with RFLAGS no CPU can hold (reserved bits 5, 15, 23 and 26 set), the way QEMU's
+    # nested SVM makes them: a NULL dereference in down_write during L2's boot
     made_up = CLEAN.replace("L2 111.80| BVM-DONE uptime=61.45\n",
                             "L2 21.40| [    1.07] BUG: kernel NULL pointer dereference, address: 0060\n"
                             "L2 21.61| [    1.07] RSP: 0018:ffffc90000013a00 EFLAGS: 04b08666\n")
